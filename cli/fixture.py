@@ -1,0 +1,119 @@
+"""``kvsnap fixture``: write a reproducible snapshot of a synthetic KV cache.
+
+A thin client of :func:`kvsnap.testing.synthetic.generate`: the same options give the same file,
+byte for byte, on every machine (see docs/fixtures.md for what the values model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .output import UsageError, emit_json, stdout
+
+_SYNTHETIC_DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
+
+
+def _parse_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise UsageError(
+            f"--lengths must be comma-separated token counts like 64,100, got {text!r}"
+        ) from None
+    if not lengths or min(lengths) < 1:
+        raise UsageError(f"--lengths needs at least one positive token count, got {text!r}")
+    return lengths
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fixture(
+    output: Annotated[Path, typer.Argument(help="Snapshot file to write.")],
+    layers: Annotated[int, typer.Option("--layers", min=1, help="Number of layers.")] = 2,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of every random draw.")] = 0,
+    layout: Annotated[
+        str | None,
+        typer.Option(
+            "--layout",
+            help="Cache layout captured from: vllm-split-nhd, vllm-split-hnd, packed, legacy, "
+            "flat-paged, cross-layer, mla (default: mla for --attention mla, else vllm-split-nhd).",
+        ),
+    ] = None,
+    attention: Annotated[
+        str, typer.Option("--attention", help="full, sliding (alternating with full) or mla.")
+    ] = "full",
+    dtype: Annotated[
+        str, typer.Option("--dtype", help=f"KV dtype: {', '.join(_SYNTHETIC_DTYPES)}.")
+    ] = "bfloat16",
+    block_size: Annotated[int, typer.Option("--block-size", min=1, help="Tokens per block.")] = 16,
+    heads: Annotated[int, typer.Option("--heads", min=1, help="KV heads (not for MLA).")] = 2,
+    head_dim: Annotated[
+        int, typer.Option("--head-dim", min=2, help="Head dimension, even (not for MLA).")
+    ] = 64,
+    latent_dim: Annotated[
+        int | None,
+        typer.Option(
+            "--latent-dim", min=4, help="MLA latent width incl. its RoPE part (e.g. 576)."
+        ),
+    ] = None,
+    lengths: Annotated[
+        str, typer.Option("--lengths", help="Comma-separated token count of each sequence.")
+    ] = "64,100",
+    shared_prefix: Annotated[
+        int,
+        typer.Option("--shared-prefix", min=0, help="Leading tokens (and KV) all sequences share."),
+    ] = 0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")
+    ] = False,
+) -> None:
+    """Write a reproducible snapshot of a synthetic KV cache (RoPE'd keys with outlier channels)."""
+    from kvsnap.testing.synthetic import generate
+
+    if dtype not in _SYNTHETIC_DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(_SYNTHETIC_DTYPES)}, got {dtype!r}")
+    is_mla = attention == "mla"
+    if is_mla and latent_dim is None:
+        raise UsageError(
+            "--attention mla needs --latent-dim (576 = 512 latent + 64 RoPE, as DeepSeek-V3)"
+        )
+    if not is_mla and latent_dim is not None:
+        raise UsageError("--latent-dim is only for --attention mla")
+    result = generate(
+        output,
+        num_layers=layers,
+        num_kv_heads=None if is_mla else heads,
+        head_dim=None if is_mla else head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        sequence_lengths=_parse_lengths(lengths),
+        attention=attention,
+        latent_dim=latent_dim,
+        layout=layout,
+        seed=seed,
+        shared_prefix_tokens=shared_prefix,
+    )
+    payload = {
+        "path": result.path,
+        "sequences": result.num_sequences,
+        "tokens": result.num_tokens,
+        "bytes": result.num_bytes,
+        "sha256": _sha256(Path(result.path)),
+    }
+    if as_json:
+        emit_json(payload)
+        return
+    stdout.print(
+        f"wrote {payload['sequences']} synthetic sequence(s), {payload['tokens']} tokens, "
+        f"{payload['bytes']} bytes → [bold]{payload['path']}[/]\nsha256 {payload['sha256']}"
+    )

@@ -1,0 +1,118 @@
+"""How the CLI talks to people and scripts: exit codes, error messages, JSON, progress bars.
+
+Exit codes: 0 success; 1 verification failed (corrupt, truncated, mismatching, not a snapshot);
+2 usage error (bad arguments, missing file, incompatible target). A user error prints one line
+on stderr, never a traceback (``--debug`` shows it). With ``--json`` stdout carries exactly one
+JSON object and nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError
+
+EXIT_OK = 0
+EXIT_VERIFY_FAILED = 1
+EXIT_USAGE = 2
+
+stdout = Console(highlight=False, soft_wrap=True)
+stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+@dataclass
+class Settings:
+    """Options every command shares, set by the app callback."""
+
+    debug: bool = False
+
+
+settings = Settings()
+
+
+class UsageError(Exception):
+    """A user mistake the CLI reports with exit code 2 (bad argument, missing file)."""
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The documented exit code for an error raised by a command: 1 when a snapshot failed its
+    checks, 2 for everything the user must fix (arguments, paths, an incompatible target)."""
+    if isinstance(error, SnapshotCorruptError | NotASnapshotError):
+        return EXIT_VERIFY_FAILED
+    return EXIT_USAGE
+
+
+def fail(message: str, code: int, *, as_json: bool = False, extra: dict[str, Any] | None = None) -> NoReturn:
+    """Print one clear error (and the JSON error object with ``--json``) and exit with ``code``."""
+    if as_json:
+        emit_json({"ok": False, "error": message, **(extra or {})})
+    stderr.print(f"[bold red]error:[/] {message}", markup=True)
+    raise typer.Exit(code)
+
+
+def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn expected errors into one message and the documented exit code (traceback with --debug)."""
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except (KVSnapError, UsageError, OSError, ValueError, KeyError) as error:
+            if settings.debug:
+                raise
+            message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+            fail(str(message), exit_code_for(error), as_json=bool(kwargs.get("as_json")))
+
+    return wrapper
+
+
+def emit_json(payload: dict[str, Any]) -> None:
+    """Write ``payload`` as the one JSON object on stdout."""
+    sys.stdout.write(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    sys.stdout.flush()
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+@contextmanager
+def progress_bar(description: str, *, enabled: bool) -> Iterator[Callable[[int, int], None]]:
+    """A rich byte progress bar on stderr; a no-op callback when disabled or stderr is no terminal."""
+    if not enabled or not stderr.is_terminal:
+        yield lambda done, total: None
+        return
+    columns = (
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=stderr, transient=True) as progress:
+        task = progress.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield update

@@ -1,0 +1,210 @@
+"""The built-in model: a tiny Llama with fixed weights, so ``kvsnap capture`` works offline.
+
+``load_model(None)`` builds a 4-layer Llama (hidden 128, 4 attention heads sharing 2 KV heads,
+head dim 32) from a config, with weights derived from a fixed seed through SHAKE-256, and pairs
+it with :class:`ByteTokenizer` (UTF-8 bytes are the token ids). Nothing is downloaded and no file
+is read: the model is identical on every machine, torch and numpy version, because its weights
+come from a hash function rather than a library's random number generator.
+
+``load_model("path/or/hub-id")`` loads a real transformers model from a local directory or from
+the local Hugging Face cache (never from the network) and wraps it in the same
+:class:`LoadedModel`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvsnap.errors import KVSnapError
+from kvsnap.format import model_fingerprint
+
+#: The id recorded in snapshot metadata for the built-in model.
+DEFAULT_MODEL_ID = "kvsnap/tiny-llama"
+#: Bumped whenever the built-in model's config or weight derivation changes.
+DEFAULT_MODEL_REVISION = "v1"
+#: Seed of the built-in model's weights (an input to SHAKE-256, not to a torch generator).
+DEFAULT_MODEL_SEED = b"kvsnap/tiny-llama/v1"
+
+#: The built-in model's shape: GQA with two query heads per KV head.
+TINY_LLAMA_CONFIG: dict[str, Any] = {
+    "vocab_size": 259,  # 256 byte ids + BOS, EOS, PAD
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+    "pad_token_id": 258,
+}
+
+
+class ModelLoadError(KVSnapError, ValueError):
+    """A model named on the command line or to :func:`load_model` cannot be loaded offline."""
+
+
+class ByteTokenizer:
+    """A tokenizer whose ids are the bytes of the UTF-8 text, plus three special ids.
+
+    ``encode`` maps text to ``[BOS] + list(text.encode("utf-8"))``; ``decode`` drops special and
+    out-of-range ids and decodes the remaining bytes, replacing invalid UTF-8 sequences (a
+    random model happily emits them) with U+FFFD.
+    """
+
+    bos_token_id = 256
+    eos_token_id = 257
+    pad_token_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        """Token ids of ``text``: BOS (unless ``add_bos`` is false), then one id per UTF-8 byte."""
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if add_bos else ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``: byte ids decoded as UTF-8, every other id skipped."""
+        data = bytes(int(token) for token in ids if 0 <= int(token) < 256)
+        return data.decode("utf-8", errors="replace")
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for kvsnap: the model, its tokenizer and what snapshots record about it.
+
+    ``fingerprint`` is :func:`kvsnap.format.model_fingerprint` of the model config; a snapshot
+    restores into a model only when the fingerprints match (or the user forces it).
+    """
+
+    model: torch.nn.Module
+    tokenizer: Any
+    model_id: str
+    model_revision: str | None
+    fingerprint: str
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` as the model expects them (with the tokenizer's special tokens)."""
+        return [int(token) for token in self.tokenizer.encode(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids ``ids``, special tokens skipped."""
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode([int(token) for token in ids], skip_special_tokens=True)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def load_model(
+    model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> LoadedModel:
+    """Load the model kvsnap captures from and restores into.
+
+    ``None`` builds the built-in tiny Llama (:func:`build_default_model`). A string names a local
+    transformers model directory or a hub id already in the local Hugging Face cache; it is
+    loaded with ``local_files_only=True`` (never downloaded), with its own tokenizer when it has
+    one and :class:`ByteTokenizer` otherwise. Raises :class:`ModelLoadError` with a one-line
+    message when the model cannot be found or loaded.
+    """
+    if model is None:
+        built = build_default_model(dtype=dtype, device=device)
+        return LoadedModel(
+            model=built,
+            tokenizer=ByteTokenizer(),
+            model_id=DEFAULT_MODEL_ID,
+            model_revision=DEFAULT_MODEL_REVISION,
+            fingerprint=model_fingerprint(built.config),
+        )
+    return _load_pretrained(model, dtype=dtype, device=device)
+
+
+def build_default_model(
+    *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> torch.nn.Module:
+    """The built-in tiny Llama with its fixed weights, in eval mode, on ``device`` in ``dtype``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**TINY_LLAMA_CONFIG)
+    # What save_pretrained records; set up front so the fingerprint is the same before and after.
+    config.architectures = ["LlamaForCausalLM"]
+    # SDPA is what a fresh model gets on CPU and CUDA; naming it keeps runs comparable.
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config)
+    # Every weight is overwritten: transformers' own init draws from torch's global generator.
+    state = {
+        name: torch.from_numpy(_seeded_weight(name, tuple(param.shape)))
+        for name, param in model.state_dict().items()
+    }
+    model.load_state_dict(state, strict=True)
+    # Greedy decoding by default, and no EOS stop: a random model would end runs at random.
+    model.generation_config.do_sample = False
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = TINY_LLAMA_CONFIG["pad_token_id"]
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _seeded_weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Deterministic fp32 weights for parameter ``name``: uniform, scaled by the tensor's role.
+
+    RMSNorm gains are ones. Embeddings have unit variance; every projection has variance
+    ``1 / fan_in``, which keeps activations of order one through the layers, so greedy
+    generation is varied rather than stuck on one token.
+    """
+    if name.endswith("norm.weight"):
+        return np.ones(shape, dtype=np.float32)
+    count = int(np.prod(shape))
+    digest = hashlib.shake_256(DEFAULT_MODEL_SEED + b"/" + name.encode()).digest(4 * count)
+    words = np.frombuffer(digest, dtype="<u4").astype(np.float64)
+    uniform = words / 2.0**31 - 1.0  # in [-1, 1): variance 1/3
+    std = 1.0 if "embed_tokens" in name else 1.0 / np.sqrt(shape[-1])
+    return (uniform * np.sqrt(3.0) * std).astype(np.float32).reshape(shape)
+
+
+def _load_pretrained(name: str, *, dtype: torch.dtype, device: str) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    where = "directory" if Path(name).is_dir() else "hub id (local cache only)"
+    try:
+        config = AutoConfig.from_pretrained(name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=True, dtype=dtype)
+    except (OSError, ValueError, KeyError) as error:
+        first_line = (
+            str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        )
+        raise ModelLoadError(
+            f"cannot load model {name!r} ({where}) offline: {first_line}"
+        ) from error
+    try:
+        tokenizer: Any = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        # A model saved without tokenizer files still works with byte ids.
+        tokenizer = ByteTokenizer()
+    if isinstance(tokenizer, ByteTokenizer) and config.vocab_size < ByteTokenizer.vocab_size:
+        raise ModelLoadError(
+            f"model {name!r} has no tokenizer and a vocabulary of {config.vocab_size} ids, "
+            f"too small for byte ids (needs {ByteTokenizer.vocab_size})"
+        )
+    revision = getattr(config, "_commit_hash", None)
+    return LoadedModel(
+        model=model.to(device).eval(),
+        tokenizer=tokenizer,
+        model_id=getattr(config, "name_or_path", None) or name,
+        model_revision=revision,
+        fingerprint=model_fingerprint(model.config),
+    )

@@ -1,0 +1,116 @@
+"""The errors kvsnap raises on purpose, as one small typed hierarchy.
+
+Everything a snapshot file or a restore target can do wrong maps onto one of these, so callers
+(and the CLI's exit codes) can tell "this file is damaged" from "this is not a snapshot" from
+"this snapshot does not fit that cache" without parsing messages::
+
+    KVSnapError
+    ├── SnapshotCorruptError      a kvsnap snapshot whose bytes or structure are wrong
+    ├── NotASnapshotError         not a kvsnap snapshot at all (garbage, empty, foreign file)
+    ├── UnsupportedVersionError   a snapshot format this kvsnap cannot read (too new)
+    ├── IncompatibleSnapshotError a valid snapshot that does not fit the target
+    └── SnapshotIOError           the operating system or object store failed us
+
+Messages name the file, the tensor and the block wherever they are known, and the same
+values are available as attributes (``file``, ``tensor``, ``block``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _location(file: str | None, tensor: str | None, block: int | None) -> str:
+    """``"snap.safetensors: tensor layers.3.key, block 17: "``, leaving out what is unknown."""
+    parts = []
+    if file is not None:
+        parts.append(str(file))
+    if tensor is not None:
+        parts.append(f"tensor {tensor}")
+    if block is not None:
+        parts.append(f"block {block}")
+    return (", ".join(parts) + ": ") if parts else ""
+
+
+def _rebuild(cls: type[KVSnapError], args: tuple[Any, ...], state: dict[str, Any]) -> KVSnapError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+class KVSnapError(Exception):
+    """Base class of every error kvsnap raises on purpose.
+
+    ``file``, ``tensor`` and ``block`` locate the problem when known (``None`` otherwise);
+    ``detail`` is the message without that location prefix.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        tensor: str | None = None,
+        block: int | None = None,
+    ) -> None:
+        self.file = None if file is None else str(file)
+        self.tensor = tensor
+        self.block = None if block is None else int(block)
+        self.detail = message
+        super().__init__(_location(self.file, tensor, self.block) + message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only constructor arguments do not survive Exception's default pickling, and
+        # errors cross process boundaries (worker pools, the crash-test child processes).
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+class SnapshotCorruptError(KVSnapError):
+    """A kvsnap snapshot whose bytes or structure are wrong: a checksum mismatch, truncation,
+    offsets that overlap or leave gaps, metadata that contradicts the tensors."""
+
+
+class NotASnapshotError(KVSnapError):
+    """The file is not a kvsnap snapshot: empty, garbage, or a safetensors file without kvsnap
+    metadata."""
+
+
+class UnsupportedVersionError(KVSnapError):
+    """The snapshot uses a format version this kvsnap cannot read (``version``); newer
+    versions need a newer kvsnap."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        version: object = None,
+    ) -> None:
+        super().__init__(message, file=file)
+        self.version = version
+
+
+class IncompatibleSnapshotError(KVSnapError):
+    """A valid snapshot that does not fit the target cache or model.
+
+    The message names both sides; ``snapshot`` and ``target`` optionally carry the two
+    differing values (e.g. ``"8 KV heads"`` and ``"4 KV heads"``) for programmatic use.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        snapshot: object = None,
+        target: object = None,
+    ) -> None:
+        super().__init__(message, file=file)
+        self.snapshot = snapshot
+        self.target = target
+
+
+class SnapshotIOError(KVSnapError):
+    """Reading or writing failed below kvsnap: the OS, the filesystem or the object store
+    (disk full, permission denied, connection lost). ``__cause__`` holds the original error."""

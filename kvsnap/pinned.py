@@ -1,0 +1,174 @@
+"""Reusable page-locked host memory: one pool allocated once, handed out as staging-ring slots.
+
+Pinning is slow (seconds for a few GiB on an H200 host) and torch's pinned allocator rounds
+every request up to a power of two, so kvsnap pins one buffer up front, registers it with the
+driver in chunks of at most 1 GiB, reuses it for every job and unregisters it before freeing.
+On machines without CUDA the same pool is plain host memory, so the CPU path and the tests run
+the code that the GPU path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+#: Largest span handed to one ``cudaHostRegister`` call; larger registrations stall the driver.
+#: Chunks are cut at slot boundaries, so a slot larger than this is registered on its own.
+MAX_REGISTER_CHUNK_BYTES = 1 << 30
+#: Alignment of every slot: O_DIRECT needs 4096, and it keeps DMA descriptors page-aligned.
+SLOT_ALIGNMENT_BYTES = 4096
+
+
+def _align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One slot of a :class:`PinnedPool`: ``size_bytes`` of host memory at ``data_ptr``."""
+
+    index: int
+    data_ptr: int
+    size_bytes: int
+    tensor: torch.Tensor  # uint8 view of the slot; keeps nothing alive beyond the pool
+
+    def as_numpy(self, num_bytes: int | None = None) -> np.ndarray:
+        """A uint8 numpy view of the first ``num_bytes`` (default: all) bytes of the slot."""
+        view = self.tensor.numpy()
+        return view if num_bytes is None else view[:num_bytes]
+
+
+class PinnedPool:
+    """A fixed set of equally sized, 4096-aligned host slots backed by one allocation.
+
+    Args:
+        slot_bytes: size of each slot, rounded up to 4096.
+        num_slots: how many slots; ``acquire`` blocks while all of them are in use.
+        pin: register the memory with CUDA. ``None`` pins exactly when CUDA is available.
+
+    The pool is a context manager; :meth:`close` unregisters (when pinned) and frees.
+    """
+
+    def __init__(self, slot_bytes: int, num_slots: int, pin: bool | None = None) -> None:
+        if slot_bytes <= 0 or num_slots <= 0:
+            raise ValueError(f"PinnedPool needs positive sizes, got {slot_bytes=} {num_slots=}")
+        self.slot_bytes = _align_up(slot_bytes, SLOT_ALIGNMENT_BYTES)
+        self.num_slots = num_slots
+        self.total_bytes = self.slot_bytes * num_slots
+        # Over-allocate by one alignment unit and start at the first aligned byte.
+        self._backing = torch.empty(self.total_bytes + SLOT_ALIGNMENT_BYTES, dtype=torch.uint8)
+        base = self._backing.data_ptr()
+        start = _align_up(base, SLOT_ALIGNMENT_BYTES) - base
+        self._memory = self._backing[start : start + self.total_bytes]
+        self.data_ptr = self._memory.data_ptr()
+        self.pinned = False
+        self._registered: list[int] = []
+        if pin is None:
+            pin = torch.cuda.is_available()
+        if pin:
+            self._register()
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def _register(self) -> None:
+        # Touch every page first so registration does not fault them in one by one.
+        self._memory.zero_()
+        cudart = torch.cuda.cudart()
+        # Chunks hold whole slots: a DMA copy may not span two registrations (the driver
+        # rejects it), and descriptors never leave their slot.
+        step = max(self.slot_bytes, MAX_REGISTER_CHUNK_BYTES // self.slot_bytes * self.slot_bytes)
+        for offset in range(0, self.total_bytes, step):
+            size = min(step, self.total_bytes - offset)
+            status = cudart.cudaHostRegister(self.data_ptr + offset, size, 0)
+            code = int(getattr(status, "value", status))
+            if code != 0:
+                self._unregister()
+                raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
+            self._registered.append(self.data_ptr + offset)
+        self.pinned = True
+
+    def _unregister(self) -> None:
+        if not self._registered:
+            return
+        cudart = torch.cuda.cudart()
+        for address in self._registered:
+            cudart.cudaHostUnregister(address)
+        self._registered.clear()
+        self.pinned = False
+
+    def slot(self, index: int) -> Slot:
+        """The slot at ``index`` (no ownership implied; see :meth:`acquire`)."""
+        start = index * self.slot_bytes
+        return Slot(
+            index=index,
+            data_ptr=self.data_ptr + start,
+            size_bytes=self.slot_bytes,
+            tensor=self._memory[start : start + self.slot_bytes],
+        )
+
+    def acquire(self, timeout: float | None = None) -> Slot:
+        """Take a free slot, waiting up to ``timeout`` seconds (forever when ``None``)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free or self._closed, timeout):
+                raise TimeoutError(f"no staging slot freed within {timeout} s")
+            if self._closed:
+                raise RuntimeError("PinnedPool is closed")
+            return self.slot(self._free.pop())
+
+    def release(self, slot: Slot) -> None:
+        """Give ``slot`` back to the pool."""
+        with self._cond:
+            if slot.index in self._free:
+                raise ValueError(f"slot {slot.index} released twice")
+            self._free.append(slot.index)
+            self._cond.notify()
+
+    @contextmanager
+    def borrowed(self, timeout: float | None = None) -> Iterator[Slot]:
+        """``with pool.borrowed() as slot:`` acquires a slot and always releases it."""
+        slot = self.acquire(timeout)
+        try:
+            yield slot
+        finally:
+            self.release(slot)
+
+    @property
+    def num_free(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def close(self) -> None:
+        """Unregister and drop the memory; waiting ``acquire`` calls fail."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._unregister()
+        del self._memory, self._backing
+
+    def __enter__(self) -> PinnedPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Unregistering is required before the memory goes back to the allocator.
+        if not getattr(self, "_closed", True):
+            self.close()
+
+
+def host_address_view(address: int, num_bytes: int) -> np.ndarray:
+    """A uint8 numpy view of ``num_bytes`` of host memory at ``address`` (no copy, no ownership)."""
+    if num_bytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    buffer = (ctypes.c_uint8 * num_bytes).from_address(address)
+    return np.frombuffer(buffer, dtype=np.uint8)

@@ -1,0 +1,663 @@
+"""Capture a cache into a snapshot, and the :class:`Snapshot` users hold: open, verify, compare, restore.
+
+This module wires the pipeline together and owns no mechanism of its own:
+
+* capture: sequences' block ids → prefix-hash dedupe (:mod:`kvsnap.format`) → per canonical
+  tensor, chunks of blocks → :class:`~kvsnap.transfer.TransferHandler` (device → pinned staging
+  slot) → :class:`~kvsnap.store.SnapshotWriter` (checksum, write) → atomic publish.
+* restore: :class:`~kvsnap.store.SnapshotReader` (file → staging slot, checksums verified) →
+  transfer handler (slot → the target cache's blocks).
+
+Transfers of chunk ``k+1`` overlap the writing of chunk ``k`` (and reads overlap scatters on
+restore); host memory is bounded by the staging pool whatever the snapshot size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvsnap import format as fmt
+from kvsnap._version import __version__
+from kvsnap.errors import IncompatibleSnapshotError, KVSnapError
+from kvsnap.layout import CacheLayout, KVGeometry, torch_dtype
+from kvsnap.pinned import PinnedPool, Slot
+from kvsnap.plan import Direction, HostPages, PageCopy
+from kvsnap.store import SnapshotReader, SnapshotWriter
+from kvsnap.transfer import TransferHandler
+
+#: Host staging memory used by one capture or restore, split into ``DEFAULT_STAGING_SLOTS`` slots.
+DEFAULT_STAGING_BYTES = 256 << 20
+DEFAULT_STAGING_SLOTS = 4
+
+ProgressCallback = Callable[[int, int], None]
+"""``progress(done_bytes, total_bytes)``, called as data moves."""
+
+
+@dataclass(frozen=True)
+class SequenceBlocks:
+    """One sequence in an engine cache: its tokens and the device blocks holding their KV.
+
+    ``block_ids[i]`` holds tokens ``i*block_size .. (i+1)*block_size``; the last block may be
+    partial. The ids are the same on every TP rank (engines share one block table).
+    """
+
+    id: str
+    token_ids: np.ndarray
+    block_ids: np.ndarray
+
+
+@dataclass(frozen=True)
+class CaptureResult:
+    """What :func:`capture` wrote."""
+
+    path: str
+    num_sequences: int
+    num_tokens: int
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    backend: str
+    direct_io_fallback: str | None
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """What :meth:`Snapshot.restore` wrote into the target cache."""
+
+    num_sequences: int
+    num_tokens: int
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    backend: str
+
+
+@dataclass(frozen=True)
+class LayerDifference:
+    """One tensor's comparison between two snapshots, over the tokens both hold."""
+
+    tensor: str
+    max_abs_diff: float
+    num_mismatches: int
+    first_mismatch: dict[str, object] | None  # {"sequence", "token", "head"} of the first one
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The result of :meth:`Snapshot.compare`; ``ok`` when every compared element is close."""
+
+    ok: bool
+    layers: list[LayerDifference]
+    problems: list[fmt.Problem] = field(default_factory=list)
+
+    def first_mismatch(self) -> LayerDifference | None:
+        return next((layer for layer in self.layers if layer.num_mismatches), None)
+
+    def report(self) -> str:
+        """A readable summary: per layer the largest difference, then the first mismatch."""
+        lines = [problem.message for problem in self.problems]
+        for layer in self.layers:
+            flag = "MISMATCH" if layer.num_mismatches else "ok"
+            lines.append(
+                f"{layer.tensor:<24} max |diff| {layer.max_abs_diff:.6g}  "
+                f"mismatches {layer.num_mismatches}  {flag}"
+            )
+        first = self.first_mismatch()
+        if first is not None and first.first_mismatch is not None:
+            where = first.first_mismatch
+            lines.append(
+                f"first mismatch: {first.tensor}, sequence {where['sequence']}, "
+                f"token {where['token']}, head {where['head']}"
+            )
+        return "\n".join(lines)
+
+
+def _validate_sequences(geometry: KVGeometry, sequences: Sequence[SequenceBlocks]) -> None:
+    if not sequences:
+        raise ValueError("capture needs at least one sequence")
+    seen: set[str] = set()
+    for sequence in sequences:
+        if sequence.id in seen:
+            raise ValueError(f"sequence id {sequence.id!r} appears twice")
+        seen.add(sequence.id)
+        needed = math.ceil(len(sequence.token_ids) / geometry.block_size)
+        if len(sequence.token_ids) == 0:
+            raise ValueError(f"sequence {sequence.id!r} has no tokens")
+        if len(sequence.block_ids) != needed:
+            raise ValueError(
+                f"sequence {sequence.id!r}: {len(sequence.token_ids)} tokens need {needed} blocks "
+                f"of {geometry.block_size}, got {len(sequence.block_ids)} block ids"
+            )
+
+
+def _check_same_geometry(layouts: Sequence[CacheLayout]) -> KVGeometry:
+    if not layouts:
+        raise ValueError("need at least one cache layout")
+    geometry = layouts[0].geometry
+    for layout in layouts[1:]:
+        if layout.geometry != geometry:
+            raise IncompatibleSnapshotError(
+                f"TP ranks disagree on the KV geometry: {geometry.describe()} vs "
+                f"{layout.geometry.describe()}"
+            )
+    return geometry
+
+
+def _as_layouts(layout: CacheLayout | Sequence[CacheLayout]) -> list[CacheLayout]:
+    return [layout] if isinstance(layout, CacheLayout) else list(layout)
+
+
+def _staging_pool(page_size_bytes: int, staging_bytes: int, num_slots: int) -> PinnedPool:
+    if num_slots < 1:
+        raise ValueError(f"staging needs at least one slot, got {num_slots}")
+    # A slot holds at least one canonical page, and never a fraction of one.
+    slot_bytes = max(page_size_bytes, staging_bytes // num_slots)
+    slot_bytes -= slot_bytes % page_size_bytes
+    return PinnedPool(slot_bytes, num_slots)
+
+
+def _chunks(count: int, per_chunk: int) -> Iterator[slice]:
+    for start in range(0, count, per_chunk):
+        yield slice(start, min(count, start + per_chunk))
+
+
+class _JobFailed(KVSnapError):
+    pass
+
+
+def _raise_failed(results: Sequence[object], what: str) -> None:
+    for result in results:
+        if not result.success:  # type: ignore[attr-defined]
+            raise _JobFailed(f"{what}: transfer job {result.job_id} failed: {result.error}")  # type: ignore[attr-defined]
+
+
+def capture(
+    layout: CacheLayout | Sequence[CacheLayout],
+    sequences: Sequence[SequenceBlocks],
+    path: str | Path,
+    *,
+    source: fmt.SourceInfo,
+    backend: str = "auto",
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    staging_slots: int = DEFAULT_STAGING_SLOTS,
+    progress: ProgressCallback | None = None,
+    reproducible: bool = False,
+    max_shard_bytes: int | None = None,
+    direct_io: bool | None = None,
+) -> CaptureResult:
+    """Write the KV of ``sequences`` from the cache described by ``layout`` to a snapshot at ``path``.
+
+    ``layout`` may be a list with one layout per TP rank held by this process; each rank then
+    contributes the canonical fragments it is elected for, and the snapshot is the complete
+    TP-free one. Blocks whose prefix hash chains coincide are stored once. With
+    ``reproducible`` the metadata holds nothing time- or host-dependent. The snapshot is
+    published atomically: on any error the previous file at ``path`` is untouched.
+    """
+    started = time.perf_counter()
+    layouts = _as_layouts(layout)
+    geometry = _check_same_geometry(layouts)
+    _validate_sequences(geometry, sequences)
+    token_lists = [np.asarray(sequence.token_ids, dtype=np.int64) for sequence in sequences]
+    chains = [fmt.prefix_hash_chain(tokens, geometry.block_size) for tokens in token_lists]
+    dedupe = fmt.dedupe_blocks(chains)
+    # The device block holding each unique snapshot block: take its first owner's block.
+    device_block_ids = np.array(
+        [int(sequences[seq_index].block_ids[position]) for seq_index, position in dedupe.owners],
+        dtype=np.int64,
+    )
+    records = [
+        fmt.SequenceRecord(
+            id=sequence.id,
+            token_ids=tokens,
+            block_ids=np.asarray(block_ids, dtype=np.int64),
+            prefix_hashes=tuple(chain),
+        )
+        for sequence, tokens, chain, block_ids in zip(
+            sequences, token_lists, chains, dedupe.sequence_block_ids, strict=True
+        )
+    ]
+    metadata = fmt.SnapshotMetadata(
+        geometry=geometry,
+        source=source,
+        sequences=records,
+        num_blocks=len(device_block_ids),
+        capture_encoding=layouts[0].encoding,
+        tp_size=layouts[0].tp_size,
+        kvsnap_version=__version__,
+        created=None if reproducible else fmt.utc_now(),
+    )
+    page_bytes = geometry.canonical_page_size_bytes
+    total_bytes = page_bytes * len(device_block_ids) * len(geometry.tensor_names())
+    handlers = [
+        TransferHandler(rank, Direction.DEVICE_TO_HOST, backend=backend) for rank in layouts
+    ]
+    pool = _staging_pool(page_bytes, staging_bytes, staging_slots)
+    job_ids = itertools.count()
+    writer = SnapshotWriter(path, metadata, direct_io=direct_io, max_shard_bytes=max_shard_bytes)
+    try:
+        pending: deque[tuple[list[int], Slot, str, int]] = deque()
+        # Jobs submitted ahead of the writer; one slot always stays for the writer to drain.
+        lookahead = staging_slots - 1
+        done_bytes = 0
+
+        def hand_oldest_to_writer() -> None:
+            nonlocal done_bytes
+            jobs, slot, name, num_bytes = pending.popleft()
+            for handler, job_id in zip(handlers, jobs, strict=True):
+                _raise_failed(handler.wait([job_id]), f"capture of {name}")
+            future = writer.write_pages(name, slot.as_numpy(num_bytes))
+            future.add_done_callback(lambda _future, slot=slot: pool.release(slot))
+            done_bytes += num_bytes
+            if progress is not None:
+                progress(done_bytes, total_bytes)
+
+        blocks_per_slot = pool.slot_bytes // page_bytes
+        for name in writer.tensor_order():
+            for chunk in _chunks(len(device_block_ids), blocks_per_slot):
+                slot = pool.acquire()
+                count = chunk.stop - chunk.start
+                copy = PageCopy(
+                    name=name,
+                    device_block_ids=device_block_ids[chunk],
+                    host=HostPages.contiguous(slot.data_ptr, count, page_bytes),
+                    host_chunk_ids=np.arange(count, dtype=np.int64),
+                    snapshot_block_ids=np.arange(chunk.start, chunk.stop, dtype=np.int64),
+                )
+                jobs = []
+                for handler in handlers:
+                    job_id = next(job_ids)
+                    if not handler.submit(job_id, [copy]):
+                        raise _JobFailed(f"capture of {name}: the transfer handler refused a job")
+                    jobs.append(job_id)
+                pending.append((jobs, slot, name, count * page_bytes))
+                while len(pending) > lookahead:
+                    hand_oldest_to_writer()
+        while pending:
+            hand_oldest_to_writer()
+        info = writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        for handler in handlers:
+            handler.shutdown()
+        pool.close()
+    return CaptureResult(
+        path=str(info.path),
+        num_sequences=len(records),
+        num_tokens=sum(len(tokens) for tokens in token_lists),
+        num_blocks=len(device_block_ids),
+        num_bytes=info.num_bytes,
+        seconds=time.perf_counter() - started,
+        backend=handlers[0].backend_name,
+        direct_io_fallback=writer.fallback_reason,
+    )
+
+
+class Snapshot:
+    """An open snapshot: its metadata, its sequences, and what can be done with them.
+
+    Use :meth:`open`; a ``Snapshot`` is a context manager that closes the file.
+    """
+
+    def __init__(self, reader: SnapshotReader, path: str) -> None:
+        self._reader = reader
+        self.path = path
+
+    @classmethod
+    def open(cls, path: str | Path, *, verify: bool = True) -> Snapshot:
+        """Open and strictly validate the snapshot header at ``path`` (a local path or fsspec URL).
+
+        With ``verify`` (the default) every block read later is checked against its checksum.
+        Raises :class:`~kvsnap.errors.KVSnapError` subclasses for anything that is not a
+        readable kvsnap snapshot.
+        """
+        return cls(SnapshotReader(path, verify=verify), str(path))
+
+    # -- metadata --------------------------------------------------------------------------
+
+    @property
+    def metadata(self) -> fmt.SnapshotMetadata:
+        return self._reader.metadata
+
+    @property
+    def geometry(self) -> KVGeometry:
+        return self.metadata.geometry
+
+    @property
+    def sequences(self) -> list[fmt.SequenceRecord]:
+        return self.metadata.sequences
+
+    def sequence(self, sequence_id: str) -> fmt.SequenceRecord:
+        """The sequence named ``sequence_id``; ``KeyError`` naming the known ids otherwise."""
+        for record in self.sequences:
+            if record.id == sequence_id:
+                return record
+        known = ", ".join(record.id for record in self.sequences)
+        raise KeyError(f"no sequence {sequence_id!r} in {self.path} (it has: {known})")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.metadata.num_blocks
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of KV data (all layer tensors)."""
+        return self.num_blocks * self.geometry.bytes_per_block
+
+    def shared_blocks(self) -> dict[str, int]:
+        """Per sequence, how many of its blocks another sequence also uses."""
+        users = np.zeros(self.num_blocks, dtype=np.int64)
+        for record in self.sequences:
+            np.add.at(users, np.unique(record.block_ids), 1)
+        return {record.id: int((users[record.block_ids] > 1).sum()) for record in self.sequences}
+
+    # -- checks ----------------------------------------------------------------------------
+
+    def verify(self, progress: ProgressCallback | None = None) -> list[fmt.Problem]:
+        """Check the structure and every checksum; an empty list means the snapshot is intact."""
+        total = self.kv_bytes
+        callback = None if progress is None else (lambda done: progress(done, total))
+        return self._reader.verify(progress=callback)
+
+    def check_compatible(
+        self, geometry: KVGeometry, *, model_fingerprint: str | None = None, force: bool = False
+    ) -> None:
+        """Refuse (with :class:`IncompatibleSnapshotError`) a target this snapshot does not fit.
+
+        The KV geometry (layers, KV heads x head dim or latent, tokens per block, dtype) must
+        match; the model fingerprint must too unless ``force``. The message names both sides.
+        """
+        mine = self.geometry
+        differences = [
+            f"{field_name}: snapshot {getattr(mine, field_name)!r}, target {getattr(geometry, field_name)!r}"
+            for field_name in (
+                "num_layers",
+                "num_kv_heads",
+                "head_dim",
+                "latent_dim",
+                "block_size",
+                "dtype",
+            )
+            if getattr(mine, field_name) != getattr(geometry, field_name)
+        ]
+        if differences:
+            raise IncompatibleSnapshotError(
+                f"{self.path} does not fit the target cache ({'; '.join(differences)}). "
+                f"Snapshot: {mine.describe()}; target: {geometry.describe()}"
+            )
+        snapshot_fingerprint = self.metadata.source.model_fingerprint
+        if (
+            model_fingerprint is not None
+            and not force
+            and snapshot_fingerprint
+            and snapshot_fingerprint != model_fingerprint
+        ):
+            raise IncompatibleSnapshotError(
+                f"{self.path} was captured from model {self.metadata.source.model_id!r} "
+                f"(fingerprint {snapshot_fingerprint[:16]}), the target's fingerprint is "
+                f"{model_fingerprint[:16]}; use --force to restore anyway"
+            )
+
+    # -- data ------------------------------------------------------------------------------
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """A whole canonical tensor, ``(num_blocks, *canonical_page_shape)``, checksums verified."""
+        return self._reader.read_tensor(name)
+
+    def sequence_kv(self, sequence_id: str, name: str) -> torch.Tensor:
+        """One sequence's KV of tensor ``name``: ``(num_tokens, heads, head_dim)`` (or ``(num_tokens, latent)``)."""
+        record = self.sequence(sequence_id)
+        page_bytes = self._reader.page_size_bytes(name)
+        pages = np.empty(len(record.block_ids) * page_bytes, dtype=np.uint8)
+        self._reader.read_pages(name, record.block_ids, pages)
+        shape = self.geometry.canonical_page_shape
+        tensor = torch.from_numpy(pages).view(torch_dtype(self.geometry.dtype))
+        tokens = tensor.reshape(len(record.block_ids) * shape[0], *shape[1:])
+        return tokens[: len(record.token_ids)]
+
+    def compare(self, other: Snapshot, *, atol: float = 0.0, rtol: float = 0.0) -> Comparison:
+        """Compare this snapshot's KV with ``other`` over the tokens both hold.
+
+        Sequences are paired by id (by position when no id matches). Elements are mismatched
+        when ``|a - b| > atol + rtol * |b|`` or exactly one of them is NaN. The report names per
+        tensor the largest difference and the first mismatching (sequence, token, head).
+        """
+        problems: list[fmt.Problem] = []
+        try:
+            self.check_compatible(other.geometry)
+        except IncompatibleSnapshotError as error:
+            return Comparison(False, [], [fmt.Problem(None, None, str(error))])
+        pairs = _pair_sequences(self.sequences, other.sequences)
+        if not pairs:
+            return Comparison(
+                False, [], [fmt.Problem(None, None, "the snapshots share no sequence")]
+            )
+        layers = []
+        for name in self.geometry.tensor_names():
+            max_diff = 0.0
+            mismatches = 0
+            first: dict[str, object] | None = None
+            for mine, theirs in pairs:
+                count = min(len(mine.token_ids), len(theirs.token_ids))
+                if not np.array_equal(mine.token_ids[:count], theirs.token_ids[:count]):
+                    problems.append(
+                        fmt.Problem(
+                            None,
+                            None,
+                            f"sequence {mine.id!r}: token ids differ between the snapshots",
+                        )
+                    )
+                a = self.sequence_kv(mine.id, name)[:count].float()
+                b = other.sequence_kv(theirs.id, name)[:count].float()
+                diff = (a - b).abs()
+                finite = torch.nan_to_num(diff, nan=0.0, posinf=0.0)
+                max_diff = max(max_diff, float(finite.max()) if finite.numel() else 0.0)
+                bad = ~torch.isclose(a, b, atol=atol, rtol=rtol, equal_nan=True)
+                mismatches += int(bad.sum())
+                if first is None and bad.any():
+                    index = torch.nonzero(bad)[0].tolist()
+                    first = {
+                        "sequence": mine.id,
+                        "token": index[0],
+                        "head": index[1] if bad.dim() == 3 else 0,
+                    }
+            layers.append(LayerDifference(name, max_diff, mismatches, first))
+        ok = not problems and all(layer.num_mismatches == 0 for layer in layers)
+        return Comparison(ok, layers, problems)
+
+    def restore(
+        self,
+        layout: CacheLayout | Sequence[CacheLayout],
+        block_ids: Mapping[str, np.ndarray | Sequence[int]],
+        *,
+        backend: str = "auto",
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_slots: int = DEFAULT_STAGING_SLOTS,
+        progress: ProgressCallback | None = None,
+        model_fingerprint: str | None = None,
+        force: bool = False,
+    ) -> RestoreResult:
+        """Write the KV of the sequences named in ``block_ids`` into the target cache.
+
+        ``block_ids`` maps a sequence id to the target's device block ids, one per block of that
+        sequence. ``layout`` may list one layout per TP rank held by this process; every rank
+        receives its own heads. Everything is checked before the first byte is written: the
+        geometry (see :meth:`check_compatible`), the sequence ids and the block counts and
+        ranges. Only the blocks of the named sequences are read.
+        """
+        started = time.perf_counter()
+        layouts = _as_layouts(layout)
+        geometry = _check_same_geometry(layouts)
+        self.check_compatible(geometry, model_fingerprint=model_fingerprint, force=force)
+        snapshot_blocks, target_blocks, num_tokens = self._restore_pairs(block_ids, layouts)
+        page_bytes = geometry.canonical_page_size_bytes
+        names = geometry.tensor_names()
+        total_bytes = page_bytes * len(snapshot_blocks) * len(names)
+        handlers = [
+            TransferHandler(rank, Direction.HOST_TO_DEVICE, backend=backend) for rank in layouts
+        ]
+        pool = _staging_pool(page_bytes, staging_bytes, staging_slots)
+        job_ids = itertools.count()
+        in_flight: deque[tuple[list[int], Slot, str]] = deque()
+        done_bytes = 0
+
+        def finish_oldest() -> None:
+            jobs, slot, name = in_flight.popleft()
+            try:
+                for handler, job_id in zip(handlers, jobs, strict=True):
+                    _raise_failed(handler.wait([job_id]), f"restore of {name}")
+            finally:
+                pool.release(slot)
+
+        try:
+            blocks_per_slot = pool.slot_bytes // page_bytes
+            for name in names:
+                for chunk in _chunks(len(snapshot_blocks), blocks_per_slot):
+                    count = chunk.stop - chunk.start
+                    slot = pool.acquire()
+                    try:
+                        self._reader.read_pages(
+                            name, snapshot_blocks[chunk], slot.as_numpy(count * page_bytes)
+                        )
+                    except BaseException:
+                        pool.release(slot)
+                        raise
+                    copy = PageCopy(
+                        name=name,
+                        device_block_ids=target_blocks[chunk],
+                        host=HostPages.contiguous(slot.data_ptr, count, page_bytes),
+                        host_chunk_ids=np.arange(count, dtype=np.int64),
+                    )
+                    jobs = []
+                    for handler in handlers:
+                        job_id = next(job_ids)
+                        if not handler.submit(job_id, [copy]):
+                            pool.release(slot)
+                            raise _JobFailed(
+                                f"restore of {name}: the transfer handler refused a job"
+                            )
+                        jobs.append(job_id)
+                    in_flight.append((jobs, slot, name))
+                    if len(in_flight) >= staging_slots - 1:
+                        finish_oldest()
+                    done_bytes += count * page_bytes
+                    if progress is not None:
+                        progress(done_bytes, total_bytes)
+            while in_flight:
+                finish_oldest()
+        finally:
+            for handler in handlers:
+                handler.shutdown()
+            pool.close()
+        return RestoreResult(
+            num_sequences=len(block_ids),
+            num_tokens=num_tokens,
+            num_blocks=len(snapshot_blocks),
+            num_bytes=total_bytes,
+            seconds=time.perf_counter() - started,
+            backend=handlers[0].backend_name,
+        )
+
+    def _restore_pairs(
+        self, block_ids: Mapping[str, np.ndarray | Sequence[int]], layouts: Sequence[CacheLayout]
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """(snapshot block, target block) pairs to copy, sorted by snapshot block; and the token count."""
+        if not block_ids:
+            raise ValueError("restore needs at least one sequence")
+        capacity = min(layout.num_blocks for layout in layouts)
+        sources, targets = [], []
+        num_tokens = 0
+        for sequence_id, targets_of_sequence in block_ids.items():
+            record = self.sequence(sequence_id)
+            target = np.asarray(targets_of_sequence, dtype=np.int64)
+            if len(target) != len(record.block_ids):
+                raise IncompatibleSnapshotError(
+                    f"sequence {sequence_id!r} has {len(record.block_ids)} blocks in {self.path}, "
+                    f"the target gave {len(target)} block ids"
+                )
+            if len(target) and (target.min() < 0 or target.max() >= capacity):
+                raise IncompatibleSnapshotError(
+                    f"sequence {sequence_id!r}: target block ids {target.min()}..{target.max()} do not fit "
+                    f"a cache of {capacity} blocks"
+                )
+            sources.append(record.block_ids)
+            targets.append(target)
+            num_tokens += len(record.token_ids)
+        pairs = np.unique(
+            np.stack([np.concatenate(sources), np.concatenate(targets)], axis=1), axis=0
+        )
+        written_twice = np.unique(pairs[:, 1], return_counts=True)
+        if (written_twice[1] > 1).any():
+            block = int(written_twice[0][np.argmax(written_twice[1] > 1)])
+            raise IncompatibleSnapshotError(
+                f"target block {block} would receive two different snapshot blocks"
+            )
+        return pairs[:, 0].copy(), pairs[:, 1].copy(), num_tokens
+
+    # -- statistics ------------------------------------------------------------------------
+
+    def valid_tokens_per_block(self) -> np.ndarray:
+        """How many leading tokens of each snapshot block hold real KV (partial last blocks)."""
+        valid = np.zeros(self.num_blocks, dtype=np.int64)
+        block_size = self.geometry.block_size
+        for record in self.sequences:
+            counts = np.full(len(record.block_ids), block_size, dtype=np.int64)
+            counts[-1] = len(record.token_ids) - block_size * (len(record.block_ids) - 1)
+            np.maximum.at(valid, record.block_ids, counts)
+        return valid
+
+    def tensor_stats(self, name: str) -> dict[str, float | int]:
+        """absmax, mean, std, NaN and Inf counts of tensor ``name`` over the tokens holding real KV."""
+        tensor = self.read_tensor(name)
+        block_size = self.geometry.block_size
+        valid = self.valid_tokens_per_block()
+        mask = torch.from_numpy(np.arange(block_size)[None, :] < valid[:, None])
+        values = tensor[mask].double()
+        finite = values[torch.isfinite(values)]
+        return {
+            "absmax": float(finite.abs().max()) if finite.numel() else 0.0,
+            "mean": float(finite.mean()) if finite.numel() else 0.0,
+            "std": float(finite.std(unbiased=False)) if finite.numel() else 0.0,
+            "nan": int(torch.isnan(values).sum()),
+            "inf": int(torch.isinf(values).sum()),
+        }
+
+    def token_norms(self, sequence_id: str) -> dict[str, np.ndarray]:
+        """Per part, a ``(num_layers, num_tokens)`` array of L2 norms of each token's KV."""
+        norms: dict[str, list[np.ndarray]] = {part: [] for part in self.geometry.parts}
+        for layer in range(self.geometry.num_layers):
+            for part in self.geometry.parts:
+                kv = self.sequence_kv(sequence_id, f"layers.{layer}.{part}").float()
+                norms[part].append(kv.reshape(kv.shape[0], -1).norm(dim=1).numpy())
+        return {part: np.stack(rows) for part, rows in norms.items()}
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _pair_sequences(
+    mine: Sequence[fmt.SequenceRecord], theirs: Sequence[fmt.SequenceRecord]
+) -> list[tuple[fmt.SequenceRecord, fmt.SequenceRecord]]:
+    by_id = {record.id: record for record in theirs}
+    pairs = [(record, by_id[record.id]) for record in mine if record.id in by_id]
+    if pairs:
+        return pairs
+    return list(zip(mine, theirs, strict=False))

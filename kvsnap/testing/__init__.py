@@ -1,0 +1,43 @@
+"""Testing helpers: golden KV snapshot assertions (pytest plugin) and synthetic KV fixtures.
+
+``assert_kv_matches`` is importable without torch (it imports the comparison machinery on first
+use); the synthetic generator's names (``generate``, ``synthesize``, ``build_cache``,
+``SyntheticSpec``, ...) are imported on first access, since they need torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvsnap.testing.plugin import GOLDEN_DIRNAME, KVSnapshotChecker, assert_kv_matches, golden_path
+
+_SYNTHETIC = (
+    "GENERATOR_VERSION",
+    "SyntheticCache",
+    "SyntheticSequence",
+    "SyntheticSpec",
+    "apply_rope",
+    "build_cache",
+    "generate",
+    "make_spec",
+    "synthesize",
+)
+
+__all__ = [
+    "GOLDEN_DIRNAME",
+    "KVSnapshotChecker",
+    "assert_kv_matches",
+    "golden_path",
+    *_SYNTHETIC,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SYNTHETIC:
+        return getattr(importlib.import_module("kvsnap.testing.synthetic"), name)
+    raise AttributeError(f"module 'kvsnap.testing' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

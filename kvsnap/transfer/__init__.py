@@ -1,0 +1,39 @@
+"""Ordered asynchronous copies between an engine's KV cache and host pages.
+
+:class:`TransferHandler` runs jobs (lists of :class:`~kvsnap.plan.PageCopy`) in one direction
+on pooled streams; a :class:`CopyBackend` executes each job: ``cuda-batch`` (the driver's batch
+DMA copy), ``triton`` (a UVA copy kernel), ``torch`` (gather/scatter through staging) or
+``cpu`` (host memory only). ``auto`` picks per job; see :mod:`kvsnap.transfer.base`.
+"""
+
+from kvsnap.transfer.base import (
+    AutoPolicy,
+    BackendUnavailable,
+    CopyBackend,
+    CopyJob,
+    TransferResult,
+    available_backends,
+    choose_backend,
+    current_policy,
+    load_policy,
+    make_backend,
+    register_backend,
+    unavailable_reason,
+)
+from kvsnap.transfer.handler import TransferHandler
+
+__all__ = [
+    "AutoPolicy",
+    "BackendUnavailable",
+    "CopyBackend",
+    "CopyJob",
+    "TransferHandler",
+    "TransferResult",
+    "available_backends",
+    "choose_backend",
+    "current_policy",
+    "load_policy",
+    "make_backend",
+    "register_backend",
+    "unavailable_reason",
+]

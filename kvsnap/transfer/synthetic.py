@@ -1,0 +1,299 @@
+"""Synthetic KV caches in every supported engine layout, with known content.
+
+Tests, benchmarks and self-checks need caches whose bytes they know, laid out the way each
+engine lays them out, on any device and at any tensor-parallel rank. This module allocates the
+engine tensors, describes them with the matching :mod:`kvsnap.layout` constructor, and exposes
+each (layer, part) as a *logical view*: a ``(num_blocks, block_size, local_heads, head_dim)``
+tensor (``(num_blocks, block_size, latent_dim)`` for MLA) built with plain torch indexing and
+transposes of the engine tensor. The logical views never go through copy runs, so they are an
+independent oracle for what :mod:`kvsnap.layout`, :mod:`kvsnap.plan` and the transfer backends
+compute.
+
+Content is a :class:`KVContent`: the TP=1 canonical pages of every block, as random bytes. A
+rank's cache holds the head slice :func:`kvsnap.layout.head_shard` assigns it, so ranks of one
+model hold consistent data and replicated heads are identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvsnap.layout import (
+    LATENT,
+    CacheLayout,
+    KVGeometry,
+    contiguous_layout,
+    cross_layer_layout,
+    flat_paged_layout,
+    head_shard,
+    mla_layout,
+    packed_layout,
+    torch_dtype,
+    vllm_legacy_layout,
+    vllm_split_layout,
+)
+
+#: Every layout kind this module builds. ``flat-paged`` and ``contiguous`` are TP=1 only.
+LAYOUT_KINDS = (
+    "vllm-nhd",
+    "vllm-hnd",
+    "vllm-legacy",
+    "packed",
+    "cross-layer",
+    "flat-paged",
+    "contiguous",
+    "mla",
+)
+#: Kinds whose constructor takes a tensor-parallel rank.
+TP_KINDS = ("vllm-nhd", "vllm-hnd", "vllm-legacy", "packed", "cross-layer", "mla")
+#: Kinds for standard attention (all but MLA).
+HEAD_KINDS = tuple(kind for kind in LAYOUT_KINDS if kind != "mla")
+
+
+@dataclass(frozen=True)
+class KVContent:
+    """The TP=1 canonical pages of ``num_blocks`` blocks: ``pages[name]`` is
+    ``(num_blocks, *canonical_page_shape)`` in the geometry's dtype."""
+
+    geometry: KVGeometry
+    pages: dict[str, torch.Tensor]
+
+    @property
+    def num_blocks(self) -> int:
+        return next(iter(self.pages.values())).shape[0]
+
+
+def random_content(geometry: KVGeometry, num_blocks: int, generator: torch.Generator) -> KVContent:
+    """Random bytes (NaN payloads included) for every canonical page of ``num_blocks`` blocks."""
+    dtype = torch_dtype(geometry.dtype)
+    element_size = geometry.element_size
+    pages = {}
+    for name in geometry.tensor_names():
+        shape = (num_blocks, *geometry.canonical_page_shape)
+        raw = torch.randint(
+            0, 256, (*shape[:-1], shape[-1] * element_size), dtype=torch.uint8, generator=generator
+        )
+        pages[name] = raw.view(dtype)
+    return KVContent(geometry, pages)
+
+
+def same_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Bit-exact equality of two tensors of one shape and dtype (NaN payloads included)."""
+    if first.shape != second.shape or first.dtype != second.dtype:
+        return False
+    as_bytes = [tensor.contiguous().view(torch.uint8) for tensor in (first, second)]
+    return torch.equal(as_bytes[0].cpu(), as_bytes[1].cpu())
+
+
+@dataclass
+class SyntheticCache:
+    """An engine cache of one layout kind, its :class:`CacheLayout` and its logical views."""
+
+    kind: str
+    layout: CacheLayout
+    tensors: list[torch.Tensor]
+    views: dict[str, torch.Tensor]
+    heads: slice  # global KV heads this rank holds (all for MLA)
+
+    def logical(self, name: str) -> torch.Tensor:
+        """``(num_blocks, block_size, local_heads, head_dim)`` view (MLA: ``(..., latent_dim)``)."""
+        return self.views[name]
+
+    def expected(self, content: KVContent, name: str, blocks: torch.Tensor) -> torch.Tensor:
+        """What this rank's logical view must hold for ``content``'s pages ``blocks``."""
+        pages = content.pages[name][blocks]
+        return pages if self.layout.geometry.is_mla else pages[:, :, self.heads]
+
+    def fill(self, content: KVContent, blocks: torch.Tensor | None = None) -> None:
+        """Write page ``i`` of ``content`` into block ``blocks[i]`` (default ``i``) of each view."""
+        for name, view in self.views.items():
+            target = torch.arange(view.shape[0]) if blocks is None else blocks
+            source = self.expected(content, name, torch.arange(len(target)))
+            view[target.to(view.device)] = source.to(view.device)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What a layout builder allocates: one rank's share of a model's cache."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    local_heads: int
+    head_dim: int
+    total_heads: int
+    tp_rank: int
+    tp_size: int
+    dtype: torch.dtype
+    device: torch.device
+    fill: str
+
+    def new(self, *shape: int) -> torch.Tensor:
+        if self.fill == "zeros":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.fill == "empty":
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        raise ValueError(f"fill must be 'zeros' or 'empty', not {self.fill!r}")
+
+
+def make_cache(
+    kind: str,
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int = 0,
+    head_dim: int = 0,
+    latent_dim: int = 0,
+    dtype: torch.dtype = torch.float16,
+    device: torch.device | str = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    fill: str = "zeros",
+) -> SyntheticCache:
+    """Allocate a cache of layout ``kind`` for a model with ``num_kv_heads`` heads in total.
+
+    ``tp_rank``/``tp_size`` pick the head slice the rank holds (kinds in :data:`TP_KINDS`);
+    MLA takes ``latent_dim`` instead of heads. The cache is zeroed (``fill="zeros"``) or left
+    uninitialized (``"empty"``, for benchmarks); :meth:`SyntheticCache.fill` writes content.
+    """
+    device = torch.device(device)
+    if kind not in LAYOUT_KINDS:
+        raise ValueError(f"unknown layout kind {kind!r}; known: {', '.join(LAYOUT_KINDS)}")
+    if tp_size > 1 and kind not in TP_KINDS:
+        raise ValueError(f"layout kind {kind!r} has no tensor-parallel form")
+    is_mla = kind == "mla"
+    shard = head_shard(
+        1 if is_mla else num_kv_heads, 0 if is_mla else tp_rank, 1 if is_mla else tp_size
+    )
+    spec = _Spec(
+        num_layers=num_layers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        local_heads=shard.num_local_heads,
+        head_dim=latent_dim if is_mla else head_dim,
+        total_heads=num_kv_heads,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dtype=dtype,
+        device=device,
+        fill=fill,
+    )
+    if is_mla:
+        tensors = [spec.new(num_blocks, block_size, latent_dim) for _ in range(num_layers)]
+        layout = mla_layout(tensors, tp_rank=tp_rank, tp_size=tp_size)
+        views = {f"layers.{layer}.{LATENT}": tensor for layer, tensor in enumerate(tensors)}
+        return SyntheticCache(kind, layout, tensors, views, slice(None))
+    heads = slice(shard.first_head, shard.first_head + shard.num_local_heads)
+    tensors, layout, view_of = _BUILDERS[kind](spec)
+    views = {}
+    for layer in range(num_layers):
+        for part_index, part in enumerate(layout.geometry.parts):
+            views[f"layers.{layer}.{part}"] = view_of(layer, part_index)
+    return SyntheticCache(kind, layout, tensors, views, heads)
+
+
+#: A builder's result: engine tensors, their layout, and the logical view of (layer, part index).
+_Built = tuple[list[torch.Tensor], CacheLayout, Callable[[int, int], torch.Tensor]]
+
+
+def _vllm_split_nhd(spec: _Spec) -> _Built:
+    s = spec
+    tensors = [
+        s.new(s.num_blocks, 2, s.block_size, s.local_heads, s.head_dim) for _ in range(s.num_layers)
+    ]
+    return _vllm_split(spec, tensors)
+
+
+def _vllm_split_hnd(spec: _Spec) -> _Built:
+    s = spec
+    # vLLM allocates head-major physically and permutes to the logical shape.
+    tensors = [
+        s.new(s.num_blocks, 2, s.local_heads, s.block_size, s.head_dim).permute(0, 1, 3, 2, 4)
+        for _ in range(s.num_layers)
+    ]
+    return _vllm_split(spec, tensors)
+
+
+def _vllm_split(spec: _Spec, tensors: list[torch.Tensor]) -> _Built:
+    layout = vllm_split_layout(
+        tensors, num_kv_heads=spec.total_heads, tp_rank=spec.tp_rank, tp_size=spec.tp_size
+    )
+    return tensors, layout, lambda layer, part: tensors[layer][:, part]
+
+
+def _vllm_legacy(spec: _Spec) -> _Built:
+    s = spec
+    tensors = [
+        s.new(2, s.num_blocks, s.block_size, s.local_heads, s.head_dim) for _ in range(s.num_layers)
+    ]
+    layout = vllm_legacy_layout(
+        tensors, num_kv_heads=s.total_heads, tp_rank=s.tp_rank, tp_size=s.tp_size
+    )
+    return tensors, layout, lambda layer, part: tensors[layer][part]
+
+
+def _packed(spec: _Spec) -> _Built:
+    s, dim = spec, spec.head_dim
+    tensors = [
+        s.new(s.num_blocks, s.local_heads, s.block_size, 2 * dim) for _ in range(s.num_layers)
+    ]
+    layout = packed_layout(
+        tensors, num_kv_heads=s.total_heads, tp_rank=s.tp_rank, tp_size=s.tp_size
+    )
+    return (
+        tensors,
+        layout,
+        lambda layer, part: tensors[layer][..., part * dim : (part + 1) * dim].transpose(1, 2),
+    )
+
+
+def _cross_layer(spec: _Spec) -> _Built:
+    s = spec
+    tensor = s.new(s.num_blocks, s.num_layers, 2, s.block_size, s.local_heads, s.head_dim)
+    layout = cross_layer_layout(
+        tensor, num_kv_heads=s.total_heads, tp_rank=s.tp_rank, tp_size=s.tp_size
+    )
+    return [tensor], layout, lambda layer, part: tensor[:, layer, part]
+
+
+def _flat_paged(spec: _Spec) -> _Built:
+    s = spec
+    rows = s.num_blocks * s.block_size
+    keys = [s.new(rows, s.local_heads, s.head_dim) for _ in range(s.num_layers)]
+    values = [s.new(rows, s.local_heads, s.head_dim) for _ in range(s.num_layers)]
+    layout = flat_paged_layout(keys, values, block_size=s.block_size)
+
+    def view(layer: int, part: int) -> torch.Tensor:
+        return (keys if part == 0 else values)[layer].unflatten(0, (s.num_blocks, s.block_size))
+
+    return [*keys, *values], layout, view
+
+
+def _contiguous(spec: _Spec) -> _Built:
+    s = spec
+    # A batch of two rows, the cache described from row 1, so the batch stride is exercised too.
+    seq = s.num_blocks * s.block_size
+    keys = [s.new(2, s.local_heads, seq, s.head_dim) for _ in range(s.num_layers)]
+    values = [s.new(2, s.local_heads, seq, s.head_dim) for _ in range(s.num_layers)]
+    layout = contiguous_layout(keys, values, block_size=s.block_size, batch_index=1)
+
+    def view(layer: int, part: int) -> torch.Tensor:
+        row = (keys if part == 0 else values)[layer][1]  # (heads, seq, head_dim)
+        return row.transpose(0, 1).unflatten(0, (s.num_blocks, s.block_size))
+
+    return [*keys, *values], layout, view
+
+
+_BUILDERS: dict[str, Callable[[_Spec], _Built]] = {
+    "vllm-nhd": _vllm_split_nhd,
+    "vllm-hnd": _vllm_split_hnd,
+    "vllm-legacy": _vllm_legacy,
+    "packed": _packed,
+    "cross-layer": _cross_layer,
+    "flat-paged": _flat_paged,
+    "contiguous": _contiguous,
+}

@@ -1,0 +1,693 @@
+"""The streaming writer and the reader: round trips, O_DIRECT, atomic publish, damaged files."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from store_helpers import (
+    GEOMETRIES,
+    make_metadata,
+    random_pages,
+    shared_prefix_tokens,
+    write_snapshot,
+)
+
+from kvsnap import format as fmt
+from kvsnap import store
+from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
+from kvsnap.pinned import PinnedPool
+from kvsnap.store import SnapshotReader, SnapshotWriter
+
+TESTS = Path(__file__).parent
+
+
+def build(
+    name: str, seed: int, **options: Any
+) -> tuple[fmt.SnapshotMetadata, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    geometry = GEOMETRIES[name]
+    metadata = make_metadata(geometry, shared_prefix_tokens(rng, geometry.block_size), **options)
+    return metadata, random_pages(rng, metadata)
+
+
+def page_of(pages: np.ndarray, page_bytes: int, block: int) -> bytes:
+    return pages[block * page_bytes : (block + 1) * page_bytes].tobytes()
+
+
+def temp_files(directory: Path) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if ".kvsnap-tmp-" in name)
+
+
+def direct_io_works(directory: Path) -> bool:
+    """Whether this filesystem accepts an aligned O_DIRECT write (tmpfs may not)."""
+    probe = directory / "probe"
+    probe.touch()
+    file = store._LocalFile.__new__(store._LocalFile)
+    file.temp, file.fd, file.direct_fd = str(probe), None, None
+    try:
+        return file.enable_direct(bytes(4096)) is None
+    finally:
+        if file.direct_fd is not None:
+            os.close(file.direct_fd)
+        probe.unlink()
+
+
+# --------------------------------------------------------------------------------------------
+# Round trips
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_round_trip_every_byte_and_safetensors_agrees(tmp_path: Path, name: str) -> None:
+    metadata, pages = build(name, seed=10, created=fmt.utc_now(), extra_blocks=1)
+    page = metadata.geometry.canonical_page_size_bytes
+    path = tmp_path / "snap.safetensors"
+    progress: list[int] = []
+    info = write_snapshot(
+        path, metadata, pages, rng=np.random.default_rng(11), progress=progress.append
+    )
+    assert info.path == str(path) and info.files == (str(path),)
+    assert info.num_bytes == path.stat().st_size
+    assert progress == sorted(progress) and progress[-1] == info.kv_bytes == sum(
+        p.nbytes for p in pages.values()
+    )
+    assert temp_files(tmp_path) == []
+
+    with SnapshotReader(path) as reader:
+        assert reader.metadata == metadata
+        for tensor_name, data in pages.items():
+            tensor = reader.read_tensor(tensor_name)
+            assert tensor.shape == (metadata.num_blocks, *metadata.geometry.canonical_page_shape)
+            assert tensor.view(torch.uint8).numpy().tobytes() == data.tobytes()
+            ids = np.random.default_rng(12).integers(0, metadata.num_blocks, size=9)
+            ids[3:6] = [1, 2, 3] if metadata.num_blocks > 3 else ids[3:6]  # a coalesced run
+            out = np.empty(len(ids) * page, dtype=np.uint8)
+            reader.read_pages(tensor_name, ids, out)
+            assert out.tobytes() == b"".join(page_of(data, page, block) for block in ids.tolist())
+        verified: list[int] = []
+        assert reader.verify(progress=verified.append) == []
+        assert verified[-1] == info.kv_bytes
+        ours = {
+            entry: reader.read_tensor(entry)
+            for entry in [*pages, fmt.BLOCK_HASHES_TENSOR, fmt.BLOCK_CHECKSUMS_TENSOR]
+            + [
+                f"sequences.{i}.{p}"
+                for i in range(len(metadata.sequences))
+                for p in ("token_ids", "block_ids")
+            ]
+        }
+    np.testing.assert_array_equal(
+        ours["sequences.1.token_ids"].numpy(), metadata.sequences[1].token_ids
+    )
+
+    # Any safetensors reader gets the same typed tensors.
+    (layout,) = fmt.plan_files(metadata)
+    with safe_open(path, "pt") as opened:
+        assert set(opened.keys()) == {entry.name for entry in layout.entries}
+        assert json.loads(opened.metadata()["kvsnap"])["num_blocks"] == metadata.num_blocks
+        for tensor_name, tensor in ours.items():
+            theirs = opened.get_tensor(tensor_name)
+            assert theirs.dtype == tensor.dtype and theirs.shape == tensor.shape
+            assert (
+                theirs.view(torch.uint8).numpy().tobytes()
+                == tensor.view(torch.uint8).numpy().tobytes()
+            )
+    loaded = load_file(path)
+    assert torch.equal(
+        loaded["sequences.0.block_ids"], torch.from_numpy(metadata.sequences[0].block_ids)
+    )
+
+
+def test_sharded_round_trip_and_index(tmp_path: Path) -> None:
+    metadata, pages = build("bf16", seed=13)
+    limit = max(p.nbytes for p in pages.values()) + 100
+    path = tmp_path / "snap.safetensors"
+    info = write_snapshot(path, metadata, pages, max_shard_bytes=limit)
+    count = len(info.files)
+    assert count > 3
+    assert info.path == str(path) + ".index.json"
+    assert [Path(f).name for f in info.files] == [
+        f"snap-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)
+    ]
+    index = json.loads(Path(info.path).read_text())
+    assert set(index["weight_map"].values()) == {Path(f).name for f in info.files}
+    assert index["metadata"]["kvsnap"] == json.loads(metadata.to_json())
+    for file in info.files:
+        with safe_open(file, "pt") as opened:
+            for key in opened.keys():
+                if fmt.is_layer_tensor(key):
+                    data = opened.get_tensor(key).view(torch.uint8).numpy().tobytes()
+                    assert data == pages[key].tobytes()
+    for url in (path, info.path):  # the name it was written to, or the index
+        with SnapshotReader(url) as reader:
+            assert reader.files == list(info.files)
+            assert reader.metadata == metadata
+            assert reader.verify() == []
+            for name, data in pages.items():
+                assert (
+                    reader.read_tensor(name).view(torch.uint8).numpy().tobytes() == data.tobytes()
+                )
+    with pytest.raises(NotASnapshotError, match="shard 1 of"):
+        SnapshotReader(info.files[0])
+
+    # Publishing the single-file form removes the sharded one, and back.
+    single = write_snapshot(path, metadata, pages)
+    assert sorted(os.listdir(tmp_path)) == ["snap.safetensors"] and single.files == (str(path),)
+    write_snapshot(path, metadata, pages, max_shard_bytes=limit)
+    assert "snap.safetensors" not in os.listdir(tmp_path)
+
+
+def test_shards_of_another_snapshot_are_detected(tmp_path: Path) -> None:
+    metadata, pages = build("bf16", seed=14)
+    limit = max(p.nbytes for p in pages.values()) + 100
+    first = write_snapshot(tmp_path / "a.safetensors", metadata, pages, max_shard_bytes=limit)
+    other_pages = {name: data ^ np.uint8(1) for name, data in pages.items()}
+    second = write_snapshot(
+        tmp_path / "b.safetensors", metadata, other_pages, max_shard_bytes=limit
+    )
+    os.replace(second.files[2], first.files[2])  # same name pattern, other snapshot's content
+    with pytest.raises(SnapshotCorruptError, match="does not match the index"):
+        SnapshotReader(first.path)
+
+
+def test_reproducible_snapshots_are_byte_identical(tmp_path: Path) -> None:
+    metadata, pages = build("f32-odd", seed=15)
+    write_snapshot(tmp_path / "a.safetensors", metadata, pages, hash_threads=1)
+    write_snapshot(
+        tmp_path / "b.safetensors",
+        metadata,
+        pages,
+        rng=np.random.default_rng(1),
+        hash_threads=4,
+        direct_io=False,
+    )
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_empty_snapshot(tmp_path: Path) -> None:
+    geometry = GEOMETRIES["bf16"]
+    metadata = fmt.SnapshotMetadata(geometry, make_metadata(geometry, []).source, [], 0, "none", 1)
+    path = tmp_path / "empty.safetensors"
+    with SnapshotWriter(path, metadata):
+        pass
+    with SnapshotReader(path) as reader:
+        assert reader.metadata == metadata and reader.verify() == []
+        assert reader.read_tensor("layers.0.key").shape == (0, *geometry.canonical_page_shape)
+    assert load_file(path)["layers.2.value"].shape[0] == 0
+
+
+def test_fsspec_memory_filesystem_round_trip_and_abort() -> None:
+    fsspec = pytest.importorskip("fsspec")
+    memory = fsspec.filesystem("memory")
+    metadata, pages = build("mla-f8", seed=16)
+    url = "memory://kvsnap-test/snap.safetensors"
+    info = write_snapshot(url, metadata, pages, rng=np.random.default_rng(2))
+    assert info.fallback_reason is not None and "not a local file" in info.fallback_reason
+    old = memory.cat_file("/kvsnap-test/snap.safetensors")
+    with SnapshotReader(url) as reader:
+        assert reader.metadata == metadata and reader.verify() == []
+    # An aborted overwrite leaves the old file and no temporary file behind.
+    writer = SnapshotWriter(url, metadata)
+    writer.write_pages("layers.0.latent", pages["layers.0.latent"]).result()
+    writer.abort()
+    assert memory.cat_file("/kvsnap-test/snap.safetensors") == old
+    assert [p for p in memory.ls("/kvsnap-test", detail=False) if "kvsnap-tmp" in p] == []
+    sharded = write_snapshot(url, metadata, pages, max_shard_bytes=4000)
+    with SnapshotReader(sharded.path) as reader:
+        assert reader.verify() == [] and len(reader.files) > 2
+    memory.rm("/kvsnap-test", recursive=True)
+
+
+# --------------------------------------------------------------------------------------------
+# O_DIRECT
+
+
+def test_direct_io_with_aligned_staging_buffers(tmp_path: Path) -> None:
+    if not direct_io_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    metadata, pages = build("f16-32k", seed=17)
+    page = metadata.geometry.canonical_page_size_bytes
+    path = tmp_path / "direct.safetensors"
+    with (
+        PinnedPool(3 * page, 2, pin=False) as pool,
+        SnapshotWriter(path, metadata, direct_io=True) as writer,
+    ):
+        for name in writer.tensor_order():
+            for first in range(0, metadata.num_blocks, 3):
+                count = min(3, metadata.num_blocks - first)
+                slot = pool.acquire()
+                view = slot.as_numpy(count * page)
+                view[:] = pages[name][first * page : (first + count) * page]
+                writer.write_pages(name, view).add_done_callback(
+                    lambda _f, slot=slot: pool.release(slot)
+                )
+    assert writer.info is not None and writer.info.direct_io and writer.fallback_reason is None
+    buffered = tmp_path / "buffered.safetensors"
+    info = write_snapshot(buffered, metadata, pages, direct_io=False)
+    assert info.fallback_reason == "direct_io=False" and not info.direct_io
+    assert path.read_bytes() == buffered.read_bytes()
+
+
+def test_direct_io_refused_by_the_filesystem_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(path: str) -> int:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(store, "_open_direct", refuse)
+    metadata, pages = build("f16-32k", seed=18)
+    info = write_snapshot(tmp_path / "snap.safetensors", metadata, pages)
+    assert not info.direct_io and "refused O_DIRECT" in (info.fallback_reason or "")
+    with SnapshotReader(tmp_path / "snap.safetensors") as reader:
+        assert reader.verify() == []
+    with pytest.raises(SnapshotIOError, match="O_DIRECT was required"):
+        SnapshotWriter(tmp_path / "other.safetensors", metadata, direct_io=True)
+    assert temp_files(tmp_path) == []
+
+
+def test_unaligned_pages_report_a_partial_fallback(tmp_path: Path) -> None:
+    if not direct_io_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    metadata, pages = build("f32-odd", seed=19)
+    info = write_snapshot(tmp_path / "snap.safetensors", metadata, pages)
+    assert "not multiples of 4096" in (info.fallback_reason or "")
+
+
+# --------------------------------------------------------------------------------------------
+# Atomic publish and failures
+
+
+@pytest.fixture
+def old_snapshot(tmp_path: Path) -> tuple[Path, bytes]:
+    metadata, pages = build("bf16", seed=20)
+    path = tmp_path / "snap.safetensors"
+    write_snapshot(path, metadata, pages)
+    return path, path.read_bytes()
+
+
+def test_an_exception_while_writing_keeps_the_old_snapshot(
+    old_snapshot: tuple[Path, bytes],
+) -> None:
+    path, old = old_snapshot
+    metadata, pages = build("bf16", seed=21)
+    with pytest.raises(RuntimeError, match="engine died"), SnapshotWriter(path, metadata) as writer:
+        writer.write_pages("layers.0.key", pages["layers.0.key"])
+        raise RuntimeError("engine died")
+    assert path.read_bytes() == old and temp_files(path.parent) == []
+
+
+def test_commit_of_an_incomplete_snapshot_is_refused(old_snapshot: tuple[Path, bytes]) -> None:
+    path, old = old_snapshot
+    metadata, pages = build("bf16", seed=22)
+    page = metadata.geometry.canonical_page_size_bytes
+    writer = SnapshotWriter(path, metadata)
+    for name in writer.tensor_order():
+        writer.write_pages(name, pages[name][:-page] if name == "layers.2.value" else pages[name])
+    with pytest.raises(ValueError, match=r"layers\.2\.value"):
+        writer.commit()
+    writer.abort()  # harmless after the failed commit
+    assert path.read_bytes() == old and temp_files(path.parent) == []
+
+
+def test_a_failing_disk_write_aborts_cleanly(
+    old_snapshot: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, old = old_snapshot
+    metadata, pages = build("bf16", seed=23)
+    (layout,) = fmt.plan_files(metadata)
+    target = layout.by_name["layers.1.key"]
+    real = store._pwrite_all
+
+    def disk_full(fd: int, view: memoryview, offset: int) -> None:
+        if target.begin <= offset < target.end:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, view, offset)
+
+    monkeypatch.setattr(store, "_pwrite_all", disk_full)
+    writer = SnapshotWriter(path, metadata, direct_io=False)
+    writer.write_pages("layers.0.key", pages["layers.0.key"]).result()
+    writer.write_pages("layers.0.value", pages["layers.0.value"]).result()
+    failed = writer.write_pages("layers.1.key", pages["layers.1.key"])
+    with pytest.raises(OSError, match="No space"):
+        failed.result()
+    with pytest.raises(SnapshotIOError, match="No space") as caught:
+        writer.write_pages("layers.1.value", pages["layers.1.value"])
+    assert isinstance(caught.value.__cause__, OSError) and str(path) in str(caught.value)
+    writer.abort()
+    assert path.read_bytes() == old and temp_files(path.parent) == []
+
+
+def test_not_enough_free_space_is_refused_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metadata, _ = build("bf16", seed=24)
+    real = os.statvfs
+
+    class Full:
+        def __init__(self, result: os.statvfs_result) -> None:
+            self.f_frsize, self.f_bavail = result.f_frsize, 1
+
+    monkeypatch.setattr(store.os, "statvfs", lambda path: Full(real(path)))
+    with pytest.raises(SnapshotIOError, match="needs"):
+        SnapshotWriter(tmp_path / "snap.safetensors", metadata)
+    assert os.listdir(tmp_path) == []
+
+
+def test_writer_rejects_misuse(tmp_path: Path) -> None:
+    metadata, pages = build("bf16", seed=25)
+    page = metadata.geometry.canonical_page_size_bytes
+    writer = SnapshotWriter(tmp_path / "snap.safetensors", metadata)
+    with pytest.raises(ValueError, match="expected layers.0.key"):
+        writer.write_pages("layers.0.value", pages["layers.0.value"])
+    with pytest.raises(ValueError, match="not a layer tensor"):
+        writer.write_pages("layers.9.key", pages["layers.0.key"])
+    with pytest.raises(TypeError):
+        writer.write_pages("layers.0.key", pages["layers.0.key"].view(np.int8))
+    with pytest.raises(TypeError):
+        writer.write_pages("layers.0.key", pages["layers.0.key"][::2])
+    with pytest.raises(ValueError, match="whole pages"):
+        writer.write_pages("layers.0.key", pages["layers.0.key"][: page + 1])
+    writer.write_pages("layers.0.key", pages["layers.0.key"][:page])
+    with pytest.raises(ValueError, match="exceed"):
+        writer.write_pages("layers.0.key", pages["layers.0.key"])
+    writer.abort()
+    with pytest.raises(RuntimeError, match="aborted"):
+        writer.write_pages("layers.0.key", pages["layers.0.key"][:page])
+    bad = make_metadata(metadata.geometry, [np.arange(5)])
+    bad.sequences[0].block_ids[0] = 99
+    with pytest.raises(ValueError, match="block ids"):
+        SnapshotWriter(tmp_path / "bad.safetensors", bad)
+    assert os.listdir(tmp_path) == []
+
+
+def test_inflight_bytes_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """write_pages blocks once max_inflight_bytes are held; progress resumes as writes finish."""
+    metadata, pages = build("f16-32k", seed=26)
+    page = metadata.geometry.canonical_page_size_bytes
+    (layout,) = fmt.plan_files(metadata)
+    data = [(e.begin, e.end) for e in layout.entries if fmt.is_layer_tensor(e.name)]
+    gate = threading.Event()
+    real = store._pwrite_all
+
+    def slow_disk(fd: int, view: memoryview, offset: int) -> None:
+        if any(begin <= offset < end for begin, end in data):
+            gate.wait(10)
+        real(fd, view, offset)
+
+    monkeypatch.setattr(store, "_pwrite_all", slow_disk)
+    writer = SnapshotWriter(
+        tmp_path / "snap.safetensors", metadata, max_inflight_bytes=2 * page, direct_io=False
+    )
+    returned: list[int] = []
+
+    def feed() -> None:
+        for name in writer.tensor_order():
+            for block in range(metadata.num_blocks):
+                writer.write_pages(name, pages[name][block * page : (block + 1) * page])
+                returned.append(block)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    time.sleep(0.3)
+    assert len(returned) == 2  # the third page waits for room
+    gate.set()
+    feeder.join(10)
+    assert len(returned) == metadata.num_blocks * len(pages)
+    writer.commit()
+    with SnapshotReader(tmp_path / "snap.safetensors") as reader:
+        assert reader.verify() == []
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+def test_subset_reads_touch_only_those_ranges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metadata, pages = build("f16-32k", seed=27)
+    page = metadata.geometry.canonical_page_size_bytes
+    path = tmp_path / "snap.safetensors"
+    write_snapshot(path, metadata, pages)
+    (layout,) = fmt.plan_files(metadata)
+    entry = layout.by_name["layers.1.value"]
+    reads: list[tuple[int, int]] = []
+    real = os.preadv
+
+    def recording(fd: int, buffers: list[memoryview], offset: int) -> int:
+        reads.append((offset, sum(len(b) for b in buffers)))
+        return real(fd, buffers, offset)
+
+    with SnapshotReader(path) as reader:
+        monkeypatch.setattr(os, "preadv", recording)
+        ids = np.array([5, 6, 7, 2, 9])
+        out = np.empty(len(ids) * page, dtype=np.uint8)
+        reader.read_pages("layers.1.value", ids, out)
+    data_reads = sorted(r for r in reads if entry.begin <= r[0] < entry.end)
+    assert data_reads == [(entry.begin + b * page, n * page) for b, n in ((2, 1), (5, 3), (9, 1))]
+    other = [r for r in reads if not entry.begin <= r[0] < entry.end]
+    checksums = layout.by_name[fmt.BLOCK_CHECKSUMS_TENSOR]
+    assert other == [(checksums.begin + 3 * metadata.num_blocks * 8, metadata.num_blocks * 8)]
+    assert out.tobytes() == b"".join(
+        page_of(pages["layers.1.value"], page, b) for b in ids.tolist()
+    )
+
+
+def test_reader_rejects_misuse(old_snapshot: tuple[Path, bytes]) -> None:
+    path, _ = old_snapshot
+    with SnapshotReader(path) as reader:
+        page = reader.page_size_bytes("layers.0.key")
+        with pytest.raises(KeyError):
+            reader.page_size_bytes("sequences.0.token_ids")
+        with pytest.raises(ValueError, match="need"):
+            reader.read_pages("layers.0.key", [0, 1], np.empty(page, dtype=np.uint8))
+        with pytest.raises(IndexError):
+            reader.read_pages(
+                "layers.0.key", [reader.metadata.num_blocks], np.empty(page, dtype=np.uint8)
+            )
+        with pytest.raises(TypeError):
+            reader.read_pages("layers.0.key", [0], np.empty(page, dtype=np.float32))
+        reader.read_pages("layers.0.key", [], np.empty(0, dtype=np.uint8))
+
+
+def test_unreadable_targets_raise_typed_errors(tmp_path: Path) -> None:
+    with pytest.raises(SnapshotIOError, match="no such file"):
+        SnapshotReader(tmp_path / "missing.safetensors")
+    with pytest.raises(NotASnapshotError, match="regular file"):
+        SnapshotReader(tmp_path)
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    with pytest.raises(NotASnapshotError, match="too short"):
+        SnapshotReader(tmp_path / "empty.safetensors")
+    save_file({"weight": torch.zeros(3)}, tmp_path / "model.safetensors")
+    with pytest.raises(NotASnapshotError, match="without kvsnap metadata"):
+        SnapshotReader(tmp_path / "model.safetensors")
+    rng = np.random.default_rng(28)
+    for size in [1, 7, 8, 9, 100, 4096, 100_000, *rng.integers(10, 50_000, 30).tolist()]:
+        junk = tmp_path / "junk.bin"
+        junk.write_bytes(rng.bytes(size))
+        with pytest.raises(KVSnapError):
+            SnapshotReader(junk)
+
+
+def test_truncated_and_extended_files_are_refused(old_snapshot: tuple[Path, bytes]) -> None:
+    path, data = old_snapshot
+    rng = np.random.default_rng(29)
+    cut = path.parent / "cut.safetensors"
+    (layout,) = fmt.plan_files(SnapshotReader(path).metadata)
+    edges = [0, 7, 8, 9, layout.data_start - 1, layout.data_start, len(data) - 1]
+    for length in [*edges, *rng.integers(0, len(data), 150).tolist()]:
+        cut.write_bytes(data[:length])
+        with pytest.raises(KVSnapError) as caught:
+            SnapshotReader(cut)
+        assert isinstance(caught.value, NotASnapshotError if length < 8 else SnapshotCorruptError)
+        assert str(cut) in str(caught.value)
+    cut.write_bytes(data + b"\0" * 16)
+    with pytest.raises(SnapshotCorruptError, match="trailing data"):
+        SnapshotReader(cut)
+
+
+def test_a_header_claiming_terabytes_allocates_nothing(old_snapshot: tuple[Path, bytes]) -> None:
+    path, data = old_snapshot
+    for claim, error in ((1 << 40, NotASnapshotError), (90_000_000, SnapshotCorruptError)):
+        path.write_bytes(struct.pack("<Q", claim) + data[8:])
+        tracemalloc.start()
+        try:
+            with pytest.raises(error):
+                SnapshotReader(path)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20
+
+
+def test_verify_finds_tokens_that_do_not_match_their_prefix_hashes(
+    old_snapshot: tuple[Path, bytes],
+) -> None:
+    """Checksums guard the bytes; verify also re-derives the hash chains from the token ids."""
+    path, data = old_snapshot
+    metadata = SnapshotReader(path).metadata
+    (layout,) = fmt.plan_files(metadata)
+    raw = bytearray(data)
+    entry = layout.by_name["sequences.0.token_ids"]
+    raw[entry.begin] ^= 0x01  # change a token id, then fix every checksum that covers it
+    trailer_entry = layout.by_name[fmt.CHECKSUMS_TENSOR]
+    digests = fmt.decode_trailer(bytes(raw[trailer_entry.begin : trailer_entry.end]))
+    row = 1 + [e.name for e in layout.checksummed()].index(entry.name)
+    digests[row] = fmt.digest128(bytes(raw[entry.begin : entry.end]))
+    raw[trailer_entry.begin : trailer_entry.end] = fmt.encode_trailer(digests)
+    path.write_bytes(bytes(raw))
+    with SnapshotReader(path) as reader:
+        problems = reader.verify()
+    assert [p.tensor for p in problems] == ["sequences.0.token_ids"]
+    assert "hash" in problems[0].message
+
+
+# --------------------------------------------------------------------------------------------
+# Single-byte flips: every one is detected and named
+
+
+def _region(layout: fmt.FileLayout, position: int) -> tuple[str | None, int | None]:
+    """(tensor, block) a file offset belongs to; (None, None) for the header."""
+    if position < layout.data_start:
+        return None, None
+    for entry in layout.entries:
+        if entry.begin <= position < entry.end:
+            if fmt.is_layer_tensor(entry.name):
+                page = entry.nbytes // entry.shape[0]
+                return entry.name, (position - entry.begin) // page
+            return entry.name, None
+    raise AssertionError(position)
+
+
+def _region_kind(tensor: str | None) -> str:
+    if tensor is None:
+        return "header"
+    if fmt.is_layer_tensor(tensor):
+        return "layers"
+    if tensor.startswith(fmt.PADDING_PREFIX):
+        return "padding"
+    if tensor.startswith("sequences."):
+        return "sequences." + tensor.rsplit(".", 1)[1]
+    return tensor
+
+
+@pytest.mark.parametrize(("name", "seed"), [("bf16", 30), ("mla-f8", 31), ("f32-odd", 32)])
+def test_every_single_byte_flip_is_detected_and_named(tmp_path: Path, name: str, seed: int) -> None:
+    """340 flips per geometry, 1020 in all: header (JSON and its space padding), KV pages,
+    sequences, block hashes, padding, block checksums, trailer. None goes unnoticed; KV flips
+    are named by tensor and block, everything else by tensor (or the file, for the header)."""
+    metadata, pages = build(name, seed=seed, extra_blocks=1)
+    page = metadata.geometry.canonical_page_size_bytes
+    path = tmp_path / "snap.safetensors"
+    write_snapshot(path, metadata, pages)
+    original = path.read_bytes()
+    (layout,) = fmt.plan_files(metadata)
+    assert layout.file_size == len(original)
+    rng = np.random.default_rng(seed)
+    layers = [e for e in layout.entries if fmt.is_layer_tensor(e.name)]
+    others = [e for e in layout.entries if not fmt.is_layer_tensor(e.name)]
+    positions = [int(p) for p in rng.integers(0, layout.data_start, 110)]
+    # KV pages weighted by size; every other tensor equally often, however small.
+    weights = np.array([e.nbytes for e in layers], dtype=float)
+    for index in rng.choice(len(layers), size=115, p=weights / weights.sum()).tolist():
+        positions.append(int(rng.integers(layers[index].begin, layers[index].end)))
+    for index in rng.integers(0, len(others), size=115).tolist():
+        positions.append(int(rng.integers(others[index].begin, others[index].end)))
+    flipped_path = tmp_path / "flipped.safetensors"
+    seen_regions: set[str] = set()
+    for position in positions:
+        flipped = bytearray(original)
+        flipped[position] ^= 1 << int(rng.integers(0, 8))
+        flipped_path.write_bytes(bytes(flipped))
+        tensor, block = _region(layout, position)
+        seen_regions.add(_region_kind(tensor))
+        try:
+            reader = SnapshotReader(flipped_path)
+        except KVSnapError as error:
+            # Refused at open: the header, the trailer or a metadata tensor, named precisely.
+            assert str(flipped_path) in str(error)
+            if tensor is not None:
+                assert error.tensor == tensor
+                assert tensor.startswith(
+                    ("sequences.", fmt.BLOCK_HASHES_TENSOR, fmt.CHECKSUMS_TENSOR)
+                )
+            continue
+        with reader:
+            problems = reader.verify()
+            assert problems, f"flip at {position} ({tensor}, block {block}) went unnoticed"
+            named = {(p.tensor, p.block) for p in problems}
+            if tensor is not None and fmt.is_layer_tensor(tensor):
+                assert (tensor, block) in named
+                with pytest.raises(SnapshotCorruptError) as caught:
+                    reader.read_pages(tensor, [block], np.empty(page, dtype=np.uint8))
+                assert (caught.value.tensor, caught.value.block) == (tensor, block)
+                other = (block + 1) % metadata.num_blocks
+                reader.read_pages(tensor, [other], np.empty(page, dtype=np.uint8))
+            else:
+                assert tensor in {t for t, _ in named}, (tensor, problems)
+    assert len(positions) == 340
+    assert seen_regions == {
+        "header",
+        "layers",
+        "sequences.token_ids",
+        "sequences.block_ids",
+        fmt.BLOCK_HASHES_TENSOR,
+        fmt.BLOCK_CHECKSUMS_TENSOR,
+        fmt.CHECKSUMS_TENSOR,
+        "padding",
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: a snapshot far larger than the staging and in-flight bounds
+
+
+def _probe(tmp_path: Path, total_mib: int) -> dict[str, float]:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(TESTS / "store_memory_probe.py"),
+            str(tmp_path / "big.safetensors"),
+            str(total_mib),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout)
+
+
+#: Peak RSS the probe may add over its baseline: 4 x 8 MiB staging slots are in the baseline;
+#: the bound covers the reader's verify pieces, xxhash/numpy temporaries and allocator slack.
+PEAK_RSS_BOUND_MIB = 96
+
+
+def test_peak_memory_is_bounded_for_a_512_mib_snapshot(tmp_path: Path) -> None:
+    result = _probe(tmp_path, 512)
+    added_mib = (result["peak_kib"] - result["baseline_kib"]) / 1024
+    assert result["snapshot_bytes"] > 512 << 20
+    assert added_mib < PEAK_RSS_BOUND_MIB, result
+
+
+@pytest.mark.slow
+def test_peak_memory_is_bounded_for_a_4_gib_snapshot(tmp_path: Path) -> None:
+    result = _probe(tmp_path, 4096)
+    added_mib = (result["peak_kib"] - result["baseline_kib"]) / 1024
+    assert result["snapshot_bytes"] > 4 << 30
+    assert added_mib < PEAK_RSS_BOUND_MIB, result

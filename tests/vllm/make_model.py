@@ -1,0 +1,37 @@
+"""Save a small random-weight Llama (bf16) that vLLM's CPU backend can serve.
+
+Usage: ``python make_model.py DIR [SEED]``. Two KV heads of head size 32 (a size the CPU
+attention backend supports) so that tensor parallelism over 2 ranks splits the heads; a large
+init range so greedy decoding of random weights does not collapse onto one token.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def main() -> None:
+    directory = sys.argv[1]
+    seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Run one real vLLM engine (CPU) on prompt token ids and write what it generated as JSON.
+
+Usage: ``python run_engine.py JOB.json`` with the vLLM virtualenv's Python. ``JOB.json``::
+
+    {"model": DIR, "tensor_parallel_size": 1, "connector": {...} | null,
+     "prompts": [{"token_ids": [...], "persist": true, "dump": false}, ...],
+     "max_tokens": 8, "output": PATH}
+
+``connector`` is KVSnapConnector's ``kv_connector_extra_config`` (null: no KV connector at
+all). Request ``i`` gets the id ``str(i)`` (vLLM numbers the prompts of a fresh ``LLM``).
+The output holds, per prompt, the generated token ids and vLLM's ``num_cached_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    with open(sys.argv[1]) as handle:
+        job = json.load(handle)
+    tensor_parallel = int(job.get("tensor_parallel_size", 1))
+    # vLLM's CPU backend sizes its KV cache from this (GiB); keep it small on a 2-core box.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tensor_parallel > 1:
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tensor_parallel)))
+        )
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if job.get("connector") is not None:
+        transfer = KVTransferConfig(
+            kv_connector="KVSnapConnector",
+            kv_connector_module_path="kvsnap.engines.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=job["connector"],
+        )
+    started = time.perf_counter()
+    llm = LLM(
+        model=job["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        block_size=32,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        tensor_parallel_size=tensor_parallel,
+        # Every reuse in these runs must come from kvsnap, so vLLM's own prefix cache is off.
+        enable_prefix_caching=False,
+        kv_transfer_config=transfer,
+    )
+    ready = time.perf_counter()
+    prompts, params = [], []
+    for prompt in job["prompts"]:
+        prompts.append({"prompt_token_ids": prompt["token_ids"]})
+        extra = {}
+        if not prompt.get("persist", True):
+            extra["kvsnap_persist"] = False
+        if prompt.get("dump"):
+            extra["kvsnap_dump"] = True
+        params.append(
+            SamplingParams(
+                max_tokens=int(job.get("max_tokens", 8)),
+                temperature=0.0,
+                ignore_eos=True,
+                extra_args=extra or None,
+            )
+        )
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    finished = time.perf_counter()
+    result = {
+        "outputs": [
+            {
+                "request_id": output.request_id,
+                "token_ids": list(output.outputs[0].token_ids),
+                "num_cached_tokens": output.num_cached_tokens,
+            }
+            for output in outputs
+        ],
+        "startup_seconds": ready - started,
+        "generate_seconds": finished - ready,
+    }
+    # Shutting the engine down drains the connector's queued snapshot writes.
+    llm.llm_engine.engine_core.shutdown()
+    result["shutdown_seconds"] = time.perf_counter() - finished
+    with open(job["output"], "w") as handle:
+        json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main()
