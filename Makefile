@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint venv gpu-test bench clean
+.PHONY: test demo lint venv vllm-venv gpu-test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,11 +17,19 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# Real vLLM (CPU build) in its own virtualenv: it pins torch 2.13.0+cpu and transformers < 5.20.
+VLLM_STAMP := .venv-vllm/.installed
+
+$(VLLM_STAMP): scripts/setup_vllm_venv.sh
+	PYTHON=$(PYTHON) bash scripts/setup_vllm_venv.sh
+
+vllm-venv: $(VLLM_STAMP)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+test: lint $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)
@@ -30,8 +38,11 @@ demo: $(STAMP)
 gpu-test: $(STAMP)
 	$(BIN)/python -m pytest -q tests/gpu
 
+# Needs a CUDA machine; results as JSON under out/ (see docs/benchmarks.md).
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run
+	mkdir -p out
+	$(BIN)/python -m benchmarks.transfer out/bench-transfer.json
+	$(BIN)/python -m benchmarks.e2e --json-out out/bench-e2e.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-vllm build *.egg-info

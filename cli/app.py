@@ -6,11 +6,15 @@ formats the answer as rich tables (people) or one JSON object (``--json``, scrip
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+
+from kvsnap import __version__
+from kvsnap.snapshot import Snapshot
 
 from .fixture import fixture
 from .output import (
@@ -22,8 +26,6 @@ from .output import (
     settings,
     stdout,
 )
-from kvsnap import __version__
-from kvsnap.snapshot import Snapshot
 
 app = typer.Typer(
     name="kvsnap",
@@ -33,17 +35,27 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")]
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")
+]
 ModelOption = Annotated[
     str | None,
     typer.Option(
         "--model",
         "-m",
-        help="A local transformers model directory or a cached hub id (default: the built-in tiny model).",
+        help=(
+            "A local transformers model directory or a cached hub id "
+            "(default: the built-in tiny model)."
+        ),
     ),
 ]
 DeviceOption = Annotated[str, typer.Option("--device", help="torch device to run the model on.")]
-DtypeOption = Annotated[str, typer.Option("--dtype", help="Model and KV dtype: float32, bfloat16, float16.")]
+DtypeOption = Annotated[
+    str, typer.Option("--dtype", help="Model and KV dtype: float32, bfloat16, float16.")
+]
+#: What ``kvsnap capture`` runs when given no prompt.
+DEFAULT_PROMPT = "kvsnap keeps the KV cache of this prompt, bit for bit, across restarts."
+
 BackendOption = Annotated[
     str, typer.Option("--backend", help="Copy backend: auto, cuda-batch, triton, torch, cpu.")
 ]
@@ -57,10 +69,14 @@ def _version_callback(value: bool) -> None:
 
 @app.callback()
 def main_options(
-    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks for errors.")] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show full tracebacks for errors.")
+    ] = False,
     version: Annotated[
         bool,
-        typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version."),
+        typer.Option(
+            "--version", callback=_version_callback, is_eager=True, help="Print the version."
+        ),
     ] = False,
 ) -> None:
     """kvsnap: capture → inspect → verify → restore KV cache snapshots."""
@@ -84,14 +100,17 @@ def capture(
     output: Annotated[Path, typer.Option("--output", "-o", help="Snapshot file to write.")],
     model: ModelOption = None,
     prompt: Annotated[
-        list[str] | None, typer.Option("--prompt", "-p", help="A prompt (repeat for several sequences).")
+        list[str] | None,
+        typer.Option("--prompt", "-p", help="A prompt (repeat for several sequences)."),
     ] = None,
     prompts_file: Annotated[
         Path | None, typer.Option("--prompts-file", help="A file with one prompt per line.")
     ] = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
-    block_size: Annotated[int, typer.Option("--block-size", min=1, help="Tokens per KV block.")] = 16,
+    block_size: Annotated[
+        int, typer.Option("--block-size", min=1, help="Tokens per KV block.")
+    ] = 16,
     reproducible: Annotated[
         bool, typer.Option("--reproducible", help="Leave out everything time- or host-dependent.")
     ] = False,
@@ -100,7 +119,7 @@ def capture(
 ) -> None:
     """Run prefill for each prompt on the model and write the KV cache as a snapshot."""
     from kvsnap.engines import transformers as hf
-    from kvsnap.engines.default_model import DEFAULT_PROMPT, load_model
+    from kvsnap.engines.default_model import load_model
 
     prompts = list(prompt or [])
     if prompts_file is not None:
@@ -109,6 +128,8 @@ def capture(
         prompts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
     if not prompts:
         prompts = [DEFAULT_PROMPT]
+    if not all(text.strip() for text in prompts):
+        raise UsageError("prompts must not be empty")
     loaded = load_model(model, dtype=_dtype(dtype), device=device)
     prefilled = hf.prefill(loaded, prompts)
     with progress_bar("capture", enabled=not as_json) as progress:
@@ -145,9 +166,12 @@ def capture(
 @handle_errors
 def inspect(
     snapshot: Annotated[Path, typer.Argument(help="Snapshot file or URL.")],
-    stats: Annotated[bool, typer.Option("--stats", help="Per layer absmax, mean, std, NaN and Inf counts.")] = False,
+    stats: Annotated[
+        bool, typer.Option("--stats", help="Per layer absmax, mean, std, NaN and Inf counts.")
+    ] = False,
     plot: Annotated[
-        Path | None, typer.Option("--plot", help="Write a PNG heatmap of per-layer, per-token K/V norms.")
+        Path | None,
+        typer.Option("--plot", help="Write a PNG heatmap of per-layer, per-token K/V norms."),
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -158,7 +182,7 @@ def inspect(
         shared = snap.shared_blocks()
         payload: dict[str, Any] = {
             "path": snap.path,
-            "format_version": meta.format_version,
+            "format_version": snap.format_version,
             "kvsnap_version": meta.kvsnap_version,
             "created": meta.created,
             "model": {
@@ -231,7 +255,10 @@ def _print_inspect(payload: dict[str, Any]) -> None:
         sequences.add_column(column, justify="right" if column != "id" else "left")
     for record in payload["sequences"]:
         sequences.add_row(
-            record["id"], str(record["num_tokens"]), str(record["num_blocks"]), str(record["shared_blocks"])
+            record["id"],
+            str(record["num_tokens"]),
+            str(record["num_blocks"]),
+            str(record["shared_blocks"]),
         )
     stdout.print(sequences)
     if "stats" in payload:
@@ -283,18 +310,27 @@ def _plot_norms(snap: Snapshot, path: Path) -> None:
 def verify(
     snapshot: Annotated[Path, typer.Argument(help="Snapshot file or URL.")],
     against: Annotated[
-        Path | None, typer.Option("--against", help="Compare numerically with this reference snapshot.")
+        Path | None,
+        typer.Option("--against", help="Compare numerically with this reference snapshot."),
     ] = None,
-    atol: Annotated[float, typer.Option("--atol", min=0.0, help="Absolute tolerance for --against.")] = 0.0,
-    rtol: Annotated[float, typer.Option("--rtol", min=0.0, help="Relative tolerance for --against.")] = 0.0,
+    atol: Annotated[
+        float, typer.Option("--atol", min=0.0, help="Absolute tolerance for --against.")
+    ] = 0.0,
+    rtol: Annotated[
+        float, typer.Option("--rtol", min=0.0, help="Relative tolerance for --against.")
+    ] = 0.0,
     recompute: Annotated[
-        bool, typer.Option("--recompute", help="Rerun prefill on the model and compare with the snapshot.")
+        bool,
+        typer.Option(
+            "--recompute", help="Rerun prefill on the model and compare with the snapshot."
+        ),
     ] = False,
     model: ModelOption = None,
     device: DeviceOption = "cpu",
     as_json: JsonOption = False,
 ) -> None:
-    """Check a snapshot's structure and every checksum; optionally compare it with another or a recompute."""
+    """Check a snapshot's structure and every checksum; optionally compare it with another
+    snapshot or with a fresh prefill on the model."""
     from kvsnap.errors import NotASnapshotError, SnapshotCorruptError
 
     path = _require_snapshot_path(snapshot)
@@ -314,7 +350,13 @@ def verify(
                 problems += _comparison_problems(comparison)
                 report = comparison.report()
     except (SnapshotCorruptError, NotASnapshotError) as error:
-        problems.append({"tensor": getattr(error, "tensor", None), "block": getattr(error, "block", None), "message": str(error)})
+        problems.append(
+            {
+                "tensor": getattr(error, "tensor", None),
+                "block": getattr(error, "block", None),
+                "message": str(error),
+            }
+        )
     ok = not problems
     if as_json:
         emit_json({"ok": ok, "problems": problems})
@@ -323,7 +365,9 @@ def verify(
             stdout.print(report)
         for problem in problems:
             stdout.print(f"[red]problem:[/] {problem['message']}")
-        stdout.print("[bold green]OK[/]" if ok else f"[bold red]FAILED[/] ({len(problems)} problem(s))")
+        stdout.print(
+            "[bold green]OK[/]" if ok else f"[bold red]FAILED[/] ({len(problems)} problem(s))"
+        )
     if not ok:
         raise typer.Exit(EXIT_VERIFY_FAILED)
 
@@ -360,7 +404,7 @@ def _recompute(snap: Snapshot, model: str | None, device: str, atol: float, rtol
     from kvsnap.engines.default_model import load_model
 
     loaded = load_model(model, dtype=_dtype(snap.geometry.dtype), device=device)
-    prefilled = hf.prefill_token_ids(loaded, [list(map(int, record.token_ids)) for record in snap.sequences])
+    prefilled = hf.prefill_token_ids(loaded, [record.token_ids for record in snap.sequences])
     with tempfile.TemporaryDirectory(prefix="kvsnap-recompute-") as scratch:
         fresh_path = Path(scratch) / "recomputed.safetensors"
         hf.capture_dynamic_caches(
@@ -385,13 +429,20 @@ def restore(
     model: ModelOption = None,
     device: DeviceOption = "cpu",
     max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", min=0, help="Tokens to generate after the restored prefix.")
+        int,
+        typer.Option(
+            "--max-new-tokens", min=0, help="Tokens to generate after the restored prefix."
+        ),
     ] = 16,
     check: Annotated[
         bool,
-        typer.Option("--check", help="Also generate without the snapshot; exit 1 unless the tokens match."),
+        typer.Option(
+            "--check", help="Also generate without the snapshot; exit 1 unless the tokens match."
+        ),
     ] = False,
-    force: Annotated[bool, typer.Option("--force", help="Restore even if the model fingerprint differs.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Restore even if the model fingerprint differs.")
+    ] = False,
     backend: BackendOption = "auto",
     as_json: JsonOption = False,
 ) -> None:
@@ -400,31 +451,35 @@ def restore(
     from kvsnap.engines.default_model import load_model
 
     path = _require_snapshot_path(snapshot)
+    continuations: dict[str, str] = {}
+    check_result = None
     with Snapshot.open(path) as snap:
         loaded = load_model(model, dtype=_dtype(snap.geometry.dtype), device=device)
-        snap.check_compatible(
-            hf.geometry_for_model(loaded, snap.geometry.block_size),
-            model_fingerprint=loaded.fingerprint,
-            force=force,
-        )
+        # Refuse before anything is allocated or written, naming both sides.
+        hf.check_snapshot_fits(snap, loaded, force=force)
+        started = time.perf_counter()
+        restored = []
         with progress_bar("restore", enabled=not as_json) as progress:
-            restored = hf.restore_dynamic_caches(snap, loaded, backend=backend, progress=progress)
-        continuations: dict[str, str] = {}
-        tokens: dict[str, list[int]] = {}
-        for item in restored.sequences:
-            tokens[item.id] = hf.continue_generation(loaded, item.cache, item.token_ids, max_new_tokens)
-            continuations[item.id] = loaded.decode(tokens[item.id])
-        check_result = None
+            for record in snap.sequences:
+                cache, token_ids = hf.restore_dynamic_cache(
+                    snap, sequence_id=record.id, device=device, backend=backend, progress=progress
+                )
+                restored.append((record.id, cache, token_ids))
+        total_bytes = (
+            sum(len(record.block_ids) for record in snap.sequences) * snap.geometry.bytes_per_block
+        )
+    restore_seconds = time.perf_counter() - started
+    for sequence_id, cache, token_ids in restored:
+        continued = hf.continue_generation(loaded, cache, token_ids, max_new_tokens)
+        continuations[sequence_id] = loaded.decode(continued)
         if check:
-            check_result = "match"
-            for item in restored.sequences:
-                reference = hf.generate_greedy(loaded, item.token_ids, max_new_tokens)
-                if reference != tokens[item.id]:
-                    check_result = "mismatch"
+            reference = hf.generate_greedy(loaded, token_ids, max_new_tokens)
+            matched = reference == continued
+            check_result = "mismatch" if not matched or check_result == "mismatch" else "match"
     payload = {
-        "sequences": len(restored.sequences),
-        "bytes": restored.result.num_bytes,
-        "seconds": round(restored.result.seconds, 6),
+        "sequences": len(restored),
+        "bytes": total_bytes,
+        "seconds": round(restore_seconds, 6),
         "continuations": continuations,
         "check": check_result,
     }
@@ -432,14 +487,16 @@ def restore(
         emit_json(payload)
     else:
         stdout.print(
-            f"restored {payload['sequences']} sequence(s), {_bytes(restored.result.num_bytes)} "
-            f"in {restored.result.seconds:.3f} s"
+            f"restored {payload['sequences']} sequence(s), {_bytes(total_bytes)} "
+            f"in {restore_seconds:.3f} s"
         )
         for sequence_id, text in continuations.items():
             stdout.print(f"[bold]{sequence_id}[/] → {text!r}")
         if check_result is not None:
             colour = "green" if check_result == "match" else "red"
-            stdout.print(f"check: [bold {colour}]{check_result}[/] (generation without the snapshot)")
+            stdout.print(
+                f"check: [bold {colour}]{check_result}[/] (generation without the snapshot)"
+            )
     if check_result == "mismatch":
         raise typer.Exit(EXIT_VERIFY_FAILED)
 

@@ -59,7 +59,9 @@ def exit_code_for(error: BaseException) -> int:
     return EXIT_USAGE
 
 
-def fail(message: str, code: int, *, as_json: bool = False, extra: dict[str, Any] | None = None) -> NoReturn:
+def fail(
+    message: str, code: int, *, as_json: bool = False, extra: dict[str, Any] | None = None
+) -> NoReturn:
     """Print one clear error (and the JSON error object with ``--json``) and exit with ``code``."""
     if as_json:
         emit_json({"ok": False, "error": message, **(extra or {})})
@@ -68,7 +70,10 @@ def fail(message: str, code: int, *, as_json: bool = False, extra: dict[str, Any
 
 
 def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn expected errors into one message and the documented exit code (traceback with --debug)."""
+    """Turn expected errors into one message and the documented exit code.
+
+    ``--debug`` re-raises instead, so the traceback shows."""
+
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -98,7 +103,9 @@ def _jsonable(value: Any) -> Any:
 
 @contextmanager
 def progress_bar(description: str, *, enabled: bool) -> Iterator[Callable[[int, int], None]]:
-    """A rich byte progress bar on stderr; a no-op callback when disabled or stderr is no terminal."""
+    """A rich byte progress bar on stderr.
+
+    The callback does nothing when disabled or when stderr is not a terminal."""
     if not enabled or not stderr.is_terminal:
         yield lambda done, total: None
         return

@@ -1279,7 +1279,12 @@ def decode_index(raw: bytes, file: str | None = None) -> ShardIndex:
             raise SnapshotCorruptError(f"shard {name} has no valid trailer digest", file=file)
     if len({name[: -len(f"-00001-of-{count:05d}.safetensors")] for name in files}) != 1:
         raise SnapshotCorruptError("shard names do not share one stem", file=file)
-    expected = [spec.name for spec in specs_for(metadata)]
+    specs = specs_for(metadata)
+    if extra["total_size"] != sum(spec.nbytes for spec in specs):
+        raise SnapshotCorruptError(
+            f"total_size {extra['total_size']!r} is not the tensors' size", file=file
+        )
+    expected = [spec.name for spec in specs]
     if list(weight_map) != expected:
         raise SnapshotCorruptError(
             "weight_map does not list exactly the snapshot's tensors in order", file=file

@@ -639,6 +639,49 @@ def _tp_shard(num_kv_heads: int, local_heads: int, tp_rank: int, tp_size: int) -
     return shard
 
 
+def _uniform_layers(
+    kv_caches: Sequence[torch.Tensor], shape_text: str, ndim: int, *, pair_dim: int | None = None
+) -> torch.Tensor:
+    """Layer 0's tensor, after checking every layer has its shape and dtype.
+
+    ``pair_dim`` names a dimension that must have size 2 (K and V); ``shape_text`` is the
+    expected shape as the error shows it.
+    """
+    _require(len(kv_caches) > 0, "no KV cache tensors given")
+    first = kv_caches[0]
+    _require(
+        first.dim() == ndim and (pair_dim is None or first.shape[pair_dim] == 2),
+        f"expected {shape_text}, got {tuple(first.shape)}",
+    )
+    for layer, cache in enumerate(kv_caches):
+        _require(
+            cache.shape == first.shape and cache.dtype == first.dtype,
+            f"layer {layer} differs from layer 0: {tuple(cache.shape)} {cache.dtype}",
+        )
+    return first
+
+
+def _sharded_builder(
+    first: torch.Tensor,
+    *,
+    num_layers: int,
+    block_size: int,
+    local_heads: int,
+    head_dim: int,
+    num_kv_heads: int | None,
+    tp_rank: int,
+    tp_size: int,
+    attention_types: Sequence[str] | None,
+) -> tuple[_LayoutBuilder, HeadShard]:
+    """A builder for a head-sharded cache and the rank's shard (``num_kv_heads``: the total)."""
+    total_heads = num_kv_heads or local_heads * tp_size
+    geometry = _geometry(
+        num_layers, block_size, first.dtype, total_heads, head_dim, attention_types
+    )
+    shard = _tp_shard(total_heads, local_heads, tp_rank, tp_size)
+    return _LayoutBuilder(geometry, tp_rank, tp_size), shard
+
+
 def vllm_split_layout(
     kv_caches: Sequence[torch.Tensor],
     *,
@@ -647,30 +690,28 @@ def vllm_split_layout(
     tp_size: int = 1,
     attention_types: Sequence[str] | None = None,
 ) -> CacheLayout:
-    """vLLM's split cache: one tensor per layer, shaped ``(num_blocks, 2, block_size, heads, head_dim)``.
+    """vLLM's split cache: per layer ``(num_blocks, 2, block_size, heads, head_dim)``.
 
     The shape is the logical one; the physical order may be NHD or HND (vLLM allocates HND
     physically and permutes), and the runs follow the real strides either way.
     ``num_kv_heads`` is the model's total (default: the local count times ``tp_size``).
     """
-    _require(len(kv_caches) > 0, "no KV cache tensors given")
-    first = kv_caches[0]
-    _require(
-        first.dim() == 5 and first.shape[1] == 2,
-        f"expected (num_blocks, 2, block_size, heads, head_dim), got {tuple(first.shape)}",
+    first = _uniform_layers(
+        kv_caches, "(num_blocks, 2, block_size, heads, head_dim)", 5, pair_dim=1
     )
     num_blocks, _, block_size, local_heads, head_dim = first.shape
-    total_heads = num_kv_heads or local_heads * tp_size
-    geometry = _geometry(
-        len(kv_caches), block_size, first.dtype, total_heads, head_dim, attention_types
+    builder, shard = _sharded_builder(
+        first,
+        num_layers=len(kv_caches),
+        block_size=block_size,
+        local_heads=local_heads,
+        head_dim=head_dim,
+        num_kv_heads=num_kv_heads,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        attention_types=attention_types,
     )
-    shard = _tp_shard(total_heads, local_heads, tp_rank, tp_size)
-    builder = _LayoutBuilder(geometry, tp_rank, tp_size)
     for layer, cache in enumerate(kv_caches):
-        _require(
-            cache.shape == first.shape and cache.dtype == first.dtype,
-            f"layer {layer} differs from layer 0: {tuple(cache.shape)} {cache.dtype}",
-        )
         index = builder.add_tensor(cache, cache.stride(0), num_blocks)
         builder.add_heads_part(index, layer, KEY, cache[0, 0], shard)
         builder.add_heads_part(index, layer, VALUE, cache[0, 1], shard)
@@ -690,23 +731,22 @@ def vllm_legacy_layout(
 
     K and V are two block-major halves of one tensor; each half is registered as its own tensor.
     """
-    _require(len(kv_caches) > 0, "no KV cache tensors given")
-    first = kv_caches[0]
-    _require(
-        first.dim() == 5 and first.shape[0] == 2,
-        f"expected (2, num_blocks, block_size, heads, head_dim), got {tuple(first.shape)}",
+    first = _uniform_layers(
+        kv_caches, "(2, num_blocks, block_size, heads, head_dim)", 5, pair_dim=0
     )
     _, num_blocks, block_size, local_heads, head_dim = first.shape
-    total_heads = num_kv_heads or local_heads * tp_size
-    geometry = _geometry(
-        len(kv_caches), block_size, first.dtype, total_heads, head_dim, attention_types
+    builder, shard = _sharded_builder(
+        first,
+        num_layers=len(kv_caches),
+        block_size=block_size,
+        local_heads=local_heads,
+        head_dim=head_dim,
+        num_kv_heads=num_kv_heads,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        attention_types=attention_types,
     )
-    shard = _tp_shard(total_heads, local_heads, tp_rank, tp_size)
-    builder = _LayoutBuilder(geometry, tp_rank, tp_size)
     for layer, cache in enumerate(kv_caches):
-        _require(
-            cache.shape == first.shape, f"layer {layer} differs from layer 0: {tuple(cache.shape)}"
-        )
         for part_index, part in enumerate(KV_PARTS):
             half = cache[part_index]
             index = builder.add_tensor(half, half.stride(0), num_blocks)
@@ -722,25 +762,23 @@ def packed_layout(
     tp_size: int = 1,
     attention_types: Sequence[str] | None = None,
 ) -> CacheLayout:
-    """The packed layout: per layer ``(num_blocks, heads, block_size, 2 * head_dim)``, K then V in each row."""
-    _require(len(kv_caches) > 0, "no KV cache tensors given")
-    first = kv_caches[0]
-    _require(
-        first.dim() == 4 and first.shape[3] % 2 == 0,
-        f"expected (num_blocks, heads, block_size, 2*head_dim), got {tuple(first.shape)}",
-    )
+    """The packed layout: per layer ``(num_blocks, heads, block_size, 2 * head_dim)``, K then V."""
+    first = _uniform_layers(kv_caches, "(num_blocks, heads, block_size, 2*head_dim)", 4)
+    _require(first.shape[3] % 2 == 0, f"the last dimension {first.shape[3]} is not 2*head_dim")
     num_blocks, local_heads, block_size, packed_dim = first.shape
     head_dim = packed_dim // 2
-    total_heads = num_kv_heads or local_heads * tp_size
-    geometry = _geometry(
-        len(kv_caches), block_size, first.dtype, total_heads, head_dim, attention_types
+    builder, shard = _sharded_builder(
+        first,
+        num_layers=len(kv_caches),
+        block_size=block_size,
+        local_heads=local_heads,
+        head_dim=head_dim,
+        num_kv_heads=num_kv_heads,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        attention_types=attention_types,
     )
-    shard = _tp_shard(total_heads, local_heads, tp_rank, tp_size)
-    builder = _LayoutBuilder(geometry, tp_rank, tp_size)
     for layer, cache in enumerate(kv_caches):
-        _require(
-            cache.shape == first.shape, f"layer {layer} differs from layer 0: {tuple(cache.shape)}"
-        )
         index = builder.add_tensor(cache, cache.stride(0), num_blocks)
         page = cache[0].transpose(0, 1)  # (block_size, heads, 2*head_dim)
         builder.add_heads_part(index, layer, KEY, page[..., :head_dim], shard)
@@ -756,11 +794,7 @@ def mla_layout(
     attention_types: Sequence[str] | None = None,
 ) -> CacheLayout:
     """MLA: per layer ``(num_blocks, block_size, latent_dim)``, replicated on every TP rank."""
-    _require(len(kv_caches) > 0, "no KV cache tensors given")
-    first = kv_caches[0]
-    _require(
-        first.dim() == 3, f"expected (num_blocks, block_size, latent_dim), got {tuple(first.shape)}"
-    )
+    first = _uniform_layers(kv_caches, "(num_blocks, block_size, latent_dim)", 3)
     num_blocks, block_size, latent_dim = first.shape
     geometry = KVGeometry(
         num_layers=len(kv_caches),
@@ -772,9 +806,6 @@ def mla_layout(
     shard = HeadShard(0, 1, tp_size, tp_rank)
     builder = _LayoutBuilder(geometry, tp_rank, tp_size)
     for layer, cache in enumerate(kv_caches):
-        _require(
-            cache.shape == first.shape, f"layer {layer} differs from layer 0: {tuple(cache.shape)}"
-        )
         index = builder.add_tensor(cache, cache.stride(0), num_blocks)
         builder.add_latent_part(index, layer, cache[0], shard)
     return builder.build("mla")
@@ -791,7 +822,8 @@ def cross_layer_layout(
     """One tensor for all layers: ``(num_blocks, num_layers, 2, block_size, heads, head_dim)``."""
     _require(
         cache.dim() == 6 and cache.shape[2] == 2,
-        f"expected (num_blocks, num_layers, 2, block_size, heads, head_dim), got {tuple(cache.shape)}",
+        "expected (num_blocks, num_layers, 2, block_size, heads, head_dim), "
+        f"got {tuple(cache.shape)}",
     )
     num_blocks, num_layers, _, block_size, local_heads, head_dim = cache.shape
     total_heads = num_kv_heads or local_heads * tp_size
@@ -853,7 +885,7 @@ def contiguous_layout(
     batch_index: int = 0,
     attention_types: Sequence[str] | None = None,
 ) -> CacheLayout:
-    """Contiguous per-layer tensors ``(batch, heads, seq, head_dim)`` (a ``DynamicCache``) cut into blocks.
+    """Contiguous per-layer ``(batch, heads, seq, head_dim)`` tensors (``DynamicCache``) as blocks.
 
     Block ``b`` of the chosen batch row is tokens ``b*block_size .. (b+1)*block_size``; a
     sequence whose length is not a multiple of ``block_size`` leaves its last block partial,

@@ -186,7 +186,7 @@ class CopyPlanner:
 def host_page_addresses(
     host: HostPages, chunk_ids: np.ndarray, skip: int, count: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Addresses and global page numbers of ``count`` host pages starting ``skip`` into ``chunk_ids``.
+    """Addresses and global numbers of ``count`` host pages, ``skip`` pages into ``chunk_ids``.
 
     Page ``j`` of chunk ``c`` has global number ``c * blocks_per_chunk + j``.
     """

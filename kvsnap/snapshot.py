@@ -1,4 +1,4 @@
-"""Capture a cache into a snapshot, and the :class:`Snapshot` users hold: open, verify, compare, restore.
+"""Capture a cache into a snapshot; the :class:`Snapshot`: open, verify, compare, restore.
 
 This module wires the pipeline together and owns no mechanism of its own:
 
@@ -19,6 +19,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -194,7 +195,7 @@ def capture(
     max_shard_bytes: int | None = None,
     direct_io: bool | None = None,
 ) -> CaptureResult:
-    """Write the KV of ``sequences`` from the cache described by ``layout`` to a snapshot at ``path``.
+    """Write the KV of ``sequences`` from the cache ``layout`` describes to a snapshot at ``path``.
 
     ``layout`` may be a list with one layout per TP rank held by this process; each rank then
     contributes the canonical fragments it is elected for, and the snapshot is the complete
@@ -232,7 +233,8 @@ def capture(
         num_blocks=len(device_block_ids),
         capture_encoding=layouts[0].encoding,
         tp_size=layouts[0].tp_size,
-        kvsnap_version=__version__,
+        # A reproducible snapshot must not change bytes with each patch release.
+        kvsnap_version=".".join(__version__.split(".")[:2]) if reproducible else __version__,
         created=None if reproducible else fmt.utc_now(),
     )
     page_bytes = geometry.canonical_page_size_bytes
@@ -330,6 +332,11 @@ class Snapshot:
         return self._reader.metadata
 
     @property
+    def format_version(self) -> int:
+        """The format version the snapshot was written in."""
+        return self._reader.format_version
+
+    @property
     def geometry(self) -> KVGeometry:
         return self.metadata.geometry
 
@@ -379,7 +386,8 @@ class Snapshot:
         """
         mine = self.geometry
         differences = [
-            f"{field_name}: snapshot {getattr(mine, field_name)!r}, target {getattr(geometry, field_name)!r}"
+            f"{field_name}: snapshot {getattr(mine, field_name)!r}, "
+            f"target {getattr(geometry, field_name)!r}"
             for field_name in (
                 "num_layers",
                 "num_kv_heads",
@@ -415,7 +423,10 @@ class Snapshot:
         return self._reader.read_tensor(name)
 
     def sequence_kv(self, sequence_id: str, name: str) -> torch.Tensor:
-        """One sequence's KV of tensor ``name``: ``(num_tokens, heads, head_dim)`` (or ``(num_tokens, latent)``)."""
+        """One sequence's KV of tensor ``name``.
+
+        Shaped ``(num_tokens, heads, head_dim)``, or ``(num_tokens, latent_dim)`` for MLA.
+        """
         record = self.sequence(sequence_id)
         page_bytes = self._reader.page_size_bytes(name)
         pages = np.empty(len(record.block_ids) * page_bytes, dtype=np.uint8)
@@ -508,11 +519,61 @@ class Snapshot:
         ]
         pool = _staging_pool(page_bytes, staging_bytes, staging_slots)
         job_ids = itertools.count()
-        in_flight: deque[tuple[list[int], Slot, str]] = deque()
+        blocks_per_slot = pool.slot_bytes // page_bytes
+        work = [
+            (name, chunk)
+            for name in names
+            for chunk in _chunks(len(snapshot_blocks), blocks_per_slot)
+        ]
+        # Reads run one slot ahead on their own thread, so the disk never waits for a scatter
+        # and a scatter never waits for the disk; each slot is either being read, being
+        # scattered, or free.
+        reads: deque[tuple[Future[None], Slot, str, slice]] = deque()
+        scatters: deque[tuple[list[int], Slot, str]] = deque()
+        max_reads = max(1, staging_slots // 2)
+        max_scatters = max(1, staging_slots - max_reads)
         done_bytes = 0
+        reader_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsnap-restore-read")
 
-        def finish_oldest() -> None:
-            jobs, slot, name = in_flight.popleft()
+        def start_read(name: str, chunk: slice) -> None:
+            slot = pool.acquire()
+            count = chunk.stop - chunk.start
+            future = reader_thread.submit(
+                self._reader.read_pages,
+                name,
+                snapshot_blocks[chunk],
+                slot.as_numpy(count * page_bytes),
+            )
+            reads.append((future, slot, name, chunk))
+
+        def scatter_oldest_read() -> None:
+            nonlocal done_bytes
+            future, slot, name, chunk = reads.popleft()
+            try:
+                future.result()
+            except BaseException:
+                pool.release(slot)
+                raise
+            count = chunk.stop - chunk.start
+            copy = PageCopy(
+                name=name,
+                device_block_ids=target_blocks[chunk],
+                host=HostPages.contiguous(slot.data_ptr, count, page_bytes),
+                host_chunk_ids=np.arange(count, dtype=np.int64),
+            )
+            jobs: list[int] = []
+            scatters.append((jobs, slot, name))
+            for handler in handlers:
+                job_id = next(job_ids)
+                if not handler.submit(job_id, [copy]):
+                    raise _JobFailed(f"restore of {name}: the transfer handler refused a job")
+                jobs.append(job_id)
+            done_bytes += count * page_bytes
+            if progress is not None:
+                progress(done_bytes, total_bytes)
+
+        def finish_oldest_scatter() -> None:
+            jobs, slot, name = scatters.popleft()
             try:
                 for handler, job_id in zip(handlers, jobs, strict=True):
                     _raise_failed(handler.wait([job_id]), f"restore of {name}")
@@ -520,42 +581,21 @@ class Snapshot:
                 pool.release(slot)
 
         try:
-            blocks_per_slot = pool.slot_bytes // page_bytes
-            for name in names:
-                for chunk in _chunks(len(snapshot_blocks), blocks_per_slot):
-                    count = chunk.stop - chunk.start
-                    slot = pool.acquire()
-                    try:
-                        self._reader.read_pages(
-                            name, snapshot_blocks[chunk], slot.as_numpy(count * page_bytes)
-                        )
-                    except BaseException:
-                        pool.release(slot)
-                        raise
-                    copy = PageCopy(
-                        name=name,
-                        device_block_ids=target_blocks[chunk],
-                        host=HostPages.contiguous(slot.data_ptr, count, page_bytes),
-                        host_chunk_ids=np.arange(count, dtype=np.int64),
-                    )
-                    jobs = []
-                    for handler in handlers:
-                        job_id = next(job_ids)
-                        if not handler.submit(job_id, [copy]):
-                            pool.release(slot)
-                            raise _JobFailed(
-                                f"restore of {name}: the transfer handler refused a job"
-                            )
-                        jobs.append(job_id)
-                    in_flight.append((jobs, slot, name))
-                    if len(in_flight) >= staging_slots - 1:
-                        finish_oldest()
-                    done_bytes += count * page_bytes
-                    if progress is not None:
-                        progress(done_bytes, total_bytes)
-            while in_flight:
-                finish_oldest()
+            for name, chunk in work:
+                while len(scatters) >= max_scatters:
+                    finish_oldest_scatter()
+                while len(reads) >= max_reads:
+                    scatter_oldest_read()
+                    while len(scatters) > max_scatters:
+                        finish_oldest_scatter()
+                start_read(name, chunk)
+            while reads:
+                scatter_oldest_read()
+            while scatters:
+                finish_oldest_scatter()
         finally:
+            # Let an outstanding read finish before its slot's memory goes away.
+            reader_thread.shutdown(wait=True, cancel_futures=True)
             for handler in handlers:
                 handler.shutdown()
             pool.close()
@@ -571,7 +611,7 @@ class Snapshot:
     def _restore_pairs(
         self, block_ids: Mapping[str, np.ndarray | Sequence[int]], layouts: Sequence[CacheLayout]
     ) -> tuple[np.ndarray, np.ndarray, int]:
-        """(snapshot block, target block) pairs to copy, sorted by snapshot block; and the token count."""
+        """(snapshot block, target block) pairs, sorted by snapshot block, and the token count."""
         if not block_ids:
             raise ValueError("restore needs at least one sequence")
         capacity = min(layout.num_blocks for layout in layouts)
@@ -587,8 +627,8 @@ class Snapshot:
                 )
             if len(target) and (target.min() < 0 or target.max() >= capacity):
                 raise IncompatibleSnapshotError(
-                    f"sequence {sequence_id!r}: target block ids {target.min()}..{target.max()} do not fit "
-                    f"a cache of {capacity} blocks"
+                    f"sequence {sequence_id!r}: target block ids {target.min()}..{target.max()} "
+                    f"do not fit a cache of {capacity} blocks"
                 )
             sources.append(record.block_ids)
             targets.append(target)
@@ -617,7 +657,7 @@ class Snapshot:
         return valid
 
     def tensor_stats(self, name: str) -> dict[str, float | int]:
-        """absmax, mean, std, NaN and Inf counts of tensor ``name`` over the tokens holding real KV."""
+        """absmax, mean, std, NaN and Inf counts of tensor ``name`` over tokens with real KV."""
         tensor = self.read_tensor(name)
         block_size = self.geometry.block_size
         valid = self.valid_tokens_per_block()

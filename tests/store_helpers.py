@@ -104,7 +104,7 @@ def write_snapshot(
     rng: np.random.Generator | None = None,
     **writer_options: object,
 ) -> SnapshotInfo:
-    """Write ``pages`` through a :class:`SnapshotWriter`, in random chunk sizes when ``rng`` is given."""
+    """Write ``pages`` through a :class:`SnapshotWriter`; in random chunk sizes with ``rng``."""
     page = metadata.geometry.canonical_page_size_bytes
     with SnapshotWriter(path, metadata, **writer_options) as writer:  # type: ignore[arg-type]
         for name in writer.tensor_order():

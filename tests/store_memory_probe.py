@@ -39,7 +39,9 @@ def chunk_pattern(base: np.ndarray, tensor: int, chunk: int, out: np.ndarray) ->
 
 
 def main(path: str, total_mib: int) -> dict[str, float]:
-    geometry = KVGeometry(num_layers=4, block_size=16, dtype="bfloat16", num_kv_heads=8, head_dim=128)
+    geometry = KVGeometry(
+        num_layers=4, block_size=16, dtype="bfloat16", num_kv_heads=8, head_dim=128
+    )
     page = geometry.canonical_page_size_bytes  # 32 KiB
     names = geometry.tensor_names()
     num_blocks = (total_mib << 20) // (page * len(names))
@@ -69,7 +71,9 @@ def main(path: str, total_mib: int) -> dict[str, float]:
             slot = pool.acquire()
             view = slot.as_numpy(count * page)
             chunk_pattern(base, tensor, chunk, view)
-            writer.write_pages(name, view).add_done_callback(lambda _f, slot=slot: pool.release(slot))
+            writer.write_pages(name, view).add_done_callback(
+                lambda _f, slot=slot: pool.release(slot)
+            )
     info = writer.commit()
     write_seconds = time.perf_counter() - started
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import struct
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -223,6 +225,12 @@ def test_metadata_json_matches_the_published_schema(metadata: fmt.SnapshotMetada
     broken["layout"]["dtype"] = "float7"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, schema)
+
+
+def test_docs_publish_the_schema_the_package_uses() -> None:
+    doc = (Path(__file__).parents[1] / "docs" / "format.md").read_text()
+    blocks = re.findall(r"```json\n(.*?)\n```", doc, flags=re.S)
+    assert fmt.metadata_schema() in [json.loads(block) for block in blocks if '"$schema"' in block]
 
 
 def test_metadata_problems_name_what_is_wrong(metadata: fmt.SnapshotMetadata) -> None:

@@ -29,24 +29,32 @@ SOURCE = SourceInfo(
 LAYERS, HEADS, HEAD_DIM, BLOCK = 3, 4, 8, 4
 
 
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
-    """Random bytes reinterpreted as ``dtype`` (NaN and Inf patterns included: bytes must survive)."""
+def random_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator
+) -> torch.Tensor:
+    """Random bytes seen as ``dtype`` (NaN and Inf patterns included: bytes must survive)."""
     element = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (math.prod(shape) * element,), dtype=torch.uint8, generator=generator)
+    raw = torch.randint(
+        0, 256, (math.prod(shape) * element,), dtype=torch.uint8, generator=generator
+    )
     return raw.view(dtype).reshape(shape)
 
 
 # Each factory: (num_blocks, tp_rank, tp_size, generator) -> (layout, logical_view)
 # where logical_view(layer, part) is a (num_blocks, block, local_heads, head_dim) tensor view.
 def split_nhd(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
-    caches = [random_tensor((num_blocks, 2, BLOCK, HEADS // tp, HEAD_DIM), torch.bfloat16, gen) for _ in range(LAYERS)]
+    caches = [
+        random_tensor((num_blocks, 2, BLOCK, HEADS // tp, HEAD_DIM), torch.bfloat16, gen)
+        for _ in range(LAYERS)
+    ]
     layout = L.vllm_split_layout(caches, num_kv_heads=HEADS, tp_rank=rank, tp_size=tp)
     return layout, lambda layer, part: caches[layer][:, L.KV_PARTS.index(part)]
 
 
 def split_hnd(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
     physical = [
-        random_tensor((num_blocks, 2, HEADS // tp, BLOCK, HEAD_DIM), torch.bfloat16, gen) for _ in range(LAYERS)
+        random_tensor((num_blocks, 2, HEADS // tp, BLOCK, HEAD_DIM), torch.bfloat16, gen)
+        for _ in range(LAYERS)
     ]
     caches = [tensor.transpose(2, 3) for tensor in physical]
     layout = L.vllm_split_layout(caches, num_kv_heads=HEADS, tp_rank=rank, tp_size=tp)
@@ -54,7 +62,10 @@ def split_hnd(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
 
 
 def packed(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
-    caches = [random_tensor((num_blocks, HEADS // tp, BLOCK, 2 * HEAD_DIM), torch.bfloat16, gen) for _ in range(LAYERS)]
+    caches = [
+        random_tensor((num_blocks, HEADS // tp, BLOCK, 2 * HEAD_DIM), torch.bfloat16, gen)
+        for _ in range(LAYERS)
+    ]
     layout = L.packed_layout(caches, num_kv_heads=HEADS, tp_rank=rank, tp_size=tp)
 
     def view(layer: int, part: str) -> torch.Tensor:
@@ -66,8 +77,14 @@ def packed(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
 
 def flat_paged(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
     assert tp == 1
-    keys = [random_tensor((num_blocks * BLOCK, HEADS, HEAD_DIM), torch.bfloat16, gen) for _ in range(LAYERS)]
-    values = [random_tensor((num_blocks * BLOCK, HEADS, HEAD_DIM), torch.bfloat16, gen) for _ in range(LAYERS)]
+    keys = [
+        random_tensor((num_blocks * BLOCK, HEADS, HEAD_DIM), torch.bfloat16, gen)
+        for _ in range(LAYERS)
+    ]
+    values = [
+        random_tensor((num_blocks * BLOCK, HEADS, HEAD_DIM), torch.bfloat16, gen)
+        for _ in range(LAYERS)
+    ]
     layout = L.flat_paged_layout(keys, values, block_size=BLOCK)
 
     def view(layer: int, part: str) -> torch.Tensor:
@@ -79,8 +96,14 @@ def flat_paged(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
 
 def contiguous(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
     assert tp == 1
-    keys = [random_tensor((1, HEADS, num_blocks * BLOCK, HEAD_DIM), torch.bfloat16, gen) for _ in range(LAYERS)]
-    values = [random_tensor((1, HEADS, num_blocks * BLOCK, HEAD_DIM), torch.bfloat16, gen) for _ in range(LAYERS)]
+    keys = [
+        random_tensor((1, HEADS, num_blocks * BLOCK, HEAD_DIM), torch.bfloat16, gen)
+        for _ in range(LAYERS)
+    ]
+    values = [
+        random_tensor((1, HEADS, num_blocks * BLOCK, HEAD_DIM), torch.bfloat16, gen)
+        for _ in range(LAYERS)
+    ]
     layout = L.contiguous_layout(keys, values, block_size=BLOCK)
 
     def view(layer: int, part: str) -> torch.Tensor:
@@ -99,7 +122,9 @@ FACTORIES: dict[str, Callable] = {
 }
 
 
-def sequences_for(num_blocks: int, lengths: list[int], rng: np.random.Generator) -> list[SequenceBlocks]:
+def sequences_for(
+    num_blocks: int, lengths: list[int], rng: np.random.Generator
+) -> list[SequenceBlocks]:
     """Sequences over distinct random device blocks."""
     needed = [math.ceil(length / BLOCK) for length in lengths]
     blocks = rng.permutation(num_blocks)[: sum(needed)]
@@ -119,21 +144,33 @@ def test_capture_then_restore_into_another_layout_is_bit_exact(tmp_path, source_
     source_layout, source_view = FACTORIES[source_name](12, 0, 1, generator)
     sequences = sequences_for(12, [9, 16, 3], rng)
     path = tmp_path / "snap.safetensors"
-    result = capture(source_layout, sequences, path, source=SOURCE, staging_bytes=4096, staging_slots=2)
+    result = capture(
+        source_layout, sequences, path, source=SOURCE, staging_bytes=4096, staging_slots=2
+    )
     assert result.num_sequences == 3 and result.num_tokens == 28 and result.num_blocks == 3 + 4 + 1
 
     target_layout, target_view = FACTORIES[target_name](10, 0, 1, generator)
     targets = sequences_for(10, [9, 16, 3], rng)
     with Snapshot.open(path) as snap:
         assert snap.verify() == []
-        snap.restore(target_layout, {seq.id: target.block_ids for seq, target in zip(sequences, targets, strict=True)})
+        snap.restore(
+            target_layout,
+            {seq.id: target.block_ids for seq, target in zip(sequences, targets, strict=True)},
+        )
     for seq, target in zip(sequences, targets, strict=True):
         for layer in range(LAYERS):
             for part in L.KV_PARTS:
-                want = source_view(layer, part)[torch.from_numpy(seq.block_ids)].reshape(-1, HEADS, HEAD_DIM)
-                got = target_view(layer, part)[torch.from_numpy(target.block_ids)].reshape(-1, HEADS, HEAD_DIM)
+                want = source_view(layer, part)[torch.from_numpy(seq.block_ids)].reshape(
+                    -1, HEADS, HEAD_DIM
+                )
+                got = target_view(layer, part)[torch.from_numpy(target.block_ids)].reshape(
+                    -1, HEADS, HEAD_DIM
+                )
                 count = len(seq.token_ids)
-                assert torch.equal(want[:count].view(torch.int16), got[:count].view(torch.int16)), (layer, part)
+                assert torch.equal(want[:count].view(torch.int16), got[:count].view(torch.int16)), (
+                    layer,
+                    part,
+                )
 
 
 def test_safetensors_reads_the_canonical_tensors(tmp_path):
@@ -171,7 +208,9 @@ def test_shared_prefix_blocks_are_stored_once(tmp_path):
 
 def test_tp2_capture_restores_into_tp1_and_back(tmp_path):
     generator = torch.Generator().manual_seed(5)
-    rank_layouts, rank_views = zip(*(split_nhd(8, rank, 2, generator) for rank in range(2)), strict=True)
+    rank_layouts, rank_views = zip(
+        *(split_nhd(8, rank, 2, generator) for rank in range(2)), strict=True
+    )
     L.check_tiling(rank_layouts)
     sequences = [SequenceBlocks("s", np.arange(13), np.array([7, 2, 4, 0]))]
     tp2_path = tmp_path / "tp2.safetensors"
@@ -184,13 +223,22 @@ def test_tp2_capture_restores_into_tp1_and_back(tmp_path):
     for layer in range(LAYERS):
         for part in L.KV_PARTS:
             full = single_view(layer, part)[torch.tensor([1, 3, 5, 6])]
-            halves = [rank_views[rank](layer, part)[torch.tensor([7, 2, 4, 0])] for rank in range(2)]
+            halves = [
+                rank_views[rank](layer, part)[torch.tensor([7, 2, 4, 0])] for rank in range(2)
+            ]
             assert torch.equal(full.view(torch.int16), torch.cat(halves, dim=2).view(torch.int16))
 
     # And back: a TP=1 snapshot restored into two ranks gives each rank its heads.
     tp1_path = tmp_path / "tp1.safetensors"
-    capture(single_layout, [SequenceBlocks("s", np.arange(13), np.array([1, 3, 5, 6]))], tp1_path, source=SOURCE)
-    fresh_layouts, fresh_views = zip(*(split_nhd(8, rank, 2, generator) for rank in range(2)), strict=True)
+    capture(
+        single_layout,
+        [SequenceBlocks("s", np.arange(13), np.array([1, 3, 5, 6]))],
+        tp1_path,
+        source=SOURCE,
+    )
+    fresh_layouts, fresh_views = zip(
+        *(split_nhd(8, rank, 2, generator) for rank in range(2)), strict=True
+    )
     with Snapshot.open(tp1_path) as snap:
         snap.restore(list(fresh_layouts), {"s": np.array([0, 1, 2, 3])})
     for layer in range(LAYERS):
@@ -205,8 +253,12 @@ def test_incompatible_target_is_refused_before_any_byte_is_written(tmp_path):
     layout, _ = split_nhd(6, 0, 1, generator)
     path = tmp_path / "snap.safetensors"
     capture(layout, [SequenceBlocks("s", np.arange(8), np.array([0, 1]))], path, source=SOURCE)
-    wrong_heads = [torch.zeros(6, 2, BLOCK, 2, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
-    too_small = [torch.zeros(1, 2, BLOCK, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    wrong_heads = [
+        torch.zeros(6, 2, BLOCK, 2, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)
+    ]
+    too_small = [
+        torch.zeros(1, 2, BLOCK, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)
+    ]
     with Snapshot.open(path) as snap:
         with pytest.raises(IncompatibleSnapshotError, match=r"num_kv_heads: snapshot 4, target 2"):
             snap.restore(L.vllm_split_layout(wrong_heads), {"s": [0, 1]})
@@ -226,7 +278,9 @@ def test_restore_of_one_sequence_leaves_other_blocks_alone(tmp_path):
     sequences = sequences_for(10, [8, 8], np.random.default_rng(8))
     path = tmp_path / "snap.safetensors"
     capture(layout, sequences, path, source=SOURCE)
-    target = [torch.zeros(10, 2, BLOCK, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    target = [
+        torch.zeros(10, 2, BLOCK, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)
+    ]
     with Snapshot.open(path) as snap:
         result = snap.restore(L.vllm_split_layout(target), {"seq-1": [8, 9]})
     assert result.num_blocks == 2 and result.num_tokens == 8
@@ -245,10 +299,23 @@ def test_compare_names_the_first_mismatch(tmp_path):
     keys = [torch.randn(1, HEADS, 12, HEAD_DIM) for _ in range(LAYERS)]
     values = [torch.randn(1, HEADS, 12, HEAD_DIM) for _ in range(LAYERS)]
     sequence = SequenceBlocks("s", np.arange(12), np.arange(3))
-    capture(L.contiguous_layout(keys, values, block_size=BLOCK), [sequence], tmp_path / "a.safetensors", source=SOURCE)
+    capture(
+        L.contiguous_layout(keys, values, block_size=BLOCK),
+        [sequence],
+        tmp_path / "a.safetensors",
+        source=SOURCE,
+    )
     keys[1][0, 2, 5, 3] += 0.5
-    capture(L.contiguous_layout(keys, values, block_size=BLOCK), [sequence], tmp_path / "b.safetensors", source=SOURCE)
-    with Snapshot.open(tmp_path / "a.safetensors") as a, Snapshot.open(tmp_path / "b.safetensors") as b:
+    capture(
+        L.contiguous_layout(keys, values, block_size=BLOCK),
+        [sequence],
+        tmp_path / "b.safetensors",
+        source=SOURCE,
+    )
+    with (
+        Snapshot.open(tmp_path / "a.safetensors") as a,
+        Snapshot.open(tmp_path / "b.safetensors") as b,
+    ):
         assert a.compare(a).ok
         comparison = a.compare(b, atol=1e-3)
         loose = a.compare(b, atol=1.0)
@@ -269,11 +336,22 @@ def test_statistics_cover_only_real_tokens(tmp_path):
     # 6 real tokens in 2 blocks; tokens 6 and 7 are padding with a huge value that must not count.
     keys[2][0, :, 6:] = 1e6
     layout = L.contiguous_layout(keys, values, block_size=BLOCK)
-    capture(layout, [SequenceBlocks("s", np.arange(6), np.arange(2))], tmp_path / "s.safetensors", source=SOURCE)
+    capture(
+        layout,
+        [SequenceBlocks("s", np.arange(6), np.arange(2))],
+        tmp_path / "s.safetensors",
+        source=SOURCE,
+    )
     with Snapshot.open(tmp_path / "s.safetensors") as snap:
         assert snap.tensor_stats("layers.0.key")["nan"] == 1
         assert snap.tensor_stats("layers.2.key")["absmax"] == 2.0
-        assert snap.tensor_stats("layers.1.value") == {"absmax": 1.0, "mean": -1.0, "std": 0.0, "nan": 0, "inf": 0}
+        assert snap.tensor_stats("layers.1.value") == {
+            "absmax": 1.0,
+            "mean": -1.0,
+            "std": 0.0,
+            "nan": 0,
+            "inf": 0,
+        }
         norms = snap.token_norms("s")
     assert norms["key"].shape == (LAYERS, 6)
     assert norms["value"][0, 0] == pytest.approx(math.sqrt(HEADS * HEAD_DIM))

@@ -371,7 +371,7 @@ def test_writer_rejects_misuse(tmp_path: Path) -> None:
     metadata, pages = build("bf16", seed=25)
     page = metadata.geometry.canonical_page_size_bytes
     writer = SnapshotWriter(tmp_path / "snap.safetensors", metadata)
-    with pytest.raises(ValueError, match="expected layers.0.key"):
+    with pytest.raises(ValueError, match=r"expected layers\.0\.key"):
         writer.write_pages("layers.0.value", pages["layers.0.value"])
     with pytest.raises(ValueError, match="not a layer tensor"):
         writer.write_pages("layers.9.key", pages["layers.0.key"])

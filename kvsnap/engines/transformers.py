@@ -37,7 +37,7 @@ from __future__ import annotations
 import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,17 +191,33 @@ def prefill(model: LoadedModel, prompts: Sequence[str]) -> list[tuple[DynamicCac
     """Encode and run each prompt on its own, returning its ``DynamicCache`` and token ids.
 
     Each cache holds the KV of every token of its prompt (batch 1), ready for
-    :func:`capture_dynamic_cache` and, after a restore, :func:`continue_generation`.
+    :func:`capture_dynamic_caches` and, after a restore, :func:`continue_generation`.
     """
-    results = []
+    token_id_lists = []
     for prompt in prompts:
         token_ids = model.encode(prompt)
         if not token_ids:
             raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+        token_id_lists.append(token_ids)
+    return prefill_token_ids(model, token_id_lists)
+
+
+def prefill_token_ids(
+    model: LoadedModel, token_id_lists: Sequence[Sequence[int]]
+) -> list[tuple[DynamicCache, list[int]]]:
+    """Run each token id list on its own (batch 1) and return its ``DynamicCache`` and the ids."""
+    results = []
+    for token_ids in token_id_lists:
+        ids = [int(token) for token in token_ids]
         cache = new_dynamic_cache(model)
-        forward_with_cache(model, token_ids, cache)
-        results.append((cache, token_ids))
+        forward_with_cache(model, ids, cache)
+        results.append((cache, ids))
     return results
+
+
+def generate_greedy(model: LoadedModel, token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens after ``token_ids``, computed from scratch: what a restore must match."""
+    return continue_generation(model, new_dynamic_cache(model), token_ids, max_new_tokens)
 
 
 @torch.no_grad()
@@ -308,28 +324,83 @@ def capture_dynamic_cache(
     """
     states = dynamic_cache_states(cache)
     rows = _token_rows(token_ids)
-    batch, num_heads, seq_len, head_dim = states[0][0].shape
+    batch = states[0][0].shape[0]
     if len(rows) != batch:
         raise ValueError(f"the cache has {batch} rows, {len(rows)} token id rows were given")
-    ids = list(sequence_ids) if sequence_ids is not None else [f"seq-{row}" for row in range(batch)]
-    if len(ids) != batch:
-        raise ValueError(f"{len(ids)} sequence ids for {batch} rows")
-    for row, tokens in enumerate(rows):
+    return _capture_rows(
+        [(states, row, tokens) for row, tokens in enumerate(rows)],
+        path,
+        model=model,
+        block_size=block_size,
+        sequence_ids=sequence_ids,
+        **capture_kwargs,
+    )
+
+
+def capture_dynamic_caches(
+    items: Sequence[tuple[Cache, Sequence[int]]],
+    path: str | Path,
+    *,
+    model: LoadedModel | None,
+    block_size: int = 16,
+    sequence_ids: Sequence[str] | None = None,
+    **capture_kwargs: Any,
+) -> CaptureResult:
+    """Snapshot several batch-1 caches, e.g. what :func:`prefill` returns, as one snapshot.
+
+    ``items`` pairs each cache with the token ids its KV holds; sequence ``i`` is named
+    ``sequence_ids[i]`` (default ``"seq-i"``). Otherwise as :func:`capture_dynamic_cache`.
+    """
+    rows = []
+    for cache, tokens in items:
+        states = dynamic_cache_states(cache)
+        if states[0][0].shape[0] != 1:
+            raise ValueError(
+                "capture_dynamic_caches takes batch-1 caches; use capture_dynamic_cache"
+            )
+        rows.append((states, 0, np.asarray(tokens, dtype=np.int64)))
+    return _capture_rows(
+        rows, path, model=model, block_size=block_size, sequence_ids=sequence_ids, **capture_kwargs
+    )
+
+
+def _capture_rows(
+    rows: Sequence[tuple[list[tuple[torch.Tensor, torch.Tensor]], int, np.ndarray]],
+    path: str | Path,
+    *,
+    model: LoadedModel | None,
+    block_size: int,
+    sequence_ids: Sequence[str] | None,
+    **capture_kwargs: Any,
+) -> CaptureResult:
+    """Capture ``(per-layer states, batch row, token ids)`` rows as one sequence each."""
+    if not rows:
+        raise ValueError("nothing to capture: no sequences")
+    ids = list(sequence_ids) if sequence_ids is not None else [f"seq-{i}" for i in range(len(rows))]
+    if len(ids) != len(rows):
+        raise ValueError(f"{len(ids)} sequence ids for {len(rows)} sequences")
+    first_keys = rows[0][0][0][0]
+    _, num_heads, _, head_dim = first_keys.shape
+    for index, (states, _row, tokens) in enumerate(rows):
+        seq_len = states[0][0].shape[2]
         if not 0 < len(tokens) <= seq_len:
             raise ValueError(
-                f"row {row} has {len(tokens)} token ids, the cache holds {seq_len} positions"
+                f"sequence {index} has {len(tokens)} token ids, the cache holds {seq_len} positions"
             )
-    blocks_per_row = [math.ceil(len(tokens) / block_size) for tokens in rows]
+    blocks_per_row = [math.ceil(len(tokens) / block_size) for _, _, tokens in rows]
     first_block = np.concatenate(([0], np.cumsum(blocks_per_row)[:-1])).astype(np.int64)
     total_tokens = int(sum(blocks_per_row)) * block_size
     key_buffers, value_buffers = [], []
-    for keys, values in states:
-        for source, buffers in ((keys, key_buffers), (values, value_buffers)):
-            # One row of all sequences back to back, block-aligned: the layout needs whole blocks.
-            buffer = source.new_zeros((1, num_heads, total_tokens, head_dim))
-            for row, tokens in enumerate(rows):
-                start = int(first_block[row]) * block_size
-                buffer[0, :, start : start + len(tokens)] = source[row, :, seq_len - len(tokens) :]
+    for layer in range(len(rows[0][0])):
+        for part, buffers in ((0, key_buffers), (1, value_buffers)):
+            # All sequences back to back in one row, block-aligned: the layout needs whole blocks.
+            buffer = first_keys.new_zeros((1, num_heads, total_tokens, head_dim))
+            for (states, row, tokens), first in zip(rows, first_block, strict=True):
+                source = states[layer][part]
+                start = int(first) * block_size
+                buffer[0, :, start : start + len(tokens)] = source[
+                    row, :, source.shape[2] - len(tokens) :
+                ]
             buffers.append(buffer)
     types = attention_types(model) if model is not None else None
     layout = contiguous_layout(
@@ -338,10 +409,10 @@ def capture_dynamic_cache(
     sequences = [
         SequenceBlocks(
             id=sequence_id,
-            token_ids=tokens,
+            token_ids=np.asarray(tokens, dtype=np.int64),
             block_ids=np.arange(first, first + count, dtype=np.int64),
         )
-        for sequence_id, tokens, first, count in zip(
+        for sequence_id, (_, _, tokens), first, count in zip(
             ids, rows, first_block, blocks_per_row, strict=True
         )
     ]
@@ -377,6 +448,7 @@ def restore_dynamic_cache(
     model: LoadedModel | None = None,
     force: bool = False,
     backend: str = "auto",
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[DynamicCache, list[int]]:
     """Restore one sequence of a snapshot into a new ``DynamicCache`` (batch 1) on ``device``.
 
@@ -385,7 +457,7 @@ def restore_dynamic_cache(
     snapshot holds one sequence. With ``model``, the snapshot is first checked against it
     (geometry, and fingerprint unless ``force``) and the cache is built from its config.
     ``dtype`` casts the restored KV afterwards (lossy when narrower); by default it stays in the
-    snapshot's dtype.
+    snapshot's dtype. ``progress(done_bytes, total_bytes)`` follows the copy.
     """
     with _opened(snapshot) as opened:
         record = _pick_sequence(opened, sequence_id)
@@ -407,7 +479,12 @@ def restore_dynamic_cache(
         layout = contiguous_layout(
             keys, values, block_size=geometry.block_size, attention_types=geometry.attention_types
         )
-        opened.restore(layout, {record.id: np.arange(num_blocks, dtype=np.int64)}, backend=backend)
+        opened.restore(
+            layout,
+            {record.id: np.arange(num_blocks, dtype=np.int64)},
+            backend=backend,
+            progress=progress,
+        )
         token_ids = [int(token) for token in record.token_ids]
     cache = new_dynamic_cache(model)
     for layer, (layer_keys, layer_values) in enumerate(zip(keys, values, strict=True)):

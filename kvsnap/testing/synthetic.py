@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvsnap import format as fmt
 from kvsnap.layout import (
     KEY,
     LATENT,
@@ -56,6 +57,7 @@ from kvsnap.layout import (
     vllm_legacy_layout,
     vllm_split_layout,
 )
+from kvsnap.snapshot import CaptureResult, SequenceBlocks, capture
 
 #: Bumped whenever the values drawn for given arguments change; committed fixtures then need
 #: regenerating (scripts/make_fixtures.py) and the change is visible in review.
@@ -504,7 +506,7 @@ class SyntheticCache:
 
     spec: SyntheticSpec
     layout: CacheLayout
-    sequences: list[Any]  # kvsnap.snapshot.SequenceBlocks; typed loosely to keep imports lazy
+    sequences: list[SequenceBlocks]
     page_views: dict[str, torch.Tensor] = field(repr=False)
 
 
@@ -574,8 +576,6 @@ def build_cache(spec: SyntheticSpec) -> SyntheticCache:
     Each sequence's tokens sit in its blocks (``block_ids[t // block_size]``, slot
     ``t % block_size``); the rest of its last block is zero and spare blocks are NaN.
     """
-    from kvsnap.snapshot import SequenceBlocks
-
     synthesizer = _Synthesizer(spec)
     layout, views = _allocate(spec, synthesizer.num_cache_blocks)
     spare = torch.from_numpy(synthesizer.spare_block_ids)
@@ -599,10 +599,8 @@ def build_cache(spec: SyntheticSpec) -> SyntheticCache:
     return SyntheticCache(spec=spec, layout=layout, sequences=sequences, page_views=views)
 
 
-def source_info(spec: SyntheticSpec) -> Any:
+def source_info(spec: SyntheticSpec) -> fmt.SourceInfo:
     """The :class:`kvsnap.format.SourceInfo` recorded for ``spec``: nothing time- or host-bound."""
-    from kvsnap import format as fmt
-
     return fmt.SourceInfo(
         engine=SYNTHETIC_ENGINE,
         engine_version=str(GENERATOR_VERSION),
@@ -627,7 +625,7 @@ def generate(
     seed: int = 0,
     shared_prefix_tokens: int = 0,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
-) -> Any:
+) -> CaptureResult:
     """Write a reproducible snapshot of a synthetic KV cache to ``path``; return the CaptureResult.
 
     Builds a CPU cache of ``layout`` (default: ``"mla"`` for ``attention="mla"``, else
@@ -653,10 +651,8 @@ def generate(
     return write_spec(spec, path)
 
 
-def write_spec(spec: SyntheticSpec, path: str | Path) -> Any:
+def write_spec(spec: SyntheticSpec, path: str | Path) -> CaptureResult:
     """:func:`generate` for an already built :class:`SyntheticSpec`."""
-    from kvsnap.snapshot import capture
-
     cache = build_cache(spec)
     return capture(
         cache.layout,

@@ -8,8 +8,8 @@ the flat :class:`~kvsnap.plan.Descriptors` built from it (which the pointer back
 
 The ``auto`` policy lives here, in one place: :func:`choose_backend` picks a backend per job
 from the transfer direction, the job's mean merged descriptor size and what the machine has.
-Its thresholds come from the H200 measurements in DESIGN.md and can be overridden by a
-calibration file that ``python -m benchmarks.transfer --write-calibration`` writes.
+Its thresholds come from the H200 measurements in docs/benchmarks.md and can be overridden by
+a calibration file that ``python -m benchmarks.transfer --write-calibration`` writes.
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ from kvsnap.layout import CacheLayout
 from kvsnap.plan import Descriptors, Direction, PageCopy
 
 # --------------------------------------------------------------------------------------------
-# The auto policy's constants (DESIGN.md, "Facts measured on an H200")
+# The auto policy's constants (measured on an H200: DESIGN.md and docs/benchmarks.md)
 
-#: Mean merged descriptor size from which ``auto`` uses the driver's batch copy (DMA engines).
-#: ``cuMemcpyBatchAsync`` costs 0.45-0.85 µs of host time per descriptor and reached only
-#: 9.0/32.6 GB/s (GPU->host) and 2.6/14.2 GB/s (host->GPU) at 4/16 KiB, but 48-54 GB/s from
-#: 64 KiB up, on par with the Triton kernel (50.5-52.5 GB/s) while leaving the SMs to compute.
+#: Mean fragment size from which ``auto`` uses the driver's batch copy (DMA engines). Measured
+#: on an H200 (docs/benchmarks.md, 2026-11-29): the batch copy costs ~0.5 us of host time per
+#: descriptor and stays below the staging gather up to 128 KiB pages (44 vs 50 GB/s for 512
+#: blocks; 1-5 GB/s at 2-16 KiB), and matches it (50-52 GB/s) from 2 MiB, where it leaves
+#: the SMs to the model. ``benchmarks/transfer.py --write-calibration`` re-derives it.
 LARGE_FRAGMENT_BYTES: dict[Direction, int] = {
-    Direction.DEVICE_TO_HOST: 64 * 1024,
-    Direction.HOST_TO_DEVICE: 64 * 1024,
+    Direction.DEVICE_TO_HOST: 2 << 20,
+    Direction.HOST_TO_DEVICE: 2 << 20,
 }
 #: Backend ``auto`` uses below the threshold. ``torch`` gathers whole canonical pages on the
 #: device (at memory speed) and moves them with contiguous copies (DESIGN.md: 51-54 GB/s for
@@ -200,7 +201,7 @@ def make_backend(
 
 @dataclass(frozen=True)
 class AutoPolicy:
-    """Thresholds of the ``auto`` selection; defaults from DESIGN.md, overridable by calibration.
+    """Thresholds of the ``auto`` selection: measured defaults, overridable by a calibration file.
 
     A job goes to :attr:`large_backend` when its mean fragment (unmerged descriptor) is at least
     ``large_fragment_bytes[direction]``, else to :attr:`small_backend`, or to
@@ -214,7 +215,7 @@ class AutoPolicy:
     large_backend: str = LARGE_FRAGMENT_BACKEND
     small_backend: str = SMALL_FRAGMENT_BACKEND
     small_fallback: str = SMALL_FRAGMENT_FALLBACK
-    source: str = "defaults (DESIGN.md)"
+    source: str = "built-in defaults"
 
     def choose(
         self,

@@ -2,9 +2,11 @@
 
 One :class:`TransferHandler` serves one direction (capture: device to host; restore: host to
 device), the way vLLM's CPU offload worker does. A job is a list of
-:class:`~kvsnap.plan.PageCopy`; :meth:`TransferHandler.submit` plans its descriptors and
+:class:`~kvsnap.plan.PageCopy`; :meth:`TransferHandler.submit` validates it whole, then
 enqueues it on a pooled CUDA stream that first waits for the previous job's end event (so jobs
 run in submission order) and, at device to host, for the compute stream that writes the KV.
+Descriptor backends receive the job in pieces planned copy by copy, so the device copies one
+piece while the host plans the next; the ``torch`` backend receives the copies themselves.
 Streams, timing events and page-locked descriptor buffers are pooled and recycled when a job
 is collected. A copy that fails fails its own job (``success=False``), never the handler.
 
@@ -66,7 +68,8 @@ class TransferHandler:
         backend: ``"auto"``, a backend name (``cpu``, ``torch``, ``triton``, ``cuda-batch``) or a
             :class:`CopyBackend` instance. ``auto`` picks per job (see
             :func:`kvsnap.transfer.base.choose_backend`): ``cpu`` without CUDA; on CUDA the
-            driver batch copy for large merged descriptors, the Triton kernel for small ones.
+            driver batch copy for fragments of 2 MiB and more, the ``torch`` staging gather
+            below that, the Triton kernel when a capture writes partial host pages (TP).
         compute_stream: the stream that writes the KV. Device-to-host jobs wait for it (default:
             the device's current stream at each ``submit``); host-to-device jobs wait for it only
             when it is given (an engine that zeroes reallocated blocks on it passes it).
@@ -77,8 +80,8 @@ class TransferHandler:
             descriptors, planned copy by copy, so copying overlaps the planning of the rest.
 
     ``backend_name`` is the backend a fixed choice resolved to, or under ``auto`` the one it
-    picks for a job of single, unmerged pages; each :class:`TransferResult` names the backend
-    that ran it. The handler is safe to call from several threads.
+    picks for a job of one block of every tensor; each :class:`TransferResult` names the
+    backend that ran it. The handler is safe to call from several threads.
     """
 
     def __init__(

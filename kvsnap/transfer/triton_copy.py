@@ -2,9 +2,11 @@
 
 Page-locked host memory has a device-visible address equal to its host address (unified
 virtual addressing), so one kernel can execute a job's descriptors directly, whatever their
-direction, without the driver's per-descriptor submission cost. That makes it the fast path for
-small fragments, where ``cuMemcpyBatchAsync`` is bound by submission (DESIGN.md: 50.5-52.5
-GB/s for 4-256 KiB through this kernel with 32 programs, against 9 GB/s for 4 KiB DMA).
+direction, without the driver's per-descriptor submission cost (DESIGN.md: 50.5-52.5 GB/s for
+4-256 KiB copies through such a kernel, against 9 GB/s for 4 KiB DMA). Within kvsnap its rate
+is bounded by the host building one descriptor per fragment (docs/benchmarks.md), and the grid
+size made no difference between 16 and 264 programs; ``auto`` uses it for captures of a
+tensor-parallel rank's head slice, where it writes exactly the rank's bytes of each host page.
 
 The grid is persistent and bounded (``max_programs``, default 32): program ``p`` copies work
 items ``p, p + P, p + 2P, ...``. Work items are the descriptors, with descriptors larger than
