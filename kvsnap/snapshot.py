@@ -33,7 +33,7 @@ from kvsnap.layout import CacheLayout, KVGeometry, torch_dtype
 from kvsnap.pinned import PinnedPool, Slot
 from kvsnap.plan import Direction, HostPages, PageCopy
 from kvsnap.store import SnapshotReader, SnapshotWriter
-from kvsnap.transfer import TransferHandler
+from kvsnap.transfer import TransferHandler, TransferResult
 
 #: Host staging memory used by one capture or restore, split into ``DEFAULT_STAGING_SLOTS`` slots.
 DEFAULT_STAGING_BYTES = 256 << 20
@@ -171,14 +171,16 @@ def _chunks(count: int, per_chunk: int) -> Iterator[slice]:
         yield slice(start, min(count, start + per_chunk))
 
 
-class _JobFailed(KVSnapError):
-    pass
+class TransferFailedError(KVSnapError):
+    """A copy between the engine cache and the staging memory failed or was refused."""
 
 
-def _raise_failed(results: Sequence[object], what: str) -> None:
+def _raise_failed(results: Sequence[TransferResult], what: str) -> None:
     for result in results:
-        if not result.success:  # type: ignore[attr-defined]
-            raise _JobFailed(f"{what}: transfer job {result.job_id} failed: {result.error}")  # type: ignore[attr-defined]
+        if not result.success:
+            raise TransferFailedError(
+                f"{what}: transfer job {result.job_id} failed: {result.error}"
+            )
 
 
 def capture(
@@ -278,7 +280,9 @@ def capture(
                 for handler in handlers:
                     job_id = next(job_ids)
                     if not handler.submit(job_id, [copy]):
-                        raise _JobFailed(f"capture of {name}: the transfer handler refused a job")
+                        raise TransferFailedError(
+                            f"capture of {name}: the transfer handler refused a job"
+                        )
                     jobs.append(job_id)
                 pending.append((jobs, slot, name, count * page_bytes))
                 while len(pending) > lookahead:
@@ -566,7 +570,9 @@ class Snapshot:
             for handler in handlers:
                 job_id = next(job_ids)
                 if not handler.submit(job_id, [copy]):
-                    raise _JobFailed(f"restore of {name}: the transfer handler refused a job")
+                    raise TransferFailedError(
+                        f"restore of {name}: the transfer handler refused a job"
+                    )
                 jobs.append(job_id)
             done_bytes += count * page_bytes
             if progress is not None:

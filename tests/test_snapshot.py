@@ -17,7 +17,9 @@ import torch
 from kvsnap import layout as L
 from kvsnap.errors import IncompatibleSnapshotError
 from kvsnap.format import SourceInfo
-from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
+from kvsnap.snapshot import SequenceBlocks, Snapshot, TransferFailedError, capture
+from kvsnap.transfer import TransferHandler
+from kvsnap.transfer.cpu import CpuBackend
 
 SOURCE = SourceInfo(
     engine="test",
@@ -355,3 +357,35 @@ def test_statistics_cover_only_real_tokens(tmp_path):
         norms = snap.token_norms("s")
     assert norms["key"].shape == (LAYERS, 6)
     assert norms["value"][0, 0] == pytest.approx(math.sqrt(HEADS * HEAD_DIM))
+
+
+class FailingCopies(CpuBackend):
+    """A real CPU backend whose third job fails, as a device copy error would."""
+
+    jobs_seen = 0
+
+    def execute(self, job):
+        FailingCopies.jobs_seen += 1
+        if FailingCopies.jobs_seen == 3:
+            raise OSError("injected copy failure")
+        super().execute(job)
+
+
+def test_a_failed_copy_aborts_capture_and_keeps_the_previous_snapshot(tmp_path, monkeypatch):
+    generator = torch.Generator().manual_seed(10)
+    layout, _ = split_nhd(8, 0, 1, generator)
+    sequences = sequences_for(8, [16, 16], np.random.default_rng(11))
+    path = tmp_path / "snap.safetensors"
+    capture(layout, sequences, path, source=SOURCE)
+    before = path.read_bytes()
+    FailingCopies.jobs_seen = 0
+    monkeypatch.setattr(
+        "kvsnap.snapshot.TransferHandler",
+        lambda rank, direction, backend: TransferHandler(
+            rank, direction, backend=FailingCopies(rank, direction)
+        ),
+    )
+    with pytest.raises(TransferFailedError, match="injected copy failure"):
+        capture(layout, sequences, path, source=SOURCE, staging_bytes=4096, staging_slots=2)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snap.safetensors"]
