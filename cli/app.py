@@ -329,8 +329,7 @@ def verify(
     device: DeviceOption = "cpu",
     as_json: JsonOption = False,
 ) -> None:
-    """Check a snapshot's structure and every checksum; optionally compare it with another
-    snapshot or with a fresh prefill on the model."""
+    """Check structure and every checksum; optionally compare with another snapshot or prefill."""
     from kvsnap.errors import NotASnapshotError, SnapshotCorruptError
 
     path = _require_snapshot_path(snapshot)
