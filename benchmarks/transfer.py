@@ -40,9 +40,9 @@ import torch
 
 from kvsnap.pinned import PinnedPool
 from kvsnap.plan import Descriptors, Direction, HostPages, PageCopy
+from kvsnap.testing.caches import SyntheticCache, make_cache
 from kvsnap.transfer import CopyJob, TransferHandler, available_backends, make_backend
 from kvsnap.transfer.base import CALIBRATION_VERSION
-from kvsnap.transfer.synthetic import SyntheticCache, make_cache
 
 KiB, MiB = 1 << 10, 1 << 20
 #: Canonical page size -> (tokens per block, KV heads, head dim) in bfloat16.

@@ -1,7 +1,7 @@
 """Cache layouts: every constructor's copy runs against the engine tensors' own indexing,
 tensor-parallel tiling and writer election, and the checks that refuse broken descriptions.
 
-The reference here is :mod:`kvsnap.transfer.synthetic`'s logical views (plain torch indexing of
+The reference here is :mod:`kvsnap.testing.caches`'s logical views (plain torch indexing of
 the engine tensors); copy runs are applied by a naive numpy loop over ``mapping.fragments()``.
 """
 
@@ -30,7 +30,7 @@ from kvsnap.layout import (
     torch_dtype,
     vllm_split_layout,
 )
-from kvsnap.transfer.synthetic import (
+from kvsnap.testing.caches import (
     HEAD_KINDS,
     LAYOUT_KINDS,
     TP_KINDS,

@@ -24,7 +24,7 @@ from kvsnap.plan import (
     host_page_addresses,
     merge_adjacent,
 )
-from kvsnap.transfer.synthetic import make_cache, random_content
+from kvsnap.testing.caches import make_cache, random_content
 
 D2H, H2D = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
 

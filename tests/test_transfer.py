@@ -15,6 +15,15 @@ from hypothesis import strategies as st
 
 from kvsnap.layout import CopyRun, head_shard
 from kvsnap.plan import Descriptors, Direction, HostPages, PageCopy
+from kvsnap.testing.caches import (
+    HEAD_KINDS,
+    TP_KINDS,
+    KVContent,
+    SyntheticCache,
+    make_cache,
+    random_content,
+    same_bytes,
+)
 from kvsnap.transfer import (
     AutoPolicy,
     BackendUnavailable,
@@ -28,15 +37,6 @@ from kvsnap.transfer import (
 from kvsnap.transfer.base import LARGE_FRAGMENT_BYTES, policy_from_calibration
 from kvsnap.transfer.cpu import CpuBackend, copy_descriptors
 from kvsnap.transfer.cuda_batch import resolve_driver
-from kvsnap.transfer.synthetic import (
-    HEAD_KINDS,
-    TP_KINDS,
-    KVContent,
-    SyntheticCache,
-    make_cache,
-    random_content,
-    same_bytes,
-)
 from kvsnap.transfer.torch_copy import _nonnegative_runs
 from kvsnap.transfer.triton_copy import split_pieces, tile_shape, word_bytes
 

@@ -48,16 +48,11 @@ from kvsnap.layout import (
     CacheLayout,
     KVGeometry,
     canonical_name,
-    cross_layer_layout,
     dtype_name,
-    flat_paged_layout,
-    mla_layout,
-    packed_layout,
     torch_dtype,
-    vllm_legacy_layout,
-    vllm_split_layout,
 )
 from kvsnap.snapshot import CaptureResult, SequenceBlocks, capture
+from kvsnap.testing.caches import make_cache
 
 #: Bumped whenever the values drawn for given arguments change; committed fixtures then need
 #: regenerating (scripts/make_fixtures.py) and the change is visible in review.
@@ -510,64 +505,33 @@ class SyntheticCache:
     page_views: dict[str, torch.Tensor] = field(repr=False)
 
 
+#: The cache kind of :func:`kvsnap.testing.caches.make_cache` for each fixture layout name.
+_CACHE_KINDS = {
+    "vllm-split-nhd": "vllm-nhd",
+    "vllm-split-hnd": "vllm-hnd",
+    "legacy": "vllm-legacy",
+    "packed": "packed",
+    "cross-layer": "cross-layer",
+    "flat-paged": "flat-paged",
+    "mla": "mla",
+}
+
+
 def _allocate(spec: SyntheticSpec, num_blocks: int) -> tuple[CacheLayout, dict[str, torch.Tensor]]:
-    """A zeroed cache of ``spec.layout`` and, per canonical tensor name, its logical page view
-    ``(num_blocks, block_size, heads, head_dim)`` (``(num_blocks, block_size, latent_dim)``)."""
-    layers, block_size = spec.num_layers, spec.block_size
-    heads, head_dim = spec.num_kv_heads, spec.head_dim
-    dtype = torch_dtype(spec.dtype)
-    types = spec.attention_types
-    views: dict[str, torch.Tensor] = {}
-
-    def zeros(*shape: int) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype)
-
-    if spec.layout in ("vllm-split-nhd", "vllm-split-hnd"):
-        if spec.layout == "vllm-split-nhd":
-            caches = [zeros(num_blocks, 2, block_size, heads, head_dim) for _ in range(layers)]
-        else:  # allocated head-major, seen through the logical (blocks, 2, tokens, heads, dim)
-            caches = [
-                zeros(num_blocks, 2, heads, block_size, head_dim).permute(0, 1, 3, 2, 4)
-                for _ in range(layers)
-            ]
-        for layer, cache in enumerate(caches):
-            views[canonical_name(layer, KEY)] = cache[:, 0]
-            views[canonical_name(layer, VALUE)] = cache[:, 1]
-        return vllm_split_layout(caches, attention_types=types), views
-    if spec.layout == "legacy":
-        caches = [zeros(2, num_blocks, block_size, heads, head_dim) for _ in range(layers)]
-        for layer, cache in enumerate(caches):
-            views[canonical_name(layer, KEY)] = cache[0]
-            views[canonical_name(layer, VALUE)] = cache[1]
-        return vllm_legacy_layout(caches, attention_types=types), views
-    if spec.layout == "packed":
-        caches = [zeros(num_blocks, heads, block_size, 2 * head_dim) for _ in range(layers)]
-        for layer, cache in enumerate(caches):
-            views[canonical_name(layer, KEY)] = cache[..., :head_dim].transpose(1, 2)
-            views[canonical_name(layer, VALUE)] = cache[..., head_dim:].transpose(1, 2)
-        return packed_layout(caches, attention_types=types), views
-    if spec.layout == "cross-layer":
-        cache = zeros(num_blocks, layers, 2, block_size, heads, head_dim)
-        for layer in range(layers):
-            views[canonical_name(layer, KEY)] = cache[:, layer, 0]
-            views[canonical_name(layer, VALUE)] = cache[:, layer, 1]
-        return cross_layer_layout(cache, attention_types=types), views
-    if spec.layout == "flat-paged":
-        keys = [zeros(num_blocks * block_size, heads, head_dim) for _ in range(layers)]
-        values = [zeros(num_blocks * block_size, heads, head_dim) for _ in range(layers)]
-        for layer in range(layers):
-            views[canonical_name(layer, KEY)] = keys[layer].view(
-                num_blocks, block_size, heads, head_dim
-            )
-            views[canonical_name(layer, VALUE)] = values[layer].view(
-                num_blocks, block_size, heads, head_dim
-            )
-        return flat_paged_layout(keys, values, block_size=block_size, attention_types=types), views
-    # mla (validated in SyntheticSpec)
-    caches = [zeros(num_blocks, block_size, spec.latent_dim) for _ in range(layers)]
-    for layer, cache in enumerate(caches):
-        views[canonical_name(layer, LATENT)] = cache
-    return mla_layout(caches, attention_types=types), views
+    """A zeroed CPU cache of ``spec.layout`` and, per canonical tensor name, its logical page
+    view ``(num_blocks, block_size, heads, head_dim)`` (MLA: ``(..., latent_dim)``)."""
+    cache = make_cache(
+        _CACHE_KINDS[spec.layout],
+        num_layers=spec.num_layers,
+        num_blocks=num_blocks,
+        block_size=spec.block_size,
+        num_kv_heads=spec.num_kv_heads or 0,
+        head_dim=spec.head_dim or 0,
+        latent_dim=spec.latent_dim or 0,
+        dtype=torch_dtype(spec.dtype),
+        attention_types=spec.attention_types,
+    )
+    return cache.layout, cache.views
 
 
 def build_cache(spec: SyntheticSpec) -> SyntheticCache:

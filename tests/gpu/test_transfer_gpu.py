@@ -14,9 +14,9 @@ import torch
 
 from kvsnap.pinned import PinnedPool
 from kvsnap.plan import Direction, HostPages, PageCopy
+from kvsnap.testing.caches import SyntheticCache, make_cache, random_content, same_bytes
 from kvsnap.transfer import CopyJob, TransferHandler, available_backends, make_backend
 from kvsnap.transfer.cuda_batch import CudaBatchBackend, resolve_driver
-from kvsnap.transfer.synthetic import SyntheticCache, make_cache, random_content, same_bytes
 
 pytestmark = [
     pytest.mark.gpu,

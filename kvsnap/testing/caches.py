@@ -16,8 +16,9 @@ model hold consistent data and replicated heads are identical.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -130,6 +131,16 @@ class _Spec:
     dtype: torch.dtype
     device: torch.device
     fill: str
+    attention_types: Sequence[str] | None
+
+    def sharding(self) -> dict[str, Any]:
+        """The keyword arguments every head-sharded layout constructor takes."""
+        return {
+            "num_kv_heads": self.total_heads,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "attention_types": self.attention_types,
+        }
 
     def new(self, *shape: int) -> torch.Tensor:
         if self.fill == "zeros":
@@ -153,6 +164,7 @@ def make_cache(
     tp_rank: int = 0,
     tp_size: int = 1,
     fill: str = "zeros",
+    attention_types: Sequence[str] | None = None,
 ) -> SyntheticCache:
     """Allocate a cache of layout ``kind`` for a model with ``num_kv_heads`` heads in total.
 
@@ -181,10 +193,13 @@ def make_cache(
         dtype=dtype,
         device=device,
         fill=fill,
+        attention_types=attention_types,
     )
     if is_mla:
         tensors = [spec.new(num_blocks, block_size, latent_dim) for _ in range(num_layers)]
-        layout = mla_layout(tensors, tp_rank=tp_rank, tp_size=tp_size)
+        layout = mla_layout(
+            tensors, tp_rank=tp_rank, tp_size=tp_size, attention_types=attention_types
+        )
         views = {f"layers.{layer}.{LATENT}": tensor for layer, tensor in enumerate(tensors)}
         return SyntheticCache(kind, layout, tensors, views, slice(None))
     heads = slice(shard.first_head, shard.first_head + shard.num_local_heads)
@@ -219,9 +234,7 @@ def _vllm_split_hnd(spec: _Spec) -> _Built:
 
 
 def _vllm_split(spec: _Spec, tensors: list[torch.Tensor]) -> _Built:
-    layout = vllm_split_layout(
-        tensors, num_kv_heads=spec.total_heads, tp_rank=spec.tp_rank, tp_size=spec.tp_size
-    )
+    layout = vllm_split_layout(tensors, **spec.sharding())
     return tensors, layout, lambda layer, part: tensors[layer][:, part]
 
 
@@ -230,9 +243,7 @@ def _vllm_legacy(spec: _Spec) -> _Built:
     tensors = [
         s.new(2, s.num_blocks, s.block_size, s.local_heads, s.head_dim) for _ in range(s.num_layers)
     ]
-    layout = vllm_legacy_layout(
-        tensors, num_kv_heads=s.total_heads, tp_rank=s.tp_rank, tp_size=s.tp_size
-    )
+    layout = vllm_legacy_layout(tensors, **s.sharding())
     return tensors, layout, lambda layer, part: tensors[layer][part]
 
 
@@ -241,9 +252,7 @@ def _packed(spec: _Spec) -> _Built:
     tensors = [
         s.new(s.num_blocks, s.local_heads, s.block_size, 2 * dim) for _ in range(s.num_layers)
     ]
-    layout = packed_layout(
-        tensors, num_kv_heads=s.total_heads, tp_rank=s.tp_rank, tp_size=s.tp_size
-    )
+    layout = packed_layout(tensors, **s.sharding())
     return (
         tensors,
         layout,
@@ -254,9 +263,7 @@ def _packed(spec: _Spec) -> _Built:
 def _cross_layer(spec: _Spec) -> _Built:
     s = spec
     tensor = s.new(s.num_blocks, s.num_layers, 2, s.block_size, s.local_heads, s.head_dim)
-    layout = cross_layer_layout(
-        tensor, num_kv_heads=s.total_heads, tp_rank=s.tp_rank, tp_size=s.tp_size
-    )
+    layout = cross_layer_layout(tensor, **s.sharding())
     return [tensor], layout, lambda layer, part: tensor[:, layer, part]
 
 
@@ -265,7 +272,9 @@ def _flat_paged(spec: _Spec) -> _Built:
     rows = s.num_blocks * s.block_size
     keys = [s.new(rows, s.local_heads, s.head_dim) for _ in range(s.num_layers)]
     values = [s.new(rows, s.local_heads, s.head_dim) for _ in range(s.num_layers)]
-    layout = flat_paged_layout(keys, values, block_size=s.block_size)
+    layout = flat_paged_layout(
+        keys, values, block_size=s.block_size, attention_types=s.attention_types
+    )
 
     def view(layer: int, part: int) -> torch.Tensor:
         return (keys if part == 0 else values)[layer].unflatten(0, (s.num_blocks, s.block_size))
@@ -279,7 +288,9 @@ def _contiguous(spec: _Spec) -> _Built:
     seq = s.num_blocks * s.block_size
     keys = [s.new(2, s.local_heads, seq, s.head_dim) for _ in range(s.num_layers)]
     values = [s.new(2, s.local_heads, seq, s.head_dim) for _ in range(s.num_layers)]
-    layout = contiguous_layout(keys, values, block_size=s.block_size, batch_index=1)
+    layout = contiguous_layout(
+        keys, values, block_size=s.block_size, batch_index=1, attention_types=s.attention_types
+    )
 
     def view(layer: int, part: int) -> torch.Tensor:
         row = (keys if part == 0 else values)[layer][1]  # (heads, seq, head_dim)
