@@ -389,3 +389,23 @@ def test_a_failed_copy_aborts_capture_and_keeps_the_previous_snapshot(tmp_path, 
         capture(layout, sequences, path, source=SOURCE, staging_bytes=4096, staging_slots=2)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snap.safetensors"]
+
+
+def test_a_shared_block_restores_into_every_sequence_that_uses_it(tmp_path):
+    generator = torch.Generator().manual_seed(12)
+    layout, view = split_nhd(8, 0, 1, generator)
+    prefix = np.arange(200, 204)  # one full block, shared
+    first = SequenceBlocks("a", np.concatenate([prefix, [1, 2]]), np.array([3, 5]))
+    second = SequenceBlocks("b", np.concatenate([prefix, [9]]), np.array([3, 6]))
+    path = tmp_path / "snap.safetensors"
+    assert capture(layout, [first, second], path, source=SOURCE).num_blocks == 3
+    target_layout, target_view = split_nhd(8, 0, 1, generator)
+    with Snapshot.open(path) as snap:
+        snap.restore(target_layout, {"a": [0, 1], "b": [2, 4]})
+    for layer in range(LAYERS):
+        for part in L.KV_PARTS:
+            source, target = view(layer, part), target_view(layer, part)
+            for source_block, target_block in ((3, 0), (5, 1), (3, 2), (6, 4)):
+                assert torch.equal(
+                    source[source_block].view(torch.int16), target[target_block].view(torch.int16)
+                ), (layer, part, source_block, target_block)
