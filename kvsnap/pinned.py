@@ -2,7 +2,8 @@
 
 Pinning is slow (seconds for a few GiB on an H200 host) and torch's pinned allocator rounds
 every request up to a power of two, so kvsnap pins one buffer up front, registers it with the
-driver in chunks of at most 1 GiB, reuses it for every job and unregisters it before freeing.
+driver in chunks of whole slots (at most 1 GiB, unless one slot is larger), reuses it for every
+job and unregisters it before freeing.
 On machines without CUDA the same pool is plain host memory, so the CPU path and the tests run
 the code that the GPU path runs.
 """
