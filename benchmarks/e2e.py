@@ -35,6 +35,8 @@ import torch
 
 from kvsnap.format import SourceInfo
 from kvsnap.layout import vllm_split_layout
+from kvsnap.pinned import PinnedPool
+from kvsnap.plan import Direction, HostPages, PageCopy
 from kvsnap.snapshot import (
     DEFAULT_STAGING_BYTES,
     DEFAULT_STAGING_SLOTS,
@@ -42,6 +44,7 @@ from kvsnap.snapshot import (
     Snapshot,
     capture,
 )
+from kvsnap.transfer import TransferHandler
 
 SOURCE = SourceInfo("benchmark", torch.__version__, "synthetic", None, "0" * 32)
 CHUNK_BYTES = 64 << 20
@@ -172,6 +175,65 @@ def matmul_rate(seconds: float, device: str) -> float:
     return counter[0] / seconds
 
 
+def transfer_rate(
+    layout, block_ids: np.ndarray, sm_budget: int | None, seconds: float, with_compute: bool
+) -> tuple[float, float]:
+    """GPU→host GB/s of repeated capture-shaped copies (no disk), and the matmul loop's rate.
+
+    ``sm_budget`` runs the copies on the Triton kernel with that many programs (what
+    ``capture(sm_budget=...)`` does); ``None`` uses ``auto``. With ``with_compute`` the matmul
+    loop runs on the default stream meanwhile, which the copies wait on, as an engine's would.
+    """
+    page = layout.geometry.canonical_page_size_bytes
+    count = min(len(block_ids), (256 << 20) // page)
+    ids = block_ids[:count]
+    options = None if sm_budget is None else {"triton": {"max_programs": sm_budget}}
+    backend = "auto" if sm_budget is None else "triton"
+    stop = threading.Event()
+    counter = [0]
+    thread = threading.Thread(target=matmul_loop, args=(stop, "cuda", counter))
+    with PinnedPool(count * page, 1) as pool:
+        host = HostPages.contiguous(pool.slot(0).data_ptr, count, page)
+        handler = TransferHandler(
+            layout, Direction.DEVICE_TO_HOST, backend=backend, backend_options=options
+        )
+        if with_compute:
+            thread.start()
+        moved, job = 0, 0
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            for name in layout.geometry.tensor_names():
+                copy = PageCopy(name, ids, host, np.arange(count, dtype=np.int64))
+                handler.submit(job, [copy])
+                (result,) = handler.wait([job])
+                assert result.success, result.error
+                job += 1
+                moved += count * page
+        elapsed = time.perf_counter() - started
+        stop.set()
+        if with_compute:
+            thread.join()
+        handler.shutdown()
+    return moved / elapsed / 1e9, counter[0] / elapsed
+
+
+def sm_budget_table(layout, block_ids: np.ndarray) -> dict[str, float]:
+    """Per SM budget: copy GB/s alone and beside the matmul loop, and the loop's slowdown."""
+    results: dict[str, float] = {}
+    alone = matmul_rate(3.0, "cuda")
+    print(f"{'budget':>8} {'copy GB/s alone':>16} {'with compute':>13} {'matmul slowdown':>16}")
+    for budget in (None, 4, 8, 16, 32):
+        label = "auto" if budget is None else str(budget)
+        solo, _ = transfer_rate(layout, block_ids, budget, 2.0, with_compute=False)
+        busy, rate = transfer_rate(layout, block_ids, budget, 3.0, with_compute=True)
+        slowdown = (1 - rate / alone) * 100
+        print(f"{label:>8} {solo:>16.1f} {busy:>13.1f} {slowdown:>15.1f}%", flush=True)
+        results[f"sm_budget_{label}_alone_gbs"] = solo
+        results[f"sm_budget_{label}_with_compute_gbs"] = busy
+        results[f"sm_budget_{label}_slowdown_pct"] = slowdown
+    return results
+
+
 def sweep(layout, cache, sequences, kv_bytes: int, directory: Path) -> None:
     """Capture and restore GB/s for a grid of staging sizes and slot counts."""
     target_layout = vllm_split_layout([torch.zeros_like(tensor) for tensor in cache])
@@ -215,6 +277,11 @@ def main() -> None:
     parser.add_argument(
         "--skip-compute", action="store_true", help="skip the alongside-compute run"
     )
+    parser.add_argument(
+        "--sm-budget-only",
+        action="store_true",
+        help="only measure copies beside compute for several SM budgets (CUDA)",
+    )
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -233,6 +300,11 @@ def main() -> None:
     results["kv_bytes"] = kv_bytes
     if args.sweep:
         sweep(layout, cache, sequences, kv_bytes, args.dir)
+        return
+    if args.sm_budget_only:
+        table = sm_budget_table(layout, np.concatenate([s.block_ids for s in sequences]))
+        if args.json_out is not None:
+            args.json_out.write_text(json.dumps(table, indent=2))
         return
     slots = args.staging_slots
 

@@ -157,6 +157,24 @@ def _as_layouts(layout: CacheLayout | Sequence[CacheLayout]) -> list[CacheLayout
     return [layout] if isinstance(layout, CacheLayout) else list(layout)
 
 
+def _handlers(
+    layouts: Sequence[CacheLayout], direction: Direction, backend: str, sm_budget: int | None
+) -> list[TransferHandler]:
+    """One transfer handler per rank; an SM budget runs the copies on the Triton kernel with at
+    most ``sm_budget`` programs, so the copy never occupies more SMs than that."""
+    if sm_budget is None:
+        return [TransferHandler(rank, direction, backend=backend) for rank in layouts]
+    if sm_budget < 1:
+        raise ValueError(f"sm_budget must be at least 1, got {sm_budget}")
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"sm_budget runs the triton backend; backend={backend!r} contradicts it")
+    options = {"triton": {"max_programs": sm_budget}}
+    return [
+        TransferHandler(rank, direction, backend="triton", backend_options=options)
+        for rank in layouts
+    ]
+
+
 def _staging_pool(page_size_bytes: int, staging_bytes: int, num_slots: int) -> PinnedPool:
     if num_slots < 1:
         raise ValueError(f"staging needs at least one slot, got {num_slots}")
@@ -190,6 +208,7 @@ def capture(
     *,
     source: fmt.SourceInfo,
     backend: str = "auto",
+    sm_budget: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     staging_slots: int = DEFAULT_STAGING_SLOTS,
     progress: ProgressCallback | None = None,
@@ -204,6 +223,11 @@ def capture(
     TP-free one. Blocks whose prefix hash chains coincide are stored once. With
     ``reproducible`` the metadata holds nothing time- or host-dependent. The snapshot is
     published atomically: on any error the previous file at ``path`` is untouched.
+
+    ``backend`` picks the copy backend (``auto``, ``cuda-batch``, ``triton``, ``torch``,
+    ``cpu``). ``sm_budget`` bounds the SMs the copy may occupy while the model computes: the
+    copies then run on the Triton kernel with at most that many programs (docs/benchmarks.md
+    gives its cost in bandwidth).
     """
     started = time.perf_counter()
     layouts = _as_layouts(layout)
@@ -241,9 +265,7 @@ def capture(
     )
     page_bytes = geometry.canonical_page_size_bytes
     total_bytes = page_bytes * len(device_block_ids) * len(geometry.tensor_names())
-    handlers = [
-        TransferHandler(rank, Direction.DEVICE_TO_HOST, backend=backend) for rank in layouts
-    ]
+    handlers = _handlers(layouts, Direction.DEVICE_TO_HOST, backend, sm_budget)
     pool = _staging_pool(page_bytes, staging_bytes, staging_slots)
     job_ids = itertools.count()
     writer = SnapshotWriter(path, metadata, direct_io=direct_io, max_shard_bytes=max_shard_bytes)
@@ -496,6 +518,7 @@ class Snapshot:
         block_ids: Mapping[str, np.ndarray | Sequence[int]],
         *,
         backend: str = "auto",
+        sm_budget: int | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         staging_slots: int = DEFAULT_STAGING_SLOTS,
         progress: ProgressCallback | None = None,
@@ -508,7 +531,8 @@ class Snapshot:
         sequence. ``layout`` may list one layout per TP rank held by this process; every rank
         receives its own heads. Everything is checked before the first byte is written: the
         geometry (see :meth:`check_compatible`), the sequence ids and the block counts and
-        ranges. Only the blocks of the named sequences are read.
+        ranges. Only the blocks of the named sequences are read. ``backend`` and ``sm_budget``
+        are as for :func:`capture`.
         """
         started = time.perf_counter()
         layouts = _as_layouts(layout)
@@ -518,9 +542,7 @@ class Snapshot:
         page_bytes = geometry.canonical_page_size_bytes
         names = geometry.tensor_names()
         total_bytes = page_bytes * len(snapshot_blocks) * len(names)
-        handlers = [
-            TransferHandler(rank, Direction.HOST_TO_DEVICE, backend=backend) for rank in layouts
-        ]
+        handlers = _handlers(layouts, Direction.HOST_TO_DEVICE, backend, sm_budget)
         pool = _staging_pool(page_bytes, staging_bytes, staging_slots)
         job_ids = itertools.count()
         blocks_per_slot = pool.slot_bytes // page_bytes

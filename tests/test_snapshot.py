@@ -409,3 +409,25 @@ def test_a_shared_block_restores_into_every_sequence_that_uses_it(tmp_path):
                 assert torch.equal(
                     source[source_block].view(torch.int16), target[target_block].view(torch.int16)
                 ), (layer, part, source_block, target_block)
+
+
+def test_an_sm_budget_runs_the_bounded_triton_kernel_bit_exact(tmp_path, monkeypatch):
+    # The Triton interpreter runs the same kernel on CPU memory; the budget is its grid bound.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    generator = torch.Generator().manual_seed(13)
+    layout, view = packed(4, 0, 1, generator)
+    sequence = SequenceBlocks("s", np.arange(7), np.array([2, 0]))
+    path = tmp_path / "snap.safetensors"
+    result = capture(layout, [sequence], path, source=SOURCE, sm_budget=2)
+    assert result.backend == "triton"
+    target_layout, target_view = split_nhd(4, 0, 1, generator)
+    with Snapshot.open(path) as snap:
+        assert snap.restore(target_layout, {"s": [3, 1]}, sm_budget=1).backend == "triton"
+        with pytest.raises(ValueError, match="sm_budget runs the triton backend"):
+            snap.restore(target_layout, {"s": [3, 1]}, backend="torch", sm_budget=1)
+    for layer in range(LAYERS):
+        for part in L.KV_PARTS:
+            assert torch.equal(
+                view(layer, part)[torch.tensor([2, 0])].view(torch.int16),
+                target_view(layer, part)[torch.tensor([3, 1])].view(torch.int16),
+            )
