@@ -33,7 +33,7 @@ from kvsnap.layout import CacheLayout, KVGeometry, torch_dtype
 from kvsnap.pinned import PinnedPool, Slot
 from kvsnap.plan import Direction, HostPages, PageCopy
 from kvsnap.store import SnapshotReader, SnapshotWriter
-from kvsnap.transfer import TransferHandler, TransferResult
+from kvsnap.transfer import TransferHandler
 
 #: Host staging memory used by one capture or restore, split into ``DEFAULT_STAGING_SLOTS`` slots.
 DEFAULT_STAGING_BYTES = 256 << 20
@@ -193,12 +193,27 @@ class TransferFailedError(KVSnapError):
     """A copy between the engine cache and the staging memory failed or was refused."""
 
 
-def _raise_failed(results: Sequence[TransferResult], what: str) -> None:
-    for result in results:
-        if not result.success:
-            raise TransferFailedError(
-                f"{what}: transfer job {result.job_id} failed: {result.error}"
-            )
+def _submit_to_all(
+    handlers: Sequence[TransferHandler], job_ids: Iterator[int], copy: PageCopy, what: str
+) -> list[int]:
+    """Submit ``copy`` to every rank's handler; the job ids, one per handler."""
+    jobs = []
+    for handler in handlers:
+        job_id = next(job_ids)
+        if not handler.submit(job_id, [copy]):
+            raise TransferFailedError(f"{what}: the transfer handler refused a job")
+        jobs.append(job_id)
+    return jobs
+
+
+def _wait_for_all(handlers: Sequence[TransferHandler], jobs: Sequence[int], what: str) -> None:
+    """Wait for each handler's job; a failed one raises :class:`TransferFailedError`."""
+    for handler, job_id in zip(handlers, jobs, strict=True):
+        for result in handler.wait([job_id]):
+            if not result.success:
+                raise TransferFailedError(
+                    f"{what}: transfer job {result.job_id} failed: {result.error}"
+                )
 
 
 def capture(
@@ -278,8 +293,7 @@ def capture(
         def hand_oldest_to_writer() -> None:
             nonlocal done_bytes
             jobs, slot, name, num_bytes = pending.popleft()
-            for handler, job_id in zip(handlers, jobs, strict=True):
-                _raise_failed(handler.wait([job_id]), f"capture of {name}")
+            _wait_for_all(handlers, jobs, f"capture of {name}")
             future = writer.write_pages(name, slot.as_numpy(num_bytes))
             future.add_done_callback(lambda _future, slot=slot: pool.release(slot))
             done_bytes += num_bytes
@@ -298,14 +312,7 @@ def capture(
                     host_chunk_ids=np.arange(count, dtype=np.int64),
                     snapshot_block_ids=np.arange(chunk.start, chunk.stop, dtype=np.int64),
                 )
-                jobs = []
-                for handler in handlers:
-                    job_id = next(job_ids)
-                    if not handler.submit(job_id, [copy]):
-                        raise TransferFailedError(
-                            f"capture of {name}: the transfer handler refused a job"
-                        )
-                    jobs.append(job_id)
+                jobs = _submit_to_all(handlers, job_ids, copy, f"capture of {name}")
                 pending.append((jobs, slot, name, count * page_bytes))
                 while len(pending) > lookahead:
                     hand_oldest_to_writer()
@@ -587,15 +594,12 @@ class Snapshot:
                 host=HostPages.contiguous(slot.data_ptr, count, page_bytes),
                 host_chunk_ids=np.arange(count, dtype=np.int64),
             )
-            jobs: list[int] = []
+            try:
+                jobs = _submit_to_all(handlers, job_ids, copy, f"restore of {name}")
+            except BaseException:
+                pool.release(slot)
+                raise
             scatters.append((jobs, slot, name))
-            for handler in handlers:
-                job_id = next(job_ids)
-                if not handler.submit(job_id, [copy]):
-                    raise TransferFailedError(
-                        f"restore of {name}: the transfer handler refused a job"
-                    )
-                jobs.append(job_id)
             done_bytes += count * page_bytes
             if progress is not None:
                 progress(done_bytes, total_bytes)
@@ -603,8 +607,7 @@ class Snapshot:
         def finish_oldest_scatter() -> None:
             jobs, slot, name = scatters.popleft()
             try:
-                for handler, job_id in zip(handlers, jobs, strict=True):
-                    _raise_failed(handler.wait([job_id]), f"restore of {name}")
+                _wait_for_all(handlers, jobs, f"restore of {name}")
             finally:
                 pool.release(slot)
 

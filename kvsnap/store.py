@@ -967,16 +967,14 @@ class SnapshotWriter:
         stale: list[_Location] = []
         index = self._location.with_suffix(INDEX_SUFFIX)
         new_names = {final.name for final in self._finals}
-        try:
+        # An unreadable old index is left alone: nothing it names is known to be ours.
+        with contextlib.suppress(KVSnapError):
             if index.exists():
                 previous = _read_small(index, fmt.MAX_INDEX_BYTES)
                 names = fmt.decode_index(previous, file=index.url).files
                 if not self._sharded:
                     stale.append(index)  # first: readers stop seeing the old shards at once
                 stale += [index.sibling(name) for name in names if name not in new_names]
-        except KVSnapError:
-            # An unreadable old index is left alone: nothing it names is known to be ours.
-            pass
         if self._sharded and self._location.exists():
             stale.append(self._location)
         return stale

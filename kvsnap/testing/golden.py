@@ -24,6 +24,7 @@ order, with the same token counts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
@@ -453,11 +454,9 @@ def check_golden(
     data = kv_data(cache_or_tensors, token_ids=token_ids)
     exists = path.exists()
     if block_size is None and exists:
-        try:
-            with Snapshot.open(path, verify=False) as golden:
-                block_size = golden.geometry.block_size
-        except KVSnapError:
-            pass  # an unreadable golden file is reported (or replaced) below
+        # An unreadable golden file is reported (or replaced) below.
+        with contextlib.suppress(KVSnapError), Snapshot.open(path, verify=False) as golden:
+            block_size = golden.geometry.block_size
     block_size = block_size or data.block_size or DEFAULT_GOLDEN_BLOCK_SIZE
     if not exists:
         path.parent.mkdir(parents=True, exist_ok=True)
