@@ -11,11 +11,24 @@ measures, on the same disk and the same bytes:
 * peak host RSS growth and peak extra GPU memory of capture and restore;
 * capture while a matmul loop runs on the compute stream: capture bandwidth and the loop's
   slowdown against running alone;
-* time to first byte: from calling ``capture`` to the first staging slot handed to the writer,
-  with the pinned pool cold (first capture in the process) and warm.
+* time to first byte: from calling ``capture`` to the first staging slot handed to the writer:
+  the first capture in the process (cold), a second one (its own pool, pinned again), and one
+  staging through a pool pinned beforehand (``capture(staging=pool)``, what an engine keeping
+  a pool warm gets).
+
+With ``--timeline`` the measured capture and restore (and the three first-byte captures)
+report every step through their ``trace`` hook: setup (handlers, pool, writer), per staging slot
+the wait for a free slot and the transfer, per piece the checksum and the ``pwrite``/``pread``
+(with bytes), verification, and the commit's drain, checksums, fsync and publish. It prints per
+step kind the count, summed and longest time, and for the disk its busy time, the idle gaps
+between writes (reads), and the share of the run with 0, 1 or 2+ of them in flight; the JSON
+holds the same plus every span (``timeline.<run>.spans``: kind, start ms, duration ms, bytes).
+It also times a raw O_DIRECT write from 4 threads into a file reserved up front, to tell whether
+the disk rewards parallel writes (kvsnap writes one stream: on the H200 machine it did not).
 
 Prints a table and writes the figures as JSON (``--json-out``). Without CUDA it runs the same
-pipeline on CPU tensors (useful to check the script; the figures then mean little).
+pipeline on CPU tensors: the transfers are host copies on the calling thread, so GB/s mean
+little, but the ratio to the raw disk and the disk's idle gaps still show host-side overheads.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ import os
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +62,123 @@ from kvsnap.transfer import TransferHandler
 
 SOURCE = SourceInfo("benchmark", torch.__version__, "synthetic", None, "0" * 32)
 CHUNK_BYTES = 64 << 20
+#: A pause of the disk shorter than this is request turnaround, not idling.
+IDLE_GAP_S = 1e-3
+
+
+class Timeline:
+    """The spans one capture or restore reports through its ``trace`` hook, and where the time
+    went: setup, per-kind totals, disk busy time and idle gaps, writes or reads in flight."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.spans: list[tuple[str, float, float, int]] = []
+
+    def __call__(self, kind: str, started: float, finished: float, nbytes: int) -> None:
+        self.spans.append((kind, started, finished, nbytes))
+
+    def of(self, kind: str) -> list[tuple[float, float]]:
+        return sorted((start, end) for name, start, end, _ in self.spans if name == kind)
+
+    def kinds(self) -> dict[str, dict[str, float]]:
+        """Per kind: how many spans, their summed and longest duration, and their bytes."""
+        table: dict[str, dict[str, float]] = {}
+        for kind, start, end, nbytes in self.spans:
+            row = table.setdefault(kind, {"count": 0, "seconds": 0.0, "max_ms": 0.0, "bytes": 0})
+            row["count"] += 1
+            row["seconds"] += end - start
+            row["max_ms"] = max(row["max_ms"], (end - start) * 1e3)
+            row["bytes"] += nbytes
+        return table
+
+    def first_spans(self) -> dict[str, list[float]]:
+        """Per kind, its first span as [start, duration] in ms from the call: the critical path
+        to the first byte."""
+        first: dict[str, list[float]] = {}
+        for kind, start, end, _ in sorted(self.spans, key=lambda span: span[1]):
+            first.setdefault(kind, [(start - self.started) * 1e3, (end - start) * 1e3])
+        return first
+
+    def disk(self, kind: str, finished: float) -> dict[str, float]:
+        """Busy time of the disk spans ``kind`` (their union), the idle gaps between them, and
+        the share of the run with 0, 1, 2 or more of them in flight."""
+        spans = self.of(kind)
+        if not spans:
+            return {}
+        busy, gaps, in_flight = 0.0, [], {0: 0.0, 1: 0.0, 2: 0.0}
+        run_start, run_end = spans[0]
+        for start, end in spans[1:]:
+            if start > run_end:
+                busy += run_end - run_start
+                gaps.append(start - run_end)
+                run_start = start
+            run_end = max(run_end, end)
+        busy += run_end - run_start
+        edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+        depth, previous = 0, self.started
+        for moment, step in [*edges, (finished, 0)]:
+            in_flight[min(depth, 2)] += moment - previous
+            depth, previous = depth + step, moment
+        total = finished - self.started
+        long_gaps = [gap for gap in gaps if gap >= IDLE_GAP_S]
+        return {
+            "first_start_ms": (spans[0][0] - self.started) * 1e3,
+            "last_end_after_ms": (finished - run_end) * 1e3,
+            "busy_s": busy,
+            "idle_between_s": sum(gaps),
+            "idle_gaps_over_1ms": len(long_gaps),
+            "idle_in_gaps_over_1ms_s": sum(long_gaps),
+            "max_gap_ms": max(gaps, default=0.0) * 1e3,
+            "mean_in_flight": sum(end - start for start, end in spans) / busy if busy else 0.0,
+            "share_0_in_flight": in_flight[0] / total,
+            "share_1_in_flight": in_flight[1] / total,
+            "share_2plus_in_flight": in_flight[2] / total,
+        }
+
+    def summary(self, disk_kind: str) -> dict[str, object]:
+        finished = max(end for _, _, end, _ in self.spans)
+        return {
+            "wall_s": finished - self.started,
+            "first_ms": self.first_spans(),
+            "kinds": self.kinds(),
+            "disk": self.disk(disk_kind, finished),
+            "spans": [
+                [kind, round((start - self.started) * 1e3, 3), round((end - start) * 1e3, 3), n]
+                for kind, start, end, n in sorted(self.spans, key=lambda span: span[1])
+            ],
+        }
+
+
+def print_first_spans(label: str, summary: dict) -> None:
+    """One line: when each step first started and how long it took, up to the first write."""
+    first = summary["first_ms"]
+    steps = sorted(first.items(), key=lambda item: item[1][0])
+    shown = "  ".join(f"{kind} @{start:.1f}+{length:.1f}" for kind, (start, length) in steps[:9])
+    print(f"timeline {label} (first of each step, ms): {shown}")
+
+
+def print_timeline(label: str, summary: dict, disk_kind: str) -> None:
+    """A few lines: setup, per-kind totals and the disk's busy and idle time."""
+    kinds, disk = summary["kinds"], summary["disk"]
+    print(f"timeline {label}: {summary['wall_s']:.3f} s wall")
+    for kind, row in sorted(kinds.items(), key=lambda item: -item[1]["seconds"]):
+        moved = row["bytes"] and row["seconds"] > 0
+        rate = f"  {row['bytes'] / row['seconds'] / 1e9:6.2f} GB/s each" if moved else ""
+        print(
+            f"  {kind:<18} {int(row['count']):>6} x  total {row['seconds']:8.3f} s  "
+            f"mean {row['seconds'] / row['count'] * 1e3:8.2f} ms  max {row['max_ms']:8.2f} ms"
+            f"{rate}"
+        )
+    if disk:
+        print(
+            f"  disk ({disk_kind}): first at {disk['first_start_ms']:.1f} ms, busy "
+            f"{disk['busy_s']:.3f} s, idle between {disk['idle_between_s']:.3f} s "
+            f"({disk['idle_gaps_over_1ms']} gaps >= 1 ms, max {disk['max_gap_ms']:.1f} ms), "
+            f"after last {disk['last_end_after_ms']:.1f} ms; mean in flight "
+            f"{disk['mean_in_flight']:.2f}; share of wall with 0/1/2+ in flight "
+            f"{disk['share_0_in_flight']:.2f}/{disk['share_1_in_flight']:.2f}/"
+            f"{disk['share_2plus_in_flight']:.2f}"
+        )
 
 
 @dataclass
@@ -58,8 +189,30 @@ class Geometry:
     block_size: int = 16
 
     @property
+    def page_bytes(self) -> int:
+        """One canonical page: one block of one layer's key or value."""
+        return self.block_size * self.num_kv_heads * self.head_dim * 2
+
+    @property
     def block_bytes(self) -> int:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * 2
+
+
+def time_to_first_byte(
+    layout, sequences: list[SequenceBlocks], path: Path, timeline: Timeline | None, **options
+) -> float:
+    """Milliseconds from calling ``capture`` to its first slot handed to the writer."""
+    marks: list[float] = []
+    started = time.perf_counter()
+
+    def first_progress(done: int, total: int) -> None:
+        if not marks:
+            marks.append(time.perf_counter() - started)
+
+    capture(
+        layout, sequences, path, source=SOURCE, progress=first_progress, trace=timeline, **options
+    )
+    return marks[0] * 1e3
 
 
 def peak_rss_bytes() -> int:
@@ -108,6 +261,32 @@ def raw_direct_write(path: Path, num_bytes: int) -> float:
         written = 0
         while written < num_bytes:
             written += os.write(fd, memoryview(buffer)[: min(CHUNK_BYTES, num_bytes - written)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - started
+
+
+def raw_direct_write_parallel(path: Path, num_bytes: int, threads: int = 4) -> float:
+    """Seconds to write ``num_bytes`` with O_DIRECT from ``threads`` threads in CHUNK_BYTES
+    pieces into a file whose blocks are reserved first (as kvsnap reserves them), + fsync.
+    Next to :func:`raw_direct_write` it says whether this disk rewards writes in parallel."""
+    buffer = mmap.mmap(-1, CHUNK_BYTES)
+    buffer.write(os.urandom(1 << 20) * (CHUNK_BYTES >> 20))
+    offsets = range(0, num_bytes, CHUNK_BYTES)
+    started = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+    try:
+        os.posix_fallocate(fd, 0, num_bytes)
+
+        def write(offset: int) -> None:
+            view = memoryview(buffer)[: min(CHUNK_BYTES, num_bytes - offset)]
+            while len(view):
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(write, offsets))
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -278,6 +457,12 @@ def main() -> None:
         "--skip-compute", action="store_true", help="skip the alongside-compute run"
     )
     parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="record where the measured capture's and restore's time goes (printed, and in "
+        "the JSON under 'timeline')",
+    )
+    parser.add_argument(
         "--sm-budget-only",
         action="store_true",
         help="only measure copies beside compute for several SM budgets (CUDA)",
@@ -307,29 +492,37 @@ def main() -> None:
             args.json_out.write_text(json.dumps(table, indent=2))
         return
     slots = args.staging_slots
+    timelines: dict[str, dict] = {}
 
-    # Time to first byte: the first capture in this process (cold: CUDA context, allocator and
-    # pinning all start here), then a second one (warm; capture still pins its own pool).
-    for label in ("ttfb_cold_ms", "ttfb_warm_ms"):
-        first_byte: list[float] = []
-        started = time.perf_counter()
-        capture(
-            layout,
-            sequences[:1],
-            args.dir / "ttfb.safetensors",
-            source=SOURCE,
-            staging_bytes=staging,
-            staging_slots=slots,
-            progress=lambda done, total, marks=first_byte, t0=started: (
-                marks.append(time.perf_counter() - t0) if not marks else None
-            ),
+    # Time to first byte: the first capture in this process (cold: allocator, backends and
+    # pinning all start here), a second one (warm process; capture still pins its own pool),
+    # and one staging through a pool that is already pinned (what an engine keeping a pool
+    # warm gets).
+    ttfb_path = args.dir / "ttfb.safetensors"
+    for label in ("ttfb_cold", "ttfb_warm"):
+        timeline = Timeline() if args.timeline else None
+        results[f"{label}_ms"] = time_to_first_byte(
+            layout, sequences[:1], ttfb_path, timeline, staging_bytes=staging, staging_slots=slots
         )
-        results[label] = first_byte[0] * 1e3
+        if timeline is not None:
+            timelines[label] = timeline.summary("write")
+    slot_bytes = staging // slots // geometry.page_bytes * geometry.page_bytes
+    with PinnedPool(slot_bytes, slots) as warm_pool:
+        timeline = Timeline() if args.timeline else None
+        results["ttfb_warm_pool_ms"] = time_to_first_byte(
+            layout, sequences[:1], ttfb_path, timeline, staging=warm_pool
+        )
+        if timeline is not None:
+            timelines["ttfb_warm_pool"] = timeline.summary("write")
 
     raw_path = args.dir / "raw.bin"
     results["raw_write_gbs"] = kv_bytes / raw_direct_write(raw_path, kv_bytes) / 1e9
     results["raw_read_gbs"] = kv_bytes / raw_direct_read(raw_path) / 1e9
     raw_path.unlink()
+    if args.timeline:
+        seconds = raw_direct_write_parallel(raw_path, kv_bytes)
+        results["raw_write_parallel_reserved_gbs"] = kv_bytes / seconds / 1e9
+        raw_path.unlink()
 
     snap_path = args.dir / "snap.safetensors"
     if device == "cuda":
@@ -338,9 +531,18 @@ def main() -> None:
     base_gpu = torch.cuda.memory_allocated() if device == "cuda" else 0
     reset_peak_rss()
     base_rss = current_rss_bytes()
+    capture_timeline = Timeline() if args.timeline else None
     result = capture(
-        layout, sequences, snap_path, source=SOURCE, staging_bytes=staging, staging_slots=slots
+        layout,
+        sequences,
+        snap_path,
+        source=SOURCE,
+        staging_bytes=staging,
+        staging_slots=slots,
+        trace=capture_timeline,
     )
+    if capture_timeline is not None:
+        timelines["capture"] = capture_timeline.summary("write")
     results["capture_gbs"] = kv_bytes / result.seconds / 1e9
     results["capture_backend"] = result.backend
     results["capture_direct_io_fallback"] = str(result.direct_io_fallback)
@@ -359,13 +561,17 @@ def main() -> None:
         base_gpu = torch.cuda.memory_allocated()
     reset_peak_rss()
     base_rss = current_rss_bytes()
+    restore_timeline = Timeline() if args.timeline else None
     with Snapshot.open(snap_path) as snap:
         restore = snap.restore(
             target_layout,
             {s.id: s.block_ids for s in sequences},
             staging_bytes=staging,
             staging_slots=slots,
+            trace=restore_timeline,
         )
+    if restore_timeline is not None:
+        timelines["restore"] = restore_timeline.summary("read")
     results["restore_gbs"] = kv_bytes / restore.seconds / 1e9
     results["restore_backend"] = restore.backend
     results["restore_peak_rss_growth_mib"] = (peak_rss_bytes() - base_rss) / 2**20
@@ -381,6 +587,8 @@ def main() -> None:
         )
     )
     del target
+    # Only one copy of the KV on the disk at a time (20 GiB runs fill a small disk otherwise).
+    snap_path.unlink()
 
     # safetensors' own save/load of the same tensors (the used blocks, per layer tensor).
     st_path = args.dir / "st.safetensors"
@@ -426,8 +634,13 @@ def main() -> None:
     for key, value in results.items():
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)
         print(f"{key:<{width}}  {shown}")
+    for label, summary in timelines.items():
+        if label.startswith("ttfb"):
+            print_first_spans(label, summary)
+        else:
+            print_timeline(label, summary, "read" if label == "restore" else "write")
     if args.json_out is not None:
-        args.json_out.write_text(json.dumps(results, indent=2))
+        args.json_out.write_text(json.dumps({**results, "timeline": timelines}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The ``kvsnap`` command line: capture, inspect, verify, restore.
+"""The ``kvsnap`` command line: capture, inspect, verify, restore, fixture, bench.
 
 Every command is a thin client of the library: it parses options, calls :mod:`kvsnap`, and
 formats the answer as rich tables (people) or one JSON object (``--json``, scripts).
@@ -16,6 +16,7 @@ from rich.table import Table
 from kvsnap import __version__
 from kvsnap.snapshot import Snapshot
 
+from .bench import bench
 from .fixture import fixture
 from .output import (
     EXIT_VERIFY_FAILED,
@@ -501,6 +502,7 @@ def restore(
 
 
 app.command()(handle_errors(fixture))
+app.command()(handle_errors(bench))
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,8 +21,10 @@ from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
+    MofNCompleteColumn,
     Progress,
     TextColumn,
+    TimeElapsedColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
@@ -121,5 +123,32 @@ def progress_bar(description: str, *, enabled: bool) -> Iterator[Callable[[int, 
 
         def update(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
+
+        yield update
+
+
+@contextmanager
+def step_progress(description: str, *, enabled: bool) -> Iterator[Callable[[int, int, str], None]]:
+    """A rich progress bar of steps on stderr, naming the step that runs now.
+
+    The callback ``(done, total, label)`` does nothing when disabled or when stderr is not a
+    terminal. The bar is redrawn only by the callback, never by a refresh thread, so it takes
+    no host time from what runs between steps (a benchmark's timings)."""
+    if not enabled or not stderr.is_terminal:
+        yield lambda done, total, label: None
+        return
+    columns = (
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[step]}"),
+    )
+    with Progress(*columns, console=stderr, transient=True, auto_refresh=False) as progress:
+        task = progress.add_task(description, total=None, step="")
+
+        def update(done: int, total: int, label: str) -> None:
+            progress.update(task, completed=done, total=total, step=label)
+            progress.refresh()
 
         yield update

@@ -22,6 +22,7 @@ view's strides, so a new layout is a few lines and never a new copy loop.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -194,8 +195,9 @@ class CanonicalPageMapping:
     num_writers: int = 1
     writer_index: int = 0
 
-    @property
+    @functools.cached_property
     def local_bytes(self) -> int:
+        """Bytes of the canonical page this rank holds (computed once: the planner's hot path)."""
         return sum(run.num_bytes for run in self.runs)
 
     def is_writer(self, canonical_block_ids: np.ndarray) -> np.ndarray:
@@ -225,7 +227,7 @@ class PageRef:
     part: str
     mapping: CanonicalPageMapping
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return canonical_name(self.layer, self.part)
 

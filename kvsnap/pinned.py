@@ -1,9 +1,10 @@
 """Reusable page-locked host memory: one pool allocated once, handed out as staging-ring slots.
 
 Pinning is slow (seconds for a few GiB on an H200 host) and torch's pinned allocator rounds
-every request up to a power of two, so kvsnap pins one buffer up front, registers it with the
+every request up to a power of two, so kvsnap allocates one buffer, registers it with the
 driver in chunks of whole slots (at most 1 GiB, unless one slot is larger), reuses it for every
-job and unregisters it before freeing.
+job and unregisters it before freeing. A ``lazy`` pool registers each slot on its first use
+instead, so a capture's first transfer waits for one slot's pinning, not the whole pool's.
 On machines without CUDA the same pool is plain host memory, so the CPU path and the tests run
 the code that the GPU path runs.
 """
@@ -52,11 +53,16 @@ class PinnedPool:
         slot_bytes: size of each slot, rounded up to 4096.
         num_slots: how many slots; ``acquire`` blocks while all of them are in use.
         pin: register the memory with CUDA. ``None`` pins exactly when CUDA is available.
+        lazy: register each slot when it is first acquired (or asked for with :meth:`slot`)
+            rather than the whole pool up front; freed slots are reused first, so slots a
+            job never needs at once are never pinned.
 
     The pool is a context manager; :meth:`close` unregisters (when pinned) and frees.
     """
 
-    def __init__(self, slot_bytes: int, num_slots: int, pin: bool | None = None) -> None:
+    def __init__(
+        self, slot_bytes: int, num_slots: int, pin: bool | None = None, *, lazy: bool = False
+    ) -> None:
         if slot_bytes <= 0 or num_slots <= 0:
             raise ValueError(f"PinnedPool needs positive sizes, got {slot_bytes=} {num_slots=}")
         self.slot_bytes = _align_up(slot_bytes, SLOT_ALIGNMENT_BYTES)
@@ -70,9 +76,12 @@ class PinnedPool:
         self.data_ptr = self._memory.data_ptr()
         self.pinned = False
         self._registered: list[int] = []
+        self._slot_pinned = [False] * num_slots
+        self._register_lock = threading.Lock()
         if pin is None:
             pin = torch.cuda.is_available()
-        if pin:
+        self._pin_on_use = bool(pin) and lazy
+        if pin and not lazy:
             self._register()
         self._free = list(range(num_slots - 1, -1, -1))
         self._cond = threading.Condition()
@@ -93,7 +102,24 @@ class PinnedPool:
                 self._unregister()
                 raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
             self._registered.append(self.data_ptr + offset)
+        self._slot_pinned = [True] * self.num_slots
         self.pinned = True
+
+    def _pin_slot(self, index: int) -> None:
+        """Register slot ``index`` on its own, once (lazy pools)."""
+        with self._register_lock:
+            if self._slot_pinned[index]:
+                return
+            start = index * self.slot_bytes
+            memory = self._memory[start : start + self.slot_bytes]
+            memory.zero_()  # fault the pages in before the driver locks them
+            status = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), self.slot_bytes, 0)
+            code = int(getattr(status, "value", status))
+            if code != 0:
+                raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
+            self._registered.append(memory.data_ptr())
+            self._slot_pinned[index] = True
+            self.pinned = True
 
     def _unregister(self) -> None:
         if not self._registered:
@@ -102,10 +128,14 @@ class PinnedPool:
         for address in self._registered:
             cudart.cudaHostUnregister(address)
         self._registered.clear()
+        self._slot_pinned = [False] * self.num_slots
         self.pinned = False
 
     def slot(self, index: int) -> Slot:
-        """The slot at ``index`` (no ownership implied; see :meth:`acquire`)."""
+        """The slot at ``index`` (no ownership implied; see :meth:`acquire`); a lazy pool
+        registers it first."""
+        if self._pin_on_use and not self._slot_pinned[index]:
+            self._pin_slot(index)
         start = index * self.slot_bytes
         return Slot(
             index=index,
@@ -121,14 +151,31 @@ class PinnedPool:
                 raise TimeoutError(f"no staging slot freed within {timeout} s")
             if self._closed:
                 raise RuntimeError("PinnedPool is closed")
-            return self.slot(self._free.pop())
+            index = self._free.pop()
+        # Outside the lock: a first-use registration must not hold up release() elsewhere.
+        try:
+            return self.slot(index)
+        except BaseException:
+            self._release_index(index)
+            raise
+
+    def try_acquire(self) -> Slot | None:
+        """Take a free slot if there is one, without waiting."""
+        try:
+            return self.acquire(timeout=0)
+        except TimeoutError:
+            return None
 
     def release(self, slot: Slot) -> None:
         """Give ``slot`` back to the pool."""
+        self._release_index(slot.index)
+
+    def _release_index(self, index: int) -> None:
+        """Give the slot at ``index`` back to the pool."""
         with self._cond:
-            if slot.index in self._free:
-                raise ValueError(f"slot {slot.index} released twice")
-            self._free.append(slot.index)
+            if index in self._free:
+                raise ValueError(f"slot {index} released twice")
+            self._free.append(index)
             self._cond.notify()
 
     @contextmanager

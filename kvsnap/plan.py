@@ -112,6 +112,22 @@ class Descriptors:
         return cls(empty, empty, empty)
 
 
+@dataclass(frozen=True)
+class ResolvedCopy:
+    """A validated :class:`PageCopy`: the pages this rank moves, as device block ids and host
+    page addresses (at device to host, blocks another rank is elected to write are dropped)."""
+
+    copy: PageCopy
+    ref: PageRef
+    device_block_ids: np.ndarray
+    host_addresses: np.ndarray
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes this rank moves: its local bytes of every page."""
+        return len(self.device_block_ids) * self.ref.mapping.local_bytes
+
+
 class CopyPlanner:
     """Builds descriptors for one :class:`CacheLayout`; templates are computed once, here."""
 
@@ -122,8 +138,69 @@ class CopyPlanner:
     def template(self, name: str) -> FragmentTemplate:
         return self._templates[name]
 
+    def resolve(self, copy: PageCopy, direction: Direction) -> ResolvedCopy:
+        """Check ``copy`` against the layout and elect this rank's pages.
+
+        Raises ``KeyError`` for an unknown tensor and ``ValueError`` for block ids out of range,
+        host pages of the wrong size or too few host pages.
+        """
+        return self.resolve_job([copy], direction)[0]
+
+    def resolve_job(self, copies: Sequence[PageCopy], direction: Direction) -> list[ResolvedCopy]:
+        """:meth:`resolve` for every copy of a job.
+
+        The copies of one job usually share their arrays (the same blocks of every layer, the
+        same host chunk ids), so each array is converted and range-checked once per job.
+        """
+        checked: dict[tuple[int, int], np.ndarray] = {}
+
+        def in_range(values: np.ndarray, limit: int, what: str) -> np.ndarray:
+            key = (id(values), limit)
+            array = checked.get(key)
+            if array is None:
+                array = np.asarray(values, dtype=np.int64)
+                if array.ndim != 1:
+                    raise ValueError(f"{what} must be one-dimensional")
+                if len(array) and (array.min() < 0 or array.max() >= limit):
+                    raise ValueError(
+                        f"{what} must lie in [0, {limit}), got {array.min()}..{array.max()}"
+                    )
+                checked[key] = array
+            return array
+
+        resolved = []
+        for copy in copies:
+            ref = self.layout.ref(copy.name)
+            tensor = self.layout.tensors[ref.tensor_index]
+            if copy.host.page_size_bytes != ref.mapping.canonical_page_size_bytes:
+                raise ValueError(
+                    f"{copy.name}: host pages are {copy.host.page_size_bytes} bytes, "
+                    f"the canonical page is {ref.mapping.canonical_page_size_bytes}"
+                )
+            device_blocks = in_range(
+                copy.device_block_ids, tensor.num_blocks, f"{copy.name}: device block ids"
+            )
+            chunks = in_range(copy.host_chunk_ids, copy.host.num_chunks, "host chunk ids")
+            host_pages, page_numbers = host_page_addresses(
+                copy.host, chunks, copy.skip, len(device_blocks), checked=True
+            )
+            if direction is Direction.DEVICE_TO_HOST and ref.mapping.num_writers > 1:
+                snapshot_blocks = (
+                    page_numbers
+                    if copy.snapshot_block_ids is None
+                    else np.asarray(copy.snapshot_block_ids)
+                )
+                writes = ref.mapping.is_writer(snapshot_blocks)
+                device_blocks, host_pages = device_blocks[writes], host_pages[writes]
+            resolved.append(ResolvedCopy(copy, ref, device_blocks, host_pages))
+        return resolved
+
     def descriptors(
-        self, copies: Sequence[PageCopy], direction: Direction, *, merge: bool = True
+        self,
+        copies: Sequence[PageCopy | ResolvedCopy],
+        direction: Direction,
+        *,
+        merge: bool = True,
     ) -> Descriptors:
         """All descriptors of a job, in order: copy by copy, block by block, fragment by fragment.
 
@@ -142,59 +219,35 @@ class CopyPlanner:
         sizes = np.concatenate([part.sizes for part in parts])
         return Descriptors(src, dst, sizes)
 
-    def _copy_descriptors(self, copy: PageCopy, direction: Direction) -> Descriptors:
-        ref = self.layout.ref(copy.name)
-        template = self._templates[copy.name]
-        tensor = self.layout.tensors[ref.tensor_index]
-        device_blocks = np.asarray(copy.device_block_ids, dtype=np.int64)
-        if device_blocks.ndim != 1:
-            raise ValueError(f"{copy.name}: device_block_ids must be one-dimensional")
-        if len(device_blocks) and (
-            device_blocks.min() < 0 or device_blocks.max() >= tensor.num_blocks
-        ):
-            raise ValueError(
-                f"{copy.name}: device block ids must lie in [0, {tensor.num_blocks}), "
-                f"got {device_blocks.min()}..{device_blocks.max()}"
-            )
-        host_pages, page_numbers = host_page_addresses(
-            copy.host, copy.host_chunk_ids, copy.skip, len(device_blocks)
-        )
-        if copy.host.page_size_bytes != ref.mapping.canonical_page_size_bytes:
-            raise ValueError(
-                f"{copy.name}: host pages are {copy.host.page_size_bytes} bytes, "
-                f"the canonical page is {ref.mapping.canonical_page_size_bytes}"
-            )
-        device_bases = tensor.data_ptr + device_blocks * tensor.block_stride_bytes
-        if direction is Direction.DEVICE_TO_HOST and ref.mapping.num_writers > 1:
-            snapshot_blocks = (
-                page_numbers
-                if copy.snapshot_block_ids is None
-                else np.asarray(copy.snapshot_block_ids)
-            )
-            writes = ref.mapping.is_writer(snapshot_blocks)
-            device_bases, host_pages = device_bases[writes], host_pages[writes]
-        if template.num_fragments == 0 or len(device_bases) == 0:
+    def _copy_descriptors(self, copy: PageCopy | ResolvedCopy, direction: Direction) -> Descriptors:
+        resolved = copy if isinstance(copy, ResolvedCopy) else self.resolve(copy, direction)
+        template = self._templates[resolved.ref.name]
+        tensor = self.layout.tensors[resolved.ref.tensor_index]
+        if template.num_fragments == 0 or len(resolved.device_block_ids) == 0:
             return Descriptors.empty()
+        device_bases = tensor.data_ptr + resolved.device_block_ids * tensor.block_stride_bytes
         local = (device_bases[:, None] + template.local_offsets[None, :]).ravel()
-        canonical = (host_pages[:, None] + template.canonical_offsets[None, :]).ravel()
-        sizes = np.broadcast_to(template.sizes, (len(device_bases), template.num_fragments)).ravel()
+        canonical = (resolved.host_addresses[:, None] + template.canonical_offsets[None, :]).ravel()
+        count = len(device_bases)
+        sizes = np.broadcast_to(template.sizes, (count, template.num_fragments)).ravel()
         if direction is Direction.DEVICE_TO_HOST:
             return Descriptors(local, canonical, sizes)
         return Descriptors(canonical, local, sizes)
 
 
 def host_page_addresses(
-    host: HostPages, chunk_ids: np.ndarray, skip: int, count: int
+    host: HostPages, chunk_ids: np.ndarray, skip: int, count: int, *, checked: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """Addresses and global numbers of ``count`` host pages, ``skip`` pages into ``chunk_ids``.
 
-    Page ``j`` of chunk ``c`` has global number ``c * blocks_per_chunk + j``.
+    Page ``j`` of chunk ``c`` has global number ``c * blocks_per_chunk + j``. ``checked`` says
+    the caller already verified that ``chunk_ids`` is an int64 array within ``host``.
     """
-    chunks = np.asarray(chunk_ids, dtype=np.int64)
+    chunks = chunk_ids if checked else np.asarray(chunk_ids, dtype=np.int64)
     per_chunk = host.blocks_per_chunk
     if not 0 <= skip < per_chunk:
         raise ValueError(f"skip must lie in [0, {per_chunk}), got {skip}")
-    if len(chunks) and (chunks.min() < 0 or chunks.max() >= host.num_chunks):
+    if not checked and len(chunks) and (chunks.min() < 0 or chunks.max() >= host.num_chunks):
         raise ValueError(
             f"host chunk ids must lie in [0, {host.num_chunks}), got {chunks.min()}..{chunks.max()}"
         )

@@ -19,7 +19,8 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from kvsnap.errors import IncompatibleSnapshotError, KVSnapError
 from kvsnap.layout import CacheLayout, KVGeometry, torch_dtype
 from kvsnap.pinned import PinnedPool, Slot
 from kvsnap.plan import Direction, HostPages, PageCopy
-from kvsnap.store import SnapshotReader, SnapshotWriter
+from kvsnap.store import SnapshotReader, SnapshotWriter, TraceHook, traced
 from kvsnap.transfer import TransferHandler
 
 #: Host staging memory used by one capture or restore, split into ``DEFAULT_STAGING_SLOTS`` slots.
@@ -175,13 +176,27 @@ def _handlers(
     ]
 
 
-def _staging_pool(page_size_bytes: int, staging_bytes: int, num_slots: int) -> PinnedPool:
-    if num_slots < 1:
+def _check_staging(page_size_bytes: int, staging: PinnedPool | None, num_slots: int) -> None:
+    if staging is not None and staging.slot_bytes < page_size_bytes:
+        raise ValueError(
+            f"staging slots of {staging.slot_bytes} bytes cannot hold one "
+            f"{page_size_bytes}-byte page"
+        )
+    if staging is None and num_slots < 1:
         raise ValueError(f"staging needs at least one slot, got {num_slots}")
+
+
+def _staging_pool(
+    page_size_bytes: int, staging: PinnedPool | None, staging_bytes: int, num_slots: int
+) -> PinnedPool:
+    """The caller's pool, or a new lazily pinned one of ``staging_bytes`` in ``num_slots``."""
+    if staging is not None:
+        return staging
     # A slot holds at least one canonical page, and never a fraction of one.
     slot_bytes = max(page_size_bytes, staging_bytes // num_slots)
     slot_bytes -= slot_bytes % page_size_bytes
-    return PinnedPool(slot_bytes, num_slots)
+    # Pinned slot by slot on first use: the first copy waits for one slot, not the pool.
+    return PinnedPool(slot_bytes, num_slots, lazy=True)
 
 
 def _chunks(count: int, per_chunk: int) -> Iterator[slice]:
@@ -230,6 +245,8 @@ def capture(
     reproducible: bool = False,
     max_shard_bytes: int | None = None,
     direct_io: bool | None = None,
+    staging: PinnedPool | None = None,
+    trace: TraceHook | None = None,
 ) -> CaptureResult:
     """Write the KV of ``sequences`` from the cache ``layout`` describes to a snapshot at ``path``.
 
@@ -243,6 +260,13 @@ def capture(
     ``cpu``). ``sm_budget`` bounds the SMs the copy may occupy while the model computes: the
     copies then run on the Triton kernel with at most that many programs (docs/benchmarks.md
     gives its cost in bandwidth).
+
+    Staging: ``staging_bytes`` of host memory in ``staging_slots`` slots, pinned slot by slot
+    on first use and freed at the end; or ``staging``, a :class:`~kvsnap.pinned.PinnedPool` the
+    caller keeps (pinned once, warm for every capture and restore that shares it; its slots
+    are given back at the end). ``trace(kind, started, finished, nbytes)`` receives a span for
+    each step (setup, slot waits, transfers, checksums, writes, commit phases):
+    ``benchmarks/e2e.py --timeline`` shows what it records.
     """
     started = time.perf_counter()
     layouts = _as_layouts(layout)
@@ -280,52 +304,27 @@ def capture(
     )
     page_bytes = geometry.canonical_page_size_bytes
     total_bytes = page_bytes * len(device_block_ids) * len(geometry.tensor_names())
-    handlers = _handlers(layouts, Direction.DEVICE_TO_HOST, backend, sm_budget)
-    pool = _staging_pool(page_bytes, staging_bytes, staging_slots)
-    job_ids = itertools.count()
-    writer = SnapshotWriter(path, metadata, direct_io=direct_io, max_shard_bytes=max_shard_bytes)
+    _check_staging(page_bytes, staging, staging_slots)
+    with traced(trace, "setup.handlers"):
+        handlers = _handlers(layouts, Direction.DEVICE_TO_HOST, backend, sm_budget)
+    with traced(trace, "setup.pool"):
+        pool = _staging_pool(page_bytes, staging, staging_bytes, staging_slots)
+    held: list[Slot] = []  # the slot being filled, until the writer owns it
+    moved = _Progress(progress, total_bytes)
     try:
-        pending: deque[tuple[list[int], Slot, str, int]] = deque()
-        # Jobs submitted ahead of the writer; one slot always stays for the writer to drain.
-        lookahead = staging_slots - 1
-        done_bytes = 0
-
-        def hand_oldest_to_writer() -> None:
-            nonlocal done_bytes
-            jobs, slot, name, num_bytes = pending.popleft()
-            _wait_for_all(handlers, jobs, f"capture of {name}")
-            future = writer.write_pages(name, slot.as_numpy(num_bytes))
-            future.add_done_callback(lambda _future, slot=slot: pool.release(slot))
-            done_bytes += num_bytes
-            if progress is not None:
-                progress(done_bytes, total_bytes)
-
-        blocks_per_slot = pool.slot_bytes // page_bytes
-        for name in writer.tensor_order():
-            for chunk in _chunks(len(device_block_ids), blocks_per_slot):
-                slot = pool.acquire()
-                count = chunk.stop - chunk.start
-                copy = PageCopy(
-                    name=name,
-                    device_block_ids=device_block_ids[chunk],
-                    host=HostPages.contiguous(slot.data_ptr, count, page_bytes),
-                    host_chunk_ids=np.arange(count, dtype=np.int64),
-                    snapshot_block_ids=np.arange(chunk.start, chunk.stop, dtype=np.int64),
-                )
-                jobs = _submit_to_all(handlers, job_ids, copy, f"capture of {name}")
-                pending.append((jobs, slot, name, count * page_bytes))
-                while len(pending) > lookahead:
-                    hand_oldest_to_writer()
-        while pending:
-            hand_oldest_to_writer()
-        info = writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
+        with traced(trace, "setup.writer"):
+            writer = SnapshotWriter(
+                path, metadata, direct_io=direct_io, max_shard_bytes=max_shard_bytes, trace=trace
+            )
+        try:
+            _transfer_to_writer(handlers, pool, writer, device_block_ids, held, moved, trace)
+            info = writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
     finally:
-        for handler in handlers:
-            handler.shutdown()
-        pool.close()
+        with traced(trace, "teardown"):
+            _finish_staging(handlers, pool, held, owned=staging is None)
     return CaptureResult(
         path=str(info.path),
         num_sequences=len(records),
@@ -336,6 +335,86 @@ def capture(
         backend=handlers[0].backend_name,
         direct_io_fallback=writer.fallback_reason,
     )
+
+
+class _Progress:
+    """Counts the bytes moved and reports them to an optional :data:`ProgressCallback`."""
+
+    def __init__(self, callback: ProgressCallback | None, total_bytes: int) -> None:
+        self.callback = callback
+        self.total_bytes = total_bytes
+        self.done_bytes = 0
+
+    def add(self, num_bytes: int) -> None:
+        self.done_bytes += num_bytes
+        if self.callback is not None:
+            self.callback(self.done_bytes, self.total_bytes)
+
+
+def _transfer_to_writer(
+    handlers: Sequence[TransferHandler],
+    pool: PinnedPool,
+    writer: SnapshotWriter,
+    device_block_ids: np.ndarray,
+    held: list[Slot],
+    progress: _Progress,
+    trace: TraceHook | None,
+) -> None:
+    """Copy every layer tensor's blocks slot by slot into staging and hand each slot to the
+    writer as soon as its copy completes.
+
+    The copy of one slot is short next to the disk's time for it, so waiting for it here costs
+    nothing while the writer holds every other slot: the disk always has queued writes.
+    """
+    job_ids = itertools.count()
+    page_bytes = writer.page_size_bytes
+    blocks_per_slot = pool.slot_bytes // page_bytes
+    for name in writer.tensor_order():
+        for chunk in _chunks(len(device_block_ids), blocks_per_slot):
+            with traced(trace, "staging.wait"):
+                slot = pool.acquire()
+            held.append(slot)
+            count = chunk.stop - chunk.start
+            copy = PageCopy(
+                name=name,
+                device_block_ids=device_block_ids[chunk],
+                host=HostPages.contiguous(slot.data_ptr, count, page_bytes),
+                host_chunk_ids=np.arange(count, dtype=np.int64),
+                snapshot_block_ids=np.arange(chunk.start, chunk.stop, dtype=np.int64),
+            )
+            with traced(trace, "transfer", count * page_bytes):
+                jobs = _submit_to_all(handlers, job_ids, copy, f"capture of {name}")
+                _wait_for_all(handlers, jobs, f"capture of {name}")
+            with traced(trace, "writer.enqueue", count * page_bytes):
+                written = writer.write_pages(name, slot.as_numpy(count * page_bytes))
+            held.remove(slot)
+            written.add_done_callback(lambda _future, slot=slot: pool.release(slot))
+            progress.add(count * page_bytes)
+
+
+def _finish_staging(
+    handlers: Sequence[TransferHandler], pool: PinnedPool, held: Sequence[Slot], *, owned: bool
+) -> None:
+    """Wait for the copies still in flight, then give back the slots still held (and close a
+    pool this call made): no slot is reused while a copy may still touch it."""
+    try:
+        for handler in handlers:
+            handler.shutdown()
+    finally:
+        for slot in held:
+            pool.release(slot)
+        if owned:
+            pool.close()
+
+
+@dataclass(frozen=True)
+class _SlotRead:
+    """A staging slot being filled with ``chunk`` of tensor ``name``'s snapshot blocks."""
+
+    future: Future[None]
+    slot: Slot
+    name: str
+    chunk: slice
 
 
 class Snapshot:
@@ -531,6 +610,8 @@ class Snapshot:
         progress: ProgressCallback | None = None,
         model_fingerprint: str | None = None,
         force: bool = False,
+        staging: PinnedPool | None = None,
+        trace: TraceHook | None = None,
     ) -> RestoreResult:
         """Write the KV of the sequences named in ``block_ids`` into the target cache.
 
@@ -538,8 +619,8 @@ class Snapshot:
         sequence. ``layout`` may list one layout per TP rank held by this process; every rank
         receives its own heads. Everything is checked before the first byte is written: the
         geometry (see :meth:`check_compatible`), the sequence ids and the block counts and
-        ranges. Only the blocks of the named sequences are read. ``backend`` and ``sm_budget``
-        are as for :func:`capture`.
+        ranges. Only the blocks of the named sequences are read. ``backend``, ``sm_budget``,
+        the staging options and ``trace`` are as for :func:`capture`.
         """
         started = time.perf_counter()
         layouts = _as_layouts(layout)
@@ -549,87 +630,24 @@ class Snapshot:
         page_bytes = geometry.canonical_page_size_bytes
         names = geometry.tensor_names()
         total_bytes = page_bytes * len(snapshot_blocks) * len(names)
-        handlers = _handlers(layouts, Direction.HOST_TO_DEVICE, backend, sm_budget)
-        pool = _staging_pool(page_bytes, staging_bytes, staging_slots)
-        job_ids = itertools.count()
-        blocks_per_slot = pool.slot_bytes // page_bytes
-        work = [
-            (name, chunk)
-            for name in names
-            for chunk in _chunks(len(snapshot_blocks), blocks_per_slot)
-        ]
-        # Reads run one slot ahead on their own thread, so the disk never waits for a scatter
-        # and a scatter never waits for the disk; each slot is either being read, being
-        # scattered, or free.
-        reads: deque[tuple[Future[None], Slot, str, slice]] = deque()
-        scatters: deque[tuple[list[int], Slot, str]] = deque()
-        max_reads = max(1, staging_slots // 2)
-        max_scatters = max(1, staging_slots - max_reads)
-        done_bytes = 0
-        reader_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsnap-restore-read")
-
-        def start_read(name: str, chunk: slice) -> None:
-            slot = pool.acquire()
-            count = chunk.stop - chunk.start
-            future = reader_thread.submit(
-                self._reader.read_pages,
-                name,
-                snapshot_blocks[chunk],
-                slot.as_numpy(count * page_bytes),
-            )
-            reads.append((future, slot, name, chunk))
-
-        def scatter_oldest_read() -> None:
-            nonlocal done_bytes
-            future, slot, name, chunk = reads.popleft()
-            try:
-                future.result()
-            except BaseException:
-                pool.release(slot)
-                raise
-            count = chunk.stop - chunk.start
-            copy = PageCopy(
-                name=name,
-                device_block_ids=target_blocks[chunk],
-                host=HostPages.contiguous(slot.data_ptr, count, page_bytes),
-                host_chunk_ids=np.arange(count, dtype=np.int64),
-            )
-            try:
-                jobs = _submit_to_all(handlers, job_ids, copy, f"restore of {name}")
-            except BaseException:
-                pool.release(slot)
-                raise
-            scatters.append((jobs, slot, name))
-            done_bytes += count * page_bytes
-            if progress is not None:
-                progress(done_bytes, total_bytes)
-
-        def finish_oldest_scatter() -> None:
-            jobs, slot, name = scatters.popleft()
-            try:
-                _wait_for_all(handlers, jobs, f"restore of {name}")
-            finally:
-                pool.release(slot)
-
+        _check_staging(page_bytes, staging, staging_slots)
+        with traced(trace, "setup.handlers"):
+            handlers = _handlers(layouts, Direction.HOST_TO_DEVICE, backend, sm_budget)
+        with traced(trace, "setup.pool"):
+            pool = _staging_pool(page_bytes, staging, staging_bytes, staging_slots)
+        reads: deque[_SlotRead] = deque()
+        moved = _Progress(progress, total_bytes)
         try:
-            for name, chunk in work:
-                while len(scatters) >= max_scatters:
-                    finish_oldest_scatter()
-                while len(reads) >= max_reads:
-                    scatter_oldest_read()
-                    while len(scatters) > max_scatters:
-                        finish_oldest_scatter()
-                start_read(name, chunk)
-            while reads:
-                scatter_oldest_read()
-            while scatters:
-                finish_oldest_scatter()
+            self._read_and_scatter(
+                handlers, pool, names, (snapshot_blocks, target_blocks), reads, moved, trace
+            )
         finally:
-            # Let an outstanding read finish before its slot's memory goes away.
-            reader_thread.shutdown(wait=True, cancel_futures=True)
-            for handler in handlers:
-                handler.shutdown()
-            pool.close()
+            with traced(trace, "teardown"):
+                # A read still in flight must finish before its slot is reused or freed.
+                wait_futures([read.future for read in reads])
+                _finish_staging(
+                    handlers, pool, [read.slot for read in reads], owned=staging is None
+                )
         return RestoreResult(
             num_sequences=len(block_ids),
             num_tokens=num_tokens,
@@ -638,6 +656,84 @@ class Snapshot:
             seconds=time.perf_counter() - started,
             backend=handlers[0].backend_name,
         )
+
+    def _read_and_scatter(
+        self,
+        handlers: Sequence[TransferHandler],
+        pool: PinnedPool,
+        names: Sequence[str],
+        block_pairs: tuple[np.ndarray, np.ndarray],
+        reads: deque[_SlotRead],
+        moved: _Progress,
+        trace: TraceHook | None,
+    ) -> None:
+        """Read (and verify) into every free staging slot, and scatter slots in order as their
+        reads complete; ``block_pairs`` are the snapshot blocks and their target blocks, and
+        ``reads`` holds the slots being read, oldest first.
+
+        Every slot but the one being scattered has a read queued, so the disk never waits for
+        a scatter, and verifying one piece overlaps reading the next.
+        """
+        snapshot_blocks, target_blocks = block_pairs
+        page_bytes = self._reader.page_size_bytes(names[0])
+        blocks_per_slot = pool.slot_bytes // page_bytes
+        work = deque(
+            (name, chunk)
+            for name in names
+            for chunk in _chunks(len(snapshot_blocks), blocks_per_slot)
+        )
+        job_ids = itertools.count()
+        while work or reads:
+            while work:
+                # Wait for a slot only with no read of ours queued: a pool shared with another
+                # restore must not leave both waiting for each other's slots.
+                slot = pool.try_acquire() if reads else self._acquire(pool, trace)
+                if slot is None:
+                    break
+                try:
+                    reads.append(self._start_read(slot, *work.popleft(), snapshot_blocks, trace))
+                except BaseException:
+                    pool.release(slot)
+                    raise
+            read = reads[0]
+            with traced(trace, "read.wait"):
+                read.future.result()
+            count = read.chunk.stop - read.chunk.start
+            copy = PageCopy(
+                name=read.name,
+                device_block_ids=target_blocks[read.chunk],
+                host=HostPages.contiguous(read.slot.data_ptr, count, page_bytes),
+                host_chunk_ids=np.arange(count, dtype=np.int64),
+            )
+            with traced(trace, "transfer", count * page_bytes):
+                jobs = _submit_to_all(handlers, job_ids, copy, f"restore of {read.name}")
+                _wait_for_all(handlers, jobs, f"restore of {read.name}")
+            reads.popleft()
+            pool.release(read.slot)
+            moved.add(count * page_bytes)
+
+    @staticmethod
+    def _acquire(pool: PinnedPool, trace: TraceHook | None) -> Slot:
+        with traced(trace, "staging.wait"):
+            return pool.acquire()
+
+    def _start_read(
+        self,
+        slot: Slot,
+        name: str,
+        chunk: slice,
+        snapshot_blocks: np.ndarray,
+        trace: TraceHook | None,
+    ) -> _SlotRead:
+        """Queue the read (and verification) of ``chunk`` of tensor ``name`` into ``slot``."""
+        count = chunk.stop - chunk.start
+        future = self._reader.read_pages_async(
+            name,
+            snapshot_blocks[chunk],
+            slot.as_numpy(count * self._reader.page_size_bytes(name)),
+            trace=trace,
+        )
+        return _SlotRead(future, slot, name, chunk)
 
     def _restore_pairs(
         self, block_ids: Mapping[str, np.ndarray | Sequence[int]], layouts: Sequence[CacheLayout]

@@ -2,9 +2,10 @@
 
 :class:`SnapshotWriter` takes KV pages in caller-owned buffers (a pinned staging slot, usually)
 and moves them to the file while the caller fills the next buffer: every
-:meth:`~SnapshotWriter.write_pages` call is cut into sub-chunks of whole pages; worker threads
-hash each page (xxh3-64; xxhash releases the GIL) and write it at its final offset
-(``pwrite``, so sub-chunks of a local file are written in parallel and out of order). The
+:meth:`~SnapshotWriter.write_pages` call is hashed (xxh3-64 per page, in sub-chunks on the hash
+threads; xxhash releases the GIL) and, at the same time, written at its final offset: ``pwrite``
+of pieces up to 64 MiB, front to back from one write thread (on the measured disk one
+sequential stream beat parallel writers), into blocks reserved when the file was created. The
 returned future completes when the buffer may be reused. The bytes in flight are bounded
 (``max_inflight_bytes``), so host memory stays flat whatever the snapshot size.
 
@@ -22,13 +23,18 @@ filesystems get a temporary name and a move.
 
 :class:`SnapshotReader` validates the whole header before allocating anything, reads only the
 byte ranges of the blocks asked for (coalescing consecutive blocks), and checks every block
-against its checksum as it reads.
+against its checksum as it reads; :meth:`SnapshotReader.read_pages_async` queues a read on the
+reader's threads, so a caller keeps the disk busy while it consumes the previous buffer.
+
+An optional :data:`TraceHook` receives a span for every hash, write, read and verification and
+for the commit's phases; without one the pipeline only pays a ``None`` check per piece.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import errno
 import math
 import mmap
@@ -38,7 +44,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,10 +62,22 @@ from kvsnap.errors import (
 from kvsnap.format import Problem, SnapshotMetadata, TensorEntry
 from kvsnap.layout import DTYPES
 
+TraceHook = Callable[[str, float, float, int], None]
+"""``trace(kind, started, finished, nbytes)``: one span of pipeline work (``time.perf_counter``
+seconds), called from worker threads; it must be cheap and thread-safe (``list.append`` is)."""
+
 #: Bytes of caller buffers the writer holds at once; ``write_pages`` waits beyond this.
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
-#: Unit of work of the writer's and reader's threads (rounded to whole pages).
+#: Unit of hashing, and of the reader's threads (rounded to whole pages).
 SUBCHUNK_BYTES = 8 << 20
+#: Largest single write of layer data to a local file, as large as the raw-disk benchmark's:
+#: where the filesystem serializes writes to one file, the disk drains its queue once per write.
+WRITE_CHUNK_BYTES = 64 << 20
+#: Writes to one local file in flight at once. One: on the H200 machine's disk a single stream of
+#: in-order 64 MiB O_DIRECT writes reached 0.89-0.92 of the raw write, 2 threads 0.83 and 4
+#: threads 0.77-0.81 (docs/benchmarks.md); hashing runs on its own threads alongside, so the
+#: writer still has the next buffer ready when a write returns.
+LOCAL_WRITE_THREADS = 1
 #: Part size of streaming uploads to object stores (S3 needs at least 5 MiB).
 STREAM_BLOCK_BYTES = 16 << 20
 #: Blocks a verify reports per tensor before summarizing the rest.
@@ -102,6 +120,76 @@ class SnapshotInfo:
     direct_io: bool
     fallback_reason: str | None
     seconds: float
+
+
+@contextlib.contextmanager
+def traced(trace: TraceHook | None, kind: str, nbytes: int = 0) -> Iterator[None]:
+    """Report the time the ``with`` body takes to ``trace`` as a ``kind`` span (when tracing)."""
+    if trace is None:
+        yield
+        return
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        trace(kind, started, time.perf_counter(), nbytes)
+
+
+class _Completion:
+    """A future for work split over several futures: it completes once every watched future is
+    done (so no thread touches the caller's buffer any more), with ``None`` or the first failure.
+
+    The first failure cancels the watched futures that have not started; ``on_done`` runs before
+    the future completes; ``cancelled`` makes the error a cancelled piece reports.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        *,
+        on_done: Callable[[], None] | None = None,
+        cancelled: Callable[[], BaseException],
+    ) -> None:
+        self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._remaining = count
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._on_done = on_done
+        self._cancelled = cancelled
+        self._watched: list[concurrent.futures.Future[Any]] = []
+        if count == 0:
+            self._finish()
+
+    def watch(self, future: concurrent.futures.Future[Any]) -> None:
+        self._watched.append(future)
+        future.add_done_callback(self._one_done)
+
+    def _one_done(self, future: concurrent.futures.Future[Any]) -> None:
+        error = self._cancelled() if future.cancelled() else future.exception()
+        with self._lock:
+            self._remaining -= 1
+            first_failure = error is not None and self._error is None
+            if first_failure:
+                self._error = error
+            last = self._remaining == 0
+        if first_failure:
+            for other in list(self._watched):
+                other.cancel()
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        # The watched futures call back into this object: drop them, or the cycle would keep
+        # the caller's buffer (a whole staging pool, through its done callbacks) alive until
+        # the garbage collector runs.
+        self._watched = []
+        if self._on_done is not None:
+            self._on_done()
+            self._on_done = None
+        if self._error is not None:
+            self.future.set_exception(self._error)
+        else:
+            self.future.set_result(None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,6 +296,39 @@ def _aligned_copy(data: bytes) -> mmap.mmap:
     buffer = mmap.mmap(-1, max(len(data), 1))
     buffer[: len(data)] = data
     return buffer
+
+
+def _libc_fallocate() -> Callable[..., int] | None:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):
+        return None  # not glibc/Linux
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    function.restype = ctypes.c_int
+    return function
+
+
+_FALLOCATE = _libc_fallocate()
+#: fallocate errors that mean "not for this file": the snapshot is then written without it.
+_NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EPERM})
+
+
+def _preallocate(fd: int, size: int) -> bool:
+    """Reserve ``size`` bytes of disk blocks for ``fd`` (and set its size) before any data.
+
+    Parallel O_DIRECT writes into reserved blocks need only the shared inode lock on recent
+    ext4, where writes that allocate blocks serialize; a full disk also fails here, before any
+    data moves. Not ``posix_fallocate``: glibc emulates it by writing every block where the
+    filesystem lacks fallocate. Returns whether the blocks were reserved.
+    """
+    if _FALLOCATE is None or size <= 0:
+        return False
+    if _FALLOCATE(fd, 0, 0, size) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NO_FALLOCATE:
+        return False
+    raise OSError(code, os.strerror(code))
 
 
 class _LocalFile:
@@ -352,13 +473,15 @@ class SnapshotWriter:
             written.
         direct_io: ``None`` uses O_DIRECT for local files when the filesystem accepts it,
             ``True`` requires it (:class:`SnapshotIOError` otherwise), ``False`` never uses it.
-        hash_threads: worker threads hashing and writing (default: CPUs, 2 to 8).
+        hash_threads: worker threads hashing (default: CPUs, 2 to 8); local files are
+            written by ``LOCAL_WRITE_THREADS`` more, fsspec URLs by one ordered lane.
         max_shard_bytes: largest tensor bytes per shard (a larger single tensor gets a shard
             of its own); ``None`` writes one file.
         progress: called with the layer bytes written so far, from worker threads, serialized,
             with non-decreasing values.
         max_inflight_bytes: bytes of caller buffers held at once (default 256 MiB).
         storage_options: passed to fsspec for URLs (e.g. an S3 ``endpoint_url``).
+        trace: receives ``hash`` and ``write`` spans per piece and ``commit.*`` spans.
     """
 
     def __init__(
@@ -372,14 +495,18 @@ class SnapshotWriter:
         progress: Callable[[int], None] | None = None,
         max_inflight_bytes: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        trace: TraceHook | None = None,
     ) -> None:
         self._state = "starting"
+        self._trace = trace
         self._started = time.perf_counter()
         problems = metadata.problems()
         if problems:
             raise ValueError("cannot write this snapshot metadata: " + "; ".join(problems[:5]))
         self.metadata = metadata
         self.fallback_reason: str | None = None
+        #: Whether the local files' blocks were reserved up front (see ``_preallocate``).
+        self.preallocated = False
         #: What :meth:`commit` published (also set when the context manager commits).
         self.info: SnapshotInfo | None = None
         self._location = _locate(url, storage_options)
@@ -421,8 +548,11 @@ class SnapshotWriter:
         self._buffered_bytes = 0
         self._unaligned_buffers = False
         threads = hash_threads or max(2, min(8, os.cpu_count() or 1))
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            threads, thread_name_prefix="kvsnap-write"
+        self._hash_pool = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="kvsnap-hash"
+        )
+        self._writes = concurrent.futures.ThreadPoolExecutor(
+            LOCAL_WRITE_THREADS, thread_name_prefix="kvsnap-write"
         )
         self._hash_futures: list[list[concurrent.futures.Future[None]]] = [
             [] for _ in self._layouts
@@ -502,34 +632,29 @@ class SnapshotWriter:
                 f"{name}: {first} blocks written, {count} more exceed the {self._num_blocks} blocks"
             )
         shard, entry = self._placement[name]
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
         if count == 0:
-            done.set_result(None)
-            return done
+            empty: concurrent.futures.Future[None] = concurrent.futures.Future()
+            empty.set_result(None)
+            return empty
         self._admit(flat.nbytes)
-        parts = self._split(first, count)
-        remaining = [len(parts)]
-        lock = threading.Lock()
-
-        def part_done(future: concurrent.futures.Future[None]) -> None:
-            error = None if not future.cancelled() else SnapshotIOError("the writer was aborted")
-            if error is None:
-                error = future.exception()
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-                if error is not None and not done.done():
-                    done.set_exception(error)
-                elif last and not done.done():
-                    done.set_result(None)
-
-        for block, blocks in parts:
-            view = flat[
-                (block - first) * self._page_bytes : (block - first + blocks) * self._page_bytes
-            ]
-            offset = entry.begin + block * self._page_bytes
-            future = self._submit_data(shard, tensor, block, view, offset)
-            future.add_done_callback(part_done)
+        hash_parts = self._split(first, count, SUBCHUNK_BYTES)
+        write_parts = self._split(first, count, WRITE_CHUNK_BYTES)
+        done = _Completion(
+            len(hash_parts) + len(write_parts),
+            on_done=lambda: self._release(flat.nbytes),
+            cancelled=lambda: SnapshotIOError("the writer was aborted", file=self._location.url),
+        )
+        # The file write does not need the checksums: hashing and writing read the same buffer
+        # at once, so the disk starts as soon as the buffer arrives.
+        for block, blocks in hash_parts:
+            view = self._pages_view(flat, first, block, blocks)
+            hashed = self._hash_pool.submit(self._guarded(self._hash, tensor, block, view))
+            if self._lane is not None:
+                self._hash_futures[shard].append(hashed)
+            done.watch(hashed)
+        for block, blocks in write_parts:
+            view = self._pages_view(flat, first, block, blocks)
+            done.watch(self._submit_write(shard, entry.begin + block * self._page_bytes, view))
         self._blocks_written[tensor] += count
         if self._blocks_written[tensor] == self._num_blocks:
             self._current += 1
@@ -537,7 +662,7 @@ class SnapshotWriter:
                 self._cursor += 1  # past this tensor's item
                 if self._current < len(self._names):
                     self._advance(self._names[self._current])
-        return done
+        return done.future
 
     def commit(self) -> SnapshotInfo:
         """Finish and publish: checksums, fsync, atomic rename, directory fsync.
@@ -563,7 +688,8 @@ class SnapshotWriter:
                 self._publish_stream()
             else:
                 self._finish_local()
-                self._publish_local()
+                with traced(self._trace, "commit.publish"):
+                    self._publish_local()
         except BaseException as error:
             self._state = "open"
             self.abort()
@@ -654,10 +780,10 @@ class SnapshotWriter:
             self._inflight -= nbytes
             self._cond.notify_all()
 
-    def _split(self, first: int, count: int) -> list[tuple[int, int]]:
-        """Sub-chunks ``(first_block, num_blocks)`` of about SUBCHUNK_BYTES; when pages are not
-        4096-multiples, sub-chunk sizes stay multiples of 4096 so O_DIRECT keeps alignment."""
-        per = max(1, SUBCHUNK_BYTES // self._page_bytes)
+    def _split(self, first: int, count: int, unit_bytes: int) -> list[tuple[int, int]]:
+        """Pieces ``(first_block, num_blocks)`` of about ``unit_bytes``; when pages are not
+        4096-multiples, piece sizes stay multiples of 4096 so O_DIRECT keeps alignment."""
+        per = max(1, unit_bytes // self._page_bytes)
         step = _ALIGN // math.gcd(self._page_bytes, _ALIGN)
         per = -(-per // step) * step
         return [
@@ -671,73 +797,53 @@ class SnapshotWriter:
                 self._progress(self._layer_bytes_done)
 
     def _hash(self, tensor: int, block: int, view: np.ndarray) -> None:
-        digests = fmt.block_digests(view, self._page_bytes)
+        with traced(self._trace, "hash", view.nbytes):
+            digests = fmt.block_digests(view, self._page_bytes)
         self._digests[tensor, block : block + len(digests)] = digests
 
-    def _submit_data(
-        self, shard: int, tensor: int, block: int, view: np.ndarray, offset: int
-    ) -> concurrent.futures.Future[None]:
-        nbytes = view.nbytes
+    def _pages_view(self, flat: np.ndarray, first: int, block: int, count: int) -> np.ndarray:
+        """Blocks ``block .. block+count`` of a buffer whose first page is block ``first``."""
+        page = self._page_bytes
+        return flat[(block - first) * page : (block - first + count) * page]
 
-        def guarded(work: Callable[[], None]) -> Callable[[], None]:
-            def run() -> None:
-                if self._error is not None:
-                    raise SnapshotIOError(
-                        "the writer stopped after an earlier error", file=self._location.url
-                    )
-                try:
-                    work()
-                except BaseException as error:
-                    self._fail(error)
-                    raise
+    def _guarded(self, work: Callable[..., None], *args: Any) -> Callable[[], None]:
+        """``work(*args)`` for a worker thread: skipped after an earlier failure, and its own
+        failure stops the writer."""
 
-            return run
-
-        if self._lane is None:
-            file = self._local_files[shard]
-
-            def hash_and_write() -> None:
-                self._hash(tensor, block, view)
-                self._write_local_data(file, offset, view)
-
-            future = self._pool.submit(guarded(hash_and_write))
-            future.add_done_callback(lambda _: self._release(nbytes))
-            future.add_done_callback(
-                lambda f: f.cancelled() or f.exception() or self._report(nbytes)
-            )
-            return future
-        # Stream: hash in the pool, write in the ordered lane; done when both are.
-        hashed = self._pool.submit(guarded(lambda: self._hash(tensor, block, view)))
-        self._hash_futures[shard].append(hashed)
-        written = self._lane.submit(guarded(lambda: self._stream_write(shard, offset, view)))
-        both: concurrent.futures.Future[None] = concurrent.futures.Future()
-        pending = [2]
-        lock = threading.Lock()
-
-        def one_done(future: concurrent.futures.Future[None]) -> None:
-            with lock:
-                pending[0] -= 1
-                last = pending[0] == 0
-            if not last:
-                return
-            self._release(nbytes)
-            failures = [f for f in (hashed, written) if f.cancelled() or f.exception() is not None]
-            if failures:
-                failed = failures[0]
-                both.set_exception(
-                    SnapshotIOError("the writer was aborted")
-                    if failed.cancelled()
-                    else failed.exception()
+        def run() -> None:
+            if self._error is not None:
+                raise SnapshotIOError(
+                    "the writer stopped after an earlier error", file=self._location.url
                 )
-            else:
-                self._report(nbytes)
-                both.set_result(None)
+            try:
+                work(*args)
+            except BaseException as error:
+                self._fail(error)
+                raise
 
-        hashed.add_done_callback(one_done)
-        written.add_done_callback(one_done)
-        return both
+        return run
+
+    def _submit_write(
+        self, shard: int, offset: int, view: np.ndarray
+    ) -> concurrent.futures.Future[None]:
+        """Queue ``view`` for the file at ``offset``: on the local write thread(s), or in order on
+        the stream lane. Progress counts the bytes once written."""
+        if self._lane is None:
+            future = self._writes.submit(
+                self._guarded(self._write_local_data, self._local_files[shard], offset, view)
+            )
+        else:
+            future = self._lane.submit(self._guarded(self._stream_write, shard, offset, view))
+        nbytes = view.nbytes
+        future.add_done_callback(lambda f: f.cancelled() or f.exception() or self._report(nbytes))
+        return future
 
     def _write_local_data(self, file: _LocalFile, offset: int, view: np.ndarray) -> None:
+        with traced(self._trace, "write", view.nbytes):
+            self._write_local_parts(file, offset, view)
+
+    def _write_local_parts(self, file: _LocalFile, offset: int, view: np.ndarray) -> None:
+        """The aligned body through O_DIRECT, an unaligned head or tail through the page cache."""
         data = memoryview(view)
         if file.direct_fd is not None:
             address = view.ctypes.data
@@ -785,8 +891,13 @@ class SnapshotWriter:
                 f"the snapshot needs {needed} bytes, {directory} has {free} free",
                 file=self._location.url,
             )
-        for final in self._finals:
-            self._local_files.append(_LocalFile(final))
+        reserved = []
+        for final, layout in zip(self._finals, self._layouts, strict=True):
+            file = _LocalFile(final)
+            self._local_files.append(file)
+            assert file.fd is not None
+            reserved.append(_preallocate(file.fd, layout.file_size))
+        self.preallocated = all(reserved)
         for index, (file, layout) in enumerate(zip(self._local_files, self._layouts, strict=True)):
             if direct_io is False:
                 self.fallback_reason = "direct_io=False"
@@ -814,19 +925,24 @@ class SnapshotWriter:
         return self._static.get(entry.name)
 
     def _finish_local(self) -> None:
-        with self._cond:
-            while self._inflight and self._error is None:
-                self._cond.wait()
-        self._pool.shutdown(wait=True)
+        with traced(self._trace, "commit.drain"):
+            with self._cond:
+                while self._inflight and self._error is None:
+                    self._cond.wait()
+            self._shutdown_threads()
         self._raise_error()
-        for shard, (file, layout) in enumerate(zip(self._local_files, self._layouts, strict=True)):
-            for entry in layout.entries:
-                if entry.name == fmt.BLOCK_CHECKSUMS_TENSOR:
-                    file.write(entry.begin, memoryview(self._digests.astype("<u8").tobytes()))
-            trailer = layout.by_name[fmt.CHECKSUMS_TENSOR]
-            file.write(trailer.begin, memoryview(self._trailer(shard)))
-        for file in self._local_files:
-            file.sync_and_close()
+        with traced(self._trace, "commit.checksums"):
+            for shard, (file, layout) in enumerate(
+                zip(self._local_files, self._layouts, strict=True)
+            ):
+                for entry in layout.entries:
+                    if entry.name == fmt.BLOCK_CHECKSUMS_TENSOR:
+                        file.write(entry.begin, memoryview(self._digests.astype("<u8").tobytes()))
+                trailer = layout.by_name[fmt.CHECKSUMS_TENSOR]
+                file.write(trailer.begin, memoryview(self._trailer(shard)))
+        with traced(self._trace, "commit.fsync"):
+            for file in self._local_files:
+                file.sync_and_close()
 
     def _publish_local(self) -> None:
         stale = self._stale_files()
@@ -918,7 +1034,8 @@ class SnapshotWriter:
     def _stream_write(self, shard: int, offset: int, view: memoryview | np.ndarray) -> None:
         stream = self._stream_files[shard]
         assert stream is not None
-        stream.write(offset, memoryview(view))
+        with traced(self._trace, "write", len(memoryview(view))):
+            stream.write(offset, memoryview(view))
 
     def _publish_stream(self) -> None:
         stale = self._stale_files()
@@ -985,7 +1102,8 @@ class SnapshotWriter:
                 location.remove()
 
     def _shutdown_threads(self, cancel: bool = False) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=cancel)
+        self._hash_pool.shutdown(wait=True, cancel_futures=cancel)
+        self._writes.shutdown(wait=True, cancel_futures=cancel)
         if self._lane is not None:
             self._lane.shutdown(wait=True, cancel_futures=cancel)
 
@@ -1024,6 +1142,24 @@ def _open_direct_reader(path: str) -> int | None:
         return os.open(path, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
+
+
+def _check_blocks(
+    view: np.ndarray, page: int, row: np.ndarray, block: int, url: str, name: str
+) -> None:
+    """Raise :class:`SnapshotCorruptError` naming the first page of ``view`` (block ``block``
+    onwards) whose xxh3-64 differs from the stored ``row``."""
+    got = fmt.block_digests(view, page)
+    bad = np.flatnonzero(got != row[block : block + len(got)])
+    if len(bad):
+        first = int(bad[0])
+        raise SnapshotCorruptError(
+            f"xxh3-64 {int(got[first]):016x} does not match the stored "
+            f"{int(row[block + first]):016x}",
+            file=url,
+            tensor=name,
+            block=block + first,
+        )
 
 
 class _Source:
@@ -1412,6 +1548,55 @@ class SnapshotReader:
         read as one range and only the blocks asked for are read. With ``verify`` every block
         is checked against its xxh3-64 (:class:`SnapshotCorruptError` naming the block).
         """
+        read_piece, pieces, concurrent_ok = self._piece_reader(name, block_ids, out, None)
+        nbytes = sum(count for _, count, _ in pieces) * self._page_bytes
+        # Small reads stay on the calling thread: a handoff costs more than it saves.
+        if concurrent_ok and len(pieces) > 1 and nbytes > SUBCHUNK_BYTES:
+            self._submit_pieces(read_piece, pieces).result()
+        else:
+            for piece in pieces:
+                read_piece(piece)
+
+    def read_pages_async(
+        self,
+        name: str,
+        block_ids: np.ndarray | Sequence[int],
+        out: np.ndarray,
+        *,
+        trace: TraceHook | None = None,
+    ) -> concurrent.futures.Future[None]:
+        """:meth:`read_pages` on the reader's threads; the arguments are checked before it returns.
+
+        The future completes once no thread touches ``out`` any more: with ``None``, or the
+        first error (the pieces not started yet are then skipped). Calls queue behind each
+        other, so a caller that keeps the next buffer's call queued keeps the disk busy while
+        it consumes the previous buffer. ``trace`` receives a ``read`` and a ``verify`` span
+        per piece.
+        """
+        read_piece, pieces, _ = self._piece_reader(name, block_ids, out, trace)
+        return self._submit_pieces(read_piece, pieces)
+
+    def _submit_pieces(
+        self, read_piece: Callable[[tuple[int, int, int]], None], pieces: list[tuple[int, int, int]]
+    ) -> concurrent.futures.Future[None]:
+        done = _Completion(
+            len(pieces),
+            cancelled=lambda: SnapshotIOError("skipped after an earlier failure", file=self.url),
+        )
+        executor = self._executor()
+        for piece in pieces:
+            done.watch(executor.submit(read_piece, piece))
+        return done.future
+
+    def _piece_reader(
+        self,
+        name: str,
+        block_ids: np.ndarray | Sequence[int],
+        out: np.ndarray,
+        trace: TraceHook | None,
+    ) -> tuple[Callable[[tuple[int, int, int]], None], list[tuple[int, int, int]], bool]:
+        """Check a read of ``block_ids`` into ``out``; the function that reads (and verifies)
+        one piece, the pieces, and whether pieces may run concurrently."""
         tensor, open_file, entry = self._layer(name)
         ids = np.asarray(block_ids)
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
@@ -1435,21 +1620,13 @@ class SnapshotReader:
         def read_piece(piece: tuple[int, int, int]) -> None:
             block, count, position = piece
             view = flat[position * page : (position + count) * page]
-            source.read_into(entry.begin + block * page, memoryview(view), tensor=name)
+            with traced(trace, "read", view.nbytes):
+                source.read_into(entry.begin + block * page, memoryview(view), tensor=name)
             if row is not None:
-                got = fmt.block_digests(view, page)
-                bad = np.flatnonzero(got != row[block : block + count])
-                if len(bad):
-                    first = int(bad[0])
-                    raise SnapshotCorruptError(
-                        f"xxh3-64 {int(got[first]):016x} does not match the stored "
-                        f"{int(row[block + first]):016x}",
-                        file=source.url,
-                        tensor=name,
-                        block=block + first,
-                    )
+                with traced(trace, "verify", view.nbytes):
+                    _check_blocks(view, page, row, block, source.url, name)
 
-        self._run(read_piece, self._pieces(ids), source.concurrent, needed)
+        return read_piece, self._pieces(ids), source.concurrent
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """A whole tensor (layer, sequence or ``kvsnap.*``) with its dtype and shape, verified
@@ -1643,4 +1820,6 @@ __all__ = [
     "SnapshotInfo",
     "SnapshotReader",
     "SnapshotWriter",
+    "TraceHook",
+    "traced",
 ]

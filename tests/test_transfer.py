@@ -4,6 +4,7 @@ job bookkeeping, failure isolation, and bit-identity of every backend with ``cpu
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ from kvsnap.transfer import (
 from kvsnap.transfer.base import LARGE_FRAGMENT_BYTES, policy_from_calibration
 from kvsnap.transfer.cpu import CpuBackend, copy_descriptors
 from kvsnap.transfer.cuda_batch import resolve_driver
-from kvsnap.transfer.torch_copy import _nonnegative_runs
+from kvsnap.transfer.torch_copy import _nonnegative_runs, fold_runs
 from kvsnap.transfer.triton_copy import split_pieces, tile_shape, word_bytes
 
 D2H, H2D = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
@@ -523,10 +524,38 @@ def test_torch_backend_stages_through_a_bounded_buffer() -> None:
     with TransferHandler(cache.layout, D2H, backend=backend) as handler:
         handler.submit(1, area.copies(blocks))
         assert handler.wait([1])[0].success
-        assert backend._staging is not None and backend._staging.numel() <= 2 * page + 1
+        assert 0 < backend.allocated_staging_bytes <= 2 * page + 1
     for index, name in enumerate(area.names):
         for k, block in enumerate(blocks):
             assert torch.equal(area.page(index, k), page_bytes(content, name, int(block)))
+
+
+@pytest.mark.parametrize("per_chunk", [1, 3])
+def test_torch_batches_split_runs_of_host_pages_anywhere(per_chunk: int) -> None:
+    """Batches of a few pages cut scattered host pages at every possible place; a round trip
+    through such batches lands every page where the host layout says, and back."""
+    cache, content = small_cache()
+    names, page = (
+        cache.layout.geometry.tensor_names(),
+        cache.layout.geometry.canonical_page_size_bytes,
+    )
+    rng = np.random.default_rng(5)
+    area = HostArea.create(names, page, 11, per_chunk, per_chunk - 1, 24, rng)
+    blocks = rng.permutation(16)[:11]
+    options = {"torch": {"staging_bytes": 5 * page}}
+    run_job(cache, D2H, area.copies(blocks), backend="torch", backend_options=options)
+    for index, name in enumerate(names):
+        for k, block in enumerate(blocks):
+            assert torch.equal(area.page(index, k), page_bytes(content, name, int(block)))
+    target = make_cache(
+        "vllm-nhd", num_layers=2, num_blocks=16, block_size=2, num_kv_heads=2, head_dim=4
+    )
+    targets = rng.permutation(16)[:11]
+    run_job(target, H2D, area.copies(targets), backend="torch", backend_options=options)
+    for name in names:
+        view = target.logical(name)[torch.from_numpy(targets)]
+        expected = cache.logical(name)[torch.from_numpy(blocks)]
+        assert same_bytes(view, expected), name
 
 
 def test_handler_rejects_backends_that_cannot_run_here() -> None:
@@ -685,6 +714,32 @@ def test_nonnegative_runs_describe_the_same_fragments(
     rewritten = _nonnegative_runs(run)
     assert all(r.local_stride >= 0 and r.canonical_stride >= 0 for r in rewritten)
     assert pairs(rewritten) == pairs([run])
+
+
+@pytest.mark.parametrize(
+    ("kind", "groups_per_ref"), [("packed", 1), ("vllm-nhd", 1), ("vllm-hnd", 1)]
+)
+def test_fold_runs_turns_one_run_per_head_into_one_view(kind: str, groups_per_ref: int) -> None:
+    cache = make_cache(kind, num_layers=1, num_blocks=2, block_size=4, num_kv_heads=4, head_dim=8)
+    for ref in cache.layout.refs:
+        runs = [split for run in ref.mapping.runs for split in _nonnegative_runs(run)]
+        groups = fold_runs(runs)
+        assert len(groups) == groups_per_ref, (kind, ref.name, runs)
+        # Every group is one progression: equally spaced on both sides.
+        for group in groups:
+            steps = {
+                (b.local_offset - a.local_offset, b.canonical_offset - a.canonical_offset)
+                for a, b in itertools.pairwise(group)
+            }
+            assert len(steps) <= 1
+        assert [run for group in groups for run in group] == runs
+
+
+def test_fold_runs_keeps_irregular_runs_apart() -> None:
+    runs = [CopyRun(0, 4, 0, 4, 4, 2), CopyRun(16, 4, 8, 4, 4, 2), CopyRun(40, 4, 16, 4, 4, 2)]
+    assert [len(group) for group in fold_runs(runs)] == [2, 1]
+    shapes = [CopyRun(0, 4, 0, 4, 4, 2), CopyRun(16, 8, 8, 4, 4, 2)]
+    assert [len(group) for group in fold_runs(shapes)] == [1, 1]
 
 
 def test_cpu_backend_executes_a_plain_descriptor_job() -> None:

@@ -2,7 +2,10 @@
 
 ``assert_kv_matches`` is importable without torch (it imports the comparison machinery on first
 use); the synthetic generator's names (``generate``, ``synthesize``, ``build_cache``,
-``SyntheticSpec``, ...) are imported on first access, since they need torch.
+``SyntheticSpec``, ...) are imported on first access, since they need torch. The plugin's names
+are imported on first access too, since the plugin needs pytest: ``kvsnap bench`` and
+``kvsnap fixture`` use :mod:`kvsnap.testing.caches` and :mod:`kvsnap.testing.synthetic` in
+installs without the test extras.
 """
 
 from __future__ import annotations
@@ -10,8 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from kvsnap.testing.plugin import GOLDEN_DIRNAME, KVSnapshotChecker, assert_kv_matches, golden_path
-
+_PLUGIN = ("GOLDEN_DIRNAME", "KVSnapshotChecker", "assert_kv_matches", "golden_path")
 _SYNTHETIC = (
     "GENERATOR_VERSION",
     "SyntheticCache",
@@ -24,16 +26,12 @@ _SYNTHETIC = (
     "synthesize",
 )
 
-__all__ = [
-    "GOLDEN_DIRNAME",
-    "KVSnapshotChecker",
-    "assert_kv_matches",
-    "golden_path",
-    *_SYNTHETIC,
-]
+__all__ = [*_PLUGIN, *_SYNTHETIC]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _PLUGIN:
+        return getattr(importlib.import_module("kvsnap.testing.plugin"), name)
     if name in _SYNTHETIC:
         return getattr(importlib.import_module("kvsnap.testing.synthetic"), name)
     raise AttributeError(f"module 'kvsnap.testing' has no attribute {name!r}")

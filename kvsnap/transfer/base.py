@@ -1,7 +1,7 @@
 """The copy-backend interface, the job results, the backend registry and the ``auto`` policy.
 
 A backend executes one job's copies on one stream. Every backend sees the same job: the
-structured :class:`~kvsnap.plan.PageCopy` list (which the ``torch`` backend gathers from) and
+validated :class:`~kvsnap.plan.ResolvedCopy` list (which the ``torch`` backend gathers from) and
 the flat :class:`~kvsnap.plan.Descriptors` built from it (which the pointer backends ``cpu``,
 ``triton`` and ``cuda-batch`` execute). Backends never decide ordering or completion; the
 :class:`~kvsnap.transfer.handler.TransferHandler` does.
@@ -9,7 +9,8 @@ the flat :class:`~kvsnap.plan.Descriptors` built from it (which the pointer back
 The ``auto`` policy lives here, in one place: :func:`choose_backend` picks a backend per job
 from the transfer direction, the job's mean merged descriptor size and what the machine has.
 Its thresholds come from the H200 measurements in docs/benchmarks.md and can be overridden by
-a calibration file that ``python -m benchmarks.transfer --write-calibration`` writes.
+a calibration file that ``kvsnap bench --write-calibration`` (or ``python -m benchmarks.transfer
+--write-calibration``) writes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -26,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvsnap.layout import CacheLayout
-from kvsnap.plan import Descriptors, Direction, PageCopy
+from kvsnap.plan import Descriptors, Direction, ResolvedCopy
 
 # --------------------------------------------------------------------------------------------
 # The auto policy's constants (measured on an H200: DESIGN.md and docs/benchmarks.md)
@@ -35,7 +37,7 @@ from kvsnap.plan import Descriptors, Direction, PageCopy
 #: on an H200 (docs/benchmarks.md, 2026-11-29): the batch copy costs ~0.5 us of host time per
 #: descriptor and stays below the staging gather up to 128 KiB pages (44 vs 50 GB/s for 512
 #: blocks; 1-5 GB/s at 2-16 KiB), and matches it (50-52 GB/s) from 2 MiB, where it leaves
-#: the SMs to the model. ``benchmarks/transfer.py --write-calibration`` re-derives it.
+#: the SMs to the model. ``kvsnap bench --write-calibration`` re-derives it for a machine.
 LARGE_FRAGMENT_BYTES: dict[Direction, int] = {
     Direction.DEVICE_TO_HOST: 2 << 20,
     Direction.HOST_TO_DEVICE: 2 << 20,
@@ -73,7 +75,7 @@ class TransferResult:
 
 @dataclass
 class CopyJob:
-    """What a backend executes: one job's copies, as structured copies and as descriptors.
+    """What a backend executes: one job's copies, validated and resolved, and as descriptors.
 
     ``descriptors`` are numpy int64 arrays; on CUDA they are views of ``pinned`` (three
     page-locked int64 tensors owned by the handler, untouched until the job completes), so a
@@ -82,7 +84,7 @@ class CopyJob:
     """
 
     job_id: int
-    copies: Sequence[PageCopy]
+    copies: Sequence[ResolvedCopy]
     descriptors: Descriptors
     stream: torch.cuda.Stream | None = None
     pinned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -91,6 +93,22 @@ class CopyJob:
     def mean_descriptor_bytes(self) -> float:
         count = len(self.descriptors)
         return self.descriptors.num_bytes / count if count else 0.0
+
+
+@contextmanager
+def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
+    """Make ``stream`` the current stream of its device inside the block.
+
+    The same as ``torch.cuda.stream(stream)`` on the current device, at a fraction of its host
+    cost (it looks the current stream and device up several times per entry and exit), which
+    counts on the submit path: a job switches streams once or twice per staging batch.
+    """
+    previous = torch.cuda.current_stream(stream.device_index)
+    torch.cuda.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(previous)
 
 
 class BackendUnavailable(RuntimeError):
@@ -258,7 +276,7 @@ def calibration_path() -> Path:
 def load_policy(path: Path | None = None) -> AutoPolicy:
     """The ``auto`` policy: defaults, overridden by the calibration JSON when one exists.
 
-    The file (written by ``python -m benchmarks.transfer --write-calibration PATH``) holds::
+    The file (written by ``kvsnap bench --write-calibration``, see :mod:`kvsnap.bench`) holds::
 
         {"version": 1,
          "large_fragment_bytes": {"device_to_host": 65536, "host_to_device": 65536},
@@ -300,6 +318,24 @@ def policy_from_calibration(data: Mapping[str, Any], source: str = "calibration"
             f"{source}: small_backend must be triton, torch or cuda-batch, not {small!r}"
         )
     return AutoPolicy(large_fragment_bytes=thresholds, small_backend=small, source=source)
+
+
+def write_calibration(calibration: Mapping[str, Any], path: Path | None = None) -> Path:
+    """Write ``calibration`` where :func:`load_policy` reads it; return the path written.
+
+    ``path`` defaults to :func:`calibration_path`. The mapping is validated first (a file this
+    writes always loads), replaces any previous file atomically, and the policy
+    :func:`current_policy` cached is dropped, so ``auto`` uses the new one from its next job in
+    this process as in any new one.
+    """
+    policy_from_calibration(calibration, source="calibration to write")
+    path = calibration_path() if path is None else Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(dict(calibration), indent=2) + "\n")
+    os.replace(partial, path)
+    _cached_policy.cache_clear()
+    return path
 
 
 @lru_cache(maxsize=1)

@@ -41,6 +41,14 @@ CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
 #: process inside the driver twice, while calls of up to ~8000 never failed; chunks of this
 #: size cost one extra call per 4096 descriptors (~2 ms of host time at 0.5 us each anyway).
 MAX_DESCRIPTORS_PER_CALL = 4096
+#: Most descriptors a job may hand to the batch copy at once (the handler passes a job in pieces
+#: of about ``flush_descriptors``). Full benchmark runs on the H200 machine
+#: (driver 580.159) crashed the process inside ``cuMemcpyBatchAsync`` four times, always on
+#: jobs of ~130k merged 2-8 KiB descriptors (in calls of 4096) after earlier cases had run, and
+#: never on jobs of up to 32768; the cause is not known (docs/benchmarks.md). Such a job is
+#: refused with an error, which fails it alone, rather than risking the process. ``auto`` never
+#: sends fragments under 2 MiB here, so it never meets this bound.
+MAX_DESCRIPTORS_PER_JOB = 1 << 15
 
 
 class CUmemLocation(ctypes.Structure):
@@ -216,6 +224,12 @@ class CudaBatchBackend(CopyBackend):
         count = len(job.descriptors)
         if count == 0:
             return
+        if count > MAX_DESCRIPTORS_PER_JOB:
+            raise RuntimeError(
+                f"cuda-batch refuses {count} descriptors in one job (at most "
+                f"{MAX_DESCRIPTORS_PER_JOB}: larger jobs of small fragments crashed the driver on "
+                "the H200 test machine); use backend 'auto' or 'torch' for small pages"
+            )
         stream = job.stream if job.stream is not None else torch.cuda.current_stream(self.device)
         handle = stream.cuda_stream
         if handle == 0:

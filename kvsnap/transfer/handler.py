@@ -27,13 +27,14 @@ import numpy as np
 import torch
 
 from kvsnap.layout import CacheLayout
-from kvsnap.plan import CopyPlanner, Descriptors, Direction, PageCopy, host_page_addresses
+from kvsnap.plan import CopyPlanner, Descriptors, Direction, PageCopy, ResolvedCopy
 from kvsnap.transfer.base import (
     CopyBackend,
     CopyJob,
     TransferResult,
     choose_backend,
     make_backend,
+    on_stream,
 )
 
 #: Default :attr:`TransferHandler.flush_descriptors`: large enough that launches and driver
@@ -157,37 +158,16 @@ class TransferHandler:
         mean = total / fragments if fragments else 0.0
         return choose_backend(self.device, self.direction, mean, whole_pages)
 
-    def _validate(self, copies: Sequence[PageCopy]) -> tuple[int, int]:
-        """Check every copy before anything runs; ``(bytes moved, upper bound on descriptors)``.
-
-        The same checks as :meth:`CopyPlanner.descriptors`, at the cost of one pass over the
-        block ids, so that a job is either rejected whole or planned and enqueued piecewise.
-        """
-        total_bytes = max_descriptors = 0
-        for copy in copies:
-            ref = self.layout.ref(copy.name)
-            tensor = self.layout.tensors[ref.tensor_index]
-            blocks = np.asarray(copy.device_block_ids)
-            if blocks.ndim != 1:
-                raise ValueError(f"{copy.name}: device_block_ids must be one-dimensional")
-            if len(blocks) and (blocks.min() < 0 or blocks.max() >= tensor.num_blocks):
-                raise ValueError(
-                    f"{copy.name}: device block ids must lie in [0, {tensor.num_blocks}), "
-                    f"got {blocks.min()}..{blocks.max()}"
-                )
-            if copy.host.page_size_bytes != ref.mapping.canonical_page_size_bytes:
-                raise ValueError(
-                    f"{copy.name}: host pages are {copy.host.page_size_bytes} bytes, "
-                    f"the canonical page is {ref.mapping.canonical_page_size_bytes}"
-                )
-            _, pages = host_page_addresses(copy.host, copy.host_chunk_ids, copy.skip, len(blocks))
-            count = len(blocks)
-            if self.direction is Direction.DEVICE_TO_HOST and ref.mapping.num_writers > 1:
-                keys = pages if copy.snapshot_block_ids is None else copy.snapshot_block_ids
-                count = int(ref.mapping.is_writer(np.asarray(keys)).sum())
-            total_bytes += count * ref.mapping.local_bytes
-            max_descriptors += count * self.planner.template(copy.name).num_fragments
-        return total_bytes, max_descriptors
+    def _validate(self, copies: Sequence[PageCopy]) -> tuple[list[ResolvedCopy], int, int]:
+        """Check every copy before anything runs: ``(resolved copies, bytes moved, upper bound
+        on descriptors)``, so that a job is either rejected whole or planned and enqueued."""
+        resolved = self.planner.resolve_job(copies, self.direction)
+        total_bytes = sum(copy.num_bytes for copy in resolved)
+        max_descriptors = sum(
+            len(copy.device_block_ids) * self.planner.template(copy.ref.name).num_fragments
+            for copy in resolved
+        )
+        return resolved, total_bytes, max_descriptors
 
     # ----------------------------------------------------------------------------------------
     # submission
@@ -208,7 +188,7 @@ class TransferHandler:
             if job_id in self._done or any(job.job_id == job_id for job in self._inflight):
                 return self._reject(f"job {job_id} is already pending")
             try:
-                num_bytes, max_descriptors = self._validate(copies)
+                resolved, num_bytes, max_descriptors = self._validate(copies)
             except (ValueError, KeyError, TypeError) as exc:
                 return self._reject(f"job {job_id}: {_describe(exc)}")
             try:
@@ -221,9 +201,9 @@ class TransferHandler:
                 self._done[job_id] = TransferResult(job_id, False, 0, 0.0, _describe(exc))
                 return True
             if self._on_cuda:
-                self._submit_cuda(job_id, copies, num_bytes, max_descriptors, backend)
+                self._submit_cuda(job_id, resolved, num_bytes, max_descriptors, backend)
             else:
-                self._run_now(job_id, copies, num_bytes, backend)
+                self._run_now(job_id, resolved, num_bytes, backend)
             self.last_rejection = None
             return True
 
@@ -234,7 +214,7 @@ class TransferHandler:
     def _enqueue(
         self,
         job_id: int,
-        copies: Sequence[PageCopy],
+        copies: Sequence[ResolvedCopy],
         backend: CopyBackend,
         stream: torch.cuda.Stream | None,
         buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
@@ -244,7 +224,7 @@ class TransferHandler:
             backend.execute(CopyJob(job_id, copies, Descriptors.empty(), stream))
             return
         pending: list[Descriptors] = []
-        pending_copies: list[PageCopy] = []
+        pending_copies: list[ResolvedCopy] = []
         offset = 0
 
         def flush() -> None:
@@ -287,7 +267,7 @@ class TransferHandler:
         flush()
 
     def _run_now(
-        self, job_id: int, copies: Sequence[PageCopy], num_bytes: int, backend: CopyBackend
+        self, job_id: int, copies: Sequence[ResolvedCopy], num_bytes: int, backend: CopyBackend
     ) -> None:
         start = time.perf_counter()
         try:
@@ -303,7 +283,7 @@ class TransferHandler:
     def _submit_cuda(
         self,
         job_id: int,
-        copies: Sequence[PageCopy],
+        copies: Sequence[ResolvedCopy],
         num_bytes: int,
         max_descriptors: int,
         backend: CopyBackend,
@@ -322,7 +302,7 @@ class TransferHandler:
         if previous is not None and any(job is previous for job in self._inflight):
             stream.wait_event(previous.end_event)
         error = None
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+        with torch.cuda.device(self.device), on_stream(stream):
             start_event.record(stream)
             try:
                 self._enqueue(job_id, copies, backend, stream, buffers)

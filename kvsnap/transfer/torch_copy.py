@@ -1,12 +1,18 @@
-"""The ``torch`` backend: gather/scatter through a bounded staging buffer with plain torch ops.
+"""The ``torch`` backend: gather/scatter through two staging buffers with plain torch ops.
 
-This is transformers' offloading approach generalized to any layout. Each copy run of a
-:class:`~kvsnap.layout.PageRef` is viewed, over the cache tensor's raw bytes, as a strided
-``(num_blocks, num_fragments, fragment_size)`` tensor; one ``index_select`` per run gathers a
-batch of blocks into canonical pages in a staging buffer on the cache's device, and consecutive
-host pages are then moved with one slice copy each. Restore runs backwards: slice copies into
-staging, then one ``index_copy_`` per run. Batches are bounded by the staging size (default
-64 MiB), so memory use does not grow with the job.
+This is transformers' offloading approach generalized to any layout and pipelined. Each
+:class:`~kvsnap.layout.PageRef`'s copy runs are folded into as few strided views of the cache
+tensor's raw bytes as their regularity allows (``(num_blocks, num_runs, num_fragments,
+fragment_words)``: one view for an NHD page, one for all heads of the packed layout), so a
+copy costs one ``index_select`` (capture) or ``index_copy_`` (restore) per view, not per run.
+
+A job is planned whole: the block ids of all its copies go to the device in one transfer, and
+its pages are cut into batches that fit one staging buffer (half of ``staging_bytes``, default
+64 MiB in all). Pages of different copies share a batch, so a small job is one gather and one
+host copy per run of consecutive host pages. With more than one batch on CUDA the two buffers
+alternate between the job's stream, which gathers (or scatters) at memory speed, and a side
+stream, which moves the previous batch over PCIe: the device gather of batch ``i+1`` overlaps
+the host copy of batch ``i``, and the copy engine stays busy.
 
 It needs nothing but torch, so it also runs on CPU tensors (the test suite's "device").
 When a rank writes only part of each canonical page (tensor-parallel head slices) the host side
@@ -17,6 +23,7 @@ of a capture is strided; torch moves such a copy through a temporary, synchronou
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +31,13 @@ import numpy as np
 import torch
 
 from kvsnap.layout import CacheLayout, CopyRun, PageRef
-from kvsnap.plan import Direction, PageCopy, host_page_addresses
-from kvsnap.transfer.base import CopyBackend, CopyJob, register_backend
+from kvsnap.plan import Direction, ResolvedCopy
+from kvsnap.transfer.base import CopyBackend, CopyJob, on_stream, register_backend
 
-#: Default bound on the staging buffer, in bytes.
+#: Default bound on the two staging buffers together, in bytes.
 DEFAULT_STAGING_BYTES = 64 << 20
+#: Every batch segment starts at a multiple of this in its staging buffer (the widest word).
+_SEGMENT_ALIGNMENT = 8
 
 
 def host_bytes(address: int, num_bytes: int) -> torch.Tensor:
@@ -80,6 +89,42 @@ def _nonnegative_runs(run: CopyRun) -> list[CopyRun]:
     ]
 
 
+def fold_runs(runs: list[CopyRun]) -> list[list[CopyRun]]:
+    """Consecutive runs of one shape at equally spaced, increasing offsets, grouped.
+
+    Each group is one strided view ``(num_runs, num_fragments, fragment)`` on both sides: the
+    packed layout's one run per head becomes one group, so a copy costs one gather, not one
+    per head. Runs that do not continue the progression start a new group.
+    """
+    groups: list[list[CopyRun]] = []
+    for run in runs:
+        if groups:
+            group = groups[-1]
+            first, last = group[0], group[-1]
+            shape = (first.local_stride, first.canonical_stride)
+            shape += (first.fragment_size, first.num_fragments)
+            local_step = run.local_offset - last.local_offset
+            canonical_step = run.canonical_offset - last.canonical_offset
+            same_shape = shape == (
+                run.local_stride,
+                run.canonical_stride,
+                run.fragment_size,
+                run.num_fragments,
+            )
+            if len(group) == 1:
+                continues = local_step > 0 and canonical_step > 0
+            else:
+                continues = (local_step, canonical_step) == (
+                    group[1].local_offset - first.local_offset,
+                    group[1].canonical_offset - first.canonical_offset,
+                )
+            if same_shape and continues:
+                group.append(run)
+                continue
+        groups.append([run])
+    return groups
+
+
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -101,39 +146,102 @@ def ref_word_bytes(ref: PageRef, runs: list[CopyRun], base_offset: int, block_st
 
 
 @dataclass(frozen=True)
-class _RunView:
-    """One copy run as a strided device view ``(num_blocks, num_fragments, fragment_words)``.
+class _RunGroup:
+    """Folded copy runs as one strided device view and the matching canonical-page view.
 
-    All views and offsets are in words of ``word`` bytes; the run itself stays in bytes.
+    ``device_view`` is ``(num_blocks, num_runs, num_fragments, fragment_words)`` over the cache
+    tensor's storage; the canonical side is given in words from the page start.
     """
 
     device_view: torch.Tensor
-    run: CopyRun
-    word: int
+    canonical_offset: int
+    run_stride: int
+    fragment_stride: int
+    fills_page: bool
 
     def page_view(self, pages: torch.Tensor) -> torch.Tensor:
-        """The run's words inside ``pages``: canonical pages as a ``(count, page_words)`` tensor."""
-        word = self.word
+        """The group's words inside ``pages``, canonical pages as a ``(count, page_words)``."""
+        _, num_runs, num_fragments, fragment_words = self.device_view.shape
         return pages.as_strided(
-            (pages.shape[0], self.run.num_fragments, self.run.fragment_size // word),
-            (pages.stride(0), self.run.canonical_stride // word, 1),
-            pages.storage_offset() + self.run.canonical_offset // word,
+            (pages.shape[0], num_runs, num_fragments, fragment_words),
+            (pages.stride(0), self.run_stride, self.fragment_stride, 1),
+            pages.storage_offset() + self.canonical_offset,
         )
 
-    def fills(self, page_size: int) -> bool:
-        """Whether the run is the whole page, in order (its page view is then contiguous)."""
-        run = self.run
-        in_order = run.num_fragments == 1 or run.canonical_stride == run.fragment_size
-        whole = run.canonical_offset == 0 and run.num_bytes == page_size
-        return in_order and whole
+
+@dataclass(frozen=True)
+class _PreparedCopy:
+    """One copy's blocks and host page addresses after writer election, with its views."""
+
+    groups: list[_RunGroup]
+    blocks: np.ndarray
+    addresses: np.ndarray
+    page_size: int
+    word: int
+    whole_pages: bool
+    #: Positions where the host pages stop following each other (computed once per copy).
+    host_breaks: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Pages ``[start, stop)`` of one copy that travel in one staging batch, from ``offset``."""
+
+    copy: _PreparedCopy
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def num_pages(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_pages * self.copy.page_size
+
+    @property
+    def blocks(self) -> np.ndarray:
+        return self.copy.blocks[self.start : self.stop]
+
+    @property
+    def addresses(self) -> np.ndarray:
+        return self.copy.addresses[self.start : self.stop]
+
+    def pages(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This segment's canonical pages in ``buffer`` as ``(count, page_words)``."""
+        region = buffer[self.offset : self.offset + self.num_bytes]
+        return region.view(_WORD_DTYPES[self.copy.word]).view(self.num_pages, -1)
+
+    def host_ranges(self) -> list[tuple[int, int, int]]:
+        """``(first page, end page, host address)`` per run of consecutive host pages."""
+        all_breaks, addresses = self.copy.host_breaks, self.copy.addresses
+        if len(all_breaks):
+            inside = np.searchsorted(all_breaks, [self.start + 1, self.stop])
+            breaks = (all_breaks[inside[0] : inside[1]] - self.start).tolist()
+        else:
+            breaks = []  # the usual case: one staging slot or chunk, pages in order
+        starts, ends = [0, *breaks], [*breaks, self.num_pages]
+        return [
+            (first, end, int(addresses[self.start + first]))
+            for first, end in zip(starts, ends, strict=True)
+        ]
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """What one staging buffer carries at once: segments, each with its device block ids."""
+
+    segments: list[_Segment]
+    indices: list[torch.Tensor]
 
 
 @register_backend
 class TorchBackend(CopyBackend):
-    """``index_select``/``index_copy_`` over strided views, through a bounded staging buffer.
+    """``index_select``/``index_copy_`` over strided views, through two staging buffers.
 
-    Options: ``staging_bytes`` (default 64 MiB), the most bytes of canonical pages staged at once;
-    a page larger than that is still staged one at a time.
+    Options: ``staging_bytes`` (default 64 MiB), the device memory of the two staging buffers
+    together; a page larger than one buffer is still staged, one page per batch.
     """
 
     name = "torch"
@@ -151,9 +259,12 @@ class TorchBackend(CopyBackend):
         if staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
         self.staging_bytes = staging_bytes
-        self._staging: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
         self._raw: dict[int, torch.Tensor] = {}
-        self._runs: dict[tuple[str, int], list[_RunView]] = {}
+        self._groups: dict[tuple[str, int], list[_RunGroup]] = {}
+        self._side_stream: torch.cuda.Stream | None = None
+        self._ready: list[torch.cuda.Event] = []
+        self._free: list[torch.cuda.Event] = []
         #: Per canonical tensor, the word its device views use when host pages are aligned.
         self.words: dict[str, int] = {}
         for ref in layout.refs:
@@ -165,127 +276,277 @@ class TorchBackend(CopyBackend):
                 word = 1
             self.words[ref.name] = word
 
-    def _views(self, ref: PageRef, word: int) -> list[_RunView]:
-        """``ref``'s runs as strided device views in ``word``-byte elements (built once)."""
-        key = (ref.name, word)
-        views = self._runs.get(key)
-        if views is None:
-            cache = self.layout.tensors[ref.tensor_index]
-            storage = cache.tensor.untyped_storage()
-            raw = self._raw.get(ref.tensor_index)
-            if raw is None:
-                raw = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage)
-                self._raw[ref.tensor_index] = raw
-            base = cache.data_ptr - storage.data_ptr()
-            views = []
-            for run in (
-                split for original in ref.mapping.runs for split in _nonnegative_runs(original)
-            ):
-                as_bytes = raw.as_strided(
-                    (cache.num_blocks, run.num_fragments, run.fragment_size),
-                    (cache.block_stride_bytes, run.local_stride, 1),
-                    base + run.local_offset,
-                )
-                views.append(_RunView(as_bytes.view(_WORD_DTYPES[word]), run, word))
-            self._runs[key] = views
-        return views
-
     @classmethod
     def probe(cls, device: torch.device) -> str | None:
         if device.type == "cuda" and not torch.cuda.is_available():
             return "CUDA is not available"
         return None
 
-    def _staging_for(self, page_size: int, num_blocks: int) -> tuple[torch.Tensor, int]:
-        """The staging buffer as ``(blocks, page_size)`` and how many blocks one batch holds.
+    @property
+    def allocated_staging_bytes(self) -> int:
+        """Device memory the staging buffers hold now (at most ``staging_bytes``, or two pages)."""
+        return sum(buffer.numel() for buffer in self._buffers if buffer is not None)
 
-        It is sized for the job at hand (at least one page, at most ``staging_bytes`` unless one
-        page is larger) and grows, never shrinks, across jobs.
+    # -- views -------------------------------------------------------------------------------
+
+    def _run_groups(self, ref: PageRef, word: int) -> list[_RunGroup]:
+        """``ref``'s folded runs as strided device views in ``word``-byte elements (built once)."""
+        key = (ref.name, word)
+        groups = self._groups.get(key)
+        if groups is None:
+            groups = [self._run_group(ref, runs, word) for runs in self._folded(ref)]
+            self._groups[key] = groups
+        return groups
+
+    @staticmethod
+    def _folded(ref: PageRef) -> list[list[CopyRun]]:
+        return fold_runs([split for run in ref.mapping.runs for split in _nonnegative_runs(run)])
+
+    def _run_group(self, ref: PageRef, runs: list[CopyRun], word: int) -> _RunGroup:
+        cache = self.layout.tensors[ref.tensor_index]
+        storage = cache.tensor.untyped_storage()
+        raw = self._raw.get(ref.tensor_index)
+        if raw is None:
+            raw = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage)
+            self._raw[ref.tensor_index] = raw
+        first = runs[0]
+        run_local_step = runs[1].local_offset - first.local_offset if len(runs) > 1 else 0
+        run_canonical_step = (
+            runs[1].canonical_offset - first.canonical_offset if len(runs) > 1 else 0
+        )
+        base = cache.data_ptr - storage.data_ptr()
+        as_bytes = raw.as_strided(
+            (cache.num_blocks, len(runs), first.num_fragments, first.fragment_size),
+            (cache.block_stride_bytes, run_local_step, first.local_stride, 1),
+            base + first.local_offset,
+        )
+        page_size = ref.mapping.canonical_page_size_bytes
+        group = _RunGroup(
+            as_bytes.view(_WORD_DTYPES[word]),
+            first.canonical_offset // word,
+            run_canonical_step // word,
+            first.canonical_stride // word,
+            fills_page=False,
+        )
+        # Whole page in canonical order: the gather can write straight into the staging pages.
+        probe = group.page_view(torch.empty((1, page_size // word), device="meta"))
+        fills = (
+            first.canonical_offset == 0
+            and len(runs) * first.num_bytes == page_size
+            and probe.is_contiguous()
+        )
+        return dataclasses.replace(group, fills_page=fills)
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def _prepare(self, copy: ResolvedCopy) -> _PreparedCopy | None:
+        ref = copy.ref
+        blocks, addresses = copy.device_block_ids, copy.host_addresses
+        if len(blocks) == 0 or ref.mapping.local_bytes == 0:
+            return None
+        word = self.words[ref.name]
+        if word > 1 and int(np.bitwise_or.reduce(addresses)) % word:
+            word = 1  # host pages not word-aligned: move bytes
+        page_size = ref.mapping.canonical_page_size_bytes
+        return _PreparedCopy(
+            self._run_groups(ref, word),
+            blocks,
+            addresses,
+            page_size,
+            word,
+            ref.mapping.local_bytes == page_size,
+            np.flatnonzero(np.diff(addresses) != page_size) + 1,
+        )
+
+    def _segments(self, prepared: list[_PreparedCopy], capacity: int) -> list[list[_Segment]]:
+        """Cut the job's pages into batches of at most ``capacity`` bytes (one page at least)."""
+        batches: list[list[_Segment]] = [[]]
+        used = 0
+        for copy in prepared:
+            start = 0
+            while start < len(copy.blocks):
+                offset = -(-used // _SEGMENT_ALIGNMENT) * _SEGMENT_ALIGNMENT
+                fits = (capacity - offset) // copy.page_size
+                if fits <= 0 and batches[-1]:
+                    batches.append([])
+                    used = 0
+                    continue
+                stop = start + min(len(copy.blocks) - start, max(fits, 1))
+                batches[-1].append(_Segment(copy, start, stop, offset))
+                used = offset + (stop - start) * copy.page_size
+                start = stop
+        return batches
+
+    def _batch(self, segments: list[_Segment]) -> _Batch:
+        """``segments`` with their block ids on the cache's device, in one copy.
+
+        Segments reading the same block ids (every layer of the same blocks, the usual job)
+        share one uploaded range. The ids come from pageable memory: such a copy returns once
+        the driver has staged them, so the numpy array may go away at once.
         """
-        wanted = max(page_size, min(self.staging_bytes, num_blocks * page_size))
-        if self._staging is None or self._staging.numel() < wanted:
-            current = 0 if self._staging is None else self._staging.numel()
-            size = max(wanted, min(2 * current, max(self.staging_bytes, page_size)))
-            self._staging = torch.empty(size, dtype=torch.uint8, device=self.device)
-        if self._staging.is_cuda:
-            # Jobs run on pooled streams: keep the allocator from reusing this memory (after a
-            # regrowth frees it) before every stream that used it has finished with it.
-            self._staging.record_stream(torch.cuda.current_stream(self.device))
-        per_batch = self._staging.numel() // page_size
-        return self._staging[: per_batch * page_size].view(per_batch, page_size), per_batch
+        ranges: dict[tuple[int, int, int], int] = {}
+        parts: list[np.ndarray] = []
+        positions = []
+        uploaded = 0
+        for segment in segments:
+            key = (id(segment.copy.blocks), segment.start, segment.stop)
+            first = ranges.get(key)
+            if first is None:
+                first = ranges[key] = uploaded
+                parts.append(segment.blocks)
+                uploaded += segment.num_pages
+            positions.append(first)
+        index = torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        if self.device.type == "cuda":
+            index = index.to(self.device, non_blocking=True)
+        if uploaded == segments[0].num_pages:
+            return _Batch(segments, [index] * len(segments))
+        return _Batch(
+            segments,
+            [
+                index[first : first + segment.num_pages]
+                for first, segment in zip(positions, segments, strict=True)
+            ],
+        )
+
+    def _buffer(self, which: int, num_bytes: int) -> torch.Tensor:
+        """Staging buffer ``which`` with at least ``num_bytes``; grows, never shrinks."""
+        buffer = self._buffers[which]
+        if buffer is None or buffer.numel() < num_bytes:
+            if buffer is not None and buffer.is_cuda:
+                # Earlier jobs may still read or write the old buffer on other streams; growth
+                # happens a handful of times per backend, so a device sync is the simple guard.
+                torch.cuda.synchronize(self.device)
+            buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+            self._buffers[which] = buffer
+        return buffer
+
+    # -- execution -----------------------------------------------------------------------------
 
     def execute(self, job: CopyJob) -> None:
-        for copy in job.copies:
-            self._execute_copy(copy)
-
-    def _blocks_and_pages(self, copy: PageCopy, ref: PageRef) -> tuple[np.ndarray, np.ndarray]:
-        blocks = np.asarray(copy.device_block_ids, dtype=np.int64)
-        addresses, page_numbers = host_page_addresses(
-            copy.host, copy.host_chunk_ids, copy.skip, len(blocks)
-        )
-        if self.direction is Direction.DEVICE_TO_HOST and ref.mapping.num_writers > 1:
-            snapshot_blocks = (
-                page_numbers
-                if copy.snapshot_block_ids is None
-                else np.asarray(copy.snapshot_block_ids)
-            )
-            writes = ref.mapping.is_writer(snapshot_blocks)
-            blocks, addresses = blocks[writes], addresses[writes]
-        return blocks, addresses
-
-    def _execute_copy(self, copy: PageCopy) -> None:
-        ref = self.layout.ref(copy.name)
-        page_size = ref.mapping.canonical_page_size_bytes
-        blocks, addresses = self._blocks_and_pages(copy, ref)
-        if len(blocks) == 0 or ref.mapping.local_bytes == 0:
+        prepared = [copy for copy in map(self._prepare, job.copies) if copy is not None]
+        if not prepared:
             return
-        word = self.words[copy.name]
-        if word > 1 and (addresses % word).any():
-            word = 1  # host pages not word-aligned: move bytes
-        dtype = _WORD_DTYPES[word]
-        runs = self._views(ref, word)
-        whole_pages = ref.mapping.local_bytes == page_size
+        largest_page = max(copy.page_size for copy in prepared)
+        capacity = max(largest_page, self.staging_bytes // 2)
+        batches = self._segments(prepared, capacity)
+        sizes = [segments[-1].offset + segments[-1].num_bytes for segments in batches]
+        buffers = [self._buffer(0, max(sizes[0::2]))]
+        if len(batches) > 1:
+            buffers.append(self._buffer(1, max(sizes[1::2])))
+        if len(batches) == 1 or self.device.type != "cuda":
+            for number, segments in enumerate(batches):
+                self._run_batch(self._batch(segments), buffers[number % len(buffers)])
+        else:
+            self._run_pipelined(batches, buffers)
+
+    def _run_batch(self, batch: _Batch, buffer: torch.Tensor) -> None:
+        """One batch on the current stream: gather then host copies, or the reverse."""
+        if self.direction is Direction.DEVICE_TO_HOST:
+            self._gather(batch, buffer)
+            self._to_host(batch, buffer)
+        else:
+            self._from_host(batch, buffer)
+            self._scatter(batch, buffer)
+
+    def _run_pipelined(self, batches: list[list[_Segment]], buffers: list[torch.Tensor]) -> None:
+        """Alternate two buffers between the job stream (device side) and a side stream (PCIe).
+
+        Each batch is planned and its block ids uploaded just before it is enqueued, so the
+        device starts on the first batch while the host plans the rest.
+        """
+        job_stream = torch.cuda.current_stream(self.device)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+            self._ready = [torch.cuda.Event(), torch.cuda.Event()]
+            self._free = [torch.cuda.Event(), torch.cuda.Event()]
+        side = self._side_stream
+        # The side stream must not touch a buffer before the earlier jobs, ordered before this
+        # job's stream, are done with it.
+        side.wait_stream(job_stream)
         to_host = self.direction is Direction.DEVICE_TO_HOST
-        staging, per_batch = self._staging_for(page_size, len(blocks))
-        for start in range(0, len(blocks), per_batch):
-            batch_blocks = blocks[start : start + per_batch]
-            batch_addresses = addresses[start : start + per_batch]
-            count = len(batch_blocks)
-            pages = staging[:count].view(dtype)
-            index = torch.from_numpy(batch_blocks).to(self.device, non_blocking=True)
-            # Consecutive host pages form one slice copy each.
-            breaks = np.flatnonzero(np.diff(batch_addresses) != page_size) + 1
-            groups = list(zip([0, *breaks.tolist()], [*breaks.tolist(), count], strict=True))
-            hosts = [
-                host_bytes(int(batch_addresses[first]), (end - first) * page_size)
-                .view(dtype)
-                .view(end - first, -1)
-                for first, end in groups
-            ]
+        for number, segments in enumerate(batches):
+            which = number % 2
+            buffer, ready, free = buffers[which], self._ready[which], self._free[which]
+            # Block ids go up on the job stream, which gathers (capture) or scatters (restore).
+            batch = self._batch(segments)
             if to_host:
-                for run_view in runs:
-                    target = run_view.page_view(pages)
-                    if run_view.fills(page_size):
-                        # The whole page in order: gather straight into the staging pages.
-                        torch.index_select(run_view.device_view, 0, index, out=target)
-                    else:
-                        target.copy_(run_view.device_view.index_select(0, index))
-                for (first, end), host in zip(groups, hosts, strict=True):
-                    if whole_pages:
-                        host.copy_(pages[first:end], non_blocking=True)
-                    else:
-                        # Only this rank's bytes: other ranks write the rest of these pages.
-                        for run_view in runs:
-                            run_view.page_view(host).copy_(
-                                run_view.page_view(pages[first:end]), non_blocking=True
-                            )
+                if number >= 2:
+                    job_stream.wait_event(free)
+                self._gather(batch, buffer)
+                ready.record(job_stream)
+                side.wait_event(ready)
+                with on_stream(side):
+                    self._to_host(batch, buffer)
+                free.record(side)
             else:
-                for (first, end), host in zip(groups, hosts, strict=True):
-                    pages[first:end].copy_(host, non_blocking=True)
-                for run_view in runs:
-                    run_view.device_view.index_copy_(0, index, run_view.page_view(pages))
+                if number >= 2:
+                    side.wait_event(free)
+                with on_stream(side):
+                    self._from_host(batch, buffer)
+                ready.record(side)
+                job_stream.wait_event(ready)
+                self._scatter(batch, buffer)
+                free.record(job_stream)
+        # The job ends on its own stream: the handler's end event must follow every copy.
+        job_stream.wait_stream(side)
+
+    def _gather(self, batch: _Batch, buffer: torch.Tensor) -> None:
+        for segment, index in zip(batch.segments, batch.indices, strict=True):
+            pages = segment.pages(buffer)
+            for group in segment.copy.groups:
+                target = group.page_view(pages)
+                if group.fills_page:
+                    torch.index_select(group.device_view, 0, index, out=target)
+                else:
+                    target.copy_(group.device_view.index_select(0, index))
+
+    def _scatter(self, batch: _Batch, buffer: torch.Tensor) -> None:
+        for segment, index in zip(batch.segments, batch.indices, strict=True):
+            pages = segment.pages(buffer)
+            for group in segment.copy.groups:
+                group.device_view.index_copy_(0, index, group.page_view(pages))
+
+    def _to_host(self, batch: _Batch, buffer: torch.Tensor) -> None:
+        whole = [segment for segment in batch.segments if segment.copy.whole_pages]
+        for offset, address, size in _contiguous_ranges(whole):
+            host_bytes(address, size).copy_(buffer[offset : offset + size], non_blocking=True)
+        for segment in batch.segments:
+            if not segment.copy.whole_pages:
+                self._to_partial_host_pages(segment, buffer)
+
+    def _to_partial_host_pages(self, segment: _Segment, buffer: torch.Tensor) -> None:
+        """Only this rank's bytes of each page: other ranks write the rest of those pages."""
+        pages = segment.pages(buffer)
+        page_size, dtype = segment.copy.page_size, _WORD_DTYPES[segment.copy.word]
+        for first, end, address in segment.host_ranges():
+            host = host_bytes(address, (end - first) * page_size).view(dtype).view(end - first, -1)
+            for group in segment.copy.groups:
+                group.page_view(host).copy_(group.page_view(pages[first:end]), non_blocking=True)
+
+    def _from_host(self, batch: _Batch, buffer: torch.Tensor) -> None:
+        # Whole canonical pages come in even for a rank that keeps only some of their bytes.
+        for offset, address, size in _contiguous_ranges(batch.segments):
+            buffer[offset : offset + size].copy_(host_bytes(address, size), non_blocking=True)
 
     def close(self) -> None:
-        self._staging = None
-        self._runs.clear()
+        self._buffers = [None, None]
+        self._groups.clear()
         self._raw.clear()
+        self._side_stream = None
+
+
+def _contiguous_ranges(segments: list[_Segment]) -> list[tuple[int, int, int]]:
+    """``(buffer offset, host address, bytes)`` per run of pages consecutive on both sides."""
+    ranges: list[list[int]] = []
+    for segment in segments:
+        page_size = segment.copy.page_size
+        for first, end, address in segment.host_ranges():
+            offset, size = segment.offset + first * page_size, (end - first) * page_size
+            if ranges and ranges[-1][0] + ranges[-1][2] == offset:
+                previous = ranges[-1]
+                if previous[1] + previous[2] == address:
+                    previous[2] += size
+                    continue
+            ranges.append([offset, address, size])
+    return [(offset, address, size) for offset, address, size in ranges]

@@ -25,7 +25,16 @@ pytestmark = [
 
 D2H, H2D = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
 DEVICE = "cuda"
-BACKENDS = ["cuda-batch", "triton", "torch", "auto"]
+#: ``torch-pipelined``: the torch backend with staging for a few pages only, so every job is
+#: many batches alternating between the job stream and the side stream.
+BACKENDS = ["cuda-batch", "triton", "torch", "torch-pipelined", "auto"]
+
+
+def handler_arguments(backend: str, page_size_bytes: int) -> dict:
+    if backend == "torch-pipelined":
+        options = {"torch": {"staging_bytes": 5 * page_size_bytes}}
+        return {"backend": "torch", "backend_options": options}
+    return {"backend": backend}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +71,9 @@ class PinnedArea:
 def run(
     cache: SyntheticCache, direction: Direction, copies: list[PageCopy], backend: str, **kwargs
 ) -> None:
-    with TransferHandler(cache.layout, direction, backend=backend, **kwargs) as handler:
+    page = cache.layout.geometry.canonical_page_size_bytes
+    arguments = {**handler_arguments(backend, page), **kwargs}
+    with TransferHandler(cache.layout, direction, **arguments) as handler:
         assert handler.submit(1, copies), handler.last_rejection
         (result,) = handler.wait([1])
     assert result.success, result.error
@@ -94,7 +105,7 @@ def test_round_trip_on_cuda(
     head_dim: int,
     dtype: torch.dtype,
 ) -> None:
-    if backend != "auto" and backend not in available_backends(DEVICE):
+    if backend not in ("auto", "torch-pipelined") and backend not in available_backends(DEVICE):
         pytest.skip(f"{backend} is not available here")
     rng = np.random.default_rng(len(backend) + source_tp)
     blocks, count = 40, 23
@@ -416,3 +427,33 @@ def test_a_job_enqueued_in_pieces(pool: PinnedPool, backend: str) -> None:
     for index, name in enumerate(area.names):
         expected = content.pages[name][torch.from_numpy(ids)].contiguous().view(torch.uint8)
         assert torch.equal(area.buffer[index], expected.reshape(30, -1))
+
+
+def test_cuda_batch_refuses_a_job_of_too_many_descriptors(pool: PinnedPool) -> None:
+    if "cuda-batch" not in available_backends(DEVICE):
+        pytest.skip("cuda-batch is not available here")
+    from kvsnap.transfer.cuda_batch import MAX_DESCRIPTORS_PER_JOB
+
+    count = 9000  # 4 copies of 1 KiB pages that never merge: 36000 descriptors
+    cache = make_cache(
+        "vllm-nhd",
+        num_layers=2,
+        num_blocks=count,
+        block_size=16,
+        num_kv_heads=1,
+        head_dim=32,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+    )
+    geometry = cache.layout.geometry
+    area = PinnedArea(pool, geometry.tensor_names(), geometry.canonical_page_size_bytes, count)
+    blocks = np.random.default_rng(0).permutation(count)
+    assert 4 * count > MAX_DESCRIPTORS_PER_JOB
+    with TransferHandler(cache.layout, D2H, backend="cuda-batch") as handler:
+        assert handler.submit(1, area.copies(blocks))
+        (refused,) = handler.wait([1])
+        assert not refused.success and "refuses" in refused.error
+        # The handler goes on: a job within the bound runs.
+        assert handler.submit(2, area.copies(blocks[:100]))
+        (result,) = handler.wait([2])
+    assert result.success, result.error
