@@ -38,6 +38,7 @@ from kvsnap.transfer.base import CopyBackend, CopyJob, on_stream, register_backe
 DEFAULT_STAGING_BYTES = 64 << 20
 #: Every batch segment starts at a multiple of this in its staging buffer (the widest word).
 _SEGMENT_ALIGNMENT = 8
+_NO_BREAKS = np.empty(0, dtype=np.int64)
 
 
 def host_bytes(address: int, num_bytes: int) -> torch.Tensor:
@@ -345,9 +346,15 @@ class TorchBackend(CopyBackend):
         if len(blocks) == 0 or ref.mapping.local_bytes == 0:
             return None
         word = self.words[ref.name]
-        if word > 1 and int(np.bitwise_or.reduce(addresses)) % word:
-            word = 1  # host pages not word-aligned: move bytes
         page_size = ref.mapping.canonical_page_size_bytes
+        # One page is the common small job: plain integers cost less than numpy calls there.
+        if len(addresses) == 1:
+            address_bits, breaks = int(addresses[0]), _NO_BREAKS
+        else:
+            address_bits = int(np.bitwise_or.reduce(addresses))
+            breaks = np.flatnonzero(np.diff(addresses) != page_size) + 1
+        if word > 1 and address_bits % word:
+            word = 1  # host pages not word-aligned: move bytes
         return _PreparedCopy(
             self._run_groups(ref, word),
             blocks,
@@ -355,7 +362,7 @@ class TorchBackend(CopyBackend):
             page_size,
             word,
             ref.mapping.local_bytes == page_size,
-            np.flatnonzero(np.diff(addresses) != page_size) + 1,
+            breaks,
         )
 
     def _segments(self, prepared: list[_PreparedCopy], capacity: int) -> list[list[_Segment]]:
