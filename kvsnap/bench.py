@@ -361,7 +361,7 @@ def _time_handler(
             (result,) = handler.wait([attempt])
             done = time.perf_counter()
             if not result.success:
-                raise RuntimeError(str(result.error))
+                raise _JobFailed(str(result.error))
             used = result.backend or backend
             if attempt == 0:  # the warm-up: checked, not timed
                 if direction is Direction.DEVICE_TO_HOST:
@@ -585,5 +585,10 @@ def format_bytes(size: int) -> str:
     return f"{size} B"
 
 
+class _JobFailed(RuntimeError):
+    """A measured job reported failure; its message is already the handler's description."""
+
+
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    # A failed job's error already names its exception type ("RuntimeError: ...").
+    return str(exc) if isinstance(exc, _JobFailed) else f"{type(exc).__name__}: {exc}"

@@ -349,7 +349,12 @@ def current_policy() -> AutoPolicy:
 
 
 def choose_backend(
-    device: torch.device, direction: Direction, mean_fragment_bytes: float, whole_pages: bool = True
+    device: torch.device,
+    direction: Direction,
+    mean_fragment_bytes: float,
+    whole_pages: bool = True,
+    available: Collection[str] | None = None,
 ) -> str:
-    """The backend ``auto`` uses for one job, under :func:`current_policy`."""
-    return current_policy().choose(device, direction, mean_fragment_bytes, whole_pages)
+    """The backend ``auto`` uses for one job, under :func:`current_policy`; ``available`` as
+    for :meth:`AutoPolicy.choose` (a handler passes what it probed once)."""
+    return current_policy().choose(device, direction, mean_fragment_bytes, whole_pages, available)

@@ -16,6 +16,7 @@ collected the same way, so the CPU test suite exercises the handler's bookkeepin
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict, deque
@@ -32,6 +33,7 @@ from kvsnap.transfer.base import (
     CopyBackend,
     CopyJob,
     TransferResult,
+    available_backends,
     choose_backend,
     make_backend,
     on_stream,
@@ -104,11 +106,17 @@ class TransferHandler:
         self.planner = CopyPlanner(layout)
         self.device = layout.device
         self._on_cuda = self.device.type == "cuda"
+        self._device_index = (
+            (self.device.index if self.device.index is not None else torch.cuda.current_device())
+            if self._on_cuda
+            else None
+        )
         self._compute_stream = compute_stream
         self._backend_options = {
             name: dict(options) for name, options in (backend_options or {}).items()
         }
         self._backends: dict[str, CopyBackend] = {}
+        self._available: frozenset[str] | None = None
         self._fixed: CopyBackend | None = None
         if isinstance(backend, CopyBackend):
             self._fixed = backend
@@ -156,7 +164,10 @@ class TransferHandler:
             mapping = self.layout.ref(name).mapping
             whole_pages &= mapping.local_bytes == mapping.canonical_page_size_bytes
         mean = total / fragments if fragments else 0.0
-        return choose_backend(self.device, self.direction, mean, whole_pages)
+        if self._available is None:
+            # Probed once: probing every backend costs more host time than a small job's copy.
+            self._available = frozenset(available_backends(self.device))
+        return choose_backend(self.device, self.direction, mean, whole_pages, self._available)
 
     def _validate(self, copies: Sequence[PageCopy]) -> tuple[list[ResolvedCopy], int, int]:
         """Check every copy before anything runs: ``(resolved copies, bytes moved, upper bound
@@ -295,14 +306,21 @@ class TransferHandler:
         waits_for = self._compute_stream
         if waits_for is None and self.direction is Direction.DEVICE_TO_HOST:
             # Capture reads KV the model may still be writing: order after the compute stream.
-            waits_for = torch.cuda.current_stream(self.device)
+            waits_for = torch.cuda.current_stream(self._device_index)
         if waits_for is not None:
             stream.wait_stream(waits_for)
         previous = self._last_submitted
         if previous is not None and any(job is previous for job in self._inflight):
             stream.wait_event(previous.end_event)
         error = None
-        with torch.cuda.device(self.device), on_stream(stream):
+        # Backends launch on the current device: make it the cache's (rarely needed, so skipped
+        # when it already is: entering torch.cuda.device costs as much as a copy's launch).
+        on_device = (
+            contextlib.nullcontext()
+            if torch.cuda.current_device() == self._device_index
+            else torch.cuda.device(self._device_index)
+        )
+        with on_device, on_stream(stream):
             start_event.record(stream)
             try:
                 self._enqueue(job_id, copies, backend, stream, buffers)

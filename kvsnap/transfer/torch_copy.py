@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,18 +172,47 @@ class _RunGroup:
         )
 
 
-@dataclass(frozen=True)
 class _PreparedCopy:
-    """One copy's blocks and host page addresses after writer election, with its views."""
+    """One copy's blocks and host page addresses (after writer election) and how to move them.
 
-    groups: list[_RunGroup]
-    blocks: np.ndarray
-    addresses: np.ndarray
-    page_size: int
-    word: int
-    whole_pages: bool
-    #: Positions where the host pages stop following each other (computed once per copy).
-    host_breaks: np.ndarray
+    The word size, the device views and the runs of consecutive host pages are worked out on
+    first use: a large job's first batch then waits only for its own copies' preparation, and
+    the rest is done while the device copies.
+    """
+
+    def __init__(
+        self, resolved: ResolvedCopy, widest_word: int, run_groups: Callable[[int], list[_RunGroup]]
+    ) -> None:
+        mapping = resolved.ref.mapping
+        self.blocks = resolved.device_block_ids
+        self.addresses = resolved.host_addresses
+        self.page_size = mapping.canonical_page_size_bytes
+        self.whole_pages = mapping.local_bytes == self.page_size
+        self._widest_word = widest_word
+        self._run_groups = run_groups
+
+    @functools.cached_property
+    def word(self) -> int:
+        """The widest word the views allow that every host page address is aligned to."""
+        if self._widest_word == 1:
+            return 1
+        # One page is the common small job: plain integers cost less than numpy calls there.
+        if len(self.addresses) == 1:
+            address_bits = int(self.addresses[0])
+        else:
+            address_bits = int(np.bitwise_or.reduce(self.addresses))
+        return self._widest_word if address_bits % self._widest_word == 0 else 1
+
+    @functools.cached_property
+    def groups(self) -> list[_RunGroup]:
+        return self._run_groups(self.word)
+
+    @functools.cached_property
+    def host_breaks(self) -> np.ndarray:
+        """Positions where the host pages stop following each other."""
+        if len(self.addresses) == 1:
+            return _NO_BREAKS
+        return np.flatnonzero(np.diff(self.addresses) != self.page_size) + 1
 
 
 @dataclass(frozen=True)
@@ -266,6 +297,7 @@ class TorchBackend(CopyBackend):
         self._side_stream: torch.cuda.Stream | None = None
         self._ready: list[torch.cuda.Event] = []
         self._free: list[torch.cuda.Event] = []
+        self._joined: list[torch.cuda.Event] = []
         #: Per canonical tensor, the word its device views use when host pages are aligned.
         self.words: dict[str, int] = {}
         for ref in layout.refs:
@@ -341,29 +373,10 @@ class TorchBackend(CopyBackend):
     # -- planning ------------------------------------------------------------------------------
 
     def _prepare(self, copy: ResolvedCopy) -> _PreparedCopy | None:
-        ref = copy.ref
-        blocks, addresses = copy.device_block_ids, copy.host_addresses
-        if len(blocks) == 0 or ref.mapping.local_bytes == 0:
+        if len(copy.device_block_ids) == 0 or copy.ref.mapping.local_bytes == 0:
             return None
-        word = self.words[ref.name]
-        page_size = ref.mapping.canonical_page_size_bytes
-        # One page is the common small job: plain integers cost less than numpy calls there.
-        if len(addresses) == 1:
-            address_bits, breaks = int(addresses[0]), _NO_BREAKS
-        else:
-            address_bits = int(np.bitwise_or.reduce(addresses))
-            breaks = np.flatnonzero(np.diff(addresses) != page_size) + 1
-        if word > 1 and address_bits % word:
-            word = 1  # host pages not word-aligned: move bytes
-        return _PreparedCopy(
-            self._run_groups(ref, word),
-            blocks,
-            addresses,
-            page_size,
-            word,
-            ref.mapping.local_bytes == page_size,
-            breaks,
-        )
+        ref = copy.ref
+        return _PreparedCopy(copy, self.words[ref.name], functools.partial(self._run_groups, ref))
 
     def _segments(self, prepared: list[_PreparedCopy], capacity: int) -> list[list[_Segment]]:
         """Cut the job's pages into batches of at most ``capacity`` bytes (one page at least)."""
@@ -467,10 +480,14 @@ class TorchBackend(CopyBackend):
             self._side_stream = torch.cuda.Stream(self.device)
             self._ready = [torch.cuda.Event(), torch.cuda.Event()]
             self._free = [torch.cuda.Event(), torch.cuda.Event()]
+            self._joined = [torch.cuda.Event(), torch.cuda.Event()]
         side = self._side_stream
         # The side stream must not touch a buffer before the earlier jobs, ordered before this
-        # job's stream, are done with it.
-        side.wait_stream(job_stream)
+        # job's stream, are done with it. (Recorded events, not wait_stream: that creates an
+        # event per call.)
+        started, side_done = self._joined
+        started.record(job_stream)
+        side.wait_event(started)
         to_host = self.direction is Direction.DEVICE_TO_HOST
         for number, segments in enumerate(batches):
             which = number % 2
@@ -496,7 +513,8 @@ class TorchBackend(CopyBackend):
                 self._scatter(batch, buffer)
                 free.record(job_stream)
         # The job ends on its own stream: the handler's end event must follow every copy.
-        job_stream.wait_stream(side)
+        side_done.record(side)
+        job_stream.wait_event(side_done)
 
     def _gather(self, batch: _Batch, buffer: torch.Tensor) -> None:
         for segment, index in zip(batch.segments, batch.indices, strict=True):
