@@ -6,10 +6,12 @@ tensor's raw bytes as their regularity allows (``(num_blocks, num_runs, num_frag
 fragment_words)``: one view for an NHD page, one for all heads of the packed layout), so a
 copy costs one ``index_select`` (capture) or ``index_copy_`` (restore) per view, not per run.
 
-A job is planned whole: the block ids of all its copies go to the device in one transfer, and
-its pages are cut into batches that fit one staging buffer (half of ``staging_bytes``, default
-64 MiB in all). Pages of different copies share a batch, so a small job is one gather and one
-host copy per run of consecutive host pages. With more than one batch on CUDA the two buffers
+A job's pages are cut into batches that fit one staging buffer (half of ``staging_bytes``,
+default 64 MiB in all), and each batch's block ids go to the device in one transfer, shared by
+the copies that read the same blocks. Pages of different copies share a batch, so a small job
+is one gather per copy and one host copy per run of consecutive host pages; a copy's word size,
+views and host runs are worked out when its first batch needs them, so a large job's first
+batch is enqueued early. With more than one batch on CUDA the two buffers
 alternate between the job's stream, which gathers (or scatters) at memory speed, and a side
 stream, which moves the previous batch over PCIe: the device gather of batch ``i+1`` overlaps
 the host copy of batch ``i``, and the copy engine stays busy.
