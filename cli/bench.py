@@ -7,6 +7,7 @@ written where ``auto`` reads it with ``--write-calibration``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -71,6 +72,9 @@ def bench(
             "--device cpu measures host memory only: its calibration would mislead auto on a "
             "GPU, so it is written only to a file named with --calibration-path"
         )
+    if write:
+        # Before measuring: a run of minutes must not end in a calibration that cannot be saved.
+        _check_writable(calibration_path() if calibration_file is None else calibration_file)
     if target.type == "cpu" and not as_json:
         stdout.print(f"[yellow]note:[/] {_SMOKE_TEST_WARNING}")
     with step_progress("bench", enabled=not as_json) as progress:
@@ -87,6 +91,19 @@ def bench(
     for line in _failures(report.results, on_gpu=not report.smoke_test):
         stdout.print(f"[red]failed:[/] {line}")
     _print_calibration(report, written)
+
+
+def _check_writable(path: Path) -> None:
+    """Raise a usage error unless a calibration can be written at ``path``."""
+    directory = path.expanduser().parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(
+            f"cannot write the calibration to {path}: {error.strerror or error}"
+        ) from None
+    if path.expanduser().is_dir() or not os.access(directory, os.W_OK):
+        raise UsageError(f"cannot write the calibration to {path}: not a writable file path")
 
 
 def _direction_label(direction: str, on_gpu: bool) -> str:

@@ -246,9 +246,24 @@ def test_module_entry_point_without_cuda_prints_one_error_and_no_traceback() -> 
         (["--device", "cpu", "--calibration-path", "x.json"], "--write-calibration"),
         (["--device", "mps"], "cuda or cpu"),
         (["--device", "not-a-device"], "not a torch device"),
+        (
+            ["--device", "cpu", "--write-calibration", "--calibration-path", "/"],
+            "cannot write the calibration",
+        ),
+        (
+            [
+                "--device",
+                "cpu",
+                "--write-calibration",
+                "--calibration-path",
+                "/proc/kvsnap-no-such-dir/calibration.json",
+            ],
+            "cannot write the calibration",
+        ),
     ],
 )
 def test_usage_errors_exit_2_before_measuring(args: list[str], message: str) -> None:
     result = runner.invoke(app, ["bench", *args])
     assert result.exit_code == 2
     assert message in result.stderr and "Traceback" not in result.stdout + result.stderr
+    assert "GB/s" not in result.stdout  # refused before anything was measured
