@@ -9,7 +9,12 @@ Everything a snapshot file or a restore target can do wrong maps onto one of the
     ├── NotASnapshotError         not a kvsnap snapshot at all (garbage, empty, foreign file)
     ├── UnsupportedVersionError   a snapshot format this kvsnap cannot read (too new)
     ├── IncompatibleSnapshotError a valid snapshot that does not fit the target
-    └── SnapshotIOError           the operating system or object store failed us
+    │   └── CacheCapacityError    the target cache has too few free blocks
+    ├── SnapshotIOError           the operating system or object store failed us
+    ├── LayoutError               a cache description kvsnap cannot map (also a ValueError)
+    ├── BackendUnavailable        a copy backend that cannot run here (also a RuntimeError)
+    ├── TransferFailedError       a copy between the cache and staging failed or was refused
+    └── ModelLoadError            a model that cannot be loaded offline (also a ValueError)
 
 Messages name the file, the tensor and the block wherever they are known, and the same
 values are available as attributes (``file``, ``tensor``, ``block``).
@@ -114,3 +119,23 @@ class IncompatibleSnapshotError(KVSnapError):
 class SnapshotIOError(KVSnapError):
     """Reading or writing failed below kvsnap: the OS, the filesystem or the object store
     (disk full, permission denied, connection lost). ``__cause__`` holds the original error."""
+
+
+class CacheCapacityError(IncompatibleSnapshotError):
+    """The target cache has too few free blocks for a restore."""
+
+
+class LayoutError(KVSnapError, ValueError):
+    """A cache description that kvsnap cannot map exactly onto the canonical page."""
+
+
+class BackendUnavailable(KVSnapError, RuntimeError):
+    """A copy backend that cannot run here (no CUDA, a missing package or driver entry point)."""
+
+
+class TransferFailedError(KVSnapError):
+    """A copy between the engine cache and the staging memory failed or was refused."""
+
+
+class ModelLoadError(KVSnapError, ValueError):
+    """A model named on the command line or to ``load_model`` cannot be loaded offline."""

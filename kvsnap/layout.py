@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvsnap.errors import LayoutError
+
 KEY, VALUE, LATENT = "key", "value", "latent"
 KV_PARTS = (KEY, VALUE)
 MLA_PARTS = (LATENT,)
@@ -56,10 +58,6 @@ SAFETENSORS_DTYPES: dict[str, str] = {
     "int8": "I8",
     "uint8": "U8",
 }
-
-
-class LayoutError(ValueError):
-    """A cache description that kvsnap cannot map exactly onto the canonical page."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -29,7 +29,7 @@ import torch
 
 from kvsnap import format as fmt
 from kvsnap._version import __version__
-from kvsnap.errors import IncompatibleSnapshotError, KVSnapError
+from kvsnap.errors import IncompatibleSnapshotError, TransferFailedError
 from kvsnap.layout import CacheLayout, KVGeometry, torch_dtype
 from kvsnap.pinned import PinnedPool, Slot
 from kvsnap.plan import Direction, HostPages, PageCopy
@@ -202,10 +202,6 @@ def _staging_pool(
 def _chunks(count: int, per_chunk: int) -> Iterator[slice]:
     for start in range(0, count, per_chunk):
         yield slice(start, min(count, start + per_chunk))
-
-
-class TransferFailedError(KVSnapError):
-    """A copy between the engine cache and the staging memory failed or was refused."""
 
 
 def _submit_to_all(

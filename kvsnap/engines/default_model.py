@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvsnap.errors import KVSnapError
+from kvsnap.errors import ModelLoadError
 from kvsnap.format import model_fingerprint
 
 #: The id recorded in snapshot metadata for the built-in model.
@@ -48,10 +48,6 @@ TINY_LLAMA_CONFIG: dict[str, Any] = {
     "eos_token_id": 257,
     "pad_token_id": 258,
 }
-
-
-class ModelLoadError(KVSnapError, ValueError):
-    """A model named on the command line or to :func:`load_model` cannot be loaded offline."""
 
 
 class ByteTokenizer:

@@ -50,7 +50,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import Cache
 
 from kvsnap.engines.default_model import LoadedModel
-from kvsnap.errors import KVSnapError
+from kvsnap.errors import CacheCapacityError, KVSnapError
 from kvsnap.format import SourceInfo
 from kvsnap.layout import (
     CacheLayout,
@@ -68,10 +68,6 @@ from kvsnap.snapshot import CaptureResult, SequenceBlocks, Snapshot, capture
 _ATTENTION_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
 ModelLike = LoadedModel | torch.nn.Module
-
-
-class CacheCapacityError(KVSnapError):
-    """The target continuous-batching cache has too few free blocks for a restore."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvsnap.errors import BackendUnavailable
 from kvsnap.layout import CacheLayout
 from kvsnap.plan import Descriptors, Direction, ResolvedCopy
 
@@ -109,10 +110,6 @@ def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_stream(previous)
-
-
-class BackendUnavailable(RuntimeError):
-    """A backend that cannot run here (no CUDA, a missing package or driver entry point)."""
 
 
 class CopyBackend(ABC):
