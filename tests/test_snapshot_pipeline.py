@@ -62,7 +62,7 @@ def _slots(num_blocks: int, num_slots_bytes: int) -> list:
 def test_capture_keeps_every_slot_copying_and_hands_each_over_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache
 ) -> None:
-    layout, view, sequences = cache
+    layout, _, sequences = cache
     log: list[str] = []
     record_calls(monkeypatch, log, FusedMover, "submit")
     record_calls(monkeypatch, log, SnapshotWriter, "write_pages")

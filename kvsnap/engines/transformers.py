@@ -62,6 +62,7 @@ from kvsnap.layout import (
     flat_paged_layout,
     torch_dtype,
 )
+from kvsnap.pipeline import TransferOptions
 from kvsnap.snapshot import CaptureResult, SequenceBlocks, Snapshot, capture
 
 #: transformers' layer type names, as snapshot attention types.
@@ -478,7 +479,7 @@ def restore_dynamic_cache(
         opened.restore(
             layout,
             {record.id: np.arange(num_blocks, dtype=np.int64)},
-            backend=backend,
+            transfer=TransferOptions(backend=backend),
             progress=progress,
         )
         token_ids = [int(token) for token in record.token_ids]
@@ -998,7 +999,7 @@ def _restore_paged(
             opened.restore(
                 layout,
                 {record.id: np.asarray(blocks, dtype=np.int64)},
-                backend=backend,
+                transfer=TransferOptions(backend=backend),
                 model_fingerprint=fingerprint,
                 force=force,
             )

@@ -85,7 +85,6 @@ SYNTHETIC_MODEL_ID = "kvsnap/synthetic"
 
 _F64 = torch.float64
 # Host staging used by generate(): synthetic caches are small; 256 MiB default staging is waste.
-_STAGING_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -594,7 +593,7 @@ def generate(
 
     Builds a CPU cache of ``layout`` (default: ``"mla"`` for ``attention="mla"``, else
     ``"vllm-split-nhd"``) with :func:`build_cache` and writes it with
-    ``kvsnap.snapshot.capture(..., reproducible=True, backend="cpu")``. Standard attention needs
+    ``kvsnap.snapshot.capture(..., reproducible=True)``. Standard attention needs
     ``num_kv_heads`` and an even ``head_dim``; MLA needs ``latent_dim`` instead. The same
     arguments give the same bytes on every machine. Raises ``ValueError`` for invalid arguments.
     """
@@ -623,7 +622,5 @@ def write_spec(spec: SyntheticSpec, path: str | Path) -> CaptureResult:
         cache.sequences,
         path,
         source=source_info(spec),
-        backend="cpu",
         reproducible=True,
-        staging_bytes=_STAGING_BYTES,
     )
