@@ -139,8 +139,10 @@ def test_sharded_round_trip_and_index(tmp_path: Path) -> None:
     count = len(info.files)
     assert count > 3
     assert info.path == str(path) + ".index.json"
+    generation = Path(info.files[0]).name.split("-")[1]
+    assert fmt.GENERATION_PATTERN.fullmatch(generation)
     assert [Path(f).name for f in info.files] == [
-        f"snap-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)
+        f"snap-{generation}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)
     ]
     index = json.loads(Path(info.path).read_text())
     assert set(index["weight_map"].values()) == {Path(f).name for f in info.files}

@@ -89,11 +89,15 @@ from kvsnap.format.header import (
     decode_header,
     expected_layout,
     header_length,
+    locate_trailer,
 )
 from kvsnap.format.index import (
+    GENERATION_PATTERN,
     ShardIndex,
     decode_index,
     encode_index,
+    is_shard_of,
+    new_generation,
     shard_file_name,
 )
 from kvsnap.format.metadata import (
@@ -124,6 +128,7 @@ __all__ = [
     "DATA_ALIGNMENT",
     "DIGEST_BYTES",
     "FORMAT_VERSION",
+    "GENERATION_PATTERN",
     "MAX_HEADER_BYTES",
     "MAX_INDEX_BYTES",
     "METADATA_KEY",
@@ -161,9 +166,12 @@ __all__ = [
     "header_length",
     "is_container_tensor",
     "is_layer_tensor",
+    "is_shard_of",
     "layer_tensor_digest",
+    "locate_trailer",
     "metadata_schema",
     "model_fingerprint",
+    "new_generation",
     "pack_file",
     "parse_metadata_document",
     "parse_metadata_json",

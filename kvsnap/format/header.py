@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +12,7 @@ from kvsnap.dtypes import SAFETENSORS_TYPES
 from kvsnap.errors import NotASnapshotError, SnapshotCorruptError
 from kvsnap.format.constants import (
     DATA_ALIGNMENT,
+    DIGEST_BYTES,
     HEADER_PREFIX,
     MAX_HEADER_BYTES,
     METADATA_KEY,
@@ -27,6 +30,19 @@ from kvsnap.format.parse import (
 )
 from kvsnap.format.schema import strict_json_loads
 
+#: The start of every header kvsnap writes (any JSON whitespace allowed between tokens).
+_LEADING_METADATA = re.compile(
+    rb'\{\s*"__metadata__"\s*:\s*\{\s*"format"\s*:\s*"pt"\s*,\s*"kvsnap"\s*:\s*"'
+)
+#: The trailer's entry, as kvsnap writes it; found by :func:`locate_trailer` without parsing.
+_TRAILER_ENTRY = re.compile(
+    rb'"kvsnap\.checksums"\s*:\s*\{\s*"dtype"\s*:\s*"U8"\s*,\s*"shape"\s*:\s*'
+    rb'\[\s*([0-9]{1,12})\s*,\s*16\s*\]\s*,\s*"data_offsets"\s*:\s*'
+    rb"\[\s*([0-9]{1,15})\s*,\s*([0-9]{1,15})\s*\]\s*\}"
+)
+#: Largest header parsed whole when it does not begin with kvsnap metadata (to say what it is).
+FOREIGN_HEADER_PARSE_LIMIT = 1 << 20
+
 
 def header_length(prefix: bytes, file_size: int, file: str | None = None) -> int:
     """The JSON length from the 8-byte prefix, checked against the limits and the file size."""
@@ -34,9 +50,9 @@ def header_length(prefix: bytes, file_size: int, file: str | None = None) -> int
         raise NotASnapshotError(f"{file_size} bytes is too short for a safetensors file", file=file)
     (length,) = HEADER_PREFIX.unpack(prefix[: HEADER_PREFIX.size])
     if length < 2 or length > MAX_HEADER_BYTES:
+        # The value is not shown: it is the file's first 8 bytes, whatever the file is.
         raise NotASnapshotError(
-            f"header length {length} is outside 2..{MAX_HEADER_BYTES}: not a safetensors file",
-            file=file,
+            f"header length is outside 2..{MAX_HEADER_BYTES}: not a safetensors file", file=file
         )
     if HEADER_PREFIX.size + length > file_size:
         raise SnapshotCorruptError(
@@ -45,6 +61,20 @@ def header_length(prefix: bytes, file_size: int, file: str | None = None) -> int
             file=file,
         )
     return length
+
+
+def locate_trailer(header: bytes) -> tuple[int, int] | None:
+    """The absolute ``[begin, end)`` of the checksum trailer that ``header`` (a file's first
+    ``8 + N`` bytes) names, found by pattern, not by parsing: usable when the metadata cannot
+    be trusted (to tell a damaged header from a newer format). ``None`` unless exactly one
+    well-formed ``kvsnap.checksums`` entry is there."""
+    found = _TRAILER_ENTRY.findall(header, HEADER_PREFIX.size)
+    if len(found) != 1:
+        return None
+    rows, begin, end = (int(value) for value in found[0])
+    if rows < 2 or end - begin != rows * DIGEST_BYTES:
+        return None
+    return len(header) + begin, len(header) + end
 
 
 @dataclass(frozen=True)
@@ -60,21 +90,31 @@ class DecodedHeader:
 def decode_header(header: bytes, file_size: int, file: str | None = None) -> DecodedHeader:
     """Parse a file's first ``8 + N`` bytes as a kvsnap safetensors header.
 
-    Checks, in order: JSON object (strict), ``__metadata__`` with kvsnap metadata (else
-    :class:`NotASnapshotError`), format version (:class:`UnsupportedVersionError`), the v1
-    schema and its semantics, then every tensor entry: known dtype, non-negative integer
+    Checks, in order: ``__metadata__`` with kvsnap metadata at the start (else
+    :class:`NotASnapshotError`, after a full parse only for headers up to
+    :data:`FOREIGN_HEADER_PARSE_LIMIT`), format version (:class:`UnsupportedVersionError`), the
+    v1 schema and its semantics, the header's entry count and size against what the metadata
+    allows (before anything else is parsed, so time and memory stay bounded by the metadata),
+    the whole header as strict JSON, then every tensor entry: known dtype, non-negative integer
     shape, offsets matching the shape, and tensors tiling the data region with no gap or
     overlap up to exactly the end of the file (:class:`SnapshotCorruptError`).
     """
     data_start = len(header)
+    body = header[HEADER_PREFIX.size :]
+    if body[:1] != b"{":
+        raise NotASnapshotError("header does not start with '{': not a safetensors file", file=file)
+    leading = _leading_kvsnap_json(body)
+    if leading is not None:
+        # Bounds first: what the metadata implies limits what the full parse may cost.
+        metadata = _parse_kvsnap_json(leading, file)
+        _check_header_bounds(body, metadata, leading, file)
+    elif len(body) > FOREIGN_HEADER_PARSE_LIMIT:
+        raise NotASnapshotError(
+            f"a header of {len(body)} bytes that does not begin with kvsnap metadata", file=file
+        )
     document, kvsnap_json = _header_document(header, file)
-    try:
-        metadata_document = strict_json_loads(kvsnap_json)
-    except ValueError as error:
-        raise SnapshotCorruptError(
-            f"kvsnap metadata is not valid JSON ({error})", file=file
-        ) from None
-    metadata = parse_metadata_document(metadata_document, file=file)
+    if leading is None:
+        metadata = _parse_kvsnap_json(kvsnap_json, file)
     if data_start % DATA_ALIGNMENT:
         raise SnapshotCorruptError(
             f"data starts at {data_start}, not a multiple of {DATA_ALIGNMENT}", file=file
@@ -89,14 +129,58 @@ def decode_header(header: bytes, file_size: int, file: str | None = None) -> Dec
     return DecodedHeader(metadata, kvsnap_json, tuple(entries), data_start)
 
 
+def _leading_kvsnap_json(body: bytes) -> str | None:
+    """The kvsnap metadata string when the header begins with ``__metadata__`` and its
+    ``format`` and ``kvsnap`` keys (as kvsnap writes it), found without parsing the rest."""
+    match = _LEADING_METADATA.match(body)
+    if match is None:
+        return None
+    try:
+        text, _ = json.decoder.scanstring(body.decode("utf-8"), match.end())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return text
+
+
+def _parse_kvsnap_json(kvsnap_json: str, file: str | None) -> HeaderMetadata:
+    try:
+        metadata_document = strict_json_loads(kvsnap_json)
+    except ValueError as error:
+        raise SnapshotCorruptError(
+            f"kvsnap metadata is not valid JSON ({error})", file=file
+        ) from None
+    return parse_metadata_document(metadata_document, file=file)
+
+
+def _check_header_bounds(
+    body: bytes, metadata: HeaderMetadata, kvsnap_json: str, file: str | None
+) -> None:
+    """Refuse, before parsing its entries, a header with more tensor entries or more bytes than
+    its metadata allows: at most two entries (the tensor and its padding) per snapshot tensor
+    and for the trailer, and at most three times the bytes of the whole snapshot's header."""
+    specs = specs_for(metadata)
+    most_entries = 2 * (len(specs) + 1)  # every tensor and the trailer, each with padding
+    # Every entry has a "data_offsets" key; JSON strings cannot hide an unescaped quote.
+    entries = body.count(b'"data_offsets"')
+    if entries > most_entries:
+        raise SnapshotCorruptError(
+            f"the header lists {entries} tensors, its metadata allows at most {most_entries}",
+            file=file,
+        )
+    most_bytes = 3 * len(pack_file(specs, kvsnap_json).header) + 2 * DATA_ALIGNMENT
+    if HEADER_PREFIX.size + len(body) > most_bytes:
+        raise SnapshotCorruptError(
+            f"the header has {HEADER_PREFIX.size + len(body)} bytes, its metadata allows at "
+            f"most {most_bytes}",
+            file=file,
+        )
+
+
 def _header_document(header: bytes, file: str | None) -> tuple[dict[str, Any], str]:
     """The header's JSON object and its kvsnap metadata string; :class:`NotASnapshotError` for
     anything that is not safetensors with kvsnap metadata."""
-    body = header[HEADER_PREFIX.size :]
-    if body[:1] != b"{":
-        raise NotASnapshotError("header does not start with '{': not a safetensors file", file=file)
     try:
-        document = strict_json_loads(body.decode("utf-8"))
+        document = strict_json_loads(header[HEADER_PREFIX.size :].decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as error:
         raise NotASnapshotError(f"header is not valid JSON ({error})", file=file) from None
     if not isinstance(document, dict):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +31,37 @@ from kvsnap.format.parse import (
 )
 from kvsnap.format.schema import strict_json_loads
 
+#: A write's generation token in shard names: ``g`` and 12 lowercase hex digits.
+GENERATION_PATTERN = re.compile(r"g[0-9a-f]{12}")
 
-def shard_file_name(stem: str, index: int, count: int) -> str:
-    """``{stem}-00001-of-00004.safetensors`` (1-based, the Hugging Face convention)."""
+
+def new_generation() -> str:
+    """A fresh generation token for the shard names of one write (``g`` + 12 hex digits)."""
+    return "g" + secrets.token_hex(6)
+
+
+def shard_file_name(stem: str, index: int, count: int, generation: str | None = None) -> str:
+    """The file name of shard ``index`` (1-based) of ``count`` of the snapshot ``stem``.
+
+    ``{stem}-{generation}-00001-of-00004.safetensors`` with a generation token (what kvsnap
+    writes: every write gets new names, so a replacement never touches a shard an older index
+    names), ``{stem}-00001-of-00004.safetensors`` without (the Hugging Face convention, what
+    the first kvsnap versions wrote; still read).
+    """
+    if generation is not None:
+        if not GENERATION_PATTERN.fullmatch(generation):
+            raise ValueError(f"generation must be g and 12 hex digits, got {generation!r}")
+        stem = f"{stem}-{generation}"
     return f"{stem}-{index:05d}-of-{count:05d}.safetensors"
+
+
+def is_shard_of(stem: str, name: str) -> bool:
+    """Whether ``name`` is a shard file name of the snapshot ``stem`` by kvsnap's naming
+    (:func:`shard_file_name`, with or without a generation token): the only shard files a
+    writer of ``stem`` may ever delete."""
+    pattern = re.escape(stem) + r"(-g[0-9a-f]{12})?-([0-9]{5})-of-([0-9]{5})\.safetensors"
+    match = re.fullmatch(pattern, name)
+    return match is not None and 1 <= int(match.group(2)) <= int(match.group(3))
 
 
 def encode_index(
@@ -96,8 +125,9 @@ def _index_document(raw: bytes, file: str | None) -> tuple[dict[str, Any], dict[
 
 
 def _check_shard_names(shards: dict[str, Any], file: str | None) -> None:
-    """Shard ``i`` of ``n`` must be ``{stem}-{i:05d}-of-{n:05d}.safetensors`` in this directory,
-    all with one stem, each with a 32-digit trailer digest."""
+    """Shard ``i`` of ``n`` must be a printable name (no NUL or other control character) ending
+    ``-{i:05d}-of-{n:05d}.safetensors`` in this directory, all with one stem, each with a
+    32-digit trailer digest."""
     count = len(shards)
     for index, name in enumerate(shards, start=1):
         suffix = f"-{index:05d}-of-{count:05d}.safetensors"
@@ -106,6 +136,7 @@ def _check_shard_names(shards: dict[str, Any], file: str | None) -> None:
             or not name.endswith(suffix)
             or "/" in name
             or name.startswith(".")
+            or not name.isprintable()
         ):
             raise SnapshotCorruptError(
                 f"shard {index} is named {name!r}, expected a name ending {suffix}", file=file

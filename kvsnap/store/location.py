@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import posixpath
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +76,8 @@ class Location:
 
 def locate(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None) -> Location:
     text = os.fspath(url)
+    if "\0" in text:
+        raise SnapshotIOError("a path cannot contain a NUL byte", file=text.replace("\0", "\\0"))
     if "://" not in text:
         return Location(text, os.path.abspath(text))
     import fsspec
@@ -97,17 +101,40 @@ def io_error(action: str, location: str, error: BaseException) -> SnapshotIOErro
     return SnapshotIOError(f"{action} failed: {error}", file=location)
 
 
+def open_regular(location: Location) -> tuple[int, os.stat_result]:
+    """Open the local file ``location`` for reading, refusing anything but a regular file.
+
+    The open never blocks (``O_NONBLOCK``: a named pipe with no writer would block a plain open
+    forever); the type is checked on the open descriptor (``fstat``), so the file checked is
+    the file read. Returns the blocking descriptor and its ``stat``. Raises
+    :class:`NotASnapshotError` for a FIFO, device, socket or directory; ``OSError`` otherwise.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(location.path, flags)
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            kind = "a directory" if stat.S_ISDIR(status.st_mode) else "a pipe, device or socket"
+            raise NotASnapshotError(f"not a regular file ({kind})", file=location.url)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, status
+
+
 def read_small(location: Location, limit: int) -> bytes:
-    """A whole small file (an index), refusing files larger than ``limit``."""
+    """A whole small file (an index), refusing files larger than ``limit`` and anything but a
+    regular file (:func:`open_regular`)."""
     try:
         if location.is_local:
-            size = os.path.getsize(location.path)
-            if size > limit:
-                raise NotASnapshotError(
-                    f"{size} bytes is too large for an index", file=location.url
-                )
-            with open(location.path, "rb") as handle:
-                return handle.read()
+            fd, status = open_regular(location)
+            with os.fdopen(fd, "rb") as handle:
+                if status.st_size > limit:
+                    raise NotASnapshotError(
+                        f"{status.st_size} bytes is too large for an index", file=location.url
+                    )
+                return handle.read(limit + 1)
         size = location.fs.size(location.path)
         if size is not None and size > limit:
             raise NotASnapshotError(f"{size} bytes is too large for an index", file=location.url)

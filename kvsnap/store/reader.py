@@ -14,9 +14,11 @@ import xxhash
 from kvsnap import format as fmt
 from kvsnap.dtypes import SAFETENSORS_TYPES
 from kvsnap.errors import (
+    KVSnapError,
     NotASnapshotError,
     SnapshotCorruptError,
     SnapshotIOError,
+    UnsupportedVersionError,
 )
 from kvsnap.format import SnapshotMetadata, TensorEntry
 from kvsnap.store import tuning
@@ -30,6 +32,46 @@ from kvsnap.store.location import (
 from kvsnap.store.source import OpenFile, Source, check_blocks
 from kvsnap.store.tracing import TraceHook, traced
 from kvsnap.store.verify import ReaderVerification
+
+#: Opens of a snapshot that is being replaced, before a vanished file is an error.
+OPEN_ATTEMPTS = 3
+#: Largest checksum trailer read to tell a damaged format version from a newer format.
+_MAX_TRAILER_PROBE_BYTES = 16 << 20
+
+
+def _version_or_damage(
+    source: Source, header: bytes, error: UnsupportedVersionError
+) -> KVSnapError:
+    """``error`` for a header that is intact by its checksum trailer (a newer format, really),
+    a :class:`SnapshotCorruptError` for one whose intact trailer disagrees with it (a damaged
+    byte in ``format_version``), ``error`` again when the trailer cannot tell."""
+    where = fmt.locate_trailer(header)
+    if where is None or where[1] != source.size or where[1] - where[0] > _MAX_TRAILER_PROBE_BYTES:
+        return error
+    try:
+        digests = fmt.decode_trailer(source.read(where[0], where[1] - where[0]))
+    except KVSnapError:
+        return error
+    if digests[0] == fmt.digest128(header):
+        return error
+    return SnapshotCorruptError(
+        f"format_version reads {error.version!r}, but the header does not match its checksum "
+        "(trailer row 0): a damaged header, not a newer format",
+        file=source.url,
+    )
+
+
+def _check_in_directory(index: Location, shard: Location) -> None:
+    """Refuse a local shard that resolves (through symbolic links) outside the index's
+    directory: an index only ever names files beside it."""
+    if not shard.is_local:
+        return
+    home = os.path.realpath(os.path.dirname(index.path))
+    if os.path.dirname(os.path.realpath(shard.path)) != home:
+        raise SnapshotCorruptError(
+            "is a symbolic link to a file outside the snapshot's directory (refused)",
+            file=shard.url,
+        )
 
 
 class SnapshotReader(ReaderVerification):
@@ -62,7 +104,7 @@ class SnapshotReader(ReaderVerification):
         location = locate(url, storage_options)
         self.url = location.url
         try:
-            self._open(location)
+            self._open_retrying(location)
             self._where = {
                 entry.name: (index, entry)
                 for index, open_file in enumerate(self._files)
@@ -80,6 +122,22 @@ class SnapshotReader(ReaderVerification):
             raise
 
     # -- opening ---------------------------------------------------------------------------
+
+    def _open_retrying(self, location: Location) -> None:
+        """:meth:`_open`, again from the start (up to :data:`OPEN_ATTEMPTS` times in all) when a
+        file it was about to open vanished: the snapshot was replaced meanwhile, and the
+        replacement's index (or single file) names only files that exist."""
+        for attempt in range(1, OPEN_ATTEMPTS + 1):
+            try:
+                self._open(location)
+                return
+            except SnapshotIOError as error:
+                if attempt == OPEN_ATTEMPTS or not isinstance(error.__cause__, FileNotFoundError):
+                    raise
+                for open_file in self._files:
+                    open_file.source.close()
+                self._files = []
+                self._index_digests = None
 
     def _open(self, location: Location) -> None:
         if location.path.endswith(INDEX_SUFFIX):
@@ -104,7 +162,10 @@ class SnapshotReader(ReaderVerification):
             prefix = source.read(0, min(8, source.size))
             length = fmt.header_length(prefix, source.size, file=source.url)
             header_bytes = prefix + source.read(8, length)
-            header = fmt.decode_header(header_bytes, source.size, file=source.url)
+            try:
+                header = fmt.decode_header(header_bytes, source.size, file=source.url)
+            except UnsupportedVersionError as error:
+                raise _version_or_damage(source, header_bytes, error) from None
             layout, _, _ = fmt.expected_layout(header, file=source.url)
             if layout.header != header_bytes:
                 raise SnapshotCorruptError(
@@ -129,6 +190,7 @@ class SnapshotReader(ReaderVerification):
         count = len(index.files)
         for number, name in enumerate(index.files, start=1):
             location = index_location.sibling(name)
+            _check_in_directory(index_location, location)
             open_file, header = self._open_file(location)
             self._files.append(open_file)
             if header.metadata.shard != (number, count):

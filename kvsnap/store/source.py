@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -20,18 +19,25 @@ from kvsnap.errors import (
 from kvsnap.store.location import (
     Location,
     io_error,
+    open_regular,
 )
 
 
-def _open_direct_reader(path: str) -> int | None:
-    """A second, O_DIRECT descriptor for aligned reads, or ``None`` where the filesystem refuses."""
+def _open_direct_reader(path: str, status: os.stat_result) -> int | None:
+    """A second, O_DIRECT descriptor on the same file (``status``) for aligned reads, or ``None``
+    where the filesystem refuses (or the path meanwhile names another file)."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None
     try:
-        return os.open(path, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | flag | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
+    again = os.fstat(fd)
+    if (again.st_dev, again.st_ino) != (status.st_dev, status.st_ino):
+        os.close(fd)
+        return None
+    return fd
 
 
 def check_blocks(
@@ -64,14 +70,9 @@ class Source:
         self._handle: Any = None
         try:
             if location.is_local:
-                self._fd = os.open(location.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                status = os.fstat(self._fd)
-                if not stat.S_ISREG(status.st_mode):
-                    os.close(self._fd)
-                    self._fd = None
-                    raise NotASnapshotError("not a regular file", file=self.url)
+                self._fd, status = open_regular(location)
                 self.size = status.st_size
-                self._direct_fd = _open_direct_reader(location.path)
+                self._direct_fd = _open_direct_reader(location.path, status)
             else:
                 self.size = int(location.fs.size(location.path))
                 self._handle = location.fs.open(location.path, "rb", cache_type="none")

@@ -11,11 +11,12 @@ from kvsnap.errors import (
     SnapshotIOError,
 )
 from kvsnap.format import TensorEntry
-from kvsnap.store import publish
+from kvsnap.store import overwrite, publish
 from kvsnap.store.local_file import LocalFile, preallocate
 from kvsnap.store.location import (
     INDEX_SUFFIX,
     io_error,
+    stem_of,
 )
 from kvsnap.store.tracing import traced
 
@@ -71,6 +72,9 @@ class LocalTarget:
 
     def _start_local(self, direct_io: bool | None) -> None:
         directory = os.path.dirname(self._location.path)
+        # Leftovers of killed writers of this snapshot (their lock is free); never a live one's.
+        stem = stem_of(self._location)
+        publish.remove_dead_temps(directory, overwrite.owns_name(self._location), stem)
         needed = sum(layout.file_size for layout in self._layouts)
         try:
             stats = os.statvfs(directory)
@@ -84,7 +88,7 @@ class LocalTarget:
             )
         reserved = []
         for final, layout in zip(self._finals, self._layouts, strict=True):
-            file = LocalFile(final)
+            file = LocalFile(final, owner=stem)
             self._local_files.append(file)
             assert file.fd is not None
             reserved.append(preallocate(file.fd, layout.file_size))
@@ -136,7 +140,7 @@ class LocalTarget:
                 file.sync()
 
     def _publish_local(self) -> None:
-        stale = self._stale_files()
+        stale = overwrite.stale_files(self._location, self._finals, self._sharded)
         for file in self._local_files:
             file.publish()
         publish.fsync_directory(os.path.dirname(self._location.path))
@@ -144,4 +148,4 @@ class LocalTarget:
         if self._sharded:
             index = self._location.with_suffix(INDEX_SUFFIX)
             publish.publish_bytes(index.path, self._index_bytes())
-        self._remove_stale(stale)
+        overwrite.remove_quietly(stale)

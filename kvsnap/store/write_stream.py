@@ -10,6 +10,7 @@ import numpy as np
 from kvsnap import format as fmt
 from kvsnap.errors import SnapshotIOError
 from kvsnap.format import TensorEntry
+from kvsnap.store import overwrite
 from kvsnap.store.location import (
     INDEX_SUFFIX,
 )
@@ -110,7 +111,7 @@ class StreamTarget:
             stream.write(offset, memoryview(view))
 
     def _publish_stream(self) -> None:
-        stale = self._stale_files()
+        stale = overwrite.stale_files(self._location, self._finals, self._sharded)
         for stream in self._stream_files:
             assert stream is not None
             stream.publish()
@@ -124,4 +125,4 @@ class StreamTarget:
                 temp.fs.pipe_file(temp.path, data)
                 temp.fs.mv(temp.path, index.path)
         self._stream_files = [None] * len(self._layouts)
-        self._remove_stale(stale)
+        overwrite.remove_quietly(stale)

@@ -8,7 +8,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +25,8 @@ from kvsnap.store.completion import Completion
 from kvsnap.store.local_file import LocalFile
 from kvsnap.store.location import (
     INDEX_SUFFIX,
-    Location,
     io_error,
     locate,
-    read_small,
     stem_of,
 )
 from kvsnap.store.stream_file import StreamFile
@@ -132,8 +130,10 @@ class SnapshotWriter(LocalTarget, StreamTarget):
         if self._sharded:
             stem = stem_of(self._location)
             count = len(self._layouts)
+            # New names on every write: the old index's shards stay intact until it is replaced.
+            generation = fmt.new_generation()
             self._finals = [
-                self._location.sibling(fmt.shard_file_name(stem, index + 1, count))
+                self._location.sibling(fmt.shard_file_name(stem, index + 1, count, generation))
                 for index in range(count)
             ]
         else:
@@ -473,29 +473,6 @@ class SnapshotWriter(LocalTarget, StreamTarget):
         return fmt.encode_index(
             self.metadata, [f.name for f in self._finals], self._layouts, trailers
         )
-
-    def _stale_files(self) -> list[Location]:
-        """Files of a previous snapshot at this URL in the other form (single vs sharded), or
-        shards of a previous sharded snapshot that the new one does not overwrite."""
-        stale: list[Location] = []
-        index = self._location.with_suffix(INDEX_SUFFIX)
-        new_names = {final.name for final in self._finals}
-        # An unreadable old index is left alone: nothing it names is known to be ours.
-        with contextlib.suppress(KVSnapError):
-            if index.exists():
-                previous = read_small(index, fmt.MAX_INDEX_BYTES)
-                names = fmt.decode_index(previous, file=index.url).files
-                if not self._sharded:
-                    stale.append(index)  # first: readers stop seeing the old shards at once
-                stale += [index.sibling(name) for name in names if name not in new_names]
-        if self._sharded and self._location.exists():
-            stale.append(self._location)
-        return stale
-
-    def _remove_stale(self, stale: Sequence[Location]) -> None:
-        for location in stale:
-            with contextlib.suppress(OSError):
-                location.remove()
 
     def _shutdown_threads(self, cancel: bool = False) -> None:
         self._hash_pool.shutdown(wait=True, cancel_futures=cancel)
