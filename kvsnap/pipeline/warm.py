@@ -47,7 +47,7 @@ from kvsnap.pipeline.restore import (
 from kvsnap.pipeline.slots import plan_slots
 from kvsnap.pipeline.staging import staging_ring
 from kvsnap.plan import Direction
-from kvsnap.store import SnapshotReader, SnapshotWriter, TraceHook, traced
+from kvsnap.store import SnapshotWriter, TraceHook, traced
 from kvsnap.transfer import TransferHandler
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ class Pipeline:
         with traced(trace, "setup.staging"):
             ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes)
         mover = self._mover(Direction.HOST_TO_DEVICE)
-        pages = SnapshotPages(snapshot.reader, lambda: SnapshotReader(snapshot.path, verify=False))
+        pages = SnapshotPages(snapshot.reader)
         done = _Progress(progress, total_bytes)
         try:
             mover.begin()
@@ -229,7 +229,6 @@ class Pipeline:
                 try:
                     mover.end()
                 finally:
-                    pages.close()
                     ring.finish()
         result = RestoreResult(
             num_sequences=len(block_ids),
