@@ -42,6 +42,7 @@ from kvsnap.engines.transformers.dynamic import (
 from kvsnap.engines.transformers.generate import (
     continue_generation,
     forward_with_cache,
+    generate_from_restored,
     generate_greedy,
     new_dynamic_cache,
     prefill,
@@ -87,6 +88,7 @@ __all__ = [
     "dynamic_cache_states",
     "fingerprint_of",
     "forward_with_cache",
+    "generate_from_restored",
     "generate_greedy",
     "geometry_for_model",
     "live_request_tokens",

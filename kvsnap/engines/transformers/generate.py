@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -92,18 +93,9 @@ def continue_generation(
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    cached = cache.get_seq_length()
-    if cached > len(token_ids):
-        raise ValueError(
-            f"the cache holds {cached} tokens, more than the {len(token_ids)} token ids given"
-        )
-    if not token_ids:
-        raise ValueError("continue_generation needs at least one token id")
+    cached = _leave_tokens_to_run(cache, token_ids, "continue_generation")
     if max_new_tokens == 0:
         return []
-    if cached == len(token_ids):
-        cache.crop(-1)
-        cached -= 1
     generated: list[int] = []
     pending = list(token_ids[cached:])
     while len(generated) < max_new_tokens:
@@ -114,3 +106,45 @@ def continue_generation(
             break
         pending = [token]
     return generated
+
+
+def _leave_tokens_to_run(cache: Cache, token_ids: Sequence[int], caller: str) -> int:
+    """Check ``cache`` holds a prefix of ``token_ids``, and drop the last token's KV when it
+    holds them all, so that at least one token is left to run; return the cached length."""
+    if not token_ids:
+        raise ValueError(f"{caller} needs at least one token id")
+    cached = cache.get_seq_length()
+    if cached > len(token_ids):
+        raise ValueError(
+            f"the cache holds {cached} tokens, more than the {len(token_ids)} token ids given"
+        )
+    if cached == len(token_ids):
+        cache.crop(-1)
+        cached -= 1
+    return cached
+
+
+@torch.no_grad()
+def generate_from_restored(
+    model: ModelLike, cache: Cache, token_ids: Sequence[int], **generate_kwargs: Any
+) -> Any:
+    """transformers' own ``model.generate`` continued from a cache holding a prefix of the tokens.
+
+    ``cache`` (batch 1, e.g. from :func:`~kvsnap.engines.transformers.restore_dynamic_cache`)
+    holds the KV of ``token_ids[:k]``. ``generate`` must be given *all* of ``token_ids`` and a
+    cache holding *fewer* of them: it runs the uncached ones and takes the next token from the
+    last one's logits. Given a cache holding every token, transformers 5.17-5.24 runs the last
+    token a second time and appends its KV twice, and the continuation silently drifts. So when
+    the cache holds all of ``token_ids``, the last token's KV is dropped first (it is recomputed
+    bit for bit). ``generate_kwargs`` go to ``generate`` (``max_new_tokens``, ``do_sample``,
+    ...); an all-ones ``attention_mask`` is passed unless one is given. Returns ``generate``'s
+    output: ``(1, len(token_ids) + new)`` token ids, prompt included, as ``generate`` returns
+    them. The cache is extended in place.
+    """
+    _leave_tokens_to_run(cache, token_ids, "generate_from_restored")
+    module = module_of(model)
+    device = next(module.parameters()).device
+    ids = torch.tensor([[int(token) for token in token_ids]], dtype=torch.long, device=device)
+    generate_kwargs.setdefault("attention_mask", torch.ones_like(ids))
+    # generate takes the cache under the forward's name: ``cache`` in 5.2x, else past_key_values.
+    return module.generate(ids, **{_cache_keyword(module): cache}, **generate_kwargs)
