@@ -152,3 +152,20 @@ def test_generate_from_a_cache_holding_a_shorter_prefix(
     assert output[0].tolist() == uninterrupted(model, prompt)
     with pytest.raises(ValueError, match="more than"):
         kt.generate_from_restored(model, cache, prompt[:3], max_new_tokens=1)
+
+
+def test_restore_allocates_every_layers_kv_once_and_capture_copies_into_one_buffer(
+    model: LlamaForCausalLM, prompt: list[int], tmp_path: Path
+) -> None:
+    path = snapshot_of_prompt(model, prompt, tmp_path / "own.safetensors")
+    restored, _ = kt.restore_dynamic_cache(path, model=model)
+    storages = {
+        tensor.untyped_storage().data_ptr()
+        for layer in restored.layers
+        for tensor in (layer.keys, layer.values)
+    }
+    assert len(storages) == 1
+    # And it is still exactly the prefilled KV.
+    [(cache, _)] = kt.prefill_token_ids(model, [prompt])
+    for original, back in zip(cache.layers, restored.layers, strict=True):
+        assert torch.equal(original.keys, back.keys) and torch.equal(original.values, back.values)

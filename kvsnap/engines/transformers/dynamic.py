@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicLayer
 
 from kvsnap.engines.transformers.generate import new_dynamic_cache
 from kvsnap.engines.transformers.model import (
@@ -143,8 +143,6 @@ def _capture_rows(
     ids = list(sequence_ids) if sequence_ids is not None else [f"seq-{i}" for i in range(len(rows))]
     if len(ids) != len(rows):
         raise ValueError(f"{len(ids)} sequence ids for {len(rows)} sequences")
-    first_keys = rows[0][0][0][0]
-    _, num_heads, _, head_dim = first_keys.shape
     for index, (states, _row, tokens) in enumerate(rows):
         seq_len = states[0][0].shape[2]
         if not 0 < len(tokens) <= seq_len:
@@ -154,18 +152,7 @@ def _capture_rows(
     blocks_per_row = [math.ceil(len(tokens) / block_size) for _, _, tokens in rows]
     first_block = np.concatenate(([0], np.cumsum(blocks_per_row)[:-1])).astype(np.int64)
     total_tokens = int(sum(blocks_per_row)) * block_size
-    key_buffers, value_buffers = [], []
-    for layer in range(len(rows[0][0])):
-        for part, buffers in ((0, key_buffers), (1, value_buffers)):
-            # All sequences back to back in one row, block-aligned: the layout needs whole blocks.
-            buffer = first_keys.new_zeros((1, num_heads, total_tokens, head_dim))
-            for (states, row, tokens), first in zip(rows, first_block, strict=True):
-                source = states[layer][part]
-                start = int(first) * block_size
-                buffer[0, :, start : start + len(tokens)] = source[
-                    row, :, source.shape[2] - len(tokens) :
-                ]
-            buffers.append(buffer)
+    key_buffers, value_buffers = _block_aligned_copy(rows, first_block, block_size, total_tokens)
     types = attention_types(model) if model is not None else None
     layout = contiguous_layout(
         key_buffers, value_buffers, block_size=block_size, attention_types=types
@@ -181,6 +168,33 @@ def _capture_rows(
         )
     ]
     return capture(layout, sequences, path, source=source_info(model), **capture_kwargs)
+
+
+def _block_aligned_copy(
+    rows: Sequence[tuple[list[tuple[torch.Tensor, torch.Tensor]], int, np.ndarray]],
+    first_block: np.ndarray,
+    block_size: int,
+    total_tokens: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, a ``(1, heads, total_tokens, head_dim)`` key and value buffer holding every
+    row's KV back to back, each row starting at its first block, zero-padded to whole blocks.
+
+    All buffers are views of one allocation (the layout needs whole blocks, the cache rows are
+    left-padded and not block-aligned, so a copy is unavoidable; one allocation keeps it cheap).
+    """
+    first_keys = rows[0][0][0][0]
+    num_layers = len(rows[0][0])
+    _, num_heads, _, head_dim = first_keys.shape
+    buffer = first_keys.new_zeros((2, num_layers, 1, num_heads, total_tokens, head_dim))
+    for (states, row, tokens), first in zip(rows, first_block, strict=True):
+        start = int(first) * block_size
+        for layer, layer_states in enumerate(states):
+            for part in (0, 1):
+                source = layer_states[part]
+                buffer[part, layer, 0, :, start : start + len(tokens)] = source[
+                    row, :, source.shape[2] - len(tokens) :
+                ]
+    return list(buffer[0]), list(buffer[1])
 
 
 def restore_dynamic_cache(
@@ -212,14 +226,14 @@ def restore_dynamic_cache(
             check_snapshot_fits(opened, model, dtype=check_dtype, force=force)
         num_blocks = len(record.block_ids)
         num_tokens = len(record.token_ids)
-        shape = (1, geometry.num_kv_heads, num_blocks * geometry.block_size, geometry.head_dim)
-        kv_dtype = torch_dtype(geometry.dtype)
-        keys = [
-            torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(geometry.num_layers)
-        ]
-        values = [
-            torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(geometry.num_layers)
-        ]
+        # Every layer's K and V in one allocation; restore writes every byte of every block.
+        seq_len = num_blocks * geometry.block_size
+        buffer = torch.empty(
+            (2, geometry.num_layers, 1, geometry.num_kv_heads, seq_len, geometry.head_dim),
+            dtype=torch_dtype(geometry.dtype),
+            device=device,
+        )
+        keys, values = list(buffer[0]), list(buffer[1])
         layout = contiguous_layout(
             keys, values, block_size=geometry.block_size, attention_types=geometry.attention_types
         )
@@ -231,9 +245,31 @@ def restore_dynamic_cache(
         )
         token_ids = [int(token) for token in record.token_ids]
     cache = new_dynamic_cache(model)
+    _fill_dynamic_cache(cache, keys, values, num_tokens, dtype)
+    return cache, token_ids
+
+
+def _fill_dynamic_cache(
+    cache: DynamicCache,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    num_tokens: int,
+    dtype: torch.dtype | None,
+) -> None:
+    """Put each layer's first ``num_tokens`` restored positions into an empty ``cache``.
+
+    ``cache.update`` concatenates, i.e. copies every layer's KV once more; a plain
+    ``DynamicLayer`` is just its two tensors, so it is handed the restored views instead (after
+    an empty update has initialized it the cache's own way). Other layer types go through
+    ``update``.
+    """
     for layer, (layer_keys, layer_values) in enumerate(zip(keys, values, strict=True)):
         layer_keys, layer_values = layer_keys[:, :, :num_tokens], layer_values[:, :, :num_tokens]
         if dtype is not None:
             layer_keys, layer_values = layer_keys.to(dtype), layer_values.to(dtype)
-        cache.update(layer_keys, layer_values, layer)
-    return cache, token_ids
+        cache.update(layer_keys[:, :, :0], layer_values[:, :, :0], layer)
+        target = cache.layers[layer]
+        if type(target) is DynamicLayer:
+            target.keys, target.values = layer_keys, layer_values
+        else:
+            cache.update(layer_keys, layer_values, layer)
