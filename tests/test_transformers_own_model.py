@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from kvsnap.engines import transformers as kt
 from kvsnap.errors import IncompatibleSnapshotError
@@ -169,3 +170,33 @@ def test_restore_allocates_every_layers_kv_once_and_capture_copies_into_one_buff
     [(cache, _)] = kt.prefill_token_ids(model, [prompt])
     for original, back in zip(cache.layers, restored.layers, strict=True):
         assert torch.equal(original.keys, back.keys) and torch.equal(original.values, back.values)
+
+
+def test_paged_restore_and_capture_take_a_plain_model(
+    model: LlamaForCausalLM, prompt: list[int], tmp_path: Path
+) -> None:
+    original = snapshot_of_prompt(model, prompt, tmp_path / "own.safetensors")
+    fields = getattr(ContinuousBatchingConfig, "__dataclass_fields__", {})
+    page = {"page_size" if "page_size" in fields else "block_size": BLOCK}  # 5.17: block_size
+    attention = model.config._attn_implementation
+    manager = model.init_continuous_batching(
+        generation_config=GenerationConfig(max_new_tokens=1, do_sample=False, eos_token_id=-1),
+        continuous_batching_config=ContinuousBatchingConfig(
+            num_blocks=16, max_batch_tokens=64, use_async_batching=False, **page
+        ),
+    )
+    try:
+        other = own_model(seed=1)
+        other.config.vocab_size = 98  # another model of the same geometry
+        with pytest.raises(IncompatibleSnapshotError, match="fingerprint"):
+            kt.restore_paged_cache(original, manager, as_prefix=False, model=other)
+        kt.restore_paged_cache(original, manager, request_id="held", as_prefix=False, model=model)
+        again = tmp_path / "again.safetensors"
+        kt.capture_paged_cache(manager, ["held"], {"held": prompt}, again, model=model)
+    finally:
+        manager.destroy()
+        if model.config._attn_implementation != attention:
+            model.set_attn_implementation(attention)
+    with Snapshot.open(original) as first, Snapshot.open(again) as second:
+        assert second.metadata.source.model_fingerprint == model_fingerprint(model.config)
+        assert first.compare(second).ok
