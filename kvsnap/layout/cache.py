@@ -141,5 +141,11 @@ def _check_runs_inside_tensor(ref: PageRef, tensor: CacheTensor) -> None:
 
 
 def _check_no_canonical_overlap(name: str, mapping: CanonicalPageMapping) -> None:
-    if mapping.canonical_page_size_bytes and coverage(mapping).max(initial=0) > 1:
+    if _writes_a_byte_twice(mapping):
         raise LayoutError(f"{name}: copy runs write some canonical bytes twice")
+
+
+# Every layer of a cache usually maps its page the same way: the mapping is checked once.
+@functools.lru_cache(maxsize=256)
+def _writes_a_byte_twice(mapping: CanonicalPageMapping) -> bool:
+    return bool(mapping.canonical_page_size_bytes and coverage(mapping).max(initial=0) > 1)

@@ -125,6 +125,8 @@ def check_tiling(layouts: Sequence[CacheLayout]) -> None:
 # Deriving copy runs from strides
 
 
+# Every layer of a cache usually has the same page shape and strides: the runs are derived once.
+@functools.lru_cache(maxsize=256)
 def strided_page_runs(
     *,
     element_size: int,
