@@ -23,8 +23,6 @@ from kvsnap.testing.synthetic.spec import (
 )
 from kvsnap.testing.synthetic.values import Synthesizer
 
-# Host staging used by generate(): synthetic caches are small; 256 MiB default staging is waste.
-
 
 @dataclass(frozen=True)
 class SyntheticCache:
