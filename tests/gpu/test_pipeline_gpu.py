@@ -5,9 +5,21 @@ of KV still being written by the caller's stream, and many warm calls reusing on
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from test_pipeline import LAYOUTS, SOURCE, _assert_restored, _caches, _flip_byte, _sequences
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the CPU tests' helpers
+from test_pipeline import (
+    LAYOUTS,
+    SOURCE,
+    _assert_restored,
+    _caches,
+    _flip_byte,
+    _sequences,
+)
 
 from kvsnap.errors import RestoreIncompleteError
 from kvsnap.pipeline import Pipeline, StagingOptions
