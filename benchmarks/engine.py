@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvsnap.format import SourceInfo
-from kvsnap.layout import allocate_cache
+from kvsnap.layout.allocate import allocate_cache
 from kvsnap.pinned import PinnedPool
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 

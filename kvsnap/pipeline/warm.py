@@ -86,11 +86,10 @@ class Pipeline:
             mover = self._fused.get(direction)
             if mover is not None:
                 return mover
-            if fused_unavailable(self.layouts, direction) is None:
-                table = shared_page_table(self.layouts)
-                mover = self._fused[direction] = FusedMover(
-                    table, direction, self.transfer.sm_budget
-                )
+            table = shared_page_table(self.layouts, direction)
+            if table is not None:
+                mover = FusedMover(table, direction, self.transfer.sm_budget)
+                self._fused[direction] = mover
                 return mover
         return HandlerMover(self.layouts, direction, self._handlers(direction))
 
@@ -305,7 +304,7 @@ def _capture_metadata(
     return metadata, device_blocks
 
 
-_TABLES: OrderedDict[tuple[object, ...], PageTable] = OrderedDict()
+_TABLES: OrderedDict[tuple[object, ...], _SharedEntry] = OrderedDict()
 _TABLES_LOCK = threading.Lock()
 
 
@@ -322,18 +321,36 @@ def layout_key(layout: CacheLayout) -> tuple[object, ...]:
     )
 
 
-def shared_page_table(layouts: Sequence[CacheLayout]) -> PageTable:
-    """The process-wide page table of ``layouts`` (built on first use, least recently used
-    ones dropped past ``MAX_SHARED_TABLES``)."""
+def shared_page_table(layouts: Sequence[CacheLayout], direction: Direction) -> PageTable | None:
+    """The process-wide page table of ``layouts``, or ``None`` where the fused copy cannot
+    serve them in ``direction`` (:func:`~kvsnap.pipeline.movers.fused_unavailable`). Both are
+    worked out once (the tiling check of many ranks takes milliseconds); the least recently
+    used layouts past ``MAX_SHARED_TABLES`` are dropped."""
     key = tuple(layout_key(layout) for layout in layouts)
     with _TABLES_LOCK:
-        table = _TABLES.get(key)
-        if table is not None:
+        entry = _TABLES.get(key)
+        if entry is not None:
             _TABLES.move_to_end(key)
-            return table
-    table = PageTable(layouts)
-    with _TABLES_LOCK:
-        _TABLES[key] = table
-        while len(_TABLES) > MAX_SHARED_TABLES:
-            _TABLES.popitem(last=False)
-    return table
+    if entry is None:
+        entry = _SharedEntry(layouts)
+        with _TABLES_LOCK:
+            _TABLES[key] = entry
+            while len(_TABLES) > MAX_SHARED_TABLES:
+                _TABLES.popitem(last=False)
+    return entry.table_for(direction)
+
+
+class _SharedEntry:
+    """One set of layouts' page table and, per direction, whether the fused copy serves it.
+
+    Everything is worked out at once, so the cache never holds the caches' tensors.
+    """
+
+    def __init__(self, layouts: Sequence[CacheLayout]) -> None:
+        self._usable = {
+            direction: fused_unavailable(layouts, direction) is None for direction in Direction
+        }
+        self._table = PageTable(layouts) if any(self._usable.values()) else None
+
+    def table_for(self, direction: Direction) -> PageTable | None:
+        return self._table if self._usable[direction] else None
