@@ -14,7 +14,7 @@ import torch
 from kvsnap import pinned
 from kvsnap.errors import IncompatibleSnapshotError, RestoreIncompleteError
 from kvsnap.format import SourceInfo
-from kvsnap.pipeline import Pipeline, StagingOptions, movers, page_table, warm
+from kvsnap.pipeline import Pipeline, StagingOptions, fused, page_table, warm
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import SnapshotReader
 from kvsnap.testing.caches import make_cache, random_content, same_bytes
@@ -114,9 +114,9 @@ def test_the_kernel_itself_round_trips_under_the_triton_interpreter(
     # The GPU kernel's index arithmetic, run on host memory by Triton's interpreter.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launches = []
-    real = movers.launch_kernel
-    monkeypatch.setattr(movers, "launch_kernel", lambda *a: launches.append(1) or real(*a))
-    monkeypatch.setattr(movers, "run_on_cpu", None)  # the numpy path must not run
+    real = fused.launch_kernel
+    monkeypatch.setattr(fused, "launch_kernel", lambda *a: launches.append(1) or real(*a))
+    monkeypatch.setattr(fused, "run_on_cpu", None)  # the numpy path must not run
     sources, content = _caches(kind, heads=heads, tp_size=tp_size, blocks=6)
     path = tmp_path / "snap.safetensors"
     capture([c.layout for c in sources], _sequences([[5, 0]]), path, source=SOURCE)
@@ -129,9 +129,9 @@ def test_the_kernel_itself_round_trips_under_the_triton_interpreter(
 
 def test_one_copy_per_slot_whatever_the_number_of_layers_and_ranks(tmp_path, monkeypatch):
     groups_per_call: list[int] = []
-    real = movers.run_on_cpu
+    real = fused.run_on_cpu
     monkeypatch.setattr(
-        movers, "run_on_cpu", lambda copies: groups_per_call.append(len(copies)) or real(copies)
+        fused, "run_on_cpu", lambda copies: groups_per_call.append(len(copies)) or real(copies)
     )
     for layers, tp_size in ((2, 1), (24, 4)):
         groups_per_call.clear()

@@ -378,7 +378,7 @@ class FailingCopies(CpuBackend):
 
 
 def _fail_third_fused_copy(monkeypatch):
-    from kvsnap.pipeline import movers
+    from kvsnap.pipeline import fused
 
     calls = []
 
@@ -388,7 +388,7 @@ def _fail_third_fused_copy(monkeypatch):
             raise OSError("injected copy failure")
         run_on_cpu(copies)
 
-    monkeypatch.setattr(movers, "run_on_cpu", failing)
+    monkeypatch.setattr(fused, "run_on_cpu", failing)
     return TransferOptions()
 
 

@@ -18,7 +18,7 @@ from kvsnap import layout as L
 from kvsnap.errors import SnapshotCorruptError, TransferFailedError
 from kvsnap.pinned import PinnedPool
 from kvsnap.pipeline import StagingOptions, TransferOptions
-from kvsnap.pipeline.movers import FusedMover
+from kvsnap.pipeline.fused import FusedMover
 from kvsnap.pipeline.slots import plan_slots
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import SnapshotReader, SnapshotWriter

@@ -110,7 +110,7 @@ def _hand_over(
     written: list[Future[None]] = []
     try:
         with traced(trace, "writer.enqueue", item.plan.num_bytes(page_bytes)):
-            written.append(writer.write_slot(segments))
+            written.append(writer.write_slot(segments, mover.digests(item.ticket)))
     finally:
         _release_when_done(ring, item.slot, written)
 

@@ -36,12 +36,14 @@ class FragmentGroup:
 @dataclass(frozen=True)
 class GroupCopy:
     """One group's pages of a slot: page ``i``'s fragments go from ``src_bases[i]`` plus the
-    group's source offsets to ``dst_bases[i]`` plus its destination offsets."""
+    group's source offsets to ``dst_bases[i]`` plus its destination offsets; it is part of
+    the slot's page ``slot_pages[i]`` (a rank's share of it, or all of it)."""
 
     group: FragmentGroup
     src_bases: np.ndarray
     dst_bases: np.ndarray
     direction: Direction
+    slot_pages: np.ndarray
 
     @property
     def src_offsets(self) -> np.ndarray:
@@ -189,7 +191,7 @@ class PageTable:
             local = rows.local_base[row] + device_blocks[pages] * rows.block_stride[row]
             canonical = staging_addresses[pages] + rows.canonical_base[row]
             if direction is Direction.DEVICE_TO_HOST:
-                copies.append(GroupCopy(rows.group, local, canonical, direction))
+                copies.append(GroupCopy(rows.group, local, canonical, direction, pages))
             else:
-                copies.append(GroupCopy(rows.group, canonical, local, direction))
+                copies.append(GroupCopy(rows.group, canonical, local, direction, pages))
         return copies

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -33,17 +34,28 @@ class SnapshotPages:
         self.page_size_bytes = reader.metadata.geometry.canonical_page_size_bytes
 
     def read_async(
-        self, plan: SlotPlan, snapshot_blocks: np.ndarray, out: np.ndarray, trace: TraceHook | None
+        self,
+        plan: SlotPlan,
+        snapshot_blocks: np.ndarray,
+        out: np.ndarray,
+        trace: TraceHook | None,
+        *,
+        verify: bool = True,
     ) -> Future[np.ndarray]:
-        """Read (and verify) ``plan``'s pages into ``out``; the future gives the pages that
-        failed their checksum."""
+        """Read (and, with ``verify``, check) ``plan``'s pages into ``out``; the future gives
+        the pages that failed their checksum."""
         return self.reader.read_slot_async(
             plan.page_tensors,
             snapshot_blocks[plan.page_positions],
             plan.page_offsets,
             out,
+            verify=verify,
             trace=trace,
         )
+
+    def stored(self, plan: SlotPlan, snapshot_blocks: np.ndarray) -> np.ndarray:
+        """The stored xxh3-64 of ``plan``'s pages."""
+        return self.reader.stored_checksums(plan.page_tensors, snapshot_blocks[plan.page_positions])
 
 
 @dataclass
@@ -76,14 +88,13 @@ def restore_slots(
 
     ``blocks`` is ``(snapshot_blocks, target_blocks)``: page ``i`` of a plan is snapshot block
     ``snapshot_blocks[p]`` going to device block ``target_blocks[p]``, ``p`` its position.
-    Returns the pages that failed their checksum (nothing of them was written).
+    Pages are verified on the device where the mover hashes pages (the reads then skip the
+    host's checksums), on the read threads otherwise. Returns the pages that failed their
+    checksum: nothing of them was written.
     """
-    page_bytes = pages.page_size_bytes
+    run = _RestoreRun(mover, ring, pages, blocks, trace)
     work = deque(plans)
     reads: deque[_Read] = deque()
-    failed_tensors: list[np.ndarray] = []
-    failed_positions: list[np.ndarray] = []
-    first_error: list[SnapshotCorruptError] = []
     try:
         while work or reads:
             while work:
@@ -93,61 +104,116 @@ def restore_slots(
                 if slot is None:
                     break
                 try:
-                    reads.append(_start_read(pages, work.popleft(), slot, blocks[0], trace))
+                    reads.append(run.start_read(work.popleft(), slot))
                 except BaseException:
                     ring.release(slot)
                     raise
             read = reads.popleft()
-            plan = _verified_part(pages, read, blocks[0], trace, first_error)
-            if plan.num_pages < read.plan.num_pages:
-                keep = np.isin(read.plan.page_offsets, plan.page_offsets)
-                failed_tensors.append(read.plan.page_tensors[~keep])
-                failed_positions.append(read.plan.page_positions[~keep])
-            try:
-                with traced(trace, "transfer.submit", plan.num_bytes(page_bytes)):
-                    positions = plan.page_positions
-                    ticket = mover.submit(
-                        plan, read.slot, blocks[1][positions], blocks[0][positions]
-                    )
-            except BaseException:
-                ring.release(read.slot)
-                raise
-            event = mover.event(ticket)
-            if event is None:
-                with traced(trace, "transfer.wait", plan.num_bytes(page_bytes)):
-                    try:
-                        mover.wait(ticket)
-                    finally:
-                        ring.release(read.slot)
-            else:
-                ring.release(read.slot, after=event)
-            progress(read.plan.num_bytes(page_bytes))
+            run.move(read)
+            progress(read.plan.num_bytes(pages.page_size_bytes))
+        run.collect_device_checks()
     finally:
         for read in reads:
             # A read still in flight must finish before its slot is reused.
             wait_futures([read.future])
             ring.release(read.slot)
-    empty = np.empty(0, dtype=np.int64)
-    return FailedPages(
-        np.concatenate(failed_tensors) if failed_tensors else empty,
-        np.concatenate(failed_positions) if failed_positions else empty,
-        first_error[0] if first_error else None,
-    )
+    return run.failed()
+
+
+class _RestoreRun:
+    """One restore's moves and the pages that failed, wherever they were checked."""
+
+    def __init__(
+        self,
+        mover: SlotMover,
+        ring: StagingRing,
+        pages: SnapshotPages,
+        blocks: tuple[np.ndarray, np.ndarray],
+        trace: TraceHook | None,
+    ) -> None:
+        self.mover, self.ring, self.pages, self.trace = mover, ring, pages, trace
+        self.snapshot_blocks, self.target_blocks = blocks
+        self.on_device = mover.hashes_pages and pages.reader.verifies
+        self.checked: list[tuple[SlotPlan, Any]] = []
+        self.failed_tensors: list[np.ndarray] = []
+        self.failed_positions: list[np.ndarray] = []
+        self.first_error: list[SnapshotCorruptError] = []
+
+    def start_read(self, plan: SlotPlan, slot: Slot) -> _Read:
+        future = self.pages.read_async(
+            plan, self.snapshot_blocks, slot.as_numpy(), self.trace, verify=not self.on_device
+        )
+        return _Read(plan, slot, future)
+
+    def move(self, read: _Read) -> None:
+        """Wait for ``read``, then move its (host-verified) pages; the slot goes back to the
+        ring with the copy's event, or at once where the copy is already done."""
+        plan = _verified_part(self.pages, read, self.snapshot_blocks, self.trace, self.first_error)
+        if plan.num_pages < read.plan.num_pages:
+            keep = np.isin(read.plan.page_offsets, plan.page_offsets)
+            self._fail(read.plan.page_tensors[~keep], read.plan.page_positions[~keep])
+        positions = plan.page_positions
+        expected = self.pages.stored(plan, self.snapshot_blocks) if self.on_device else None
+        page_bytes = self.pages.page_size_bytes
+        try:
+            with traced(self.trace, "transfer.submit", plan.num_bytes(page_bytes)):
+                ticket = self.mover.submit(
+                    plan,
+                    read.slot,
+                    self.target_blocks[positions],
+                    self.snapshot_blocks[positions],
+                    expected,
+                )
+        except BaseException:
+            self.ring.release(read.slot)
+            raise
+        if expected is not None:
+            self.checked.append((plan, ticket))
+        event = self.mover.event(ticket)
+        if event is None:
+            with traced(self.trace, "transfer.wait", plan.num_bytes(page_bytes)):
+                try:
+                    self.mover.wait(ticket)
+                finally:
+                    self.ring.release(read.slot)
+        else:
+            self.ring.release(read.slot, after=event)
+
+    def collect_device_checks(self) -> None:
+        """Wait for the device-verified slots and note the pages their kernels refused."""
+        for plan, ticket in self.checked:
+            self.mover.wait(ticket)
+            bad = self.mover.failed_pages(ticket)
+            if len(bad):
+                self._fail(plan.page_tensors[bad], plan.page_positions[bad])
+                if not self.first_error:
+                    page = int(bad[0])
+                    self.first_error.append(
+                        SnapshotCorruptError(
+                            "xxh3-64 does not match the stored checksum (checked on the device)",
+                            file=self.pages.reader.url,
+                            tensor=self.pages.names[int(plan.page_tensors[page])],
+                            block=int(self.snapshot_blocks[plan.page_positions[page]]),
+                        )
+                    )
+        self.checked = []
+
+    def _fail(self, tensors: np.ndarray, positions: np.ndarray) -> None:
+        self.failed_tensors.append(tensors)
+        self.failed_positions.append(positions)
+
+    def failed(self) -> FailedPages:
+        empty = np.empty(0, dtype=np.int64)
+        return FailedPages(
+            np.concatenate(self.failed_tensors) if self.failed_tensors else empty,
+            np.concatenate(self.failed_positions) if self.failed_positions else empty,
+            self.first_error[0] if self.first_error else None,
+        )
 
 
 def _acquire(ring: StagingRing, trace: TraceHook | None) -> Slot:
     with traced(trace, "staging.wait"):
         return ring.acquire()
-
-
-def _start_read(
-    pages: SnapshotPages,
-    plan: SlotPlan,
-    slot: Slot,
-    snapshot_blocks: np.ndarray,
-    trace: TraceHook | None,
-) -> _Read:
-    return _Read(plan, slot, pages.read_async(plan, snapshot_blocks, slot.as_numpy(), trace))
 
 
 def _verified_part(

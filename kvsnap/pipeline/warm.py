@@ -25,6 +25,7 @@ from kvsnap.compat import check_fits
 from kvsnap.errors import RestoreIncompleteError
 from kvsnap.layout import CacheLayout
 from kvsnap.pipeline.capture import capture_slots
+from kvsnap.pipeline.fused import FusedMover, fused_unavailable
 from kvsnap.pipeline.jobs import (
     CaptureResult,
     RestoreResult,
@@ -35,7 +36,7 @@ from kvsnap.pipeline.jobs import (
     restore_pairs,
     validate_sequences,
 )
-from kvsnap.pipeline.movers import FusedMover, HandlerMover, SlotMover, fused_unavailable
+from kvsnap.pipeline.movers import HandlerMover, SlotMover
 from kvsnap.pipeline.options import StagingOptions, TransferOptions
 from kvsnap.pipeline.page_table import PageTable
 from kvsnap.pipeline.restore import (

@@ -414,10 +414,13 @@ class SnapshotReader(ReaderVerification):
         page_offsets: np.ndarray,
         out: np.ndarray,
         *,
+        verify: bool = True,
         trace: TraceHook | None = None,
     ) -> concurrent.futures.Future[np.ndarray]:
         """Read many tensors' pages into one buffer; see :func:`kvsnap.store.slot_reads.
-        read_slot_async` (the future gives the pages that failed their checksum).
+        read_slot_async` (the future gives the pages that failed their checksum). ``verify``
+        False skips the checksums here (a caller that checks the pages itself, on the device,
+        against :meth:`stored_checksums`); a reader opened without verification never checks.
 
         ``page_tensors`` index :meth:`tensor_names`; the arrays must be int64 and in range
         (``IndexError`` otherwise), ``out`` large enough (``ValueError``).
@@ -432,7 +435,7 @@ class SnapshotReader(ReaderVerification):
             raise IndexError(f"pages outside {num_tensors} tensors of {num_blocks} blocks")
         if len(page_offsets) and page_offsets.max() + self._page_bytes > out.nbytes:
             raise ValueError(f"out holds {out.nbytes} bytes, the pages reach further")
-        checksums = self._block_checksum_table() if self._verify else None
+        checksums = self._block_checksum_table() if self._verify and verify else None
         return slot_reads.read_slot_async(
             self._extents(), checksums, page_tensors, page_blocks, page_offsets, out, trace
         )
@@ -474,6 +477,17 @@ class SnapshotReader(ReaderVerification):
                     tensor=fmt.BLOCK_CHECKSUMS_TENSOR,
                 )
             self._rows[tensor] = row
+
+    @property
+    def verifies(self) -> bool:
+        """Whether this reader checks what it reads against the stored checksums."""
+        return self._verify
+
+    def stored_checksums(self, page_tensors: np.ndarray, page_blocks: np.ndarray) -> np.ndarray:
+        """The stored xxh3-64 of page ``i`` (block ``page_blocks[i]`` of tensor
+        ``page_tensors[i]``), as uint64; :class:`SnapshotCorruptError` if the stored
+        checksums themselves are damaged."""
+        return self._block_checksum_table()[page_tensors, page_blocks]
 
     def tensor_names(self) -> list[str]:
         """Layer tensor names, in file order."""

@@ -249,7 +249,9 @@ class SnapshotWriter(LocalTarget, StreamTarget):
         return done.future
 
     def write_slot(
-        self, segments: Sequence[tuple[str, np.ndarray]]
+        self,
+        segments: Sequence[tuple[str, np.ndarray]],
+        digests: np.ndarray | None = None,
     ) -> concurrent.futures.Future[None]:
         """:meth:`write_pages` of several tensors' pages at once, in order.
 
@@ -258,6 +260,8 @@ class SnapshotWriter(LocalTarget, StreamTarget):
         and the pages that follow each other in the file and in memory (a slot holding whole
         tensors, back to back) go to the file as one write: a call's cost does not grow with
         the number of tensors it spans. The future completes once every page may be reused.
+        ``digests``, the pages' xxh3-64 in order (computed where the pages were, on the
+        device), replaces the hashing.
         """
         if self._lane is not None:
             # The stream lane is ordered per tensor item: one write_pages per segment.
@@ -274,7 +278,9 @@ class SnapshotWriter(LocalTarget, StreamTarget):
                 self._current += 1
         total = sum(piece[2].nbytes for piece in pieces)
         self._admit(total)
-        hash_batches = _batches(pieces, tuning.SUBCHUNK_BYTES)
+        hash_batches = _batches(pieces, tuning.SUBCHUNK_BYTES) if digests is None else []
+        if digests is not None:
+            self._store_digests(pieces, digests)
         writes = _contiguous_writes(pieces, tuning.WRITE_CHUNK_BYTES)
 
         def release() -> None:
@@ -300,6 +306,18 @@ class SnapshotWriter(LocalTarget, StreamTarget):
         future = self._hash_pool.submit(self._guarded(work, *args))
         self._hashes.append(future)
         return future
+
+    def _store_digests(
+        self, pieces: Sequence[tuple[int, int, np.ndarray, int, int]], digests: np.ndarray
+    ) -> None:
+        """Record digests computed elsewhere, page by page in the order of ``pieces``."""
+        page = 0
+        for tensor, first, flat, _, _ in pieces:
+            count = flat.nbytes // self._page_bytes
+            self._digests[tensor, first : first + count] = digests[page : page + count]
+            page += count
+        if page != len(digests):
+            raise ValueError(f"{len(digests)} digests for {page} pages")
 
     def _hash_batch(self, batch: Sequence[tuple[int, int, np.ndarray]]) -> None:
         for tensor, block, view in batch:

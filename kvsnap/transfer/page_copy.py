@@ -54,6 +54,8 @@ if triton is not None:
         dst_bases,
         src_offsets,
         dst_offsets,
+        slot_pages,
+        page_ok,
         num_items,
         num_fragments,
         WORD: tl.constexpr,
@@ -61,10 +63,12 @@ if triton is not None:
         BLOCK: tl.constexpr,
         ROWS: tl.constexpr,
         ALIGNED_16: tl.constexpr,
+        CHECKED: tl.constexpr,
     ):
         """Item ``i`` is fragment ``i % num_fragments`` of page ``i // num_fragments``: copy
         ``FRAGMENT_WORDS`` words from ``src_bases[page] + src_offsets[fragment]`` to
-        ``dst_bases[page] + dst_offsets[fragment]`` (byte addresses), ``ROWS`` items a step."""
+        ``dst_bases[page] + dst_offsets[fragment]`` (byte addresses), ``ROWS`` items a step.
+        With ``CHECKED``, a page whose slot page has ``page_ok`` 0 is not copied at all."""
         program = tl.program_id(0)
         num_programs = tl.num_programs(0)
         rows = tl.arange(0, ROWS)
@@ -74,6 +78,9 @@ if triton is not None:
             live = items < num_items
             page = items // num_fragments
             fragment = items - page * num_fragments
+            if CHECKED:
+                slot_page = tl.load(slot_pages + page, mask=live, other=0)
+                live = live & (tl.load(page_ok + slot_page, mask=live, other=0) != 0)
             src = tl.load(src_bases + page, mask=live, other=0)
             src += tl.load(src_offsets + fragment, mask=live, other=0)
             dst = tl.load(dst_bases + page, mask=live, other=0)
@@ -154,12 +161,14 @@ def run_on_cpu(copies: Sequence[GroupCopy]) -> None:
         copy_descriptors(descriptors.src, descriptors.dst, descriptors.sizes)
 
 
+def _arrays(copy: GroupCopy) -> tuple[np.ndarray, ...]:
+    return copy.src_bases, copy.dst_bases, copy.src_offsets, copy.dst_offsets, copy.slot_pages
+
+
 def kernel_table(copies: Sequence[GroupCopy]) -> np.ndarray:
-    """Every group's page bases and fragment offsets, concatenated: what :func:`launch_kernel`
-    reads from device memory (the caller uploads it, from pinned memory, on its stream)."""
-    arrays = []
-    for copy in copies:
-        arrays += [copy.src_bases, copy.dst_bases, copy.src_offsets, copy.dst_offsets]
+    """Every group's page bases, fragment offsets and slot pages, concatenated: what
+    :func:`launch_kernel` reads from device memory (uploaded by the caller on its stream)."""
+    arrays = [array for copy in copies for array in _arrays(copy)]
     return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
 
 
@@ -168,19 +177,21 @@ def launch_kernel(
     table: torch.Tensor,
     device: torch.device,
     max_programs: int | None = None,
+    page_ok: torch.Tensor | None = None,
 ) -> None:
     """Enqueue ``copies`` on the current stream of ``device``, one kernel launch per group;
     ``table`` holds :func:`kernel_table` on the device (or on the host under the interpreter).
-    ``max_programs`` bounds each launch's grid."""
+    ``max_programs`` bounds each launch's grid. With ``page_ok`` (one flag per slot page, on
+    the device) the pages whose flag is 0 are left untouched."""
     if max_programs is None:
         max_programs = PROGRAMS_PER_SM * _multiprocessors(device)
     position = 0
     for copy in copies:
         views = []
-        for values in (copy.src_bases, copy.dst_bases, copy.src_offsets, copy.dst_offsets):
+        for values in _arrays(copy):
             views.append(table[position : position + len(values)])
             position += len(values)
-        _launch(copy, views, max_programs)
+        _launch(copy, views, max_programs, page_ok)
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -197,7 +208,9 @@ def _multiprocessors(device: torch.device) -> int:
 _SM_COUNTS: dict[int | None, int] = {}
 
 
-def _launch(copy: GroupCopy, views: list[torch.Tensor], max_programs: int) -> None:
+def _launch(
+    copy: GroupCopy, views: list[torch.Tensor], max_programs: int, page_ok: torch.Tensor | None
+) -> None:
     word, aligned_16 = word_bytes(copy)
     fragment_words = copy.group.fragment_bytes // word
     block, rows = tile_shape(fragment_words, word)
@@ -206,6 +219,7 @@ def _launch(copy: GroupCopy, views: list[torch.Tensor], max_programs: int) -> No
     dtype: Any = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[word]
     page_copy_kernel()[grid](
         *views,
+        views[4] if page_ok is None else page_ok,
         num_items,
         copy.group.num_fragments,
         WORD=dtype,
@@ -213,4 +227,5 @@ def _launch(copy: GroupCopy, views: list[torch.Tensor], max_programs: int) -> No
         BLOCK=block,
         ROWS=rows,
         ALIGNED_16=aligned_16,
+        CHECKED=page_ok is not None,
     )
