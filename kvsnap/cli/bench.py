@@ -20,7 +20,8 @@ from kvsnap.bench import BenchReport, Measurement, format_bytes, resolve_device,
 from kvsnap.plan import Direction
 from kvsnap.transfer.base import calibration_path, write_calibration
 
-from .output import UsageError, emit_json, stdout, step_progress
+from .common import JsonOption
+from .output import UsageError, emit_json, stdout, step_progress, text
 
 _SMOKE_TEST_WARNING = (
     "--device cpu copies host memory to host memory: a smoke test of the measurements, "
@@ -52,9 +53,7 @@ def bench(
             help="Write the calibration to this file instead (with --write-calibration).",
         ),
     ] = None,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")
-    ] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Measure copies between GPU and host memory per backend; derive auto's calibration."""
     try:
@@ -89,7 +88,7 @@ def bench(
     table_console = stdout if stdout.is_terminal else Console(highlight=False, width=200)
     table_console.print(_results_table(report))
     for line in _failures(report.results, on_gpu=not report.smoke_test):
-        stdout.print(f"[red]failed:[/] {line}")
+        stdout.print(f"[red]failed:[/] {text(line)}")
     _print_calibration(report, written)
 
 
@@ -116,8 +115,10 @@ def _direction_label(direction: str, on_gpu: bool) -> str:
 def _results_table(report: BenchReport) -> Table:
     on_gpu = not report.smoke_test
     table = Table(
-        title=f"kvsnap bench on {report.device_name} ({report.device}): vLLM split NHD, "
-        "2 layers, bfloat16",
+        title=text(
+            f"kvsnap bench on {report.device_name} ({report.device}): vLLM split NHD, "
+            "2 layers, bfloat16"
+        ),
         caption="GB/s (ratio to the ceiling); auto: the backend it picked",
         title_justify="left",
         box=box.SIMPLE_HEAD,
@@ -177,7 +178,7 @@ def _print_calibration(report: BenchReport, written: Path | None) -> None:
         f"{format_bytes(size)} ({_direction_label(direction, on_gpu)})"
         for direction, size in thresholds.items()
     )
-    stdout.print(f"auto ran under: {report.auto_policy}")
+    stdout.print(f"auto ran under: {text(report.auto_policy)}")
     smoke_test = " (from host memory: not for GPUs)" if report.smoke_test else ""
     stdout.print(
         f"derived calibration{smoke_test}: cuda-batch for fragments from {froms}, "
@@ -185,11 +186,11 @@ def _print_calibration(report: BenchReport, written: Path | None) -> None:
     )
     default_path = calibration_path()
     if written is None:
-        stdout.print(f"not written: --write-calibration writes it to {default_path}")
+        stdout.print(f"not written: --write-calibration writes it to {text(default_path)}")
     elif written.resolve() == default_path.resolve():
-        stdout.print(f"calibration written to [bold]{written}[/]: auto uses it from now on")
+        stdout.print(f"calibration written to [bold]{text(written)}[/]: auto uses it from now on")
     else:
         stdout.print(
-            f"calibration written to [bold]{written}[/]; auto reads {default_path}, "
-            f"so set KVSNAP_CALIBRATION={written} to use it"
+            f"calibration written to [bold]{text(written)}[/]; auto reads {text(default_path)}, "
+            f"so set KVSNAP_CALIBRATION={text(written)} to use it"
         )

@@ -1,18 +1,21 @@
 """``kvsnap fixture``: write a reproducible snapshot of a synthetic KV cache.
 
-A thin client of :func:`kvsnap.testing.synthetic.generate`: the same options give the same file,
-byte for byte, on every machine (see docs/fixtures.md for what the values model).
+A thin client of :mod:`kvsnap.testing.synthetic`: it writes what
+:func:`~kvsnap.testing.synthetic.generate` writes (the same options give the same file, byte for
+byte, on every machine; see docs/fixtures.md for what the values model), showing progress on
+stderr while it synthesizes and writes.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from .output import UsageError, emit_json, stdout
+from .common import JsonOption, format_bytes, is_url, output_location
+from .output import UsageError, emit_json, progress_bar, status, stdout, text
 
 _SYNTHETIC_DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
 
@@ -29,16 +32,22 @@ def _parse_lengths(text: str) -> list[int]:
     return lengths
 
 
-def _sha256(path: Path) -> str:
+def _sha256(location: str) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as file:
+    if is_url(location):
+        import fsspec
+
+        opened: Any = fsspec.open(location, "rb")
+    else:
+        opened = Path(location).open("rb")
+    with opened as file:
         for chunk in iter(lambda: file.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
 
 
 def fixture(
-    output: Annotated[Path, typer.Argument(help="Snapshot file to write.")],
+    output: Annotated[str, typer.Argument(help="Snapshot file or URL to write.")],
     layers: Annotated[int, typer.Option("--layers", min=1, help="Number of layers.")] = 2,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of every random draw.")] = 0,
     layout: Annotated[
@@ -73,13 +82,12 @@ def fixture(
         int,
         typer.Option("--shared-prefix", min=0, help="Leading tokens (and KV) all sequences share."),
     ] = 0,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")
-    ] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Write a reproducible snapshot of a synthetic KV cache (RoPE'd keys with outlier channels)."""
-    from kvsnap.testing.synthetic import generate
+    from kvsnap.testing import synthetic
 
+    target = output_location(output, option="OUTPUT")
     if dtype not in _SYNTHETIC_DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(_SYNTHETIC_DTYPES)}, got {dtype!r}")
     is_mla = attention == "mla"
@@ -89,8 +97,7 @@ def fixture(
         )
     if not is_mla and latent_dim is not None:
         raise UsageError("--latent-dim is only for --attention mla")
-    result = generate(
-        output,
+    spec = synthetic.make_spec(
         num_layers=layers,
         num_kv_heads=None if is_mla else heads,
         head_dim=None if is_mla else head_dim,
@@ -103,17 +110,38 @@ def fixture(
         seed=seed,
         shared_prefix_tokens=shared_prefix,
     )
-    payload = {
-        "path": result.path,
-        "sequences": result.num_sequences,
-        "tokens": result.num_tokens,
-        "bytes": result.num_bytes,
-        "sha256": _sha256(Path(result.path)),
-    }
+    payload = _write(synthetic, spec, target, show_progress=not as_json)
     if as_json:
         emit_json(payload)
         return
     stdout.print(
         f"wrote {payload['sequences']} synthetic sequence(s), {payload['tokens']} tokens, "
-        f"{payload['bytes']} bytes → [bold]{payload['path']}[/]\nsha256 {payload['sha256']}"
+        f"{format_bytes(payload['bytes'])} → [bold]{text(payload['path'])}[/]\n"
+        f"sha256 {payload['sha256']}"
     )
+
+
+def _write(synthetic: Any, spec: Any, target: str, *, show_progress: bool) -> dict[str, Any]:
+    """Synthesize ``spec``'s cache and capture it to ``target`` as ``generate`` does, with a
+    spinner while synthesizing and a byte progress bar while writing."""
+    from kvsnap.snapshot import capture
+
+    with status("synthesizing KV", enabled=show_progress):
+        cache = synthetic.build_cache(spec)
+    with progress_bar("writing", enabled=show_progress) as progress:
+        result = capture(
+            cache.layout,
+            cache.sequences,
+            target,
+            source=synthetic.source_info(spec),
+            backend="cpu",
+            reproducible=True,
+            progress=progress,
+        )
+    return {
+        "path": result.path,
+        "sequences": result.num_sequences,
+        "tokens": result.num_tokens,
+        "bytes": result.num_bytes,
+        "sha256": _sha256(result.path),
+    }
