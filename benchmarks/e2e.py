@@ -421,15 +421,14 @@ def sweep(layout, cache, sequences, kv_bytes: int, directory: Path) -> None:
     for staging_mib, slots in ((128, 4), (256, 4), (256, 8), (512, 8), (512, 16), (1024, 16)):
         staging = staging_mib << 20
         captured = capture(
-            layout, sequences, path, source=SOURCE, staging_bytes=staging, staging_slots=slots
+            layout, sequences, path, source=SOURCE, staging=StagingOptions(slot_bytes=(staging) // (slots), num_slots=slots)
         )
         drop_page_cache(path)
         with Snapshot.open(path) as snap:
             restored = snap.restore(
                 target_layout,
                 {s.id: s.block_ids for s in sequences},
-                staging_bytes=staging,
-                staging_slots=slots,
+                staging=StagingOptions(slot_bytes=(staging) // (slots), num_slots=slots),
             )
         print(
             f"{staging_mib:>12} {slots:>6} {kv_bytes / captured.seconds / 1e9:>13.3f} "
@@ -502,7 +501,7 @@ def main() -> None:
     for label in ("ttfb_cold", "ttfb_warm"):
         timeline = Timeline() if args.timeline else None
         results[f"{label}_ms"] = time_to_first_byte(
-            layout, sequences[:1], ttfb_path, timeline, staging_bytes=staging, staging_slots=slots
+            layout, sequences[:1], ttfb_path, timeline, staging=StagingOptions(slot_bytes=(staging) // (slots), num_slots=slots)
         )
         if timeline is not None:
             timelines[label] = timeline.summary("write")
@@ -537,8 +536,7 @@ def main() -> None:
         sequences,
         snap_path,
         source=SOURCE,
-        staging_bytes=staging,
-        staging_slots=slots,
+        staging=StagingOptions(slot_bytes=(staging) // (slots), num_slots=slots),
         trace=capture_timeline,
     )
     if capture_timeline is not None:
@@ -566,8 +564,7 @@ def main() -> None:
         restore = snap.restore(
             target_layout,
             {s.id: s.block_ids for s in sequences},
-            staging_bytes=staging,
-            staging_slots=slots,
+            staging=StagingOptions(slot_bytes=(staging) // (slots), num_slots=slots),
             trace=restore_timeline,
         )
     if restore_timeline is not None:
@@ -619,7 +616,7 @@ def main() -> None:
         thread.start()
         started = time.perf_counter()
         busy = capture(
-            layout, sequences, snap_path, source=SOURCE, staging_bytes=staging, staging_slots=slots
+            layout, sequences, snap_path, source=SOURCE, staging=StagingOptions(slot_bytes=(staging) // (slots), num_slots=slots)
         )
         elapsed = time.perf_counter() - started
         stop.set()

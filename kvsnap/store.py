@@ -1541,6 +1541,12 @@ class SnapshotReader:
         self._layer(name)
         return self._page_bytes
 
+    def block_checksums(self, name: str) -> np.ndarray:
+        """The stored xxh3-64 of every block of layer tensor ``name`` (checked against the
+        trailer; :class:`SnapshotCorruptError` if they do not match it)."""
+        tensor, _, _ = self._layer(name)
+        return self._block_checksum_row(tensor)
+
     def read_pages(self, name: str, block_ids: np.ndarray | Sequence[int], out: np.ndarray) -> None:
         """Read blocks ``block_ids`` of layer tensor ``name``, in that order, into ``out``.
 

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from kvsnap.pipeline import TransferOptions
+
 from . import models
 from .common import (
     BackendOption,
@@ -72,7 +74,7 @@ def capture(
             target,
             model=loaded,
             block_size=block_size,
-            backend=backend,
+            transfer=TransferOptions(backend=backend),
             progress=progress,
             reproducible=reproducible,
         )

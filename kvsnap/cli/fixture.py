@@ -124,6 +124,7 @@ def fixture(
 def _write(synthetic: Any, spec: Any, target: str, *, show_progress: bool) -> dict[str, Any]:
     """Synthesize ``spec``'s cache and capture it to ``target`` as ``generate`` does, with a
     spinner while synthesizing and a byte progress bar while writing."""
+    from kvsnap.pipeline import TransferOptions
     from kvsnap.snapshot import capture
 
     with status("synthesizing KV", enabled=show_progress):
@@ -134,7 +135,7 @@ def _write(synthetic: Any, spec: Any, target: str, *, show_progress: bool) -> di
             cache.sequences,
             target,
             source=synthetic.source_info(spec),
-            backend="cpu",
+            transfer=TransferOptions(backend="cpu"),
             reproducible=True,
             progress=progress,
         )

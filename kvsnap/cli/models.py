@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvsnap.errors import IncompatibleSnapshotError
 
-from .output import UsageError
+from .output import UsageError, stderr
 
 if TYPE_CHECKING:
     import torch
@@ -91,11 +91,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load(model: str | None, *, dtype: torch.dtype, device: str, quiet: bool) -> LoadedModel:
-    """Load ``model`` (``None``: the built-in one); ``quiet`` hides transformers' loading bar
-    (``--json``: stderr carries errors only)."""
+    """Load ``model`` (``None``: the built-in one). transformers' loading bar shows only on a
+    terminal and never when ``quiet`` (``--json``: stderr carries errors only)."""
     from kvsnap.engines.default_model import load_model
 
-    if quiet:
+    if quiet or not stderr.is_terminal:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()

@@ -48,6 +48,7 @@ from kvsnap.layout import (
     flat_paged_layout,
     mla_layout,
 )
+from kvsnap.pipeline import TransferOptions
 from kvsnap.snapshot import CaptureResult, SequenceBlocks, Snapshot, capture
 
 #: Block size of golden files when neither the caller, an existing golden file nor the input says.
@@ -56,7 +57,6 @@ DEFAULT_GOLDEN_BLOCK_SIZE = 16
 GOLDEN_ENGINE = "kvsnap-golden"
 
 _TENSOR_NAME = re.compile(r"^layers\.(\d+)\.(key|value|latent)$")
-_STAGING_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -397,9 +397,8 @@ def write_kv_snapshot(
         sequences,
         path,
         source=source,
-        backend="cpu",
+        transfer=TransferOptions(backend="cpu"),
         reproducible=True,
-        staging_bytes=_STAGING_BYTES,
     )
 
 
