@@ -449,3 +449,15 @@ def test_golden_json_report_matches_verify_exit_code(tmp_path: Path) -> None:
     problems = json.loads(verify.output)["problems"]
     assert [problem["tensor"] for problem in problems] == ["layers.0.key"]
     assert check_golden(_mapping_kv((0, 6, 1, 2.0)), golden).status == "mismatch"
+
+
+def test_golden_files_record_their_name_as_the_model_id(tmp_path: Path) -> None:
+    golden = tmp_path / "prefill-kv.safetensors"
+    assert check_golden(_mapping_kv(), golden).status == "missing"
+    with Snapshot.open(golden) as snapshot:
+        assert snapshot.metadata.source.model_id == "prefill-kv"  # not a tensor name
+        assert snapshot.metadata.source.engine == "kvsnap-golden"
+    plain = tmp_path / "plain.safetensors"
+    write_kv_snapshot(kv_data(_mapping_kv()), plain, block_size=4)
+    with Snapshot.open(plain) as snapshot:
+        assert snapshot.metadata.source.model_id == "golden"
