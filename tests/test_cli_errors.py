@@ -356,7 +356,7 @@ def test_zero_token_sequences_inspect_with_stats_and_plot(tmp_path: Path) -> Non
         assert snap.verify() == []
         assert snap.token_norms("empty")["key"].shape == (2, 0)
         assert snap.valid_tokens_per_block().tolist() == [4, 2]
-    code, out, err = run("inspect", str(snapshot), "--stats", "--plot", str(tmp_path / "z.png"))
+    code, _, err = run("inspect", str(snapshot), "--stats", "--plot", str(tmp_path / "z.png"))
     assert code == 0 and (tmp_path / "z.png").is_file(), err
     code, payload = _json("inspect", str(snapshot), "--stats")
     assert code == 0 and payload["sequences"][0]["num_tokens"] == 0
