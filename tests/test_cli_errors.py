@@ -409,3 +409,23 @@ def test_help_renders_flags_as_documented() -> None:
     assert code == 0
     assert "<bool>" not in out and "<list[str]>" not in out and "<str>" not in out
     assert "TEXT" in out and "INTEGER" in out
+
+
+def test_fixture_shows_progress_on_a_terminal_and_none_with_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    from kvsnap.cli import output
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(output, "stderr", Console(file=terminal, force_terminal=True, width=100))
+    code, out, _ = run("fixture", str(tmp_path / "a.safetensors"), "--lengths", "300,200")
+    assert code == 0 and "wrote 2 synthetic sequence(s)" in out
+    assert "writing" in terminal.getvalue()  # the byte progress bar, drawn on "stderr"
+    terminal.truncate(0)
+    code, out, _ = run("fixture", str(tmp_path / "b.safetensors"), "--lengths", "300", "--json")
+    assert code == 0 and json.loads(out)["tokens"] == 300
+    assert terminal.getvalue() == ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
@@ -22,6 +22,9 @@ from kvsnap.transfer.base import calibration_path, write_calibration
 
 from .common import JsonOption
 from .output import UsageError, emit_json, stdout, step_progress, text
+
+if TYPE_CHECKING:
+    import torch
 
 _SMOKE_TEST_WARNING = (
     "--device cpu copies host memory to host memory: a smoke test of the measurements, "
@@ -56,6 +59,27 @@ def bench(
     as_json: JsonOption = False,
 ) -> None:
     """Measure copies between GPU and host memory per backend; derive auto's calibration."""
+    target = _check_options(device, write, calibration_file)
+    if target.type == "cpu" and not as_json:
+        stdout.print(f"[yellow]note:[/] {_SMOKE_TEST_WARNING}")
+    with step_progress("bench", enabled=not as_json) as progress:
+        report = run_bench(target, quick=quick, on_progress=progress)
+    written = write_calibration(report.calibration, calibration_file) if write else None
+    if as_json:
+        emit_json(
+            {**report.to_json(), "calibration_path": None if written is None else str(written)}
+        )
+        return
+    # Piped output has no width to respect: print the table whole rather than squeezed to 80.
+    table_console = stdout if stdout.is_terminal else Console(highlight=False, width=200)
+    table_console.print(_results_table(report))
+    for line in _failures(report.results, on_gpu=not report.smoke_test):
+        stdout.print(f"[red]failed:[/] {text(line)}")
+    _print_calibration(report, written)
+
+
+def _check_options(device: str, write: bool, calibration_file: Path | None) -> torch.device:
+    """The device to measure, once the options are consistent and the calibration writable."""
     try:
         target = resolve_device(device)
     except ValueError as error:
@@ -74,22 +98,7 @@ def bench(
     if write:
         # Before measuring: a run of minutes must not end in a calibration that cannot be saved.
         _check_writable(calibration_path() if calibration_file is None else calibration_file)
-    if target.type == "cpu" and not as_json:
-        stdout.print(f"[yellow]note:[/] {_SMOKE_TEST_WARNING}")
-    with step_progress("bench", enabled=not as_json) as progress:
-        report = run_bench(target, quick=quick, on_progress=progress)
-    written = write_calibration(report.calibration, calibration_file) if write else None
-    if as_json:
-        emit_json(
-            {**report.to_json(), "calibration_path": None if written is None else str(written)}
-        )
-        return
-    # Piped output has no width to respect: print the table whole rather than squeezed to 80.
-    table_console = stdout if stdout.is_terminal else Console(highlight=False, width=200)
-    table_console.print(_results_table(report))
-    for line in _failures(report.results, on_gpu=not report.smoke_test):
-        stdout.print(f"[red]failed:[/] {text(line)}")
-    _print_calibration(report, written)
+    return target
 
 
 def _check_writable(path: Path) -> None:

@@ -20,6 +20,24 @@ from .output import UsageError, emit_json, progress_bar, status, stdout, text
 _SYNTHETIC_DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
 
 
+LayoutOption = Annotated[
+    str | None,
+    typer.Option(
+        "--layout",
+        help="Cache layout captured from: vllm-split-nhd, vllm-split-hnd, packed, legacy, "
+        "flat-paged, cross-layer, mla (default: mla for --attention mla, else vllm-split-nhd).",
+    ),
+]
+LatentDimOption = Annotated[
+    int | None,
+    typer.Option("--latent-dim", min=4, help="MLA latent width incl. its RoPE part (e.g. 576)."),
+]
+SharedPrefixOption = Annotated[
+    int,
+    typer.Option("--shared-prefix", min=0, help="Leading tokens (and KV) all sequences share."),
+]
+
+
 def _parse_lengths(text: str) -> list[int]:
     try:
         lengths = [int(part) for part in text.replace(" ", "").split(",") if part]
@@ -30,6 +48,19 @@ def _parse_lengths(text: str) -> list[int]:
     if not lengths or min(lengths) < 1:
         raise UsageError(f"--lengths needs at least one positive token count, got {text!r}")
     return lengths
+
+
+def _check_kind(dtype: str, attention: str, latent_dim: int | None) -> None:
+    """Refuse a KV dtype the generator lacks and a latent width without (or beyond) MLA."""
+    if dtype not in _SYNTHETIC_DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(_SYNTHETIC_DTYPES)}, got {dtype!r}")
+    is_mla = attention == "mla"
+    if is_mla and latent_dim is None:
+        raise UsageError(
+            "--attention mla needs --latent-dim (576 = 512 latent + 64 RoPE, as DeepSeek-V3)"
+        )
+    if not is_mla and latent_dim is not None:
+        raise UsageError("--latent-dim is only for --attention mla")
 
 
 def _sha256(location: str) -> str:
@@ -50,14 +81,7 @@ def fixture(
     output: Annotated[str, typer.Argument(help="Snapshot file or URL to write.")],
     layers: Annotated[int, typer.Option("--layers", min=1, help="Number of layers.")] = 2,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of every random draw.")] = 0,
-    layout: Annotated[
-        str | None,
-        typer.Option(
-            "--layout",
-            help="Cache layout captured from: vllm-split-nhd, vllm-split-hnd, packed, legacy, "
-            "flat-paged, cross-layer, mla (default: mla for --attention mla, else vllm-split-nhd).",
-        ),
-    ] = None,
+    layout: LayoutOption = None,
     attention: Annotated[
         str, typer.Option("--attention", help="full, sliding (alternating with full) or mla.")
     ] = "full",
@@ -69,34 +93,19 @@ def fixture(
     head_dim: Annotated[
         int, typer.Option("--head-dim", min=2, help="Head dimension, even (not for MLA).")
     ] = 64,
-    latent_dim: Annotated[
-        int | None,
-        typer.Option(
-            "--latent-dim", min=4, help="MLA latent width incl. its RoPE part (e.g. 576)."
-        ),
-    ] = None,
+    latent_dim: LatentDimOption = None,
     lengths: Annotated[
         str, typer.Option("--lengths", help="Comma-separated token count of each sequence.")
     ] = "64,100",
-    shared_prefix: Annotated[
-        int,
-        typer.Option("--shared-prefix", min=0, help="Leading tokens (and KV) all sequences share."),
-    ] = 0,
+    shared_prefix: SharedPrefixOption = 0,
     as_json: JsonOption = False,
 ) -> None:
     """Write a reproducible snapshot of a synthetic KV cache (RoPE'd keys with outlier channels)."""
     from kvsnap.testing import synthetic
 
     target = output_location(output, option="OUTPUT")
-    if dtype not in _SYNTHETIC_DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(_SYNTHETIC_DTYPES)}, got {dtype!r}")
+    _check_kind(dtype, attention, latent_dim)
     is_mla = attention == "mla"
-    if is_mla and latent_dim is None:
-        raise UsageError(
-            "--attention mla needs --latent-dim (576 = 512 latent + 64 RoPE, as DeepSeek-V3)"
-        )
-    if not is_mla and latent_dim is not None:
-        raise UsageError("--latent-dim is only for --attention mla")
     spec = synthetic.make_spec(
         num_layers=layers,
         num_kv_heads=None if is_mla else heads,
