@@ -1,10 +1,10 @@
 """``kvsnap inspect --plot``: a heatmap of per-layer, per-token KV norms of one sequence.
 
 One panel per part (key and value, or the MLA latent): layers down, tokens across, the L2 norm
-of each token's KV as colour. The colour scale spans the 1st to 99th percentile of the finite
-norms, so one outlier does not wash the picture out (values beyond are clipped to the ends of
-the scale, which the colour bar shows as arrows); NaN and Inf norms get colours of their own,
-named in a legend. The title names the file, the model and the sequence.
+of each token's KV as colour. The colour scale spans the finite norms without their outliers
+(see :func:`_scale`), so one outlier does not wash the picture out (values beyond are clipped
+to the ends of the scale, which the colour bar shows as arrows); NaN and Inf norms get colours
+of their own, counted in a legend. The title names the file, the model and the sequence.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from .output import UsageError
 PLOT_EXTENSIONS = (".png", ".svg", ".pdf")
 #: Percentiles of the finite norms that the colour scale spans.
 SCALE_PERCENTILES = (1.0, 99.0)
+#: How far beyond the quartiles, in interquartile ranges, the colour scale may reach.
+FENCE_IQRS = 3.0
 NAN_COLOUR = "#ff00ff"
 INF_COLOUR = "#ff0000"
 
@@ -107,7 +109,7 @@ def _draw_panel(figure: Any, axis: Any, part: str, values: np.ndarray) -> None:
         vmax=high,
     )
     colour_bar = figure.colorbar(image, ax=axis, extend="both")
-    colour_bar.set_label(f"{part} norm (1st–99th percentile)")
+    colour_bar.set_label(f"{part} norm (outliers clipped)")
     legend = []
     for mask, colour, label in (
         (np.isnan(values), NAN_COLOUR, "NaN"),
@@ -123,10 +125,18 @@ def _draw_panel(figure: Any, axis: Any, part: str, values: np.ndarray) -> None:
 
 
 def _scale(finite: np.ndarray) -> tuple[float, float]:
-    """The colour scale's ends: the :data:`SCALE_PERCENTILES` of ``finite`` (never empty)."""
+    """The colour scale's ends for ``finite`` norms: the :data:`SCALE_PERCENTILES`, pulled in to
+    at most :data:`FENCE_IQRS` interquartile ranges beyond the quartiles, so that a few outliers
+    (which a percentile alone keeps when there are few tokens) are clipped rather than shown."""
     if finite.size == 0:
         return 0.0, 1.0
-    low, high = (float(value) for value in np.percentile(finite, SCALE_PERCENTILES))
+    low, q1, q3, high = (
+        float(value)
+        for value in np.percentile(finite, (SCALE_PERCENTILES[0], 25, 75, SCALE_PERCENTILES[1]))
+    )
+    spread = q3 - q1
+    if spread > 0:
+        low, high = max(low, q1 - FENCE_IQRS * spread), min(high, q3 + FENCE_IQRS * spread)
     if high <= low:
         high = low + max(abs(low) * 1e-6, 1e-12)
     return low, high
