@@ -39,7 +39,9 @@ def _prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[str]:
 
 
 def capture(
-    output: Annotated[str, typer.Option("--output", "-o", help="Snapshot file or URL to write.")],
+    output: Annotated[
+        str, typer.Option("--output", "-o", metavar="PATH", help="Snapshot file or URL to write.")
+    ],
     model: ModelOption = None,
     prompt: Annotated[
         list[str] | None,

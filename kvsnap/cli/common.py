@@ -23,6 +23,7 @@ ModelOption = Annotated[
     typer.Option(
         "--model",
         "-m",
+        metavar="M",
         help=(
             "A local transformers model directory or a cached hub id "
             "(default: the built-in tiny model)."
@@ -30,15 +31,22 @@ ModelOption = Annotated[
     ),
 ]
 DeviceOption = Annotated[
-    str, typer.Option("--device", help="torch device to run the model on: cpu, cuda, cuda:N.")
+    str,
+    typer.Option(
+        "--device", metavar="D", help="torch device to run the model on: cpu, cuda, cuda:N."
+    ),
 ]
 DtypeOption = Annotated[
-    str, typer.Option("--dtype", help="Model and KV dtype: float32, bfloat16, float16.")
+    str,
+    typer.Option("--dtype", metavar="T", help="Model and KV dtype: float32, bfloat16, float16."),
 ]
 BackendOption = Annotated[
-    str, typer.Option("--backend", help="Copy backend: auto, cuda-batch, triton, torch, cpu.")
+    str,
+    typer.Option(
+        "--backend", metavar="B", help="Copy backend: auto, cuda-batch, triton, torch, cpu."
+    ),
 ]
-SnapshotArgument = Annotated[str, typer.Argument(help="Snapshot file or URL.")]
+SnapshotArgument = Annotated[str, typer.Argument(metavar="SNAPSHOT", help="Snapshot file or URL.")]
 
 
 def is_url(location: str) -> bool:

@@ -23,12 +23,16 @@ def inspect(
     plot: Annotated[
         str | None,
         typer.Option(
-            "--plot", help="Write a heatmap of per-layer, per-token K/V norms (.png, .svg, .pdf)."
+            "--plot",
+            metavar="FILE",
+            help="Write a heatmap of per-layer, per-token K/V norms (.png, .svg, .pdf).",
         ),
     ] = None,
     sequence: Annotated[
         str | None,
-        typer.Option("--sequence", help="The sequence --plot shows (default: the first)."),
+        typer.Option(
+            "--sequence", metavar="ID", help="The sequence --plot shows (default: the first)."
+        ),
     ] = None,
     as_json: JsonOption = False,
 ) -> None:

@@ -22,7 +22,9 @@ def verify(
     snapshot: SnapshotArgument,
     against: Annotated[
         str | None,
-        typer.Option("--against", help="Compare numerically with this reference snapshot."),
+        typer.Option(
+            "--against", metavar="REF", help="Compare numerically with this reference snapshot."
+        ),
     ] = None,
     atol: Annotated[
         float, typer.Option("--atol", min=0.0, help="Absolute tolerance for --against.")
