@@ -25,7 +25,7 @@ SOURCE = SourceInfo(
 BLOCK = 4
 
 
-def _caches(kind, *, layers=2, heads=4, tp_size=1, blocks=12, seed=0, fill=True):
+def _caches(kind, *, layers=2, heads=4, tp_size=1, blocks=12, seed=0, fill=True, device="cpu"):
     geometry_args = {"latent_dim": 24} if kind == "mla" else {"num_kv_heads": heads, "head_dim": 8}
     caches = [
         make_cache(

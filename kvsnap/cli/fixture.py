@@ -133,7 +133,6 @@ def fixture(
 def _write(synthetic: Any, spec: Any, target: str, *, show_progress: bool) -> dict[str, Any]:
     """Synthesize ``spec``'s cache and capture it to ``target`` as ``generate`` does, with a
     spinner while synthesizing and a byte progress bar while writing."""
-    from kvsnap.pipeline import TransferOptions
     from kvsnap.snapshot import capture
 
     with status("synthesizing KV", enabled=show_progress):
@@ -144,7 +143,6 @@ def _write(synthetic: Any, spec: Any, target: str, *, show_progress: bool) -> di
             cache.sequences,
             target,
             source=synthetic.source_info(spec),
-            transfer=TransferOptions(backend="cpu"),
             reproducible=True,
             progress=progress,
         )

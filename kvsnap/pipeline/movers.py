@@ -29,7 +29,12 @@ from kvsnap.pipeline.slots import SlotPlan
 from kvsnap.pipeline.staging import DeviceStaging, device_staging
 from kvsnap.plan import Direction, HostPages, PageCopy
 from kvsnap.transfer import TransferHandler
-from kvsnap.transfer.page_copy import launch_kernel, run_on_cpu, unavailable_reason
+from kvsnap.transfer.page_copy import (
+    kernel_table,
+    launch_kernel,
+    run_on_cpu,
+    unavailable_reason,
+)
 from kvsnap.transfer.triton_copy import interpreting
 
 
@@ -103,7 +108,8 @@ class FusedMover(SlotMover):
             self.direction, plan.page_tensors, device_blocks, staging_addresses, snapshot_blocks
         )
         if interpreting():
-            launch_kernel(copies, self.device, self.sm_budget)
+            table = torch.from_numpy(kernel_table(copies))
+            launch_kernel(copies, table, self.device, self.sm_budget)
         else:
             run_on_cpu(copies)
 
@@ -122,16 +128,28 @@ class FusedMover(SlotMover):
                 buffer.data_ptr() + plan.page_offsets,
                 snapshot_blocks,
             )
+            # The kernel's table goes up from pinned memory tied to this slot: an upload from
+            # pageable memory would wait for the stream, i.e. for the previous slot's copies.
+            host_table = self._table_buffer(slot, kernel_table(copies))
+            device_table = host_table.to(self.device, non_blocking=True)
             host, device = slot.tensor[:num_bytes], buffer[:num_bytes]
             if self.direction is Direction.DEVICE_TO_HOST:
-                launch_kernel(copies, self.device, self.sm_budget)
+                launch_kernel(copies, device_table, self.device, self.sm_budget)
                 host.copy_(device, non_blocking=True)
             else:
                 device.copy_(host, non_blocking=True)
-                launch_kernel(copies, self.device, self.sm_budget)
+                launch_kernel(copies, device_table, self.device, self.sm_budget)
             done = torch.cuda.Event()
             done.record(self._staging.stream)
         return done
+
+    def _table_buffer(self, slot: Slot, table: np.ndarray) -> torch.Tensor:
+        """``table`` copied into pinned memory owned by ``slot``'s place: a slot is reused only
+        after its last copy completed, so its table buffer is free whenever the slot is."""
+        assert self._staging is not None
+        buffer = self._staging.table_buffer(slot.data_ptr, len(table))
+        buffer.numpy()[:] = table
+        return buffer
 
     def wait(self, ticket: torch.cuda.Event | None) -> None:
         if ticket is not None:

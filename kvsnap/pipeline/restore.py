@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvsnap import format as fmt
-from kvsnap.errors import KVSnapError, SnapshotCorruptError
+from kvsnap.errors import SnapshotCorruptError
 from kvsnap.pinned import Slot
 from kvsnap.pipeline.movers import SlotMover
 from kvsnap.pipeline.slots import SlotPlan
@@ -26,49 +25,32 @@ from kvsnap.store import SnapshotReader, TraceHook, traced
 
 
 class SnapshotPages:
-    """The pages of one open snapshot as a restore reads them.
+    """The pages of one open snapshot as a restore reads them: a slot's pages in one call."""
 
-    ``unverified`` opens the same snapshot without checksum checks, only when a read failed and
-    its pages must be told apart.
-    """
-
-    def __init__(self, reader: SnapshotReader, unverified: Callable[[], SnapshotReader]) -> None:
+    def __init__(self, reader: SnapshotReader) -> None:
         self.reader = reader
-        self.names = reader.metadata.geometry.tensor_names()
+        self.names = reader.tensor_names()
         self.page_size_bytes = reader.metadata.geometry.canonical_page_size_bytes
-        self._unverified_factory = unverified
-        self._unverified: SnapshotReader | None = None
 
     def read_async(
-        self, tensor: int, block_ids: np.ndarray, out: np.ndarray, trace: TraceHook | None
-    ) -> Future[None]:
-        return self.reader.read_pages_async(self.names[tensor], block_ids, out, trace=trace)
-
-    def bad_pages(self, tensor: int, block_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Which of ``block_ids`` fail their checksum, read again into ``out`` unchecked."""
-        name = self.names[tensor]
-        try:
-            if self._unverified is None:
-                self._unverified = self._unverified_factory()
-            self._unverified.read_pages(name, block_ids, out)
-            stored = self.reader.block_checksums(name)[block_ids]
-        except KVSnapError:
-            return np.ones(len(block_ids), dtype=bool)
-        return (
-            fmt.block_digests(out[: len(block_ids) * self.page_size_bytes], self.page_size_bytes)
-            != stored
+        self, plan: SlotPlan, snapshot_blocks: np.ndarray, out: np.ndarray, trace: TraceHook | None
+    ) -> Future[np.ndarray]:
+        """Read (and verify) ``plan``'s pages into ``out``; the future gives the pages that
+        failed their checksum."""
+        return self.reader.read_slot_async(
+            plan.page_tensors,
+            snapshot_blocks[plan.page_positions],
+            plan.page_offsets,
+            out,
+            trace=trace,
         )
-
-    def close(self) -> None:
-        if self._unverified is not None:
-            self._unverified.close()
 
 
 @dataclass
 class _Read:
     plan: SlotPlan
     slot: Slot
-    futures: list[Future[None]]
+    future: Future[np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -110,7 +92,11 @@ def restore_slots(
                 slot = ring.try_acquire() if reads else _acquire(ring, trace)
                 if slot is None:
                     break
-                reads.append(_start_read(pages, work.popleft(), slot, blocks[0], trace))
+                try:
+                    reads.append(_start_read(pages, work.popleft(), slot, blocks[0], trace))
+                except BaseException:
+                    ring.release(slot)
+                    raise
             read = reads.popleft()
             plan = _verified_part(pages, read, blocks[0], trace, first_error)
             if plan.num_pages < read.plan.num_pages:
@@ -139,7 +125,7 @@ def restore_slots(
     finally:
         for read in reads:
             # A read still in flight must finish before its slot is reused.
-            wait_futures(read.futures)
+            wait_futures([read.future])
             ring.release(read.slot)
     empty = np.empty(0, dtype=np.int64)
     return FailedPages(
@@ -161,18 +147,7 @@ def _start_read(
     snapshot_blocks: np.ndarray,
     trace: TraceHook | None,
 ) -> _Read:
-    data = slot.as_numpy()
-    futures = []
-    try:
-        for segment in plan.segments:
-            begin = segment.offset
-            view = data[begin : begin + segment.num_pages * pages.page_size_bytes]
-            ids = snapshot_blocks[segment.start : segment.stop]
-            futures.append(pages.read_async(segment.tensor, ids, view, trace))
-    except BaseException:
-        wait_futures(futures)
-        raise
-    return _Read(plan, slot, futures)
+    return _Read(plan, slot, pages.read_async(plan, snapshot_blocks, slot.as_numpy(), trace))
 
 
 def _verified_part(
@@ -182,33 +157,27 @@ def _verified_part(
     trace: TraceHook | None,
     first_error: list[SnapshotCorruptError],
 ) -> SlotPlan:
-    """``read.plan`` without the pages that failed their checksum (waits for the reads).
+    """``read.plan`` without the pages that failed their checksum (waits for the read).
 
     Errors other than a checksum mismatch (the file vanished, the disk failed) propagate.
     """
     with traced(trace, "read.wait"):
-        wait_futures(read.futures)
-    data = read.slot.as_numpy()
-    bad = np.zeros(read.plan.num_pages, dtype=bool)
-    page_bytes = pages.page_size_bytes
-    first_page = 0
-    for segment, future in zip(read.plan.segments, read.futures, strict=True):
-        error = future.exception()
-        if error is not None:
-            if not isinstance(error, SnapshotCorruptError):
-                raise error
-            if not first_error:
-                first_error.append(error)
-            begin = segment.offset
-            view = data[begin : begin + segment.num_pages * page_bytes]
-            ids = snapshot_blocks[segment.start : segment.stop]
-            bad[first_page : first_page + segment.num_pages] = pages.bad_pages(
-                segment.tensor, ids, view
-            )
-        first_page += segment.num_pages
-    if not bad.any():
+        bad = read.future.result()
+    if not len(bad):
         return read.plan
-    return read.plan.subset(~bad)
+    if not first_error:
+        page = int(bad[0])
+        first_error.append(
+            SnapshotCorruptError(
+                "xxh3-64 does not match the stored checksum",
+                file=pages.reader.url,
+                tensor=pages.names[int(read.plan.page_tensors[page])],
+                block=int(snapshot_blocks[read.plan.page_positions[page]]),
+            )
+        )
+    keep = np.ones(read.plan.num_pages, dtype=bool)
+    keep[bad] = False
+    return read.plan.subset(keep)
 
 
 def failed_target_blocks(failed: FailedPages, target_blocks: np.ndarray) -> np.ndarray:

@@ -141,6 +141,7 @@ class DeviceStaging:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self._buffer: torch.Tensor | None = None
+        self._tables: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     @contextmanager
@@ -157,6 +158,15 @@ class DeviceStaging:
                 yield self._buffer
             finally:
                 torch.cuda.set_stream(previous)
+
+    def table_buffer(self, owner: int, num_entries: int) -> torch.Tensor:
+        """Pinned int64 memory for ``num_entries`` kernel-table entries, one buffer per
+        ``owner`` (a staging slot's address), grown as needed; call inside :meth:`use`."""
+        buffer = self._tables.get(owner)
+        if buffer is None or buffer.numel() < num_entries:
+            buffer = torch.empty(max(num_entries, 1024), dtype=torch.int64, pin_memory=True)
+            self._tables[owner] = buffer
+        return buffer[:num_entries]
 
 
 _DEVICE: dict[int, DeviceStaging] = {}

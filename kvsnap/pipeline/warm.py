@@ -47,7 +47,7 @@ from kvsnap.pipeline.restore import (
 from kvsnap.pipeline.slots import plan_slots
 from kvsnap.pipeline.staging import staging_ring
 from kvsnap.plan import Direction
-from kvsnap.store import SnapshotReader, SnapshotWriter, TraceHook, traced
+from kvsnap.store import SnapshotWriter, TraceHook, traced
 from kvsnap.transfer import TransferHandler
 
 if TYPE_CHECKING:
@@ -86,11 +86,10 @@ class Pipeline:
             mover = self._fused.get(direction)
             if mover is not None:
                 return mover
-            if fused_unavailable(self.layouts, direction) is None:
-                table = shared_page_table(self.layouts)
-                mover = self._fused[direction] = FusedMover(
-                    table, direction, self.transfer.sm_budget
-                )
+            table = shared_page_table(self.layouts, direction)
+            if table is not None:
+                mover = FusedMover(table, direction, self.transfer.sm_budget)
+                self._fused[direction] = mover
                 return mover
         return HandlerMover(self.layouts, direction, self._handlers(direction))
 
@@ -216,7 +215,7 @@ class Pipeline:
         with traced(trace, "setup.staging"):
             ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes)
         mover = self._mover(Direction.HOST_TO_DEVICE)
-        pages = SnapshotPages(snapshot.reader, lambda: SnapshotReader(snapshot.path, verify=False))
+        pages = SnapshotPages(snapshot.reader)
         done = _Progress(progress, total_bytes)
         try:
             mover.begin()
@@ -229,7 +228,6 @@ class Pipeline:
                 try:
                     mover.end()
                 finally:
-                    pages.close()
                     ring.finish()
         result = RestoreResult(
             num_sequences=len(block_ids),
@@ -306,7 +304,7 @@ def _capture_metadata(
     return metadata, device_blocks
 
 
-_TABLES: OrderedDict[tuple[object, ...], PageTable] = OrderedDict()
+_TABLES: OrderedDict[tuple[object, ...], _SharedEntry] = OrderedDict()
 _TABLES_LOCK = threading.Lock()
 
 
@@ -323,18 +321,36 @@ def layout_key(layout: CacheLayout) -> tuple[object, ...]:
     )
 
 
-def shared_page_table(layouts: Sequence[CacheLayout]) -> PageTable:
-    """The process-wide page table of ``layouts`` (built on first use, least recently used
-    ones dropped past ``MAX_SHARED_TABLES``)."""
+def shared_page_table(layouts: Sequence[CacheLayout], direction: Direction) -> PageTable | None:
+    """The process-wide page table of ``layouts``, or ``None`` where the fused copy cannot
+    serve them in ``direction`` (:func:`~kvsnap.pipeline.movers.fused_unavailable`). Both are
+    worked out once (the tiling check of many ranks takes milliseconds); the least recently
+    used layouts past ``MAX_SHARED_TABLES`` are dropped."""
     key = tuple(layout_key(layout) for layout in layouts)
     with _TABLES_LOCK:
-        table = _TABLES.get(key)
-        if table is not None:
+        entry = _TABLES.get(key)
+        if entry is not None:
             _TABLES.move_to_end(key)
-            return table
-    table = PageTable(layouts)
-    with _TABLES_LOCK:
-        _TABLES[key] = table
-        while len(_TABLES) > MAX_SHARED_TABLES:
-            _TABLES.popitem(last=False)
-    return table
+    if entry is None:
+        entry = _SharedEntry(layouts)
+        with _TABLES_LOCK:
+            _TABLES[key] = entry
+            while len(_TABLES) > MAX_SHARED_TABLES:
+                _TABLES.popitem(last=False)
+    return entry.table_for(direction)
+
+
+class _SharedEntry:
+    """One set of layouts' page table and, per direction, whether the fused copy serves it.
+
+    Everything is worked out at once, so the cache never holds the caches' tensors.
+    """
+
+    def __init__(self, layouts: Sequence[CacheLayout]) -> None:
+        self._usable = {
+            direction: fused_unavailable(layouts, direction) is None for direction in Direction
+        }
+        self._table = PageTable(layouts) if any(self._usable.values()) else None
+
+    def table_for(self, direction: Direction) -> PageTable | None:
+        return self._table if self._usable[direction] else None

@@ -48,7 +48,6 @@ from kvsnap.layout import (
     flat_paged_layout,
     mla_layout,
 )
-from kvsnap.pipeline import TransferOptions
 from kvsnap.snapshot import CaptureResult, SequenceBlocks, Snapshot, capture
 
 #: Block size of golden files when neither the caller, an existing golden file nor the input says.
@@ -397,7 +396,6 @@ def write_kv_snapshot(
         sequences,
         path,
         source=source,
-        transfer=TransferOptions(backend="cpu"),
         reproducible=True,
     )
 

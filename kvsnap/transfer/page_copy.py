@@ -154,23 +154,24 @@ def run_on_cpu(copies: Sequence[GroupCopy]) -> None:
         copy_descriptors(descriptors.src, descriptors.dst, descriptors.sizes)
 
 
-def launch_kernel(
-    copies: Sequence[GroupCopy], device: torch.device, max_programs: int | None = None
-) -> None:
-    """Enqueue ``copies`` on the current stream of ``device``: one upload of every group's
-    arrays, then one kernel launch per group. ``max_programs`` bounds each launch's grid.
-
-    On a CPU device (``TRITON_INTERPRET=1`` only) the kernel is interpreted over host memory.
-    """
-    if not copies:
-        return
+def kernel_table(copies: Sequence[GroupCopy]) -> np.ndarray:
+    """Every group's page bases and fragment offsets, concatenated: what :func:`launch_kernel`
+    reads from device memory (the caller uploads it, from pinned memory, on its stream)."""
     arrays = []
     for copy in copies:
         arrays += [copy.src_bases, copy.dst_bases, copy.src_offsets, copy.dst_offsets]
-    host = torch.from_numpy(np.concatenate(arrays))
-    # From pageable memory the driver stages the bytes before returning, so the numpy arrays
-    # may go away at once; the upload is ordered before the kernels on this stream.
-    table = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+
+
+def launch_kernel(
+    copies: Sequence[GroupCopy],
+    table: torch.Tensor,
+    device: torch.device,
+    max_programs: int | None = None,
+) -> None:
+    """Enqueue ``copies`` on the current stream of ``device``, one kernel launch per group;
+    ``table`` holds :func:`kernel_table` on the device (or on the host under the interpreter).
+    ``max_programs`` bounds each launch's grid."""
     if max_programs is None:
         max_programs = PROGRAMS_PER_SM * _multiprocessors(device)
     position = 0
