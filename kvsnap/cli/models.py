@@ -30,6 +30,7 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16")
 def transformers_engine(command: str) -> ModuleType:
     """:mod:`kvsnap.engines.transformers`, or a usage error naming the extra to install."""
     try:
+        importlib.import_module("transformers")
         return importlib.import_module("kvsnap.engines.transformers")
     except ModuleNotFoundError as error:
         if error.name is None or not error.name.startswith("transformers"):
