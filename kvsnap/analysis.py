@@ -39,12 +39,14 @@ class Comparison:
     token ids, lengths) and every compared element is close.
 
     ``problems`` are the structural differences, each stated once; ``layers`` the numerical
-    comparison per tensor.
+    comparison per tensor; ``notes`` what is worth knowing without being a difference.
     """
 
     ok: bool
     layers: list[LayerDifference]
     problems: list[fmt.Problem] = field(default_factory=list)
+    #: What the reader should know that is not a difference (sequences paired by position).
+    notes: list[str] = field(default_factory=list)
 
     def first_mismatch(self) -> LayerDifference | None:
         """The first tensor (in snapshot order) with a mismatching element, or ``None``."""
@@ -69,29 +71,31 @@ class Comparison:
         return lines
 
     def report(self) -> str:
-        """A readable summary: the structural problems, then :meth:`layer_lines`."""
-        return "\n".join([*(problem.message for problem in self.problems), *self.layer_lines()])
+        """A readable summary: the notes, the structural problems, then :meth:`layer_lines`."""
+        problems = [problem.message for problem in self.problems]
+        return "\n".join([*self.notes, *problems, *self.layer_lines()])
 
 
 def compare(a: Snapshot, b: Snapshot, *, atol: float = 0.0, rtol: float = 0.0) -> Comparison:
     """Compare snapshot ``a``'s KV with reference ``b``.
 
     The KV geometry must match (otherwise the only problem names the differing fields, and
-    nothing is read). Sequences are paired by id, or by position when no id matches; every
-    difference in sequence ids, sequence counts, lengths and token ids is one problem. Paired
+    nothing is read). Sequences are paired by id; when no id matches (two engines name their
+    requests differently) they are paired by position, which a note says. Every sequence only in
+    one snapshot, a different count, length or token ids is one problem. Paired
     sequences are compared over the tokens both hold: an element mismatches when
     ``|a - b| > atol + rtol * |b|`` or exactly one of them is NaN.
     """
     geometry_problem = _geometry_problem(a, b)
     if geometry_problem is not None:
         return Comparison(False, [], [geometry_problem])
-    pairs, problems = _pair_sequences(a, b)
+    pairs, problems, notes = _pair_sequences(a, b)
     if not pairs:
         problems.append(fmt.Problem(None, None, "the snapshots share no sequence"))
-        return Comparison(False, [], problems)
+        return Comparison(False, [], problems, notes)
     layers = [_compare_tensor(a, b, name, pairs, atol, rtol) for name in a.geometry.tensor_names()]
     ok = not problems and all(layer.num_mismatches == 0 for layer in layers)
-    return Comparison(ok, layers, problems)
+    return Comparison(ok, layers, problems, notes)
 
 
 def _geometry_problem(a: Snapshot, b: Snapshot) -> fmt.Problem | None:
@@ -113,10 +117,13 @@ def _geometry_problem(a: Snapshot, b: Snapshot) -> fmt.Problem | None:
 SequencePair = tuple[fmt.SequenceRecord, fmt.SequenceRecord]
 
 
-def _pair_sequences(a: Snapshot, b: Snapshot) -> tuple[list[SequencePair], list[fmt.Problem]]:
-    """Pair ``a``'s sequences with ``b``'s and list every structural difference once."""
+def _pair_sequences(
+    a: Snapshot, b: Snapshot
+) -> tuple[list[SequencePair], list[fmt.Problem], list[str]]:
+    """Pair ``a``'s sequences with ``b``'s; list every structural difference once, and notes."""
     mine, theirs = a.sequences, b.sequences
     problems: list[fmt.Problem] = []
+    notes: list[str] = []
 
     def problem(message: str) -> None:
         problems.append(fmt.Problem(None, None, message))
@@ -136,13 +143,13 @@ def _pair_sequences(a: Snapshot, b: Snapshot) -> tuple[list[SequencePair], list[
     else:
         pairs = list(zip(mine, theirs, strict=False))
         if pairs:
-            problem(
+            notes.append(
                 f"no sequence id is in both snapshots ({_ids(mine)} vs {_ids(theirs)}): "
                 "sequences compared by position"
             )
     for one, other in pairs:
         problems += _sequence_problems(a, one, b, other)
-    return pairs, problems
+    return pairs, problems, notes
 
 
 def _ids(records: Sequence[fmt.SequenceRecord]) -> str:

@@ -431,3 +431,13 @@ def test_fixture_shows_progress_on_a_terminal_and_none_with_json(
     code, out, _ = run("fixture", str(tmp_path / "b.safetensors"), "--lengths", "300", "--json")
     assert code == 0 and json.loads(out)["tokens"] == 300
     assert terminal.getvalue() == ""
+
+
+def test_verify_against_pairs_differently_named_sequences_by_position(tmp_path: Path) -> None:
+    a = _custom_snapshot(tmp_path / "a.safetensors", ["req-17"], [6], "m")
+    b = _custom_snapshot(tmp_path / "b.safetensors", ["seq-0"], [6], "m")
+    code, payload = _json("verify", str(a), "--against", str(b))
+    assert code == 0 and payload["ok"] and payload["problems"] == []
+    assert payload["notes"] == [
+        "no sequence id is in both snapshots ('req-17' vs 'seq-0'): sequences compared by position"
+    ]

@@ -78,9 +78,12 @@ def _report(
     problems: list[dict[str, Any]], comparison: Comparison | None, *, as_json: bool
 ) -> None:
     """Print the outcome: each problem once, after the per-tensor comparison table."""
+    notes = [] if comparison is None else comparison.notes
     if as_json:
-        emit_json({"ok": not problems, "problems": problems})
+        emit_json({"ok": not problems, "problems": problems, **({"notes": notes} if notes else {})})
         return
+    for note in notes:
+        stdout.print(f"[yellow]note:[/] {text(note)}")
     if comparison is not None:
         for line in comparison.layer_lines():
             stdout.print(text(line))
