@@ -9,6 +9,7 @@ with ``--json``.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -27,6 +28,9 @@ from .output import EXIT_USAGE, handle_errors, report_error, settings, stdout
 from .restore import restore
 from .verify import verify
 
+#: Raised after the help of a group called without a command was printed (click 8.2 and later).
+_NO_ARGS_IS_HELP: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
 
 class KVSnapGroup(TyperGroup):
     """The app's click group: runs without click's standalone error printing, so that a usage
@@ -39,18 +43,24 @@ class KVSnapGroup(TyperGroup):
         kwargs["standalone_mode"] = False
         try:
             code = super().main(arguments, *pargs, **kwargs)
-        except click.exceptions.NoArgsIsHelpError as error:
-            click.echo(error.ctx.get_help() if error.ctx else str(error), err=True)
-            sys.exit(EXIT_USAGE)
+        except _NO_ARGS_IS_HELP:
+            sys.exit(EXIT_USAGE)  # the help was printed already
         except click.ClickException as error:
             command = _command_path(error)
             hint = f" (see {command} --help)" if command else ""
-            report_error(error.format_message() + hint, as_json="--json" in arguments)
+            message = _each_sentence_once(error.format_message())
+            report_error(message + hint, as_json="--json" in arguments)
             sys.exit(EXIT_USAGE if error.exit_code == 2 else error.exit_code)
         except click.exceptions.Abort:
             report_error("aborted", as_json="--json" in arguments)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _each_sentence_once(message: str) -> str:
+    """``message`` without repeated sentences (typer and click both add "Did you mean ...?")."""
+    sentences = re.split(r"(?<=[.?!])\s+", message.strip())
+    return " ".join(dict.fromkeys(sentences))
 
 
 def _command_path(error: click.ClickException) -> str:
