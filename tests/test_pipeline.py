@@ -25,8 +25,12 @@ SOURCE = SourceInfo(
 BLOCK = 4
 
 
-def _caches(kind, *, layers=2, heads=4, tp_size=1, blocks=12, seed=0, fill=True, device="cpu"):
-    geometry_args = {"latent_dim": 24} if kind == "mla" else {"num_kv_heads": heads, "head_dim": 8}
+def _caches(
+    kind, *, layers=2, heads=4, tp_size=1, blocks=12, seed=0, fill=True, device="cpu", head_dim=8
+):
+    geometry_args = (
+        {"latent_dim": 24} if kind == "mla" else {"num_kv_heads": heads, "head_dim": head_dim}
+    )
     caches = [
         make_cache(
             kind,
@@ -241,3 +245,27 @@ def test_restore_refuses_bad_requests_before_writing_anything(tmp_path):
     for cache in targets:
         assert not any(view.view(torch.uint8).any() for view in cache.views.values())
     assert warm.MAX_SHARED_TABLES >= 1 and sliding
+
+
+def test_a_slot_of_whole_tensors_is_one_file_write_and_verifies(tmp_path, monkeypatch):
+    from kvsnap.store.writer import SnapshotWriter
+
+    writes: list[int] = []
+    real = SnapshotWriter._submit_write
+
+    def recorded(self, shard, offset, view):
+        writes.append(view.nbytes)
+        return real(self, shard, offset, view)
+
+    monkeypatch.setattr(SnapshotWriter, "_submit_write", recorded)
+    # 4 tokens x 8 heads x 64 x fp16: 4096-byte pages, so the tensors lie back to back.
+    sources, content = _caches("vllm-nhd", layers=6, heads=8, blocks=16, head_dim=64)
+    path = tmp_path / "snap.safetensors"
+    result = capture([sources[0].layout], _sequences([[1, 2, 3, 4]]), path, source=SOURCE)
+    assert writes == [result.num_blocks * 12 * sources[0].layout.geometry.canonical_page_size_bytes]
+    with Snapshot.open(path) as snap:
+        assert snap.verify() == []
+    targets, _ = _caches("vllm-nhd", layers=6, heads=8, blocks=16, seed=8, fill=False, head_dim=64)
+    with Snapshot.open(path) as snap:
+        snap.restore([targets[0].layout], {"s0": [5, 6, 7, 8]})
+    _assert_restored(targets, content, [1, 2, 3, 4], [5, 6, 7, 8])

@@ -100,13 +100,17 @@ def _hand_over(
         ring.release(item.slot)
         raise
     data = item.slot.as_numpy()
+    segments = [
+        (
+            names[segment.tensor],
+            data[segment.offset : segment.offset + segment.num_pages * page_bytes],
+        )
+        for segment in item.plan.segments
+    ]
     written: list[Future[None]] = []
     try:
         with traced(trace, "writer.enqueue", item.plan.num_bytes(page_bytes)):
-            for segment in item.plan.segments:
-                begin = segment.offset
-                end = begin + segment.num_pages * page_bytes
-                written.append(writer.write_pages(names[segment.tensor], data[begin:end]))
+            written.append(writer.write_slot(segments))
     finally:
         _release_when_done(ring, item.slot, written)
 

@@ -28,7 +28,7 @@ from kvsnap.store.tracing import TraceHook, traced
 MIN_PIECE_BYTES = 256 << 10
 MAX_PIECE_BYTES = 8 << 20
 
-_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+_EXECUTORS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _EXECUTOR_LOCK = threading.Lock()
 
 
@@ -38,15 +38,17 @@ def read_threads() -> int:
     return max(2, min(16, os.cpu_count() or 1))
 
 
-def shared_executor() -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide pool that reads (and verifies) slot pieces, started once."""
-    global _EXECUTOR
+def shared_executor(role: str = "read") -> concurrent.futures.ThreadPoolExecutor:
+    """The process-wide pool of ``role`` (``"read"``: slot reads and their verification;
+    ``"hash"``: the writers' checksums), started once. Separate pools, so a capture's hashing
+    never queues a restore's reads behind it."""
     with _EXECUTOR_LOCK:
-        if _EXECUTOR is None:
-            _EXECUTOR = concurrent.futures.ThreadPoolExecutor(
-                read_threads(), thread_name_prefix="kvsnap-slot-read"
+        executor = _EXECUTORS.get(role)
+        if executor is None:
+            executor = _EXECUTORS[role] = concurrent.futures.ThreadPoolExecutor(
+                read_threads(), thread_name_prefix=f"kvsnap-{role}"
             )
-        return _EXECUTOR
+        return executor
 
 
 @dataclass(frozen=True)

@@ -86,13 +86,8 @@ class LocalTarget:
                 f"the snapshot needs {needed} bytes, {directory} has {free} free",
                 file=self._location.url,
             )
-        reserved = []
-        for final, layout in zip(self._finals, self._layouts, strict=True):
-            file = LocalFile(final, owner=stem)
-            self._local_files.append(file)
-            assert file.fd is not None
-            reserved.append(preallocate(file.fd, layout.file_size))
-        self.preallocated = all(reserved)
+        for final in self._finals:
+            self._local_files.append(LocalFile(final, owner=stem))
         for index, (file, layout) in enumerate(zip(self._local_files, self._layouts, strict=True)):
             if direct_io is False:
                 self.fallback_reason = "direct_io=False"
@@ -112,6 +107,13 @@ class LocalTarget:
                 static = self._static_bytes(entry)
                 if static is not None:
                     file.write(entry.begin, memoryview(static))
+        # Blocks are reserved for an O_DIRECT stream only: it is what the reservation speeds up
+        # on a disk, and on a memory-backed file (no O_DIRECT) it would only zero every page
+        # before the data overwrites it (28 ms of a 268 MB capture to /dev/shm on the H200 host).
+        self.preallocated = all(
+            file.direct_fd is not None and preallocate(file.fd, layout.file_size)
+            for file, layout in zip(self._local_files, self._layouts, strict=True)
+        )
 
     def _static_bytes(self, entry: TensorEntry) -> np.ndarray | bytes | None:
         """The bytes of an entry known before any data: metadata tensors and padding."""

@@ -8,7 +8,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,8 @@ from kvsnap.errors import (
     SnapshotIOError,
 )
 from kvsnap.format import SnapshotMetadata, TensorEntry
-from kvsnap.store import tuning
+from kvsnap.pinned import host_address_view
+from kvsnap.store import slot_reads, tuning
 from kvsnap.store.completion import Completion
 from kvsnap.store.local_file import LocalFile
 from kvsnap.store.location import (
@@ -172,13 +173,18 @@ class SnapshotWriter(LocalTarget, StreamTarget):
         self._direct_bytes = 0
         self._buffered_bytes = 0
         self._unaligned_buffers = False
-        threads = hash_threads or max(2, min(8, os.cpu_count() or 1))
-        self._hash_pool = concurrent.futures.ThreadPoolExecutor(
-            threads, thread_name_prefix="kvsnap-hash"
+        # Hashing runs on the process-wide hashing threads (started once, not per snapshot)
+        # unless the caller sizes a pool of its own.
+        self._own_hash_pool = hash_threads is not None
+        self._hash_pool = (
+            concurrent.futures.ThreadPoolExecutor(hash_threads, thread_name_prefix="kvsnap-hash")
+            if hash_threads is not None
+            else slot_reads.shared_executor("hash")
         )
         self._writes = concurrent.futures.ThreadPoolExecutor(
             tuning.LOCAL_WRITE_THREADS, thread_name_prefix="kvsnap-write"
         )
+        self._hashes: list[concurrent.futures.Future[None]] = []
         self._hash_futures: list[list[concurrent.futures.Future[None]]] = [
             [] for _ in self._layouts
         ]
@@ -226,7 +232,7 @@ class SnapshotWriter(LocalTarget, StreamTarget):
         # at once, so the disk starts as soon as the buffer arrives.
         for block, blocks in hash_parts:
             view = self._pages_view(flat, first, block, blocks)
-            hashed = self._hash_pool.submit(self._guarded(self._hash, tensor, block, view))
+            hashed = self._submit_hash(self._hash, tensor, block, view)
             if self._lane is not None:
                 self._hash_futures[shard].append(hashed)
             done.watch(hashed)
@@ -241,6 +247,63 @@ class SnapshotWriter(LocalTarget, StreamTarget):
                 if self._current < len(self._names):
                     self._advance(self._names[self._current])
         return done.future
+
+    def write_slot(
+        self, segments: Sequence[tuple[str, np.ndarray]]
+    ) -> concurrent.futures.Future[None]:
+        """:meth:`write_pages` of several tensors' pages at once, in order.
+
+        Each ``(name, pages)`` continues its tensor as :meth:`write_pages` would. The slot is
+        hashed in a few tasks of about ``SUBCHUNK_BYTES`` whatever the number of tensors in it,
+        and the pages that follow each other in the file and in memory (a slot holding whole
+        tensors, back to back) go to the file as one write: a call's cost does not grow with
+        the number of tensors it spans. The future completes once every page may be reused.
+        """
+        if self._lane is not None:
+            # The stream lane is ordered per tensor item: one write_pages per segment.
+            return _all_done([self.write_pages(name, pages) for name, pages in segments])
+        pieces = []  # (tensor, first block, flat pages, shard, file offset)
+        for name, pages in segments:
+            tensor, flat = self._checked_pages(name, pages)
+            count = flat.nbytes // self._page_bytes
+            first = self._blocks_written[tensor]
+            shard, entry = self._placement[name]
+            pieces.append((tensor, first, flat, shard, entry.begin + first * self._page_bytes))
+            self._blocks_written[tensor] += count
+            if self._blocks_written[tensor] == self._num_blocks:
+                self._current += 1
+        total = sum(piece[2].nbytes for piece in pieces)
+        self._admit(total)
+        hash_batches = _batches(pieces, tuning.SUBCHUNK_BYTES)
+        writes = _contiguous_writes(pieces, tuning.WRITE_CHUNK_BYTES)
+
+        def release() -> None:
+            # Until here ``pieces`` keeps the caller's arrays alive under the merged views.
+            self._release(total)
+            pieces.clear()
+
+        done = Completion(
+            len(hash_batches) + len(writes),
+            on_done=release,
+            cancelled=lambda: SnapshotIOError("the writer was aborted", file=self._location.url),
+        )
+        for batch in hash_batches:
+            done.watch(self._submit_hash(self._hash_batch, batch))
+        for shard, offset, view in writes:
+            done.watch(self._submit_write(shard, offset, view))
+        return done.future
+
+    def _submit_hash(
+        self, work: Callable[..., None], *args: Any
+    ) -> concurrent.futures.Future[None]:
+        """Queue a hashing task; remembered, so a shared pool can be waited for per writer."""
+        future = self._hash_pool.submit(self._guarded(work, *args))
+        self._hashes.append(future)
+        return future
+
+    def _hash_batch(self, batch: Sequence[tuple[int, int, np.ndarray]]) -> None:
+        for tensor, block, view in batch:
+            self._hash(tensor, block, view)
 
     def _checked_pages(self, name: str, pages: np.ndarray) -> tuple[int, np.ndarray]:
         """``write_pages``' arguments checked: the tensor's index and the pages, flat."""
@@ -475,7 +538,66 @@ class SnapshotWriter(LocalTarget, StreamTarget):
         )
 
     def _shutdown_threads(self, cancel: bool = False) -> None:
-        self._hash_pool.shutdown(wait=True, cancel_futures=cancel)
+        if self._own_hash_pool:
+            self._hash_pool.shutdown(wait=True, cancel_futures=cancel)
+        else:
+            if cancel:
+                for future in self._hashes:
+                    future.cancel()
+            concurrent.futures.wait(self._hashes)
+        self._hashes = []
         self._writes.shutdown(wait=True, cancel_futures=cancel)
         if self._lane is not None:
             self._lane.shutdown(wait=True, cancel_futures=cancel)
+
+
+def _all_done(
+    futures: Sequence[concurrent.futures.Future[None]],
+) -> concurrent.futures.Future[None]:
+    """One future for several: done when all are, with the first failure."""
+    done = Completion(len(futures), cancelled=lambda: SnapshotIOError("the writer was aborted"))
+    for future in futures:
+        done.watch(future)
+    return done.future
+
+
+def _batches(
+    pieces: Sequence[tuple[int, int, np.ndarray, int, int]], unit_bytes: int
+) -> list[list[tuple[int, int, np.ndarray]]]:
+    """``(tensor, first block, pages)`` items in batches of about ``unit_bytes``."""
+    batches: list[list[tuple[int, int, np.ndarray]]] = [[]]
+    size = 0
+    for tensor, first, flat, _, _ in pieces:
+        if size >= unit_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append((tensor, first, flat))
+        size += flat.nbytes
+    return [batch for batch in batches if batch]
+
+
+def _contiguous_writes(
+    pieces: Sequence[tuple[int, int, np.ndarray, int, int]], unit_bytes: int
+) -> list[tuple[int, int, np.ndarray]]:
+    """``(shard, file offset, view)`` writes: pieces that continue each other in the file and
+    in memory merged into one view over their memory, cut at ``unit_bytes``. The caller keeps
+    the pieces' arrays alive until the writes complete (the merged views do not own memory)."""
+    runs: list[tuple[int, int, int, int]] = []  # shard, file offset, address, bytes
+    for _, _, flat, shard, offset in pieces:
+        address = flat.ctypes.data
+        if runs:
+            last_shard, last_offset, last_address, last_bytes = runs[-1]
+            if (
+                last_shard == shard
+                and last_offset + last_bytes == offset
+                and last_address + last_bytes == address
+            ):
+                runs[-1] = (shard, last_offset, last_address, last_bytes + flat.nbytes)
+                continue
+        runs.append((shard, offset, address, flat.nbytes))
+    writes = []
+    for shard, offset, address, nbytes in runs:
+        view = host_address_view(address, nbytes)
+        for start in range(0, nbytes, unit_bytes):
+            writes.append((shard, offset + start, view[start : start + unit_bytes]))
+    return writes
