@@ -8,15 +8,15 @@ staging loop over slots that span tensors), reading and writing go through
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvsnap import analysis
 from kvsnap import format as fmt
+from kvsnap.analysis import Comparison, LayerDifference
 from kvsnap.compat import check_fits
-from kvsnap.errors import IncompatibleSnapshotError
 from kvsnap.layout import CacheLayout, KVGeometry, torch_dtype
 from kvsnap.pinned import PinnedPool
 from kvsnap.pipeline import (
@@ -41,46 +41,6 @@ __all__ = [
 
 ProgressCallback = Callable[[int, int], None]
 """``progress(done_bytes, total_bytes)``, called as data moves."""
-
-
-@dataclass(frozen=True)
-class LayerDifference:
-    """One tensor's comparison between two snapshots, over the tokens both hold."""
-
-    tensor: str
-    max_abs_diff: float
-    num_mismatches: int
-    first_mismatch: dict[str, object] | None  # {"sequence", "token", "head"} of the first one
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """The result of :meth:`Snapshot.compare`; ``ok`` when every compared element is close."""
-
-    ok: bool
-    layers: list[LayerDifference]
-    problems: list[fmt.Problem] = field(default_factory=list)
-
-    def first_mismatch(self) -> LayerDifference | None:
-        return next((layer for layer in self.layers if layer.num_mismatches), None)
-
-    def report(self) -> str:
-        """A readable summary: per layer the largest difference, then the first mismatch."""
-        lines = [problem.message for problem in self.problems]
-        for layer in self.layers:
-            flag = "MISMATCH" if layer.num_mismatches else "ok"
-            lines.append(
-                f"{layer.tensor:<24} max |diff| {layer.max_abs_diff:.6g}  "
-                f"mismatches {layer.num_mismatches}  {flag}"
-            )
-        first = self.first_mismatch()
-        if first is not None and first.first_mismatch is not None:
-            where = first.first_mismatch
-            lines.append(
-                f"first mismatch: {first.tensor}, sequence {where['sequence']}, "
-                f"token {where['token']}, head {where['head']}"
-            )
-        return "\n".join(lines)
 
 
 def capture(
@@ -243,54 +203,8 @@ class Snapshot:
         return tokens[: len(record.token_ids)]
 
     def compare(self, other: Snapshot, *, atol: float = 0.0, rtol: float = 0.0) -> Comparison:
-        """Compare this snapshot's KV with ``other`` over the tokens both hold.
-
-        Sequences are paired by id (by position when no id matches). Elements are mismatched
-        when ``|a - b| > atol + rtol * |b|`` or exactly one of them is NaN. The report names per
-        tensor the largest difference and the first mismatching (sequence, token, head).
-        """
-        problems: list[fmt.Problem] = []
-        try:
-            self.check_compatible(other.geometry)
-        except IncompatibleSnapshotError as error:
-            return Comparison(False, [], [fmt.Problem(None, None, str(error))])
-        pairs = _pair_sequences(self.sequences, other.sequences)
-        if not pairs:
-            return Comparison(
-                False, [], [fmt.Problem(None, None, "the snapshots share no sequence")]
-            )
-        layers = []
-        for name in self.geometry.tensor_names():
-            max_diff = 0.0
-            mismatches = 0
-            first: dict[str, object] | None = None
-            for mine, theirs in pairs:
-                count = min(len(mine.token_ids), len(theirs.token_ids))
-                if not np.array_equal(mine.token_ids[:count], theirs.token_ids[:count]):
-                    problems.append(
-                        fmt.Problem(
-                            None,
-                            None,
-                            f"sequence {mine.id!r}: token ids differ between the snapshots",
-                        )
-                    )
-                a = self.sequence_kv(mine.id, name)[:count].float()
-                b = other.sequence_kv(theirs.id, name)[:count].float()
-                diff = (a - b).abs()
-                finite = torch.nan_to_num(diff, nan=0.0, posinf=0.0)
-                max_diff = max(max_diff, float(finite.max()) if finite.numel() else 0.0)
-                bad = ~torch.isclose(a, b, atol=atol, rtol=rtol, equal_nan=True)
-                mismatches += int(bad.sum())
-                if first is None and bad.any():
-                    index = torch.nonzero(bad)[0].tolist()
-                    first = {
-                        "sequence": mine.id,
-                        "token": index[0],
-                        "head": index[1] if bad.dim() == 3 else 0,
-                    }
-            layers.append(LayerDifference(name, max_diff, mismatches, first))
-        ok = not problems and all(layer.num_mismatches == 0 for layer in layers)
-        return Comparison(ok, layers, problems)
+        """Compare this snapshot's KV with ``other``: see :func:`kvsnap.analysis.compare`."""
+        return analysis.compare(self, other, atol=atol, rtol=rtol)
 
     def restore(
         self,
@@ -327,39 +241,16 @@ class Snapshot:
     # -- statistics ------------------------------------------------------------------------
 
     def valid_tokens_per_block(self) -> np.ndarray:
-        """How many leading tokens of each snapshot block hold real KV (partial last blocks)."""
-        valid = np.zeros(self.num_blocks, dtype=np.int64)
-        block_size = self.geometry.block_size
-        for record in self.sequences:
-            counts = np.full(len(record.block_ids), block_size, dtype=np.int64)
-            counts[-1] = len(record.token_ids) - block_size * (len(record.block_ids) - 1)
-            np.maximum.at(valid, record.block_ids, counts)
-        return valid
+        """See :func:`kvsnap.analysis.valid_tokens_per_block`."""
+        return analysis.valid_tokens_per_block(self)
 
     def tensor_stats(self, name: str) -> dict[str, float | int]:
-        """absmax, mean, std, NaN and Inf counts of tensor ``name`` over tokens with real KV."""
-        tensor = self.read_tensor(name)
-        block_size = self.geometry.block_size
-        valid = self.valid_tokens_per_block()
-        mask = torch.from_numpy(np.arange(block_size)[None, :] < valid[:, None])
-        values = tensor[mask].double()
-        finite = values[torch.isfinite(values)]
-        return {
-            "absmax": float(finite.abs().max()) if finite.numel() else 0.0,
-            "mean": float(finite.mean()) if finite.numel() else 0.0,
-            "std": float(finite.std(unbiased=False)) if finite.numel() else 0.0,
-            "nan": int(torch.isnan(values).sum()),
-            "inf": int(torch.isinf(values).sum()),
-        }
+        """See :func:`kvsnap.analysis.tensor_stats`."""
+        return analysis.tensor_stats(self, name)
 
     def token_norms(self, sequence_id: str) -> dict[str, np.ndarray]:
-        """Per part, a ``(num_layers, num_tokens)`` array of L2 norms of each token's KV."""
-        norms: dict[str, list[np.ndarray]] = {part: [] for part in self.geometry.parts}
-        for layer in range(self.geometry.num_layers):
-            for part in self.geometry.parts:
-                kv = self.sequence_kv(sequence_id, f"layers.{layer}.{part}").float()
-                norms[part].append(kv.reshape(kv.shape[0], -1).norm(dim=1).numpy())
-        return {part: np.stack(rows) for part, rows in norms.items()}
+        """See :func:`kvsnap.analysis.token_norms`."""
+        return analysis.token_norms(self, sequence_id)
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -371,13 +262,3 @@ class Snapshot:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _pair_sequences(
-    mine: Sequence[fmt.SequenceRecord], theirs: Sequence[fmt.SequenceRecord]
-) -> list[tuple[fmt.SequenceRecord, fmt.SequenceRecord]]:
-    by_id = {record.id: record for record in theirs}
-    pairs = [(record, by_id[record.id]) for record in mine if record.id in by_id]
-    if pairs:
-        return pairs
-    return list(zip(mine, theirs, strict=False))

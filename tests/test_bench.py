@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvsnap_cli.app import app
 from typer.testing import CliRunner
 
 from kvsnap.bench import Measurement, derive_calibration
+from kvsnap.cli.app import app
 from kvsnap.plan import Direction
 from kvsnap.transfer import AutoPolicy, available_backends, current_policy, load_policy
 from kvsnap.transfer.base import policy_from_calibration, write_calibration
@@ -232,7 +232,7 @@ def test_without_cuda_bench_fails_cleanly(monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
 def test_module_entry_point_without_cuda_prints_one_error_and_no_traceback() -> None:
-    command = [sys.executable, "-m", "kvsnap_cli", "bench", "--quick"]
+    command = [sys.executable, "-m", "kvsnap.cli", "bench", "--quick"]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 2
     assert "no CUDA device" in result.stderr and "Traceback" not in result.stderr

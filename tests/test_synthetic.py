@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvsnap_cli.app import app
 from safetensors import safe_open
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.snapshot import Snapshot
 from kvsnap.testing.synthetic import (
     LAYOUTS,
@@ -357,7 +357,7 @@ def _cli_fixture(path: Path, seed: int) -> subprocess.Popen[str]:
     command = [
         sys.executable,
         "-m",
-        "kvsnap_cli.app",
+        "kvsnap.cli",
         "fixture",
         str(path),
         "--layers",

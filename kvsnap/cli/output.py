@@ -4,6 +4,9 @@ Exit codes: 0 success; 1 verification failed (corrupt, truncated, mismatching, n
 2 usage error (bad arguments, missing file, incompatible target). A user error prints one line
 on stderr, never a traceback (``--debug`` shows it). With ``--json`` stdout carries exactly one
 JSON object and nothing else.
+
+Anything that comes from a file, a path or an argument is printed as text, never as rich markup:
+:func:`text` escapes it (a path ``a[/x]`` or a sequence id ``user[admin]`` prints as itself).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -53,6 +57,11 @@ class UsageError(Exception):
     """A user mistake the CLI reports with exit code 2 (bad argument, missing file)."""
 
 
+def text(value: object) -> str:
+    """``value`` as a string that rich prints literally (its markup characters escaped)."""
+    return escape(str(value))
+
+
 def exit_code_for(error: BaseException) -> int:
     """The documented exit code for an error raised by a command: 1 when a snapshot failed its
     checks, 2 for everything the user must fix (arguments, paths, an incompatible target)."""
@@ -61,13 +70,18 @@ def exit_code_for(error: BaseException) -> int:
     return EXIT_USAGE
 
 
-def fail(
-    message: str, code: int, *, as_json: bool = False, extra: dict[str, Any] | None = None
-) -> NoReturn:
-    """Print one clear error (and the JSON error object with ``--json``) and exit with ``code``."""
+def report_error(message: str, *, as_json: bool) -> None:
+    """Print ``message`` as the one error line on stderr, and as ``{"ok": false, "error": ...}``
+    on stdout with ``--json``. Line breaks in ``message`` are joined: one line, always."""
+    line = " ".join(message.split())
     if as_json:
-        emit_json({"ok": False, "error": message, **(extra or {})})
-    stderr.print(f"[bold red]error:[/] {message}", markup=True)
+        emit_json({"ok": False, "error": line})
+    stderr.print(f"[bold red]error:[/] {text(line)}")
+
+
+def fail(message: str, code: int, *, as_json: bool = False) -> NoReturn:
+    """Print one clear error (and the JSON error object with ``--json``) and exit with ``code``."""
+    report_error(message, as_json=as_json)
     raise typer.Exit(code)
 
 
@@ -152,3 +166,14 @@ def step_progress(description: str, *, enabled: bool) -> Iterator[Callable[[int,
             progress.refresh()
 
         yield update
+
+
+@contextmanager
+def status(description: str, *, enabled: bool) -> Iterator[None]:
+    """A spinner with ``description`` on stderr while the block runs (work of unknown length);
+    nothing when disabled or when stderr is not a terminal."""
+    if not enabled or not stderr.is_terminal:
+        yield
+        return
+    with stderr.status(description):
+        yield

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
@@ -20,7 +20,11 @@ from kvsnap.bench import BenchReport, Measurement, format_bytes, resolve_device,
 from kvsnap.plan import Direction
 from kvsnap.transfer.base import calibration_path, write_calibration
 
-from .output import UsageError, emit_json, stdout, step_progress
+from .common import JsonOption
+from .output import UsageError, emit_json, stdout, step_progress, text
+
+if TYPE_CHECKING:
+    import torch
 
 _SMOKE_TEST_WARNING = (
     "--device cpu copies host memory to host memory: a smoke test of the measurements, "
@@ -52,11 +56,30 @@ def bench(
             help="Write the calibration to this file instead (with --write-calibration).",
         ),
     ] = None,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")
-    ] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Measure copies between GPU and host memory per backend; derive auto's calibration."""
+    target = _check_options(device, write, calibration_file)
+    if target.type == "cpu" and not as_json:
+        stdout.print(f"[yellow]note:[/] {_SMOKE_TEST_WARNING}")
+    with step_progress("bench", enabled=not as_json) as progress:
+        report = run_bench(target, quick=quick, on_progress=progress)
+    written = write_calibration(report.calibration, calibration_file) if write else None
+    if as_json:
+        emit_json(
+            {**report.to_json(), "calibration_path": None if written is None else str(written)}
+        )
+        return
+    # Piped output has no width to respect: print the table whole rather than squeezed to 80.
+    table_console = stdout if stdout.is_terminal else Console(highlight=False, width=200)
+    table_console.print(_results_table(report))
+    for line in _failures(report.results, on_gpu=not report.smoke_test):
+        stdout.print(f"[red]failed:[/] {text(line)}")
+    _print_calibration(report, written)
+
+
+def _check_options(device: str, write: bool, calibration_file: Path | None) -> torch.device:
+    """The device to measure, once the options are consistent and the calibration writable."""
     try:
         target = resolve_device(device)
     except ValueError as error:
@@ -75,22 +98,7 @@ def bench(
     if write:
         # Before measuring: a run of minutes must not end in a calibration that cannot be saved.
         _check_writable(calibration_path() if calibration_file is None else calibration_file)
-    if target.type == "cpu" and not as_json:
-        stdout.print(f"[yellow]note:[/] {_SMOKE_TEST_WARNING}")
-    with step_progress("bench", enabled=not as_json) as progress:
-        report = run_bench(target, quick=quick, on_progress=progress)
-    written = write_calibration(report.calibration, calibration_file) if write else None
-    if as_json:
-        emit_json(
-            {**report.to_json(), "calibration_path": None if written is None else str(written)}
-        )
-        return
-    # Piped output has no width to respect: print the table whole rather than squeezed to 80.
-    table_console = stdout if stdout.is_terminal else Console(highlight=False, width=200)
-    table_console.print(_results_table(report))
-    for line in _failures(report.results, on_gpu=not report.smoke_test):
-        stdout.print(f"[red]failed:[/] {line}")
-    _print_calibration(report, written)
+    return target
 
 
 def _check_writable(path: Path) -> None:
@@ -116,8 +124,10 @@ def _direction_label(direction: str, on_gpu: bool) -> str:
 def _results_table(report: BenchReport) -> Table:
     on_gpu = not report.smoke_test
     table = Table(
-        title=f"kvsnap bench on {report.device_name} ({report.device}): vLLM split NHD, "
-        "2 layers, bfloat16",
+        title=text(
+            f"kvsnap bench on {report.device_name} ({report.device}): vLLM split NHD, "
+            "2 layers, bfloat16"
+        ),
         caption="GB/s (ratio to the ceiling); auto: the backend it picked",
         title_justify="left",
         box=box.SIMPLE_HEAD,
@@ -177,7 +187,7 @@ def _print_calibration(report: BenchReport, written: Path | None) -> None:
         f"{format_bytes(size)} ({_direction_label(direction, on_gpu)})"
         for direction, size in thresholds.items()
     )
-    stdout.print(f"auto ran under: {report.auto_policy}")
+    stdout.print(f"auto ran under: {text(report.auto_policy)}")
     smoke_test = " (from host memory: not for GPUs)" if report.smoke_test else ""
     stdout.print(
         f"derived calibration{smoke_test}: cuda-batch for fragments from {froms}, "
@@ -185,11 +195,11 @@ def _print_calibration(report: BenchReport, written: Path | None) -> None:
     )
     default_path = calibration_path()
     if written is None:
-        stdout.print(f"not written: --write-calibration writes it to {default_path}")
+        stdout.print(f"not written: --write-calibration writes it to {text(default_path)}")
     elif written.resolve() == default_path.resolve():
-        stdout.print(f"calibration written to [bold]{written}[/]: auto uses it from now on")
+        stdout.print(f"calibration written to [bold]{text(written)}[/]: auto uses it from now on")
     else:
         stdout.print(
-            f"calibration written to [bold]{written}[/]; auto reads {default_path}, "
-            f"so set KVSNAP_CALIBRATION={written} to use it"
+            f"calibration written to [bold]{text(written)}[/]; auto reads {text(default_path)}, "
+            f"so set KVSNAP_CALIBRATION={text(written)} to use it"
         )
