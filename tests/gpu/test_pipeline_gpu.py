@@ -135,3 +135,37 @@ def test_a_corrupt_page_is_not_written_on_the_gpu(tmp_path):
             if (name, target_block) != ("layers.2.key", 1):
                 want = target.expected(content, name, torch.tensor([source_block]))[0]
                 assert same_bytes(want, target.logical(name)[target_block]), (name, target_block)
+
+
+@pytest.mark.parametrize("page_bytes", [248, 1024, 1032, 4096, 18432, 32768])
+def test_the_page_digest_kernel_matches_xxhash_on_the_gpu(page_bytes):
+    import numpy as np
+    import xxhash
+
+    from kvsnap.transfer import page_hash
+
+    count = 37
+    data = np.random.default_rng(page_bytes).integers(0, 256, page_bytes * count, dtype=np.uint8)
+    digests = torch.zeros(count, dtype=torch.int64, device="cuda")
+    page_hash.launch_page_digests(
+        torch.from_numpy(data).cuda(),
+        torch.arange(count, device="cuda") * page_bytes,
+        page_bytes,
+        torch.from_numpy(page_hash.constant_table(page_bytes)).cuda(),
+        digests,
+    )
+    want = [
+        xxhash.xxh3_64_intdigest(data[i * page_bytes : (i + 1) * page_bytes].tobytes())
+        for i in range(count)
+    ]
+    assert digests.cpu().numpy().view(np.uint64).tolist() == want
+
+
+def test_a_capture_on_the_gpu_stores_the_digests_the_host_computes(tmp_path):
+    # The capture's checksums come from the device kernel; a full verify recomputes them all
+    # on the host with python-xxhash.
+    sources, _ = _caches("vllm-hnd", layers=4, heads=8, blocks=64, device="cuda", head_dim=64)
+    path = tmp_path / "snap.safetensors"
+    capture([sources[0].layout], _sequences([list(range(0, 64, 3))]), path, source=SOURCE)
+    with Snapshot.open(path) as snap:
+        assert snap.verify() == []
