@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
-    tests) timeout 400 python3 -m pytest -q -x tests/gpu tests/test_pipeline.py 2>&1 | tail -25 ;;
+    tests) timeout 400 python3 -m pytest -q -x tests/gpu 2>&1 | tail -25 ;;
     fixed) timeout 300 python3 -m benchmarks.engine --skip-model --skip-media --repeat 20 --json-out $OUT/fixed.json ;;
     model-quick) timeout 400 python3 -m benchmarks.engine --skip-fixed --skip-media --sizes 128,2048 --json-out $OUT/model.json ;;
     model) timeout 500 python3 -m benchmarks.engine --skip-fixed --skip-media --json-out $OUT/model.json ;;

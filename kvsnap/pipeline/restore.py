@@ -1,17 +1,17 @@
 """The restore loop: snapshot file -> staging slots (checksums verified) -> the engine cache.
 
-A read (and its verification, on the reader's threads) is queued in every free slot; slots are
-moved into the cache in order as their reads complete, and given back with the event of their
-copy, so the disk and the page cache never wait for the device. A page that fails its checksum
-never reaches the cache: its slot's other pages are moved, and the failed pages are reported.
+A read is queued in every free slot; the read thread that completes a slot moves it into the
+cache at once and gives the slot back with the event of its copy, so neither the disk nor the
+device waits for the calling thread. A page that fails its checksum (on the device where the
+pages are hashed there, on the read threads otherwise) never reaches the cache: its slot's
+other pages are moved, and the failed pages are reported.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,13 +58,6 @@ class SnapshotPages:
         return self.reader.stored_checksums(plan.page_tensors, snapshot_blocks[plan.page_positions])
 
 
-@dataclass
-class _Read:
-    plan: SlotPlan
-    slot: Slot
-    future: Future[np.ndarray]
-
-
 @dataclass(frozen=True)
 class FailedPages:
     """Pages a restore did not write: their tensors, positions in the block list, and the first
@@ -88,40 +81,28 @@ def restore_slots(
 
     ``blocks`` is ``(snapshot_blocks, target_blocks)``: page ``i`` of a plan is snapshot block
     ``snapshot_blocks[p]`` going to device block ``target_blocks[p]``, ``p`` its position.
-    Pages are verified on the device where the mover hashes pages (the reads then skip the
-    host's checksums), on the read threads otherwise. Returns the pages that failed their
-    checksum: nothing of them was written.
+    A read is queued in every free slot; the read thread that completes a slot's read moves
+    it at once, so no slot waits for this thread (which only hands out slots). Pages are
+    verified on the device where the mover hashes pages (the reads then skip the host's
+    checksums), on the read threads otherwise. Returns the pages that failed their checksum:
+    nothing of them was written.
     """
-    run = _RestoreRun(mover, ring, pages, blocks, trace)
-    work = deque(plans)
-    reads: deque[_Read] = deque()
+    run = _RestoreRun(mover, ring, pages, blocks, progress, trace)
     try:
-        while work or reads:
-            while work:
-                # Wait for a slot only with no read of ours queued: a pool shared with another
-                # restore must not leave both waiting for each other's slots.
-                slot = ring.try_acquire() if reads else _acquire(ring, trace)
-                if slot is None:
-                    break
-                try:
-                    reads.append(run.start_read(work.popleft(), slot))
-                except BaseException:
-                    ring.release(slot)
-                    raise
-            read = reads.popleft()
-            run.move(read)
-            progress(read.plan.num_bytes(pages.page_size_bytes))
-        run.collect_device_checks()
+        for plan in plans:
+            with traced(trace, "staging.wait"):
+                slot = ring.acquire()
+            if not run.start(plan, slot):
+                break
     finally:
-        for read in reads:
-            # A read still in flight must finish before its slot is reused.
-            wait_futures([read.future])
-            ring.release(read.slot)
+        run.wait_for_moves()
+    run.raise_error()
+    run.collect_device_checks()
     return run.failed()
 
 
 class _RestoreRun:
-    """One restore's moves and the pages that failed, wherever they were checked."""
+    """One restore's slots in flight, its moves and the pages that failed."""
 
     def __init__(
         self,
@@ -129,55 +110,104 @@ class _RestoreRun:
         ring: StagingRing,
         pages: SnapshotPages,
         blocks: tuple[np.ndarray, np.ndarray],
+        progress: Callable[[int], None],
         trace: TraceHook | None,
     ) -> None:
         self.mover, self.ring, self.pages, self.trace = mover, ring, pages, trace
         self.snapshot_blocks, self.target_blocks = blocks
+        self.progress = progress
         self.on_device = mover.hashes_pages and pages.reader.verifies
         self.checked: list[tuple[SlotPlan, Any]] = []
         self.failed_tensors: list[np.ndarray] = []
         self.failed_positions: list[np.ndarray] = []
         self.first_error: list[SnapshotCorruptError] = []
+        self.error: BaseException | None = None
+        self.pending = 0
+        self.lock = threading.Condition()
 
-    def start_read(self, plan: SlotPlan, slot: Slot) -> _Read:
-        future = self.pages.read_async(
-            plan, self.snapshot_blocks, slot.as_numpy(), self.trace, verify=not self.on_device
-        )
-        return _Read(plan, slot, future)
-
-    def move(self, read: _Read) -> None:
-        """Wait for ``read``, then move its (host-verified) pages; the slot goes back to the
-        ring with the copy's event, or at once where the copy is already done."""
-        plan = _verified_part(self.pages, read, self.snapshot_blocks, self.trace, self.first_error)
-        if plan.num_pages < read.plan.num_pages:
-            keep = np.isin(read.plan.page_offsets, plan.page_offsets)
-            self._fail(read.plan.page_tensors[~keep], read.plan.page_positions[~keep])
-        positions = plan.page_positions
-        expected = self.pages.stored(plan, self.snapshot_blocks) if self.on_device else None
-        page_bytes = self.pages.page_size_bytes
+    def start(self, plan: SlotPlan, slot: Slot) -> bool:
+        """Queue ``plan``'s read into ``slot``; its completion moves it. False (and the slot
+        given back) once an earlier slot failed."""
+        with self.lock:
+            if self.error is not None:
+                self.ring.release(slot)
+                return False
+            self.pending += 1
         try:
-            with traced(self.trace, "transfer.submit", plan.num_bytes(page_bytes)):
-                ticket = self.mover.submit(
-                    plan,
-                    read.slot,
-                    self.target_blocks[positions],
-                    self.snapshot_blocks[positions],
-                    expected,
-                )
-        except BaseException:
-            self.ring.release(read.slot)
+            future = self.pages.read_async(
+                plan, self.snapshot_blocks, slot.as_numpy(), self.trace, verify=not self.on_device
+            )
+        except BaseException as error:
+            self._finish(slot, error)
             raise
+        future.add_done_callback(lambda done: self._moved(plan, slot, done))
+        return True
+
+    def _moved(self, plan: SlotPlan, slot: Slot, read: Future[np.ndarray]) -> None:
+        """On the read thread that completed ``plan``'s read: move the slot, give it back."""
+        error: BaseException | None = None
+        event = None
+        try:
+            with self.lock:
+                failed_before = self.error is not None
+            if not failed_before:
+                event = self._move(plan, slot, read)
+                self.progress(plan.num_bytes(self.pages.page_size_bytes))
+        except BaseException as caught:
+            error = caught
+        self._finish(slot, error, event)
+
+    def _move(self, plan: SlotPlan, slot: Slot, read: Future[np.ndarray]) -> Any:
+        """Move ``plan``'s verified pages out of ``slot``: the copy's event, or ``None`` when
+        the copy is already done."""
+        moving = self._verified(plan, read)
+        positions = moving.page_positions
+        expected = self.pages.stored(moving, self.snapshot_blocks) if self.on_device else None
+        nbytes = moving.num_bytes(self.pages.page_size_bytes)
+        with traced(self.trace, "transfer.submit", nbytes):
+            ticket = self.mover.submit(
+                moving,
+                slot,
+                self.target_blocks[positions],
+                self.snapshot_blocks[positions],
+                expected,
+            )
         if expected is not None:
-            self.checked.append((plan, ticket))
+            with self.lock:
+                self.checked.append((moving, ticket))
         event = self.mover.event(ticket)
         if event is None:
-            with traced(self.trace, "transfer.wait", plan.num_bytes(page_bytes)):
-                try:
-                    self.mover.wait(ticket)
-                finally:
-                    self.ring.release(read.slot)
-        else:
-            self.ring.release(read.slot, after=event)
+            with traced(self.trace, "transfer.wait", nbytes):
+                self.mover.wait(ticket)
+        return event
+
+    def _verified(self, plan: SlotPlan, read: Future[np.ndarray]) -> SlotPlan:
+        """``plan`` without the pages its read found corrupt (noted as failed); errors other
+        than a checksum mismatch (the file vanished, the disk failed) propagate."""
+        bad = read.result()
+        if not len(bad):
+            return plan
+        with self.lock:
+            self._fail(plan, bad, "xxh3-64 does not match the stored checksum")
+        keep = np.ones(plan.num_pages, dtype=bool)
+        keep[bad] = False
+        return plan.subset(keep)
+
+    def _finish(self, slot: Slot, error: BaseException | None, event: Any = None) -> None:
+        self.ring.release(slot, after=event)
+        with self.lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self.pending -= 1
+            self.lock.notify_all()
+
+    def wait_for_moves(self) -> None:
+        with self.lock:
+            self.lock.wait_for(lambda: self.pending == 0)
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
 
     def collect_device_checks(self) -> None:
         """Wait for the device-verified slots and note the pages their kernels refused."""
@@ -185,22 +215,22 @@ class _RestoreRun:
             self.mover.wait(ticket)
             bad = self.mover.failed_pages(ticket)
             if len(bad):
-                self._fail(plan.page_tensors[bad], plan.page_positions[bad])
-                if not self.first_error:
-                    page = int(bad[0])
-                    self.first_error.append(
-                        SnapshotCorruptError(
-                            "xxh3-64 does not match the stored checksum (checked on the device)",
-                            file=self.pages.reader.url,
-                            tensor=self.pages.names[int(plan.page_tensors[page])],
-                            block=int(self.snapshot_blocks[plan.page_positions[page]]),
-                        )
-                    )
+                self._fail(plan, bad, "xxh3-64 does not match the stored checksum (device)")
         self.checked = []
 
-    def _fail(self, tensors: np.ndarray, positions: np.ndarray) -> None:
-        self.failed_tensors.append(tensors)
-        self.failed_positions.append(positions)
+    def _fail(self, plan: SlotPlan, bad: np.ndarray, message: str) -> None:
+        self.failed_tensors.append(plan.page_tensors[bad])
+        self.failed_positions.append(plan.page_positions[bad])
+        if not self.first_error:
+            page = int(bad[0])
+            self.first_error.append(
+                SnapshotCorruptError(
+                    message,
+                    file=self.pages.reader.url,
+                    tensor=self.pages.names[int(plan.page_tensors[page])],
+                    block=int(self.snapshot_blocks[plan.page_positions[page]]),
+                )
+            )
 
     def failed(self) -> FailedPages:
         empty = np.empty(0, dtype=np.int64)
@@ -209,41 +239,6 @@ class _RestoreRun:
             np.concatenate(self.failed_positions) if self.failed_positions else empty,
             self.first_error[0] if self.first_error else None,
         )
-
-
-def _acquire(ring: StagingRing, trace: TraceHook | None) -> Slot:
-    with traced(trace, "staging.wait"):
-        return ring.acquire()
-
-
-def _verified_part(
-    pages: SnapshotPages,
-    read: _Read,
-    snapshot_blocks: np.ndarray,
-    trace: TraceHook | None,
-    first_error: list[SnapshotCorruptError],
-) -> SlotPlan:
-    """``read.plan`` without the pages that failed their checksum (waits for the read).
-
-    Errors other than a checksum mismatch (the file vanished, the disk failed) propagate.
-    """
-    with traced(trace, "read.wait"):
-        bad = read.future.result()
-    if not len(bad):
-        return read.plan
-    if not first_error:
-        page = int(bad[0])
-        first_error.append(
-            SnapshotCorruptError(
-                "xxh3-64 does not match the stored checksum",
-                file=pages.reader.url,
-                tensor=pages.names[int(read.plan.page_tensors[page])],
-                block=int(snapshot_blocks[read.plan.page_positions[page]]),
-            )
-        )
-    keep = np.ones(read.plan.num_pages, dtype=bool)
-    keep[bad] = False
-    return read.plan.subset(keep)
 
 
 def failed_target_blocks(failed: FailedPages, target_blocks: np.ndarray) -> np.ndarray:

@@ -151,12 +151,15 @@ class DeviceStaging:
                 # Grown only to the largest slot used: at most LARGE_SLOT_BYTES of GPU memory.
                 with torch.cuda.stream(self.stream):
                     self._buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
-            previous = torch.cuda.current_stream(self.device)
-            torch.cuda.set_stream(self.stream)
-            try:
-                yield self._buffer
-            finally:
-                torch.cuda.set_stream(previous)
+            # Any thread may move a slot (restores move a slot on the read thread that
+            # completed it): make this device current too, for kernels launched here.
+            with torch.cuda.device(self.device):
+                previous = torch.cuda.current_stream(self.device)
+                torch.cuda.set_stream(self.stream)
+                try:
+                    yield self._buffer
+                finally:
+                    torch.cuda.set_stream(previous)
 
 
 _DEVICE: dict[int, DeviceStaging] = {}

@@ -255,11 +255,15 @@ class _Progress:
         self.callback = callback
         self.total_bytes = total_bytes
         self.done_bytes = 0
+        self._lock = threading.Lock()
 
     def add(self, num_bytes: int) -> None:
-        self.done_bytes += num_bytes
-        if self.callback is not None:
-            self.callback(self.done_bytes, self.total_bytes)
+        """Count ``num_bytes`` more; reports are serialized (restores move slots on several
+        threads) and never decrease."""
+        with self._lock:
+            self.done_bytes += num_bytes
+            if self.callback is not None:
+                self.callback(self.done_bytes, self.total_bytes)
 
 
 def _capture_metadata(
