@@ -30,32 +30,31 @@ gathered copies and lets :func:`kvsnap.snapshot.capture` take from each rank the
 fragments it is elected for. The file is one complete, TP-free snapshot. Loads need no
 collective: every rank reads its own heads out of the same canonical pages.
 
-The package has one module per job, and re-exports the public names of all three:
+The package has one module per job (like vLLM's own offloading connector) and re-exports
+their public names:
 
 * :mod:`~kvsnap.engines.vllm.layout`: vLLM's registered caches as a ``CacheLayout``
   (:func:`vllm_layout`, :class:`BlockOrder`, :func:`probe_block_order`);
 * :mod:`~kvsnap.engines.vllm.store`: the prefix store (:class:`PrefixStore`,
   :class:`StoreMatch`, :func:`store_namespace`);
-* :mod:`~kvsnap.engines.vllm.connector`: the KV connector (:class:`KVSnapConnector`, its
-  :class:`ConnectorOptions`, scheduler-to-worker metadata, :class:`EventLog`, TP gathering).
+* :mod:`~kvsnap.engines.vllm.options`: :class:`ConnectorOptions` (``kv_connector_extra_config``);
+* :mod:`~kvsnap.engines.vllm.events`: :class:`EventLog`, :func:`read_events`,
+  :func:`count_events`;
+* :mod:`~kvsnap.engines.vllm.specs`: scheduler-to-worker metadata (:class:`LoadSpec`,
+  :class:`SaveSpec`, :class:`KVSnapConnectorMetadata`);
+* :mod:`~kvsnap.engines.vllm.scheduler` and :mod:`~kvsnap.engines.vllm.worker`: the two sides
+  of the connector; :mod:`~kvsnap.engines.vllm.registration`: the worker's registered caches;
+  :mod:`~kvsnap.engines.vllm.engine_config`: what is read from vLLM's config;
+* :mod:`~kvsnap.engines.vllm.connector`: :class:`KVSnapConnector`, a facade that delegates to
+  the scheduler or the worker side by role.
 
 Only the connector class and the helpers that take vLLM objects need vLLM; this package, the
 layout constructor :func:`vllm_layout` and :class:`PrefixStore` import and work without it.
 """
 
-from kvsnap.engines.vllm.connector import (
-    MODES,
-    VLLM_IMPORT_ERROR,
-    ConnectorOptions,
-    EventLog,
-    KVSnapConnector,
-    KVSnapConnectorMetadata,
-    LoadSpec,
-    SaveSpec,
-    count_events,
-    external_request_id,
-    read_events,
-)
+from kvsnap.engines.vllm.compat import VLLM_IMPORT_ERROR
+from kvsnap.engines.vllm.connector import KVSnapConnector
+from kvsnap.engines.vllm.events import EventLog, count_events, read_events
 from kvsnap.engines.vllm.layout import (
     BACKEND_KV_PACKING,
     KV_CELLS,
@@ -66,7 +65,14 @@ from kvsnap.engines.vllm.layout import (
     probe_block_order,
     vllm_layout,
 )
-from kvsnap.engines.vllm.store import PrefixStore, StoreMatch, store_namespace
+from kvsnap.engines.vllm.options import MODES, ConnectorOptions
+from kvsnap.engines.vllm.specs import (
+    KVSnapConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
+    external_request_id,
+)
+from kvsnap.engines.vllm.store import PrefixStore, StoreMatch, safe_name, store_namespace
 
 __all__ = [
     "BACKEND_KV_PACKING",
@@ -89,6 +95,7 @@ __all__ = [
     "external_request_id",
     "probe_block_order",
     "read_events",
+    "safe_name",
     "store_namespace",
     "vllm_layout",
 ]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-def _safe_name(text: str) -> str:
+def safe_name(text: str) -> str:
     """``text`` reduced to characters safe in one file name (other characters become ``_``)."""
     cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", text).strip(".")
     return cleaned or "_"
@@ -71,7 +71,7 @@ class PrefixStore:
             name = self._entry(block_hash).read_text().strip()
         except OSError:
             return None
-        if not name or _safe_name(name) != name:
+        if not name or safe_name(name) != name:
             return None
         return self.snapshots / name
 
@@ -115,4 +115,4 @@ class PrefixStore:
 
 def store_namespace(model_fingerprint: str, dtype: str, block_size: int) -> str:
     """The store namespace of one model (fingerprint), KV dtype and block size."""
-    return _safe_name(f"{model_fingerprint[:16]}-{dtype}-b{block_size}")
+    return safe_name(f"{model_fingerprint[:16]}-{dtype}-b{block_size}")
