@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvsnap.engines.vllm.chunk_check import ChunkChecker
 from kvsnap.engines.vllm.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvsnap.engines.vllm.engine_config import (
     expected_geometry,
@@ -61,28 +62,34 @@ class KVSnapConnector(KVConnectorBase_V1):
         block_size = vllm_config.cache_config.block_size
         fingerprint = model_fingerprint(vllm_config)
         store = PrefixStore(
-            self.options.path, store_namespace(fingerprint, kv_dtype(vllm_config), block_size)
+            self.options.path,
+            store_namespace(fingerprint, kv_dtype(vllm_config), block_size),
+            chunk_blocks=self.options.chunk_blocks,
         )
         self.connector_scheduler: KVSnapScheduler | None = None
         self.connector_worker: KVSnapWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            policy = str(transfer.kv_load_failure_policy)
+            verify = self.options.verifies_before_load(policy)
             events = EventLog(self.options.event_log, "scheduler", 0)
+            checker = ChunkChecker(
+                fingerprint, expected_geometry(vllm_config), block_size, verify=verify
+            )
             self.connector_scheduler = KVSnapScheduler(
                 self.options,
                 store,
                 events,
                 block_size=block_size,
-                fingerprint=fingerprint,
-                expected_geometry=expected_geometry(vllm_config),
+                checker=checker,
                 block_ids_of=self._block_ids_of,
             )
-            if transfer.kv_load_failure_policy != "recompute":
+            if policy != "recompute" and not verify:
                 events.emit(
                     "config",
                     logging.WARNING,
-                    message="kv_load_failure_policy is not 'recompute': a snapshot block that "
-                    "fails its checksum while loading fails the request instead of being "
-                    "recomputed",
+                    message="kv_load_failure_policy is not 'recompute' and verify_before_load "
+                    "is off: a stored block that fails its checksum while loading fails the "
+                    "request instead of being recomputed",
                 )
         else:
             self.connector_worker = KVSnapWorker(

@@ -23,6 +23,10 @@ KNOWN_OPTIONS = frozenset(
         "min_blocks",
         "event_log",
         "max_pending_writes",
+        "chunk_blocks",
+        "store_capacity_bytes",
+        "store_min_idle_s",
+        "verify_before_load",
     }
 )
 
@@ -45,6 +49,16 @@ class ConnectorOptions:
       failures, saves and dumps to (default: none; vLLM's log gets them either way).
     * ``max_pending_writes``: snapshot writes queued behind the engine before a save waits
       (default 4); bounds the host memory that saved blocks hold.
+    * ``chunk_blocks``: blocks per stored chunk (default 16); prompts share stored chunks, so
+      smaller chunks share more and cost more files.
+    * ``store_capacity_bytes``: the store's bound in bytes (default: none); after each write
+      the least recently used chunks are deleted until the store fits.
+    * ``store_min_idle_s``: chunks used this recently are never evicted (default 10), since
+      a worker may be about to load a chunk the scheduler just matched.
+    * ``verify_before_load``: ``"auto"`` (default), ``true`` or ``false``: the scheduler
+      verifies every checksum of a chunk (once per file) before offering it, so a damaged
+      chunk is a miss instead of a failed load. ``auto`` turns it on unless
+      ``kv_load_failure_policy`` is ``recompute`` (where vLLM recomputes failed loads).
     """
 
     path: str
@@ -55,6 +69,10 @@ class ConnectorOptions:
     min_blocks: int = 1
     event_log: str | None = None
     max_pending_writes: int = 4
+    chunk_blocks: int = 16
+    store_capacity_bytes: int | None = None
+    store_min_idle_s: float = 10.0
+    verify_before_load: bool | None = None  # None: auto
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorOptions:
@@ -84,7 +102,22 @@ class ConnectorOptions:
             min_blocks=_integer(extra, "min_blocks", 1, minimum=1),
             event_log=extra.get("event_log"),
             max_pending_writes=_integer(extra, "max_pending_writes", 4, minimum=1),
+            chunk_blocks=_integer(extra, "chunk_blocks", 16, minimum=1),
+            store_capacity_bytes=(
+                None
+                if extra.get("store_capacity_bytes") is None
+                else _integer(extra, "store_capacity_bytes", 0, minimum=0)
+            ),
+            store_min_idle_s=_seconds(extra.get("store_min_idle_s", 10.0)),
+            verify_before_load=_auto_flag(extra.get("verify_before_load", "auto")),
         )
+
+    def verifies_before_load(self, kv_load_failure_policy: str) -> bool:
+        """Whether the scheduler verifies chunks before offering them, under vLLM's
+        ``kv_load_failure_policy`` (``auto``: unless it is ``recompute``)."""
+        if self.verify_before_load is None:
+            return kv_load_failure_policy != "recompute"
+        return self.verify_before_load
 
     @property
     def persist(self) -> bool:
@@ -118,3 +151,27 @@ def _integer(extra: Mapping[str, Any], key: str, default: int, *, minimum: int) 
     if value < minimum:
         raise ValueError(f"KVSnapConnector: {key} must be >= {minimum}, got {value}")
     return value
+
+
+def _seconds(raw: Any) -> float:
+    """``store_min_idle_s`` as a non-negative number of seconds."""
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"KVSnapConnector: store_min_idle_s must be a number, got {raw!r}"
+        ) from None
+    if value < 0:
+        raise ValueError(f"KVSnapConnector: store_min_idle_s must be >= 0, got {value}")
+    return value
+
+
+def _auto_flag(raw: Any) -> bool | None:
+    """``verify_before_load``: ``None`` for ``"auto"``, else the boolean given."""
+    if raw == "auto":
+        return None
+    if isinstance(raw, bool):
+        return raw
+    raise ValueError(
+        f"KVSnapConnector: verify_before_load must be 'auto', true or false, got {raw!r}"
+    )

@@ -1,34 +1,36 @@
 """The connector's scheduler side: match prompts against the store, plan loads and saves.
 
-:class:`KVSnapScheduler` runs in vLLM's scheduler process. It finds the longest stored prefix
-of a prompt, checks the snapshot header (model fingerprint, geometry, token ids) and plans,
-per step, the blocks every worker loads before the forward pass and saves or dumps after it
+:class:`KVSnapScheduler` runs in vLLM's scheduler process. It finds the longest run of stored
+chunks of a prompt, checks each (:class:`~kvsnap.engines.vllm.chunk_check.ChunkChecker`:
+model fingerprint, geometry, token ids and, with ``verify_before_load``, every checksum),
+quarantines a chunk that fails, and plans, per step, the blocks every worker loads before the
+forward pass and the chunks and dumps it saves after it
 (:class:`~kvsnap.engines.vllm.specs.KVSnapConnectorMetadata`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvsnap import format as fmt
+from kvsnap.engines.vllm.chunk_check import ChunkChecker
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.specs import (
+    ChunkLoad,
     KVSnapConnectorMetadata,
     LoadSpec,
     SaveSpec,
     external_request_id,
 )
-from kvsnap.engines.vllm.store import PrefixStore, StoreMatch, safe_name
-from kvsnap.errors import KVSnapError
-from kvsnap.store import SnapshotReader
+from kvsnap.engines.vllm.store import ChunkRef, PrefixStore, chunk_sequence_id, safe_name
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -47,27 +49,21 @@ class _Tracked:
     request: Request
     persisted: bool = False
     dumped: bool = False
-    #: The load planned for it (snapshot path, target blocks), until it is known to have failed.
-    load: tuple[str, frozenset[int]] | None = None
-    #: Its load failed: persist it again once recomputed, replacing the snapshot that failed.
-    load_failed: bool = False
+    #: The load planned for it (chunk paths, target blocks), until it is known to have failed.
+    load: tuple[tuple[str, ...], frozenset[int]] | None = None
 
 
-def _file_key(path: str) -> tuple[int, int] | None:
-    """What identifies one version of a file: its mtime and size (``None``: no such file)."""
-    try:
-        status = os.stat(path)
-    except OSError:
-        return None
-    return status.st_mtime_ns, status.st_size
+#: A chunk planned for saving is not planned again for this long unless it appeared (the
+#: write is queued behind the engine; a failed write is retried after it).
+_REPLAN_AFTER_S = 60.0
 
 
 class KVSnapScheduler:
     """The scheduler side of :class:`~kvsnap.engines.vllm.KVSnapConnector`.
 
-    :meth:`get_num_new_matched_tokens` finds the longest stored prefix of a prompt and checks
-    its snapshot's header; :meth:`update_state_after_alloc` plans its load into the allocated
-    blocks; :meth:`build_connector_meta` adds the saves and dumps each step completes;
+    :meth:`get_num_new_matched_tokens` finds and checks the stored chunks of a prompt;
+    :meth:`update_state_after_alloc` plans their load into the allocated blocks;
+    :meth:`build_connector_meta` adds the chunk saves and dumps each step completes;
     :meth:`update_connector_output` learns of failed loads.
     """
 
@@ -78,70 +74,50 @@ class KVSnapScheduler:
         events: EventLog,
         *,
         block_size: int,
-        fingerprint: str,
-        expected_geometry: dict[str, Any],
+        checker: ChunkChecker,
         block_ids_of: BlockIdsOf,
     ) -> None:
         self.options = options
         self.store = store
         self.events = events
         self.block_size = block_size
-        self.fingerprint = fingerprint
-        self.expected_geometry = expected_geometry
+        self.checker = checker
         self._block_ids_of = block_ids_of
-        self._matches: dict[str, tuple[int, StoreMatch, fmt.SequenceRecord]] = {}
+        self._matches: dict[str, tuple[int, list[tuple[ChunkRef, fmt.SequenceRecord]]]] = {}
         self._pending_loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
-        self._header_cache: dict[str, tuple[tuple[int, int], fmt.SnapshotMetadata | str]] = {}
-        self._failed_paths: dict[str, tuple[int, int] | None] = {}
+        self._planned: dict[str, float] = {}
 
-    def _full_chain(self, token_ids: Sequence[int], num_blocks: int) -> list[str]:
-        tokens = np.asarray(token_ids[: num_blocks * self.block_size], dtype=np.int64)
-        return fmt.prefix_hash_chain(tokens, self.block_size)
+    def _chain(self, prompt: np.ndarray, num_blocks: int) -> list[str]:
+        return fmt.prefix_hash_chain(prompt[: num_blocks * self.block_size], self.block_size)
 
-    def _snapshot_header(self, path: str) -> fmt.SnapshotMetadata | str:
-        """The metadata of the snapshot at ``path``, or why it cannot be used (cached by mtime)."""
-        key = _file_key(path)
-        if key is None:
-            return "snapshot missing"
-        if path in self._failed_paths and self._failed_paths[path] == key:
-            return "the snapshot failed to load before (it is replaced when next persisted)"
-        cached = self._header_cache.get(path)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        result: fmt.SnapshotMetadata | str
-        try:
-            with SnapshotReader(path, verify=False) as reader:
-                result = reader.metadata
-        except (KVSnapError, OSError, ValueError) as error:
-            result = f"unreadable snapshot header: {error}"
-        self._header_cache[path] = (key, result)
-        return result
+    def _usable_chunks(
+        self, request_id: str, prompt: np.ndarray, chain: list[str]
+    ) -> list[tuple[ChunkRef, fmt.SequenceRecord]]:
+        """The stored chunks of ``prompt`` that pass their checks, from its first block on.
 
-    def _usable(
-        self, metadata: fmt.SnapshotMetadata, match: StoreMatch, prompt: np.ndarray
-    ) -> fmt.SequenceRecord | str:
-        """The record holding the matched prefix, or why the snapshot does not fit this engine."""
-        if metadata.source.model_fingerprint != self.fingerprint:
-            return (
-                f"model fingerprint {metadata.source.model_fingerprint[:16]} differs from the "
-                f"engine's {self.fingerprint[:16]}"
+        The first chunk that fails is a logged miss and is quarantined; the match ends there.
+        """
+        match = self.store.longest_prefix(chain)
+        usable: list[tuple[ChunkRef, fmt.SequenceRecord]] = []
+        for chunk in match.chunks if match is not None else ():
+            parent = chain[chunk.first_block - 1] if chunk.first_block else None
+            record = self.checker.check(chunk, prompt, parent)
+            if isinstance(record, str):
+                self._reject(request_id, chunk.path, record)
+                break
+            usable.append((chunk, record))
+        return usable
+
+    def _reject(self, request_id: str, path: str, reason: str) -> None:
+        """Log a miss on the chunk at ``path`` and move it aside so it is never matched again."""
+        self.events.emit("miss", logging.WARNING, request=request_id, path=path, reason=reason)
+        moved = self.store.quarantine(path)
+        self.checker.forget(path)
+        if moved is not None:
+            self.events.emit(
+                "quarantine", logging.WARNING, path=path, moved_to=str(moved), reason=reason
             )
-        geometry = metadata.geometry
-        for name, expected in self.expected_geometry.items():
-            if getattr(geometry, name) != expected:
-                return f"{name} is {getattr(geometry, name)!r} in the snapshot, {expected!r} here"
-        length = match.num_blocks * self.block_size
-        for record in metadata.sequences:
-            if (
-                len(record.prefix_hashes) >= match.num_blocks
-                and record.prefix_hashes[match.num_blocks - 1] == match.last_hash
-                and len(record.token_ids) >= length
-            ):
-                if not np.array_equal(record.token_ids[:length], prompt[:length]):
-                    return "the snapshot's token ids differ from the prompt (hash collision?)"
-                return record
-        return "no sequence in the snapshot holds the indexed prefix"
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -149,7 +125,8 @@ class KVSnapScheduler:
         """Tokens beyond ``num_computed_tokens`` this connector can load for ``request``.
 
         Only whole blocks, and never the prompt's last token (vLLM must compute at least one).
-        Side-effect free apart from remembering the answer for :meth:`update_state_after_alloc`.
+        Apart from quarantining chunks that fail their checks and recording the use of the
+        matched ones, it only remembers the answer for :meth:`update_state_after_alloc`.
         """
         self._matches.pop(request.request_id, None)
         if not self.options.persist:
@@ -158,25 +135,18 @@ class KVSnapScheduler:
         loadable_blocks = max(len(prompt) - 1, 0) // self.block_size
         if loadable_blocks * self.block_size <= num_computed_tokens:
             return 0, False
-        chain = self._full_chain(prompt, loadable_blocks)
-        match = self.store.longest_prefix(chain)
-        if match is None:
-            return 0, False
-        header = self._snapshot_header(match.path)
-        record = header if isinstance(header, str) else self._usable(header, match, prompt)
-        if isinstance(record, str):
-            self.events.emit(
-                "miss", logging.WARNING, request=request.request_id, path=match.path, reason=record
-            )
-            return 0, False
-        matched = match.num_blocks * self.block_size
+        chain = self._chain(prompt, loadable_blocks)
+        usable = self._usable_chunks(request.request_id, prompt, chain)
+        matched = sum(chunk.num_blocks for chunk, _ in usable) * self.block_size
         if matched <= num_computed_tokens:
             return 0, False
-        self._matches[request.request_id] = (num_computed_tokens, match, record)
+        self._matches[request.request_id] = (num_computed_tokens, usable)
+        for chunk, _ in usable:
+            self.store.touch(chunk.path)
         self.events.emit(
             "hit",
             request=request.request_id,
-            path=match.path,
+            paths=[chunk.path for chunk, _ in usable],
             tokens=matched - num_computed_tokens,
             local_tokens=num_computed_tokens,
         )
@@ -190,21 +160,30 @@ class KVSnapScheduler:
         found = self._matches.pop(request.request_id, None)
         if num_external_tokens <= 0 or found is None:
             return
-        local_tokens, match, record = found
+        local_tokens, usable = found
         first = local_tokens // self.block_size
-        count = num_external_tokens // self.block_size
+        end = first + num_external_tokens // self.block_size
         block_ids = blocks.get_block_ids()[0]
-        tracked.load = (match.path, frozenset(int(b) for b in block_ids[first : first + count]))
-        self._pending_loads.append(
-            LoadSpec(
-                request_id=request.request_id,
-                path=match.path,
-                sequence_id=record.id,
-                snapshot_blocks=np.asarray(record.block_ids[first : first + count], dtype=np.int64),
-                target_blocks=np.asarray(block_ids[first : first + count], dtype=np.int64),
-                num_tokens=count * self.block_size,
+        loads = []
+        for chunk, record in usable:
+            low = max(first, chunk.first_block)
+            high = min(end, chunk.first_block + chunk.num_blocks)
+            if low >= high:
+                continue
+            inside = slice(low - chunk.first_block, high - chunk.first_block)
+            loads.append(
+                ChunkLoad(
+                    path=chunk.path,
+                    snapshot_blocks=np.asarray(record.block_ids[inside], dtype=np.int64),
+                    target_blocks=np.asarray(block_ids[low:high], dtype=np.int64),
+                )
             )
+        spec = LoadSpec(request.request_id, tuple(loads), (end - first) * self.block_size)
+        tracked.load = (
+            tuple(load.path for load in loads),
+            frozenset(int(block) for block in spec.target_blocks),
         )
+        self._pending_loads.append(spec)
 
     def _selected_for_dump(self, request: Request) -> bool:
         extra = getattr(request.sampling_params, "extra_args", None) or {}
@@ -245,35 +224,45 @@ class KVSnapScheduler:
     def _plan_persist(
         self, tracked: _Tracked, computed: int, meta: KVSnapConnectorMetadata
     ) -> None:
+        """Once the prompt is computed: save each of its chunks the store does not hold."""
         request = tracked.request
-        prompt = request.prompt_token_ids or []
-        num_blocks = len(prompt) // self.block_size
+        prompt = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
+        # The blocks a later prompt can load: never the one holding the last prompt token.
+        num_blocks = max(len(prompt) - 1, 0) // self.block_size
         extra = getattr(request.sampling_params, "extra_args", None) or {}
         if num_blocks < self.options.min_blocks or extra.get("kvsnap_persist") is False:
             tracked.persisted = True
             return
-        tokens = num_blocks * self.block_size
-        if computed < tokens:
+        if computed < num_blocks * self.block_size:
             return
         tracked.persisted = True
-        chain = self._full_chain(prompt, num_blocks)
-        stored = self.store.indexed_snapshot(chain[-1])
-        replace = tracked.load_failed or (stored is not None and str(stored) in self._failed_paths)
-        if stored is not None and stored.exists() and not replace:
-            return
-        meta.saves.append(
-            SaveSpec(
-                request_id=request.request_id,
-                kind="persist",
-                path=str(self.store.snapshot_path(chain[-1])),
-                token_ids=np.asarray(prompt[:tokens], dtype=np.int64),
-                block_ids=np.asarray(
-                    self._block_ids(request.request_id)[:num_blocks], dtype=np.int64
-                ),
-                chain=tuple(chain),
-                replace=replace,
+        chain = self._chain(prompt, num_blocks)
+        engine_blocks = np.asarray(self._block_ids(request.request_id)[:num_blocks], np.int64)
+        now = time.monotonic()
+        self._forget_old_plans(now)
+        for start, end in self.store.chunk_spans(num_blocks):
+            path = self.store.chunk_path(chain[end - 1])
+            planned = self._planned.get(str(path))
+            if path.is_file() or (planned is not None and now - planned < _REPLAN_AFTER_S):
+                continue
+            self._planned[str(path)] = now
+            meta.saves.append(
+                SaveSpec(
+                    request_id=request.request_id,
+                    kind="persist",
+                    path=str(path),
+                    token_ids=prompt[start * self.block_size : end * self.block_size],
+                    block_ids=engine_blocks[start:end],
+                    sequence_id=chunk_sequence_id(start, chain[start - 1] if start else None),
+                )
             )
-        )
+
+    def _forget_old_plans(self, now: float) -> None:
+        """Drop planned saves older than the replan delay once they pile up."""
+        if len(self._planned) > 4096:
+            self._planned = {
+                path: when for path, when in self._planned.items() if now - when < _REPLAN_AFTER_S
+            }
 
     def _plan_dump(self, tracked: _Tracked, computed: int, meta: KVSnapConnectorMetadata) -> None:
         request = tracked.request
@@ -296,15 +285,16 @@ class KVSnapScheduler:
                 block_ids=np.asarray(
                     self._block_ids(request.request_id)[:num_blocks], dtype=np.int64
                 ),
+                sequence_id=external_request_id(request.request_id),
             )
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Learn which loads failed (vLLM recomputes their blocks) and plan their saves anew.
 
-        A request whose loaded blocks come back invalid is persisted again (replacing the
-        snapshot that failed) and dumped again once recomputed; the failed snapshot is not
-        offered to other requests until its file changes.
+        A request whose loaded blocks come back invalid has its chunks checked again when next
+        matched (the worker quarantined a chunk that failed), and is persisted (the chunks the
+        store no longer holds) and dumped again once recomputed.
         """
         invalid = connector_output.invalid_block_ids
         if not invalid:
@@ -312,9 +302,9 @@ class KVSnapScheduler:
         for tracked in self._tracked.values():
             if tracked.load is None or not tracked.load[1] & invalid:
                 continue
-            path = tracked.load[0]
-            self._failed_paths[path] = _file_key(path)
-            tracked.load, tracked.load_failed = None, True
+            for path in tracked.load[0]:
+                self.checker.forget(path)
+            tracked.load = None
             tracked.persisted = tracked.dumped = False
 
     def request_finished(self, request: Request) -> None:

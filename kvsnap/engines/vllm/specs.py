@@ -22,24 +22,34 @@ def external_request_id(request_id: str) -> str:
 
 
 @dataclass(frozen=True)
-class LoadSpec:
-    """Load snapshot blocks ``snapshot_blocks`` of ``path`` into engine blocks ``target_blocks``."""
+class ChunkLoad:
+    """Load blocks ``snapshot_blocks`` of the chunk ``path`` into engine ``target_blocks``."""
 
-    request_id: str
     path: str
-    sequence_id: str
     snapshot_blocks: np.ndarray
     target_blocks: np.ndarray
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One request's load: consecutive stored ``chunks``, ``num_tokens`` in all."""
+
+    request_id: str
+    chunks: tuple[ChunkLoad, ...]
     num_tokens: int
+
+    @property
+    def target_blocks(self) -> np.ndarray:
+        """Every engine block the load writes, in prompt order."""
+        return np.concatenate([chunk.target_blocks for chunk in self.chunks])
 
 
 @dataclass(frozen=True)
 class SaveSpec:
     """Capture engine blocks ``block_ids`` holding ``token_ids`` into a snapshot at ``path``.
 
-    ``kind`` is ``persist`` (a prefix for the store; ``chain`` its prefix hashes, indexed once
-    the file is published) or ``dump``. ``replace`` overwrites a stored snapshot that failed
-    to load (otherwise an existing one is kept).
+    ``kind`` is ``persist`` (a chunk of the prefix store, skipped if it exists by the time it
+    is written) or ``dump``; ``sequence_id`` names the snapshot's one sequence.
     """
 
     request_id: str
@@ -47,8 +57,7 @@ class SaveSpec:
     path: str
     token_ids: np.ndarray
     block_ids: np.ndarray
-    chain: tuple[str, ...] = ()
-    replace: bool = False
+    sequence_id: str
 
 
 @dataclass

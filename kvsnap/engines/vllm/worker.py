@@ -6,8 +6,10 @@ planned before the forward pass (every block checksum verified; blocks it could 
 reported so vLLM recomputes them) and, after the forward pass, copies the saved blocks to host
 memory and hands the snapshot write to a background thread.
 
-The save and load paths themselves are :meth:`KVSnapWorker._load` and
-:meth:`KVSnapWorker._write` (with :func:`copy_blocks_to_host`): the only code that moves KV.
+The save and load paths themselves are :meth:`KVSnapWorker._load` (one stored chunk into the
+cache) and :meth:`KVSnapWorker._write` (one snapshot from host copies, after
+:func:`copy_blocks_to_host`): the only code that moves KV. After each chunk write the store is
+pruned to ``store_capacity_bytes`` (LRU, :func:`~kvsnap.engines.vllm.eviction.prune_store`).
 
 Tensor parallelism: each rank copies the saved blocks of its own heads to host memory and the
 TP group's CPU (gloo) group gathers them on rank 0, which builds one layout per rank over the
@@ -30,16 +32,19 @@ import torch
 
 from kvsnap import format as fmt
 from kvsnap.engines.vllm.events import EventLog
+from kvsnap.engines.vllm.eviction import prune_store, store_bytes
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.registration import RegisteredCache, register_caches
-from kvsnap.engines.vllm.specs import (
-    KVSnapConnectorMetadata,
-    LoadSpec,
-    SaveSpec,
-    external_request_id,
-)
+from kvsnap.engines.vllm.specs import ChunkLoad, KVSnapConnectorMetadata, LoadSpec, SaveSpec
 from kvsnap.engines.vllm.store import PrefixStore
-from kvsnap.errors import IncompatibleSnapshotError, KVSnapError
+from kvsnap.errors import (
+    IncompatibleSnapshotError,
+    KVSnapError,
+    NotASnapshotError,
+    SnapshotCorruptError,
+    SnapshotIOError,
+    UnsupportedVersionError,
+)
 from kvsnap.layout import KVGeometry
 from kvsnap.pinned import PinnedPool
 from kvsnap.plan import Direction, HostPages, PageCopy
@@ -50,6 +55,15 @@ from kvsnap.transfer import TransferHandler
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+#: Load errors that mean the chunk file is at fault (quarantined), not the engine.
+_FILE_ERRORS = (
+    SnapshotCorruptError,
+    NotASnapshotError,
+    UnsupportedVersionError,
+    IncompatibleSnapshotError,
+    SnapshotIOError,
+    OSError,
+)
 #: Host staging for loads: snapshot pages are read into it, then scattered into the cache.
 _STAGING_BYTES = 16 << 20
 
@@ -86,6 +100,8 @@ class KVSnapWorker:
         self._writer: ThreadPoolExecutor | None = None
         self._writes: list[tuple[SaveSpec, Future[None]]] = []
         self._next_job = 0
+        #: The store's size as this worker last measured it plus what it wrote since.
+        self._store_bytes: int | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Build the cache layout from the registered tensors, or refuse them (LayoutError)."""
@@ -105,50 +121,74 @@ class KVSnapWorker:
     # -- loads -------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVSnapConnectorMetadata) -> None:
-        """Load this step's planned blocks before the forward pass (checksums verified)."""
+        """Load this step's planned blocks before the forward pass (checksums verified).
+
+        A chunk that fails to load ends its request's load: its blocks and those of the
+        request's later chunks are reported (:meth:`get_block_ids_with_load_errors`) for vLLM
+        to recompute, and a chunk whose file is at fault is quarantined.
+        """
         for spec in meta.loads:
             started = time.perf_counter()
-            try:
-                self._load(spec)
-            except Exception as error:  # any failure: report the blocks, vLLM recomputes them
-                self._load_errors.update(int(block) for block in spec.target_blocks)
-                self.events.emit(
-                    "load_failed",
-                    logging.ERROR,
-                    request=spec.request_id,
-                    path=spec.path,
-                    blocks=len(spec.target_blocks),
-                    error=f"{type(error).__name__}: {error}",
-                )
+            for position, chunk in enumerate(spec.chunks):
+                try:
+                    self._load(chunk)
+                except Exception as error:  # any failure: report the blocks, vLLM recomputes
+                    self._load_failed(spec, position, error)
+                    break
             else:
                 self.events.emit(
                     "load",
                     request=spec.request_id,
-                    path=spec.path,
+                    paths=[chunk.path for chunk in spec.chunks],
                     tokens=spec.num_tokens,
                     blocks=len(spec.target_blocks),
                     seconds=round(time.perf_counter() - started, 6),
                 )
 
-    def _load(self, spec: LoadSpec) -> None:
-        """Read ``spec``'s snapshot blocks (checksums verified) and scatter them into the cache."""
+    def _load_failed(self, spec: LoadSpec, position: int, error: Exception) -> None:
+        """Report the blocks of ``spec`` from chunk ``position`` on; quarantine a bad file."""
+        failed = spec.chunks[position]
+        blocks = np.concatenate([chunk.target_blocks for chunk in spec.chunks[position:]])
+        self._load_errors.update(int(block) for block in blocks)
+        message = f"{type(error).__name__}: {error}"
+        self.events.emit(
+            "load_failed",
+            logging.ERROR,
+            request=spec.request_id,
+            path=failed.path,
+            blocks=len(blocks),
+            error=message,
+        )
+        if isinstance(error, _FILE_ERRORS):
+            moved = self.store.quarantine(failed.path)
+            if moved is not None:
+                self.events.emit(
+                    "quarantine",
+                    logging.WARNING,
+                    path=failed.path,
+                    moved_to=str(moved),
+                    reason=message,
+                )
+
+    def _load(self, chunk: ChunkLoad) -> None:
+        """Read ``chunk``'s blocks (checksums verified) and scatter them into the cache."""
         assert self.cache is not None and self._loader is not None and self._staging is not None
         loader, staging = self._loader, self._staging
         geometry = self.cache.layout.geometry
-        with SnapshotReader(spec.path, verify=True) as reader:
-            _check_fits(reader.metadata, geometry, self.fingerprint, spec.path)
+        with SnapshotReader(chunk.path, verify=True) as reader:
+            _check_fits(reader.metadata, geometry, self.fingerprint, chunk.path)
             page_bytes = geometry.canonical_page_size_bytes
-            per_chunk = staging.slot_bytes // page_bytes
+            per_slot = staging.slot_bytes // page_bytes
             slot = staging.acquire()
             try:
                 for name in geometry.tensor_names():
-                    for start in range(0, len(spec.snapshot_blocks), per_chunk):
-                        source = spec.snapshot_blocks[start : start + per_chunk]
+                    for start in range(0, len(chunk.snapshot_blocks), per_slot):
+                        source = chunk.snapshot_blocks[start : start + per_slot]
                         count = len(source)
                         reader.read_pages(name, source, slot.as_numpy(count * page_bytes))
                         copy = PageCopy(
                             name=name,
-                            device_block_ids=spec.target_blocks[start : start + per_chunk],
+                            device_block_ids=chunk.target_blocks[start : start + per_slot],
                             host=HostPages.contiguous(slot.data_ptr, count, page_bytes),
                             host_chunk_ids=np.arange(count, dtype=np.int64),
                         )
@@ -200,18 +240,15 @@ class KVSnapWorker:
         assert self.cache is not None and self._source is not None
         started = time.perf_counter()
         path = Path(spec.path)
-        if spec.kind == "persist" and path.exists() and not spec.replace:
-            self.store.publish_index(spec.chain, path)
-            return
+        if spec.kind == "persist" and path.exists():
+            return  # another request or engine stored this chunk meanwhile
         path.parent.mkdir(parents=True, exist_ok=True)
         sequence = SequenceBlocks(
-            id=external_request_id(spec.request_id),
+            id=spec.sequence_id,
             token_ids=spec.token_ids,
             block_ids=np.arange(len(spec.block_ids), dtype=np.int64),
         )
         result = capture(self.cache.host_layouts(parts), [sequence], path, source=self._source)
-        if spec.kind == "persist":
-            self.store.publish_index(spec.chain, path)
         self.events.emit(
             "save" if spec.kind == "persist" else "dump",
             request=spec.request_id,
@@ -221,6 +258,30 @@ class KVSnapWorker:
             bytes=result.num_bytes,
             seconds=round(time.perf_counter() - started, 6),
         )
+        if spec.kind == "persist":
+            self._keep_capacity(path.stat().st_size)
+
+    def _keep_capacity(self, written: int) -> None:
+        """After a chunk write: prune the store to ``store_capacity_bytes`` (LRU) if above it."""
+        capacity = self.options.store_capacity_bytes
+        if capacity is None:
+            return
+        if self._store_bytes is None:
+            self._store_bytes = store_bytes(self.store.root)
+        else:
+            self._store_bytes += written
+        if self._store_bytes <= capacity:
+            return
+        removed = prune_store(self.store.root, capacity, min_idle_s=self.options.store_min_idle_s)
+        for entry in removed:
+            self.events.emit(
+                "evict",
+                path=str(entry.path),
+                bytes=entry.size,
+                idle_s=round(entry.age(), 3),
+                quarantined=entry.quarantined,
+            )
+        self._store_bytes = store_bytes(self.store.root)
 
     def _reap_writes(self, block: bool) -> None:
         """Collect finished writes (all of the oldest one when ``block``); log failures."""
