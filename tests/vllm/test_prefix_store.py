@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from kvsnap_cli.store import app as store_app
 from typer.testing import CliRunner
@@ -18,6 +19,7 @@ from typer.testing import CliRunner
 from kvsnap import format as fmt
 from kvsnap.engines.vllm import (
     ChunkChecker,
+    ConnectorOptions,
     PrefixStore,
     chunk_sequence_id,
     prune_store,
@@ -212,3 +214,26 @@ def test_store_cli_lists_verifies_and_prunes(tmp_path: Path) -> None:
     assert not first.exists() and second.exists()
     result = CliRunner().invoke(store_app, ["list", str(tmp_path / "missing")])
     assert result.exit_code == 2 and "no store directory" in result.output
+
+
+def test_store_options_are_parsed_and_checked() -> None:
+    options = ConnectorOptions.from_extra_config(
+        {"path": "/s", "chunk_blocks": 4, "store_capacity_bytes": 1 << 30, "store_min_idle_s": 0}
+    )
+    assert (options.chunk_blocks, options.store_capacity_bytes, options.store_min_idle_s) == (
+        4,
+        1 << 30,
+        0.0,
+    )
+    # verify_before_load "auto" follows vLLM's load failure policy.
+    assert options.verifies_before_load("fail") and not options.verifies_before_load("recompute")
+    forced = ConnectorOptions.from_extra_config({"path": "/s", "verify_before_load": True})
+    assert forced.verifies_before_load("recompute")
+    for bad, key in (
+        ({"chunk_blocks": 0}, "chunk_blocks"),
+        ({"store_capacity_bytes": -1}, "store_capacity_bytes"),
+        ({"store_min_idle_s": "soon"}, "store_min_idle_s"),
+        ({"verify_before_load": "yes"}, "verify_before_load"),
+    ):
+        with pytest.raises(ValueError, match=key):
+            ConnectorOptions.from_extra_config({"path": "/s", **bad})

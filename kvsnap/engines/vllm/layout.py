@@ -28,6 +28,7 @@ from kvsnap.layout import (
     CacheTensor,
     CanonicalPageMapping,
     CopyRun,
+    HeadShard,
     KVGeometry,
     LayoutError,
     PageRef,
@@ -245,6 +246,17 @@ def _check_caches(
     return packing
 
 
+def _rank_shard(num_kv_heads: int, local_heads: int, tp_rank: int, tp_size: int) -> HeadShard:
+    """The rank's head shard; refused when the cache does not hold that many heads."""
+    shard = head_shard(num_kv_heads, tp_rank, tp_size)
+    if shard.num_local_heads != local_heads:
+        raise LayoutError(
+            f"the cache holds {local_heads} KV heads per rank, but {num_kv_heads} heads over "
+            f"TP {tp_size} give {shard.num_local_heads}"
+        )
+    return shard
+
+
 def _planes_layout(
     kv_caches: Sequence[torch.Tensor],
     *,
@@ -274,12 +286,7 @@ def _planes_layout(
         attention_types=tuple(attention_types or ()),
     )
     tp_rank, tp_size = shard_of
-    shard = head_shard(num_kv_heads, tp_rank, tp_size)
-    if shard.num_local_heads != local_heads:
-        raise LayoutError(
-            f"the cache holds {local_heads} KV heads per rank, but {num_kv_heads} heads over "
-            f"TP {tp_size} give {shard.num_local_heads}"
-        )
+    shard = _rank_shard(num_kv_heads, local_heads, tp_rank, tp_size)
     element_size = first.element_size()
     tensors: list[CacheTensor] = []
     refs: list[PageRef] = []

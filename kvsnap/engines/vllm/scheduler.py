@@ -104,20 +104,47 @@ class KVSnapScheduler:
             parent = chain[chunk.first_block - 1] if chunk.first_block else None
             record = self.checker.check(chunk, prompt, parent)
             if isinstance(record, str):
-                self._reject(request_id, chunk.path, record)
+                self.events.emit(
+                    "miss", logging.WARNING, request=request_id, path=chunk.path, reason=record
+                )
+                self._quarantine(request_id, chunk.path, record)
                 break
             usable.append((chunk, record))
         return usable
 
-    def _reject(self, request_id: str, path: str, reason: str) -> None:
-        """Log a miss on the chunk at ``path`` and move it aside so it is never matched again."""
-        self.events.emit("miss", logging.WARNING, request=request_id, path=path, reason=reason)
+    def _quarantine(self, request_id: str, path: str, reason: str) -> None:
+        """Move the chunk at ``path`` aside so it is never matched again, and log it."""
         moved = self.store.quarantine(path)
         self.checker.forget(path)
         if moved is not None:
             self.events.emit(
-                "quarantine", logging.WARNING, path=path, moved_to=str(moved), reason=reason
+                "quarantine",
+                logging.WARNING,
+                request=request_id,
+                path=path,
+                moved_to=str(moved),
+                reason=reason,
             )
+
+    def _stored_and_sound(
+        self, request_id: str, prompt: np.ndarray, chain: list[str], span: tuple[int, int]
+    ) -> bool:
+        """Whether the store holds the chunk ``span`` of ``prompt`` and it passes its checks.
+
+        A chunk that fails is quarantined (so it is saved anew): a prompt whose stored prefix
+        failed early never matched its later chunks, and they must not outlive the damage.
+        Each version of a file is checked once (the checker remembers it).
+        """
+        start, end = span
+        path = self.store.chunk_path(chain[end - 1])
+        if not path.is_file():
+            return False
+        chunk = ChunkRef(str(path), start, end - start)
+        record = self.checker.check(chunk, prompt, chain[start - 1] if start else None)
+        if isinstance(record, str):
+            self._quarantine(request_id, str(path), record)
+            return False
+        return True
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -243,7 +270,9 @@ class KVSnapScheduler:
         for start, end in self.store.chunk_spans(num_blocks):
             path = self.store.chunk_path(chain[end - 1])
             planned = self._planned.get(str(path))
-            if path.is_file() or (planned is not None and now - planned < _REPLAN_AFTER_S):
+            if planned is not None and now - planned < _REPLAN_AFTER_S:
+                continue
+            if self._stored_and_sound(request.request_id, prompt, chain, (start, end)):
                 continue
             self._planned[str(path)] = now
             meta.saves.append(

@@ -165,6 +165,7 @@ class KVSnapWorker:
                 self.events.emit(
                     "quarantine",
                     logging.WARNING,
+                    request=spec.request_id,
                     path=failed.path,
                     moved_to=str(moved),
                     reason=message,
