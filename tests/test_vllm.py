@@ -119,6 +119,7 @@ class Scenario:
     store: Path
     namespace: Path
     chunks: dict[str, list[Path]]  # prompt label -> its persisted chunks (E1, E2)
+    kept: dict[str, list[Path]]  # copies of those chunks as E1 and E2 wrote them
     corrupted: tuple[str, int]  # tensor, block flipped in B's chunk
     corrupt_copy: Path  # B's chunk as it was corrupted
     bytes_after_e1: dict[Path, int]  # every chunk on disk after E1 -> its size
@@ -258,7 +259,9 @@ def _forge_chunks(
     )
     source = fmt.SourceInfo("vllm", "0.32.0", "another-model", None, "f" * 32)
     sequence = SequenceBlocks("prefix@0:root", g_tokens, np.array([0, 1]))
-    capture(layout, [sequence], store.chunk_path(chain_g[1]), source=source)
+    path = store.chunk_path(chain_g[1])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    capture(layout, [sequence], path, source=source)
 
 
 def _problems(path: Path) -> int:
@@ -283,13 +286,30 @@ def _first_runs(tmp: Path, model: Path, prompts: dict[str, list[int]], persist: 
     bytes_after_e1 = {path: path.stat().st_size for path in _chunk_files(store)}
     runs["e2"] = _run(tmp, "e2", model, ["A", "C"], prompts, connector=persist, tp=2)
     chunks = {**e1.saved(), **runs["e2"].saved()}
+    # Later engines quarantine and rewrite these files: keep them as they were written.
+    kept: dict[str, list[Path]] = {}
+    for label, paths in chunks.items():
+        for index, path in enumerate(paths):
+            copy = tmp / "kept" / f"{label}-{index}.safetensors"
+            copy.parent.mkdir(exist_ok=True)
+            copy.write_bytes(path.read_bytes())
+            kept.setdefault(label, []).append(copy)
     corrupted = ("layers.1.value", 1)
     _flip_byte(chunks["B"][0], *corrupted)
     corrupt_copy = tmp / "corrupt-B.safetensors"
     corrupt_copy.write_bytes(chunks["B"][0].read_bytes())
     _forge_chunks(store, namespaces[0].name, prompts, chunks["A"][0])
     return Scenario(
-        model, prompts, runs, store, namespaces[0], chunks, corrupted, corrupt_copy, bytes_after_e1
+        model,
+        prompts,
+        runs,
+        store,
+        namespaces[0],
+        chunks,
+        kept,
+        corrupted,
+        corrupt_copy,
+        bytes_after_e1,
     )
 
 
@@ -310,7 +330,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
     scene.flipped = _chunk_files(scene.store)
     for path in scene.flipped:
         _flip_byte(path, "layers.0.key", 0)
-    damaged = ["A", "B", "C", "D", *SHARING]
+    damaged = ["A", "B", "C", "D", "F", "G", *SHARING]
     scene.runs["e4"] = _run(tmp, "e4", model, damaged, prompts, connector=persist, policy=None)
     scene.quarantine_problems = {
         str(entry.path): _problems(entry.path)
@@ -373,8 +393,8 @@ def test_persisted_prompts_load_after_restart_with_the_same_tokens(scenario: Sce
         assert e3.tokens[label] == reference.tokens[label], label
     assert e3.events_for("load", "D")[0]["paths"] == [str(chunks["A"][0])]
     # The restored blocks are the persisted bytes: E3's dumps start with them.
-    _assert_same_kv(_dump(e3, "A"), chunks["A"], 96)
-    _assert_same_kv(_dump(e3, "D"), chunks["A"][:1], 64)
+    _assert_same_kv(_dump(e3, "A"), scenario.kept["A"], 96)
+    _assert_same_kv(_dump(e3, "D"), scenario.kept["A"][:1], 64)
     # A prefix already in the store is not written again; D stores only its own chunk.
     assert e3.events_for("save", "A") == [] and _tokens(e3, "save", "D") == [32]
 
@@ -446,28 +466,28 @@ def test_mismatching_chunks_are_logged_misses_and_quarantined(scenario: Scenario
 
 
 def test_tp2_capture_restores_at_tp1_and_tp1_capture_at_tp2(scenario: Scenario) -> None:
-    runs, chunks = scenario.runs, scenario.chunks
+    runs, kept = scenario.runs, scenario.kept
     e1, e2, e3, reference = runs["e1"], runs["e2"], runs["e3"], runs["e0"]
     # TP=1 capture (E1) into TP=2 (E2): both ranks load their own heads of the same blocks.
     loads = e2.events_for("load", "A")
     assert sorted(e["rank"] for e in loads) == [0, 1] and {e["tokens"] for e in loads} == {96}
     assert e2.tokens["A"] == reference.tokens["A"] and e2.cached["A"] == 96
-    _assert_same_kv(_dump(e2, "A"), chunks["A"], 96)
+    _assert_same_kv(_dump(e2, "A"), kept["A"], 96)
     # TP=2 capture (E2, gathered on rank 0 and written once per chunk) into TP=1 (E3).
     saves = e2.events_for("save", "C")
     assert [(e["rank"], e["tokens"]) for e in saves] == [(0, 64), (0, 64)]
-    for path in chunks["C"]:
+    for path in kept["C"]:
         with Snapshot.open(path) as snap:
             assert snap.metadata.tp_size == 2 and snap.geometry.num_kv_heads == 2
             assert snap.verify() == []
-    _assert_same_kv(_dump(e2, "C"), chunks["C"], 128)
+    _assert_same_kv(_dump(e2, "C"), kept["C"], 128)
     assert _tokens(e3, "load", "C") == [128]
     assert e3.tokens["C"] == reference.tokens["C"] and e2.tokens["C"] == reference.tokens["C"]
-    _assert_same_kv(_dump(e3, "C"), chunks["C"], 128)
+    _assert_same_kv(_dump(e3, "C"), kept["C"], 128)
     # The TP=2 chunks hold the TP=1 KV (E1's dump of C) up to the bf16 rounding of TP's
     # all-reduce in layer 1: two bf16 steps at the values' scale (|KV| < 16, one step 0.0625
     # there). Heads in the wrong place would differ by the values' own size (~10).
-    tp2, tp1 = _kv(chunks["C"], 128), _kv(_dump(e1, "C"), 128)
+    tp2, tp1 = _kv(kept["C"], 128), _kv(_dump(e1, "C"), 128)
     for name, values in tp2.items():
         assert (values.float() - tp1[name].float()).abs().max() <= 0.125, name
         assert values.float().abs().max() < 16, name
@@ -528,8 +548,14 @@ def test_second_restart_loads_fresh_chunks_and_evicts_at_the_capacity_bound(
 
 
 def _cli(*args: str) -> tuple[int, dict[str, Any]]:
+    # This tree's CLI and library, as the engines use them (not whatever the venv installed).
     result = subprocess.run(
-        [str(VENV / "bin" / "kvsnap"), *args, "--json"], capture_output=True, text=True, timeout=120
+        [str(PYTHON), "-m", "cli", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     return result.returncode, json.loads(result.stdout)
 
@@ -547,7 +573,7 @@ def test_dumps_and_chunks_are_read_by_the_kvsnap_cli(scenario: Scenario) -> None
     code, report = _cli("verify", str(dump))
     assert (code, report) == (0, {"ok": True, "problems": []})
     # A stored chunk is an ordinary snapshot too: one sequence, named by where it starts.
-    code, info = _cli("inspect", str(scenario.chunks["A"][1]))
+    code, info = _cli("inspect", str(scenario.kept["A"][1]))
     assert code == 0
     assert [(s["id"], s["num_tokens"]) for s in info["sequences"]] == [
         (f"prefix@2:{fmt.prefix_hash_chain(np.asarray(scenario.prompts['A'][:64]), BLOCK)[1]}", 32)
@@ -579,7 +605,7 @@ def test_vllm_dump_agrees_with_transformers_and_names_a_perturbed_layer(
     scenario: Scenario, tmp_path: Path
 ) -> None:
     pytest.importorskip("transformers")
-    dump = _dump(scenario.e1, "A")
+    dump = _dump(scenario.runs["e1"], "A")
     reference, perturbed = tmp_path / "hf.safetensors", tmp_path / "hf-perturbed.safetensors"
     _transformers_capture(scenario.model, scenario.prompts["A"], reference, perturb=False)
     _transformers_capture(scenario.model, scenario.prompts["A"], perturbed, perturb=True)

@@ -260,7 +260,7 @@ class KVSnapWorker:
             seconds=round(time.perf_counter() - started, 6),
         )
         if spec.kind == "persist":
-            self._keep_capacity(path.stat().st_size)
+            self._keep_capacity(result.num_bytes)
 
     def _keep_capacity(self, written: int) -> None:
         """After a chunk write: prune the store to ``store_capacity_bytes`` (LRU) if above it."""
