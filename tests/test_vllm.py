@@ -460,7 +460,8 @@ def test_mismatching_chunks_are_logged_misses_and_quarantined(scenario: Scenario
     assert "model fingerprint ffffffffffffffff differs" in other_model["reason"]
     for label, miss in (("F", forged_copy), ("G", other_model)):
         (moved,) = e3.events_for("quarantine", label)
-        assert moved["path"] == miss["path"] and not Path(miss["path"]).exists()
+        assert moved["path"] == miss["path"] and moved["moved_to"] in scenario.quarantine_problems
+        assert _tokens(e3, "save", label) == [64]  # computed, then stored as a fresh chunk
         assert e3.events_for("load", label) == [] and e3.cached[label] == 0
         assert e3.tokens[label] == reference.tokens[label], label
 
