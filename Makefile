@@ -1,19 +1,30 @@
-# One entry point for people and CI. The virtualenv lives in .venv; CPU torch is pinned first so
-# that the project's own "torch" requirement is already satisfied and pip never pulls a CUDA build.
+# One entry point for people and CI. The virtualenv lives in .venv with the CPU build of torch:
+# torch==$(TORCH_VERSION)+cpu comes from a local wheel when pip's find-links has one (offline CI),
+# else from PyTorch's CPU wheel index; it is installed first, so the project's own "torch"
+# requirement is already satisfied and pip never pulls a CUDA build from PyPI. For the CUDA
+# build instead: make venv TORCH_BUILD=cu128 (or pip install torch from
+# https://download.pytorch.org/whl/cu128 into .venv yourself).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-TORCH_CPU := torch==2.13.0
+TORCH_VERSION := 2.13.0
+TORCH_BUILD ?= cpu
+TORCH_INDEX := https://download.pytorch.org/whl/$(TORCH_BUILD)
+TORCH := torch==$(TORCH_VERSION)+$(TORCH_BUILD)
 STAMP := $(VENV)/.installed
 
 .PHONY: test demo lint venv vllm-venv gpu-test bench clean
 
 $(STAMP): pyproject.toml
+	@echo "Setting up $(VENV): $(TORCH) and kvsnap with its test extras (a few minutes the first time)..."
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH_CPU)
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps --no-index '$(TORCH)' 2>/dev/null \
+		|| $(BIN)/python -m pip install -q --no-deps --index-url $(TORCH_INDEX) '$(TORCH)'
+	@echo "  torch $(TORCH_VERSION) ($(TORCH_BUILD)) installed; now kvsnap -e '.[test]'..."
+	$(BIN)/python -m pip install -qq -e '.[test]'
 	touch $(STAMP)
+	@echo "$(VENV) is ready."
 
 venv: $(STAMP)
 

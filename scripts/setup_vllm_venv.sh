@@ -31,7 +31,7 @@ pip=("$venv/bin/python" -m pip install -q)
 # `import transformers`; vLLM's text-only paths do not need them.
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 # kvsnap's own light dependencies (those vLLM does not already install), then kvsnap itself.
-"${pip[@]}" xxhash fsspec safetensors typer rich jsonschema
+"${pip[@]}" xxhash fsspec safetensors "typer>=0.15,<0.26" rich jsonschema
 "${pip[@]}" --no-deps -e "$root"
 "$venv/bin/python" -c "import vllm, kvsnap, xxhash, fsspec, safetensors, typer, rich, jsonschema"
 echo "$script_sum" > "$stamp"

@@ -22,7 +22,7 @@ from store_helpers import (
 )
 
 from kvsnap import format as fmt
-from kvsnap import store
+from kvsnap.store import local_file, publish
 
 
 def snapshot_data(
@@ -73,7 +73,8 @@ def write_and_maybe_die(
     """Write snapshot ``seed`` to ``path``; ``kill`` picks where to die:
 
     ``("bytes", n)``: once ``n`` KV bytes are written; ``("call", name, nth, after)``: at the
-    ``nth`` call of ``os.fsync``/``os.replace``/``store._fsync_directory``/``store._pwrite_all``;
+    ``nth`` call of ``os.fsync``/``os.replace``/``_fsync_directory`` (``publish.fsync_directory``)/
+    ``_pwrite_all`` (``local_file._pwrite_all``);
     ``None``: never by itself (the parent may still kill it at any time).
     """
     metadata, pages = snapshot_data(geometry, seed, pages_seed)
@@ -87,7 +88,13 @@ def write_and_maybe_die(
 
     elif kill is not None and kill[0] == "call":
         _, name, nth, after = kill
-        _die_at_call(store if name.startswith("_") else os, name, nth, after)
+        # The store's own functions by the names the tests use, else os.fsync / os.replace.
+        owners = {
+            "_pwrite_all": (local_file, "_pwrite_all"),
+            "_fsync_directory": (publish, "fsync_directory"),
+        }
+        module, attribute = owners.get(name, (os, name))
+        _die_at_call(module, attribute, nth, after)
     write_snapshot(
         path,
         metadata,

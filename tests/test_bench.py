@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvsnap_cli.app import app
 from typer.testing import CliRunner
 
 from kvsnap.bench import Measurement, derive_calibration
+from kvsnap.cli.app import app
 from kvsnap.plan import Direction
 from kvsnap.transfer import AutoPolicy, available_backends, current_policy, load_policy
 from kvsnap.transfer.base import policy_from_calibration, write_calibration
@@ -232,7 +232,7 @@ def test_without_cuda_bench_fails_cleanly(monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
 def test_module_entry_point_without_cuda_prints_one_error_and_no_traceback() -> None:
-    command = [sys.executable, "-m", "kvsnap_cli", "bench", "--quick"]
+    command = [sys.executable, "-m", "kvsnap.cli", "bench", "--quick"]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 2
     assert "no CUDA device" in result.stderr and "Traceback" not in result.stderr
@@ -267,3 +267,16 @@ def test_usage_errors_exit_2_before_measuring(args: list[str], message: str) -> 
     assert result.exit_code == 2
     assert message in result.stderr and "Traceback" not in result.stdout + result.stderr
     assert "GB/s" not in result.stdout  # refused before anything was measured
+
+
+def test_the_library_never_imports_its_test_helpers() -> None:
+    # kvsnap.bench measures through the library alone; kvsnap.testing is for tests (issue 12).
+    probe = (
+        "import sys\n"
+        "import kvsnap.bench, kvsnap.layout, kvsnap.snapshot\n"
+        "print(sorted(name for name in sys.modules if name.startswith('kvsnap.testing')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,25 @@ def test_load_model_refuses_a_vocabulary_too_small_for_byte_ids(tmp_path: Path) 
     LlamaForCausalLM(LlamaConfig(**small)).save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="too small for byte ids"):
         load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "name", ["{tmp}/no-model", "./no-model", "~/no-model", "a/b/c", "{tmp_name}/no-model"]
+)
+def test_a_missing_model_directory_is_named_as_such(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path.parent)  # "{tmp_name}/..." starts with an existing directory
+    name = name.format(tmp=tmp_path, tmp_name=tmp_path.name)
+    with pytest.raises(KVSnapError, match=f"^model directory {re.escape(name)} does not exist$"):
+        load_model(name)
+
+
+def test_a_hub_id_missing_from_the_cache_is_reported_as_a_hub_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(KVSnapError, match="hub id"):
+        load_model("some-org/some-model")

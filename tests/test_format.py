@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import re
@@ -225,6 +226,17 @@ def test_metadata_json_matches_the_published_schema(metadata: fmt.SnapshotMetada
     broken["layout"]["dtype"] = "float7"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, schema)
+
+
+def test_source_info_defaults_are_written_and_read_back(metadata: fmt.SnapshotMetadata) -> None:
+    import kvsnap
+
+    assert kvsnap.SourceInfo() == fmt.SourceInfo("unknown", "unknown", "unknown", None, "")
+    for source in (kvsnap.SourceInfo(), kvsnap.SourceInfo(model_id="x")):
+        described = dataclasses.replace(metadata, source=source)
+        assert described.problems() == []
+        rebuilt = fmt.SnapshotMetadata.from_json(described.to_json(), described.metadata_tensors())
+        assert rebuilt.source == source
 
 
 def test_docs_publish_the_schema_the_package_uses() -> None:

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kvsnap_cli.app import app
 from typer.testing import CliRunner
 
 import kvsnap.testing.synthetic  # noqa: F401  (imported by the inner tests; see the docstring)
+from kvsnap.cli.app import app
 from kvsnap.snapshot import Snapshot
 from kvsnap.testing import assert_kv_matches, golden_path, plugin
 from kvsnap.testing.golden import check_golden, kv_data, write_kv_snapshot
@@ -263,7 +263,7 @@ def test_dynamic_cache_of_a_real_model_forward(
     result = _run(pytester)
     result.assert_outcomes(failed=1)
     output = result.stdout.str()
-    assert "sequence 'seq-0': token ids differ between the snapshots" in output
+    assert "sequence 'seq-0': token ids differ from token 5" in output
     assert "first mismatch: layers.0.key, sequence seq-0, token 5, head 0" in output
 
 
@@ -342,11 +342,12 @@ def test_sequence_structure_differences_are_mismatches(tmp_path: Path) -> None:
     kv = _mapping_kv()
     assert check_golden(kv, golden).status == "missing"
     assert check_golden(kv, golden).status == "matched"
-    # Snapshot.compare alone looks only at the tokens both hold; a longer or shorter KV fails.
+    # compare() names a difference in length (the golden path is the reference side).
     shorter = {name: values[:5] for name, values in kv.items()}
     result = check_golden(shorter, golden)
     assert result.status == "mismatch"
-    assert "sequences differ: actual seq-0 (5 tokens); golden seq-0 (7 tokens)" in result.report
+    assert "sequence 'seq-0': 5 tokens in " in result.report
+    assert f", 7 in {golden} (only the first 5 compared)" in result.report
     assert check_golden(shorter, golden, update=True).status == "updated"
     assert check_golden(shorter, golden).status == "matched"
 
@@ -448,3 +449,15 @@ def test_golden_json_report_matches_verify_exit_code(tmp_path: Path) -> None:
     problems = json.loads(verify.output)["problems"]
     assert [problem["tensor"] for problem in problems] == ["layers.0.key"]
     assert check_golden(_mapping_kv((0, 6, 1, 2.0)), golden).status == "mismatch"
+
+
+def test_golden_files_record_their_name_as_the_model_id(tmp_path: Path) -> None:
+    golden = tmp_path / "prefill-kv.safetensors"
+    assert check_golden(_mapping_kv(), golden).status == "missing"
+    with Snapshot.open(golden) as snapshot:
+        assert snapshot.metadata.source.model_id == "prefill-kv"  # not a tensor name
+        assert snapshot.metadata.source.engine == "kvsnap-golden"
+    plain = tmp_path / "plain.safetensors"
+    write_kv_snapshot(kv_data(_mapping_kv()), plain, block_size=4)
+    with Snapshot.open(plain) as snapshot:
+        assert snapshot.metadata.source.model_id == "golden"

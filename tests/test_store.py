@@ -28,10 +28,9 @@ from store_helpers import (
 )
 
 from kvsnap import format as fmt
-from kvsnap import store
 from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
 from kvsnap.pinned import PinnedPool
-from kvsnap.store import SnapshotReader, SnapshotWriter
+from kvsnap.store import SnapshotReader, SnapshotWriter, local_file
 
 TESTS = Path(__file__).parent
 
@@ -57,7 +56,7 @@ def direct_io_works(directory: Path) -> bool:
     """Whether this filesystem accepts an aligned O_DIRECT write (tmpfs may not)."""
     probe = directory / "probe"
     probe.touch()
-    file = store._LocalFile.__new__(store._LocalFile)
+    file = local_file.LocalFile.__new__(local_file.LocalFile)
     file.temp, file.fd, file.direct_fd = str(probe), None, None
     try:
         return file.enable_direct(bytes(4096)) is None
@@ -140,8 +139,10 @@ def test_sharded_round_trip_and_index(tmp_path: Path) -> None:
     count = len(info.files)
     assert count > 3
     assert info.path == str(path) + ".index.json"
+    generation = Path(info.files[0]).name.split("-")[1]
+    assert fmt.GENERATION_PATTERN.fullmatch(generation)
     assert [Path(f).name for f in info.files] == [
-        f"snap-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)
+        f"snap-{generation}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)
     ]
     index = json.loads(Path(info.path).read_text())
     assert set(index["weight_map"].values()) == {Path(f).name for f in info.files}
@@ -268,7 +269,7 @@ def test_direct_io_refused_by_the_filesystem_falls_back(
     def refuse(path: str) -> int:
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(store, "_open_direct", refuse)
+    monkeypatch.setattr(local_file, "_open_direct", refuse)
     metadata, pages = build("f16-32k", seed=18)
     info = write_snapshot(tmp_path / "snap.safetensors", metadata, pages)
     assert not info.direct_io and "refused O_DIRECT" in (info.fallback_reason or "")
@@ -330,14 +331,14 @@ def test_a_failing_disk_write_aborts_cleanly(
     metadata, pages = build("bf16", seed=23)
     (layout,) = fmt.plan_files(metadata)
     target = layout.by_name["layers.1.key"]
-    real = store._pwrite_all
+    real = local_file._pwrite_all
 
     def disk_full(fd: int, view: memoryview, offset: int) -> None:
         if target.begin <= offset < target.end:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, view, offset)
 
-    monkeypatch.setattr(store, "_pwrite_all", disk_full)
+    monkeypatch.setattr(local_file, "_pwrite_all", disk_full)
     writer = SnapshotWriter(path, metadata, direct_io=False)
     writer.write_pages("layers.0.key", pages["layers.0.key"]).result()
     writer.write_pages("layers.0.value", pages["layers.0.value"]).result()
@@ -361,7 +362,7 @@ def test_not_enough_free_space_is_refused_before_writing(
         def __init__(self, result: os.statvfs_result) -> None:
             self.f_frsize, self.f_bavail = result.f_frsize, 1
 
-    monkeypatch.setattr(store.os, "statvfs", lambda path: Full(real(path)))
+    monkeypatch.setattr(os, "statvfs", lambda path: Full(real(path)))
     with pytest.raises(SnapshotIOError, match="needs"):
         SnapshotWriter(tmp_path / "snap.safetensors", metadata)
     assert os.listdir(tmp_path) == []
@@ -401,14 +402,14 @@ def test_inflight_bytes_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     (layout,) = fmt.plan_files(metadata)
     data = [(e.begin, e.end) for e in layout.entries if fmt.is_layer_tensor(e.name)]
     gate = threading.Event()
-    real = store._pwrite_all
+    real = local_file._pwrite_all
 
     def slow_disk(fd: int, view: memoryview, offset: int) -> None:
         if any(begin <= offset < end for begin, end in data):
             gate.wait(10)
         real(fd, view, offset)
 
-    monkeypatch.setattr(store, "_pwrite_all", slow_disk)
+    monkeypatch.setattr(local_file, "_pwrite_all", slow_disk)
     writer = SnapshotWriter(
         tmp_path / "snap.safetensors", metadata, max_inflight_bytes=2 * page, direct_io=False
     )

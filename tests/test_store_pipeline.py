@@ -21,9 +21,8 @@ import pytest
 from test_store import build, page_of, temp_files
 
 from kvsnap import format as fmt
-from kvsnap import store
 from kvsnap.errors import SnapshotCorruptError, SnapshotIOError
-from kvsnap.store import SnapshotReader, SnapshotWriter
+from kvsnap.store import SnapshotReader, SnapshotWriter, local_file, tuning
 
 WAIT_S = 10
 
@@ -78,14 +77,14 @@ def test_the_disk_write_starts_while_the_buffer_is_still_being_hashed(
         return real_digests(view, page_bytes)
 
     written: list[int] = []
-    real_pwrite = store._pwrite_all
+    real_pwrite = local_file._pwrite_all
 
     def recording_pwrite(fd: int, view: memoryview, offset: int) -> None:
         real_pwrite(fd, view, offset)
         written.append(offset)
 
     monkeypatch.setattr(fmt, "block_digests", held_digests)
-    monkeypatch.setattr(store, "_pwrite_all", recording_pwrite)
+    monkeypatch.setattr(local_file, "_pwrite_all", recording_pwrite)
     writer = SnapshotWriter(tmp_path / "snap.safetensors", metadata)
     first = writer.tensor_order()[0]
     begin, end = layer_ranges(metadata)[first]
@@ -106,11 +105,11 @@ def test_layer_data_reaches_the_file_as_one_ordered_stream(
     writes to one file reached 0.77-0.83 of the raw write, one stream 0.89-0.92)."""
     metadata, pages = build("f16-32k", seed=41)
     page = metadata.geometry.canonical_page_size_bytes
-    monkeypatch.setattr(store, "WRITE_CHUNK_BYTES", 2 * page)
+    monkeypatch.setattr(tuning, "WRITE_CHUNK_BYTES", 2 * page)
     is_data = in_layer_data(metadata)
     lock = threading.Lock()
     active, peak, offsets = [0], [0], []
-    real_pwrite = store._pwrite_all
+    real_pwrite = local_file._pwrite_all
 
     def recording_pwrite(fd: int, view: memoryview, offset: int) -> None:
         if not is_data(offset):
@@ -124,7 +123,7 @@ def test_layer_data_reaches_the_file_as_one_ordered_stream(
         with lock:
             active[0] -= 1
 
-    monkeypatch.setattr(store, "_pwrite_all", recording_pwrite)
+    monkeypatch.setattr(local_file, "_pwrite_all", recording_pwrite)
     writer = SnapshotWriter(tmp_path / "snap.safetensors", metadata)
     finish(writer, pages, set())
     assert len(offsets) > 4
@@ -141,17 +140,17 @@ def test_buffers_are_written_in_pieces_of_at_most_the_write_chunk(
     metadata, pages = build(name, seed=42, extra_blocks=extra_blocks)
     page = metadata.geometry.canonical_page_size_bytes
     chunk = 3 * 4096
-    monkeypatch.setattr(store, "WRITE_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(tuning, "WRITE_CHUNK_BYTES", chunk)
     is_data = in_layer_data(metadata)
     sizes: list[int] = []
-    real_pwrite = store._pwrite_all
+    real_pwrite = local_file._pwrite_all
 
     def recording_pwrite(fd: int, view: memoryview, offset: int) -> None:
         if is_data(offset):
             sizes.append(len(view))
         real_pwrite(fd, view, offset)
 
-    monkeypatch.setattr(store, "_pwrite_all", recording_pwrite)
+    monkeypatch.setattr(local_file, "_pwrite_all", recording_pwrite)
     writer = SnapshotWriter(tmp_path / "snap.safetensors", metadata)
     finish(writer, pages, set())
     # Pieces stay whole pages and 4096-multiples (O_DIRECT): at least lcm(page, 4096) bytes.
@@ -168,7 +167,7 @@ def test_a_buffer_is_let_go_only_after_every_piece_finished_even_after_a_failure
     first = metadata.geometry.tensor_names()[0]
     is_data = in_layer_data(metadata)
     hashing, release_hash, failed = threading.Event(), threading.Event(), threading.Event()
-    real_digests, real_pwrite = fmt.block_digests, store._pwrite_all
+    real_digests, real_pwrite = fmt.block_digests, local_file._pwrite_all
 
     def held_digests(view: np.ndarray, page_bytes: int) -> np.ndarray:
         hashing.set()
@@ -182,7 +181,7 @@ def test_a_buffer_is_let_go_only_after_every_piece_finished_even_after_a_failure
         real_pwrite(fd, view, offset)
 
     monkeypatch.setattr(fmt, "block_digests", held_digests)
-    monkeypatch.setattr(store, "_pwrite_all", failing_pwrite)
+    monkeypatch.setattr(local_file, "_pwrite_all", failing_pwrite)
     writer = SnapshotWriter(tmp_path / "snap.safetensors", metadata, direct_io=False)
     future = writer.write_pages(first, pages[first])
     assert failed.wait(WAIT_S) and hashing.wait(WAIT_S)
@@ -203,14 +202,14 @@ def test_a_written_buffer_is_not_kept_alive_by_the_writer(
     first = metadata.geometry.tensor_names()[0]
     is_data = in_layer_data(metadata)
     accepted = threading.Event()  # the writes finish only after write_pages has returned
-    real_pwrite = store._pwrite_all
+    real_pwrite = local_file._pwrite_all
 
     def held_pwrite(fd: int, view: memoryview, offset: int) -> None:
         if is_data(offset):
             assert accepted.wait(WAIT_S)
         real_pwrite(fd, view, offset)
 
-    monkeypatch.setattr(store, "_pwrite_all", held_pwrite)
+    monkeypatch.setattr(local_file, "_pwrite_all", held_pwrite)
     writer = SnapshotWriter(tmp_path / "snap.safetensors", metadata)
     gc.disable()  # only reference counting may free it: a cycle would hold it until a collection
     try:
@@ -229,7 +228,7 @@ def test_a_written_buffer_is_not_kept_alive_by_the_writer(
 def test_local_files_are_reserved_at_their_final_size(tmp_path: Path) -> None:
     metadata, pages = build("f16-32k", seed=45)
     (layout,) = fmt.plan_files(metadata)
-    if store._FALLOCATE is None:
+    if local_file._FALLOCATE is None:
         pytest.skip("no fallocate in this C library")
     writer = SnapshotWriter(tmp_path / "snap.safetensors", metadata)
     assert writer.preallocated
@@ -251,7 +250,7 @@ def test_a_disk_too_full_to_reserve_the_file_fails_before_any_data(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     metadata, _ = build("bf16", seed=46)
-    monkeypatch.setattr(store, "_FALLOCATE", fake_fallocate(errno.ENOSPC))
+    monkeypatch.setattr(local_file, "_FALLOCATE", fake_fallocate(errno.ENOSPC))
     with pytest.raises(SnapshotIOError, match="No space left"):
         SnapshotWriter(tmp_path / "snap.safetensors", metadata)
     assert os.listdir(tmp_path) == []
@@ -261,7 +260,7 @@ def test_a_filesystem_without_fallocate_is_written_without_reserving(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     metadata, pages = build("bf16", seed=47)
-    monkeypatch.setattr(store, "_FALLOCATE", fake_fallocate(errno.EOPNOTSUPP))
+    monkeypatch.setattr(local_file, "_FALLOCATE", fake_fallocate(errno.EOPNOTSUPP))
     writer = SnapshotWriter(tmp_path / "snap.safetensors", metadata)
     assert not writer.preallocated
     finish(writer, pages, set())
@@ -338,7 +337,7 @@ def test_an_async_read_of_a_corrupt_block_fails_once_no_piece_is_running(
         byte = handle.read(1)
         handle.seek(begin + page + 100)
         handle.write(bytes([byte[0] ^ 0xFF]))
-    monkeypatch.setattr(store, "SUBCHUNK_BYTES", page)  # one piece per block
+    monkeypatch.setattr(tuning, "SUBCHUNK_BYTES", page)  # one piece per block
     slow_started, release_slow = threading.Event(), threading.Event()
     real_preadv = os.preadv
 

@@ -18,8 +18,7 @@ from store_helpers import (
     write_snapshot,
 )
 
-from kvsnap import store
-from kvsnap.store import SnapshotReader, SnapshotWriter
+from kvsnap.store import SnapshotReader, SnapshotWriter, tuning
 
 moto_server = pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")
@@ -66,7 +65,7 @@ def test_streaming_multipart_upload_round_trip(
     s3: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 5 MiB parts (S3's minimum) so an 11 MiB snapshot needs a real multipart upload.
-    monkeypatch.setattr(store, "STREAM_BLOCK_BYTES", 5 << 20)
+    monkeypatch.setattr(tuning, "STREAM_BLOCK_BYTES", 5 << 20)
     metadata, pages = build(extra_blocks=80, seed=40)
     url = f"s3://{BUCKET}/round/snap.safetensors"
     info = write_snapshot(url, metadata, pages, rng=np.random.default_rng(41), storage_options=s3)
@@ -97,7 +96,7 @@ def test_streaming_multipart_upload_round_trip(
 def test_aborted_upload_keeps_the_old_object(
     s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store, "STREAM_BLOCK_BYTES", 5 << 20)
+    monkeypatch.setattr(tuning, "STREAM_BLOCK_BYTES", 5 << 20)
     metadata, pages = build(extra_blocks=80, seed=42)
     url = f"s3://{BUCKET}/abort/snap.safetensors"
     write_snapshot(url, metadata, pages, storage_options=s3)

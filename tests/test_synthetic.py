@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvsnap_cli.app import app
 from safetensors import safe_open
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.snapshot import Snapshot
 from kvsnap.testing.synthetic import (
     LAYOUTS,
@@ -294,7 +294,6 @@ def test_snapshot_restores_into_a_cache_of_another_layout(tmp_path: Path) -> Non
         snapshot.restore(
             target.layout,
             {sequence.id: sequence.block_ids for sequence in target.sequences},
-            backend="cpu",
             model_fingerprint=snapshot.metadata.source.model_fingerprint,
         )
     for name, view in target.page_views.items():
@@ -358,7 +357,7 @@ def _cli_fixture(path: Path, seed: int) -> subprocess.Popen[str]:
     command = [
         sys.executable,
         "-m",
-        "kvsnap_cli.app",
+        "kvsnap.cli",
         "fixture",
         str(path),
         "--layers",

@@ -557,7 +557,7 @@ def test_second_restart_loads_fresh_chunks_and_evicts_at_the_capacity_bound(
 def _cli(*args: str) -> tuple[int, dict[str, Any]]:
     # This tree's CLI and library, as the engines use them (not whatever the venv installed).
     result = subprocess.run(
-        [str(PYTHON), "-m", "cli", *args, "--json"],
+        [str(PYTHON), "-m", "kvsnap.cli", *args, "--json"],
         capture_output=True,
         text=True,
         timeout=120,

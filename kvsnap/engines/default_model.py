@@ -175,6 +175,8 @@ def _seeded_weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
 def _load_pretrained(name: str, *, dtype: torch.dtype, device: str) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if not Path(name).is_dir() and _names_a_directory(name):
+        raise ModelLoadError(f"model directory {name} does not exist")
     where = "directory" if Path(name).is_dir() else "hub id (local cache only)"
     try:
         config = AutoConfig.from_pretrained(name, local_files_only=True)
@@ -204,3 +206,13 @@ def _load_pretrained(name: str, *, dtype: torch.dtype, device: str) -> LoadedMod
         model_revision=revision,
         fingerprint=model_fingerprint(model.config),
     )
+
+
+def _names_a_directory(name: str) -> bool:
+    """Whether ``name`` can only mean a local directory, never a hub id (``org/model``): it is
+    absolute, starts with ``.`` or ``~``, has more than one ``/`` or a backslash, or its first
+    component is an existing local directory."""
+    if name.startswith((".", "~", "/")) or "\\" in name or name.count("/") > 1:
+        return True
+    first = name.split("/", 1)[0]
+    return "/" in name and Path(first).is_dir()

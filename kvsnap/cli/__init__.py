@@ -1,0 +1,1 @@
+"""The ``kvsnap`` command line (``kvsnap.cli.app:main``), one module per command."""

@@ -1,0 +1,113 @@
+"""The ``kvsnap`` command line: capture, inspect, verify, restore, fixture, bench.
+
+Every command is a thin client of the library (one module per command): it parses options,
+calls :mod:`kvsnap`, and formats the answer as rich tables (people) or one JSON object
+(``--json``, scripts). The contract of docs/cli.md holds for every error, click's own usage
+errors included: one line on stderr, exit code 2, and ``{"ok": false, "error": ...}`` on stdout
+with ``--json``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+import click
+import typer
+from typer.core import TyperGroup
+
+from kvsnap import __version__
+
+from .bench import bench
+from .capture import capture
+from .fixture import fixture
+from .inspection import inspect
+from .output import EXIT_USAGE, handle_errors, report_error, settings, stdout
+from .restore import restore
+from .verify import verify
+
+#: Raised after the help of a group called without a command was printed (click 8.2 and later).
+_NO_ARGS_IS_HELP: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+class KVSnapGroup(TyperGroup):
+    """The app's click group: runs without click's standalone error printing, so that a usage
+    error (a missing option, a value out of range) is reported as every other error is."""
+
+    def main(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, *pargs: Any, **kwargs: Any
+    ) -> Any:
+        arguments = list(sys.argv[1:] if args is None else args)
+        kwargs["standalone_mode"] = False
+        try:
+            code = super().main(arguments, *pargs, **kwargs)
+        except _NO_ARGS_IS_HELP:
+            sys.exit(EXIT_USAGE)  # the help was printed already
+        except click.ClickException as error:
+            command = _command_path(error)
+            hint = f" (see {command} --help)" if command else ""
+            message = _each_sentence_once(error.format_message())
+            report_error(message + hint, as_json="--json" in arguments)
+            sys.exit(EXIT_USAGE if error.exit_code == 2 else error.exit_code)
+        except click.exceptions.Abort:
+            report_error("aborted", as_json="--json" in arguments)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _each_sentence_once(message: str) -> str:
+    """``message`` without repeated sentences (typer and click both add "Did you mean ...?")."""
+    sentences = re.split(r"(?<=[.?!])\s+", message.strip())
+    return " ".join(dict.fromkeys(sentences))
+
+
+def _command_path(error: click.ClickException) -> str:
+    context = getattr(error, "ctx", None)
+    return context.command_path if context is not None else ""
+
+
+app = typer.Typer(
+    name="kvsnap",
+    cls=KVSnapGroup,
+    help="Snapshot an LLM's KV cache to disk and restore it: fast, bit-exact, refusing cleanly.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        stdout.print(f"kvsnap {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show full tracebacks for errors.")
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version_callback, is_eager=True, help="Print the version."
+        ),
+    ] = False,
+) -> None:
+    """kvsnap: capture → inspect → verify → restore KV cache snapshots."""
+    settings.debug = debug
+
+
+for _command in (capture, inspect, verify, restore, fixture, bench):
+    app.command()(handle_errors(_command))
+
+
+def main() -> None:
+    """Console-script entry point (``kvsnap``, ``python -m kvsnap.cli``)."""
+    app(prog_name="kvsnap")
+
+
+if __name__ == "__main__":
+    main()

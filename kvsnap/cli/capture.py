@@ -1,0 +1,97 @@
+"""``kvsnap capture``: run prefill for each prompt and write the KV cache as a snapshot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvsnap.pipeline import TransferOptions
+
+from . import models
+from .common import (
+    BackendOption,
+    DeviceOption,
+    DtypeOption,
+    JsonOption,
+    ModelOption,
+    format_bytes,
+    output_location,
+)
+from .output import UsageError, emit_json, progress_bar, stdout, text
+
+#: What ``kvsnap capture`` runs when given no prompt.
+DEFAULT_PROMPT = "kvsnap keeps the KV cache of this prompt, bit for bit, across restarts."
+
+
+def _prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[str]:
+    prompts = list(prompt or [])
+    if prompts_file is not None:
+        if not prompts_file.is_file():
+            raise UsageError(f"--prompts-file {prompts_file}: no such file")
+        prompts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
+    if not prompts:
+        prompts = [DEFAULT_PROMPT]
+    if not all(prompt_text.strip() for prompt_text in prompts):
+        raise UsageError("prompts must not be empty")
+    return prompts
+
+
+def capture(
+    output: Annotated[
+        str, typer.Option("--output", "-o", metavar="PATH", help="Snapshot file or URL to write.")
+    ],
+    model: ModelOption = None,
+    prompt: Annotated[
+        list[str] | None,
+        typer.Option("--prompt", "-p", help="A prompt (repeat for several sequences)."),
+    ] = None,
+    prompts_file: Annotated[
+        Path | None, typer.Option("--prompts-file", help="A file with one prompt per line.")
+    ] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    block_size: Annotated[
+        int, typer.Option("--block-size", min=1, help="Tokens per KV block.")
+    ] = 16,
+    reproducible: Annotated[
+        bool, typer.Option("--reproducible", help="Leave out everything time- or host-dependent.")
+    ] = False,
+    backend: BackendOption = "auto",
+    as_json: JsonOption = False,
+) -> None:
+    """Run prefill for each prompt on the model and write the KV cache as a snapshot."""
+    target = output_location(output, option="--output")
+    prompts = _prompts(prompt, prompts_file)
+    model_dtype = models.torch_dtype(dtype)
+    engine = models.transformers_engine("capture")
+    models.check_device(device)
+    models.check_backend(backend, device)
+    loaded = models.load(model, dtype=model_dtype, device=device, quiet=as_json)
+    prefilled = engine.prefill(loaded, prompts)
+    with progress_bar("capture", enabled=not as_json) as progress:
+        result = engine.capture_dynamic_caches(
+            prefilled,
+            target,
+            model=loaded,
+            block_size=block_size,
+            transfer=TransferOptions(backend=backend),
+            progress=progress,
+            reproducible=reproducible,
+        )
+    payload = {
+        "path": result.path,
+        "sequences": result.num_sequences,
+        "tokens": result.num_tokens,
+        "bytes": result.num_bytes,
+        "seconds": round(result.seconds, 6),
+    }
+    if as_json:
+        emit_json(payload)
+        return
+    stdout.print(
+        f"captured {result.num_sequences} sequence(s), {result.num_tokens} tokens, "
+        f"{format_bytes(result.num_bytes)} → [bold]{text(result.path)}[/] "
+        f"in {result.seconds:.2f} s"
+    )

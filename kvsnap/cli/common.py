@@ -1,0 +1,99 @@
+"""What several commands share: option types, snapshot and output locations, number formats.
+
+A location is a local path or an fsspec URL (``file:///abs/path``, ``memory://name``,
+``s3://bucket/key``). URLs go to the library as the string the user typed; only local paths are
+checked here, before any work is done, so that a mistake costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .output import UsageError
+
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")
+]
+ModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        metavar="M",
+        help=(
+            "A local transformers model directory or a cached hub id "
+            "(default: the built-in tiny model)."
+        ),
+    ),
+]
+DeviceOption = Annotated[
+    str,
+    typer.Option(
+        "--device", metavar="D", help="torch device to run the model on: cpu, cuda, cuda:N."
+    ),
+]
+DtypeOption = Annotated[
+    str,
+    typer.Option("--dtype", metavar="T", help="Model and KV dtype: float32, bfloat16, float16."),
+]
+BackendOption = Annotated[
+    str,
+    typer.Option(
+        "--backend", metavar="B", help="Copy backend: auto, cuda-batch, triton, torch, cpu."
+    ),
+]
+SnapshotArgument = Annotated[str, typer.Argument(metavar="SNAPSHOT", help="Snapshot file or URL.")]
+
+
+def is_url(location: str) -> bool:
+    """Whether ``location`` is an fsspec URL (``scheme://...``) rather than a local path."""
+    scheme, separator, _ = location.partition("://")
+    return bool(separator) and scheme.replace("+", "").replace("-", "").isalnum()
+
+
+def snapshot_location(location: str) -> str:
+    """``location`` checked as a snapshot to read: a local path must be an existing file.
+
+    URLs are returned unchanged (the library opens them); a local path is returned as given.
+    A sharded snapshot is read through its ``NAME.safetensors.index.json``, so a missing
+    ``NAME.safetensors`` with that index next to it counts as present.
+    """
+    if is_url(location):
+        return location
+    path = Path(location)
+    if path.is_dir():
+        raise UsageError(f"{location}: is a directory, not a snapshot file")
+    if not path.exists() and not Path(f"{location}.index.json").is_file():
+        raise UsageError(f"{location}: no such file")
+    return location
+
+
+def output_location(location: str, *, option: str) -> str:
+    """``location`` checked as a snapshot to write: refuse a directory or a missing parent.
+
+    URLs are returned unchanged; the check runs before any model is loaded or KV computed.
+    """
+    if is_url(location):
+        return location
+    path = Path(location)
+    if location.endswith(os.sep) or path.is_dir():
+        raise UsageError(f"{option} {location}: is a directory; name the snapshot file to write")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"{option} {location}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{option} {location}: directory {parent} is not writable")
+    return location
+
+
+def format_bytes(count: float) -> str:
+    """``count`` bytes in B, KiB, MiB or GiB (one decimal above bytes)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count} B"

@@ -1,0 +1,154 @@
+"""``kvsnap inspect``: a snapshot's metadata and sequences, optionally statistics and a plot."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from kvsnap.snapshot import Snapshot
+
+from .common import JsonOption, SnapshotArgument, format_bytes, snapshot_location
+from .output import UsageError, emit_json, stdout, text
+from .plot import check_plot_path, plot_norms
+
+
+def inspect(
+    snapshot: SnapshotArgument,
+    stats: Annotated[
+        bool, typer.Option("--stats", help="Per layer absmax, mean, std, NaN and Inf counts.")
+    ] = False,
+    plot: Annotated[
+        str | None,
+        typer.Option(
+            "--plot",
+            metavar="FILE",
+            help="Write a heatmap of per-layer, per-token K/V norms (.png, .svg, .pdf).",
+        ),
+    ] = None,
+    sequence: Annotated[
+        str | None,
+        typer.Option(
+            "--sequence", metavar="ID", help="The sequence --plot shows (default: the first)."
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Show a snapshot's metadata and sequences (and optionally statistics and a plot)."""
+    location = snapshot_location(snapshot)
+    if sequence is not None and plot is None:
+        raise UsageError("--sequence chooses the sequence of --plot: add --plot FILE")
+    if plot is not None:
+        check_plot_path(plot)
+    with Snapshot.open(location) as snap:
+        payload = describe(snap)
+        if stats:
+            names = snap.geometry.tensor_names()
+            payload["stats"] = {name: snap.tensor_stats(name) for name in names}
+        if plot is not None:
+            payload["plot"] = plot_norms(snap, plot, sequence_id=sequence)
+    if as_json:
+        emit_json(payload)
+        return
+    _print_inspect(payload)
+
+
+def describe(snap: Snapshot) -> dict[str, Any]:
+    """The JSON description of ``snap`` that ``kvsnap inspect --json`` prints (no stats)."""
+    meta = snap.metadata
+    geometry = snap.geometry
+    shared = snap.shared_blocks()
+    return {
+        "path": snap.path,
+        "format_version": snap.format_version,
+        "kvsnap_version": meta.kvsnap_version,
+        "created": meta.created,
+        "model": {
+            "id": meta.source.model_id,
+            "revision": meta.source.model_revision,
+            "fingerprint": meta.source.model_fingerprint,
+            "engine": meta.source.engine,
+            "engine_version": meta.source.engine_version,
+        },
+        "layout": {
+            "num_layers": geometry.num_layers,
+            "num_kv_heads": geometry.num_kv_heads,
+            "head_dim": geometry.head_dim,
+            "latent_dim": geometry.latent_dim,
+            "block_size": geometry.block_size,
+            "dtype": geometry.dtype,
+            "attention_types": list(geometry.attention_types),
+            "capture_encoding": meta.capture_encoding,
+            "tp_size": meta.tp_size,
+        },
+        "sequences": [
+            {
+                "id": record.id,
+                "num_tokens": len(record.token_ids),
+                "num_blocks": len(record.block_ids),
+                "shared_blocks": shared[record.id],
+            }
+            for record in snap.sequences
+        ],
+        "num_blocks": snap.num_blocks,
+        "total_bytes": snap.kv_bytes,
+    }
+
+
+def _metadata_table(payload: dict[str, Any]) -> Table:
+    layout = payload["layout"]
+    model = payload["model"]
+    table = Table(title=Text(payload["path"]), show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    heads = (
+        f"latent {layout['latent_dim']}"
+        if layout["latent_dim"]
+        else f"{layout['num_kv_heads']} KV heads x {layout['head_dim']}"
+    )
+    rows = [
+        ("format", f"v{payload['format_version']} (kvsnap {payload['kvsnap_version']})"),
+        ("created", payload["created"] or "(reproducible)"),
+        ("model", f"{model['id']} ({model['engine']} {model['engine_version']})"),
+        ("fingerprint", str(model["fingerprint"])[:16]),
+        ("layout", f"{layout['num_layers']} layers, {heads}, {layout['block_size']} tokens/block"),
+        ("dtype", layout["dtype"]),
+        ("captured from", f"{layout['capture_encoding']}, TP {layout['tp_size']}"),
+        ("blocks", f"{payload['num_blocks']} ({format_bytes(payload['total_bytes'])})"),
+    ]
+    for key, value in rows:
+        table.add_row(key, Text(str(value)))
+    return table
+
+
+def _print_inspect(payload: dict[str, Any]) -> None:
+    stdout.print(_metadata_table(payload))
+    sequences = Table(title="sequences", title_justify="left")
+    for column in ("id", "tokens", "blocks", "shared blocks"):
+        sequences.add_column(column, justify="right" if column != "id" else "left")
+    for record in payload["sequences"]:
+        sequences.add_row(
+            Text(record["id"]),
+            str(record["num_tokens"]),
+            str(record["num_blocks"]),
+            str(record["shared_blocks"]),
+        )
+    stdout.print(sequences)
+    if "stats" in payload:
+        stats = Table(title="statistics (real tokens only)", title_justify="left")
+        for column in ("tensor", "absmax", "mean", "std", "NaN", "Inf"):
+            stats.add_column(column, justify="right" if column != "tensor" else "left")
+        for name, values in payload["stats"].items():
+            stats.add_row(
+                Text(name),
+                f"{values['absmax']:.4g}",
+                f"{values['mean']:.4g}",
+                f"{values['std']:.4g}",
+                str(values["nan"]),
+                str(values["inf"]),
+            )
+        stdout.print(stats)
+    if "plot" in payload:
+        stdout.print(f"plot written to {text(payload['plot'])}")

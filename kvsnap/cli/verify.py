@@ -1,0 +1,154 @@
+"""``kvsnap verify``: structure and checksums; optionally compared with a reference snapshot
+(``--against``) or with a fresh prefill of its token ids (``--recompute``)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvsnap.analysis import Comparison
+from kvsnap.errors import NotASnapshotError, SnapshotCorruptError
+from kvsnap.snapshot import Snapshot
+
+from . import models
+from .common import DeviceOption, JsonOption, ModelOption, SnapshotArgument, snapshot_location
+from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, progress_bar, stdout, text
+
+
+def verify(
+    snapshot: SnapshotArgument,
+    against: Annotated[
+        str | None,
+        typer.Option(
+            "--against", metavar="REF", help="Compare numerically with this reference snapshot."
+        ),
+    ] = None,
+    atol: Annotated[
+        float, typer.Option("--atol", min=0.0, help="Absolute tolerance for --against.")
+    ] = 0.0,
+    rtol: Annotated[
+        float, typer.Option("--rtol", min=0.0, help="Relative tolerance for --against.")
+    ] = 0.0,
+    recompute: Annotated[
+        bool,
+        typer.Option(
+            "--recompute", help="Rerun prefill on the model and compare with the snapshot."
+        ),
+    ] = False,
+    model: ModelOption = None,
+    device: DeviceOption = "cpu",
+    as_json: JsonOption = False,
+) -> None:
+    """Check structure and every checksum; optionally compare with another snapshot or prefill."""
+    location = snapshot_location(snapshot)
+    reference = None if against is None else snapshot_location(against)
+    engine = models.transformers_engine("verify --recompute") if recompute else None
+    if recompute:
+        models.check_device(device)
+    problems: list[dict[str, Any]] = []
+    comparison: Comparison | None = None
+    try:
+        with Snapshot.open(location) as snap:
+            with progress_bar("verify", enabled=not as_json) as progress:
+                problems += [_problem(problem) for problem in snap.verify(progress=progress)]
+            if not problems and reference is not None:
+                with Snapshot.open(reference) as other:
+                    comparison = snap.compare(other, atol=atol, rtol=rtol)
+            if not problems and engine is not None:
+                comparison = _recompute(engine, snap, model, device, atol, rtol, quiet=as_json)
+    except (SnapshotCorruptError, NotASnapshotError) as error:
+        problems.append(
+            {
+                "tensor": getattr(error, "tensor", None),
+                "block": getattr(error, "block", None),
+                "message": str(error),
+            }
+        )
+    if comparison is not None:
+        problems += _comparison_problems(comparison)
+    _report(problems, comparison, as_json=as_json)
+    if problems:
+        raise typer.Exit(EXIT_VERIFY_FAILED)
+
+
+def _report(
+    problems: list[dict[str, Any]], comparison: Comparison | None, *, as_json: bool
+) -> None:
+    """Print the outcome: each problem once, after the per-tensor comparison table."""
+    notes = [] if comparison is None else comparison.notes
+    if as_json:
+        emit_json({"ok": not problems, "problems": problems, **({"notes": notes} if notes else {})})
+        return
+    for note in notes:
+        stdout.print(f"[yellow]note:[/] {text(note)}")
+    if comparison is not None:
+        for line in comparison.layer_lines():
+            stdout.print(text(line))
+    for problem in problems:
+        stdout.print(f"[red]problem:[/] {text(problem['message'])}")
+    if problems:
+        stdout.print(f"[bold red]FAILED[/] ({len(problems)} problem(s))")
+    else:
+        stdout.print("[bold green]OK[/]")
+
+
+def _problem(problem: Any) -> dict[str, Any]:
+    return {"tensor": problem.tensor, "block": problem.block, "message": problem.message}
+
+
+def _comparison_problems(comparison: Comparison) -> list[dict[str, Any]]:
+    """The structural problems, then one problem per tensor with mismatching elements."""
+    problems = [_problem(problem) for problem in comparison.problems]
+    for layer in comparison.layers:
+        if layer.num_mismatches:
+            where = layer.first_mismatch or {}
+            problems.append(
+                {
+                    "tensor": layer.tensor,
+                    "block": None,
+                    "message": (
+                        f"{layer.tensor}: {layer.num_mismatches} element(s) differ, max |diff| "
+                        f"{layer.max_abs_diff:.6g}; first at sequence {where.get('sequence')!r}, "
+                        f"token {where.get('token')}, head {where.get('head')}"
+                    ),
+                    "max_abs_diff": layer.max_abs_diff,
+                    "first_mismatch": where,
+                }
+            )
+    return problems
+
+
+def _recompute(
+    engine: Any,
+    snap: Snapshot,
+    model: str | None,
+    device: str,
+    atol: float,
+    rtol: float,
+    *,
+    quiet: bool,
+) -> Comparison:
+    """Prefill ``snap``'s token ids on the model, capture that, and compare it with ``snap``."""
+    kv_dtype = snap.geometry.dtype
+    if kv_dtype not in models.MODEL_DTYPES:
+        raise UsageError(
+            f"--recompute runs the model in the snapshot's KV dtype, and {kv_dtype} is not a "
+            f"model dtype ({', '.join(models.MODEL_DTYPES)}); {models.snapshot_model_hint(snap)}"
+        )
+    loaded = models.load(model, dtype=models.torch_dtype(kv_dtype), device=device, quiet=quiet)
+    models.check_fits(engine, snap, loaded, force=False)
+    prefilled = engine.prefill_token_ids(loaded, [record.token_ids for record in snap.sequences])
+    with tempfile.TemporaryDirectory(prefix="kvsnap-recompute-") as scratch:
+        fresh_path = Path(scratch) / "recomputed.safetensors"
+        engine.capture_dynamic_caches(
+            prefilled,
+            fresh_path,
+            model=loaded,
+            block_size=snap.geometry.block_size,
+            sequence_ids=[record.id for record in snap.sequences],
+        )
+        with Snapshot.open(fresh_path) as fresh:
+            return snap.compare(fresh, atol=atol, rtol=rtol)

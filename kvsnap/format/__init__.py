@@ -1,0 +1,186 @@
+"""The kvsnap snapshot format, version 1: a safetensors container with kvsnap metadata.
+
+This package is pure bytes-in-memory, one module per job:
+
+- :mod:`~kvsnap.format.constants`: version, tensor names, alignment, limits;
+- :mod:`~kvsnap.format.metadata`: the metadata dataclasses (:class:`SnapshotMetadata`, ...);
+- :mod:`~kvsnap.format.schema`: strict JSON and the metadata JSON Schema;
+- :mod:`~kvsnap.format.parse`: the metadata JSON parsed and validated (:class:`HeaderMetadata`);
+- :mod:`~kvsnap.format.container`: the exact file layout (which tensor goes where, padding,
+  sharding) and the header bytes;
+- :mod:`~kvsnap.format.header`: strict decoding of a file's header;
+- :mod:`~kvsnap.format.index`: shard file names and the sharded snapshot's index;
+- :mod:`~kvsnap.format.hashing`: prefix hash chains, block dedupe, checksums, the trailer;
+- :mod:`~kvsnap.format.fingerprint`: model fingerprints.
+
+All file and object-store I/O lives in :mod:`kvsnap.store`. ``docs/format.md`` is the prose
+specification.
+
+A snapshot file, in file order::
+
+    u64 little-endian N | N bytes of header JSON, padded with spaces so data starts 4096-aligned
+    sequences.{j}.token_ids   I64 (num_tokens,)            for every sequence j
+    sequences.{j}.block_ids   I64 (num_blocks_of_seq,)     indices into the block axis
+    kvsnap.block_hashes       U8  (num_blocks, 16)         prefix hash of every snapshot block
+    layers.{i}.{part}         model dtype (num_blocks, *canonical_page_shape), each 4096-aligned
+    kvsnap.block_checksums    U64 (num_layer_tensors, num_blocks)   xxh3-64 of every page
+    kvsnap.checksums          U8  (rows, 16)               xxh3-128 trailer (see below)
+
+with ``kvsnap.padding.<next tensor>`` (U8 zeros) wherever the next tensor needs alignment.
+Everything in the header is known before the first data byte, so a writer streams the file
+strictly front to back; the data-dependent checksums go to the last two tensors. The trailer
+``kvsnap.checksums`` holds, as 16-byte xxh3-128 digests: row 0 the header bytes
+``[0, data_start)``; then one row per tensor in file order (padding and the trailer excluded) —
+for a layer tensor the digest of its row of ``kvsnap.block_checksums`` (little-endian u64),
+for any other tensor the digest of its bytes; and last the digest of all previous rows. Every
+byte of the file is therefore covered: the header and tensors by the trailer, the trailer by
+its last row, padding by being required zero.
+"""
+
+from __future__ import annotations
+
+from kvsnap.format.constants import (
+    BLOCK_CHECKSUM,
+    BLOCK_CHECKSUMS_TENSOR,
+    BLOCK_HASHES_TENSOR,
+    CHECKSUMS_TENSOR,
+    DATA_ALIGNMENT,
+    DIGEST_BYTES,
+    FORMAT_VERSION,
+    MAX_HEADER_BYTES,
+    MAX_INDEX_BYTES,
+    METADATA_KEY,
+    MLA_ENCODING,
+    NHD_ENCODING,
+    NO_HASH,
+    PADDING_PREFIX,
+    ROOT_DIGEST,
+    SUPPORTED_VERSIONS,
+    TENSOR_CHECKSUM,
+)
+from kvsnap.format.container import (
+    FileLayout,
+    TensorEntry,
+    TensorSpec,
+    is_container_tensor,
+    is_layer_tensor,
+    pack_file,
+    plan_files,
+    snapshot_specs,
+    specs_for,
+    split_shards,
+)
+from kvsnap.format.fingerprint import (
+    VOLATILE_CONFIG_KEYS,
+    model_fingerprint,
+)
+from kvsnap.format.hashing import (
+    BlockDedupe,
+    block_digests,
+    decode_trailer,
+    dedupe_blocks,
+    digest128,
+    encode_trailer,
+    layer_tensor_digest,
+    prefix_hash_chain,
+)
+from kvsnap.format.header import (
+    DecodedHeader,
+    decode_header,
+    expected_layout,
+    header_length,
+    locate_trailer,
+)
+from kvsnap.format.index import (
+    GENERATION_PATTERN,
+    ShardIndex,
+    decode_index,
+    encode_index,
+    is_shard_of,
+    new_generation,
+    shard_file_name,
+)
+from kvsnap.format.metadata import (
+    Problem,
+    SequenceRecord,
+    SnapshotMetadata,
+    SourceInfo,
+    canonical_encoding,
+    utc_now,
+)
+from kvsnap.format.parse import (
+    HeaderMetadata,
+    SequenceShape,
+    check_version,
+    parse_metadata_document,
+    parse_metadata_json,
+)
+from kvsnap.format.schema import (
+    metadata_schema,
+    strict_json_loads,
+)
+
+__all__ = [
+    "BLOCK_CHECKSUM",
+    "BLOCK_CHECKSUMS_TENSOR",
+    "BLOCK_HASHES_TENSOR",
+    "CHECKSUMS_TENSOR",
+    "DATA_ALIGNMENT",
+    "DIGEST_BYTES",
+    "FORMAT_VERSION",
+    "GENERATION_PATTERN",
+    "MAX_HEADER_BYTES",
+    "MAX_INDEX_BYTES",
+    "METADATA_KEY",
+    "MLA_ENCODING",
+    "NHD_ENCODING",
+    "NO_HASH",
+    "PADDING_PREFIX",
+    "ROOT_DIGEST",
+    "SUPPORTED_VERSIONS",
+    "TENSOR_CHECKSUM",
+    "VOLATILE_CONFIG_KEYS",
+    "BlockDedupe",
+    "DecodedHeader",
+    "FileLayout",
+    "HeaderMetadata",
+    "Problem",
+    "SequenceRecord",
+    "SequenceShape",
+    "ShardIndex",
+    "SnapshotMetadata",
+    "SourceInfo",
+    "TensorEntry",
+    "TensorSpec",
+    "block_digests",
+    "canonical_encoding",
+    "check_version",
+    "decode_header",
+    "decode_index",
+    "decode_trailer",
+    "dedupe_blocks",
+    "digest128",
+    "encode_index",
+    "encode_trailer",
+    "expected_layout",
+    "header_length",
+    "is_container_tensor",
+    "is_layer_tensor",
+    "is_shard_of",
+    "layer_tensor_digest",
+    "locate_trailer",
+    "metadata_schema",
+    "model_fingerprint",
+    "new_generation",
+    "pack_file",
+    "parse_metadata_document",
+    "parse_metadata_json",
+    "plan_files",
+    "prefix_hash_chain",
+    "shard_file_name",
+    "snapshot_specs",
+    "specs_for",
+    "split_shards",
+    "strict_json_loads",
+    "utc_now",
+]

@@ -1,0 +1,42 @@
+"""The v1 format's constants: version, names of kvsnap's own tensors, alignment, limits."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+#: The format version this module writes; readers accept every version in SUPPORTED_VERSIONS.
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+#: ``__metadata__`` key holding the kvsnap JSON (safetensors metadata values must be strings).
+METADATA_KEY = "kvsnap"
+#: File offsets of the data region and of every layer tensor are multiples of this (O_DIRECT).
+DATA_ALIGNMENT = 4096
+#: Largest header accepted (safetensors' own limit), checked before anything is allocated.
+MAX_HEADER_BYTES = 100_000_000
+#: Largest sharded-snapshot index file accepted.
+MAX_INDEX_BYTES = 64 << 20
+DIGEST_BYTES = 16
+TENSOR_CHECKSUM = "xxh3-128"
+BLOCK_CHECKSUM = "xxh3-64"
+
+BLOCK_HASHES_TENSOR = "kvsnap.block_hashes"
+BLOCK_CHECKSUMS_TENSOR = "kvsnap.block_checksums"
+CHECKSUMS_TENSOR = "kvsnap.checksums"
+PADDING_PREFIX = "kvsnap.padding."
+
+NHD_ENCODING = "kvsnap-nhd-v1"
+MLA_ENCODING = "kvsnap-mla-v1"
+
+#: Root parent of every prefix hash chain.
+ROOT_DIGEST = bytes(DIGEST_BYTES)
+#: Stored in ``kvsnap.block_hashes`` for blocks that no sequence references.
+NO_HASH = bytes(DIGEST_BYTES)
+
+#: A prefix hash or digest as text: 32 lowercase hex digits.
+HEX32 = re.compile(r"[0-9a-f]{32}")
+CREATED_PATTERN = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6})?Z"
+)
+#: The safetensors length prefix: the header JSON length, u64 little-endian.
+HEADER_PREFIX = struct.Struct("<Q")

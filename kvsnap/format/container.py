@@ -1,0 +1,200 @@
+"""The container: which tensor goes where in a file (specs, padding, sharding, header bytes)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvsnap.dtypes import KV_DTYPES, SAFETENSORS_TYPES
+from kvsnap.format.constants import (
+    BLOCK_CHECKSUMS_TENSOR,
+    BLOCK_HASHES_TENSOR,
+    CHECKSUMS_TENSOR,
+    DATA_ALIGNMENT,
+    DIGEST_BYTES,
+    HEADER_PREFIX,
+    METADATA_KEY,
+    PADDING_PREFIX,
+)
+from kvsnap.format.metadata import (
+    SnapshotMetadata,
+)
+from kvsnap.format.parse import (
+    HeaderMetadata,
+)
+from kvsnap.format.schema import dump_json
+from kvsnap.layout import KVGeometry
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to place in a file: name, safetensors dtype, shape, required start alignment."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    alignment: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * SAFETENSORS_TYPES[self.dtype].size
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor placed in a file: ``[begin, end)`` are absolute file offsets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def is_layer_tensor(name: str) -> bool:
+    """Whether ``name`` is a KV page tensor (``layers.{i}.{part}``)."""
+    return name.startswith("layers.")
+
+
+def is_container_tensor(name: str) -> bool:
+    """Padding and the per-file checksum trailer: part of one file, not of the snapshot."""
+    return name == CHECKSUMS_TENSOR or name.startswith(PADDING_PREFIX)
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """The exact layout of one snapshot file: header bytes and every tensor's place.
+
+    ``header`` is the file's first ``data_start`` bytes (length prefix, JSON, space padding).
+    ``entries`` are in file order and tile ``[data_start, file_size)`` exactly.
+    """
+
+    header: bytes
+    entries: tuple[TensorEntry, ...]
+    kvsnap_json: str
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    @property
+    def file_size(self) -> int:
+        return self.entries[-1].end if self.entries else self.data_start
+
+    @functools.cached_property
+    def by_name(self) -> dict[str, TensorEntry]:
+        return {entry.name: entry for entry in self.entries}
+
+    def checksummed(self) -> list[TensorEntry]:
+        """Entries with a trailer row, in row order (after the header's row 0)."""
+        return [entry for entry in self.entries if not is_container_tensor(entry.name)]
+
+
+def snapshot_specs(
+    geometry: KVGeometry, num_blocks: int, sequences: Iterable[tuple[int, int]]
+) -> list[TensorSpec]:
+    """Every snapshot tensor in file order, padding and trailer excluded.
+
+    ``sequences`` gives ``(num_tokens, num_blocks)`` per sequence.
+    """
+    specs = []
+    for index, (num_tokens, seq_blocks) in enumerate(sequences):
+        specs.append(TensorSpec(f"sequences.{index}.token_ids", "I64", (num_tokens,), 8))
+        specs.append(TensorSpec(f"sequences.{index}.block_ids", "I64", (seq_blocks,), 8))
+    specs.append(TensorSpec(BLOCK_HASHES_TENSOR, "U8", (num_blocks, DIGEST_BYTES)))
+    dtype = KV_DTYPES[geometry.dtype].safetensors
+    page_shape = geometry.canonical_page_shape
+    names = geometry.tensor_names()
+    for name in names:
+        specs.append(TensorSpec(name, dtype, (num_blocks, *page_shape), DATA_ALIGNMENT))
+    specs.append(TensorSpec(BLOCK_CHECKSUMS_TENSOR, "U64", (len(names), num_blocks), 8))
+    return specs
+
+
+def specs_for(metadata: SnapshotMetadata | HeaderMetadata) -> list[TensorSpec]:
+    """:func:`snapshot_specs` of a metadata object."""
+    if isinstance(metadata, SnapshotMetadata):
+        shapes = [(record.num_tokens, len(record.block_ids)) for record in metadata.sequences]
+    else:
+        shapes = [(shape.num_tokens, shape.num_blocks) for shape in metadata.sequences]
+    return snapshot_specs(metadata.geometry, metadata.num_blocks, shapes)
+
+
+def _header_json(entries: Sequence[TensorEntry], data_start: int, kvsnap_json: str) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", METADATA_KEY: kvsnap_json}}
+    for entry in entries:
+        header[entry.name] = {
+            "dtype": entry.dtype,
+            "shape": list(entry.shape),
+            "data_offsets": [entry.begin - data_start, entry.end - data_start],
+        }
+    return dump_json(header).encode("ascii")
+
+
+def pack_file(specs: Sequence[TensorSpec], kvsnap_json: str) -> FileLayout:
+    """Lay out one file holding ``specs`` in order, plus padding and its checksum trailer.
+
+    Offsets relative to the data start do not depend on the header length, and the data
+    start is a multiple of :data:`DATA_ALIGNMENT`, so aligning relative offsets aligns file
+    offsets. The header is padded with spaces (which JSON ignores) up to that multiple.
+    """
+    trailer = TensorSpec(CHECKSUMS_TENSOR, "U8", (len(specs) + 2, DIGEST_BYTES))
+    relative: list[TensorEntry] = []
+    offset = 0
+    for spec in [*specs, trailer]:
+        aligned = -(-offset // spec.alignment) * spec.alignment
+        if aligned > offset:
+            relative.append(
+                TensorEntry(PADDING_PREFIX + spec.name, "U8", (aligned - offset,), offset, aligned)
+            )
+        relative.append(
+            TensorEntry(spec.name, spec.dtype, spec.shape, aligned, aligned + spec.nbytes)
+        )
+        offset = aligned + spec.nbytes
+    body = _header_json(relative, 0, kvsnap_json)
+    data_start = -(-(HEADER_PREFIX.size + len(body)) // DATA_ALIGNMENT) * DATA_ALIGNMENT
+    padded = body + b" " * (data_start - HEADER_PREFIX.size - len(body))
+    header = HEADER_PREFIX.pack(len(padded)) + padded
+    entries = tuple(
+        TensorEntry(e.name, e.dtype, e.shape, e.begin + data_start, e.end + data_start)
+        for e in relative
+    )
+    return FileLayout(header, entries, kvsnap_json)
+
+
+def split_shards(
+    specs: Sequence[TensorSpec], max_shard_bytes: int | None
+) -> list[list[TensorSpec]]:
+    """Greedy sharding in file order: a shard closes when the next tensor would push its tensor
+    bytes past ``max_shard_bytes``; a tensor larger than that gets a shard of its own."""
+    if max_shard_bytes is None:
+        return [list(specs)]
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+def plan_files(metadata: SnapshotMetadata, max_shard_bytes: int | None = None) -> list[FileLayout]:
+    """The exact layout of every file of a snapshot: one, or one per shard."""
+    groups = split_shards(specs_for(metadata), max_shard_bytes)
+    if len(groups) == 1:
+        return [pack_file(groups[0], metadata.to_json())]
+    count = len(groups)
+    return [
+        pack_file(group, metadata.to_json((index + 1, count))) for index, group in enumerate(groups)
+    ]

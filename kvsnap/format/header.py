@@ -1,0 +1,321 @@
+"""Strict decoding of a snapshot file's header and the layout check against its metadata."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvsnap.dtypes import SAFETENSORS_TYPES
+from kvsnap.errors import NotASnapshotError, SnapshotCorruptError
+from kvsnap.format.constants import (
+    DATA_ALIGNMENT,
+    DIGEST_BYTES,
+    HEADER_PREFIX,
+    MAX_HEADER_BYTES,
+    METADATA_KEY,
+)
+from kvsnap.format.container import (
+    FileLayout,
+    TensorEntry,
+    is_container_tensor,
+    pack_file,
+    specs_for,
+)
+from kvsnap.format.parse import (
+    HeaderMetadata,
+    parse_metadata_document,
+)
+from kvsnap.format.schema import strict_json_loads
+
+#: The start of every header kvsnap writes (any JSON whitespace allowed between tokens).
+_LEADING_METADATA = re.compile(
+    rb'\{\s*"__metadata__"\s*:\s*\{\s*"format"\s*:\s*"pt"\s*,\s*"kvsnap"\s*:\s*"'
+)
+#: The trailer's entry, as kvsnap writes it; found by :func:`locate_trailer` without parsing.
+_TRAILER_ENTRY = re.compile(
+    rb'"kvsnap\.checksums"\s*:\s*\{\s*"dtype"\s*:\s*"U8"\s*,\s*"shape"\s*:\s*'
+    rb'\[\s*([0-9]{1,12})\s*,\s*16\s*\]\s*,\s*"data_offsets"\s*:\s*'
+    rb"\[\s*([0-9]{1,15})\s*,\s*([0-9]{1,15})\s*\]\s*\}"
+)
+#: Largest header parsed whole when it does not begin with kvsnap metadata (to say what it is).
+FOREIGN_HEADER_PARSE_LIMIT = 1 << 20
+
+
+def header_length(prefix: bytes, file_size: int, file: str | None = None) -> int:
+    """The JSON length from the 8-byte prefix, checked against the limits and the file size."""
+    if file_size < HEADER_PREFIX.size or len(prefix) < HEADER_PREFIX.size:
+        raise NotASnapshotError(f"{file_size} bytes is too short for a safetensors file", file=file)
+    (length,) = HEADER_PREFIX.unpack(prefix[: HEADER_PREFIX.size])
+    if length < 2 or length > MAX_HEADER_BYTES:
+        # The value is not shown: it is the file's first 8 bytes, whatever the file is.
+        raise NotASnapshotError(
+            f"header length is outside 2..{MAX_HEADER_BYTES}: not a safetensors file", file=file
+        )
+    if HEADER_PREFIX.size + length > file_size:
+        raise SnapshotCorruptError(
+            f"header claims {length} bytes, the file holds {file_size - HEADER_PREFIX.size} after "
+            "the length prefix (truncated?)",
+            file=file,
+        )
+    return length
+
+
+def locate_trailer(header: bytes) -> tuple[int, int] | None:
+    """The absolute ``[begin, end)`` of the checksum trailer that ``header`` (a file's first
+    ``8 + N`` bytes) names, found by pattern, not by parsing: usable when the metadata cannot
+    be trusted (to tell a damaged header from a newer format). ``None`` unless exactly one
+    well-formed ``kvsnap.checksums`` entry is there."""
+    found = _TRAILER_ENTRY.findall(header, HEADER_PREFIX.size)
+    if len(found) != 1:
+        return None
+    rows, begin, end = (int(value) for value in found[0])
+    if rows < 2 or end - begin != rows * DIGEST_BYTES:
+        return None
+    return len(header) + begin, len(header) + end
+
+
+@dataclass(frozen=True)
+class DecodedHeader:
+    """A header that parsed as safetensors with kvsnap metadata, before layout checks."""
+
+    metadata: HeaderMetadata
+    kvsnap_json: str
+    entries: tuple[TensorEntry, ...]  # file order, absolute offsets
+    data_start: int
+
+
+def decode_header(header: bytes, file_size: int, file: str | None = None) -> DecodedHeader:
+    """Parse a file's first ``8 + N`` bytes as a kvsnap safetensors header.
+
+    Checks, in order: ``__metadata__`` with kvsnap metadata at the start (else
+    :class:`NotASnapshotError`, after a full parse only for headers up to
+    :data:`FOREIGN_HEADER_PARSE_LIMIT`), format version (:class:`UnsupportedVersionError`), the
+    v1 schema and its semantics, the header's entry count and size against what the metadata
+    allows (before anything else is parsed, so time and memory stay bounded by the metadata),
+    the whole header as strict JSON, then every tensor entry: known dtype, non-negative integer
+    shape, offsets matching the shape, and tensors tiling the data region with no gap or
+    overlap up to exactly the end of the file (:class:`SnapshotCorruptError`).
+    """
+    data_start = len(header)
+    body = header[HEADER_PREFIX.size :]
+    if body[:1] != b"{":
+        raise NotASnapshotError("header does not start with '{': not a safetensors file", file=file)
+    leading = _leading_kvsnap_json(body)
+    if leading is not None:
+        # Bounds first: what the metadata implies limits what the full parse may cost.
+        metadata = _parse_kvsnap_json(leading, file)
+        _check_header_bounds(body, metadata, leading, file)
+    elif len(body) > FOREIGN_HEADER_PARSE_LIMIT:
+        raise NotASnapshotError(
+            f"a header of {len(body)} bytes that does not begin with kvsnap metadata", file=file
+        )
+    document, kvsnap_json = _header_document(header, file)
+    if leading is None:
+        metadata = _parse_kvsnap_json(kvsnap_json, file)
+    if data_start % DATA_ALIGNMENT:
+        raise SnapshotCorruptError(
+            f"data starts at {data_start}, not a multiple of {DATA_ALIGNMENT}", file=file
+        )
+    entries = [
+        _decode_entry(name, spec, data_start, file)
+        for name, spec in document.items()
+        if name != "__metadata__"
+    ]
+    entries.sort(key=lambda entry: (entry.begin, entry.end))
+    _check_tiling(entries, data_start, file_size, file)
+    return DecodedHeader(metadata, kvsnap_json, tuple(entries), data_start)
+
+
+def _leading_kvsnap_json(body: bytes) -> str | None:
+    """The kvsnap metadata string when the header begins with ``__metadata__`` and its
+    ``format`` and ``kvsnap`` keys (as kvsnap writes it), found without parsing the rest."""
+    match = _LEADING_METADATA.match(body)
+    if match is None:
+        return None
+    try:
+        text, _ = json.decoder.scanstring(body.decode("utf-8"), match.end())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return text
+
+
+def _parse_kvsnap_json(kvsnap_json: str, file: str | None) -> HeaderMetadata:
+    try:
+        metadata_document = strict_json_loads(kvsnap_json)
+    except ValueError as error:
+        raise SnapshotCorruptError(
+            f"kvsnap metadata is not valid JSON ({error})", file=file
+        ) from None
+    return parse_metadata_document(metadata_document, file=file)
+
+
+def _check_header_bounds(
+    body: bytes, metadata: HeaderMetadata, kvsnap_json: str, file: str | None
+) -> None:
+    """Refuse, before parsing its entries, a header with more tensor entries or more bytes than
+    its metadata allows: at most two entries (the tensor and its padding) per snapshot tensor
+    and for the trailer, and at most three times the bytes of the whole snapshot's header."""
+    specs = specs_for(metadata)
+    most_entries = 2 * (len(specs) + 1)  # every tensor and the trailer, each with padding
+    # Every entry has a "data_offsets" key; JSON strings cannot hide an unescaped quote.
+    entries = body.count(b'"data_offsets"')
+    if entries > most_entries:
+        raise SnapshotCorruptError(
+            f"the header lists {entries} tensors, its metadata allows at most {most_entries}",
+            file=file,
+        )
+    most_bytes = 3 * len(pack_file(specs, kvsnap_json).header) + 2 * DATA_ALIGNMENT
+    if HEADER_PREFIX.size + len(body) > most_bytes:
+        raise SnapshotCorruptError(
+            f"the header has {HEADER_PREFIX.size + len(body)} bytes, its metadata allows at "
+            f"most {most_bytes}",
+            file=file,
+        )
+
+
+def _header_document(header: bytes, file: str | None) -> tuple[dict[str, Any], str]:
+    """The header's JSON object and its kvsnap metadata string; :class:`NotASnapshotError` for
+    anything that is not safetensors with kvsnap metadata."""
+    try:
+        document = strict_json_loads(header[HEADER_PREFIX.size :].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise NotASnapshotError(f"header is not valid JSON ({error})", file=file) from None
+    if not isinstance(document, dict):
+        raise NotASnapshotError("header is not a JSON object", file=file)
+    extra = document.get("__metadata__")
+    if not isinstance(extra, dict) or not isinstance(extra.get(METADATA_KEY), str):
+        raise NotASnapshotError("a safetensors file without kvsnap metadata", file=file)
+    if set(extra) != {"format", METADATA_KEY} or extra["format"] != "pt":
+        raise SnapshotCorruptError(f"unexpected __metadata__ keys {sorted(extra)}", file=file)
+    return document, extra[METADATA_KEY]
+
+
+def _check_tiling(
+    entries: list[TensorEntry], data_start: int, file_size: int, file: str | None
+) -> None:
+    """Sorted ``entries`` must tile ``[data_start, file_size)`` with no gap or overlap."""
+    position = data_start
+    for entry in entries:
+        if entry.begin != position:
+            kind = (
+                "overlaps the previous tensor"
+                if entry.begin < position
+                else "leaves a gap before it"
+            )
+            raise SnapshotCorruptError(
+                f"starts at {entry.begin}: {kind} (expected {position})",
+                file=file,
+                tensor=entry.name,
+            )
+        position = entry.end
+    if position != file_size:
+        if position > file_size:
+            message = f"tensors end at byte {position}, the file has {file_size} bytes (truncated)"
+        else:
+            message = (
+                f"tensors end at byte {position}, the file has {file_size} bytes (trailing data)"
+            )
+        raise SnapshotCorruptError(message, file=file)
+
+
+def _decode_entry(name: str, spec: Any, data_start: int, file: str | None) -> TensorEntry:
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise SnapshotCorruptError(
+            "entry must have exactly dtype, shape and data_offsets", file=file, tensor=name
+        )
+    dtype = spec["dtype"]
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_TYPES:
+        raise SnapshotCorruptError(
+            f"dtype {dtype!r} is not one kvsnap writes", file=file, tensor=name
+        )
+    shape = spec["shape"]
+    if not isinstance(shape, list) or not all(
+        isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape
+    ):
+        raise SnapshotCorruptError(
+            f"shape {shape!r} is not a list of non-negative integers", file=file, tensor=name
+        )
+    offsets = spec["data_offsets"]
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(value, int) and not isinstance(value, bool) for value in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise SnapshotCorruptError(
+            f"data_offsets {offsets!r} are not [begin, end] with begin <= end",
+            file=file,
+            tensor=name,
+        )
+    nbytes = math.prod(shape) * SAFETENSORS_TYPES[dtype].size
+    if offsets[1] - offsets[0] != nbytes:
+        raise SnapshotCorruptError(
+            f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, "
+            f"{dtype} {tuple(shape)} needs {nbytes}",
+            file=file,
+            tensor=name,
+        )
+    return TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def expected_layout(decoded: DecodedHeader, file: str | None = None) -> tuple[FileLayout, int, int]:
+    """The layout this file must have, recomputed from its metadata; checked against the header.
+
+    The file's snapshot tensors must be a contiguous run of :func:`specs_for` (all of them
+    for an unsharded file). Repacking that run with the file's own metadata string must give
+    back the header byte for byte, so any header this module did not write is refused.
+    Returns ``(layout, first, stop)``: the run is ``specs_for(metadata)[first:stop]``.
+    """
+    metadata = decoded.metadata
+    specs = specs_for(metadata)
+    position = {spec.name: index for index, spec in enumerate(specs)}
+    held = [entry for entry in decoded.entries if not is_container_tensor(entry.name)]
+    unknown = [entry.name for entry in held if entry.name not in position]
+    if unknown:
+        raise SnapshotCorruptError(
+            "unexpected tensor (the metadata implies no such tensor)", file=file, tensor=unknown[0]
+        )
+    first = position[held[0].name] if held else 0
+    stop = first + len(held)
+    run = specs[first:stop]
+    for entry, spec in zip(held, run, strict=False):
+        if entry.name != spec.name:
+            raise SnapshotCorruptError(
+                f"out of place: expected {spec.name} here", file=file, tensor=entry.name
+            )
+    if len(run) != len(held):
+        raise SnapshotCorruptError("more tensors than the metadata implies", file=file)
+    if metadata.shard is None and (first, stop) != (0, len(specs)):
+        missing = specs[stop].name if stop < len(specs) else specs[0].name
+        raise SnapshotCorruptError("missing (the metadata implies it)", file=file, tensor=missing)
+    layout = pack_file(run, decoded.kvsnap_json)
+    found = {entry.name: entry for entry in decoded.entries}
+    for entry in layout.entries:
+        actual = found.get(entry.name)
+        if actual is None:
+            raise SnapshotCorruptError(
+                "missing (the metadata implies it)", file=file, tensor=entry.name
+            )
+        if (actual.dtype, actual.shape) != (entry.dtype, entry.shape):
+            raise SnapshotCorruptError(
+                f"is {actual.dtype} {actual.shape}, "
+                f"the metadata implies {entry.dtype} {entry.shape}",
+                file=file,
+                tensor=entry.name,
+            )
+        if (actual.begin, actual.end) != (entry.begin, entry.end):
+            raise SnapshotCorruptError(
+                f"lies at [{actual.begin}, {actual.end}), "
+                f"the format puts it at [{entry.begin}, {entry.end})",
+                file=file,
+                tensor=entry.name,
+            )
+    if len(found) != len(layout.entries):
+        extra = sorted(set(found) - set(layout.by_name))
+        raise SnapshotCorruptError(
+            "unexpected tensor", file=file, tensor=extra[0] if extra else None
+        )
+    return layout, first, stop

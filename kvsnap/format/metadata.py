@@ -1,0 +1,289 @@
+"""The metadata a snapshot describes itself with: source, sequences, geometry."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+
+from kvsnap._version import __version__
+from kvsnap.errors import SnapshotCorruptError
+from kvsnap.format.constants import (
+    BLOCK_CHECKSUM,
+    BLOCK_HASHES_TENSOR,
+    CREATED_PATTERN,
+    DIGEST_BYTES,
+    FORMAT_VERSION,
+    HEX32,
+    MLA_ENCODING,
+    NHD_ENCODING,
+    TENSOR_CHECKSUM,
+)
+from kvsnap.format.hashing import (
+    as_token_array,
+    prefix_hash_chain,
+)
+from kvsnap.format.schema import dump_json, validate_schema
+from kvsnap.layout import KVGeometry
+
+
+def canonical_encoding(geometry: KVGeometry) -> str:
+    """The canonical page encoding name of a geometry: ``kvsnap-nhd-v1`` or ``kvsnap-mla-v1``."""
+    return MLA_ENCODING if geometry.is_mla else NHD_ENCODING
+
+
+def utc_now() -> str:
+    """The current time as stored in ``created``: ISO-8601 UTC with microseconds and a ``Z``."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """Where a snapshot's KV came from: engine, model and model fingerprint.
+
+    Every field has a default meaning "not recorded": ``"unknown"`` for the engine, its
+    version and the model id, ``None`` for the revision and ``""`` for the fingerprint (no
+    fingerprint: a restore cannot check the model by it), so ``SourceInfo()`` and
+    ``SourceInfo(model_id="x")`` are valid.
+    """
+
+    engine: str = "unknown"
+    engine_version: str = "unknown"
+    model_id: str = "unknown"
+    model_revision: str | None = None
+    model_fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing :meth:`kvsnap.store.SnapshotReader.verify` found wrong.
+
+    ``tensor`` and ``block`` locate it when it concerns one tensor or one block of a tensor.
+    """
+
+    tensor: str | None
+    block: int | None
+    message: str
+
+
+@dataclass(eq=False)
+class SequenceRecord:
+    """One sequence in a snapshot: its token ids, its snapshot block ids and their prefix hashes.
+
+    ``block_ids[i]`` is the snapshot block holding tokens ``i*block_size ..``; blocks shared
+    with other sequences appear in several records. ``prefix_hashes[i]`` is the prefix hash of
+    block ``i`` (see :func:`prefix_hash_chain`). Arrays are stored as int64.
+    """
+
+    id: str
+    token_ids: np.ndarray
+    block_ids: np.ndarray
+    prefix_hashes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        self.token_ids = as_token_array(self.token_ids)
+        self.block_ids = as_token_array(self.block_ids)
+        self.prefix_hashes = tuple(self.prefix_hashes)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SequenceRecord):
+            return NotImplemented
+        return (
+            self.id == other.id
+            and np.array_equal(self.token_ids, other.token_ids)
+            and np.array_equal(self.block_ids, other.block_ids)
+            and self.prefix_hashes == other.prefix_hashes
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _geometry_json(geometry: KVGeometry) -> dict[str, Any]:
+    return {
+        "num_layers": geometry.num_layers,
+        "num_kv_heads": geometry.num_kv_heads,
+        "head_dim": geometry.head_dim,
+        "latent_dim": geometry.latent_dim,
+        "block_size": geometry.block_size,
+        "dtype": geometry.dtype,
+        "encoding": canonical_encoding(geometry),
+        "attention_types": list(geometry.attention_types),
+    }
+
+
+@dataclass(eq=False)
+class SnapshotMetadata:
+    """Everything a snapshot says about itself besides the KV pages.
+
+    ``num_blocks`` is the length of every layer tensor's block axis; each sequence's
+    ``block_ids`` index into it. ``created`` is an ISO-8601 UTC time (:func:`utc_now`) or
+    ``None`` for a reproducible snapshot. :meth:`to_json` and :meth:`metadata_tensors` give
+    what a snapshot file stores; :meth:`from_json` rebuilds the object from them.
+    """
+
+    geometry: KVGeometry
+    source: SourceInfo
+    sequences: list[SequenceRecord]
+    num_blocks: int
+    capture_encoding: str
+    tp_size: int
+    kvsnap_version: str = __version__
+    created: str | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SnapshotMetadata):
+            return NotImplemented
+        return (
+            self.geometry == other.geometry
+            and self.source == other.source
+            and self.sequences == other.sequences
+            and self.num_blocks == other.num_blocks
+            and self.capture_encoding == other.capture_encoding
+            and self.tp_size == other.tp_size
+            and self.kvsnap_version == other.kvsnap_version
+            and self.created == other.created
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def to_json_dict(self, shard: tuple[int, int] | None = None) -> dict[str, Any]:
+        """The metadata as the JSON object of :data:`METADATA_KEY` (``shard``: (index, count))."""
+        layout = _geometry_json(self.geometry)
+        layout["capture_encoding"] = self.capture_encoding
+        layout["tp_size"] = self.tp_size
+        document: dict[str, Any] = {
+            "format_version": FORMAT_VERSION,
+            "kvsnap_version": self.kvsnap_version,
+            "created": self.created,
+            "source": {
+                "engine": self.source.engine,
+                "engine_version": self.source.engine_version,
+                "model_id": self.source.model_id,
+                "model_revision": self.source.model_revision,
+                "model_fingerprint": self.source.model_fingerprint,
+            },
+            "layout": layout,
+            "num_blocks": self.num_blocks,
+            "sequences": [
+                {
+                    "id": record.id,
+                    "num_tokens": record.num_tokens,
+                    "num_blocks": len(record.block_ids),
+                }
+                for record in self.sequences
+            ],
+            "checksums": {"tensor": TENSOR_CHECKSUM, "block": BLOCK_CHECKSUM},
+        }
+        if shard is not None:
+            document["shard"] = {"index": shard[0], "count": shard[1]}
+        return document
+
+    def to_json(self, shard: tuple[int, int] | None = None) -> str:
+        """The exact string stored under ``__metadata__["kvsnap"]`` (compact, key order fixed)."""
+        return dump_json(self.to_json_dict(shard))
+
+    def metadata_tensors(self) -> dict[str, np.ndarray]:
+        """The non-KV tensors this metadata implies, in file order.
+
+        ``sequences.{j}.token_ids`` and ``sequences.{j}.block_ids`` (int64) per sequence, then
+        ``kvsnap.block_hashes`` (uint8, ``(num_blocks, 16)``): the prefix hash digest of each
+        snapshot block, zero for blocks no sequence references. Raises ``ValueError`` when two
+        sequences give the same block different hashes.
+        """
+        tensors: dict[str, np.ndarray] = {}
+        hashes = np.zeros((self.num_blocks, DIGEST_BYTES), dtype=np.uint8)
+        assigned = np.zeros(self.num_blocks, dtype=bool)
+        for index, record in enumerate(self.sequences):
+            tensors[f"sequences.{index}.token_ids"] = record.token_ids
+            tensors[f"sequences.{index}.block_ids"] = record.block_ids
+            for block, digest in zip(record.block_ids.tolist(), record.prefix_hashes, strict=True):
+                row = np.frombuffer(bytes.fromhex(digest), dtype=np.uint8)
+                if assigned[block] and not np.array_equal(hashes[block], row):
+                    raise ValueError(
+                        f"sequence {record.id!r} gives snapshot block {block} prefix hash "
+                        f"{digest}, another sequence gave {hashes[block].tobytes().hex()}"
+                    )
+                hashes[block] = row
+                assigned[block] = True
+        tensors[BLOCK_HASHES_TENSOR] = hashes
+        return tensors
+
+    def problems(self, *, check_hashes: bool = True) -> list[str]:
+        """Every inconsistency of this metadata, as messages (empty when it is writable).
+
+        Checks sequence ids (unique, non-empty), block counts against token counts, block ids
+        against ``num_blocks``, hash formats, and with ``check_hashes`` that each sequence's
+        prefix hashes are :func:`prefix_hash_chain` of its tokens.
+        """
+        found: list[str] = []
+        geometry = self.geometry
+        if self.num_blocks < 0:
+            found.append(f"num_blocks must not be negative, got {self.num_blocks}")
+        if self.tp_size < 1:
+            found.append(f"tp_size must be at least 1, got {self.tp_size}")
+        if not self.capture_encoding:
+            found.append("capture_encoding must not be empty")
+        if self.created is not None and not CREATED_PATTERN.fullmatch(self.created):
+            found.append(
+                f"created must be ISO-8601 UTC like 2026-01-31T12:00:00Z, got {self.created!r}"
+            )
+        seen: set[str] = set()
+        for record in self.sequences:
+            name = f"sequence {record.id!r}"
+            if not record.id or len(record.id) > 1024:
+                found.append(f"{name}: ids must have 1 to 1024 characters")
+            if record.id in seen:
+                found.append(f"{name} appears twice")
+            seen.add(record.id)
+            needed = math.ceil(record.num_tokens / geometry.block_size)
+            if len(record.block_ids) != needed:
+                found.append(
+                    f"{name}: {record.num_tokens} tokens need {needed} blocks of "
+                    f"{geometry.block_size}, got {len(record.block_ids)}"
+                )
+            if len(record.block_ids) and (
+                record.block_ids.min() < 0 or record.block_ids.max() >= self.num_blocks
+            ):
+                found.append(f"{name}: block ids must lie in [0, {self.num_blocks})")
+            if len(record.prefix_hashes) != len(record.block_ids):
+                found.append(
+                    f"{name}: {len(record.prefix_hashes)} prefix hashes for "
+                    f"{len(record.block_ids)} blocks"
+                )
+            elif not all(isinstance(h, str) and HEX32.fullmatch(h) for h in record.prefix_hashes):
+                found.append(f"{name}: prefix hashes must be 32-digit lowercase hex")
+            elif check_hashes and list(record.prefix_hashes) != prefix_hash_chain(
+                record.token_ids, geometry.block_size
+            ):
+                found.append(f"{name}: prefix hashes are not the hash chain of its token ids")
+        if not found:
+            try:
+                self.metadata_tensors()
+            except ValueError as error:
+                found.append(str(error))
+        try:
+            validate_schema(self.to_json_dict(), None)
+        except SnapshotCorruptError as error:
+            found.append(error.detail)
+        return found
+
+    @classmethod
+    def from_json(
+        cls, text: str, tensors: Mapping[str, np.ndarray], *, file: str | None = None
+    ) -> SnapshotMetadata:
+        """Rebuild metadata from its JSON string and its :meth:`metadata_tensors`.
+
+        Raises :class:`UnsupportedVersionError` for a newer format, and
+        :class:`SnapshotCorruptError` (naming ``file``) for anything inconsistent.
+        """
+        from kvsnap.format.parse import parse_metadata_json  # parse builds on this module
+
+        return parse_metadata_json(text, file=file).with_tensors(tensors, file=file)

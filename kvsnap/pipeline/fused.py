@@ -1,0 +1,199 @@
+"""The fused mover: a slot's pages, of every layer, K/V and rank, in one pass on the device.
+
+On CUDA a slot goes through the device staging buffer: at capture one page-copy kernel gathers
+the slot's pages there, the page-digest kernel hashes them, and one DMA each brings the pages
+and their digests to pinned memory; at restore one DMA brings the pages up, the digest kernel
+hashes them, and the page-copy kernel scatters only the pages whose digest matches the stored
+one, so a corrupt page never reaches the cache and the host hashes nothing. Everything is
+enqueued on the staging stream; the slot's event marks its completion. On a cache in host
+memory the copies run at once on the host (the host then hashes, as the store does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvsnap.errors import LayoutError, TransferFailedError
+from kvsnap.layout import CacheLayout, check_tiling
+from kvsnap.pinned import Slot
+from kvsnap.pipeline.movers import SlotMover
+from kvsnap.pipeline.page_table import PageTable
+from kvsnap.pipeline.slots import SlotPlan
+from kvsnap.pipeline.staging import DeviceStaging, device_staging
+from kvsnap.plan import Direction
+from kvsnap.transfer import page_hash
+from kvsnap.transfer.page_copy import kernel_table, launch_kernel, run_on_cpu, unavailable_reason
+from kvsnap.transfer.triton_copy import interpreting
+
+
+@dataclass(frozen=True)
+class FusedTicket:
+    """A submitted slot: its completion event (``None`` once done on the host) and, in pinned
+    memory, a result per page: its digest (capture) or 1/0 for written/refused (restore)."""
+
+    event: torch.cuda.Event | None
+    results: torch.Tensor | None
+
+
+class FusedMover(SlotMover):
+    """One page-copy launch (per fragment group), one digest launch and one DMA per slot."""
+
+    backend_name = "fused"
+
+    def __init__(self, table: PageTable, direction: Direction, sm_budget: int | None) -> None:
+        self.table = table
+        self.direction = direction
+        self.sm_budget = sm_budget
+        self.device = table.device
+        self._staging: DeviceStaging | None = (
+            device_staging(self.device) if self.device.type == "cuda" else None
+        )
+        page_bytes = table.page_size_bytes
+        self.hashes_pages = self._staging is not None and page_hash.supports(page_bytes)
+        self._constants: torch.Tensor | None = None
+        if self.hashes_pages:
+            constants = torch.from_numpy(page_hash.constant_table(page_bytes))
+            self._constants = constants.to(self.device)
+
+    def begin(self) -> None:
+        if self._staging is not None:
+            # The copies wait for what the caller enqueued before (the KV being computed, or a
+            # restore's target blocks being allocated or cleared).
+            self._staging.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def submit(
+        self,
+        plan: SlotPlan,
+        slot: Slot,
+        device_blocks: np.ndarray,
+        snapshot_blocks: np.ndarray,
+        expected: np.ndarray | None = None,
+    ) -> FusedTicket:
+        try:
+            if self._staging is None:
+                self._copy_on_host(plan, slot, device_blocks, snapshot_blocks)
+                return FusedTicket(None, None)
+            return self._enqueue_on_device(plan, slot, device_blocks, snapshot_blocks, expected)
+        except (RuntimeError, OSError, ValueError) as error:
+            raise TransferFailedError(f"the fused page copy failed: {error}") from error
+
+    def _copy_on_host(
+        self, plan: SlotPlan, slot: Slot, device_blocks: np.ndarray, snapshot_blocks: np.ndarray
+    ) -> None:
+        """A cache in host memory: copy straight between it and the slot, now. Under
+        ``TRITON_INTERPRET=1`` the kernel itself runs (how the CPU tests check it)."""
+        staging_addresses = slot.data_ptr + plan.page_offsets
+        copies = self.table.copies(
+            self.direction, plan.page_tensors, device_blocks, staging_addresses, snapshot_blocks
+        )
+        if interpreting():
+            table = torch.from_numpy(kernel_table(copies))
+            launch_kernel(copies, table, self.device, self.sm_budget)
+        else:
+            run_on_cpu(copies)
+
+    def _enqueue_on_device(
+        self,
+        plan: SlotPlan,
+        slot: Slot,
+        device_blocks: np.ndarray,
+        snapshot_blocks: np.ndarray,
+        expected: np.ndarray | None,
+    ) -> FusedTicket:
+        assert self._staging is not None
+        page_bytes = self.table.page_size_bytes
+        num_pages = plan.num_pages
+        num_bytes = num_pages * page_bytes
+        checked = expected is not None and self.hashes_pages
+        with self._staging.use(num_bytes) as buffer:
+            copies = self.table.copies(
+                self.direction,
+                plan.page_tensors,
+                device_blocks,
+                buffer.data_ptr() + plan.page_offsets,
+                snapshot_blocks,
+            )
+            copy_table = kernel_table(copies)
+            parts = [copy_table, plan.page_offsets]
+            if checked:
+                parts.append(np.asarray(expected).view(np.int64))
+            # Up from pinned memory (torch's pinned allocator keeps a block until the copies
+            # using it are done): an upload from pageable memory would wait for the stream,
+            # that is for the previous slot's copies.
+            host_table = torch.from_numpy(np.concatenate(parts)).pin_memory()
+            device_table = host_table.to(self.device, non_blocking=True)
+            offsets = device_table[len(copy_table) : len(copy_table) + num_pages]
+            results = torch.empty(num_pages, dtype=torch.int64, pin_memory=True)
+            host, device = slot.tensor[:num_bytes], buffer[:num_bytes]
+            if self.direction is Direction.DEVICE_TO_HOST:
+                launch_kernel(copies, device_table, self.device, self.sm_budget)
+                if self.hashes_pages:
+                    results.copy_(self._digests(buffer, offsets), non_blocking=True)
+                host.copy_(device, non_blocking=True)
+            else:
+                device.copy_(host, non_blocking=True)
+                page_ok = None
+                if checked:
+                    stored = device_table[len(copy_table) + num_pages :]
+                    page_ok = (self._digests(buffer, offsets) == stored).to(torch.int64)
+                    results.copy_(page_ok, non_blocking=True)
+                launch_kernel(copies, device_table, self.device, self.sm_budget, page_ok)
+            done = torch.cuda.Event()
+            done.record(self._staging.stream)
+        has_results = self.direction is Direction.DEVICE_TO_HOST and self.hashes_pages
+        return FusedTicket(done, results if has_results or checked else None)
+
+    def _digests(self, buffer: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Enqueue the xxh3-64 of the pages at ``offsets`` in ``buffer`` (int64 bit patterns)."""
+        assert self._constants is not None
+        digests = torch.empty(len(offsets), dtype=torch.int64, device=self.device)
+        page_hash.launch_page_digests(
+            buffer, offsets, self.table.page_size_bytes, self._constants, digests
+        )
+        return digests
+
+    def wait(self, ticket: FusedTicket) -> None:
+        if ticket.event is not None:
+            try:
+                ticket.event.synchronize()
+            except RuntimeError as error:
+                raise TransferFailedError(f"the fused page copy failed: {error}") from error
+
+    def event(self, ticket: FusedTicket) -> torch.cuda.Event | None:
+        return ticket.event
+
+    def digests(self, ticket: FusedTicket) -> np.ndarray | None:
+        if self.direction is not Direction.DEVICE_TO_HOST or ticket.results is None:
+            return None
+        return ticket.results.numpy().view(np.uint64).copy()
+
+    def failed_pages(self, ticket: FusedTicket) -> np.ndarray:
+        if self.direction is not Direction.HOST_TO_DEVICE or ticket.results is None:
+            return np.empty(0, dtype=np.int64)
+        return np.flatnonzero(ticket.results.numpy() == 0)
+
+    def end(self) -> None:
+        if self._staging is not None and self.direction is Direction.HOST_TO_DEVICE:
+            # Whatever the caller runs next on its stream sees the restored blocks.
+            torch.cuda.current_stream(self.device).wait_stream(self._staging.stream)
+
+
+def fused_unavailable(layouts: Sequence[CacheLayout], direction: Direction) -> str | None:
+    """Why the fused path cannot serve ``layouts`` in ``direction`` (``None`` if it can)."""
+    devices = {layout.device for layout in layouts}
+    if len(devices) > 1:
+        return "the layouts live on several devices"
+    reason = unavailable_reason(layouts[0].device)
+    if reason is not None:
+        return reason
+    if direction is Direction.DEVICE_TO_HOST and len(layouts) > 1:
+        # The slot's canonical pages are assembled in one buffer: every byte needs a writer.
+        try:
+            check_tiling(layouts)
+        except LayoutError as error:
+            return str(error)
+    return None

@@ -1,0 +1,142 @@
+"""Movers: how one staging slot's pages travel between the engine cache and the slot.
+
+:class:`SlotMover` is the interface; :class:`~kvsnap.pipeline.fused.FusedMover` is the warm
+path (one kernel launch and one DMA per slot, whatever the number of layers and ranks), and
+:class:`HandlerMover` runs a named backend through each rank's
+:class:`~kvsnap.transfer.TransferHandler`, one job per rank and slot.
+
+``submit`` enqueues a slot and returns a ticket; ``wait`` blocks until it is done (raising
+:class:`~kvsnap.errors.TransferFailedError` if it failed); ``event`` is the CUDA event a slot
+can be given back with instead of waiting (``None``: done already, or wait first). A mover
+that hashes pages on the device (``hashes_pages``) hands a capture's page digests back
+(``digests``) and, given the stored digests at restore, writes no page that differs from
+them and names those pages (``failed_pages``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvsnap.errors import TransferFailedError
+from kvsnap.layout import CacheLayout
+from kvsnap.pinned import Slot
+from kvsnap.pipeline.slots import SlotPlan
+from kvsnap.plan import Direction, HostPages, PageCopy
+from kvsnap.transfer import TransferHandler
+
+
+class SlotMover(ABC):
+    """Moves the pages of staging slots in one direction."""
+
+    direction: Direction
+    backend_name: str
+    #: Whether the mover computes every page's xxh3-64 itself (else the host hashes them).
+    hashes_pages: bool = False
+
+    def begin(self) -> None:  # noqa: B027 - most movers need no set-up per call
+        """Called at the start of each capture or restore."""
+
+    @abstractmethod
+    def submit(
+        self,
+        plan: SlotPlan,
+        slot: Slot,
+        device_blocks: np.ndarray,
+        snapshot_blocks: np.ndarray,
+        expected: np.ndarray | None = None,
+    ) -> Any:
+        """Enqueue the copies of ``plan``'s pages: page ``i`` is device block
+        ``device_blocks[i]`` (snapshot block ``snapshot_blocks[i]``), at
+        ``plan.page_offsets[i]`` in ``slot``. ``expected`` (restores, movers that hash pages
+        only) holds each page's stored xxh3-64. Returns a ticket for :meth:`wait`."""
+
+    @abstractmethod
+    def wait(self, ticket: Any) -> None:
+        """Block until the slot's copies are done; :class:`TransferFailedError` on failure."""
+
+    def event(self, ticket: Any) -> torch.cuda.Event | None:
+        """The CUDA event completing the ticket, if the slot may be given back before it."""
+        return None
+
+    def digests(self, ticket: Any) -> np.ndarray | None:
+        """A finished capture slot's page digests, if the mover hashed them (else ``None``)."""
+        return None
+
+    def failed_pages(self, ticket: Any) -> np.ndarray:
+        """A finished restore slot's pages that differed from ``expected`` (not written)."""
+        return np.empty(0, dtype=np.int64)
+
+    def end(self) -> None:  # noqa: B027 - most movers need nothing at the end of a call
+        """Called at the end of each capture or restore, also after a failure."""
+
+
+class HandlerMover(SlotMover):
+    """One job per rank and slot on each rank's :class:`TransferHandler` (a named backend)."""
+
+    def __init__(
+        self, layouts: Sequence[CacheLayout], direction: Direction, handlers: list[TransferHandler]
+    ) -> None:
+        self.layouts = list(layouts)
+        self.direction = direction
+        self.handlers = handlers
+        self.backend_name = handlers[0].backend_name
+        self._job_ids = itertools.count()
+        self._names = layouts[0].geometry.tensor_names()
+        self._page_bytes = layouts[0].geometry.canonical_page_size_bytes
+
+    def submit(
+        self,
+        plan: SlotPlan,
+        slot: Slot,
+        device_blocks: np.ndarray,
+        snapshot_blocks: np.ndarray,
+        expected: np.ndarray | None = None,
+    ) -> list[tuple[TransferHandler, int]]:
+        host = HostPages(
+            slot.data_ptr,
+            slot.size_bytes // self._page_bytes,
+            self._page_bytes,
+            self._page_bytes,
+        )
+        chunks = plan.page_offsets // self._page_bytes
+        copies = []
+        for tensor in np.unique(plan.page_tensors).tolist():
+            pages = np.flatnonzero(plan.page_tensors == tensor)
+            copies.append(
+                PageCopy(
+                    name=self._names[tensor],
+                    device_block_ids=device_blocks[pages],
+                    host=host,
+                    host_chunk_ids=chunks[pages],
+                    snapshot_block_ids=snapshot_blocks[pages],
+                )
+            )
+        ticket = []
+        for handler in self.handlers:
+            job_id = next(self._job_ids)
+            if not handler.submit(job_id, copies):
+                self.wait(ticket)
+                raise TransferFailedError(
+                    f"the transfer handler refused a job: {handler.last_rejection}"
+                )
+            ticket.append((handler, job_id))
+        return ticket
+
+    def wait(self, ticket: list[tuple[TransferHandler, int]]) -> None:
+        errors = []
+        for handler, job_id in ticket:
+            for result in handler.wait([job_id]):
+                if not result.success:
+                    errors.append(f"transfer job {result.job_id} failed: {result.error}")
+        if errors:
+            raise TransferFailedError("; ".join(errors))
+
+    def end(self) -> None:
+        for handler in self.handlers:
+            handler.shutdown()

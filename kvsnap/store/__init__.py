@@ -1,0 +1,63 @@
+"""Streaming snapshot writer and reader over local files and fsspec URLs, with atomic publish.
+
+:class:`SnapshotWriter` takes KV pages in caller-owned buffers (a pinned staging slot, usually)
+and moves them to the file while the caller fills the next buffer: every
+:meth:`~SnapshotWriter.write_pages` call is hashed (xxh3-64 per page, in sub-chunks on the hash
+threads; xxhash releases the GIL) and, at the same time, written at its final offset: ``pwrite``
+of pieces up to 64 MiB, front to back from one write thread (on the measured disk one
+sequential stream beat parallel writers), into blocks reserved when the file was created. The
+returned future completes when the buffer may be reused. The bytes in flight are bounded
+(``max_inflight_bytes``), so host memory stays flat whatever the snapshot size.
+
+The file layout is fixed before the first byte (:func:`kvsnap.format.plan_files`), so the
+header is written first and never rewritten: the data-dependent checksums live in the last two
+tensors. That makes a snapshot a pure front-to-back stream, which is what object stores need.
+
+Local files are written to a temporary name in the target directory, fsynced, renamed over the
+target and the directory fsynced: a crash leaves the old file or the new complete one. Layer
+data goes through ``O_DIRECT`` where the filesystem accepts it and buffers and offsets are
+4096-aligned (``fallback_reason`` says why not, otherwise). fsspec URLs (``memory://``,
+``s3://``, ...) are written front to back through one ordered lane; object stores publish
+atomically on their own (S3's multipart upload appears only when completed), other
+filesystems get a temporary name and a move.
+
+:class:`SnapshotReader` validates the whole header before allocating anything, reads only the
+byte ranges of the blocks asked for (coalescing consecutive blocks), and checks every block
+against its checksum as it reads; :meth:`SnapshotReader.read_pages_async` queues a read on the
+reader's threads, so a caller keeps the disk busy while it consumes the previous buffer.
+
+An optional :data:`TraceHook` receives a span for every hash, write, read and verification and
+for the commit's phases; without one the pipeline only pays a ``None`` check per piece.
+
+The package, one module per job:
+
+- :mod:`~kvsnap.store.writer`: :class:`SnapshotWriter` (public API, hashing beside writing),
+  with its two targets :mod:`~kvsnap.store.write_local` and :mod:`~kvsnap.store.write_stream`;
+- :mod:`~kvsnap.store.reader`: :class:`SnapshotReader`; :mod:`~kvsnap.store.verify` its
+  full verification; :mod:`~kvsnap.store.source` random-access reads of one file;
+- :mod:`~kvsnap.store.local_file`, :mod:`~kvsnap.store.stream_file`: one output file, local or
+  through fsspec;
+- :mod:`~kvsnap.store.publish`: temporary names, atomic publish (:func:`publish_bytes`) and
+  the cleanup of dead writers' temporary files;
+- :mod:`~kvsnap.store.location`: local paths and fsspec URLs;
+- :mod:`~kvsnap.store.tracing`, :mod:`~kvsnap.store.completion`, :mod:`~kvsnap.store.tuning`:
+  the trace hook, split futures, pipeline sizes.
+"""
+
+from __future__ import annotations
+
+from kvsnap.store.publish import publish_bytes
+from kvsnap.store.reader import SnapshotReader
+from kvsnap.store.tracing import TraceHook, traced
+from kvsnap.store.tuning import DEFAULT_MAX_INFLIGHT_BYTES
+from kvsnap.store.writer import SnapshotInfo, SnapshotWriter
+
+__all__ = [
+    "DEFAULT_MAX_INFLIGHT_BYTES",
+    "SnapshotInfo",
+    "SnapshotReader",
+    "SnapshotWriter",
+    "TraceHook",
+    "publish_bytes",
+    "traced",
+]

@@ -1,0 +1,185 @@
+"""Atomic publish: write under a temporary name in the same directory, fsync, rename.
+
+Every file kvsnap publishes locally (a snapshot, a shard, an index, a calibration file) is
+written to a temporary name next to its final path, ``fsync``ed, renamed over the final path
+and the directory ``fsync``ed: a crash leaves the old file or the new complete one, never a
+mix. :func:`publish_bytes` does all of it for data held in memory; :func:`create_temp`,
+:func:`replace_and_sync` let a streaming writer do the same in steps.
+
+Temporary names are ``.{final name}.kvsnap-tmp-{pid}-{16 hex digits}`` (shortened, see
+:func:`temp_name`, so they stay within the 255-byte file name limit). The writer holds an
+exclusive ``flock`` on its temporary file from creation until the rename, so
+:func:`remove_dead_temps` can tell a dead writer's leftover (lock free) from a live writer's
+file (locked) and removes only the former.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import secrets
+import stat
+from collections.abc import Callable
+
+import xxhash
+
+#: Marker between the final name and the writer's pid and token in a temporary name.
+TEMP_MARKER = ".kvsnap-tmp-"
+#: Longest file name (bytes) the common Linux filesystems accept.
+MAX_NAME_BYTES = 255
+_TEMP_NAME = re.compile(r"\.(?P<final>.+)\.kvsnap-tmp-(?P<pid>[0-9]+)-(?P<token>[0-9a-f]{16})")
+_SHORTENED = re.compile(r"(?P<head>.*)~(?P<owner>[0-9a-f]{16})")
+
+
+def owner_tag(owner: str) -> str:
+    """16 hex digits naming ``owner`` (a snapshot's stem) inside shortened temporary names."""
+    return xxhash.xxh3_64_hexdigest(owner.encode("utf-8", "surrogateescape"))
+
+
+def temp_name(final_name: str, owner: str | None = None) -> str:
+    """A fresh temporary name for ``final_name``: ``.{final_name}.kvsnap-tmp-{pid}-{token}``.
+
+    When that passes :data:`MAX_NAME_BYTES`, the final name is cut to fit and followed by
+    ``~`` and :func:`owner_tag` of ``owner`` (default: the final name), so a cleanup that knows
+    the owner still recognizes it.
+    """
+    suffix = f"{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(8)}"
+    name = f".{final_name}{suffix}"
+    if len(name.encode("utf-8", "surrogateescape")) <= MAX_NAME_BYTES:
+        return name
+    tag = "~" + owner_tag(owner if owner is not None else final_name)
+    room = MAX_NAME_BYTES - 1 - len(suffix) - len(tag)
+    head = final_name.encode("utf-8", "surrogateescape")[:room].decode("utf-8", "ignore")
+    return f".{head}{tag}{suffix}"
+
+
+def create_temp(final_path: str, owner: str | None = None) -> tuple[int, str]:
+    """Create and lock a temporary file next to ``final_path``; returns ``(fd, temp_path)``.
+
+    The file is created exclusively (``O_EXCL``) and ``flock``ed; ``fd`` (write only) holds the
+    lock until it is closed. Should a cleanup remove the file between creation and locking,
+    a new name is tried, so the returned path is this file's.
+    """
+    directory = os.path.dirname(final_path)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        path = os.path.join(directory, temp_name(os.path.basename(final_path), owner))
+        fd = os.open(path, flags, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd, path
+        except FileNotFoundError:
+            pass  # a cleanup took it before the lock: try another name
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        os.close(fd)
+
+
+def fsync_directory(path: str) -> None:
+    """``fsync`` the directory ``path``, so a rename inside it survives a power loss."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_and_sync(temp_path: str, final_path: str) -> None:
+    """Rename ``temp_path`` over ``final_path`` and ``fsync`` their directory."""
+    os.replace(temp_path, final_path)
+    fsync_directory(os.path.dirname(os.path.abspath(final_path)))
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write all of ``data`` at the descriptor's position."""
+    view = memoryview(data).cast("B")
+    while len(view):
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.EIO, "write wrote nothing")
+        view = view[written:]
+
+
+def publish_bytes(path: str | os.PathLike[str], data: bytes | memoryview) -> None:
+    """Atomically replace the local file ``path`` with ``data``.
+
+    Writes a locked temporary file in the same directory (:func:`create_temp`), ``fsync``s it,
+    renames it over ``path`` and ``fsync``s the directory. Readers see the old file or the
+    new one, never a mix; on any error the temporary file is removed and ``path`` is
+    untouched. Raises ``OSError``.
+    """
+    final = os.path.abspath(os.fspath(path))
+    fd, temp = create_temp(final)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+        replace_and_sync(temp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _is_ours(temp: str, owns: Callable[[str], bool], owner: str) -> bool:
+    match = _TEMP_NAME.fullmatch(temp)
+    if match is None:
+        return False
+    final = match.group("final")
+    shortened = _SHORTENED.fullmatch(final)
+    if shortened is not None and shortened.group("owner") == owner_tag(owner):
+        return True
+    return owns(final)
+
+
+def _remove_if_unlocked(path: str) -> bool:
+    """Remove the regular file ``path`` if no process holds its lock; whether it was removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a live writer holds it
+        # Still the file we locked (not replaced by a live writer's new one meanwhile)?
+        if os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
+            return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_dead_temps(directory: str, owns: Callable[[str], bool], owner: str) -> list[str]:
+    """Remove the temporary files of dead writers in ``directory`` that belong to ``owner``.
+
+    A temporary file belongs to it when ``owns(final name)`` holds for the final name it
+    encodes, or when its shortened name carries :func:`owner_tag` of ``owner``. It is removed
+    only when its lock can be taken: a live writer holds the lock of its own file, so only
+    leftovers of killed writers go. Returns the removed paths.
+    """
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        if TEMP_MARKER in name and _is_ours(name, owns, owner):
+            path = os.path.join(directory, name)
+            if _remove_if_unlocked(path):
+                removed.append(path)
+    return removed

@@ -1,0 +1,616 @@
+"""The snapshot reader: strict header checks, coalesced verified reads, queued reads."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from kvsnap import format as fmt
+from kvsnap.dtypes import SAFETENSORS_TYPES
+from kvsnap.errors import (
+    KVSnapError,
+    NotASnapshotError,
+    SnapshotCorruptError,
+    SnapshotIOError,
+    UnsupportedVersionError,
+)
+from kvsnap.format import SnapshotMetadata, TensorEntry
+from kvsnap.store import slot_reads, tuning
+from kvsnap.store.completion import Completion
+from kvsnap.store.location import (
+    INDEX_SUFFIX,
+    Location,
+    locate,
+    read_small,
+)
+from kvsnap.store.source import OpenFile, Source, check_blocks
+from kvsnap.store.tracing import TraceHook, traced
+from kvsnap.store.verify import ReaderVerification
+
+#: Opens of a snapshot that is being replaced, before a vanished file is an error.
+OPEN_ATTEMPTS = 3
+#: Largest checksum trailer read to tell a damaged format version from a newer format.
+_MAX_TRAILER_PROBE_BYTES = 16 << 20
+
+
+#: Headers decoded lately, by their bytes' xxh3-128 and the file size: an engine opening the same
+#: snapshots again and again skips the JSON parse and schema validation. Only headers that
+#: passed every check are kept, and any change to a header's bytes misses the cache.
+_HEADER_CACHE: OrderedDict[tuple[bytes, int], tuple[fmt.DecodedHeader, fmt.FileLayout]] = (
+    OrderedDict()
+)
+_HEADER_CACHE_SIZE = 64
+_HEADER_CACHE_LOCK = threading.Lock()
+
+
+def _decoded_header(
+    source: Source, header_bytes: bytes
+) -> tuple[fmt.DecodedHeader, fmt.FileLayout]:
+    """The checked header and file layout of ``source`` (whose first bytes are
+    ``header_bytes``); see :func:`kvsnap.format.decode_header`."""
+    key = (fmt.digest128(header_bytes), source.size)
+    with _HEADER_CACHE_LOCK:
+        cached = _HEADER_CACHE.get(key)
+        if cached is not None:
+            _HEADER_CACHE.move_to_end(key)
+            return cached
+    try:
+        header = fmt.decode_header(header_bytes, source.size, file=source.url)
+    except UnsupportedVersionError as error:
+        raise _version_or_damage(source, header_bytes, error) from None
+    layout, _, _ = fmt.expected_layout(header, file=source.url)
+    if layout.header != header_bytes:
+        raise SnapshotCorruptError(
+            "header bytes differ from the format's encoding", file=source.url
+        )
+    with _HEADER_CACHE_LOCK:
+        _HEADER_CACHE[key] = (header, layout)
+        while len(_HEADER_CACHE) > _HEADER_CACHE_SIZE:
+            _HEADER_CACHE.popitem(last=False)
+    return header, layout
+
+
+def _version_or_damage(
+    source: Source, header: bytes, error: UnsupportedVersionError
+) -> KVSnapError:
+    """``error`` for a header that is intact by its checksum trailer (a newer format, really),
+    a :class:`SnapshotCorruptError` for one whose intact trailer disagrees with it (a damaged
+    byte in ``format_version``), ``error`` again when the trailer cannot tell."""
+    where = fmt.locate_trailer(header)
+    if where is None or where[1] != source.size or where[1] - where[0] > _MAX_TRAILER_PROBE_BYTES:
+        return error
+    try:
+        digests = fmt.decode_trailer(source.read(where[0], where[1] - where[0]))
+    except KVSnapError:
+        return error
+    if digests[0] == fmt.digest128(header):
+        return error
+    return SnapshotCorruptError(
+        f"format_version reads {error.version!r}, but the header does not match its checksum "
+        "(trailer row 0): a damaged header, not a newer format",
+        file=source.url,
+    )
+
+
+def _check_in_directory(index: Location, shard: Location) -> None:
+    """Refuse a local shard that resolves (through symbolic links) outside the index's
+    directory: an index only ever names files beside it."""
+    if not shard.is_local:
+        return
+    home = os.path.realpath(os.path.dirname(index.path))
+    if os.path.dirname(os.path.realpath(shard.path)) != home:
+        raise SnapshotCorruptError(
+            "is a symbolic link to a file outside the snapshot's directory (refused)",
+            file=shard.url,
+        )
+
+
+class SnapshotReader(ReaderVerification):
+    """Reads a snapshot (single file or sharded index) from a local path or fsspec URL.
+
+    The constructor validates every header strictly before allocating anything (header size
+    limit, offsets inside the file with no overlap or gap, dtypes and shapes against the
+    layout, the metadata against the JSON schema) and loads the sequences. With ``verify``
+    (the default) it also checks the header and metadata tensors against their checksums, and
+    every later read checks each block against its checksum.
+
+    ``url`` may name the ``.safetensors`` file, a sharded snapshot's ``.index.json``, or the
+    ``.safetensors`` name a sharded snapshot was written to.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        verify: bool = True,
+        io_threads: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._verify = verify
+        self._threads = io_threads or max(2, min(8, os.cpu_count() or 1))
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._files: list[OpenFile] = []
+        self._rows: dict[int, np.ndarray] = {}
+        self._table: np.ndarray | None = None
+        self._tensor_extents: slot_reads.TensorExtents | None = None
+        self._index_digests: tuple[str, ...] | None = None
+        location = locate(url, storage_options)
+        self.url = location.url
+        try:
+            self._open_retrying(location)
+            self._where = {
+                entry.name: (index, entry)
+                for index, open_file in enumerate(self._files)
+                for entry in open_file.layout.entries
+                if not fmt.is_container_tensor(entry.name)
+            }
+            geometry = self._header_metadata.geometry
+            self._names = geometry.tensor_names()
+            self._tensor_index = {name: index for index, name in enumerate(self._names)}
+            self._page_bytes = geometry.canonical_page_size_bytes
+            self._num_blocks = self._header_metadata.num_blocks
+            self.metadata: SnapshotMetadata = self._load_metadata()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- opening ---------------------------------------------------------------------------
+
+    def _open_retrying(self, location: Location) -> None:
+        """:meth:`_open`, again from the start (up to :data:`OPEN_ATTEMPTS` times in all) when a
+        file it was about to open vanished: the snapshot was replaced meanwhile, and the
+        replacement's index (or single file) names only files that exist."""
+        for attempt in range(1, OPEN_ATTEMPTS + 1):
+            try:
+                self._open(location)
+                return
+            except SnapshotIOError as error:
+                if attempt == OPEN_ATTEMPTS or not isinstance(error.__cause__, FileNotFoundError):
+                    raise
+                for open_file in self._files:
+                    open_file.source.close()
+                self._files = []
+                self._index_digests = None
+
+    def _open(self, location: Location) -> None:
+        if location.path.endswith(INDEX_SUFFIX):
+            self._open_sharded(location)
+        elif location.exists() or not location.with_suffix(INDEX_SUFFIX).exists():
+            open_file, header = self._open_file(location)
+            if header.metadata.shard is not None:
+                index, count = header.metadata.shard
+                raise NotASnapshotError(
+                    f"this is shard {index} of {count} of a sharded snapshot: "
+                    f"open its {INDEX_SUFFIX}",
+                    file=location.url,
+                )
+            self._files.append(open_file)
+            self._header_metadata = header.metadata
+        else:
+            self._open_sharded(location.with_suffix(INDEX_SUFFIX))
+
+    def _open_file(self, location: Location) -> tuple[OpenFile, fmt.DecodedHeader]:
+        source = Source(location)
+        try:
+            prefix = source.read(0, min(8, source.size))
+            length = fmt.header_length(prefix, source.size, file=source.url)
+            header_bytes = prefix + source.read(8, length)
+            header, layout = _decoded_header(source, header_bytes)
+            open_file = OpenFile(source, layout)
+            if self._verify:
+                self._load_trailer(open_file)
+        except BaseException:
+            source.close()
+            raise
+        return open_file, header
+
+    def _open_sharded(self, index_location: Location) -> None:
+        index = fmt.decode_index(
+            read_small(index_location, fmt.MAX_INDEX_BYTES), file=index_location.url
+        )
+        self._header_metadata = index.metadata
+        self._index_digests = index.trailer_digests
+        specs = fmt.specs_for(index.metadata)
+        position = 0
+        count = len(index.files)
+        for number, name in enumerate(index.files, start=1):
+            location = index_location.sibling(name)
+            _check_in_directory(index_location, location)
+            open_file, header = self._open_file(location)
+            self._files.append(open_file)
+            if header.metadata.shard != (number, count):
+                raise SnapshotCorruptError(
+                    f"claims to be shard {header.metadata.shard}, "
+                    f"the index lists it as {number} of {count}",
+                    file=location.url,
+                )
+            if header.metadata.unsharded_document() != index.metadata.document:
+                raise SnapshotCorruptError("metadata differs from the index's", file=location.url)
+            held = [entry.name for entry in open_file.layout.checksummed()]
+            expected = [spec.name for spec in specs[position : position + len(held)]]
+            if held != expected or any(index.weight_map[held_name] != name for held_name in held):
+                raise SnapshotCorruptError(
+                    "holds other tensors than the index assigns it", file=location.url
+                )
+            position += len(held)
+            if self._verify:
+                self._check_index_digest(number - 1)
+        if position != len(specs):
+            raise SnapshotCorruptError(
+                f"the shards hold {position} of {len(specs)} tensors", file=index_location.url
+            )
+
+    def _load_trailer(self, open_file: OpenFile) -> None:
+        layout = open_file.layout
+        entry = layout.by_name[fmt.CHECKSUMS_TENSOR]
+        raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.CHECKSUMS_TENSOR)
+        digests = fmt.decode_trailer(raw, file=open_file.source.url)
+        if digests[0] != fmt.digest128(layout.header):
+            # The trailer checked out, so the header bytes are what changed.
+            raise SnapshotCorruptError(
+                "header does not match its checksum (trailer row 0)", file=open_file.source.url
+            )
+        open_file.trailer = digests
+        open_file.row_of = {
+            item.name: row for row, item in enumerate(layout.checksummed(), start=1)
+        }
+
+    def _check_index_digest(self, shard: int) -> None:
+        assert self._index_digests is not None
+        open_file = self._files[shard]
+        entry = open_file.layout.by_name[fmt.CHECKSUMS_TENSOR]
+        raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.CHECKSUMS_TENSOR)
+        if xxhash.xxh3_128_hexdigest(raw) != self._index_digests[shard]:
+            raise SnapshotCorruptError(
+                "shard does not match the index (a shard of another snapshot, or a partly "
+                "published overwrite)",
+                file=open_file.source.url,
+                tensor=fmt.CHECKSUMS_TENSOR,
+            )
+
+    def _load_metadata(self) -> SnapshotMetadata:
+        header = self._header_metadata
+        names = [
+            f"sequences.{index}.{part}"
+            for index in range(len(header.sequences))
+            for part in ("token_ids", "block_ids")
+        ]
+        tensors: dict[str, np.ndarray] = {}
+        for name in [*names, fmt.BLOCK_HASHES_TENSOR]:
+            raw = self._read_checked(name)
+            dtype = np.dtype("<i8") if name.startswith("sequences.") else np.dtype(np.uint8)
+            array = np.frombuffer(raw, dtype=dtype)
+            tensors[name] = (
+                array.reshape(-1, fmt.DIGEST_BYTES) if name == fmt.BLOCK_HASHES_TENSOR else array
+            )
+        return header.with_tensors(tensors, file=self.url)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _locate_tensor(self, name: str) -> tuple[OpenFile, TensorEntry]:
+        try:
+            index, entry = self._where[name]
+        except KeyError:
+            raise KeyError(f"no tensor {name!r} in {self.url}") from None
+        return self._files[index], entry
+
+    def _expected_digest(self, open_file: OpenFile, name: str) -> bytes | None:
+        if open_file.trailer is None or open_file.row_of is None:
+            return None
+        return open_file.trailer[open_file.row_of[name]]
+
+    def _read_checked(self, name: str) -> bytes:
+        """A whole non-layer tensor's bytes, checked against the trailer when verifying."""
+        open_file, entry = self._locate_tensor(name)
+        raw = open_file.source.read(entry.begin, entry.nbytes, tensor=name)
+        expected = self._expected_digest(open_file, name) if self._verify else None
+        if expected is not None and fmt.digest128(raw) != expected:
+            raise SnapshotCorruptError(
+                "does not match its xxh3-128 checksum", file=open_file.source.url, tensor=name
+            )
+        return raw
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self._threads, thread_name_prefix="kvsnap-read"
+            )
+        return self._pool
+
+    def _ensure_trailers(self) -> None:
+        for open_file in self._files:
+            if open_file.trailer is None:
+                self._load_trailer(open_file)
+
+    def _block_checksum_row(self, tensor: int) -> np.ndarray:
+        """Stored xxh3-64 of every block of layer tensor ``tensor``, checked against the trailer."""
+        row = self._rows.get(tensor)
+        if row is not None:
+            return row
+        self._ensure_trailers()
+        open_file, entry = self._locate_tensor(fmt.BLOCK_CHECKSUMS_TENSOR)
+        num_blocks = self._num_blocks
+        raw = open_file.source.read(
+            entry.begin + tensor * num_blocks * 8, num_blocks * 8, tensor=fmt.BLOCK_CHECKSUMS_TENSOR
+        )
+        row = np.frombuffer(raw, dtype="<u8")
+        name = self._names[tensor]
+        layer_file, _ = self._locate_tensor(name)
+        if fmt.layer_tensor_digest(row) != self._expected_digest(layer_file, name):
+            raise SnapshotCorruptError(
+                f"the stored block checksums of {name} do not match their xxh3-128 checksum",
+                file=open_file.source.url,
+                tensor=fmt.BLOCK_CHECKSUMS_TENSOR,
+            )
+        self._rows[tensor] = row
+        return row
+
+    def _layer(self, name: str) -> tuple[int, OpenFile, TensorEntry]:
+        tensor = self._tensor_index.get(name)
+        if tensor is None:
+            raise KeyError(
+                f"{name!r} is not a layer tensor of {self.url} (they are {self._names[0]}, ...)"
+            )
+        open_file, entry = self._locate_tensor(name)
+        return tensor, open_file, entry
+
+    def _pieces(self, block_ids: np.ndarray) -> list[tuple[int, int, int]]:
+        """Coalesced reads ``(first_block, num_blocks, output_page)``: runs of consecutive ids,
+        cut at about tuning.SUBCHUNK_BYTES so threads share large runs."""
+        if not len(block_ids):
+            return []
+        breaks = np.flatnonzero(np.diff(block_ids) != 1) + 1
+        starts = np.concatenate(([0], breaks))
+        stops = np.concatenate((breaks, [len(block_ids)]))
+        per = max(1, tuning.SUBCHUNK_BYTES // self._page_bytes)
+        pieces = []
+        for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
+            for position in range(start, stop, per):
+                count = min(per, stop - position)
+                pieces.append((int(block_ids[position]), count, position))
+        return pieces
+
+    def _run(
+        self, work: Callable[[Any], Any], items: Sequence[Any], concurrent_ok: bool, nbytes: int
+    ) -> list[Any]:
+        if concurrent_ok and len(items) > 1 and nbytes > tuning.SUBCHUNK_BYTES:
+            return list(self._executor().map(work, items))
+        return [work(item) for item in items]
+
+    # -- public API ------------------------------------------------------------------------
+
+    @property
+    def format_version(self) -> int:
+        """The snapshot format version the file was written in."""
+        return int(self._header_metadata.document["format_version"])
+
+    @property
+    def files(self) -> list[str]:
+        """The data files, in order (one, or the shards)."""
+        return [open_file.source.url for open_file in self._files]
+
+    def locate(self, name: str) -> tuple[str, TensorEntry]:
+        """The file holding tensor ``name`` and its entry (absolute file offsets)."""
+        open_file, entry = self._locate_tensor(name)
+        return open_file.source.url, entry
+
+    def page_size_bytes(self, name: str) -> int:
+        """Bytes of one block of layer tensor ``name``."""
+        self._layer(name)
+        return self._page_bytes
+
+    def read_slot_async(
+        self,
+        page_tensors: np.ndarray,
+        page_blocks: np.ndarray,
+        page_offsets: np.ndarray,
+        out: np.ndarray,
+        *,
+        verify: bool = True,
+        trace: TraceHook | None = None,
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Read many tensors' pages into one buffer; see :func:`kvsnap.store.slot_reads.
+        read_slot_async` (the future gives the pages that failed their checksum). ``verify``
+        False skips the checksums here (a caller that checks the pages itself, on the device,
+        against :meth:`stored_checksums`); a reader opened without verification never checks.
+
+        ``page_tensors`` index :meth:`tensor_names`; the arrays must be int64 and in range
+        (``IndexError`` otherwise), ``out`` large enough (``ValueError``).
+        """
+        num_tensors, num_blocks = len(self._names), self._num_blocks
+        if len(page_tensors) and (
+            page_tensors.min() < 0
+            or page_tensors.max() >= num_tensors
+            or page_blocks.min() < 0
+            or page_blocks.max() >= num_blocks
+        ):
+            raise IndexError(f"pages outside {num_tensors} tensors of {num_blocks} blocks")
+        if len(page_offsets) and page_offsets.max() + self._page_bytes > out.nbytes:
+            raise ValueError(f"out holds {out.nbytes} bytes, the pages reach further")
+        checksums = self._block_checksum_table() if self._verify and verify else None
+        return slot_reads.read_slot_async(
+            self._extents(), checksums, page_tensors, page_blocks, page_offsets, out, trace
+        )
+
+    def _extents(self) -> slot_reads.TensorExtents:
+        if self._tensor_extents is None:
+            sources = [open_file.source for open_file in self._files]
+            located = [self._where[name] for name in self._names]
+            self._tensor_extents = slot_reads.TensorExtents(
+                sources,
+                np.array([index for index, _ in located], dtype=np.int64),
+                np.array([entry.begin for _, entry in located], dtype=np.int64),
+                self._page_bytes,
+            )
+        return self._tensor_extents
+
+    def _block_checksum_table(self) -> np.ndarray:
+        """Every layer tensor's stored block checksums, ``(tensors, blocks)``, read at once."""
+        if len(self._rows) < len(self._names):
+            self._load_all_rows()
+        if self._table is None:
+            self._table = np.stack([self._rows[index] for index in range(len(self._names))])
+        return self._table
+
+    def _load_all_rows(self) -> None:
+        """Read the whole block-checksum tensor in one read and check each tensor's row
+        against the trailer (one read, not one per tensor: a restore touches every tensor)."""
+        self._ensure_trailers()
+        open_file, entry = self._locate_tensor(fmt.BLOCK_CHECKSUMS_TENSOR)
+        raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.BLOCK_CHECKSUMS_TENSOR)
+        table = np.frombuffer(raw, dtype="<u8").reshape(len(self._names), self._num_blocks)
+        for tensor, name in enumerate(self._names):
+            row = table[tensor]
+            layer_file, _ = self._locate_tensor(name)
+            if fmt.layer_tensor_digest(row) != self._expected_digest(layer_file, name):
+                raise SnapshotCorruptError(
+                    f"the stored block checksums of {name} do not match their xxh3-128 checksum",
+                    file=open_file.source.url,
+                    tensor=fmt.BLOCK_CHECKSUMS_TENSOR,
+                )
+            self._rows[tensor] = row
+
+    @property
+    def verifies(self) -> bool:
+        """Whether this reader checks what it reads against the stored checksums."""
+        return self._verify
+
+    def stored_checksums(self, page_tensors: np.ndarray, page_blocks: np.ndarray) -> np.ndarray:
+        """The stored xxh3-64 of page ``i`` (block ``page_blocks[i]`` of tensor
+        ``page_tensors[i]``), as uint64; :class:`SnapshotCorruptError` if the stored
+        checksums themselves are damaged."""
+        return self._block_checksum_table()[page_tensors, page_blocks]
+
+    def tensor_names(self) -> list[str]:
+        """Layer tensor names, in file order."""
+        return list(self._names)
+
+    def block_checksums(self, name: str) -> np.ndarray:
+        """The stored xxh3-64 of every block of layer tensor ``name`` (checked against the
+        trailer; :class:`SnapshotCorruptError` if they do not match it)."""
+        tensor, _, _ = self._layer(name)
+        return self._block_checksum_row(tensor)
+
+    def read_pages(self, name: str, block_ids: np.ndarray | Sequence[int], out: np.ndarray) -> None:
+        """Read blocks ``block_ids`` of layer tensor ``name``, in that order, into ``out``.
+
+        ``out`` is a C-contiguous uint8 array of at least ``len(block_ids) * page_bytes``
+        bytes; page ``i`` lands at ``[i*page_bytes, (i+1)*page_bytes)``. Consecutive ids are
+        read as one range and only the blocks asked for are read. With ``verify`` every block
+        is checked against its xxh3-64 (:class:`SnapshotCorruptError` naming the block).
+        """
+        read_piece, pieces, concurrent_ok = self._piece_reader(name, block_ids, out, None)
+        nbytes = sum(count for _, count, _ in pieces) * self._page_bytes
+        # Small reads stay on the calling thread: a handoff costs more than it saves.
+        if concurrent_ok and len(pieces) > 1 and nbytes > tuning.SUBCHUNK_BYTES:
+            self._submit_pieces(read_piece, pieces).result()
+        else:
+            for piece in pieces:
+                read_piece(piece)
+
+    def read_pages_async(
+        self,
+        name: str,
+        block_ids: np.ndarray | Sequence[int],
+        out: np.ndarray,
+        *,
+        trace: TraceHook | None = None,
+    ) -> concurrent.futures.Future[None]:
+        """:meth:`read_pages` on the reader's threads; the arguments are checked before it returns.
+
+        The future completes once no thread touches ``out`` any more: with ``None``, or the
+        first error (the pieces not started yet are then skipped). Calls queue behind each
+        other, so a caller that keeps the next buffer's call queued keeps the disk busy while
+        it consumes the previous buffer. ``trace`` receives a ``read`` and a ``verify`` span
+        per piece.
+        """
+        read_piece, pieces, _ = self._piece_reader(name, block_ids, out, trace)
+        return self._submit_pieces(read_piece, pieces)
+
+    def _submit_pieces(
+        self, read_piece: Callable[[tuple[int, int, int]], None], pieces: list[tuple[int, int, int]]
+    ) -> concurrent.futures.Future[None]:
+        done = Completion(
+            len(pieces),
+            cancelled=lambda: SnapshotIOError("skipped after an earlier failure", file=self.url),
+        )
+        executor = self._executor()
+        for piece in pieces:
+            done.watch(executor.submit(read_piece, piece))
+        return done.future
+
+    def _piece_reader(
+        self,
+        name: str,
+        block_ids: np.ndarray | Sequence[int],
+        out: np.ndarray,
+        trace: TraceHook | None,
+    ) -> tuple[Callable[[tuple[int, int, int]], None], list[tuple[int, int, int]], bool]:
+        """Check a read of ``block_ids`` into ``out``; the function that reads (and verifies)
+        one piece, the pieces, and whether pieces may run concurrently."""
+        tensor, open_file, entry = self._layer(name)
+        ids = np.asarray(block_ids)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError("block_ids must be a one-dimensional integer array")
+        ids = ids.astype(np.int64, copy=False)
+        num_blocks = self._num_blocks
+        if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+            raise IndexError(
+                f"{name}: block ids must lie in [0, {num_blocks}), got {ids.min()}..{ids.max()}"
+            )
+        if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            raise TypeError("out must be a C-contiguous uint8 numpy array")
+        page = self._page_bytes
+        needed = len(ids) * page
+        if out.nbytes < needed:
+            raise ValueError(f"out holds {out.nbytes} bytes, {len(ids)} pages need {needed}")
+        flat = out.reshape(-1)
+        row = self._block_checksum_row(tensor) if self._verify else None
+        source = open_file.source
+
+        def read_piece(piece: tuple[int, int, int]) -> None:
+            block, count, position = piece
+            view = flat[position * page : (position + count) * page]
+            with traced(trace, "read", view.nbytes):
+                source.read_into(entry.begin + block * page, memoryview(view), tensor=name)
+            if row is not None:
+                with traced(trace, "verify", view.nbytes):
+                    check_blocks(view, page, row, block, source.url, name)
+
+        return read_piece, self._pieces(ids), source.concurrent
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """A whole tensor (layer, sequence or ``kvsnap.*``) with its dtype and shape, verified
+        when the reader verifies."""
+        _, entry = self._locate_tensor(name)
+        dtype = SAFETENSORS_TYPES[entry.dtype].torch
+        if entry.nbytes == 0:
+            return torch.empty(entry.shape, dtype=dtype)
+        buffer = np.empty(entry.nbytes, dtype=np.uint8)
+        if name in self._tensor_index:
+            self.read_pages(name, np.arange(self._num_blocks), buffer)
+        else:
+            buffer[:] = np.frombuffer(self._read_checked(name), dtype=np.uint8)
+        return torch.from_numpy(buffer).view(dtype).reshape(entry.shape)
+
+    def close(self) -> None:
+        """Close every file and stop the reader's threads."""
+        for open_file in self._files:
+            open_file.source.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __enter__(self) -> SnapshotReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

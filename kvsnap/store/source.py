@@ -1,0 +1,151 @@
+"""Random-access reads of one snapshot file, and the per-block checksum check."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvsnap import format as fmt
+from kvsnap.errors import (
+    NotASnapshotError,
+    SnapshotCorruptError,
+    SnapshotIOError,
+)
+from kvsnap.store.location import (
+    Location,
+    io_error,
+    open_regular,
+)
+
+
+def _open_direct_reader(path: str, status: os.stat_result) -> int | None:
+    """A second, O_DIRECT descriptor on the same file (``status``) for aligned reads, or ``None``
+    where the filesystem refuses (or the path meanwhile names another file)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | flag | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    again = os.fstat(fd)
+    if (again.st_dev, again.st_ino) != (status.st_dev, status.st_ino):
+        os.close(fd)
+        return None
+    return fd
+
+
+def check_blocks(
+    view: np.ndarray, page: int, row: np.ndarray, block: int, url: str, name: str
+) -> None:
+    """Raise :class:`SnapshotCorruptError` naming the first page of ``view`` (block ``block``
+    onwards) whose xxh3-64 differs from the stored ``row``."""
+    got = fmt.block_digests(view, page)
+    bad = np.flatnonzero(got != row[block : block + len(got)])
+    if len(bad):
+        first = int(bad[0])
+        raise SnapshotCorruptError(
+            f"xxh3-64 {int(got[first]):016x} does not match the stored "
+            f"{int(row[block + first]):016x}",
+            file=url,
+            tensor=name,
+            block=block + first,
+        )
+
+
+class Source:
+    """Random-access reads of one file: ``pread`` for local files, seek+read for fsspec."""
+
+    def __init__(self, location: Location) -> None:
+        self.location = location
+        self.url = location.url
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._direct_fd: int | None = None
+        self._handle: Any = None
+        try:
+            if location.is_local:
+                self._fd, status = open_regular(location)
+                self.size = status.st_size
+                self._direct_fd = _open_direct_reader(location.path, status)
+            else:
+                self.size = int(location.fs.size(location.path))
+                self._handle = location.fs.open(location.path, "rb", cache_type="none")
+        except FileNotFoundError as error:
+            raise SnapshotIOError("no such file", file=self.url) from error
+        except IsADirectoryError as error:
+            raise NotASnapshotError("is a directory", file=self.url) from error
+        except OSError as error:
+            raise io_error("opening", self.url, error) from error
+
+    @property
+    def concurrent(self) -> bool:
+        """Whether several threads may read at once (``pread`` on a local descriptor)."""
+        return self._fd is not None
+
+    def read_into(self, offset: int, out: memoryview, *, tensor: str | None = None) -> None:
+        """Fill ``out`` from ``offset``; a short file is a :class:`SnapshotCorruptError`."""
+        wanted = len(out)
+        done = 0
+        try:
+            if self._fd is not None:
+                address = np.frombuffer(out, dtype=np.uint8).ctypes.data if wanted else 0
+                while done < wanted:
+                    # Aligned ranges bypass the page cache (O_DIRECT): on the disks measured
+                    # that reads up to twice as fast and leaves the cache to the engine.
+                    direct = self._direct_fd is not None and not (
+                        (offset + done) % fmt.DATA_ALIGNMENT
+                        or (wanted - done) % fmt.DATA_ALIGNMENT
+                        or (address + done) % fmt.DATA_ALIGNMENT
+                    )
+                    descriptor = self._direct_fd if direct else self._fd
+                    count = os.preadv(descriptor, [out[done:]], offset + done)
+                    if count <= 0:
+                        break
+                    done += count
+            else:
+                with self._lock:
+                    self._handle.seek(offset)
+                    while done < wanted:
+                        count = self._handle.readinto(out[done:])
+                        if not count:
+                            break
+                        done += count
+        except OSError as error:
+            raise io_error("reading", self.url, error) from error
+        if done < wanted:
+            raise SnapshotCorruptError(
+                f"file ended at byte {offset + done}, {wanted - done} bytes short (truncated?)",
+                file=self.url,
+                tensor=tensor,
+            )
+
+    def read(self, offset: int, size: int, *, tensor: str | None = None) -> bytes:
+        buffer = bytearray(size)
+        self.read_into(offset, memoryview(buffer), tensor=tensor)
+        return bytes(buffer)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._direct_fd is not None:
+            os.close(self._direct_fd)
+            self._direct_fd = None
+        if self._handle is not None:
+            with contextlib.suppress(Exception):
+                self._handle.close()
+            self._handle = None
+
+
+@dataclass
+class OpenFile:
+    source: Source
+    layout: fmt.FileLayout
+    trailer: list[bytes] | None = None
+    row_of: dict[str, int] | None = None

@@ -1,0 +1,621 @@
+"""The streaming snapshot writer: hashing beside writing, bounded memory, atomic publish."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvsnap import format as fmt
+from kvsnap.errors import (
+    KVSnapError,
+    SnapshotIOError,
+)
+from kvsnap.format import SnapshotMetadata, TensorEntry
+from kvsnap.pinned import host_address_view
+from kvsnap.store import slot_reads, tuning
+from kvsnap.store.completion import Completion
+from kvsnap.store.local_file import LocalFile
+from kvsnap.store.location import (
+    INDEX_SUFFIX,
+    io_error,
+    locate,
+    stem_of,
+)
+from kvsnap.store.stream_file import StreamFile
+from kvsnap.store.tracing import TraceHook, traced
+from kvsnap.store.write_local import LocalTarget
+from kvsnap.store.write_stream import StreamTarget
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """What :meth:`SnapshotWriter.commit` published.
+
+    ``path`` is what :class:`SnapshotReader` opens (the file, or the index of a sharded
+    snapshot); ``files`` the data files in order; ``num_bytes`` their total size; ``kv_bytes``
+    the layer tensors' bytes. ``direct_io`` tells whether O_DIRECT carried layer data.
+    """
+
+    path: str
+    files: tuple[str, ...]
+    num_bytes: int
+    kv_bytes: int
+    num_blocks: int
+    direct_io: bool
+    fallback_reason: str | None
+    seconds: float
+
+
+class SnapshotWriter(LocalTarget, StreamTarget):
+    """Streams one snapshot to ``url``: a local path or an fsspec URL.
+
+    Feed every layer tensor in :meth:`tensor_order`, each as consecutive blocks
+    (:meth:`write_pages`), then :meth:`commit`. As a context manager it commits on a clean exit
+    and aborts on an exception. :meth:`abort` removes everything written and leaves any
+    previous snapshot at ``url`` untouched.
+
+    Args:
+        url: target path or URL. With ``max_shard_bytes`` and a snapshot larger than it,
+            shards go to ``{stem}-00001-of-0000n.safetensors`` next to it (``stem``: the name
+            without ``.safetensors``) and the index to ``{url}.index.json``.
+        metadata: what the snapshot describes; checked (``ValueError``) before anything is
+            written.
+        direct_io: ``None`` uses O_DIRECT for local files when the filesystem accepts it,
+            ``True`` requires it (:class:`SnapshotIOError` otherwise), ``False`` never uses it.
+        hash_threads: worker threads hashing (default: CPUs, 2 to 8); local files are
+            written by ``tuning.LOCAL_WRITE_THREADS`` more, fsspec URLs by one ordered lane.
+        max_shard_bytes: largest tensor bytes per shard (a larger single tensor gets a shard
+            of its own); ``None`` writes one file.
+        progress: called with the layer bytes written so far, from worker threads, serialized,
+            with non-decreasing values.
+        max_inflight_bytes: bytes of caller buffers held at once (default 256 MiB).
+        storage_options: passed to fsspec for URLs (e.g. an S3 ``endpoint_url``).
+        trace: receives ``hash`` and ``write`` spans per piece and ``commit.*`` spans.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        metadata: SnapshotMetadata,
+        *,
+        direct_io: bool | None = None,
+        hash_threads: int | None = None,
+        max_shard_bytes: int | None = None,
+        progress: Callable[[int], None] | None = None,
+        max_inflight_bytes: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        trace: TraceHook | None = None,
+    ) -> None:
+        self._state = "starting"
+        self._trace = trace
+        self._started = time.perf_counter()
+        problems = metadata.problems()
+        if problems:
+            raise ValueError("cannot write this snapshot metadata: " + "; ".join(problems[:5]))
+        self.metadata = metadata
+        self.fallback_reason: str | None = None
+        #: Whether the local files' blocks were reserved up front (see ``preallocate``).
+        self.preallocated = False
+        #: What :meth:`commit` published (also set when the context manager commits).
+        self.info: SnapshotInfo | None = None
+        self._location = locate(url, storage_options)
+        self._plan(metadata, max_shard_bytes)
+        self._start_pipeline(hash_threads, progress, max_inflight_bytes)
+        try:
+            if self._location.is_local:
+                self._start_local(direct_io)
+            else:
+                self._start_stream(direct_io)
+        except BaseException as error:
+            self._state = "open"
+            self.abort()
+            if isinstance(error, OSError):
+                raise io_error("creating the snapshot", self._location.url, error) from error
+            raise
+        self._state = "open"
+
+    def _plan(self, metadata: SnapshotMetadata, max_shard_bytes: int | None) -> None:
+        """Every file's layout and final location, where each tensor goes, and the bytes known
+        before any data (metadata tensors)."""
+        self._layouts = fmt.plan_files(metadata, max_shard_bytes)
+        self._sharded = len(self._layouts) > 1
+        if self._sharded:
+            stem = stem_of(self._location)
+            count = len(self._layouts)
+            # New names on every write: the old index's shards stay intact until it is replaced.
+            generation = fmt.new_generation()
+            self._finals = [
+                self._location.sibling(fmt.shard_file_name(stem, index + 1, count, generation))
+                for index in range(count)
+            ]
+        else:
+            self._finals = [self._location]
+        geometry = metadata.geometry
+        self._page_bytes = geometry.canonical_page_size_bytes
+        self._names = geometry.tensor_names()
+        self._tensor_index = {name: index for index, name in enumerate(self._names)}
+        self._placement: dict[str, tuple[int, TensorEntry]] = {}
+        for shard, layout in enumerate(self._layouts):
+            for entry in layout.entries:
+                self._placement[entry.name] = (shard, entry)
+        # Metadata tensors are little-endian int64 / uint8 already (see metadata_tensors).
+        self._static = {
+            name: np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+            for name, array in metadata.metadata_tensors().items()
+        }
+
+    def _start_pipeline(
+        self,
+        hash_threads: int | None,
+        progress: Callable[[int], None] | None,
+        max_inflight_bytes: int | None,
+    ) -> None:
+        """The digests, counters, in-flight bound and worker threads of the data path."""
+        num_blocks = self._num_blocks = self.metadata.num_blocks
+        self._digests = np.zeros((len(self._names), num_blocks), dtype=np.uint64)
+        self._blocks_written = [0] * len(self._names)
+        self._current = 0 if num_blocks else len(self._names)
+        self._progress = progress
+        self._max_inflight = max_inflight_bytes or tuning.DEFAULT_MAX_INFLIGHT_BYTES
+        self._inflight = 0
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._layer_bytes_done = 0
+        self._direct_bytes = 0
+        self._buffered_bytes = 0
+        self._unaligned_buffers = False
+        # Hashing runs on the process-wide hashing threads (started once, not per snapshot)
+        # unless the caller sizes a pool of its own.
+        self._own_hash_pool = hash_threads is not None
+        self._hash_pool = (
+            concurrent.futures.ThreadPoolExecutor(hash_threads, thread_name_prefix="kvsnap-hash")
+            if hash_threads is not None
+            else slot_reads.shared_executor("hash")
+        )
+        self._writes = concurrent.futures.ThreadPoolExecutor(
+            tuning.LOCAL_WRITE_THREADS, thread_name_prefix="kvsnap-write"
+        )
+        self._hashes: list[concurrent.futures.Future[None]] = []
+        self._hash_futures: list[list[concurrent.futures.Future[None]]] = [
+            [] for _ in self._layouts
+        ]
+        self._local_files: list[LocalFile] = []
+        self._stream_files: list[StreamFile | None] = [None] * len(self._layouts)
+        self._lane: concurrent.futures.ThreadPoolExecutor | None = None
+
+    # -- public API ----------------------------------------------------------------------
+
+    def tensor_order(self) -> list[str]:
+        """Layer tensor names in the order :meth:`write_pages` must receive them."""
+        return list(self._names)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one canonical page (one block of one layer tensor)."""
+        return self._page_bytes
+
+    def write_pages(self, name: str, pages: np.ndarray) -> concurrent.futures.Future[None]:
+        """Append the next ``len(pages) // page_size_bytes`` blocks of layer tensor ``name``.
+
+        ``pages`` is a C-contiguous uint8 array of whole canonical pages. Returns a future that
+        completes (``None``, or the write's exception) once ``pages`` may be reused; the data
+        is then hashed and handed to the file. Waits first while more than
+        ``max_inflight_bytes`` are in flight. Tensors must come in :meth:`tensor_order`, each
+        tensor's blocks in order, possibly over several calls.
+        """
+        tensor, flat = self._checked_pages(name, pages)
+        count = flat.nbytes // self._page_bytes
+        first = self._blocks_written[tensor]
+        shard, entry = self._placement[name]
+        if count == 0:
+            empty: concurrent.futures.Future[None] = concurrent.futures.Future()
+            empty.set_result(None)
+            return empty
+        self._admit(flat.nbytes)
+        hash_parts = self._split(first, count, tuning.SUBCHUNK_BYTES)
+        write_parts = self._split(first, count, tuning.WRITE_CHUNK_BYTES)
+        done = Completion(
+            len(hash_parts) + len(write_parts),
+            on_done=lambda: self._release(flat.nbytes),
+            cancelled=lambda: SnapshotIOError("the writer was aborted", file=self._location.url),
+        )
+        # The file write does not need the checksums: hashing and writing read the same buffer
+        # at once, so the disk starts as soon as the buffer arrives.
+        for block, blocks in hash_parts:
+            view = self._pages_view(flat, first, block, blocks)
+            hashed = self._submit_hash(self._hash, tensor, block, view)
+            if self._lane is not None:
+                self._hash_futures[shard].append(hashed)
+            done.watch(hashed)
+        for block, blocks in write_parts:
+            view = self._pages_view(flat, first, block, blocks)
+            done.watch(self._submit_write(shard, entry.begin + block * self._page_bytes, view))
+        self._blocks_written[tensor] += count
+        if self._blocks_written[tensor] == self._num_blocks:
+            self._current += 1
+            if self._lane is not None:
+                self._cursor += 1  # past this tensor's item
+                if self._current < len(self._names):
+                    self._advance(self._names[self._current])
+        return done.future
+
+    def write_slot(
+        self,
+        segments: Sequence[tuple[str, np.ndarray]],
+        digests: np.ndarray | None = None,
+    ) -> concurrent.futures.Future[None]:
+        """:meth:`write_pages` of several tensors' pages at once, in order.
+
+        Each ``(name, pages)`` continues its tensor as :meth:`write_pages` would. The slot is
+        hashed in a few tasks of about ``SUBCHUNK_BYTES`` whatever the number of tensors in it,
+        and the pages that follow each other in the file and in memory (a slot holding whole
+        tensors, back to back) go to the file as one write: a call's cost does not grow with
+        the number of tensors it spans. The future completes once every page may be reused.
+        ``digests``, the pages' xxh3-64 in order (computed where the pages were, on the
+        device), replaces the hashing.
+        """
+        if self._lane is not None:
+            # The stream lane is ordered per tensor item: one write_pages per segment.
+            return _all_done([self.write_pages(name, pages) for name, pages in segments])
+        pieces = []  # (tensor, first block, flat pages, shard, file offset)
+        for name, pages in segments:
+            tensor, flat = self._checked_pages(name, pages)
+            count = flat.nbytes // self._page_bytes
+            first = self._blocks_written[tensor]
+            shard, entry = self._placement[name]
+            pieces.append((tensor, first, flat, shard, entry.begin + first * self._page_bytes))
+            self._blocks_written[tensor] += count
+            if self._blocks_written[tensor] == self._num_blocks:
+                self._current += 1
+        total = sum(piece[2].nbytes for piece in pieces)
+        self._admit(total)
+        hash_batches = _batches(pieces, tuning.SUBCHUNK_BYTES) if digests is None else []
+        if digests is not None:
+            self._store_digests(pieces, digests)
+        writes = _contiguous_writes(pieces, tuning.WRITE_CHUNK_BYTES)
+
+        def release() -> None:
+            # Until here ``pieces`` keeps the caller's arrays alive under the merged views.
+            self._release(total)
+            pieces.clear()
+
+        done = Completion(
+            len(hash_batches) + len(writes),
+            on_done=release,
+            cancelled=lambda: SnapshotIOError("the writer was aborted", file=self._location.url),
+        )
+        for batch in hash_batches:
+            done.watch(self._submit_hash(self._hash_batch, batch))
+        for shard, offset, view in writes:
+            done.watch(self._submit_write(shard, offset, view))
+        return done.future
+
+    def _submit_hash(
+        self, work: Callable[..., None], *args: Any
+    ) -> concurrent.futures.Future[None]:
+        """Queue a hashing task; remembered, so a shared pool can be waited for per writer."""
+        future = self._hash_pool.submit(self._guarded(work, *args))
+        self._hashes.append(future)
+        return future
+
+    def _store_digests(
+        self, pieces: Sequence[tuple[int, int, np.ndarray, int, int]], digests: np.ndarray
+    ) -> None:
+        """Record digests computed elsewhere, page by page in the order of ``pieces``."""
+        page = 0
+        for tensor, first, flat, _, _ in pieces:
+            count = flat.nbytes // self._page_bytes
+            self._digests[tensor, first : first + count] = digests[page : page + count]
+            page += count
+        if page != len(digests):
+            raise ValueError(f"{len(digests)} digests for {page} pages")
+
+    def _hash_batch(self, batch: Sequence[tuple[int, int, np.ndarray]]) -> None:
+        for tensor, block, view in batch:
+            self._hash(tensor, block, view)
+
+    def _checked_pages(self, name: str, pages: np.ndarray) -> tuple[int, np.ndarray]:
+        """``write_pages``' arguments checked: the tensor's index and the pages, flat."""
+        self._check_open()
+        if name not in self._tensor_index:
+            raise ValueError(
+                f"{name!r} is not a layer tensor of this snapshot (see tensor_order())"
+            )
+        tensor = self._tensor_index[name]
+        if tensor != self._current:
+            expected = (
+                self._names[self._current]
+                if self._current < len(self._names)
+                else "nothing (commit)"
+            )
+            raise ValueError(
+                f"write_pages got {name}, expected {expected}: tensors go in tensor_order()"
+            )
+        if (
+            not isinstance(pages, np.ndarray)
+            or pages.dtype != np.uint8
+            or not pages.flags.c_contiguous
+        ):
+            raise TypeError("pages must be a C-contiguous uint8 numpy array")
+        flat = pages.reshape(-1)
+        if flat.nbytes % self._page_bytes:
+            raise ValueError(f"{flat.nbytes} bytes are not whole pages of {self._page_bytes} bytes")
+        count = flat.nbytes // self._page_bytes
+        first = self._blocks_written[tensor]
+        if first + count > self._num_blocks:
+            raise ValueError(
+                f"{name}: {first} blocks written, {count} more exceed the {self._num_blocks} blocks"
+            )
+        return tensor, flat
+
+    def commit(self) -> SnapshotInfo:
+        """Finish and publish: checksums, fsync, atomic rename, directory fsync.
+
+        Raises ``ValueError`` when a layer tensor is incomplete and
+        :class:`SnapshotIOError` when writing failed; either way nothing is published.
+        """
+        self._check_open()
+        missing = [
+            f"{name} ({written}/{self._num_blocks} blocks)"
+            for name, written in zip(self._names, self._blocks_written, strict=True)
+            if written != self._num_blocks
+        ]
+        if missing:
+            self.abort()
+            raise ValueError("cannot commit an incomplete snapshot: " + ", ".join(missing[:4]))
+        self._state = "committing"
+        try:
+            if self._lane is not None:
+                self._advance(None)
+                self._lane.submit(lambda: None).result()
+                self._raise_error()
+                self._publish_stream()
+            else:
+                self._finish_local()
+                with traced(self._trace, "commit.publish"):
+                    self._publish_local()
+        except BaseException as error:
+            self._state = "open"
+            self.abort()
+            if isinstance(error, OSError):
+                raise io_error("committing the snapshot", self._location.url, error) from error
+            raise
+        self._state = "committed"
+        self._shutdown_threads()
+        if self.fallback_reason is None and self._buffered_bytes:
+            # O_DIRECT was on, but some layer bytes could not use it.
+            self.fallback_reason = self._partial_direct_reason()
+        files = tuple(location.url for location in self._finals)
+        path = self._location.with_suffix(INDEX_SUFFIX).url if self._sharded else self._location.url
+        self.info = SnapshotInfo(
+            path=path,
+            files=files,
+            num_bytes=sum(layout.file_size for layout in self._layouts),
+            kv_bytes=self._num_blocks * self.metadata.geometry.bytes_per_block,
+            num_blocks=self._num_blocks,
+            direct_io=self._direct_bytes > 0,
+            fallback_reason=self.fallback_reason,
+            seconds=time.perf_counter() - self._started,
+        )
+        return self.info
+
+    def abort(self) -> None:
+        """Stop, wait for the workers, and delete everything written; safe to call repeatedly."""
+        if self._state in ("committed", "aborted", "starting"):
+            return
+        self._state = "aborted"
+        self._fail(SnapshotIOError("the writer was aborted", file=self._location.url))
+        self._shutdown_threads(cancel=True)
+        for file in self._local_files:
+            file.discard()
+        for stream in self._stream_files:
+            if stream is not None:
+                stream.discard()
+
+    def __enter__(self) -> SnapshotWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._state == "open":
+            self.commit()  # aborts by itself when it fails
+
+    def __del__(self) -> None:
+        # A writer dropped without commit or abort must not leave temporary files behind.
+        if getattr(self, "_state", None) == "open":
+            with contextlib.suppress(Exception):
+                self.abort()
+
+    # -- data path -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"the snapshot writer is {self._state}")
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        error = self._error
+        if error is not None:
+            if isinstance(error, KVSnapError):
+                raise error
+            raise io_error("writing the snapshot", self._location.url, error) from error
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    def _admit(self, nbytes: int) -> None:
+        with self._cond:
+            # One buffer larger than the bound is still admitted when nothing else is in flight.
+            while (
+                self._inflight
+                and self._inflight + nbytes > self._max_inflight
+                and self._error is None
+            ):
+                self._cond.wait()
+            self._inflight += nbytes
+        self._raise_error()
+
+    def _release(self, nbytes: int) -> None:
+        with self._cond:
+            self._inflight -= nbytes
+            self._cond.notify_all()
+
+    def _split(self, first: int, count: int, unit_bytes: int) -> list[tuple[int, int]]:
+        """Pieces ``(first_block, num_blocks)`` of about ``unit_bytes``; when pages are not
+        4096-multiples, piece sizes stay multiples of 4096 so O_DIRECT keeps alignment."""
+        per = max(1, unit_bytes // self._page_bytes)
+        step = fmt.DATA_ALIGNMENT // math.gcd(self._page_bytes, fmt.DATA_ALIGNMENT)
+        per = -(-per // step) * step
+        return [
+            (block, min(per, first + count - block)) for block in range(first, first + count, per)
+        ]
+
+    def _report(self, nbytes: int) -> None:
+        with self._cond:
+            self._layer_bytes_done += nbytes
+            if self._progress is not None:
+                self._progress(self._layer_bytes_done)
+
+    def _hash(self, tensor: int, block: int, view: np.ndarray) -> None:
+        with traced(self._trace, "hash", view.nbytes):
+            digests = fmt.block_digests(view, self._page_bytes)
+        self._digests[tensor, block : block + len(digests)] = digests
+
+    def _pages_view(self, flat: np.ndarray, first: int, block: int, count: int) -> np.ndarray:
+        """Blocks ``block .. block+count`` of a buffer whose first page is block ``first``."""
+        page = self._page_bytes
+        return flat[(block - first) * page : (block - first + count) * page]
+
+    def _guarded(self, work: Callable[..., None], *args: Any) -> Callable[[], None]:
+        """``work(*args)`` for a worker thread: skipped after an earlier failure, and its own
+        failure stops the writer."""
+
+        def run() -> None:
+            if self._error is not None:
+                raise SnapshotIOError(
+                    "the writer stopped after an earlier error", file=self._location.url
+                )
+            try:
+                work(*args)
+            except BaseException as error:
+                self._fail(error)
+                raise
+
+        return run
+
+    def _submit_write(
+        self, shard: int, offset: int, view: np.ndarray
+    ) -> concurrent.futures.Future[None]:
+        """Queue ``view`` for the file at ``offset``: on the local write thread(s), or in order on
+        the stream lane. Progress counts the bytes once written."""
+        if self._lane is None:
+            future = self._writes.submit(
+                self._guarded(self._write_local_data, self._local_files[shard], offset, view)
+            )
+        else:
+            future = self._lane.submit(self._guarded(self._stream_write, shard, offset, view))
+        nbytes = view.nbytes
+        future.add_done_callback(lambda f: f.cancelled() or f.exception() or self._report(nbytes))
+        return future
+
+    # -- shared --------------------------------------------------------------------------
+
+    def _trailer(self, shard: int) -> bytes:
+        layout = self._layouts[shard]
+        digests = [fmt.digest128(layout.header)]
+        for entry in layout.checksummed():
+            if fmt.is_layer_tensor(entry.name):
+                digests.append(
+                    fmt.layer_tensor_digest(self._digests[self._tensor_index[entry.name]])
+                )
+            elif entry.name == fmt.BLOCK_CHECKSUMS_TENSOR:
+                digests.append(fmt.digest128(self._digests.astype("<u8").tobytes()))
+            else:
+                static = self._static_bytes(entry)
+                assert static is not None
+                digests.append(fmt.digest128(static))
+        return fmt.encode_trailer(digests)
+
+    def _index_bytes(self) -> bytes:
+        trailers = [self._trailer(shard) for shard in range(len(self._layouts))]
+        return fmt.encode_index(
+            self.metadata, [f.name for f in self._finals], self._layouts, trailers
+        )
+
+    def _shutdown_threads(self, cancel: bool = False) -> None:
+        if self._own_hash_pool:
+            self._hash_pool.shutdown(wait=True, cancel_futures=cancel)
+        else:
+            if cancel:
+                for future in self._hashes:
+                    future.cancel()
+            concurrent.futures.wait(self._hashes)
+        self._hashes = []
+        self._writes.shutdown(wait=True, cancel_futures=cancel)
+        if self._lane is not None:
+            self._lane.shutdown(wait=True, cancel_futures=cancel)
+
+
+def _all_done(
+    futures: Sequence[concurrent.futures.Future[None]],
+) -> concurrent.futures.Future[None]:
+    """One future for several: done when all are, with the first failure."""
+    done = Completion(len(futures), cancelled=lambda: SnapshotIOError("the writer was aborted"))
+    for future in futures:
+        done.watch(future)
+    return done.future
+
+
+def _batches(
+    pieces: Sequence[tuple[int, int, np.ndarray, int, int]], unit_bytes: int
+) -> list[list[tuple[int, int, np.ndarray]]]:
+    """``(tensor, first block, pages)`` items in batches of about ``unit_bytes``."""
+    batches: list[list[tuple[int, int, np.ndarray]]] = [[]]
+    size = 0
+    for tensor, first, flat, _, _ in pieces:
+        if size >= unit_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append((tensor, first, flat))
+        size += flat.nbytes
+    return [batch for batch in batches if batch]
+
+
+def _contiguous_writes(
+    pieces: Sequence[tuple[int, int, np.ndarray, int, int]], unit_bytes: int
+) -> list[tuple[int, int, np.ndarray]]:
+    """``(shard, file offset, view)`` writes: pieces that continue each other in the file and
+    in memory merged into one view over their memory, cut at ``unit_bytes``. The caller keeps
+    the pieces' arrays alive until the writes complete (the merged views do not own memory)."""
+    runs: list[tuple[int, int, int, int]] = []  # shard, file offset, address, bytes
+    for _, _, flat, shard, offset in pieces:
+        address = flat.ctypes.data
+        if runs:
+            last_shard, last_offset, last_address, last_bytes = runs[-1]
+            if (
+                last_shard == shard
+                and last_offset + last_bytes == offset
+                and last_address + last_bytes == address
+            ):
+                runs[-1] = (shard, last_offset, last_address, last_bytes + flat.nbytes)
+                continue
+        runs.append((shard, offset, address, flat.nbytes))
+    writes = []
+    for shard, offset, address, nbytes in runs:
+        view = host_address_view(address, nbytes)
+        for start in range(0, nbytes, unit_bytes):
+            writes.append((shard, offset + start, view[start : start + unit_bytes]))
+    return writes

@@ -1,0 +1,203 @@
+"""xxh3-64 of canonical pages on the GPU, bit-identical to ``xxhash.xxh3_64_intdigest``.
+
+A snapshot stores the xxh3-64 of every page. Hashing on the host serializes on the GIL
+(python-xxhash holds it), so a 268 MB restore spent longer hashing than reading. Pages pass
+through the device staging buffer anyway: :func:`launch_page_digests` hashes each there, one
+program per page, in the same pass over the slot the copy makes. Restores compare the digests
+with the stored ones on the device and the scatter skips any page that differs; captures bring
+the digests back with the data.
+
+This is XXH3's long-input path (inputs over 240 bytes) with the default secret and seed 0:
+stripes of 64 bytes accumulated into 8 lanes, a scramble every 1,024 bytes, the last stripe at
+the end of the input, then the lanes merged and avalanched. Lanes are held as even and odd
+halves so that ``acc[i ^ 1] += data[i]`` is a swap of halves, not a shuffle. Pages of 240 bytes
+or less, or not a multiple of 8 bytes, are hashed on the host (:func:`supports`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency on Linux
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+
+from kvsnap.transfer.triton_copy import interpreting
+
+#: XXH3's default 192-byte secret (``XXH3_kSecret``).
+_SECRET = bytes.fromhex(
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
+    "cb79e64eccc0e578825ad07dccff7221b8084674f743248ee03590e6813a264c"
+    "3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
+    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
+    "eac5ac8334d3ebc3c581a0fffa1363eb170ddd51b7f0da49d316552629d4689e"
+    "2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e"
+)
+_PRIME32_1 = 0x9E3779B1
+_PRIME32_2 = 0x85EBCA77
+_PRIME32_3 = 0xC2B2AE3D
+_PRIME64_1 = 0x9E3779B185EBCA87
+_PRIME64_2 = 0xC2B2AE3D27D4EB4F
+_PRIME64_3 = 0x165667B19E3779F9
+_PRIME64_4 = 0x85EBCA77C2B2AE63
+_PRIME64_5 = 0x27D4EB2F165667C5
+_STRIPE = 64
+_STRIPES_PER_BLOCK = (len(_SECRET) - _STRIPE) // 8  # 16
+_BLOCK = _STRIPE * _STRIPES_PER_BLOCK  # 1,024 bytes between scrambles
+
+
+def _words(offset: int, count: int = 8) -> list[int]:
+    """``count`` little-endian u64 of the secret from byte ``offset`` (any alignment)."""
+    return [
+        int.from_bytes(_SECRET[offset + 8 * i : offset + 8 * i + 8], "little") for i in range(count)
+    ]
+
+
+def _signed(values: list[int]) -> list[int]:
+    """u64 bit patterns as int64 values (what a torch int64 tensor can hold)."""
+    return [value - (1 << 64) if value >= 1 << 63 else value for value in values]
+
+
+def constant_table(page_bytes: int) -> np.ndarray:
+    """The kernel's constants for pages of ``page_bytes`` (int64 bit patterns): 16 stripes x 8
+    stripe keys, 8 scramble keys, 8 last-stripe keys, 8 merge keys, 8 initial lanes, then
+    ``page_bytes * PRIME64_1``."""
+    stripe_keys = [word for stripe in range(_STRIPES_PER_BLOCK) for word in _words(8 * stripe)]
+    scramble = _words(len(_SECRET) - _STRIPE)
+    last = _words(len(_SECRET) - _STRIPE - 7)
+    merge = _words(11)
+    initial = [
+        _PRIME32_3,
+        _PRIME64_1,
+        _PRIME64_2,
+        _PRIME64_3,
+        _PRIME64_4,
+        _PRIME32_2,
+        _PRIME64_5,
+        _PRIME32_1,
+    ]
+    start = [(page_bytes * _PRIME64_1) % (1 << 64)]
+    return np.array(
+        _signed(stripe_keys + scramble + last + merge + initial + start), dtype=np.int64
+    )
+
+
+def supports(page_bytes: int) -> bool:
+    """Whether pages of ``page_bytes`` take XXH3's long path, in whole 8-byte words."""
+    return page_bytes > 240 and page_bytes % 8 == 0
+
+
+if triton is not None:
+
+    def _page_digest_kernel(
+        words,
+        page_words,
+        constants,
+        digests,
+        PAGE_BYTES: tl.constexpr,
+    ):
+        """xxh3-64 of the page at word ``page_words[p]`` of ``words``, into ``digests[p]``."""
+        page = tl.program_id(0)
+        base = tl.load(page_words + page)
+        half = tl.arange(0, 4) * 2  # even lanes; odd lanes are half + 1
+        keys = constants  # 16 x 8 stripe keys
+        acc_even = tl.load(constants + 152 + half).to(tl.uint64, bitcast=True)
+        acc_odd = tl.load(constants + 153 + half).to(tl.uint64, bitcast=True)
+        # Every constant typed u64: a signed operand would make a later shift arithmetic.
+        low32 = tl.full([4], 0xFFFFFFFF, tl.uint64)
+        prime32_1 = tl.full([4], 0x9E3779B1, tl.uint64)
+        num_blocks: tl.constexpr = (PAGE_BYTES - 1) // 1024
+        for block in range(num_blocks):
+            for stripe in tl.static_range(16):
+                at = base + block * 128 + stripe * 8
+                data_even = tl.load(words + at + half).to(tl.uint64, bitcast=True)
+                data_odd = tl.load(words + at + half + 1).to(tl.uint64, bitcast=True)
+                key_even = tl.load(keys + stripe * 8 + half).to(tl.uint64, bitcast=True)
+                key_odd = tl.load(keys + stripe * 8 + half + 1).to(tl.uint64, bitcast=True)
+                mixed_even = data_even ^ key_even
+                mixed_odd = data_odd ^ key_odd
+                acc_even += data_odd + (mixed_even & low32) * (mixed_even >> 32)
+                acc_odd += data_even + (mixed_odd & low32) * (mixed_odd >> 32)
+            scramble_even = tl.load(constants + 128 + half).to(tl.uint64, bitcast=True)
+            scramble_odd = tl.load(constants + 129 + half).to(tl.uint64, bitcast=True)
+            acc_even = ((acc_even ^ (acc_even >> 47)) ^ scramble_even) * prime32_1
+            acc_odd = ((acc_odd ^ (acc_odd >> 47)) ^ scramble_odd) * prime32_1
+        last_stripes: tl.constexpr = ((PAGE_BYTES - 1) - 1024 * num_blocks) // 64
+        for stripe in tl.static_range(last_stripes):
+            at = base + num_blocks * 128 + stripe * 8
+            data_even = tl.load(words + at + half).to(tl.uint64, bitcast=True)
+            data_odd = tl.load(words + at + half + 1).to(tl.uint64, bitcast=True)
+            key_even = tl.load(keys + stripe * 8 + half).to(tl.uint64, bitcast=True)
+            key_odd = tl.load(keys + stripe * 8 + half + 1).to(tl.uint64, bitcast=True)
+            mixed_even = data_even ^ key_even
+            mixed_odd = data_odd ^ key_odd
+            acc_even += data_odd + (mixed_even & low32) * (mixed_even >> 32)
+            acc_odd += data_even + (mixed_odd & low32) * (mixed_odd >> 32)
+        at = base + PAGE_BYTES // 8 - 8  # the last stripe, at the end of the page
+        data_even = tl.load(words + at + half).to(tl.uint64, bitcast=True)
+        data_odd = tl.load(words + at + half + 1).to(tl.uint64, bitcast=True)
+        key_even = tl.load(constants + 136 + half).to(tl.uint64, bitcast=True)
+        key_odd = tl.load(constants + 137 + half).to(tl.uint64, bitcast=True)
+        mixed_even = data_even ^ key_even
+        mixed_odd = data_odd ^ key_odd
+        acc_even += data_odd + (mixed_even & low32) * (mixed_even >> 32)
+        acc_odd += data_even + (mixed_odd & low32) * (mixed_odd >> 32)
+        # Merge: sum over pairs of fold64(128-bit product of the lanes xor the merge keys).
+        left = acc_even ^ tl.load(constants + 144 + half).to(tl.uint64, bitcast=True)
+        right = acc_odd ^ tl.load(constants + 145 + half).to(tl.uint64, bitcast=True)
+        left_lo, left_hi = left & low32, left >> 32
+        right_lo, right_hi = right & low32, right >> 32
+        lo_lo = left_lo * right_lo
+        hi_lo = left_hi * right_lo
+        lo_hi = left_lo * right_hi
+        hi_hi = left_hi * right_hi
+        cross = (lo_lo >> 32) + (hi_lo & low32) + lo_hi
+        upper = (hi_lo >> 32) + (cross >> 32) + hi_hi
+        lower = (cross << 32) | (lo_lo & low32)
+        result = tl.load(constants + 160).to(tl.uint64, bitcast=True) + tl.sum(lower ^ upper, 0)
+        result = result ^ (result >> 37)
+        result = result * 0x165667919E3779F9
+        result = result ^ (result >> 32)
+        tl.store(digests + page, result.to(tl.int64, bitcast=True))
+
+
+_KERNELS: dict[bool, Any] = {}
+
+
+def _kernel() -> Any:
+    interpret = interpreting()
+    kernel = _KERNELS.get(interpret)
+    if kernel is None:
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            kernel = InterpretedFunction(_page_digest_kernel)
+        else:
+            kernel = triton.jit(_page_digest_kernel)
+        _KERNELS[interpret] = kernel
+    return kernel
+
+
+def launch_page_digests(
+    buffer: torch.Tensor,
+    page_offsets: torch.Tensor,
+    page_bytes: int,
+    constants: torch.Tensor,
+    digests: torch.Tensor,
+) -> None:
+    """Enqueue the xxh3-64 of ``len(page_offsets)`` pages of ``buffer`` (uint8, pages at
+    ``page_offsets`` bytes, 8-byte aligned) into ``digests`` (int64 bit patterns), on the
+    current stream. ``constants`` is :func:`constant_table` on the buffer's device."""
+    if not supports(page_bytes):
+        raise ValueError(f"pages of {page_bytes} bytes are hashed on the host")
+    count = len(page_offsets)
+    if count == 0:
+        return
+    words = buffer.view(torch.int64)
+    _kernel()[(count,)](words, page_offsets // 8, constants, digests, PAGE_BYTES=page_bytes)
