@@ -1,16 +1,21 @@
-"""KVSnapConnector against real vLLM (CPU build): persist, restart, corruption, TP 2 <-> 1, dumps.
+"""KVSnapConnector against real vLLM (CPU build): persist, restart, sharing, corruption, eviction.
 
 Every engine runs in a subprocess with ``.venv-vllm/bin/python`` (``scripts/setup_vllm_venv.sh``
 creates it); this file skips as a whole without it. The engines share one random-weight Llama
-with 2 KV heads and one scenario, so that only four engines start:
+with 2 KV heads, one store (chunks of 2 blocks of 32 tokens) and one scenario:
 
 * E0, TP=1, no connector: the reference tokens of every prompt (runs beside E1).
-* E1, TP=1, ``persist+dump``: computes A, B and C; persists A and B (C opts out) and dumps all.
-* E2, TP=2, ``persist+dump``: loads A (a TP=1 capture) into TP=2, computes and persists C (a
-  TP=2 capture, gathered on rank 0), dumps both.
-* E3, TP=1, after B's snapshot is corrupted and two forged store entries are added: loads A,
-  C (the TP=2 capture) and a 2-block prefix of A for D; B's load fails its checksum and is
-  recomputed; F and G are logged misses; dumps all.
+* E1, TP=1: computes A, B, C and S1..S4 (one 4-block system prompt, each its own 70-token
+  question); persists A, B and the S prompts (C opts out), dumps all.
+* E2, TP=2: loads A (a TP=1 capture) into TP=2, computes and persists C (a TP=2 capture,
+  gathered on rank 0), dumps both.
+* E3, TP=1, ``verify_before_load`` off, after B's chunk is corrupted and two forged chunks are
+  added: loads A, C, the S prompts and A's first chunk for D; B's load fails its checksum in
+  the worker and is recomputed; F and G are logged misses; the bad chunks are quarantined.
+* E4, TP=1, vLLM's default ``kv_load_failure_policy``, after one byte of KV data is flipped in
+  every chunk: every chunk fails the scheduler's check, is quarantined and recomputed.
+* E5, TP=1, default policy, a capacity bound: loads the fresh chunks E4 wrote, stores H and
+  evicts the quarantined chunks and the least recently used ones to fit the bound.
 
 Every engine's tokens must equal E0's, and the dumps prove the restored cache bit-exact.
 """
@@ -21,7 +26,7 @@ import json
 import os
 import struct
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +36,14 @@ import torch
 
 from kvsnap import format as fmt
 from kvsnap.engines.vllm import (
-    BlockOrder,
     PrefixStore,
     count_events,
     external_request_id,
-    probe_block_order,
     read_events,
+    store_bytes,
+    store_entries,
     vllm_layout,
 )
-from kvsnap.layout import LayoutError, check_tiling
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,209 +51,14 @@ VENV = ROOT / ".venv-vllm"
 PYTHON = VENV / "bin" / "python"
 HELPERS = Path(__file__).resolve().parent / "vllm"
 BLOCK = 32
+CHUNK_BLOCKS = 2
 ENGINE_TIMEOUT_S = 300
+SHARING = ("S1", "S2", "S3", "S4")
 
 pytestmark = pytest.mark.skipif(
     not (VENV / ".installed").exists(),
     reason=f"real vLLM is not installed: run scripts/setup_vllm_venv.sh to create {VENV}",
 )
-
-
-# --------------------------------------------------------------------------------------------
-# The layout of vLLM's registered caches (no engine needed)
-
-
-def _random_cache(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator).to(torch.bfloat16)
-
-
-def _capture_one_sequence(layouts: list, tmp_path: Path, blocks: list[int]) -> Snapshot:
-    tokens = np.arange(len(blocks) * layouts[0].geometry.block_size)
-    source = fmt.SourceInfo("vllm", "test", "synthetic", None, "0" * 32)
-    path = tmp_path / "snap.safetensors"
-    capture(layouts, [SequenceBlocks("s", tokens, np.asarray(blocks))], path, source=source)
-    return Snapshot.open(path)
-
-
-def _vnni_offsets(tokens: int, heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """An AMX-style block order (what vLLM's CPU kernel does on AMX machines, per its writes):
-    per head, keys as [D/2][N][2] (dim pairs interleaved), then values as
-    [D/16][N/2][16][2] (token pairs interleaved)."""
-    t, h, d = np.indices((tokens, heads, head_dim))
-    plane = h * 2 * tokens * head_dim
-    key = plane + (d // 2) * 2 * tokens + t * 2 + d % 2
-    value = (
-        plane + tokens * head_dim + (d // 16) * tokens * 16 + (t // 2) * 32 + (d % 16) * 2 + t % 2
-    )
-    return key, value
-
-
-def _vnni_writer(key: torch.Tensor, value: torch.Tensor, block: torch.Tensor) -> None:
-    tokens, heads, head_dim = key.shape
-    key_offsets, value_offsets = _vnni_offsets(tokens, heads, head_dim)
-    flat = block.view(-1)
-    flat[torch.from_numpy(key_offsets.ravel())] = key.reshape(-1)
-    flat[torch.from_numpy(value_offsets.ravel())] = value.reshape(-1)
-
-
-def test_cpu_backend_block_order_is_learned_from_the_kernel(tmp_path: Path) -> None:
-    blocks, heads, tokens, head_dim = 5, 2, BLOCK, 32
-    order = probe_block_order(
-        _vnni_writer, heads=heads, block_size=tokens, head_size=head_dim, dtype=torch.bfloat16
-    )
-    assert np.array_equal(order.key, _vnni_offsets(tokens, heads, head_dim)[0])
-    keys = [_random_cache((blocks, tokens, heads, head_dim), seed) for seed in (1, 2)]
-    values = [_random_cache((blocks, tokens, heads, head_dim), seed) for seed in (3, 4)]
-    caches = [
-        torch.zeros((blocks, heads, tokens, 2 * head_dim), dtype=torch.bfloat16) for _ in keys
-    ]
-    for cache, key, value in zip(caches, keys, values, strict=True):
-        for block in range(blocks):
-            _vnni_writer(key[block], value[block], cache[block : block + 1])
-    layout = vllm_layout(
-        caches,
-        backend="CPU_ATTN",
-        kv_cache_layout="LBHNC",
-        head_size=head_dim,
-        num_kv_heads=heads,
-        block_order=order,
-    )
-    with _capture_one_sequence([layout], tmp_path, [4, 1]) as snap:
-        for layer in range(2):
-            for part, logical in (("key", keys[layer]), ("value", values[layer])):
-                expected = logical[[4, 1]].reshape(2 * tokens, heads, head_dim)
-                got = snap.sequence_kv("s", f"layers.{layer}.{part}")
-                assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
-    with pytest.raises(LayoutError, match="block_order"):
-        vllm_layout(
-            caches, backend="CPU_ATTN", kv_cache_layout="LBHNC", head_size=32, num_kv_heads=2
-        )
-
-
-def test_block_order_probe_refuses_a_kernel_it_cannot_map() -> None:
-    def drops_values(key: torch.Tensor, value: torch.Tensor, block: torch.Tensor) -> None:
-        _vnni_writer(key, torch.zeros_like(value), block)
-
-    with pytest.raises(LayoutError, match="unwritten"):
-        probe_block_order(
-            drops_values, heads=2, block_size=BLOCK, head_size=32, dtype=torch.bfloat16
-        )
-
-
-@pytest.mark.parametrize("physical", ["LBNHC", "LBHNC"])
-def test_cell_backends_follow_the_reported_physical_layout(tmp_path: Path, physical: str) -> None:
-    # FLASH_ATTN: each (token, head) cell is key ‖ value; NHD or HND physically.
-    blocks, heads, tokens, head_dim = 5, 4, BLOCK, 16
-    order = (0, 2, 1, 3) if physical == "LBNHC" else (0, 1, 2, 3)
-    physical_shape = [(blocks, heads, tokens, 2 * head_dim)[axis] for axis in order]
-    storage = _random_cache(tuple(physical_shape), 3)
-    inverse = tuple(order.index(axis) for axis in range(4))
-    cache = storage.permute(*inverse)  # logical [B, H, N, C] over the physical tensor
-    assert cache.shape == (blocks, heads, tokens, 2 * head_dim)
-    layout = vllm_layout(
-        [cache], backend="FLASH_ATTN", kv_cache_layout=physical, head_size=head_dim, num_kv_heads=4
-    )
-    with _capture_one_sequence([layout], tmp_path, [3, 0, 2]) as snap:
-        cells = cache[[3, 0, 2]].transpose(1, 2).reshape(3 * tokens, heads, 2 * head_dim)
-        for part, dims in (("key", slice(0, head_dim)), ("value", slice(head_dim, None))):
-            got = snap.sequence_kv("s", f"layers.0.{part}")
-            assert torch.equal(
-                got.view(torch.int16), cells[..., dims].contiguous().view(torch.int16)
-            )
-
-
-def test_tp_ranks_tile_the_canonical_page(tmp_path: Path) -> None:
-    # TP=2 over 2 KV heads: each rank holds one head; together they give the TP=1 snapshot.
-    blocks, tokens, head_dim = 4, BLOCK, 32
-    full = _random_cache((blocks, 2, tokens, 2 * head_dim), 5)
-    ranks = [full[:, rank : rank + 1].contiguous() for rank in range(2)]
-
-    def order(heads: int) -> BlockOrder:
-        return BlockOrder(*_vnni_offsets(tokens, heads, head_dim))
-
-    layouts = [
-        vllm_layout(
-            [cache],
-            backend="CPU_ATTN",
-            kv_cache_layout="LBHNC",
-            head_size=head_dim,
-            num_kv_heads=2,
-            tp_rank=rank,
-            tp_size=2,
-            block_order=order(1),
-        )
-        for rank, cache in enumerate(ranks)
-    ]
-    check_tiling(layouts)
-    reference = vllm_layout(
-        [full],
-        backend="CPU_ATTN",
-        kv_cache_layout="LBHNC",
-        head_size=head_dim,
-        num_kv_heads=2,
-        block_order=order(2),
-    )
-    with _capture_one_sequence(layouts, tmp_path, [2, 3]) as tp2:
-        tp2_key = tp2.sequence_kv("s", "layers.0.value").clone()
-    (tmp_path / "snap.safetensors").unlink()
-    with _capture_one_sequence([reference], tmp_path, [2, 3]) as tp1:
-        assert torch.equal(
-            tp2_key.view(torch.int16), tp1.sequence_kv("s", "layers.0.value").view(torch.int16)
-        )
-    with pytest.raises(LayoutError, match="1 KV heads per rank"):
-        vllm_layout(
-            ranks,
-            backend="CPU_ATTN",
-            kv_cache_layout="LBHNC",
-            head_size=32,
-            num_kv_heads=4,
-            tp_size=2,
-            block_order=order(1),
-        )
-
-
-def test_unknown_or_contradicted_layouts_are_refused() -> None:
-    cache = _random_cache((3, 2, BLOCK, 64), 7)
-    with pytest.raises(LayoutError, match="FLASHINFER"):
-        vllm_layout(
-            [cache], backend="FLASHINFER", kv_cache_layout="LBHNC", head_size=32, num_kv_heads=2
-        )
-    with pytest.raises(LayoutError, match="unknown vLLM KV cache layout"):
-        vllm_layout(
-            [cache], backend="CPU_ATTN", kv_cache_layout="XYZ", head_size=32, num_kv_heads=2
-        )
-    # The tensor is head-major (HND) but vLLM would claim token-major (LBNHC): refused.
-    with pytest.raises(LayoutError, match="reported the LBNHC layout"):
-        vllm_layout(
-            [cache], backend="FLASH_ATTN", kv_cache_layout="LBNHC", head_size=32, num_kv_heads=2
-        )
-    with pytest.raises(LayoutError, match="head size 16"):
-        vllm_layout(
-            [cache], backend="CPU_ATTN", kv_cache_layout="LBHNC", head_size=16, num_kv_heads=2
-        )
-
-
-def test_prefix_store_finds_the_longest_indexed_prefix(tmp_path: Path) -> None:
-    store = PrefixStore(tmp_path, "ns")
-    tokens = np.arange(10 * BLOCK)
-    chain = fmt.prefix_hash_chain(tokens, BLOCK)
-    assert store.longest_prefix(chain) is None
-    first = store.snapshot_path(chain[3])
-    store.publish_index(chain[:4], first)
-    match = store.longest_prefix(chain)
-    assert match is not None and (match.num_blocks, Path(match.path)) == (4, first)
-    other = fmt.prefix_hash_chain(
-        np.concatenate([tokens[: 2 * BLOCK], tokens[: 8 * BLOCK] + 1]), BLOCK
-    )
-    shared = store.longest_prefix(other)
-    assert shared is not None and shared.num_blocks == 2
-    assert external_request_id("req-7-0123abcd") == "req-7"
-    assert external_request_id("req-7") == "req-7"
-
-
-# --------------------------------------------------------------------------------------------
-# The scenario against real vLLM
 
 
 def _prompts() -> dict[str, list[int]]:
@@ -259,13 +68,17 @@ def _prompts() -> dict[str, list[int]]:
         return rng.integers(1, 500, size=count).tolist()
 
     a = tokens(100)
+    system = tokens(4 * BLOCK)
     return {
-        "A": a,  # 3 full blocks loadable
-        "B": tokens(80),  # 2
+        "A": a,  # 3 full blocks loadable: chunks [0, 2) and [2, 3)
+        "B": tokens(80),  # 2: chunk [0, 2)
         "C": tokens(129),  # 4 (its prompt ends exactly one token past a block)
-        "D": a[: 2 * BLOCK] + tokens(40),  # shares A's first 2 blocks
+        "D": a[: 2 * BLOCK] + tokens(40),  # shares A's first chunk
         "F": tokens(90),
         "G": tokens(70),
+        # 198 tokens, 6 loadable blocks: chunks [0, 2) and [2, 4) shared, [4, 6) their own.
+        **{label: system + tokens(70) for label in SHARING},
+        "H": tokens(100),
     }
 
 
@@ -285,23 +98,35 @@ class EngineRun:
             event
             for event in self.events
             if event["event"] == name
-            and self.labels.get(external_request_id(event["request"])) == label
+            and self.labels.get(external_request_id(event.get("request", ""))) == label
         ]
+
+    def saved(self) -> dict[str, list[Path]]:
+        """Prompt label -> the chunks this engine saved for it, in order."""
+        chunks: dict[str, list[Path]] = {}
+        for event in self.events:
+            if event["event"] == "save":
+                label = self.labels[external_request_id(event["request"])]
+                chunks.setdefault(label, []).append(Path(event["path"]))
+        return chunks
 
 
 @dataclass
 class Scenario:
     model: Path
     prompts: dict[str, list[int]]
-    reference: EngineRun
-    e1: EngineRun
-    e2: EngineRun
-    e3: EngineRun
+    runs: dict[str, EngineRun]
     store: Path
     namespace: Path
-    snapshots: dict[str, Path]  # prompt label -> persisted snapshot
-    corrupted: tuple[str, int]  # tensor, block flipped in B's snapshot
-    corrupt_copy: Path  # B's snapshot as it was corrupted
+    chunks: dict[str, list[Path]]  # prompt label -> its persisted chunks (E1, E2)
+    kept: dict[str, list[Path]]  # copies of those chunks as E1 and E2 wrote them
+    corrupted: tuple[str, int]  # tensor, block flipped in B's chunk
+    corrupt_copy: Path  # B's chunk as it was corrupted
+    bytes_after_e1: dict[Path, int]  # every chunk on disk after E1 -> its size
+    flipped: list[Path] = field(default_factory=list)  # chunks damaged before E4
+    quarantine_problems: dict[str, int] = field(default_factory=dict)  # after E4
+    capacity: int = 0  # E5's store_capacity_bytes
+    bytes_after_e5: int = 0
 
 
 def _job(
@@ -317,6 +142,7 @@ def _job(
         "model": str(model),
         "tensor_parallel_size": options.pop("tp", 1),
         "connector": connector,
+        "load_failure_policy": options.pop("policy", "recompute"),
         "prompts": [
             {"token_ids": prompts[label], "persist": label not in options.get("no_persist", ())}
             for label in labels
@@ -410,28 +236,81 @@ def _flip_byte(path: Path, tensor: str, block: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def _forge_entries(
-    scenario_store: Path, namespace: str, prompts: dict[str, list[int]], a_snapshot: Path
+def _chunk_files(store: Path) -> list[Path]:
+    return [entry.path for entry in store_entries(store) if not entry.quarantined]
+
+
+def _forge_chunks(
+    store_dir: Path, namespace: str, prompts: dict[str, list[int]], a_chunk: Path
 ) -> None:
-    """F: index entries that point at A's snapshot. G: a snapshot from another model fingerprint."""
-    store = PrefixStore(scenario_store, namespace)
+    """F: A's first chunk stored under F's name. G: a chunk from another model fingerprint."""
+    store = PrefixStore(store_dir, namespace, chunk_blocks=CHUNK_BLOCKS)
     chain_f = fmt.prefix_hash_chain(np.asarray(prompts["F"][: 2 * BLOCK]), BLOCK)
-    store.publish_index(chain_f, a_snapshot)
+    store.chunk_path(chain_f[1]).parent.mkdir(parents=True, exist_ok=True)
+    store.chunk_path(chain_f[1]).write_bytes(a_chunk.read_bytes())
     g_tokens = np.asarray(prompts["G"][: 2 * BLOCK])
     chain_g = fmt.prefix_hash_chain(g_tokens, BLOCK)
-    cache = _random_cache((4, 2, BLOCK, 64), 11)
+    generator = torch.Generator().manual_seed(11)
+    caches = [
+        torch.randn((2, 2, BLOCK, 64), generator=generator).to(torch.bfloat16) for _ in range(2)
+    ]
     layout = vllm_layout(
-        [cache, cache.clone()],
-        backend="CPU_ATTN",
-        kv_cache_layout="LBHNC",
-        head_size=32,
-        num_kv_heads=2,
-        block_order=BlockOrder(*_vnni_offsets(BLOCK, 2, 32)),
+        caches, backend="FLASH_ATTN", kv_cache_layout="LBHNC", head_size=32, num_kv_heads=2
     )
-    path = store.snapshot_path(chain_g[-1])
     source = fmt.SourceInfo("vllm", "0.32.0", "another-model", None, "f" * 32)
-    capture(layout, [SequenceBlocks("G", g_tokens, np.array([0, 1]))], path, source=source)
-    store.publish_index(chain_g, path)
+    sequence = SequenceBlocks("prefix@0:root", g_tokens, np.array([0, 1]))
+    path = store.chunk_path(chain_g[1])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    capture(layout, [sequence], path, source=source)
+
+
+def _problems(path: Path) -> int:
+    """How many problems ``verify`` finds in the snapshot at ``path`` (1: it does not open)."""
+    try:
+        with Snapshot.open(path) as snap:
+            return len(snap.verify())
+    except Exception:
+        return 1
+
+
+def _first_runs(tmp: Path, model: Path, prompts: dict[str, list[int]], persist: dict) -> Scenario:
+    """E0 beside E1, then E2 (TP=2): the store the later engines restart from."""
+    reference = _launch(tmp, "e0", model, list(prompts), prompts)
+    first = ["A", "B", "C", *SHARING]
+    e1 = _run(tmp, "e1", model, first, prompts, connector=persist, no_persist=("C",))
+    process, job, log, events, dumps = reference
+    runs = {"e0": _finish(process, job, list(prompts), log, events, dumps), "e1": e1}
+    store = Path(persist["path"])
+    namespaces = [path for path in store.iterdir() if path.is_dir()]
+    assert len(namespaces) == 1, namespaces
+    bytes_after_e1 = {path: path.stat().st_size for path in _chunk_files(store)}
+    runs["e2"] = _run(tmp, "e2", model, ["A", "C"], prompts, connector=persist, tp=2)
+    chunks = {**e1.saved(), **runs["e2"].saved()}
+    # Later engines quarantine and rewrite these files: keep them as they were written.
+    kept: dict[str, list[Path]] = {}
+    for label, paths in chunks.items():
+        for index, path in enumerate(paths):
+            copy = tmp / "kept" / f"{label}-{index}.safetensors"
+            copy.parent.mkdir(exist_ok=True)
+            copy.write_bytes(path.read_bytes())
+            kept.setdefault(label, []).append(copy)
+    corrupted = ("layers.1.value", 1)
+    _flip_byte(chunks["B"][0], *corrupted)
+    corrupt_copy = tmp / "corrupt-B.safetensors"
+    corrupt_copy.write_bytes(chunks["B"][0].read_bytes())
+    _forge_chunks(store, namespaces[0].name, prompts, chunks["A"][0])
+    return Scenario(
+        model,
+        prompts,
+        runs,
+        store,
+        namespaces[0],
+        chunks,
+        kept,
+        corrupted,
+        corrupt_copy,
+        bytes_after_e1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -442,67 +321,50 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
         [str(PYTHON), str(HELPERS / "make_model.py"), str(model)], check=True, capture_output=True
     )
     prompts = _prompts()
-    store = tmp / "store"
-    persist = {"path": str(store), "mode": "persist+dump"}
-    everything = ["A", "B", "C", "D", "F", "G"]
-    # E0 (no connector) runs beside E1: start-up is mostly single-threaded Python.
-    reference = _launch(tmp, "e0", model, everything, prompts)
-    e1 = _run(tmp, "e1", model, ["A", "B", "C"], prompts, connector=persist, no_persist=("C",))
-    process, job, log, events, dumps = reference
-    reference_run = _finish(process, job, everything, log, events, dumps)
-    namespaces = [path for path in store.iterdir() if path.is_dir()]
-    assert len(namespaces) == 1, namespaces
-    snapshots = {
-        e1.labels[external_request_id(e["request"])]: Path(e["path"])
-        for e in e1.events
-        if e["event"] == "save"
+    persist = {"path": str(tmp / "store"), "mode": "persist+dump", "chunk_blocks": CHUNK_BLOCKS}
+    scene = _first_runs(tmp, model, prompts, persist)
+    restart = ["A", "B", "C", "D", "F", "G", *SHARING]
+    lenient = {**persist, "verify_before_load": False}
+    scene.runs["e3"] = _run(tmp, "e3", model, restart, prompts, connector=lenient)
+    # One byte of KV data flipped in every chunk; vLLM's default load failure policy.
+    scene.flipped = _chunk_files(scene.store)
+    for path in scene.flipped:
+        _flip_byte(path, "layers.0.key", 0)
+    damaged = ["A", "B", "C", "D", "F", "G", *SHARING]
+    scene.runs["e4"] = _run(tmp, "e4", model, damaged, prompts, connector=persist, policy=None)
+    scene.quarantine_problems = {
+        str(entry.path): _problems(entry.path)
+        for entry in store_entries(scene.store)
+        if entry.quarantined
     }
-    e2 = _run(tmp, "e2", model, ["A", "C"], prompts, connector=persist, tp=2)
-    snapshots.update(
-        {
-            e2.labels[external_request_id(e["request"])]: Path(e["path"])
-            for e in e2.events
-            if e["event"] == "save"
-        }
-    )
-    corrupted = ("layers.1.value", 1)
-    _flip_byte(snapshots["B"], *corrupted)
-    # E3 replaces the corrupt snapshot once it has recomputed B; keep the damaged bytes.
-    corrupt_copy = tmp / "corrupt-B.safetensors"
-    corrupt_copy.write_bytes(snapshots["B"].read_bytes())
-    _forge_entries(store, namespaces[0].name, prompts, snapshots["A"])
-    e3 = _run(tmp, "e3", model, everything, prompts, connector=persist)
-    return Scenario(
-        model,
-        prompts,
-        reference_run,
-        e1,
-        e2,
-        e3,
-        store,
-        namespaces[0],
-        snapshots,
-        corrupted,
-        corrupt_copy,
-    )
+    scene.capacity = sum(path.stat().st_size for path in _chunk_files(scene.store))
+    bounded = {**persist, "store_capacity_bytes": scene.capacity, "store_min_idle_s": 0}
+    last = ["A", "S1", "S2", "H"]
+    scene.runs["e5"] = _run(tmp, "e5", model, last, prompts, connector=bounded, policy=None)
+    scene.bytes_after_e5 = store_bytes(scene.store)
+    return scene
 
 
-def _sequence_kv(path: Path, num_tokens: int) -> dict[str, torch.Tensor]:
-    """Each layer part of the snapshot's only sequence: its first ``num_tokens`` tokens' bits."""
-    with Snapshot.open(path) as snap:
-        (record,) = snap.sequences
-        return {
-            name: snap.sequence_kv(record.id, name)[:num_tokens].clone().view(torch.int16)
-            for name in snap.geometry.tensor_names()
-        }
+def _kv(paths: Path | list[Path], num_tokens: int) -> dict[str, torch.Tensor]:
+    """Each layer part of the snapshots' one sequence each, concatenated in order: the KV of
+    the first ``num_tokens`` tokens (a list of chunks gives their prefix)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for path in [paths] if isinstance(paths, Path) else paths:
+        with Snapshot.open(path) as snap:
+            (record,) = snap.sequences
+            for name in snap.geometry.tensor_names():
+                parts.setdefault(name, []).append(snap.sequence_kv(record.id, name).clone())
+    return {name: torch.cat(values)[:num_tokens] for name, values in parts.items()}
 
 
-def _assert_same_kv(first: Path, second: Path, num_tokens: int) -> None:
-    a, b = _sequence_kv(first, num_tokens), _sequence_kv(second, num_tokens)
+def _assert_same_kv(first: Path | list[Path], second: Path | list[Path], num_tokens: int) -> None:
+    a, b = _kv(first, num_tokens), _kv(second, num_tokens)
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].shape[0] == num_tokens, (name, a[name].shape)
-        assert torch.equal(a[name], b[name]), f"{name} differs between {first} and {second}"
+        assert torch.equal(a[name].view(torch.int16), b[name].view(torch.int16)), (
+            f"{name} differs between {first} and {second}"
+        )
 
 
 def _dump(run: EngineRun, label: str) -> Path:
@@ -510,94 +372,203 @@ def _dump(run: EngineRun, label: str) -> Path:
     return run.dumps / f"{request}.safetensors"
 
 
+def _tokens(run: EngineRun, name: str, label: str) -> list[int]:
+    return [event["tokens"] for event in run.events_for(name, label)]
+
+
 def test_persisted_prompts_load_after_restart_with_the_same_tokens(scenario: Scenario) -> None:
-    reference, e1, e3 = scenario.reference, scenario.e1, scenario.e3
+    runs, chunks = scenario.runs, scenario.chunks
+    reference, e1, e3 = runs["e0"], runs["e1"], runs["e3"]
     for label in ("A", "B", "C"):
         assert e1.tokens[label] == reference.tokens[label], label
-    # E1 computed everything, persisted the full blocks of A and B, not of C (opted out).
-    assert [e["tokens"] for e in e1.events_for("save", "A")] == [96]
-    assert [e["tokens"] for e in e1.events_for("save", "B")] == [64]
+    # E1 computed everything and persisted the loadable blocks of A and B as chunks of two
+    # blocks (A's third block alone), none of C (opted out).
+    assert _tokens(e1, "save", "A") == [64, 32] and _tokens(e1, "save", "B") == [64]
     assert e1.events_for("save", "C") == [] and count_events(e1.events, "hit") == 0
-    # E3 started fresh and skipped the stored prefixes: A whole, D the 2 blocks it shares with A.
+    # E3 started fresh and skipped the stored prefixes: A whole, D the chunk it shares with A.
     for label, skipped in (("A", 96), ("D", 64)):
-        assert [e["tokens"] for e in e3.events_for("hit", label)] == [skipped], label
-        assert [e["tokens"] for e in e3.events_for("load", label)] == [skipped], label
+        assert _tokens(e3, "hit", label) == [skipped], label
+        assert _tokens(e3, "load", label) == [skipped], label
         assert e3.cached[label] == skipped, label
         assert e3.tokens[label] == reference.tokens[label], label
-    assert e3.events_for("load", "D")[0]["path"] == str(scenario.snapshots["A"])
+    assert e3.events_for("load", "D")[0]["paths"] == [str(chunks["A"][0])]
     # The restored blocks are the persisted bytes: E3's dumps start with them.
-    _assert_same_kv(_dump(e3, "A"), scenario.snapshots["A"], 96)
-    _assert_same_kv(_dump(e3, "D"), scenario.snapshots["A"], 64)
-    # A prefix already in the store is not written again.
-    assert e3.events_for("save", "A") == [] and e3.events_for("save", "D") != []
+    _assert_same_kv(_dump(e3, "A"), scenario.kept["A"], 96)
+    _assert_same_kv(_dump(e3, "D"), scenario.kept["A"][:1], 64)
+    # A prefix already in the store is not written again; D stores only its own chunk.
+    assert e3.events_for("save", "A") == [] and _tokens(e3, "save", "D") == [32]
 
 
-def test_corrupt_snapshot_is_detected_reported_and_recomputed(scenario: Scenario) -> None:
-    e3, tensor_name = scenario.e3, scenario.corrupted[0]
-    # The header is intact, so the scheduler matched; the worker's checksum check refused it.
-    assert [e["tokens"] for e in e3.events_for("hit", "B")] == [64]
-    assert e3.events_for("load", "B") == []
+def test_requests_sharing_a_prefix_store_it_once(scenario: Scenario) -> None:
+    runs, prompts = scenario.runs, scenario.prompts
+    e1, e3 = runs["e1"], runs["e3"]
+    store = PrefixStore(scenario.store, scenario.namespace.name, chunk_blocks=CHUNK_BLOCKS)
+    chain = fmt.prefix_hash_chain(np.asarray(prompts["S1"][: 6 * BLOCK]), BLOCK)
+    shared = [store.chunk_path(chain[1]), store.chunk_path(chain[3])]
+    saved = {label: e1.saved().get(label, []) for label in SHARING}
+    # Four requests behind one 4-block system prompt: its two chunks were written once, and
+    # each request wrote its own last chunk only.
+    written = [path for label in SHARING for path in saved[label]]
+    assert sorted(written) == sorted(set(written)) and len(written) == 2 + len(SHARING)
+    assert set(shared) <= set(written)
+    own = {label: [path for path in saved[label] if path not in shared] for label in SHARING}
+    assert all(len(paths) == 1 for paths in own.values()), own
+    # Bytes on disk, measured after E1: the shared prefix once, not once per request.
+    on_disk = scenario.bytes_after_e1
+    shared_bytes = sum(on_disk[path] for path in shared)
+    own_bytes = sum(on_disk[paths[0]] for paths in own.values())
+    sharing_bytes = sum(on_disk[path] for path in written)
+    assert sharing_bytes == shared_bytes + own_bytes
+    assert sharing_bytes < len(SHARING) * shared_bytes  # per-request storage would need more
+    a_and_b = sum(on_disk[path] for path in [*scenario.chunks["A"], *scenario.chunks["B"]])
+    assert sum(on_disk.values()) == sharing_bytes + a_and_b
+    # After a restart every one of them loads the shared chunks, then its own.
+    for label in SHARING:
+        (load,) = e3.events_for("load", label)
+        assert load["paths"] == [str(path) for path in [*shared, *own[label]]], label
+        assert load["tokens"] == 6 * BLOCK and e3.cached[label] == 6 * BLOCK
+        assert e3.tokens[label] == runs["e0"].tokens[label] == e1.tokens[label], label
+
+
+def test_corrupt_chunk_found_while_loading_is_reported_and_recomputed(
+    scenario: Scenario,
+) -> None:
+    e1, e3, tensor_name = scenario.runs["e1"], scenario.runs["e3"], scenario.corrupted[0]
+    chunk = str(scenario.chunks["B"][0])
+    # E3 does not verify before loading: the header is intact, so the scheduler matched and
+    # the worker's checksum check refused the chunk.
+    assert _tokens(e3, "hit", "B") == [64] and e3.events_for("load", "B") == []
     (failure,) = e3.events_for("load_failed", "B")
     assert "SnapshotCorruptError" in failure["error"] and tensor_name in failure["error"], failure
-    assert failure["path"] == str(scenario.snapshots["B"])
-    assert e3.tokens["B"] == scenario.reference.tokens["B"]
+    assert failure["path"] == chunk
+    (moved,) = e3.events_for("quarantine", "B")
+    assert moved["role"] == "worker" and moved["path"] == chunk
+    assert scenario.quarantine_problems[moved["moved_to"]] > 0  # still the damaged file
+    assert e3.tokens["B"] == scenario.runs["e0"].tokens["B"]
     # The recomputed KV is the KV E1 computed (same engine, same kernel): not the corrupt bytes.
-    _assert_same_kv(_dump(e3, "B"), _dump(scenario.e1, "B"), 80)
-    # Once recomputed, B is persisted again over the snapshot that failed.
+    _assert_same_kv(_dump(e3, "B"), _dump(e1, "B"), 80)
+    # Once recomputed, B is persisted again, a fresh chunk in place of the quarantined one.
     (save,) = e3.events_for("save", "B")
-    assert save["path"] == str(scenario.snapshots["B"]) and save["tokens"] == 64
-    with Snapshot.open(scenario.snapshots["B"]) as snap:
-        assert snap.verify() == []
-    _assert_same_kv(scenario.snapshots["B"], _dump(e3, "B"), 64)
+    assert save["path"] == chunk and save["tokens"] == 64
 
 
-def test_mismatching_store_entries_are_logged_misses(scenario: Scenario) -> None:
-    e3, reference = scenario.e3, scenario.reference
-    (forged_index,) = e3.events_for("miss", "F")
-    assert "no sequence in the snapshot holds the indexed prefix" in forged_index["reason"]
+def test_mismatching_chunks_are_logged_misses_and_quarantined(scenario: Scenario) -> None:
+    e3, reference = scenario.runs["e3"], scenario.runs["e0"]
+    (forged_copy,) = e3.events_for("miss", "F")
+    assert "token ids differ" in forged_copy["reason"]
     (other_model,) = e3.events_for("miss", "G")
     assert "model fingerprint ffffffffffffffff differs" in other_model["reason"]
-    for label in ("F", "G"):
+    for label, miss in (("F", forged_copy), ("G", other_model)):
+        (moved,) = e3.events_for("quarantine", label)
+        assert moved["path"] == miss["path"] and moved["moved_to"] in scenario.quarantine_problems
+        assert _tokens(e3, "save", label) == [64]  # computed, then stored as a fresh chunk
         assert e3.events_for("load", label) == [] and e3.cached[label] == 0
         assert e3.tokens[label] == reference.tokens[label], label
 
 
 def test_tp2_capture_restores_at_tp1_and_tp1_capture_at_tp2(scenario: Scenario) -> None:
-    e1, e2, e3, reference = scenario.e1, scenario.e2, scenario.e3, scenario.reference
+    runs, kept = scenario.runs, scenario.kept
+    e1, e2, e3, reference = runs["e1"], runs["e2"], runs["e3"], runs["e0"]
     # TP=1 capture (E1) into TP=2 (E2): both ranks load their own heads of the same blocks.
     loads = e2.events_for("load", "A")
     assert sorted(e["rank"] for e in loads) == [0, 1] and {e["tokens"] for e in loads} == {96}
     assert e2.tokens["A"] == reference.tokens["A"] and e2.cached["A"] == 96
-    _assert_same_kv(_dump(e2, "A"), scenario.snapshots["A"], 96)
-    # TP=2 capture (E2, gathered on rank 0 and written once) into TP=1 (E3).
-    (save,) = e2.events_for("save", "C")
-    assert save["rank"] == 0 and save["tokens"] == 128
-    with Snapshot.open(scenario.snapshots["C"]) as snap:
-        assert snap.metadata.tp_size == 2 and snap.geometry.num_kv_heads == 2
-        assert snap.verify() == []
-    _assert_same_kv(_dump(e2, "C"), scenario.snapshots["C"], 128)
-    assert [e["tokens"] for e in e3.events_for("load", "C")] == [128]
+    _assert_same_kv(_dump(e2, "A"), kept["A"], 96)
+    # TP=2 capture (E2, gathered on rank 0 and written once per chunk) into TP=1 (E3).
+    saves = e2.events_for("save", "C")
+    assert [(e["rank"], e["tokens"]) for e in saves] == [(0, 64), (0, 64)]
+    for path in kept["C"]:
+        with Snapshot.open(path) as snap:
+            assert snap.metadata.tp_size == 2 and snap.geometry.num_kv_heads == 2
+            assert snap.verify() == []
+    _assert_same_kv(_dump(e2, "C"), kept["C"], 128)
+    assert _tokens(e3, "load", "C") == [128]
     assert e3.tokens["C"] == reference.tokens["C"] and e2.tokens["C"] == reference.tokens["C"]
-    _assert_same_kv(_dump(e3, "C"), scenario.snapshots["C"], 128)
-    # The assembled TP=2 snapshot holds the TP=1 KV (E1's dump of C) up to the bf16 rounding
-    # of TP's all-reduce in layer 1: two bf16 steps at the values' scale (|KV| < 16, one step
-    # 0.0625 there). Heads in the wrong place would differ by the values' own size (~10).
-    with Snapshot.open(scenario.snapshots["C"]) as tp2, Snapshot.open(_dump(e1, "C")) as tp1:
-        comparison = tp2.compare(tp1, atol=0.125)
-        assert comparison.ok, comparison.report()
-        for name in tp2.geometry.tensor_names():
-            assert tp2.sequence_kv(tp2.sequences[0].id, name).float().abs().max() < 16, name
+    _assert_same_kv(_dump(e3, "C"), kept["C"], 128)
+    # The TP=2 chunks hold the TP=1 KV (E1's dump of C) up to the bf16 rounding of TP's
+    # all-reduce in layer 1: two bf16 steps at the values' scale (|KV| < 16, one step 0.0625
+    # there). Heads in the wrong place would differ by the values' own size (~10).
+    tp2, tp1 = _kv(kept["C"], 128), _kv(_dump(e1, "C"), 128)
+    for name, values in tp2.items():
+        assert (values.float() - tp1[name].float()).abs().max() <= 0.125, name
+        assert values.float().abs().max() < 16, name
+
+
+def test_corrupted_store_under_default_policy_costs_a_recompute_never_a_request(
+    scenario: Scenario,
+) -> None:
+    e4, reference = scenario.runs["e4"], scenario.runs["e0"]
+    assert (
+        json.loads((scenario.store.parent / "e4.job.json").read_text())["load_failure_policy"]
+        is None
+    )
+    for label, tokens in e4.tokens.items():
+        assert len(tokens) == 8 and tokens == reference.tokens[label], label
+    # Nothing was served from a damaged chunk: no load failed, and the only loads (of prompts
+    # scheduled after another had recomputed and stored their prefix again) read chunks this
+    # engine wrote itself, after it had written them.
+    assert count_events(e4.events, "load_failed") == 0
+    written = {event["path"]: event["time"] for event in e4.events if event["event"] == "save"}
+    for label in e4.tokens:
+        loads = e4.events_for("load", label)
+        assert e4.cached[label] == sum(load["tokens"] for load in loads), label
+        for load in loads:
+            assert all(written.get(path, load["time"]) < load["time"] for path in load["paths"])
+    misses = [event for event in e4.events if event["event"] == "miss"]
+    assert misses and all("failed verification" in event["reason"] for event in misses)
+    # Every damaged chunk was quarantined (matched ones at the match, the others when their
+    # prompt was persisted again), and each quarantined file still fails verification.
+    moved = {
+        event["path"]: event["moved_to"] for event in e4.events if event["event"] == "quarantine"
+    }
+    assert sorted(moved) == sorted(map(str, scenario.flipped))
+    assert all(scenario.quarantine_problems[target] > 0 for target in moved.values())
+    # Once recomputed, every prompt was persisted again: fresh chunks at the same names.
+    resaved = {event["path"] for event in e4.events if event["event"] == "save"}
+    assert resaved == set(moved)
+
+
+def test_second_restart_loads_fresh_chunks_and_evicts_at_the_capacity_bound(
+    scenario: Scenario,
+) -> None:
+    e5, reference = scenario.runs["e5"], scenario.runs["e0"]
+    for name in ("miss", "quarantine", "load_failed"):
+        assert count_events(e5.events, name) == 0, name
+    for label, tokens in (("A", 96), ("S1", 192), ("S2", 192)):
+        assert _tokens(e5, "load", label) == [tokens] and e5.cached[label] == tokens, label
+    for label in e5.tokens:
+        assert e5.tokens[label] == reference.tokens[label], label
+    loaded = {path for event in e5.events if event["event"] == "load" for path in event["paths"]}
+    for path in loaded:  # the chunks E4 wrote, never a quarantined file
+        assert Path(path).exists() and _problems(Path(path)) == 0, path
+        assert "quarantine" not in path
+    # H's chunks pushed the store over its bound: the quarantined files went first, then the
+    # least recently used chunks; none that E5 used.
+    evicted = [event for event in e5.events if event["event"] == "evict"]
+    quarantined = {event["path"] for event in evicted if event["quarantined"]}
+    assert quarantined == set(scenario.quarantine_problems)
+    chunks = {event["path"] for event in evicted if not event["quarantined"]}
+    assert chunks and not chunks & loaded
+    assert not chunks & {str(path) for path in e5.saved()["H"]}
+    assert scenario.bytes_after_e5 <= scenario.capacity
+    assert len(e5.saved()["H"]) == 2
 
 
 def _cli(*args: str) -> tuple[int, dict[str, Any]]:
+    # This tree's CLI and library, as the engines use them (not whatever the venv installed).
     result = subprocess.run(
-        [str(VENV / "bin" / "kvsnap"), *args, "--json"], capture_output=True, text=True, timeout=120
+        [str(PYTHON), "-m", "kvsnap.cli", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     return result.returncode, json.loads(result.stdout)
 
 
-def test_dump_is_read_back_by_the_kvsnap_cli(scenario: Scenario) -> None:
-    dump = _dump(scenario.e1, "A")
+def test_dumps_and_chunks_are_read_by_the_kvsnap_cli(scenario: Scenario) -> None:
+    dump = _dump(scenario.runs["e1"], "A")
     code, info = _cli("inspect", str(dump))
     assert code == 0
     assert (
@@ -608,6 +579,12 @@ def test_dump_is_read_back_by_the_kvsnap_cli(scenario: Scenario) -> None:
     assert [(s["num_tokens"], s["num_blocks"]) for s in info["sequences"]] == [(100, 4)]
     code, report = _cli("verify", str(dump))
     assert (code, report) == (0, {"ok": True, "problems": []})
+    # A stored chunk is an ordinary snapshot too: one sequence, named by where it starts.
+    code, info = _cli("inspect", str(scenario.kept["A"][1]))
+    assert code == 0
+    assert [(s["id"], s["num_tokens"]) for s in info["sequences"]] == [
+        (f"prefix@2:{fmt.prefix_hash_chain(np.asarray(scenario.prompts['A'][:64]), BLOCK)[1]}", 32)
+    ]
     # The same CLI names the corrupted persisted block.
     code, report = _cli("verify", str(scenario.corrupt_copy))
     assert code != 0 and not report["ok"]
@@ -635,7 +612,7 @@ def test_vllm_dump_agrees_with_transformers_and_names_a_perturbed_layer(
     scenario: Scenario, tmp_path: Path
 ) -> None:
     pytest.importorskip("transformers")
-    dump = _dump(scenario.e1, "A")
+    dump = _dump(scenario.runs["e1"], "A")
     reference, perturbed = tmp_path / "hf.safetensors", tmp_path / "hf-perturbed.safetensors"
     _transformers_capture(scenario.model, scenario.prompts["A"], reference, perturb=False)
     _transformers_capture(scenario.model, scenario.prompts["A"], perturbed, perturb=True)

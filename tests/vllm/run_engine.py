@@ -3,11 +3,14 @@
 Usage: ``python run_engine.py JOB.json`` with the vLLM virtualenv's Python. ``JOB.json``::
 
     {"model": DIR, "tensor_parallel_size": 1, "connector": {...} | null,
+     "load_failure_policy": "recompute" | null,
      "prompts": [{"token_ids": [...], "persist": true, "dump": false}, ...],
      "max_tokens": 8, "output": PATH}
 
 ``connector`` is KVSnapConnector's ``kv_connector_extra_config`` (null: no KV connector at
-all). Request ``i`` gets the id ``str(i)`` (vLLM numbers the prompts of a fresh ``LLM``).
+all); ``load_failure_policy`` vLLM's ``kv_load_failure_policy`` (default ``recompute``; null
+leaves vLLM's own default). Request ``i`` gets the id ``str(i)`` (vLLM numbers the prompts of
+a fresh ``LLM``).
 The output holds, per prompt, the generated token ids and vLLM's ``num_cached_tokens``.
 """
 
@@ -34,12 +37,13 @@ def main() -> None:
 
     transfer = None
     if job.get("connector") is not None:
+        policy = job.get("load_failure_policy", "recompute")
         transfer = KVTransferConfig(
             kv_connector="KVSnapConnector",
             kv_connector_module_path="kvsnap.engines.vllm",
             kv_role="kv_both",
-            kv_load_failure_policy="recompute",
             kv_connector_extra_config=job["connector"],
+            **({} if policy is None else {"kv_load_failure_policy": policy}),
         )
     started = time.perf_counter()
     llm = LLM(

@@ -9,12 +9,14 @@ Turn it on with a ``kv_transfer_config`` (see docs/vllm.md)::
 
 Modes (``kv_connector_extra_config["mode"]``):
 
-* ``persist``: once a request's prompt is computed, the full blocks of the prompt are captured
-  into a :class:`PrefixStore` (kvsnap snapshot files indexed by prefix hash). A later engine,
-  after a restart too, reports those prefixes as matched tokens and loads them instead of
-  recomputing them. Loads check the model fingerprint, the KV geometry, the token ids and every
-  block checksum; anything that does not match is a logged miss (or, found while loading, a
-  block load error vLLM recomputes), never wrong KV.
+* ``persist``: once a request's prompt is computed, its full blocks are stored in a
+  :class:`PrefixStore` as content-addressed chunks (kvsnap snapshots named by the prefix hash
+  of their last block, shared by every prompt with that prefix; bounded by
+  ``store_capacity_bytes`` with LRU eviction). A later engine, after a restart too, reports
+  those prefixes as matched tokens and loads them instead of recomputing them. Chunks are
+  checked (model fingerprint, KV geometry, token ids and, before they are offered, every
+  checksum); a chunk that fails is a logged miss and is quarantined, never wrong KV and never
+  a failed request.
 * ``dump``: the KV of selected requests, at the end of prefill or after a chosen number of
   decode steps, is written as an ordinary snapshot (``kvsnap inspect`` / ``kvsnap verify``).
 * ``persist+dump``: both (dumps then go to ``PATH/dumps``).
@@ -30,32 +32,37 @@ gathered copies and lets :func:`kvsnap.snapshot.capture` take from each rank the
 fragments it is elected for. The file is one complete, TP-free snapshot. Loads need no
 collective: every rank reads its own heads out of the same canonical pages.
 
-The package has one module per job, and re-exports the public names of all three:
+The package has one module per job (like vLLM's own offloading connector) and re-exports
+their public names:
 
 * :mod:`~kvsnap.engines.vllm.layout`: vLLM's registered caches as a ``CacheLayout``
   (:func:`vllm_layout`, :class:`BlockOrder`, :func:`probe_block_order`);
 * :mod:`~kvsnap.engines.vllm.store`: the prefix store (:class:`PrefixStore`,
-  :class:`StoreMatch`, :func:`store_namespace`);
-* :mod:`~kvsnap.engines.vllm.connector`: the KV connector (:class:`KVSnapConnector`, its
-  :class:`ConnectorOptions`, scheduler-to-worker metadata, :class:`EventLog`, TP gathering).
+  :class:`StoreMatch`, :class:`ChunkRef`, :func:`store_namespace`);
+  :mod:`~kvsnap.engines.vllm.eviction`: a store's entries and LRU pruning
+  (:func:`store_entries`, :func:`prune_store`); :mod:`~kvsnap.engines.vllm.chunk_check`: the
+  scheduler's check of a chunk (:class:`ChunkChecker`);
+* :mod:`~kvsnap.engines.vllm.options`: :class:`ConnectorOptions` (``kv_connector_extra_config``);
+* :mod:`~kvsnap.engines.vllm.events`: :class:`EventLog`, :func:`read_events`,
+  :func:`count_events`;
+* :mod:`~kvsnap.engines.vllm.specs`: scheduler-to-worker metadata (:class:`LoadSpec`,
+  :class:`SaveSpec`, :class:`KVSnapConnectorMetadata`);
+* :mod:`~kvsnap.engines.vllm.scheduler` and :mod:`~kvsnap.engines.vllm.worker`: the two sides
+  of the connector; :mod:`~kvsnap.engines.vllm.registration`: the worker's registered caches;
+  :mod:`~kvsnap.engines.vllm.engine_config`: what is read from vLLM's config;
+* :mod:`~kvsnap.engines.vllm.connector`: :class:`KVSnapConnector`, a facade that delegates to
+  the scheduler or the worker side by role.
 
 Only the connector class and the helpers that take vLLM objects need vLLM; this package, the
-layout constructor :func:`vllm_layout` and :class:`PrefixStore` import and work without it.
+layout constructor :func:`vllm_layout`, the store, its eviction and the chunk checks import and
+work without it.
 """
 
-from kvsnap.engines.vllm.connector import (
-    MODES,
-    VLLM_IMPORT_ERROR,
-    ConnectorOptions,
-    EventLog,
-    KVSnapConnector,
-    KVSnapConnectorMetadata,
-    LoadSpec,
-    SaveSpec,
-    count_events,
-    external_request_id,
-    read_events,
-)
+from kvsnap.engines.vllm.chunk_check import ChunkChecker
+from kvsnap.engines.vllm.compat import VLLM_IMPORT_ERROR
+from kvsnap.engines.vllm.connector import KVSnapConnector
+from kvsnap.engines.vllm.events import EventLog, count_events, read_events
+from kvsnap.engines.vllm.eviction import StoreEntry, prune_store, store_bytes, store_entries
 from kvsnap.engines.vllm.layout import (
     BACKEND_KV_PACKING,
     KV_CELLS,
@@ -66,7 +73,22 @@ from kvsnap.engines.vllm.layout import (
     probe_block_order,
     vllm_layout,
 )
-from kvsnap.engines.vllm.store import PrefixStore, StoreMatch, store_namespace
+from kvsnap.engines.vllm.options import MODES, ConnectorOptions
+from kvsnap.engines.vllm.specs import (
+    ChunkLoad,
+    KVSnapConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
+    external_request_id,
+)
+from kvsnap.engines.vllm.store import (
+    ChunkRef,
+    PrefixStore,
+    StoreMatch,
+    chunk_sequence_id,
+    safe_name,
+    store_namespace,
+)
 
 __all__ = [
     "BACKEND_KV_PACKING",
@@ -77,6 +99,9 @@ __all__ = [
     "VLLM_IMPORT_ERROR",
     "BlockOrder",
     "BlockWriter",
+    "ChunkChecker",
+    "ChunkLoad",
+    "ChunkRef",
     "ConnectorOptions",
     "EventLog",
     "KVSnapConnector",
@@ -84,11 +109,17 @@ __all__ = [
     "LoadSpec",
     "PrefixStore",
     "SaveSpec",
+    "StoreEntry",
     "StoreMatch",
+    "chunk_sequence_id",
     "count_events",
     "external_request_id",
     "probe_block_order",
+    "prune_store",
     "read_events",
+    "safe_name",
+    "store_bytes",
+    "store_entries",
     "store_namespace",
     "vllm_layout",
 ]

@@ -13,6 +13,7 @@ Nothing here needs vLLM: the functions take tensors, names and a kernel callable
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,13 +28,14 @@ from kvsnap.layout import (
     CacheTensor,
     CanonicalPageMapping,
     CopyRun,
+    HeadShard,
     KVGeometry,
     LayoutError,
     PageRef,
     dtype_name,
     fold_fragments,
     head_shard,
-    strided_page_runs,
+    vllm_split_layout,
 )
 
 #: Per layer and TP rank vLLM registers a logical ``[B, H, N, C]`` view (blocks, KV heads,
@@ -176,12 +178,43 @@ def vllm_layout(
     ``kv_caches`` holds one registered tensor per attention layer, in layer order; ``backend``
     is the attention backend's name (a key of :data:`BACKEND_KV_PACKING`), ``kv_cache_layout``
     the physical layout vLLM resolved (a key of :data:`LAYER_AXIS_ORDER`), ``head_size`` the
-    head dimension and ``num_kv_heads`` the model's total KV heads. ``kv-cells`` backends'
-    copy runs follow the tensors' real strides; ``kv-planes`` (CPU) backends need
-    ``block_order``, the element order inside a block that :func:`probe_block_order` learned
-    from vLLM's kernel. A backend, layout, shape or stride that does not fit raises
-    :class:`~kvsnap.layout.LayoutError` naming what was found.
+    head dimension and ``num_kv_heads`` the model's total KV heads. ``kv-cells`` backends are
+    vLLM's split cache seen through a ``[B, 2, N, H, D]`` view, built by
+    :func:`kvsnap.layout.vllm_split_layout` (copy runs from the real strides); ``kv-planes``
+    (CPU) backends need ``block_order``, the element order inside a block that
+    :func:`probe_block_order` learned from vLLM's kernel. A backend, layout, shape or stride
+    that does not fit raises :class:`~kvsnap.layout.LayoutError` naming what was found.
     """
+    packing = _check_caches(kv_caches, backend, kv_cache_layout, head_size)
+    encoding = f"vllm-{backend.lower().replace('_', '-')}-{kv_cache_layout.lower()}"
+    if packing == KV_CELLS:
+        # Each (token, head) cell is key ‖ value: [B, H, N, 2, D] permuted to vLLM's split
+        # [B, 2, N, H, D], a strided view of the same bytes.
+        split = [cache.unflatten(3, (2, head_size)).permute(0, 3, 2, 1, 4) for cache in kv_caches]
+        layout = vllm_split_layout(
+            split,
+            num_kv_heads=num_kv_heads,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            attention_types=attention_types,
+        )
+        return dataclasses.replace(layout, encoding=encoding)
+    return _planes_layout(
+        kv_caches,
+        backend=backend,
+        head_size=head_size,
+        num_kv_heads=num_kv_heads,
+        shard_of=(tp_rank, tp_size),
+        attention_types=attention_types,
+        block_order=block_order,
+        encoding=encoding,
+    )
+
+
+def _check_caches(
+    kv_caches: Sequence[torch.Tensor], backend: str, kv_cache_layout: str, head_size: int
+) -> str:
+    """The backend's K/V packing, after checking every tensor against what vLLM reported."""
     packing = BACKEND_KV_PACKING.get(backend)
     if packing is None:
         raise LayoutError(
@@ -198,12 +231,52 @@ def vllm_layout(
     first = kv_caches[0]
     if first.dim() != 4:
         raise LayoutError(f"expected per-layer [B, H, N, C] views, got shape {tuple(first.shape)}")
-    num_blocks, local_heads, block_size, content = first.shape
-    if content != 2 * head_size:
+    if first.shape[3] != 2 * head_size:
         raise LayoutError(
-            f"the content axis holds {content} elements, K and V of head size {head_size} "
-            f"need {2 * head_size}"
+            f"the content axis holds {first.shape[3]} elements, K and V of head size "
+            f"{head_size} need {2 * head_size}"
         )
+    for layer, cache in enumerate(kv_caches):
+        if cache.shape != first.shape or cache.dtype != first.dtype:
+            raise LayoutError(
+                f"layer {layer} is {tuple(cache.shape)} {cache.dtype}, layer 0 is "
+                f"{tuple(first.shape)} {first.dtype}"
+            )
+        _check_strides_follow(f"layer {layer}", cache, kv_cache_layout)
+    return packing
+
+
+def _rank_shard(num_kv_heads: int, local_heads: int, tp_rank: int, tp_size: int) -> HeadShard:
+    """The rank's head shard; refused when the cache does not hold that many heads."""
+    shard = head_shard(num_kv_heads, tp_rank, tp_size)
+    if shard.num_local_heads != local_heads:
+        raise LayoutError(
+            f"the cache holds {local_heads} KV heads per rank, but {num_kv_heads} heads over "
+            f"TP {tp_size} give {shard.num_local_heads}"
+        )
+    return shard
+
+
+def _planes_layout(
+    kv_caches: Sequence[torch.Tensor],
+    *,
+    backend: str,
+    head_size: int,
+    num_kv_heads: int,
+    shard_of: tuple[int, int],
+    attention_types: Sequence[str] | None,
+    block_order: BlockOrder | None,
+    encoding: str,
+) -> CacheLayout:
+    """The layout of a ``kv-planes`` (CPU) cache, whose blocks follow ``block_order``."""
+    first = kv_caches[0]
+    num_blocks, local_heads, block_size, content = first.shape
+    if block_order is None:
+        raise LayoutError(
+            f"the {backend} backend orders each block its own way: pass the "
+            "block_order probe_block_order() learned from vLLM's kernel"
+        )
+    block_order.check(local_heads, block_size, head_size)
     geometry = KVGeometry(
         num_layers=len(kv_caches),
         block_size=block_size,
@@ -212,37 +285,19 @@ def vllm_layout(
         head_dim=head_size,
         attention_types=tuple(attention_types or ()),
     )
-    shard = head_shard(num_kv_heads, tp_rank, tp_size)
-    if shard.num_local_heads != local_heads:
-        raise LayoutError(
-            f"the cache holds {local_heads} KV heads per rank, but {num_kv_heads} heads over "
-            f"TP {tp_size} give {shard.num_local_heads}"
-        )
+    tp_rank, tp_size = shard_of
+    shard = _rank_shard(num_kv_heads, local_heads, tp_rank, tp_size)
     element_size = first.element_size()
     tensors: list[CacheTensor] = []
     refs: list[PageRef] = []
     for layer, cache in enumerate(kv_caches):
-        name = f"layer {layer}"
-        if cache.shape != first.shape or cache.dtype != first.dtype:
-            raise LayoutError(
-                f"{name} is {tuple(cache.shape)} {cache.dtype}, layer 0 is "
-                f"{tuple(first.shape)} {first.dtype}"
-            )
-        _check_strides_follow(name, cache, kv_cache_layout)
         block_stride, head_stride, token_stride, _ = cache.stride()
-        if packing == KV_PLANES:
-            # The kernel addresses a block as one contiguous [H, N, 2D] region.
-            if (head_stride, token_stride) != (block_size * content, content):
-                raise LayoutError(
-                    f"{name}: the {backend} backend needs each block contiguous, strides are "
-                    f"{cache.stride()}"
-                )
-            if block_order is None:
-                raise LayoutError(
-                    f"the {backend} backend orders each block its own way: pass the "
-                    "block_order probe_block_order() learned from vLLM's kernel"
-                )
-            block_order.check(local_heads, block_size, head_size)
+        # The kernel addresses a block as one contiguous [H, N, 2D] region.
+        if (head_stride, token_stride) != (block_size * content, content):
+            raise LayoutError(
+                f"layer {layer}: the {backend} backend needs each block contiguous, strides "
+                f"are {cache.stride()}"
+            )
         tensors.append(
             CacheTensor(
                 tensor=cache,
@@ -251,29 +306,12 @@ def vllm_layout(
                 data_ptr=cache.data_ptr(),
             )
         )
-        for part_index, part in enumerate((KEY, VALUE)):
-            if packing == KV_PLANES:
-                assert block_order is not None
-                runs = block_order.runs(part, element_size, num_kv_heads, shard.first_head)
-            else:
-                runs = strided_page_runs(
-                    element_size=element_size,
-                    offset_bytes=part_index * head_size * element_size,
-                    token_stride=token_stride,
-                    head_stride=head_stride,
-                    dim_stride=1,
-                    block_size=block_size,
-                    num_local_heads=local_heads,
-                    head_dim=head_size,
-                    num_total_heads=num_kv_heads,
-                    first_head=shard.first_head,
-                )
+        for part in (KEY, VALUE):
             mapping = CanonicalPageMapping(
                 canonical_page_size_bytes=geometry.canonical_page_size_bytes,
-                runs=runs,
+                runs=block_order.runs(part, element_size, num_kv_heads, shard.first_head),
                 num_writers=shard.num_writers,
                 writer_index=shard.writer_index,
             )
             refs.append(PageRef(len(tensors) - 1, layer, part, mapping))
-    encoding = f"vllm-{backend.lower().replace('_', '-')}-{kv_cache_layout.lower()}"
     return CacheLayout(geometry, tensors, refs, encoding, tp_rank=tp_rank, tp_size=tp_size)

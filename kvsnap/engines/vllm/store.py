@@ -1,9 +1,13 @@
-"""The prefix store: kvsnap snapshots of prompt prefixes on disk, indexed by prefix hash.
+"""The prefix store: prompt prefixes on disk as content-addressed chunks of KV blocks.
 
-:class:`PrefixStore` finds the longest stored prefix of a prompt's block hash chain
-(:meth:`~PrefixStore.longest_prefix`) and publishes the index entries of a newly written
-snapshot (:meth:`~PrefixStore.publish_index`); :func:`store_namespace` keeps models, KV dtypes
-and block sizes apart. It reads and writes index files only; the snapshots themselves are
+A prompt's full blocks are cut into *chunks* of ``chunk_blocks`` blocks, aligned at the start
+of the prompt (the last chunk may be shorter). A chunk is an ordinary kvsnap snapshot named by
+the prefix hash (:func:`kvsnap.format.prefix_hash_chain`) of its last block, which identifies
+the whole prefix up to it; prompts that share a prefix share its chunks, so N requests behind
+one system prompt store it once. :class:`PrefixStore` finds the longest run of stored chunks
+of a prompt (:meth:`~PrefixStore.longest_prefix`), records their use for LRU eviction
+(:meth:`~PrefixStore.touch`) and moves damaged ones aside (:meth:`~PrefixStore.quarantine`);
+:mod:`kvsnap.engines.vllm.eviction` lists and prunes a store. The chunks themselves are
 written by :func:`kvsnap.snapshot.capture` and read by :class:`kvsnap.store.SnapshotReader`.
 
 Nothing here needs vLLM.
@@ -13,106 +17,144 @@ from __future__ import annotations
 
 import os
 import re
-import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+#: Suffix of every chunk file.
+CHUNK_SUFFIX = ".safetensors"
+#: Default blocks per chunk (``chunk_blocks``): 256 tokens at vLLM's GPU block size of 16.
+DEFAULT_CHUNK_BLOCKS = 16
+_HASH = re.compile(r"[0-9a-f]{32}")
 
-def _safe_name(text: str) -> str:
+
+def safe_name(text: str) -> str:
     """``text`` reduced to characters safe in one file name (other characters become ``_``)."""
     cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", text).strip(".")
     return cleaned or "_"
 
 
+def chunk_sequence_id(first_block: int, parent: str | None) -> str:
+    """The id of a chunk's one sequence: where it starts and the prefix hash it follows."""
+    return f"prefix@{first_block}:{parent or 'root'}"
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One stored chunk: blocks ``first_block .. first_block + num_blocks`` of a prefix."""
+
+    path: str
+    first_block: int
+    num_blocks: int
+
+
 @dataclass(frozen=True)
 class StoreMatch:
-    """The longest stored prefix of a prompt: ``num_blocks`` leading full blocks in ``path``."""
+    """The longest stored prefix of a prompt: consecutive ``chunks`` from block 0."""
 
-    num_blocks: int
-    path: str
-    last_hash: str
+    chunks: tuple[ChunkRef, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        """Leading full blocks of the prompt the chunks hold."""
+        return sum(chunk.num_blocks for chunk in self.chunks)
 
 
 class PrefixStore:
-    """A directory of kvsnap snapshots of prompt prefixes, indexed by prefix hash.
+    """A directory of content-addressed prefix chunks (kvsnap snapshots) of one namespace.
 
     Layout of ``root``::
 
-        NAMESPACE/snapshots/HASH.safetensors   one snapshot per saved prefix, named by the
-                                               prefix hash of its last block
-        NAMESPACE/index/HH/HASH                for every block of every saved prefix: the
-                                               snapshot file (a name in snapshots/) holding it
+        NAMESPACE/chunks/HH/HASH.safetensors   a chunk, named by the prefix hash of its last
+                                               block (HH: the hash's first two digits)
+        NAMESPACE/quarantine/HASH.T.safetensors  chunks that failed a check, moved aside at
+                                               time T so they are never matched again
 
     ``namespace`` separates models, KV dtypes and block sizes (prefix hashes depend on the
-    block size, the KV on the rest); :func:`store_namespace` builds it. A snapshot holds its
-    prefix from the first block, so if block ``i`` of a prompt is indexed, blocks ``0..i`` are
-    all in that one file. Every file is published atomically (temporary name, rename), so
-    readers in other processes never see a partial one.
+    block size, the KV on the rest); :func:`store_namespace` builds it. Chunks are aligned:
+    chunk ``k`` of a prompt holds blocks ``k*chunk_blocks ..`` and is ``chunk_blocks`` long
+    unless it is the prompt's last. Files are published atomically by the writer (temporary
+    name, rename), so readers in other processes never see a partial one; a file's presence is
+    its index entry.
     """
 
-    def __init__(self, root: str | os.PathLike[str], namespace: str) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        namespace: str,
+        chunk_blocks: int = DEFAULT_CHUNK_BLOCKS,
+    ) -> None:
+        if chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be at least 1, got {chunk_blocks}")
         self.root = Path(root)
         self.namespace = namespace
+        self.chunk_blocks = chunk_blocks
         self.directory = self.root / namespace
-        self.snapshots = self.directory / "snapshots"
-        self.index = self.directory / "index"
+        self.chunks = self.directory / "chunks"
+        self.quarantined = self.directory / "quarantine"
 
-    def snapshot_path(self, last_hash: str) -> Path:
-        """Where the snapshot of the prefix ending with the block ``last_hash`` lives."""
-        return self.snapshots / f"{last_hash}.safetensors"
+    def chunk_path(self, last_hash: str) -> Path:
+        """Where the chunk ending with the block of prefix hash ``last_hash`` lives."""
+        if not _HASH.fullmatch(last_hash):
+            raise ValueError(f"not a prefix hash: {last_hash!r}")
+        return self.chunks / last_hash[:2] / f"{last_hash}{CHUNK_SUFFIX}"
 
-    def _entry(self, block_hash: str) -> Path:
-        return self.index / block_hash[:2] / block_hash
-
-    def indexed_snapshot(self, block_hash: str) -> Path | None:
-        """The snapshot file holding the block with prefix hash ``block_hash``, if indexed."""
-        try:
-            name = self._entry(block_hash).read_text().strip()
-        except OSError:
-            return None
-        if not name or _safe_name(name) != name:
-            return None
-        return self.snapshots / name
+    def chunk_spans(self, num_blocks: int) -> list[tuple[int, int]]:
+        """The aligned ``[start, end)`` block ranges of the chunks of ``num_blocks`` blocks."""
+        step = self.chunk_blocks
+        return [(start, min(start + step, num_blocks)) for start in range(0, num_blocks, step)]
 
     def longest_prefix(self, chain: Sequence[str]) -> StoreMatch | None:
-        """The longest leading run of ``chain`` (full-block prefix hashes) that is indexed.
+        """The longest run of stored chunks covering ``chain`` (full-block prefix hashes) from
+        its first block.
 
-        Indexed blocks form a prefix of every chain (a snapshot indexes all of its blocks), so
-        a binary search over the chain needs ``log2(len(chain))`` index reads.
+        Whole chunks are taken while they exist; in the first span without its whole chunk a
+        shorter chunk (a shorter prompt's last) ending as late as possible ends the match. One
+        ``stat`` per whole chunk, at most ``chunk_blocks`` for the last span.
         """
-        low, high = 0, len(chain)  # blocks [0, low) indexed; blocks from `high` on are not
-        found: Path | None = None
-        while low < high:
-            middle = (low + high + 1) // 2
-            path = self.indexed_snapshot(chain[middle - 1])
-            if path is not None:
-                low, found = middle, path
-            else:
-                high = middle - 1
-        if low == 0:
-            return None
-        if found is None or found != self.indexed_snapshot(chain[low - 1]):
-            found = self.indexed_snapshot(chain[low - 1])
-        if found is None:
-            return None
-        return StoreMatch(num_blocks=low, path=str(found), last_hash=chain[low - 1])
+        found: list[ChunkRef] = []
+        for start, end in self.chunk_spans(len(chain)):
+            chunk = self._longest_in_span(chain, start, end)
+            if chunk is None:
+                break
+            found.append(chunk)
+            if chunk.num_blocks < self.chunk_blocks:
+                break
+        return StoreMatch(tuple(found)) if found else None
 
-    def publish_index(self, chain: Sequence[str], snapshot: Path) -> None:
-        """Index every block of ``chain`` as held by ``snapshot`` (atomically, entry by entry).
+    def _longest_in_span(self, chain: Sequence[str], start: int, end: int) -> ChunkRef | None:
+        for last in range(end, start, -1):
+            path = self.chunk_path(chain[last - 1])
+            if path.is_file():
+                return ChunkRef(str(path), start, last - start)
+        return None
 
-        Entries are written from the last block to the first, so a concurrent
-        :meth:`longest_prefix` never finds a block whose predecessors are not yet indexed by
-        some snapshot that holds them.
+    def touch(self, path: str | os.PathLike[str]) -> None:
+        """Record that the chunk at ``path`` was used now (its access time; LRU eviction reads
+        it). The modification time is kept: it tells a rewritten file from the one checked."""
+        try:
+            modified = os.stat(path).st_mtime_ns
+            os.utime(path, ns=(time.time_ns(), modified))
+        except OSError:
+            return  # gone (evicted, quarantined): nothing to record
+
+    def quarantine(self, path: str | os.PathLike[str]) -> Path | None:
+        """Move the chunk at ``path`` to ``quarantine/`` so it is never matched again.
+
+        Returns where it went, or ``None`` when it is gone already (another process moved or
+        evicted it).
         """
-        for block_hash in reversed(chain):
-            entry = self._entry(block_hash)
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            temporary = entry.with_name(f".{entry.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            temporary.write_text(snapshot.name)
-            os.replace(temporary, entry)
+        source = Path(path)
+        self.quarantined.mkdir(parents=True, exist_ok=True)
+        target = self.quarantined / f"{source.stem}.{time.time_ns()}{CHUNK_SUFFIX}"
+        try:
+            os.replace(source, target)
+        except FileNotFoundError:
+            return None
+        return target
 
 
 def store_namespace(model_fingerprint: str, dtype: str, block_size: int) -> str:
     """The store namespace of one model (fingerprint), KV dtype and block size."""
-    return _safe_name(f"{model_fingerprint[:16]}-{dtype}-b{block_size}")
+    return safe_name(f"{model_fingerprint[:16]}-{dtype}-b{block_size}")

@@ -1,0 +1,175 @@
+"""``kvsnap store``: look after a vLLM prefix store (the ``KVSnapConnector``'s ``path``).
+
+``list`` shows every chunk (and quarantined chunk) with its size and age, ``verify`` checks
+every chunk's structure and checksums (exit 1 if any is bad), ``prune`` deletes quarantined
+chunks, then the least recently used ones, until the store fits a size. A thin client of
+:mod:`kvsnap.engines.vllm.eviction` and :class:`kvsnap.snapshot.Snapshot`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from kvsnap.engines.vllm.eviction import StoreEntry, prune_store, store_entries
+from kvsnap.errors import KVSnapError
+from kvsnap.snapshot import Snapshot
+
+from .common import JsonOption, format_bytes
+from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, handle_errors, stdout
+
+app = typer.Typer(
+    name="store",
+    help="Inspect, verify and prune a vLLM prefix store (KVSnapConnector's path).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+StoreArgument = Annotated[Path, typer.Argument(help="The store directory (the connector's path).")]
+
+
+def _require_store(directory: Path) -> Path:
+    if not directory.is_dir():
+        raise UsageError(f"no store directory at {directory}")
+    return directory
+
+
+def _entry_json(entry: StoreEntry, root: Path, now: float) -> dict[str, Any]:
+    return {
+        "path": str(entry.path.relative_to(root)),
+        "namespace": entry.namespace,
+        "bytes": entry.size,
+        "age_s": round(entry.age(now), 3),
+        "written_s_ago": round(now - entry.modified, 3),
+        "quarantined": entry.quarantined,
+    }
+
+
+def _age(seconds: float) -> str:
+    for unit, length in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= length:
+            return f"{seconds / length:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _print_entries(rows: list[dict[str, Any]], title: str) -> None:
+    table = Table(title=title)
+    for column in ("entry", "namespace", "size", "last used", "state"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row["path"],
+            row["namespace"],
+            format_bytes(row["bytes"]),
+            f"{_age(row['age_s'])} ago",
+            "quarantined" if row["quarantined"] else "ok",
+        )
+    stdout.print(table)
+
+
+@app.command("list")
+@handle_errors
+def list_entries(directory: StoreArgument, as_json: JsonOption = False) -> None:
+    """List every chunk and quarantined chunk, least recently used first, with size and age."""
+    root = _require_store(directory)
+    now = time.time()
+    rows = [_entry_json(entry, root, now) for entry in store_entries(root)]
+    total = sum(row["bytes"] for row in rows)
+    if as_json:
+        emit_json({"store": str(root), "entries": rows, "count": len(rows), "bytes": total})
+        return
+    _print_entries(rows, f"{root}: {len(rows)} entries, {format_bytes(total)}")
+
+
+def _verify_one(path: Path) -> list[str]:
+    """Problems of the chunk at ``path`` (none: it is intact)."""
+    try:
+        with Snapshot.open(path) as snap:
+            return [
+                f"{problem.tensor} block {problem.block}: {problem.message}"
+                if problem.tensor
+                else problem.message
+                for problem in snap.verify()
+            ]
+    except (KVSnapError, OSError) as error:
+        return [str(error)]
+
+
+@app.command("verify")
+@handle_errors
+def verify_entries(directory: StoreArgument, as_json: JsonOption = False) -> None:
+    """Check every chunk's structure and checksums; exit 1 if any chunk is bad.
+
+    Quarantined chunks are listed but not checked: they are known bad and never served.
+    """
+    root = _require_store(directory)
+    entries = store_entries(root)
+    results = []
+    for entry in entries:
+        problems = [] if entry.quarantined else _verify_one(entry.path)
+        results.append(
+            {
+                "path": str(entry.path.relative_to(root)),
+                "quarantined": entry.quarantined,
+                "ok": not problems,
+                "problems": problems,
+            }
+        )
+    bad = [result for result in results if not result["ok"]]
+    checked = sum(not result["quarantined"] for result in results)
+    if as_json:
+        emit_json({"ok": not bad, "checked": checked, "bad": len(bad), "entries": results})
+    else:
+        for result in bad:
+            stdout.print(f"[red]bad:[/] {result['path']}: {result['problems'][0]}")
+        quarantined = len(results) - checked
+        summary = f"{checked} chunks checked, {len(bad)} bad, {quarantined} quarantined"
+        stdout.print(
+            f"[bold green]OK[/] {summary}" if not bad else f"[bold red]FAILED[/] {summary}"
+        )
+    if bad:
+        raise typer.Exit(EXIT_VERIFY_FAILED)
+
+
+@app.command("prune")
+@handle_errors
+def prune(
+    directory: StoreArgument,
+    max_bytes: Annotated[
+        int, typer.Option("--max-bytes", min=0, help="Bytes the store may hold afterwards.")
+    ],
+    min_idle_s: Annotated[
+        float,
+        typer.Option(
+            "--min-idle-s",
+            min=0.0,
+            help="Keep chunks used this recently (an engine may be about to load them).",
+        ),
+    ] = 0.0,
+    as_json: JsonOption = False,
+) -> None:
+    """Delete quarantined chunks, then the least recently used chunks, until the store fits."""
+    root = _require_store(directory)
+    now = time.time()
+    removed = prune_store(root, max_bytes, min_idle_s=min_idle_s, now=now)
+    remaining = sum(entry.size for entry in store_entries(root))
+    rows = [_entry_json(entry, root, now) for entry in removed]
+    freed = sum(row["bytes"] for row in rows)
+    if as_json:
+        emit_json(
+            {
+                "removed": rows,
+                "freed_bytes": freed,
+                "bytes": remaining,
+                "fits": remaining <= max_bytes,
+            }
+        )
+        return
+    if rows:
+        _print_entries(rows, f"removed {len(rows)} entries, {format_bytes(freed)}")
+    stdout.print(f"{root} holds {format_bytes(remaining)} (bound {format_bytes(max_bytes)})")

@@ -1,0 +1,130 @@
+"""The scheduler's check of a stored chunk before it offers the chunk to vLLM.
+
+:class:`ChunkChecker` opens a chunk's header and checks what this engine needs: the model
+fingerprint, the KV geometry, one sequence of the expected length whose id names the prefix it
+follows, and token ids equal to the prompt's. With ``verify`` it also reads every block and
+checks every checksum (kvsnap's ``verify``), so a damaged chunk is a miss before any load is
+planned. A chunk that passes is remembered by its file identity (inode, size, modification
+time), so each version of a file is read once per process.
+
+Nothing here needs vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from kvsnap import format as fmt
+from kvsnap.engines.vllm.store import ChunkRef, chunk_sequence_id
+from kvsnap.errors import KVSnapError
+from kvsnap.store import SnapshotReader
+
+#: What identifies one version of a file: inode, size, modification time.
+FileKey = tuple[int, int, int]
+
+
+def file_key(path: str) -> FileKey | None:
+    """The identity of the file at ``path`` now (``None``: there is none)."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_ino, status.st_size, status.st_mtime_ns
+
+
+class ChunkChecker:
+    """Checks stored chunks against this engine and a prompt; remembers the chunks that pass."""
+
+    def __init__(
+        self,
+        fingerprint: str,
+        expected_geometry: Mapping[str, Any],
+        block_size: int,
+        *,
+        verify: bool,
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.expected_geometry = dict(expected_geometry)
+        self.block_size = block_size
+        self.verify = verify
+        self._passed: dict[str, tuple[FileKey, fmt.SequenceRecord]] = {}
+
+    def check(
+        self, chunk: ChunkRef, prompt: np.ndarray, parent: str | None
+    ) -> fmt.SequenceRecord | str:
+        """The chunk's sequence record, or why the chunk cannot serve ``prompt``.
+
+        ``parent`` is the prompt's prefix hash of the block before the chunk (``None`` for the
+        first chunk).
+        """
+        key = file_key(chunk.path)
+        if key is None:
+            return "the chunk is gone"
+        remembered = self._passed.get(chunk.path)
+        if remembered is not None and remembered[0] == key:
+            record = remembered[1]
+        else:
+            result = self._read(chunk.path)
+            if isinstance(result, str):
+                return result
+            record = result
+        reason = self._fits_prompt(record, chunk, prompt, parent)
+        if reason is not None:
+            return reason
+        self._passed[chunk.path] = (key, record)
+        return record
+
+    def forget(self, path: str) -> None:
+        """Check the chunk at ``path`` again next time (a load of it failed)."""
+        self._passed.pop(path, None)
+
+    def _read(self, path: str) -> fmt.SequenceRecord | str:
+        try:
+            with SnapshotReader(path, verify=True) as reader:
+                metadata = reader.metadata
+                reason = self._fits_engine(metadata)
+                if reason is not None:
+                    return reason
+                if self.verify:
+                    problems = reader.verify()
+                    if problems:
+                        first = problems[0]
+                        where = f"{first.tensor} block {first.block}: " if first.tensor else ""
+                        count = len(problems)
+                        return f"failed verification ({count} problems): {where}{first.message}"
+                return metadata.sequences[0]
+        except (KVSnapError, OSError, ValueError) as error:
+            return f"unreadable chunk: {type(error).__name__}: {error}"
+
+    def _fits_engine(self, metadata: fmt.SnapshotMetadata) -> str | None:
+        """Why a chunk with ``metadata`` cannot be loaded into this engine, if it cannot."""
+        if metadata.source.model_fingerprint != self.fingerprint:
+            return (
+                f"model fingerprint {metadata.source.model_fingerprint[:16]} differs from the "
+                f"engine's {self.fingerprint[:16]}"
+            )
+        geometry = metadata.geometry
+        for name, expected in self.expected_geometry.items():
+            if getattr(geometry, name) != expected:
+                return f"{name} is {getattr(geometry, name)!r} in the chunk, {expected!r} here"
+        if len(metadata.sequences) != 1:
+            return f"a chunk holds one sequence, this file holds {len(metadata.sequences)}"
+        return None
+
+    def _fits_prompt(
+        self, record: fmt.SequenceRecord, chunk: ChunkRef, prompt: np.ndarray, parent: str | None
+    ) -> str | None:
+        """Why ``record`` is not blocks ``chunk`` of ``prompt`` after ``parent``, if it is not."""
+        if record.id != chunk_sequence_id(chunk.first_block, parent):
+            return f"the chunk's sequence {record.id!r} does not follow the prompt's prefix"
+        start = chunk.first_block * self.block_size
+        expected = prompt[start : start + chunk.num_blocks * self.block_size]
+        if len(record.block_ids) != chunk.num_blocks or not np.array_equal(
+            record.token_ids, expected
+        ):
+            return "the chunk's token ids differ from the prompt's (hash collision?)"
+        return None

@@ -1,0 +1,177 @@
+"""The connector's options: ``kv_connector_extra_config``, parsed and checked.
+
+Nothing here needs vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MODES = ("persist", "dump", "persist+dump")
+
+#: Every key :meth:`ConnectorOptions.from_extra_config` accepts.
+KNOWN_OPTIONS = frozenset(
+    {
+        "path",
+        "mode",
+        "dump_requests",
+        "dump_decode_step",
+        "dump_path",
+        "min_blocks",
+        "event_log",
+        "max_pending_writes",
+        "chunk_blocks",
+        "store_capacity_bytes",
+        "store_min_idle_s",
+        "verify_before_load",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """``kv_connector_extra_config`` of :class:`~kvsnap.engines.vllm.KVSnapConnector`, checked.
+
+    * ``path`` (required): the prefix store directory (``persist``) or dump directory (``dump``).
+    * ``mode``: ``persist`` (default), ``dump`` or ``persist+dump``.
+    * ``dump_requests``: ``"all"`` (default) or a list of request ids (the id given to vLLM;
+      vLLM's internal id with its random suffix is accepted too). A request whose
+      ``SamplingParams.extra_args`` holds ``{"kvsnap_dump": true}`` is dumped as well.
+    * ``dump_decode_step``: 0 (default) dumps at the end of prefill; ``k`` once the cache holds
+      the prompt and ``k`` generated tokens.
+    * ``dump_path``: where dumps go (default: ``path``, or ``path/dumps`` in ``persist+dump``).
+    * ``min_blocks``: prompts with fewer full blocks are not persisted (default 1). A request
+      whose ``SamplingParams.extra_args`` holds ``{"kvsnap_persist": false}`` is not persisted.
+    * ``event_log``: a JSON-lines file every process appends its hits, misses, loads, load
+      failures, saves and dumps to (default: none; vLLM's log gets them either way).
+    * ``max_pending_writes``: snapshot writes queued behind the engine before a save waits
+      (default 4); bounds the host memory that saved blocks hold.
+    * ``chunk_blocks``: blocks per stored chunk (default 16); prompts share stored chunks, so
+      smaller chunks share more and cost more files.
+    * ``store_capacity_bytes``: the store's bound in bytes (default: none); after each write
+      the least recently used chunks are deleted until the store fits.
+    * ``store_min_idle_s``: chunks used this recently are never evicted (default 10), since
+      a worker may be about to load a chunk the scheduler just matched.
+    * ``verify_before_load``: ``"auto"`` (default), ``true`` or ``false``: the scheduler
+      verifies every checksum of a chunk (once per file) before offering it, so a damaged
+      chunk is a miss instead of a failed load. ``auto`` turns it on unless
+      ``kv_load_failure_policy`` is ``recompute`` (where vLLM recomputes failed loads).
+    """
+
+    path: str
+    mode: str = "persist"
+    dump_requests: tuple[str, ...] | None = None  # None: all requests
+    dump_decode_step: int = 0
+    dump_path: str | None = None
+    min_blocks: int = 1
+    event_log: str | None = None
+    max_pending_writes: int = 4
+    chunk_blocks: int = 16
+    store_capacity_bytes: int | None = None
+    store_min_idle_s: float = 10.0
+    verify_before_load: bool | None = None  # None: auto
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorOptions:
+        """Parse and check ``kv_connector_extra_config``; raise ``ValueError`` naming the key."""
+        unknown = set(extra) - KNOWN_OPTIONS
+        if unknown:
+            raise ValueError(
+                f"KVSnapConnector: unknown option(s) {sorted(unknown)}; "
+                f"known: {sorted(KNOWN_OPTIONS)}"
+            )
+        if not extra.get("path"):
+            raise ValueError("KVSnapConnector needs kv_connector_extra_config['path']")
+        mode = str(extra.get("mode", "persist"))
+        if mode not in MODES:
+            raise ValueError(f"KVSnapConnector: mode must be one of {MODES}, got {mode!r}")
+        dump_path = extra.get("dump_path")
+        if dump_path is None:
+            dump_path = (
+                str(Path(extra["path"]) / "dumps") if mode == "persist+dump" else extra["path"]
+            )
+        return cls(
+            path=str(extra["path"]),
+            mode=mode,
+            dump_requests=_dump_requests(extra.get("dump_requests", "all")),
+            dump_decode_step=_integer(extra, "dump_decode_step", 0, minimum=0),
+            dump_path=str(dump_path),
+            min_blocks=_integer(extra, "min_blocks", 1, minimum=1),
+            event_log=extra.get("event_log"),
+            max_pending_writes=_integer(extra, "max_pending_writes", 4, minimum=1),
+            chunk_blocks=_integer(extra, "chunk_blocks", 16, minimum=1),
+            store_capacity_bytes=(
+                None
+                if extra.get("store_capacity_bytes") is None
+                else _integer(extra, "store_capacity_bytes", 0, minimum=0)
+            ),
+            store_min_idle_s=_seconds(extra.get("store_min_idle_s", 10.0)),
+            verify_before_load=_auto_flag(extra.get("verify_before_load", "auto")),
+        )
+
+    def verifies_before_load(self, kv_load_failure_policy: str) -> bool:
+        """Whether the scheduler verifies chunks before offering them, under vLLM's
+        ``kv_load_failure_policy`` (``auto``: unless it is ``recompute``)."""
+        if self.verify_before_load is None:
+            return kv_load_failure_policy != "recompute"
+        return self.verify_before_load
+
+    @property
+    def persist(self) -> bool:
+        """Whether prompt prefixes are persisted to and loaded from the store."""
+        return self.mode in ("persist", "persist+dump")
+
+    @property
+    def dump(self) -> bool:
+        """Whether requests are dumped as ordinary snapshots."""
+        return self.mode in ("dump", "persist+dump")
+
+
+def _dump_requests(requests: Any) -> tuple[str, ...] | None:
+    """``dump_requests`` as a tuple of ids, or ``None`` for ``"all"``."""
+    if requests == "all":
+        return None
+    if isinstance(requests, list | tuple) and all(isinstance(r, str) for r in requests):
+        return tuple(requests)
+    raise ValueError(
+        f"KVSnapConnector: dump_requests must be 'all' or a list of ids, got {requests!r}"
+    )
+
+
+def _integer(extra: Mapping[str, Any], key: str, default: int, *, minimum: int) -> int:
+    """The integer option ``key`` (``default`` when absent), at least ``minimum``."""
+    raw = extra.get(key, default)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"KVSnapConnector: {key} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"KVSnapConnector: {key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _seconds(raw: Any) -> float:
+    """``store_min_idle_s`` as a non-negative number of seconds."""
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"KVSnapConnector: store_min_idle_s must be a number, got {raw!r}"
+        ) from None
+    if value < 0:
+        raise ValueError(f"KVSnapConnector: store_min_idle_s must be >= 0, got {value}")
+    return value
+
+
+def _auto_flag(raw: Any) -> bool | None:
+    """``verify_before_load``: ``None`` for ``"auto"``, else the boolean given."""
+    if raw == "auto":
+        return None
+    if isinstance(raw, bool):
+        return raw
+    raise ValueError(
+        f"KVSnapConnector: verify_before_load must be 'auto', true or false, got {raw!r}"
+    )

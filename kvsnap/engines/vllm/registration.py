@@ -1,0 +1,159 @@
+"""The caches vLLM registers with a worker, read into a :class:`RegisteredCache`.
+
+:func:`register_caches` checks the per-layer tensors against the attention layers of vLLM's
+forward context (one backend, one head size, no shared tensors), learns the CPU kernel's block
+order where the backend needs it, and builds the rank's :class:`~kvsnap.layout.CacheLayout`
+with :func:`~kvsnap.engines.vllm.layout.vllm_layout`. Anything else raises
+:class:`~kvsnap.layout.LayoutError` and the engine does not start.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvsnap.engines.vllm.engine_config import layer_index
+from kvsnap.engines.vllm.layout import (
+    BACKEND_KV_PACKING,
+    KV_PLANES,
+    BlockOrder,
+    probe_block_order,
+    vllm_layout,
+)
+from kvsnap.layout import CacheLayout, LayoutError, check_tiling
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("kvsnap.engines.vllm")
+
+
+@dataclass(frozen=True)
+class RegisteredCache:
+    """One worker's KV cache: its layout, its per-layer tensors and how they were read."""
+
+    layout: CacheLayout
+    caches: list[torch.Tensor]
+    backend: str
+    kv_cache_layout: str
+    block_order: BlockOrder | None
+
+    def host_layouts(self, parts: Sequence[torch.Tensor]) -> list[CacheLayout]:
+        """One layout per TP rank over host copies of saved blocks (``parts[rank]``:
+        ``[layers, n, H, N, C]`` as ``index_select`` returns them, contiguous)."""
+        geometry = self.layout.geometry
+        layouts = [
+            vllm_layout(
+                list(rank_part),
+                backend=self.backend,
+                kv_cache_layout="LBHNC",  # index_select returns contiguous [n, H, N, C] copies
+                head_size=geometry.head_dim,
+                num_kv_heads=geometry.num_kv_heads,
+                tp_rank=rank,
+                tp_size=self.layout.tp_size,
+                attention_types=geometry.attention_types,
+                block_order=self.block_order,  # the copies keep each block's bytes as they were
+            )
+            for rank, rank_part in enumerate(parts)
+        ]
+        check_tiling(layouts)
+        return layouts
+
+
+def _attention_layers(
+    context: Mapping[str, Any], names: Sequence[str]
+) -> tuple[str, int, list[str]]:
+    """The one backend name and head size of the layers ``names``, and their attention types."""
+    backends, head_sizes, attention_types = set(), set(), []
+    for name in names:
+        layer = context.get(name)
+        if layer is None or not hasattr(layer, "attn_backend"):
+            raise LayoutError(f"KV cache {name!r} does not belong to an attention layer")
+        backends.add(layer.attn_backend.get_name())
+        head_sizes.add(layer.head_size)
+        attention_types.append("sliding" if getattr(layer, "sliding_window", None) else "full")
+    if len(backends) != 1 or len(head_sizes) != 1:
+        raise LayoutError(
+            f"KVSnapConnector needs one attention backend and head size for all layers, got "
+            f"backends {sorted(backends)}, head sizes {sorted(head_sizes)}"
+        )
+    return backends.pop(), head_sizes.pop(), attention_types
+
+
+def register_caches(
+    vllm_config: VllmConfig, kv_caches: Mapping[str, torch.Tensor]
+) -> RegisteredCache:
+    """Build the rank's cache layout from the registered tensors, or refuse them (LayoutError)."""
+    context = vllm_config.compilation_config.static_forward_context
+    names = sorted(kv_caches, key=layer_index)
+    backend, head_size, attention_types = _attention_layers(context, names)
+    tensors = [kv_caches[name] for name in names]
+    if len({tensor.data_ptr() for tensor in tensors}) != len(tensors):
+        raise LayoutError("layers share KV cache tensors (KV sharing); kvsnap does not support it")
+    layout_name = vllm_config.cache_config.kv_cache_layout
+    if layout_name is None:
+        raise LayoutError("vLLM has not resolved its KV cache layout")
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    block_order = None
+    if BACKEND_KV_PACKING.get(backend) == KV_PLANES:
+        block_order = _probe_layer(context, names, tensors[0], head_size)
+    layout = vllm_layout(
+        tensors,
+        backend=backend,
+        kv_cache_layout=str(layout_name),
+        head_size=head_size,
+        num_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+        tp_rank=group.rank_in_group,
+        tp_size=group.world_size,
+        attention_types=attention_types,
+        block_order=block_order,
+    )
+    if tensors[0].device.type == "cpu":
+        request_amx_permission()
+    return RegisteredCache(layout, tensors, backend, str(layout_name), block_order)
+
+
+def _probe_layer(
+    context: Mapping[str, Any], names: Sequence[str], cache: torch.Tensor, head_size: int
+) -> BlockOrder:
+    """The block order of the CPU backend's kernel, learned by calling it on a scratch block.
+
+    Every layer must use the same kernel variant (``isa``: ``amx``, ``vec``, ...), since one
+    order is learned for all of them.
+    """
+    layers = [context[name] for name in names]
+    variants = {getattr(layer, "isa", None) for layer in layers}
+    if len(variants) != 1:
+        raise LayoutError(
+            f"the CPU attention layers use different kernels: {sorted(map(str, variants))}"
+        )
+    first = layers[0]
+    _, heads, block_size, _ = cache.shape
+    slots = torch.arange(block_size, dtype=torch.int64)
+
+    def write(key: torch.Tensor, value: torch.Tensor, block: torch.Tensor) -> None:
+        first.impl.do_kv_cache_update(first, key, value, block, slots)
+
+    if cache.device.type == "cpu":
+        request_amx_permission()
+    return probe_block_order(
+        write, heads=heads, block_size=block_size, head_size=head_size, dtype=cache.dtype
+    )
+
+
+def request_amx_permission() -> None:
+    """Ask Linux for AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``) where the CPU has AMX.
+
+    vLLM's CPU attention kernel runs on AMX tiles, and a process that uses them without this
+    permission dies of SIGILL. vLLM 0.32 only obtains it on paths a normal prefill takes first;
+    an engine whose first forward pass attends over KV loaded by a connector (a prompt prefix
+    restored right after start-up) reaches the kernel without it.
+    """
+    if torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
+        logger.warning("the CPU has AMX, but Linux refused the AMX tile permission")

@@ -1,0 +1,342 @@
+"""The connector's scheduler side: match prompts against the store, plan loads and saves.
+
+:class:`KVSnapScheduler` runs in vLLM's scheduler process. It finds the longest run of stored
+chunks of a prompt, checks each (:class:`~kvsnap.engines.vllm.chunk_check.ChunkChecker`:
+model fingerprint, geometry, token ids and, with ``verify_before_load``, every checksum),
+quarantines a chunk that fails, and plans, per step, the blocks every worker loads before the
+forward pass and the chunks and dumps it saves after it
+(:class:`~kvsnap.engines.vllm.specs.KVSnapConnectorMetadata`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvsnap import format as fmt
+from kvsnap.engines.vllm.chunk_check import ChunkChecker
+from kvsnap.engines.vllm.events import EventLog
+from kvsnap.engines.vllm.options import ConnectorOptions
+from kvsnap.engines.vllm.specs import (
+    ChunkLoad,
+    KVSnapConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
+    external_request_id,
+)
+from kvsnap.engines.vllm.store import ChunkRef, PrefixStore, chunk_sequence_id, safe_name
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+#: ``block_ids_of(request_id)``: the engine blocks vLLM allocated to a request, in order.
+BlockIdsOf = Callable[[str], Sequence[int]]
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side state of one request the connector may save or dump."""
+
+    request: Request
+    persisted: bool = False
+    dumped: bool = False
+    #: The load planned for it (chunk paths, target blocks), until it is known to have failed.
+    load: tuple[tuple[str, ...], frozenset[int]] | None = None
+
+
+#: A chunk planned for saving is not planned again for this long unless it appeared (the
+#: write is queued behind the engine; a failed write is retried after it).
+_REPLAN_AFTER_S = 60.0
+
+
+class KVSnapScheduler:
+    """The scheduler side of :class:`~kvsnap.engines.vllm.KVSnapConnector`.
+
+    :meth:`get_num_new_matched_tokens` finds and checks the stored chunks of a prompt;
+    :meth:`update_state_after_alloc` plans their load into the allocated blocks;
+    :meth:`build_connector_meta` adds the chunk saves and dumps each step completes;
+    :meth:`update_connector_output` learns of failed loads.
+    """
+
+    def __init__(
+        self,
+        options: ConnectorOptions,
+        store: PrefixStore,
+        events: EventLog,
+        *,
+        block_size: int,
+        checker: ChunkChecker,
+        block_ids_of: BlockIdsOf,
+    ) -> None:
+        self.options = options
+        self.store = store
+        self.events = events
+        self.block_size = block_size
+        self.checker = checker
+        self._block_ids_of = block_ids_of
+        self._matches: dict[str, tuple[int, list[tuple[ChunkRef, fmt.SequenceRecord]]]] = {}
+        self._pending_loads: list[LoadSpec] = []
+        self._tracked: dict[str, _Tracked] = {}
+        self._planned: dict[str, float] = {}
+
+    def _chain(self, prompt: np.ndarray, num_blocks: int) -> list[str]:
+        return fmt.prefix_hash_chain(prompt[: num_blocks * self.block_size], self.block_size)
+
+    def _usable_chunks(
+        self, request_id: str, prompt: np.ndarray, chain: list[str]
+    ) -> list[tuple[ChunkRef, fmt.SequenceRecord]]:
+        """The stored chunks of ``prompt`` that pass their checks, from its first block on.
+
+        The first chunk that fails is a logged miss and is quarantined; the match ends there.
+        """
+        match = self.store.longest_prefix(chain)
+        usable: list[tuple[ChunkRef, fmt.SequenceRecord]] = []
+        for chunk in match.chunks if match is not None else ():
+            parent = chain[chunk.first_block - 1] if chunk.first_block else None
+            record = self.checker.check(chunk, prompt, parent)
+            if isinstance(record, str):
+                self.events.emit(
+                    "miss", logging.WARNING, request=request_id, path=chunk.path, reason=record
+                )
+                self._quarantine(request_id, chunk.path, record)
+                break
+            usable.append((chunk, record))
+        return usable
+
+    def _quarantine(self, request_id: str, path: str, reason: str) -> None:
+        """Move the chunk at ``path`` aside so it is never matched again, and log it."""
+        moved = self.store.quarantine(path)
+        self.checker.forget(path)
+        if moved is not None:
+            self.events.emit(
+                "quarantine",
+                logging.WARNING,
+                request=request_id,
+                path=path,
+                moved_to=str(moved),
+                reason=reason,
+            )
+
+    def _stored_and_sound(
+        self, request_id: str, prompt: np.ndarray, chain: list[str], span: tuple[int, int]
+    ) -> bool:
+        """Whether the store holds the chunk ``span`` of ``prompt`` and it passes its checks.
+
+        A chunk that fails is quarantined (so it is saved anew): a prompt whose stored prefix
+        failed early never matched its later chunks, and they must not outlive the damage.
+        Each version of a file is checked once (the checker remembers it).
+        """
+        start, end = span
+        path = self.store.chunk_path(chain[end - 1])
+        if not path.is_file():
+            return False
+        chunk = ChunkRef(str(path), start, end - start)
+        record = self.checker.check(chunk, prompt, chain[start - 1] if start else None)
+        if isinstance(record, str):
+            self._quarantine(request_id, str(path), record)
+            return False
+        return True
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` this connector can load for ``request``.
+
+        Only whole blocks, and never the prompt's last token (vLLM must compute at least one).
+        Apart from quarantining chunks that fail their checks and recording the use of the
+        matched ones, it only remembers the answer for :meth:`update_state_after_alloc`.
+        """
+        self._matches.pop(request.request_id, None)
+        if not self.options.persist:
+            return 0, False
+        prompt = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
+        loadable_blocks = max(len(prompt) - 1, 0) // self.block_size
+        if loadable_blocks * self.block_size <= num_computed_tokens:
+            return 0, False
+        chain = self._chain(prompt, loadable_blocks)
+        usable = self._usable_chunks(request.request_id, prompt, chain)
+        matched = sum(chunk.num_blocks for chunk, _ in usable) * self.block_size
+        if matched <= num_computed_tokens:
+            return 0, False
+        self._matches[request.request_id] = (num_computed_tokens, usable)
+        for chunk, _ in usable:
+            self.store.touch(chunk.path)
+        self.events.emit(
+            "hit",
+            request=request.request_id,
+            paths=[chunk.path for chunk, _ in usable],
+            tokens=matched - num_computed_tokens,
+            local_tokens=num_computed_tokens,
+        )
+        return matched - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Remember the request; plan the load of its matched blocks into the allocated ones."""
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        found = self._matches.pop(request.request_id, None)
+        if num_external_tokens <= 0 or found is None:
+            return
+        local_tokens, usable = found
+        first = local_tokens // self.block_size
+        end = first + num_external_tokens // self.block_size
+        block_ids = blocks.get_block_ids()[0]
+        loads = []
+        for chunk, record in usable:
+            low = max(first, chunk.first_block)
+            high = min(end, chunk.first_block + chunk.num_blocks)
+            if low >= high:
+                continue
+            inside = slice(low - chunk.first_block, high - chunk.first_block)
+            loads.append(
+                ChunkLoad(
+                    path=chunk.path,
+                    snapshot_blocks=np.asarray(record.block_ids[inside], dtype=np.int64),
+                    target_blocks=np.asarray(block_ids[low:high], dtype=np.int64),
+                )
+            )
+        spec = LoadSpec(request.request_id, tuple(loads), (end - first) * self.block_size)
+        tracked.load = (
+            tuple(load.path for load in loads),
+            frozenset(int(block) for block in spec.target_blocks),
+        )
+        self._pending_loads.append(spec)
+
+    def _selected_for_dump(self, request: Request) -> bool:
+        extra = getattr(request.sampling_params, "extra_args", None) or {}
+        if extra.get("kvsnap_dump"):
+            return True
+        wanted = self.options.dump_requests
+        if wanted is None:
+            return True
+        return request.request_id in wanted or external_request_id(request.request_id) in wanted
+
+    def _block_ids(self, request_id: str) -> list[int]:
+        return list(self._block_ids_of(request_id))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVSnapConnectorMetadata:
+        """This step's loads (planned at allocation) and the saves and dumps it completes."""
+        meta = KVSnapConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        # A request loading in this step saves nothing before the load is known to have
+        # worked: a failed load leaves its blocks wrong until vLLM recomputes them.
+        loading = {spec.request_id for spec in meta.loads}
+        progress: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            progress[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            progress[request_id] = cached.num_computed_tokens[index]
+        for request_id, computed_before in progress.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is None or request_id in loading:
+                continue
+            computed = computed_before + scheduler_output.num_scheduled_tokens.get(request_id, 0)
+            if self.options.persist and not tracked.persisted:
+                self._plan_persist(tracked, computed, meta)
+            if self.options.dump and not tracked.dumped:
+                self._plan_dump(tracked, computed, meta)
+        return meta
+
+    def _plan_persist(
+        self, tracked: _Tracked, computed: int, meta: KVSnapConnectorMetadata
+    ) -> None:
+        """Once the prompt is computed: save each of its chunks the store does not hold."""
+        request = tracked.request
+        prompt = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
+        # The blocks a later prompt can load: never the one holding the last prompt token.
+        num_blocks = max(len(prompt) - 1, 0) // self.block_size
+        extra = getattr(request.sampling_params, "extra_args", None) or {}
+        if num_blocks < self.options.min_blocks or extra.get("kvsnap_persist") is False:
+            tracked.persisted = True
+            return
+        if computed < num_blocks * self.block_size:
+            return
+        tracked.persisted = True
+        chain = self._chain(prompt, num_blocks)
+        engine_blocks = np.asarray(self._block_ids(request.request_id)[:num_blocks], np.int64)
+        now = time.monotonic()
+        self._forget_old_plans(now)
+        for start, end in self.store.chunk_spans(num_blocks):
+            path = self.store.chunk_path(chain[end - 1])
+            planned = self._planned.get(str(path))
+            if planned is not None and now - planned < _REPLAN_AFTER_S:
+                continue
+            if self._stored_and_sound(request.request_id, prompt, chain, (start, end)):
+                continue
+            self._planned[str(path)] = now
+            meta.saves.append(
+                SaveSpec(
+                    request_id=request.request_id,
+                    kind="persist",
+                    path=str(path),
+                    token_ids=prompt[start * self.block_size : end * self.block_size],
+                    block_ids=engine_blocks[start:end],
+                    sequence_id=chunk_sequence_id(start, chain[start - 1] if start else None),
+                )
+            )
+
+    def _forget_old_plans(self, now: float) -> None:
+        """Drop planned saves older than the replan delay once they pile up."""
+        if len(self._planned) > 4096:
+            self._planned = {
+                path: when for path, when in self._planned.items() if now - when < _REPLAN_AFTER_S
+            }
+
+    def _plan_dump(self, tracked: _Tracked, computed: int, meta: KVSnapConnectorMetadata) -> None:
+        request = tracked.request
+        if not self._selected_for_dump(request):
+            tracked.dumped = True
+            return
+        target = len(request.prompt_token_ids or []) + self.options.dump_decode_step
+        tokens = list(request.all_token_ids)
+        if computed < target or len(tokens) < target:
+            return
+        tracked.dumped = True
+        num_blocks = -(-target // self.block_size)
+        name = safe_name(external_request_id(request.request_id))
+        meta.saves.append(
+            SaveSpec(
+                request_id=request.request_id,
+                kind="dump",
+                path=str(Path(self.options.dump_path or self.options.path) / f"{name}.safetensors"),
+                token_ids=np.asarray(tokens[:target], dtype=np.int64),
+                block_ids=np.asarray(
+                    self._block_ids(request.request_id)[:num_blocks], dtype=np.int64
+                ),
+                sequence_id=external_request_id(request.request_id),
+            )
+        )
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Learn which loads failed (vLLM recomputes their blocks) and plan their saves anew.
+
+        A request whose loaded blocks come back invalid has its chunks checked again when next
+        matched (the worker quarantined a chunk that failed), and is persisted (the chunks the
+        store no longer holds) and dumped again once recomputed.
+        """
+        invalid = connector_output.invalid_block_ids
+        if not invalid:
+            return
+        for tracked in self._tracked.values():
+            if tracked.load is None or not tracked.load[1] & invalid:
+                continue
+            for path in tracked.load[0]:
+                self.checker.forget(path)
+            tracked.load = None
+            tracked.persisted = tracked.dumped = False
+
+    def request_finished(self, request: Request) -> None:
+        """Forget the request."""
+        self._tracked.pop(request.request_id, None)
+        self._matches.pop(request.request_id, None)

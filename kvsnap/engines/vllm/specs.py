@@ -1,0 +1,68 @@
+"""What the scheduler tells the workers each step: :class:`LoadSpec`, :class:`SaveSpec`.
+
+:class:`KVSnapConnectorMetadata` carries one step's loads (before the forward pass) and saves
+(after it) from the scheduler process to every worker. Nothing here needs vLLM.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvsnap.engines.vllm.compat import KVConnectorMetadata
+
+_INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def external_request_id(request_id: str) -> str:
+    """The id a client gave vLLM: vLLM appends ``-`` and 8 hex digits to make its internal id."""
+    return _INTERNAL_SUFFIX.sub("", request_id)
+
+
+@dataclass(frozen=True)
+class ChunkLoad:
+    """Load blocks ``snapshot_blocks`` of the chunk ``path`` into engine ``target_blocks``."""
+
+    path: str
+    snapshot_blocks: np.ndarray
+    target_blocks: np.ndarray
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One request's load: consecutive stored ``chunks``, ``num_tokens`` in all."""
+
+    request_id: str
+    chunks: tuple[ChunkLoad, ...]
+    num_tokens: int
+
+    @property
+    def target_blocks(self) -> np.ndarray:
+        """Every engine block the load writes, in prompt order."""
+        return np.concatenate([chunk.target_blocks for chunk in self.chunks])
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Capture engine blocks ``block_ids`` holding ``token_ids`` into a snapshot at ``path``.
+
+    ``kind`` is ``persist`` (a chunk of the prefix store, skipped if it exists by the time it
+    is written) or ``dump``; ``sequence_id`` names the snapshot's one sequence.
+    """
+
+    request_id: str
+    kind: str
+    path: str
+    token_ids: np.ndarray
+    block_ids: np.ndarray
+    sequence_id: str
+
+
+@dataclass
+class KVSnapConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells every worker for one step: loads before it, saves after it."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

@@ -1,0 +1,239 @@
+"""The vLLM prefix store without vLLM: chunks, checks, quarantine, LRU eviction, `kvsnap store`.
+
+Chunks are real kvsnap snapshots captured from a random ``FLASH_ATTN``-shaped cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvsnap import format as fmt
+from kvsnap.cli.store import app as store_app
+from kvsnap.engines.vllm import (
+    ChunkChecker,
+    ConnectorOptions,
+    PrefixStore,
+    chunk_sequence_id,
+    prune_store,
+    store_bytes,
+    store_entries,
+    vllm_layout,
+)
+from kvsnap.snapshot import SequenceBlocks, capture
+
+BLOCK = 4
+HEADS, HEAD_DIM, LAYERS = 2, 8, 2
+FINGERPRINT = "ab" * 16
+GEOMETRY = {
+    "num_layers": LAYERS,
+    "num_kv_heads": HEADS,
+    "head_dim": HEAD_DIM,
+    "block_size": BLOCK,
+    "dtype": "bfloat16",
+}
+
+
+def _cache(num_blocks: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, HEADS, BLOCK, 2 * HEAD_DIM)
+    return [torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+def _write_chunk(
+    store: PrefixStore,
+    prompt: np.ndarray,
+    start: int,
+    end: int,
+    *,
+    fingerprint: str = FINGERPRINT,
+    path: Path | None = None,
+) -> Path:
+    """Capture blocks ``[start, end)`` of ``prompt`` as the store's chunk (what the worker does)."""
+    chain = fmt.prefix_hash_chain(prompt[: end * BLOCK], BLOCK)
+    target = path or store.chunk_path(chain[end - 1])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    layout = vllm_layout(
+        _cache(end - start, seed=start),
+        backend="FLASH_ATTN",
+        kv_cache_layout="LBHNC",
+        head_size=HEAD_DIM,
+        num_kv_heads=HEADS,
+    )
+    sequence = SequenceBlocks(
+        chunk_sequence_id(start, chain[start - 1] if start else None),
+        prompt[start * BLOCK : end * BLOCK],
+        np.arange(end - start),
+    )
+    source = fmt.SourceInfo("vllm", "test", "synthetic", None, fingerprint)
+    capture(layout, [sequence], target, source=source)
+    return target
+
+
+def _prompt(num_blocks: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 1000, size=num_blocks * BLOCK)
+
+
+def _chain(prompt: np.ndarray) -> list[str]:
+    return fmt.prefix_hash_chain(prompt[: len(prompt) // BLOCK * BLOCK], BLOCK)
+
+
+def _flip_kv_byte(path: Path) -> None:
+    """Flip one byte in the middle of the first layer tensor's data."""
+    data = bytearray(path.read_bytes())
+    header_size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_size])
+    begin, end = header["layers.0.key"]["data_offsets"]
+    data[8 + header_size + (begin + end) // 2] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_prompts_sharing_a_prefix_share_its_chunks(tmp_path: Path) -> None:
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=2)
+    first = _prompt(5, seed=1)
+    for start, end in store.chunk_spans(5):  # [0,2) [2,4) [4,5)
+        _write_chunk(store, first, start, end)
+    assert store.chunk_spans(5) == [(0, 2), (2, 4), (4, 5)]
+    match = store.longest_prefix(_chain(first))
+    assert match is not None and match.num_blocks == 5
+    assert [(c.first_block, c.num_blocks) for c in match.chunks] == [(0, 2), (2, 2), (4, 1)]
+    # A longer prompt with the same first 5 blocks finds them all, including the short chunk.
+    longer = np.concatenate([first, _prompt(2, seed=2)])
+    assert store.longest_prefix(_chain(longer)).num_blocks == 5
+    # One that shares 3 blocks only gets the whole chunks it shares: a chunk is the unit.
+    diverging = np.concatenate([first[: 3 * BLOCK], _prompt(3, seed=3)])
+    assert store.longest_prefix(_chain(diverging)).num_blocks == 2
+    # Chunks are named by content: the same prefix maps to the same file from any prompt.
+    assert store.longest_prefix(_chain(diverging)).chunks[0].path == match.chunks[0].path
+    # A missing chunk ends the match there.
+    Path(match.chunks[1].path).unlink()
+    assert store.longest_prefix(_chain(first)).num_blocks == 2
+    assert store.longest_prefix(_chain(_prompt(5, seed=9))) is None
+
+
+def test_checker_refuses_damaged_foreign_and_misplaced_chunks(tmp_path: Path) -> None:
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=2)
+    prompt = _prompt(4, seed=4)
+    chain = _chain(prompt)
+    path = _write_chunk(store, prompt, 0, 2)
+    (chunk,) = store.longest_prefix(chain[:2]).chunks
+    checker = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=True)
+    record = checker.check(chunk, prompt, None)
+    assert not isinstance(record, str) and record.id == chunk_sequence_id(0, None)
+    # The file changes on disk (same size): the remembered pass is not reused.
+    _flip_kv_byte(path)
+    reason = checker.check(chunk, prompt, None)
+    assert isinstance(reason, str) and "failed verification" in reason
+    assert "layers.0.key" in reason
+    # Without verify, only the header is read: the damage is found by the load instead.
+    lenient = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=False)
+    assert not isinstance(lenient.check(chunk, prompt, None), str)
+    # Another model's chunk, a chunk at another prefix's name, a truncated file.
+    foreign = ChunkChecker("cd" * 16, GEOMETRY, BLOCK, verify=True)
+    assert "model fingerprint abababababababab differs" in foreign.check(chunk, prompt, None)
+    other = _prompt(2, seed=5)
+    _write_chunk(store, other, 0, 2, path=path)
+    assert "token ids differ" in checker.check(chunk, prompt, None)
+    second = _write_chunk(store, prompt, 2, 4)
+    (_, later) = store.longest_prefix(chain).chunks
+    assert "does not follow" in checker.check(later, prompt, "0" * 32)
+    second.write_bytes(second.read_bytes()[:200])
+    assert "unreadable chunk" in checker.check(later, prompt, chain[1])
+
+
+def test_quarantined_chunks_are_never_matched_again(tmp_path: Path) -> None:
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=2)
+    prompt = _prompt(2, seed=6)
+    path = _write_chunk(store, prompt, 0, 2)
+    moved = store.quarantine(path)
+    assert moved is not None and moved.parent == store.quarantined and moved.exists()
+    assert not path.exists() and store.longest_prefix(_chain(prompt)) is None
+    assert store.quarantine(path) is None  # another process got there first
+    (entry,) = store_entries(tmp_path)
+    assert entry.quarantined and entry.path == moved
+
+
+def _aged(path: Path, seconds_ago: float) -> None:
+    moment = time.time() - seconds_ago
+    os.utime(path, (moment, moment))
+
+
+def test_prune_evicts_quarantined_then_least_recently_used(tmp_path: Path) -> None:
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=1)
+    paths = [_write_chunk(store, _prompt(1, seed=10 + i), 0, 1) for i in range(4)]
+    for age, path in zip((400, 300, 200, 100), paths, strict=True):
+        _aged(path, age)
+    bad = store.quarantine(paths[3])
+    assert bad is not None
+    size = paths[0].stat().st_size
+    assert store_bytes(tmp_path) == 4 * size
+    store.touch(paths[0])  # the oldest is used now: it becomes the most recently used
+    removed = prune_store(tmp_path, 2 * size)
+    assert [entry.path for entry in removed] == [bad, paths[1]]
+    assert store_bytes(tmp_path) == 2 * size
+    # Chunks used within min_idle_s are kept even when the store stays above the bound.
+    assert [entry.path for entry in prune_store(tmp_path, 0, min_idle_s=60)] == [paths[2]]
+    assert [entry.path for entry in store_entries(tmp_path)] == [paths[0]]
+    assert [entry.path for entry in prune_store(tmp_path, 0)] == [paths[0]]
+    assert store_entries(tmp_path) == []
+
+
+def _invoke(*args: str) -> tuple[int, dict]:
+    result = CliRunner().invoke(store_app, [*args, "--json"])
+    return result.exit_code, json.loads(result.stdout)
+
+
+def test_store_cli_lists_verifies_and_prunes(tmp_path: Path) -> None:
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=2)
+    prompt = _prompt(4, seed=20)
+    first, second = (_write_chunk(store, prompt, start, end) for start, end in ((0, 2), (2, 4)))
+    _aged(first, 500)
+    code, listing = _invoke("list", str(tmp_path))
+    assert code == 0 and listing["count"] == 2
+    assert listing["bytes"] == first.stat().st_size + second.stat().st_size
+    oldest = listing["entries"][0]
+    assert oldest["path"] == str(first.relative_to(tmp_path)) and oldest["age_s"] >= 500
+    assert oldest["namespace"] == "ns" and not oldest["quarantined"]
+    code, report = _invoke("verify", str(tmp_path))
+    assert (code, report["ok"], report["checked"]) == (0, True, 2)
+    _flip_kv_byte(second)
+    code, report = _invoke("verify", str(tmp_path))
+    assert code == 1 and not report["ok"] and report["bad"] == 1
+    (bad,) = [entry for entry in report["entries"] if not entry["ok"]]
+    assert bad["path"] == str(second.relative_to(tmp_path)) and "layers.0.key" in bad["problems"][0]
+    code, pruned = _invoke("prune", str(tmp_path), "--max-bytes", str(second.stat().st_size))
+    assert code == 0 and pruned["fits"]
+    assert [entry["path"] for entry in pruned["removed"]] == [oldest["path"]]
+    assert not first.exists() and second.exists()
+    result = CliRunner().invoke(store_app, ["list", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and "no store directory" in result.output
+
+
+def test_store_options_are_parsed_and_checked() -> None:
+    options = ConnectorOptions.from_extra_config(
+        {"path": "/s", "chunk_blocks": 4, "store_capacity_bytes": 1 << 30, "store_min_idle_s": 0}
+    )
+    assert (options.chunk_blocks, options.store_capacity_bytes, options.store_min_idle_s) == (
+        4,
+        1 << 30,
+        0.0,
+    )
+    # verify_before_load "auto" follows vLLM's load failure policy.
+    assert options.verifies_before_load("fail") and not options.verifies_before_load("recompute")
+    forced = ConnectorOptions.from_extra_config({"path": "/s", "verify_before_load": True})
+    assert forced.verifies_before_load("recompute")
+    for bad, key in (
+        ({"chunk_blocks": 0}, "chunk_blocks"),
+        ({"store_capacity_bytes": -1}, "store_capacity_bytes"),
+        ({"store_min_idle_s": "soon"}, "store_min_idle_s"),
+        ({"verify_before_load": "yes"}, "verify_before_load"),
+    ):
+        with pytest.raises(ValueError, match=key):
+            ConnectorOptions.from_extra_config({"path": "/s", **bad})
