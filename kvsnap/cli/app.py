@@ -26,6 +26,7 @@ from .fixture import fixture
 from .inspection import inspect
 from .output import EXIT_USAGE, handle_errors, report_error, settings, stdout
 from .restore import restore
+from .store import app as store_app
 from .verify import verify
 
 #: Raised after the help of a group called without a command was printed (click 8.2 and later).
@@ -102,6 +103,7 @@ def main_options(
 
 for _command in (capture, inspect, verify, restore, fixture, bench):
     app.command()(handle_errors(_command))
+app.add_typer(store_app, name="store")
 
 
 def main() -> None:
