@@ -32,8 +32,9 @@ from kvsnap.transfer.triton_copy import interpreting
 
 @dataclass(frozen=True)
 class FusedTicket:
-    """A submitted slot: its completion event (``None`` once done on the host) and, in pinned
-    memory, a result per page: its digest (capture) or 1/0 for written/refused (restore)."""
+    """A submitted slot: its completion event (``None`` once done on the host) and a result per
+    page: its digest, in pinned memory (capture), or 1/0 for written/refused, on the device
+    (restore)."""
 
     event: torch.cuda.Event | None
     results: torch.Tensor | None
@@ -121,17 +122,19 @@ class FusedMover(SlotMover):
             parts = [copy_table, plan.page_offsets]
             if checked:
                 parts.append(np.asarray(expected).view(np.int64))
-            # Up from pinned memory (torch's pinned allocator keeps a block until the copies
-            # using it are done): an upload from pageable memory would wait for the stream,
-            # that is for the previous slot's copies.
-            host_table = torch.from_numpy(np.concatenate(parts)).pin_memory()
+            # Up from pinned memory of this slot's own (free whenever the slot is: a slot is
+            # reused only after its last copy completed); from pageable memory the upload
+            # would wait for the stream, that is for the previous slot's copies.
+            host_table = self._staging.pinned(("table", slot.data_ptr), np.concatenate(parts))
             device_table = host_table.to(self.device, non_blocking=True)
             offsets = device_table[len(copy_table) : len(copy_table) + num_pages]
-            results = torch.empty(num_pages, dtype=torch.int64, pin_memory=True)
             host, device = slot.tensor[:num_bytes], buffer[:num_bytes]
+            results: torch.Tensor | None = None
             if self.direction is Direction.DEVICE_TO_HOST:
                 launch_kernel(copies, device_table, self.device, self.sm_budget)
                 if self.hashes_pages:
+                    # Read by the capture right after this slot's event, before it is reused.
+                    results = self._staging.pinned(("digests", slot.data_ptr), None, num_pages)
                     results.copy_(self._digests(buffer, offsets), non_blocking=True)
                 host.copy_(device, non_blocking=True)
             else:
@@ -139,13 +142,12 @@ class FusedMover(SlotMover):
                 page_ok = None
                 if checked:
                     stored = device_table[len(copy_table) + num_pages :]
-                    page_ok = (self._digests(buffer, offsets) == stored).to(torch.int64)
-                    results.copy_(page_ok, non_blocking=True)
+                    # Kept on the device (one flag a page) until the restore collects them.
+                    results = page_ok = (self._digests(buffer, offsets) == stored).to(torch.int64)
                 launch_kernel(copies, device_table, self.device, self.sm_budget, page_ok)
             done = torch.cuda.Event()
             done.record(self._staging.stream)
-        has_results = self.direction is Direction.DEVICE_TO_HOST and self.hashes_pages
-        return FusedTicket(done, results if has_results or checked else None)
+        return FusedTicket(done, results)
 
     def _digests(self, buffer: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Enqueue the xxh3-64 of the pages at ``offsets`` in ``buffer`` (int64 bit patterns)."""
@@ -174,7 +176,7 @@ class FusedMover(SlotMover):
     def failed_pages(self, ticket: FusedTicket) -> np.ndarray:
         if self.direction is not Direction.HOST_TO_DEVICE or ticket.results is None:
             return np.empty(0, dtype=np.int64)
-        return np.flatnonzero(ticket.results.numpy() == 0)
+        return np.flatnonzero(ticket.results.cpu().numpy() == 0)
 
     def end(self) -> None:
         if self._staging is not None and self.direction is Direction.HOST_TO_DEVICE:

@@ -10,7 +10,7 @@ from kvsnap.pinned import PinnedPool
 SMALL_SLOT_BYTES = 16 << 20
 LARGE_SLOT_BYTES = 64 << 20
 #: A job of at least this many bytes stages through large slots (fewer, larger disk writes).
-LARGE_JOB_BYTES = 512 << 20
+LARGE_JOB_BYTES = 128 << 20
 #: Slots of each size kvsnap keeps pinned per process at most (pinned on first use).
 SHARED_SLOTS = 8
 

@@ -1,16 +1,16 @@
 """The restore loop: snapshot file -> staging slots (checksums verified) -> the engine cache.
 
-A read is queued in every free slot; the read thread that completes a slot moves it into the
-cache at once and gives the slot back with the event of its copy, so neither the disk nor the
-device waits for the calling thread. A page that fails its checksum (on the device where the
+A read is queued in every free slot; slots are moved into the cache in the order their reads
+complete and given back with the event of their copy, so the disk and the page cache never
+wait for the device. A page that fails its checksum (on the device where the
 pages are hashed there, on the read threads otherwise) never reaches the cache: its slot's
 other pages are moved, and the failed pages are reported.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable, Sequence
+import queue
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -81,28 +81,71 @@ def restore_slots(
 
     ``blocks`` is ``(snapshot_blocks, target_blocks)``: page ``i`` of a plan is snapshot block
     ``snapshot_blocks[p]`` going to device block ``target_blocks[p]``, ``p`` its position.
-    A read is queued in every free slot; the read thread that completes a slot's read moves
-    it at once, so no slot waits for this thread (which only hands out slots). Pages are
+    A read is queued in every free slot, and slots are moved in the order their reads
+    complete, all on this thread (CUDA calls from many read threads would contend). Pages are
     verified on the device where the mover hashes pages (the reads then skip the host's
     checksums), on the read threads otherwise. Returns the pages that failed their checksum:
     nothing of them was written.
     """
     run = _RestoreRun(mover, ring, pages, blocks, progress, trace)
+    completed: queue.SimpleQueue[tuple[SlotPlan, Slot, Future[np.ndarray]]] = queue.SimpleQueue()
+    remaining = iter(plans)
+    reading = 0
     try:
-        for plan in plans:
-            with traced(trace, "staging.wait"):
-                slot = ring.acquire()
-            if not run.start(plan, slot):
+        while True:
+            reading += _fill_free_slots(run, remaining, completed, blocking=reading == 0)
+            if reading == 0:
                 break
+            plan, slot, read = completed.get()
+            reading -= 1
+            run.move(plan, slot, read)
     finally:
-        run.wait_for_moves()
+        while reading:
+            # A read still in flight must finish before its slot is reused.
+            _, slot, read = completed.get()
+            reading -= 1
+            ring.release(slot)
     run.raise_error()
     run.collect_device_checks()
     return run.failed()
 
 
+def _fill_free_slots(
+    run: _RestoreRun,
+    remaining: Iterator[SlotPlan],
+    completed: queue.SimpleQueue[tuple[SlotPlan, Slot, Future[np.ndarray]]],
+    *,
+    blocking: bool,
+) -> int:
+    """Queue the next plans' reads in every free slot: how many were started. Waits for a
+    slot only when ``blocking`` (nothing of ours in flight): a pool shared with another
+    restore must not leave both waiting for each other's slots."""
+    started = 0
+    while run.error is None:
+        if blocking and not started:
+            with traced(run.trace, "staging.wait"):
+                slot = run.ring.acquire()
+        else:
+            slot = run.ring.try_acquire()
+        if slot is None:
+            break
+        plan = next(remaining, None)
+        if plan is None:
+            run.ring.release(slot)
+            break
+        try:
+            read = run.read(plan, slot)
+        except BaseException:
+            run.ring.release(slot)
+            raise
+        # The read thread that completes it only queues it: this thread moves every slot.
+        read.add_done_callback(lambda done, p=plan, s=slot: completed.put((p, s, done)))
+        started += 1
+    return started
+
+
 class _RestoreRun:
-    """One restore's slots in flight, its moves and the pages that failed."""
+    """One restore's reads and moves, and the pages that failed."""
 
     def __init__(
         self,
@@ -122,40 +165,25 @@ class _RestoreRun:
         self.failed_positions: list[np.ndarray] = []
         self.first_error: list[SnapshotCorruptError] = []
         self.error: BaseException | None = None
-        self.pending = 0
-        self.lock = threading.Condition()
 
-    def start(self, plan: SlotPlan, slot: Slot) -> bool:
-        """Queue ``plan``'s read into ``slot``; its completion moves it. False (and the slot
-        given back) once an earlier slot failed."""
-        with self.lock:
-            if self.error is not None:
-                self.ring.release(slot)
-                return False
-            self.pending += 1
-        try:
-            future = self.pages.read_async(
-                plan, self.snapshot_blocks, slot.as_numpy(), self.trace, verify=not self.on_device
-            )
-        except BaseException as error:
-            self._finish(slot, error)
-            raise
-        future.add_done_callback(lambda done: self._moved(plan, slot, done))
-        return True
+    def read(self, plan: SlotPlan, slot: Slot) -> Future[np.ndarray]:
+        """Queue ``plan``'s read into ``slot`` (checksums on the read threads unless the
+        device checks them)."""
+        return self.pages.read_async(
+            plan, self.snapshot_blocks, slot.as_numpy(), self.trace, verify=not self.on_device
+        )
 
-    def _moved(self, plan: SlotPlan, slot: Slot, read: Future[np.ndarray]) -> None:
-        """On the read thread that completed ``plan``'s read: move the slot, give it back."""
-        error: BaseException | None = None
+    def move(self, plan: SlotPlan, slot: Slot, read: Future[np.ndarray]) -> None:
+        """Move the slot's pages (unless an earlier slot failed) and give it back, with the
+        copy's event where the copy may still run."""
         event = None
         try:
-            with self.lock:
-                failed_before = self.error is not None
-            if not failed_before:
+            if self.error is None:
                 event = self._move(plan, slot, read)
                 self.progress(plan.num_bytes(self.pages.page_size_bytes))
-        except BaseException as caught:
-            error = caught
-        self._finish(slot, error, event)
+        except BaseException as error:
+            self.error = error
+        self.ring.release(slot, after=event)
 
     def _move(self, plan: SlotPlan, slot: Slot, read: Future[np.ndarray]) -> Any:
         """Move ``plan``'s verified pages out of ``slot``: the copy's event, or ``None`` when
@@ -173,8 +201,7 @@ class _RestoreRun:
                 expected,
             )
         if expected is not None:
-            with self.lock:
-                self.checked.append((moving, ticket))
+            self.checked.append((moving, ticket))
         event = self.mover.event(ticket)
         if event is None:
             with traced(self.trace, "transfer.wait", nbytes):
@@ -187,23 +214,10 @@ class _RestoreRun:
         bad = read.result()
         if not len(bad):
             return plan
-        with self.lock:
-            self._fail(plan, bad, "xxh3-64 does not match the stored checksum")
+        self._fail(plan, bad, "xxh3-64 does not match the stored checksum")
         keep = np.ones(plan.num_pages, dtype=bool)
         keep[bad] = False
         return plan.subset(keep)
-
-    def _finish(self, slot: Slot, error: BaseException | None, event: Any = None) -> None:
-        self.ring.release(slot, after=event)
-        with self.lock:
-            if error is not None and self.error is None:
-                self.error = error
-            self.pending -= 1
-            self.lock.notify_all()
-
-    def wait_for_moves(self) -> None:
-        with self.lock:
-            self.lock.wait_for(lambda: self.pending == 0)
 
     def raise_error(self) -> None:
         if self.error is not None:

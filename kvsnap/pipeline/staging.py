@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from kvsnap.pinned import PinnedPool, Slot
@@ -141,6 +142,7 @@ class DeviceStaging:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self._buffer: torch.Tensor | None = None
+        self._pinned: dict[tuple[str, int], torch.Tensor] = {}
         self._lock = threading.Lock()
 
     @contextmanager
@@ -160,6 +162,23 @@ class DeviceStaging:
                     yield self._buffer
                 finally:
                     torch.cuda.set_stream(previous)
+
+    def pinned(
+        self, key: tuple[str, int], values: np.ndarray | None, size: int = 0
+    ) -> torch.Tensor:
+        """Pinned int64 memory for ``key`` (a use, and a staging slot's address), grown as
+        needed, holding ``values`` (or ``size`` entries as they are). Only the slot's holder
+        uses it, and a slot is reused only after its last copy completed. Call inside
+        :meth:`use`."""
+        count = len(values) if values is not None else size
+        buffer = self._pinned.get(key)
+        if buffer is None or buffer.numel() < count:
+            buffer = torch.empty(max(count, 1024), dtype=torch.int64, pin_memory=True)
+            self._pinned[key] = buffer
+        view = buffer[:count]
+        if values is not None:
+            view.numpy()[:] = values
+        return view
 
 
 _DEVICE: dict[int, DeviceStaging] = {}

@@ -87,7 +87,9 @@ def _pieces(
     starts = np.flatnonzero(np.concatenate(([True], ~continues)))
     stops = np.append(starts[1:], len(page_tensors))
     total = len(page_tensors) * page
-    piece_bytes = min(MAX_PIECE_BYTES, max(MIN_PIECE_BYTES, total // read_threads()))
+    # A slot in four pieces or so: several slots are read at once, so the threads stay busy,
+    # and fewer, larger pieces keep the threads' Python work (and the GIL) short.
+    piece_bytes = min(MAX_PIECE_BYTES, max(MIN_PIECE_BYTES, total // 4))
     per_piece = max(1, piece_bytes // page)
     pieces = []
     for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
