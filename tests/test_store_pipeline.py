@@ -22,7 +22,7 @@ from test_store import build, page_of, temp_files
 
 from kvsnap import format as fmt
 from kvsnap.errors import SnapshotCorruptError, SnapshotIOError
-from kvsnap.store import SnapshotReader, SnapshotWriter, local_file, tuning
+from kvsnap.store import SnapshotReader, SnapshotWriter, local_file, tuning, write_local
 
 WAIT_S = 10
 
@@ -236,6 +236,24 @@ def test_local_files_are_reserved_at_their_final_size(tmp_path: Path) -> None:
     assert os.stat(tmp_path / temp).st_blocks * 512 >= layout.file_size
     assert os.stat(tmp_path / temp).st_size == layout.file_size
     finish(writer, pages, set())
+
+
+def test_a_memory_backed_file_is_not_reserved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On tmpfs a reservation only zeroes every page before the data overwrites it.
+    metadata, pages = build("f16-32k", seed=49)
+    calls: list[int] = []
+    monkeypatch.setattr(write_local, "memory_backed", lambda directory: True)
+    monkeypatch.setattr(local_file, "_FALLOCATE", lambda *args: calls.append(1) or 0)
+    writer = SnapshotWriter(tmp_path / "snap.safetensors", metadata)
+    assert not writer.preallocated and calls == []
+    finish(writer, pages, set())
+
+
+def test_memory_backed_tells_tmpfs_from_a_disk(tmp_path: Path) -> None:
+    assert local_file.memory_backed("/dev/shm") == os.path.ismount("/dev/shm")
+    assert local_file.memory_backed("/definitely/not/here") is False
 
 
 def fake_fallocate(code: int) -> Callable[[int, int, int, int], int]:

@@ -51,6 +51,27 @@ _FALLOCATE = _libc_fallocate()
 _NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EPERM})
 
 
+#: ``statfs`` filesystem types whose files live in memory (tmpfs, ramfs).
+_MEMORY_FILESYSTEMS = frozenset({0x01021994, 0x858458F6})
+
+
+class _StatFs(ctypes.Structure):
+    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]
+
+
+def memory_backed(directory: str) -> bool:
+    """Whether files in ``directory`` live in memory (tmpfs or ramfs, by ``statfs``); False
+    where that cannot be told."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    result = _StatFs()
+    try:
+        if libc.statfs(os.fsencode(directory or "."), ctypes.byref(result)) != 0:
+            return False
+    except (AttributeError, OSError):
+        return False
+    return (result.f_type & 0xFFFFFFFF) in _MEMORY_FILESYSTEMS
+
+
 def preallocate(fd: int, size: int) -> bool:
     """Reserve ``size`` bytes of disk blocks for ``fd`` (and set its size) before any data.
 

@@ -39,9 +39,7 @@ def read_threads() -> int:
 
 
 def shared_executor(role: str = "read") -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide pool of ``role`` (``"read"``: slot reads and their verification;
-    ``"hash"``: the writers' checksums), started once. Separate pools, so a capture's hashing
-    never queues a restore's reads behind it."""
+    """The process-wide pool of ``role`` (slot reads and their verification), started once."""
     with _EXECUTOR_LOCK:
         executor = _EXECUTORS.get(role)
         if executor is None:

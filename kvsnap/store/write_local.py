@@ -12,7 +12,7 @@ from kvsnap.errors import (
 )
 from kvsnap.format import TensorEntry
 from kvsnap.store import overwrite, publish
-from kvsnap.store.local_file import LocalFile, preallocate
+from kvsnap.store.local_file import LocalFile, memory_backed, preallocate
 from kvsnap.store.location import (
     INDEX_SUFFIX,
     io_error,
@@ -107,10 +107,12 @@ class LocalTarget:
                 static = self._static_bytes(entry)
                 if static is not None:
                     file.write(entry.begin, memoryview(static))
-        # Blocks are reserved for an O_DIRECT stream only: it is what the reservation speeds up
-        # on a disk, and on a memory-backed file (no O_DIRECT) it would only zero every page
-        # before the data overwrites it (28 ms of a 268 MB capture to /dev/shm on the H200 host).
-        self.preallocated = all(
+        # Blocks are reserved for an O_DIRECT stream to a disk only: that is what the
+        # reservation speeds up. On a memory-backed file (tmpfs takes O_DIRECT since Linux 6.6)
+        # it would only zero every page before the data overwrites it (28-30 ms of a 268 MB
+        # capture to /dev/shm on the H200 host).
+        memory = memory_backed(os.path.dirname(self._location.path))
+        self.preallocated = not memory and all(
             file.direct_fd is not None and preallocate(file.fd, layout.file_size)
             for file, layout in zip(self._local_files, self._layouts, strict=True)
         )

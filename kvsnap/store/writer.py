@@ -21,7 +21,7 @@ from kvsnap.errors import (
 )
 from kvsnap.format import SnapshotMetadata, TensorEntry
 from kvsnap.pinned import host_address_view
-from kvsnap.store import slot_reads, tuning
+from kvsnap.store import tuning
 from kvsnap.store.completion import Completion
 from kvsnap.store.local_file import LocalFile
 from kvsnap.store.location import (
@@ -173,18 +173,13 @@ class SnapshotWriter(LocalTarget, StreamTarget):
         self._direct_bytes = 0
         self._buffered_bytes = 0
         self._unaligned_buffers = False
-        # Hashing runs on the process-wide hashing threads (started once, not per snapshot)
-        # unless the caller sizes a pool of its own.
-        self._own_hash_pool = hash_threads is not None
-        self._hash_pool = (
-            concurrent.futures.ThreadPoolExecutor(hash_threads, thread_name_prefix="kvsnap-hash")
-            if hash_threads is not None
-            else slot_reads.shared_executor("hash")
+        threads = hash_threads or max(2, min(8, os.cpu_count() or 1))
+        self._hash_pool = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="kvsnap-hash"
         )
         self._writes = concurrent.futures.ThreadPoolExecutor(
             tuning.LOCAL_WRITE_THREADS, thread_name_prefix="kvsnap-write"
         )
-        self._hashes: list[concurrent.futures.Future[None]] = []
         self._hash_futures: list[list[concurrent.futures.Future[None]]] = [
             [] for _ in self._layouts
         ]
@@ -302,10 +297,8 @@ class SnapshotWriter(LocalTarget, StreamTarget):
     def _submit_hash(
         self, work: Callable[..., None], *args: Any
     ) -> concurrent.futures.Future[None]:
-        """Queue a hashing task; remembered, so a shared pool can be waited for per writer."""
-        future = self._hash_pool.submit(self._guarded(work, *args))
-        self._hashes.append(future)
-        return future
+        """Queue a hashing task on this writer's threads."""
+        return self._hash_pool.submit(self._guarded(work, *args))
 
     def _store_digests(
         self, pieces: Sequence[tuple[int, int, np.ndarray, int, int]], digests: np.ndarray
@@ -556,14 +549,7 @@ class SnapshotWriter(LocalTarget, StreamTarget):
         )
 
     def _shutdown_threads(self, cancel: bool = False) -> None:
-        if self._own_hash_pool:
-            self._hash_pool.shutdown(wait=True, cancel_futures=cancel)
-        else:
-            if cancel:
-                for future in self._hashes:
-                    future.cancel()
-            concurrent.futures.wait(self._hashes)
-        self._hashes = []
+        self._hash_pool.shutdown(wait=True, cancel_futures=cancel)
         self._writes.shutdown(wait=True, cancel_futures=cancel)
         if self._lane is not None:
             self._lane.shutdown(wait=True, cancel_futures=cancel)
