@@ -225,7 +225,12 @@ def test_docs_cli_md_documents_every_command_and_option() -> None:
     }
     for name, command in group.commands.items():
         assert name in documented, f"docs/cli.md has no section for `kvsnap {name}`"
-        for parameter in command.params:
+        # A command group (``kvsnap store``) is documented in one section with its subcommands.
+        subcommands = getattr(command, "commands", {})
+        for subcommand in subcommands:
+            assert f"`{subcommand}`" in documented[name], f"`kvsnap {name} {subcommand}` lacks"
+        parameters = [p for sub in subcommands.values() for p in sub.params] or command.params
+        for parameter in parameters:
             for flag in parameter.opts:
                 if flag.startswith("-"):
                     assert flag in documented[name], f"docs/cli.md: `kvsnap {name}` lacks {flag}"
@@ -235,7 +240,7 @@ def test_docs_cli_md_documents_every_command_and_option() -> None:
                 )
         documented_flags = set(re.findall(r"`(--[a-z-]+)", documented[name]))
         real_flags = {
-            flag for parameter in command.params for flag in parameter.opts if flag.startswith("--")
+            flag for parameter in parameters for flag in parameter.opts if flag.startswith("--")
         }
         assert documented_flags <= real_flags, (
             f"`kvsnap {name}` documents options it lacks: {documented_flags - real_flags}"

@@ -446,9 +446,13 @@ def test_verify_against_pairs_differently_named_sequences_by_position(tmp_path: 
 def test_click_usage_errors_say_each_thing_once() -> None:
     code, out, err = run("restor")
     assert code == 2 and out == ""
-    assert (
-        err.strip()
-        == "error: No such command 'restor'. Did you mean 'restore'? (see kvsnap --help)"
+    assert err.strip() == (
+        "error: No such command 'restor'. Did you mean 'restore', 'store'? (see kvsnap --help)"
+    )
+    code, out, err = run("capturee")
+    assert code == 2 and out == ""
+    assert err.strip() == (
+        "error: No such command 'capturee'. Did you mean 'capture'? (see kvsnap --help)"
     )
     code, out, err = run()
     assert code == 2 and "Usage: kvsnap" in out and err == ""

@@ -59,9 +59,14 @@ class KVSnapGroup(TyperGroup):
 
 
 def _each_sentence_once(message: str) -> str:
-    """``message`` without repeated sentences (typer and click both add "Did you mean ...?")."""
+    """``message`` without repeated sentences (typer and click both add "Did you mean ...?",
+    click in parentheses and in other words when there are several candidates)."""
     sentences = re.split(r"(?<=[.?!])\s+", message.strip())
-    return " ".join(dict.fromkeys(sentences))
+    text = " ".join(dict.fromkeys(sentences))
+    suggestion = re.compile(r"\s*\(Did you mean[^)]*\)")
+    if "Did you mean" in suggestion.sub("", text):
+        text = suggestion.sub("", text)
+    return text
 
 
 def _command_path(error: click.ClickException) -> str:

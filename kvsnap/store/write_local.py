@@ -88,9 +88,15 @@ class LocalTarget:
             )
         for final in self._finals:
             self._local_files.append(LocalFile(final, owner=stem))
+        memory = memory_backed(directory)
         for index, (file, layout) in enumerate(zip(self._local_files, self._layouts, strict=True)):
-            if direct_io is False:
-                self.fallback_reason = "direct_io=False"
+            if direct_io is False or (direct_io is None and memory):
+                # On tmpfs the page cache is the file: O_DIRECT saves no copy there.
+                self.fallback_reason = (
+                    "direct_io=False"
+                    if direct_io is False
+                    else ("a memory-backed file (tmpfs): O_DIRECT saves nothing there")
+                )
                 file.write(0, memoryview(layout.header))
             elif index == 0 or self._local_files[0].direct_fd is not None:
                 reason = file.enable_direct(layout.header)
@@ -111,7 +117,6 @@ class LocalTarget:
         # reservation speeds up. On a memory-backed file (tmpfs takes O_DIRECT since Linux 6.6)
         # it would only zero every page before the data overwrites it (28-30 ms of a 268 MB
         # capture to /dev/shm on the H200 host).
-        memory = memory_backed(os.path.dirname(self._location.path))
         self.preallocated = not memory and all(
             file.direct_fd is not None and preallocate(file.fd, layout.file_size)
             for file, layout in zip(self._local_files, self._layouts, strict=True)
