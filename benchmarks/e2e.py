@@ -50,14 +50,9 @@ import torch
 from kvsnap.format import SourceInfo
 from kvsnap.layout import vllm_split_layout
 from kvsnap.pinned import PinnedPool
+from kvsnap.pipeline import StagingOptions
 from kvsnap.plan import Direction, HostPages, PageCopy
-from kvsnap.snapshot import (
-    DEFAULT_STAGING_BYTES,
-    DEFAULT_STAGING_SLOTS,
-    SequenceBlocks,
-    Snapshot,
-    capture,
-)
+from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.transfer import TransferHandler
 
 SOURCE = SourceInfo("benchmark", torch.__version__, "synthetic", None, "0" * 32)
@@ -419,17 +414,14 @@ def sweep(layout, cache, sequences, kv_bytes: int, directory: Path) -> None:
     path = directory / "sweep.safetensors"
     print(f"{'staging MiB':>12} {'slots':>6} {'capture GB/s':>13} {'restore GB/s':>13}")
     for staging_mib, slots in ((128, 4), (256, 4), (256, 8), (512, 8), (512, 16), (1024, 16)):
-        staging = staging_mib << 20
-        captured = capture(
-            layout, sequences, path, source=SOURCE, staging_bytes=staging, staging_slots=slots
-        )
+        staging_options = StagingOptions(slot_bytes=(staging_mib << 20) // slots, num_slots=slots)
+        captured = capture(layout, sequences, path, source=SOURCE, staging=staging_options)
         drop_page_cache(path)
         with Snapshot.open(path) as snap:
             restored = snap.restore(
                 target_layout,
                 {s.id: s.block_ids for s in sequences},
-                staging_bytes=staging,
-                staging_slots=slots,
+                staging=staging_options,
             )
         print(
             f"{staging_mib:>12} {slots:>6} {kv_bytes / captured.seconds / 1e9:>13.3f} "
@@ -446,8 +438,13 @@ def main() -> None:
         "--dir", type=Path, default=Path("/tmp/kvsnap-bench"), help="directory on the disk to test"
     )
     parser.add_argument("--json-out", type=Path, default=None)
-    parser.add_argument("--staging-mib", type=int, default=DEFAULT_STAGING_BYTES >> 20)
-    parser.add_argument("--staging-slots", type=int, default=DEFAULT_STAGING_SLOTS)
+    parser.add_argument(
+        "--staging-mib",
+        type=int,
+        default=None,
+        help="stage through a private pool of this size (default: kvsnap's process-wide slots)",
+    )
+    parser.add_argument("--staging-slots", type=int, default=8)
     parser.add_argument(
         "--sweep",
         action="store_true",
@@ -473,7 +470,14 @@ def main() -> None:
     geometry = Geometry()
     num_blocks = max(64, int(args.size_gib * (1 << 30)) // geometry.block_bytes)
     args.dir.mkdir(parents=True, exist_ok=True)
-    staging = args.staging_mib << 20
+    staging_options = (
+        None
+        if args.staging_mib is None
+        else StagingOptions(
+            slot_bytes=(args.staging_mib << 20) // args.staging_slots,
+            num_slots=args.staging_slots,
+        )
+    )
     results: dict[str, float | int | str] = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"
     }
@@ -491,7 +495,6 @@ def main() -> None:
         if args.json_out is not None:
             args.json_out.write_text(json.dumps(table, indent=2))
         return
-    slots = args.staging_slots
     timelines: dict[str, dict] = {}
 
     # Time to first byte: the first capture in this process (cold: allocator, backends and
@@ -502,12 +505,12 @@ def main() -> None:
     for label in ("ttfb_cold", "ttfb_warm"):
         timeline = Timeline() if args.timeline else None
         results[f"{label}_ms"] = time_to_first_byte(
-            layout, sequences[:1], ttfb_path, timeline, staging_bytes=staging, staging_slots=slots
+            layout, sequences[:1], ttfb_path, timeline, staging=staging_options
         )
         if timeline is not None:
             timelines[label] = timeline.summary("write")
-    slot_bytes = staging // slots // geometry.page_bytes * geometry.page_bytes
-    with PinnedPool(slot_bytes, slots) as warm_pool:
+    slot_bytes = (64 << 20) // geometry.page_bytes * geometry.page_bytes
+    with PinnedPool(slot_bytes, 4) as warm_pool:
         timeline = Timeline() if args.timeline else None
         results["ttfb_warm_pool_ms"] = time_to_first_byte(
             layout, sequences[:1], ttfb_path, timeline, staging=warm_pool
@@ -537,8 +540,7 @@ def main() -> None:
         sequences,
         snap_path,
         source=SOURCE,
-        staging_bytes=staging,
-        staging_slots=slots,
+        staging=staging_options,
         trace=capture_timeline,
     )
     if capture_timeline is not None:
@@ -566,8 +568,7 @@ def main() -> None:
         restore = snap.restore(
             target_layout,
             {s.id: s.block_ids for s in sequences},
-            staging_bytes=staging,
-            staging_slots=slots,
+            staging=staging_options,
             trace=restore_timeline,
         )
     if restore_timeline is not None:
@@ -618,9 +619,7 @@ def main() -> None:
         thread = threading.Thread(target=matmul_loop, args=(stop, device, counter))
         thread.start()
         started = time.perf_counter()
-        busy = capture(
-            layout, sequences, snap_path, source=SOURCE, staging_bytes=staging, staging_slots=slots
-        )
+        busy = capture(layout, sequences, snap_path, source=SOURCE, staging=staging_options)
         elapsed = time.perf_counter() - started
         stop.set()
         thread.join()

@@ -14,6 +14,7 @@ import typer
 from rich.table import Table
 
 from kvsnap import __version__
+from kvsnap.pipeline import TransferOptions
 from kvsnap.snapshot import Snapshot
 
 from .bench import bench
@@ -139,7 +140,7 @@ def capture(
             output,
             model=loaded,
             block_size=block_size,
-            backend=backend,
+            transfer=TransferOptions(backend=backend),
             progress=progress,
             reproducible=reproducible,
         )

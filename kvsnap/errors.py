@@ -139,3 +139,21 @@ class TransferFailedError(KVSnapError):
 
 class ModelLoadError(KVSnapError, ValueError):
     """A model named on the command line or to ``load_model`` cannot be loaded offline."""
+
+
+class RestoreIncompleteError(SnapshotCorruptError):
+    """Some pages of a restore failed their checksum and were not written; every other page
+    was. ``failed_block_ids`` lists the target blocks not (fully) restored (sorted numpy
+    int64), which an engine recomputes; ``result`` is the restore's result otherwise."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        failed_block_ids: Any = None,
+        result: Any = None,
+    ) -> None:
+        super().__init__(message, file=file)
+        self.failed_block_ids = failed_block_ids
+        self.result = result

@@ -267,3 +267,16 @@ def test_usage_errors_exit_2_before_measuring(args: list[str], message: str) -> 
     assert result.exit_code == 2
     assert message in result.stderr and "Traceback" not in result.stdout + result.stderr
     assert "GB/s" not in result.stdout  # refused before anything was measured
+
+
+def test_the_library_never_imports_its_test_helpers() -> None:
+    # kvsnap.bench measures through the library alone; kvsnap.testing is for tests (issue 12).
+    probe = (
+        "import sys\n"
+        "import kvsnap.bench, kvsnap.layout, kvsnap.snapshot\n"
+        "print(sorted(name for name in sys.modules if name.startswith('kvsnap.testing')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"

@@ -23,6 +23,7 @@ from kvsnap.layout import (
     LayoutError,
     PageRef,
     check_tiling,
+    contiguous_layout,
     dtype_name,
     fold_fragments,
     head_shard,
@@ -435,3 +436,12 @@ def test_the_snapshot_view_of_every_head_kind_is_token_major() -> None:
         pages.append(apply_runs(cache, "layers.0.value", 1)[0])
     expected = content.pages["layers.0.value"][1].contiguous().view(torch.uint8).numpy().ravel()
     assert all(np.array_equal(page, expected) for page in pages)
+
+
+def test_layers_of_one_page_shape_derive_their_runs_once() -> None:
+    # A 64-layer cache builds 128 page refs; the runs of layer 0 serve them all (not recomputed).
+    buffer = torch.zeros((2, 64, 1, 2, 32, 8), dtype=torch.float16)
+    layout = contiguous_layout(list(buffer[0]), list(buffer[1]), block_size=16)
+    runs = {id(ref.mapping.runs) for ref in layout.refs}
+    assert len(runs) == 1
+    assert layout.ref("layers.63.value").mapping.runs == layout.ref("layers.0.key").mapping.runs

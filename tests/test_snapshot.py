@@ -15,11 +15,13 @@ import safetensors
 import torch
 
 from kvsnap import layout as L
-from kvsnap.errors import IncompatibleSnapshotError
+from kvsnap.errors import IncompatibleSnapshotError, TransferFailedError
 from kvsnap.format import SourceInfo
-from kvsnap.snapshot import SequenceBlocks, Snapshot, TransferFailedError, capture
+from kvsnap.pipeline import StagingOptions, TransferOptions
+from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.transfer import TransferHandler
 from kvsnap.transfer.cpu import CpuBackend
+from kvsnap.transfer.page_copy import run_on_cpu
 
 SOURCE = SourceInfo(
     engine="test",
@@ -147,7 +149,11 @@ def test_capture_then_restore_into_another_layout_is_bit_exact(tmp_path, source_
     sequences = sequences_for(12, [9, 16, 3], rng)
     path = tmp_path / "snap.safetensors"
     result = capture(
-        source_layout, sequences, path, source=SOURCE, staging_bytes=4096, staging_slots=2
+        source_layout,
+        sequences,
+        path,
+        source=SOURCE,
+        staging=StagingOptions(slot_bytes=2048, num_slots=2),
     )
     assert result.num_sequences == 3 and result.num_tokens == 28 and result.num_blocks == 3 + 4 + 1
 
@@ -371,22 +377,52 @@ class FailingCopies(CpuBackend):
         super().execute(job)
 
 
-def test_a_failed_copy_aborts_capture_and_keeps_the_previous_snapshot(tmp_path, monkeypatch):
+def _fail_third_fused_copy(monkeypatch):
+    from kvsnap.pipeline import movers
+
+    calls = []
+
+    def failing(copies):
+        calls.append(len(copies))
+        if len(calls) == 3:
+            raise OSError("injected copy failure")
+        run_on_cpu(copies)
+
+    monkeypatch.setattr(movers, "run_on_cpu", failing)
+    return TransferOptions()
+
+
+def _fail_third_handler_job(monkeypatch):
+    FailingCopies.jobs_seen = 0
+    monkeypatch.setattr(
+        "kvsnap.pipeline.warm.TransferHandler",
+        lambda rank, direction, backend: TransferHandler(
+            rank, direction, backend=FailingCopies(rank, direction)
+        ),
+    )
+    return TransferOptions(backend="cpu")
+
+
+@pytest.mark.parametrize("inject", [_fail_third_fused_copy, _fail_third_handler_job])
+def test_a_failed_copy_aborts_capture_and_keeps_the_previous_snapshot(
+    tmp_path, monkeypatch, inject
+):
     generator = torch.Generator().manual_seed(10)
     layout, _ = split_nhd(8, 0, 1, generator)
     sequences = sequences_for(8, [16, 16], np.random.default_rng(11))
     path = tmp_path / "snap.safetensors"
     capture(layout, sequences, path, source=SOURCE)
     before = path.read_bytes()
-    FailingCopies.jobs_seen = 0
-    monkeypatch.setattr(
-        "kvsnap.snapshot.TransferHandler",
-        lambda rank, direction, backend: TransferHandler(
-            rank, direction, backend=FailingCopies(rank, direction)
-        ),
-    )
+    transfer = inject(monkeypatch)
     with pytest.raises(TransferFailedError, match="injected copy failure"):
-        capture(layout, sequences, path, source=SOURCE, staging_bytes=4096, staging_slots=2)
+        capture(
+            layout,
+            sequences,
+            path,
+            source=SOURCE,
+            transfer=transfer,
+            staging=StagingOptions(slot_bytes=2048, num_slots=2),
+        )
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snap.safetensors"]
 
@@ -411,20 +447,31 @@ def test_a_shared_block_restores_into_every_sequence_that_uses_it(tmp_path):
                 ), (layer, part, source_block, target_block)
 
 
-def test_an_sm_budget_runs_the_bounded_triton_kernel_bit_exact(tmp_path, monkeypatch):
-    # The Triton interpreter runs the same kernel on CPU memory; the budget is its grid bound.
+@pytest.mark.parametrize(
+    ("backend", "runs"), [("auto", "fused"), ("triton", "triton")], ids=["fused", "triton"]
+)
+def test_an_sm_budget_runs_a_bounded_kernel_bit_exact(tmp_path, monkeypatch, backend, runs):
+    # The Triton interpreter runs the same kernels on CPU memory; the budget is the grid bound.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     generator = torch.Generator().manual_seed(13)
     layout, view = packed(4, 0, 1, generator)
     sequence = SequenceBlocks("s", np.arange(7), np.array([2, 0]))
     path = tmp_path / "snap.safetensors"
-    result = capture(layout, [sequence], path, source=SOURCE, sm_budget=2)
-    assert result.backend == "triton"
+    transfer = TransferOptions(backend=backend, sm_budget=2)
+    result = capture(layout, [sequence], path, source=SOURCE, transfer=transfer)
+    assert result.backend == runs
     target_layout, target_view = split_nhd(4, 0, 1, generator)
     with Snapshot.open(path) as snap:
-        assert snap.restore(target_layout, {"s": [3, 1]}, sm_budget=1).backend == "triton"
-        with pytest.raises(ValueError, match="sm_budget runs the triton backend"):
-            snap.restore(target_layout, {"s": [3, 1]}, backend="torch", sm_budget=1)
+        assert (
+            snap.restore(
+                target_layout,
+                {"s": [3, 1]},
+                transfer=TransferOptions(backend=backend, sm_budget=1),
+            ).backend
+            == runs
+        )
+    with pytest.raises(ValueError, match="sm_budget bounds a kernel's grid"):
+        TransferOptions(backend="torch", sm_budget=1)
     for layer in range(LAYERS):
         for part in L.KV_PARTS:
             assert torch.equal(

@@ -15,14 +15,18 @@ import torch
 from test_snapshot import LAYERS, SOURCE, FailingCopies, sequences_for, split_nhd
 
 from kvsnap import layout as L
-from kvsnap.errors import SnapshotCorruptError
+from kvsnap.errors import SnapshotCorruptError, TransferFailedError
 from kvsnap.pinned import PinnedPool
-from kvsnap.snapshot import SequenceBlocks, Snapshot, TransferFailedError, capture
+from kvsnap.pipeline import StagingOptions, TransferOptions
+from kvsnap.pipeline.movers import FusedMover
+from kvsnap.pipeline.slots import plan_slots
+from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import SnapshotReader, SnapshotWriter
 from kvsnap.transfer import TransferHandler
 
-#: Staging of 8 pages of 256 bytes per slot; the caches below need several slots per tensor.
-SLOT_BYTES = 8 * 256
+#: Staging of 16 pages of 256 bytes per slot (slots are 4096-aligned); the caches below need
+#: several slots per tensor.
+SLOT_BYTES = 16 * 256
 
 
 def assert_same_kv(source_view, target_view, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -51,52 +55,100 @@ def record_calls(monkeypatch: pytest.MonkeyPatch, log: list[str], owner: type, m
     monkeypatch.setattr(owner, method, recorded)
 
 
-def test_capture_hands_each_slot_to_the_writer_as_soon_as_its_copy_is_done(
+def _slots(num_blocks: int, num_slots_bytes: int) -> list:
+    return list(plan_slots(2 * LAYERS, num_blocks, 256, num_slots_bytes))
+
+
+def test_capture_keeps_every_slot_copying_and_hands_each_over_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache
 ) -> None:
     layout, _, sequences = cache
     log: list[str] = []
-    record_calls(monkeypatch, log, TransferHandler, "submit")
+    record_calls(monkeypatch, log, FusedMover, "submit")
     record_calls(monkeypatch, log, SnapshotWriter, "write_pages")
-    first_progress: list[int] = []
-    capture(
+    progress: list[int] = []
+    result = capture(
         layout,
         sequences,
         tmp_path / "snap.safetensors",
         source=SOURCE,
-        staging_bytes=4 * SLOT_BYTES,
-        staging_slots=4,
-        progress=lambda done, total: first_progress.append(log.count("submit")),
+        staging=StagingOptions(slot_bytes=SLOT_BYTES, num_slots=4),
+        progress=lambda done, total: progress.append(done),
     )
-    slots = log.count("submit")
-    assert slots > 8
-    assert log == ["submit", "write_pages"] * slots
-    assert first_progress[0] == 1  # the first byte waits for one copy, not one per slot
+    plans = _slots(result.num_blocks, SLOT_BYTES)
+    assert len(plans) > 8
+    # One copy per slot whatever the tensors in it, all four slots copying before the first
+    # hand-over, then one new copy per slot handed over; one write per segment of a slot.
+    assert log[:4] == ["submit"] * 4
+    assert log.count("submit") == len(plans)
+    assert log.count("write_pages") == sum(len(plan.segments) for plan in plans)
+    # A slot is handed over (its writes queued) only after its copy: before the k-th slot's
+    # writes, at least k copies were submitted, and never more than four ahead of them.
+    writes_before = [0]
+    for entry in log:
+        if entry == "submit":
+            writes_before.append(0)
+        else:
+            writes_before[-1] += 1
+    # The k-th slot's writes are queued after its copy (so the writes seen after the k-th
+    # submit never exceed the first k slots' segments), and no more than four slots are
+    # copied ahead of the writer.
+    segments = np.cumsum([len(plan.segments) for plan in plans])
+    seen = np.cumsum(writes_before[1:])
+    for submitted, written in enumerate(seen, start=1):
+        assert written <= segments[submitted - 1]
+        if submitted > 4:
+            assert written >= segments[submitted - 5]
+    assert progress == [SLOT_BYTES * (i + 1) for i in range(len(plans) - 1)] + [progress[-1]]
 
 
-def test_restore_keeps_a_read_queued_in_every_slot_but_the_one_being_scattered(
+def test_a_slot_spans_tensors_so_a_short_prefix_is_one_copy(tmp_path: Path, cache) -> None:
+    layout, view, sequences = cache
+    short = [SequenceBlocks("short", sequences[0].token_ids[:5], sequences[0].block_ids[:2])]
+    calls: list[int] = []
+    real = FusedMover.submit
+
+    def recorded(self, plan, *args):
+        calls.append(len(plan.segments))
+        return real(self, plan, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FusedMover, "submit", recorded)
+        capture(layout, short, tmp_path / "snap.safetensors", source=SOURCE)
+        target_layout, target_view = split_nhd(40, 0, 1, torch.Generator().manual_seed(3))
+        with Snapshot.open(tmp_path / "snap.safetensors") as snap:
+            snap.restore(target_layout, {"short": [7, 9]})
+    assert calls == [2 * LAYERS, 2 * LAYERS]  # every layer's K and V in one slot, each way
+    assert_same_kv(view, target_view, [(short[0].block_ids, np.array([7, 9]))])
+
+
+def test_restore_keeps_a_read_queued_in_every_slot_but_the_one_being_moved(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache
 ) -> None:
     layout, view, sequences = cache
     path = tmp_path / "snap.safetensors"
-    capture(layout, sequences, path, source=SOURCE)
+    num_blocks = capture(layout, sequences, path, source=SOURCE).num_blocks
     log: list[str] = []
-    record_calls(monkeypatch, log, SnapshotReader, "read_pages_async")
-    record_calls(monkeypatch, log, TransferHandler, "submit")
+    record_calls(monkeypatch, log, SnapshotReader, "read_slot_async")
+    record_calls(monkeypatch, log, FusedMover, "submit")
     target_layout, target_view = split_nhd(40, 0, 1, torch.Generator().manual_seed(22))
     with Snapshot.open(path) as snap:
         snap.restore(
             target_layout,
             {s.id: s.block_ids for s in sequences},
-            staging_bytes=3 * SLOT_BYTES,
-            staging_slots=3,
+            staging=StagingOptions(slot_bytes=SLOT_BYTES, num_slots=3),
         )
-    slots = log.count("submit")
-    assert slots > 8
-    # Three reads queued before the first scatter; then each scatter frees a slot for the next
-    # read, until the last reads drain.
-    read, scatter = "read_pages_async", "submit"
-    assert log == [read] * 3 + [scatter] + [read, scatter] * (slots - 3) + [scatter] * 2
+    plans = _slots(num_blocks, SLOT_BYTES)
+    assert len(plans) > 8
+    read, move = "read_slot_async", "submit"
+    # Three slots' reads (one call each, whatever the tensors in a slot) queued before the
+    # first move; then each move frees a slot for the next read, until the last reads drain.
+    expected = [read] * 3
+    for index in range(len(plans)):
+        expected.append(move)
+        if index + 3 < len(plans):
+            expected.append(read)
+    assert log == expected
     assert_same_kv(view, target_view, [(s.block_ids, s.block_ids) for s in sequences])
 
 
@@ -139,13 +191,20 @@ def test_failures_give_every_slot_back_to_the_callers_pool(
         FailingCopies.jobs_seen = 0
         with monkeypatch.context() as patch:
             patch.setattr(
-                "kvsnap.snapshot.TransferHandler",
+                "kvsnap.pipeline.warm.TransferHandler",
                 lambda rank, direction, backend: TransferHandler(
                     rank, direction, backend=FailingCopies(rank, direction)
                 ),
             )
             with pytest.raises(TransferFailedError, match="injected copy failure"):
-                capture(layout, sequences, path, source=SOURCE, staging=pool)
+                capture(
+                    layout,
+                    sequences,
+                    path,
+                    source=SOURCE,
+                    staging=pool,
+                    transfer=TransferOptions(backend="cpu"),
+                )
         assert pool.num_free == 3
         assert path.read_bytes() == before
 
@@ -171,7 +230,7 @@ def test_two_restores_sharing_a_pool_do_not_wait_for_each_other(
     path = tmp_path / "snap.safetensors"
     capture(layout, sequences, path, source=SOURCE)
     both_hold_a_slot = threading.Barrier(2)
-    real = SnapshotReader.read_pages_async
+    real = SnapshotReader.read_slot_async
     first_call = threading.local()
 
     def read_after_the_other_took_a_slot(self, *args, **kwargs):
@@ -180,7 +239,7 @@ def test_two_restores_sharing_a_pool_do_not_wait_for_each_other(
             both_hold_a_slot.wait(10)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(SnapshotReader, "read_pages_async", read_after_the_other_took_a_slot)
+    monkeypatch.setattr(SnapshotReader, "read_slot_async", read_after_the_other_took_a_slot)
     targets = [split_nhd(40, 0, 1, torch.Generator().manual_seed(25 + i)) for i in range(2)]
     errors: list[BaseException] = []
 
@@ -214,17 +273,17 @@ def test_the_trace_shows_every_step_of_capture_and_restore(tmp_path: Path, cache
         sequences,
         path,
         source=SOURCE,
-        staging_bytes=4 * SLOT_BYTES,
+        staging=StagingOptions(slot_bytes=SLOT_BYTES, num_slots=4),
         trace=lambda *span: captured.append(span),
     )
     kv_bytes = result.num_blocks * 2 * LAYERS * 256
     kinds = {kind for kind, *_ in captured}
     assert {
-        "setup.handlers",
-        "setup.pool",
+        "setup.staging",
         "setup.writer",
         "staging.wait",
-        "transfer",
+        "transfer.submit",
+        "transfer.wait",
         "writer.enqueue",
         "hash",
         "write",
@@ -233,7 +292,7 @@ def test_the_trace_shows_every_step_of_capture_and_restore(tmp_path: Path, cache
         "commit.publish",
         "teardown",
     } <= kinds
-    for kind in ("transfer", "hash", "write"):
+    for kind in ("transfer.submit", "transfer.wait", "hash", "write"):
         assert sum(n for k, _, _, n in captured if k == kind) == kv_bytes, kind
 
     restored: list[tuple[str, float, float, int]] = []
@@ -242,10 +301,10 @@ def test_the_trace_shows_every_step_of_capture_and_restore(tmp_path: Path, cache
         snap.restore(
             target_layout,
             {s.id: s.block_ids for s in sequences},
-            staging_bytes=4 * SLOT_BYTES,
+            staging=StagingOptions(slot_bytes=SLOT_BYTES, num_slots=4),
             trace=lambda *span: restored.append(span),
         )
     kinds = {kind for kind, *_ in restored}
-    assert {"setup.handlers", "setup.pool", "read.wait", "transfer", "teardown"} <= kinds
-    for kind in ("read", "verify", "transfer"):
+    assert {"setup.staging", "read.wait", "transfer.submit", "teardown"} <= kinds
+    for kind in ("read", "verify", "transfer.submit"):
         assert sum(n for k, _, _, n in restored if k == kind) == kv_bytes, kind

@@ -294,7 +294,6 @@ def test_snapshot_restores_into_a_cache_of_another_layout(tmp_path: Path) -> Non
         snapshot.restore(
             target.layout,
             {sequence.id: sequence.block_ids for sequence in target.sequences},
-            backend="cpu",
             model_fingerprint=snapshot.metadata.source.model_fingerprint,
         )
     for name, view in target.page_views.items():

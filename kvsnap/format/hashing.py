@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ctypes
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,11 +105,44 @@ def dedupe_blocks(hash_chains: Sequence[Sequence[str]]) -> BlockDedupe:
     return BlockDedupe(tuple(index_of), per_sequence, owner_array)
 
 
+def _unlocked_xxh3_64() -> Callable[[int, int], int] | None:
+    """``XXH3_64bits(address, length)`` called through ctypes, which releases the GIL around
+    the call: python-xxhash's own functions hold it, so page checksums on several reader or
+    writer threads would run one at a time. The symbol is exported by python-xxhash's
+    extension module; ``None`` (use ``xxhash.xxh3_64_intdigest``) where it is not."""
+    try:
+        from xxhash import _xxhash
+
+        function = ctypes.CDLL(_xxhash.__file__).XXH3_64bits
+    except (ImportError, OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_uint64
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    probe = b"kvsnap xxh3-64 probe"
+    if function(ctypes.cast(ctypes.c_char_p(probe), ctypes.c_void_p), len(probe)) != (
+        xxhash.xxh3_64_intdigest(probe)
+    ):
+        return None
+    return function
+
+
+_XXH3_64 = _unlocked_xxh3_64()
+
+
 def block_digests(pages: np.ndarray | memoryview, page_bytes: int) -> np.ndarray:
-    """xxh3-64 of every ``page_bytes`` page of a contiguous buffer, as a uint64 array."""
+    """xxh3-64 of every ``page_bytes`` page of a contiguous buffer, as a uint64 array.
+
+    Hashes without holding the GIL where python-xxhash exports its C function.
+    """
     view = memoryview(pages).cast("B")
     if page_bytes <= 0 or len(view) % page_bytes:
         raise ValueError(f"{len(view)} bytes are not a whole number of {page_bytes}-byte pages")
+    if _XXH3_64 is not None and len(view) and not view.readonly:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        return np.array(
+            [_XXH3_64(address + start, page_bytes) for start in range(0, len(view), page_bytes)],
+            dtype=np.uint64,
+        )
     digest = xxhash.xxh3_64_intdigest
     return np.array(
         [digest(view[start : start + page_bytes]) for start in range(0, len(view), page_bytes)],

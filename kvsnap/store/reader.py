@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,7 +23,7 @@ from kvsnap.errors import (
     UnsupportedVersionError,
 )
 from kvsnap.format import SnapshotMetadata, TensorEntry
-from kvsnap.store import tuning
+from kvsnap.store import slot_reads, tuning
 from kvsnap.store.completion import Completion
 from kvsnap.store.location import (
     INDEX_SUFFIX,
@@ -37,6 +39,43 @@ from kvsnap.store.verify import ReaderVerification
 OPEN_ATTEMPTS = 3
 #: Largest checksum trailer read to tell a damaged format version from a newer format.
 _MAX_TRAILER_PROBE_BYTES = 16 << 20
+
+
+#: Headers decoded lately, by their bytes' xxh3-128 and the file size: an engine opening the same
+#: snapshots again and again skips the JSON parse and schema validation. Only headers that
+#: passed every check are kept, and any change to a header's bytes misses the cache.
+_HEADER_CACHE: OrderedDict[tuple[bytes, int], tuple[fmt.DecodedHeader, fmt.FileLayout]] = (
+    OrderedDict()
+)
+_HEADER_CACHE_SIZE = 64
+_HEADER_CACHE_LOCK = threading.Lock()
+
+
+def _decoded_header(
+    source: Source, header_bytes: bytes
+) -> tuple[fmt.DecodedHeader, fmt.FileLayout]:
+    """The checked header and file layout of ``source`` (whose first bytes are
+    ``header_bytes``); see :func:`kvsnap.format.decode_header`."""
+    key = (fmt.digest128(header_bytes), source.size)
+    with _HEADER_CACHE_LOCK:
+        cached = _HEADER_CACHE.get(key)
+        if cached is not None:
+            _HEADER_CACHE.move_to_end(key)
+            return cached
+    try:
+        header = fmt.decode_header(header_bytes, source.size, file=source.url)
+    except UnsupportedVersionError as error:
+        raise _version_or_damage(source, header_bytes, error) from None
+    layout, _, _ = fmt.expected_layout(header, file=source.url)
+    if layout.header != header_bytes:
+        raise SnapshotCorruptError(
+            "header bytes differ from the format's encoding", file=source.url
+        )
+    with _HEADER_CACHE_LOCK:
+        _HEADER_CACHE[key] = (header, layout)
+        while len(_HEADER_CACHE) > _HEADER_CACHE_SIZE:
+            _HEADER_CACHE.popitem(last=False)
+    return header, layout
 
 
 def _version_or_damage(
@@ -100,6 +139,8 @@ class SnapshotReader(ReaderVerification):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._files: list[OpenFile] = []
         self._rows: dict[int, np.ndarray] = {}
+        self._table: np.ndarray | None = None
+        self._tensor_extents: slot_reads.TensorExtents | None = None
         self._index_digests: tuple[str, ...] | None = None
         location = locate(url, storage_options)
         self.url = location.url
@@ -162,15 +203,7 @@ class SnapshotReader(ReaderVerification):
             prefix = source.read(0, min(8, source.size))
             length = fmt.header_length(prefix, source.size, file=source.url)
             header_bytes = prefix + source.read(8, length)
-            try:
-                header = fmt.decode_header(header_bytes, source.size, file=source.url)
-            except UnsupportedVersionError as error:
-                raise _version_or_damage(source, header_bytes, error) from None
-            layout, _, _ = fmt.expected_layout(header, file=source.url)
-            if layout.header != header_bytes:
-                raise SnapshotCorruptError(
-                    "header bytes differ from the format's encoding", file=source.url
-                )
+            header, layout = _decoded_header(source, header_bytes)
             open_file = OpenFile(source, layout)
             if self._verify:
                 self._load_trailer(open_file)
@@ -373,6 +406,84 @@ class SnapshotReader(ReaderVerification):
         """Bytes of one block of layer tensor ``name``."""
         self._layer(name)
         return self._page_bytes
+
+    def read_slot_async(
+        self,
+        page_tensors: np.ndarray,
+        page_blocks: np.ndarray,
+        page_offsets: np.ndarray,
+        out: np.ndarray,
+        *,
+        trace: TraceHook | None = None,
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Read many tensors' pages into one buffer; see :func:`kvsnap.store.slot_reads.
+        read_slot_async` (the future gives the pages that failed their checksum).
+
+        ``page_tensors`` index :meth:`tensor_names`; the arrays must be int64 and in range
+        (``IndexError`` otherwise), ``out`` large enough (``ValueError``).
+        """
+        num_tensors, num_blocks = len(self._names), self._num_blocks
+        if len(page_tensors) and (
+            page_tensors.min() < 0
+            or page_tensors.max() >= num_tensors
+            or page_blocks.min() < 0
+            or page_blocks.max() >= num_blocks
+        ):
+            raise IndexError(f"pages outside {num_tensors} tensors of {num_blocks} blocks")
+        if len(page_offsets) and page_offsets.max() + self._page_bytes > out.nbytes:
+            raise ValueError(f"out holds {out.nbytes} bytes, the pages reach further")
+        checksums = self._block_checksum_table() if self._verify else None
+        return slot_reads.read_slot_async(
+            self._extents(), checksums, page_tensors, page_blocks, page_offsets, out, trace
+        )
+
+    def _extents(self) -> slot_reads.TensorExtents:
+        if self._tensor_extents is None:
+            sources = [open_file.source for open_file in self._files]
+            located = [self._where[name] for name in self._names]
+            self._tensor_extents = slot_reads.TensorExtents(
+                sources,
+                np.array([index for index, _ in located], dtype=np.int64),
+                np.array([entry.begin for _, entry in located], dtype=np.int64),
+                self._page_bytes,
+            )
+        return self._tensor_extents
+
+    def _block_checksum_table(self) -> np.ndarray:
+        """Every layer tensor's stored block checksums, ``(tensors, blocks)``, read at once."""
+        if len(self._rows) < len(self._names):
+            self._load_all_rows()
+        if self._table is None:
+            self._table = np.stack([self._rows[index] for index in range(len(self._names))])
+        return self._table
+
+    def _load_all_rows(self) -> None:
+        """Read the whole block-checksum tensor in one read and check each tensor's row
+        against the trailer (one read, not one per tensor: a restore touches every tensor)."""
+        self._ensure_trailers()
+        open_file, entry = self._locate_tensor(fmt.BLOCK_CHECKSUMS_TENSOR)
+        raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.BLOCK_CHECKSUMS_TENSOR)
+        table = np.frombuffer(raw, dtype="<u8").reshape(len(self._names), self._num_blocks)
+        for tensor, name in enumerate(self._names):
+            row = table[tensor]
+            layer_file, _ = self._locate_tensor(name)
+            if fmt.layer_tensor_digest(row) != self._expected_digest(layer_file, name):
+                raise SnapshotCorruptError(
+                    f"the stored block checksums of {name} do not match their xxh3-128 checksum",
+                    file=open_file.source.url,
+                    tensor=fmt.BLOCK_CHECKSUMS_TENSOR,
+                )
+            self._rows[tensor] = row
+
+    def tensor_names(self) -> list[str]:
+        """Layer tensor names, in file order."""
+        return list(self._names)
+
+    def block_checksums(self, name: str) -> np.ndarray:
+        """The stored xxh3-64 of every block of layer tensor ``name`` (checked against the
+        trailer; :class:`SnapshotCorruptError` if they do not match it)."""
+        tensor, _, _ = self._layer(name)
+        return self._block_checksum_row(tensor)
 
     def read_pages(self, name: str, block_ids: np.ndarray | Sequence[int], out: np.ndarray) -> None:
         """Read blocks ``block_ids`` of layer tensor ``name``, in that order, into ``out``.

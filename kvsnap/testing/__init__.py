@@ -3,9 +3,8 @@
 ``assert_kv_matches`` is importable without torch (it imports the comparison machinery on first
 use); the synthetic generator's names (``generate``, ``synthesize``, ``build_cache``,
 ``SyntheticSpec``, ...) are imported on first access, since they need torch. The plugin's names
-are imported on first access too, since the plugin needs pytest: ``kvsnap bench`` and
-``kvsnap fixture`` use :mod:`kvsnap.testing.caches` and :mod:`kvsnap.testing.synthetic` in
-installs without the test extras.
+are imported on first access too, since the plugin needs pytest: ``kvsnap fixture`` uses
+:mod:`kvsnap.testing.synthetic` in installs without the test extras.
 """
 
 from __future__ import annotations

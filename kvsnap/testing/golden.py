@@ -56,7 +56,6 @@ DEFAULT_GOLDEN_BLOCK_SIZE = 16
 GOLDEN_ENGINE = "kvsnap-golden"
 
 _TENSOR_NAME = re.compile(r"^layers\.(\d+)\.(key|value|latent)$")
-_STAGING_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -394,9 +393,7 @@ def write_kv_snapshot(
         sequences,
         path,
         source=source,
-        backend="cpu",
         reproducible=True,
-        staging_bytes=_STAGING_BYTES,
     )
 
 

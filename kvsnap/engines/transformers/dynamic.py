@@ -1,0 +1,276 @@
+"""``DynamicCache`` capture and restore.
+
+Per layer a ``DynamicCache`` holds a contiguous ``(batch, kv_heads, seq, head_dim)`` tensor.
+:func:`capture_dynamic_cache` copies the rows once into a zero-padded, block-aligned buffer (a
+snapshot stores whole blocks) and captures it through
+:func:`~kvsnap.layout.contiguous_layout`; :func:`restore_dynamic_cache` restores into such a
+buffer and hands back a ``DynamicCache`` exactly ``num_tokens`` long.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvsnap.engines.transformers.generate import new_dynamic_cache
+from kvsnap.engines.transformers.model import (
+    ModelLike,
+    attention_types,
+    check_snapshot_fits,
+    open_snapshot,
+    pick_sequence,
+    source_info,
+)
+from kvsnap.layout import LayoutError, contiguous_layout, torch_dtype
+from kvsnap.pipeline import TransferOptions
+from kvsnap.snapshot import CaptureResult, SequenceBlocks, Snapshot, capture
+
+
+def dynamic_cache_states(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(keys, values)``, each ``(batch, kv_heads, seq, head_dim)``.
+
+    Raises :class:`~kvsnap.layout.LayoutError` for an empty cache, or when a layer holds fewer
+    tokens than the cache has seen (a sliding-window layer past its window).
+    """
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        raise LayoutError("the cache is empty: run the model with it first")
+    seen = cache.get_seq_length()
+    states = []
+    for index, layer in enumerate(layers):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is None or values is None or keys.dim() != 4:
+            raise LayoutError(
+                f"cache layer {index} ({type(layer).__name__}) holds no (batch, heads, seq, dim) KV"
+            )
+        if keys.shape[-2] != seen:
+            raise LayoutError(
+                f"cache layer {index} ({type(layer).__name__}) holds {keys.shape[-2]} of the "
+                f"{seen} tokens (a sliding window): kvsnap snapshots whole sequences only"
+            )
+        states.append((keys, values))
+    return states
+
+
+def _token_rows(token_ids: Sequence[Sequence[int]] | torch.Tensor | np.ndarray) -> list[np.ndarray]:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    rows = [np.asarray(row, dtype=np.int64).reshape(-1) for row in token_ids]
+    if not rows:
+        raise ValueError("no token ids given")
+    return rows
+
+
+def capture_dynamic_cache(
+    cache: Cache,
+    token_ids: Sequence[Sequence[int]] | torch.Tensor,
+    path: str | Path,
+    *,
+    model: ModelLike | None,
+    block_size: int = 16,
+    sequence_ids: Sequence[str] | None = None,
+    **capture_kwargs: Any,
+) -> CaptureResult:
+    """Snapshot a ``DynamicCache``: one sequence per batch row, to ``path``.
+
+    ``token_ids[i]`` are the tokens of row ``i``; their KV is the row's last ``len(token_ids[i])``
+    positions (shorter rows are left-padded, as ``generate`` pads a batch). ``sequence_ids`` name
+    the sequences (default ``"seq-0"``, ``"seq-1"``, ...). The rows are copied once into a
+    zero-padded buffer ``ceil(tokens / block_size)`` blocks long, which is what is captured; the
+    cache itself is not modified. ``model`` fills the snapshot's source (model id, fingerprint).
+    Remaining keyword arguments go to :func:`kvsnap.snapshot.capture`.
+    """
+    states = dynamic_cache_states(cache)
+    rows = _token_rows(token_ids)
+    batch = states[0][0].shape[0]
+    if len(rows) != batch:
+        raise ValueError(f"the cache has {batch} rows, {len(rows)} token id rows were given")
+    return _capture_rows(
+        [(states, row, tokens) for row, tokens in enumerate(rows)],
+        path,
+        model=model,
+        block_size=block_size,
+        sequence_ids=sequence_ids,
+        **capture_kwargs,
+    )
+
+
+def capture_dynamic_caches(
+    items: Sequence[tuple[Cache, Sequence[int]]],
+    path: str | Path,
+    *,
+    model: ModelLike | None,
+    block_size: int = 16,
+    sequence_ids: Sequence[str] | None = None,
+    **capture_kwargs: Any,
+) -> CaptureResult:
+    """Snapshot several batch-1 caches, e.g. what :func:`prefill` returns, as one snapshot.
+
+    ``items`` pairs each cache with the token ids its KV holds; sequence ``i`` is named
+    ``sequence_ids[i]`` (default ``"seq-i"``). Otherwise as :func:`capture_dynamic_cache`.
+    """
+    rows = []
+    for cache, tokens in items:
+        states = dynamic_cache_states(cache)
+        if states[0][0].shape[0] != 1:
+            raise ValueError(
+                "capture_dynamic_caches takes batch-1 caches; use capture_dynamic_cache"
+            )
+        rows.append((states, 0, np.asarray(tokens, dtype=np.int64)))
+    return _capture_rows(
+        rows, path, model=model, block_size=block_size, sequence_ids=sequence_ids, **capture_kwargs
+    )
+
+
+def _capture_rows(
+    rows: Sequence[tuple[list[tuple[torch.Tensor, torch.Tensor]], int, np.ndarray]],
+    path: str | Path,
+    *,
+    model: ModelLike | None,
+    block_size: int,
+    sequence_ids: Sequence[str] | None,
+    **capture_kwargs: Any,
+) -> CaptureResult:
+    """Capture ``(per-layer states, batch row, token ids)`` rows as one sequence each."""
+    if not rows:
+        raise ValueError("nothing to capture: no sequences")
+    ids = list(sequence_ids) if sequence_ids is not None else [f"seq-{i}" for i in range(len(rows))]
+    if len(ids) != len(rows):
+        raise ValueError(f"{len(ids)} sequence ids for {len(rows)} sequences")
+    for index, (states, _row, tokens) in enumerate(rows):
+        seq_len = states[0][0].shape[2]
+        if not 0 < len(tokens) <= seq_len:
+            raise ValueError(
+                f"sequence {index} has {len(tokens)} token ids, the cache holds {seq_len} positions"
+            )
+    blocks_per_row = [math.ceil(len(tokens) / block_size) for _, _, tokens in rows]
+    first_block = np.concatenate(([0], np.cumsum(blocks_per_row)[:-1])).astype(np.int64)
+    total_tokens = int(sum(blocks_per_row)) * block_size
+    key_buffers, value_buffers = _block_aligned_copy(rows, first_block, block_size, total_tokens)
+    types = attention_types(model) if model is not None else None
+    layout = contiguous_layout(
+        key_buffers, value_buffers, block_size=block_size, attention_types=types
+    )
+    sequences = [
+        SequenceBlocks(
+            id=sequence_id,
+            token_ids=np.asarray(tokens, dtype=np.int64),
+            block_ids=np.arange(first, first + count, dtype=np.int64),
+        )
+        for sequence_id, (_, _, tokens), first, count in zip(
+            ids, rows, first_block, blocks_per_row, strict=True
+        )
+    ]
+    return capture(layout, sequences, path, source=source_info(model), **capture_kwargs)
+
+
+def _block_aligned_copy(
+    rows: Sequence[tuple[list[tuple[torch.Tensor, torch.Tensor]], int, np.ndarray]],
+    first_block: np.ndarray,
+    block_size: int,
+    total_tokens: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, a ``(1, heads, total_tokens, head_dim)`` key and value buffer holding every
+    row's KV back to back, each row starting at its first block, zero-padded to whole blocks.
+
+    All buffers are views of one allocation (the layout needs whole blocks, the cache rows are
+    left-padded and not block-aligned, so a copy is unavoidable; one allocation keeps it cheap).
+    """
+    first_keys = rows[0][0][0][0]
+    num_layers = len(rows[0][0])
+    _, num_heads, _, head_dim = first_keys.shape
+    buffer = first_keys.new_zeros((2, num_layers, 1, num_heads, total_tokens, head_dim))
+    for (states, row, tokens), first in zip(rows, first_block, strict=True):
+        start = int(first) * block_size
+        for layer, layer_states in enumerate(states):
+            for part in (0, 1):
+                source = layer_states[part]
+                buffer[part, layer, 0, :, start : start + len(tokens)] = source[
+                    row, :, source.shape[2] - len(tokens) :
+                ]
+    return list(buffer[0]), list(buffer[1])
+
+
+def restore_dynamic_cache(
+    snapshot: Snapshot | str | Path,
+    *,
+    sequence_id: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    model: ModelLike | None = None,
+    force: bool = False,
+    backend: str = "auto",
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[DynamicCache, list[int]]:
+    """Restore one sequence of a snapshot into a new ``DynamicCache`` (batch 1) on ``device``.
+
+    Returns the cache, holding exactly the sequence's ``num_tokens`` tokens of KV, bit-identical
+    to what was captured, and the sequence's token ids. ``sequence_id`` may be omitted when the
+    snapshot holds one sequence. With ``model``, the snapshot is first checked against it
+    (geometry, and fingerprint unless ``force``) and the cache is built from its config.
+    ``dtype`` casts the restored KV afterwards (lossy when narrower); by default it stays in the
+    snapshot's dtype. ``progress(done_bytes, total_bytes)`` follows the copy.
+    """
+    with open_snapshot(snapshot) as opened:
+        record = pick_sequence(opened, sequence_id)
+        geometry = opened.geometry
+        if model is not None:
+            # An explicit dtype casts the KV after the restore: only the model's layout must match.
+            check_dtype = torch_dtype(geometry.dtype) if dtype is not None else None
+            check_snapshot_fits(opened, model, dtype=check_dtype, force=force)
+        num_blocks = len(record.block_ids)
+        num_tokens = len(record.token_ids)
+        # Every layer's K and V in one allocation; restore writes every byte of every block.
+        seq_len = num_blocks * geometry.block_size
+        buffer = torch.empty(
+            (2, geometry.num_layers, 1, geometry.num_kv_heads, seq_len, geometry.head_dim),
+            dtype=torch_dtype(geometry.dtype),
+            device=device,
+        )
+        keys, values = list(buffer[0]), list(buffer[1])
+        layout = contiguous_layout(
+            keys, values, block_size=geometry.block_size, attention_types=geometry.attention_types
+        )
+        opened.restore(
+            layout,
+            {record.id: np.arange(num_blocks, dtype=np.int64)},
+            transfer=TransferOptions(backend=backend),
+            progress=progress,
+        )
+        token_ids = [int(token) for token in record.token_ids]
+    cache = new_dynamic_cache(model)
+    _fill_dynamic_cache(cache, keys, values, num_tokens, dtype)
+    return cache, token_ids
+
+
+def _fill_dynamic_cache(
+    cache: DynamicCache,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    num_tokens: int,
+    dtype: torch.dtype | None,
+) -> None:
+    """Put each layer's first ``num_tokens`` restored positions into an empty ``cache``.
+
+    ``cache.update`` concatenates, i.e. copies every layer's KV once more; a plain
+    ``DynamicLayer`` is just its two tensors, so it is handed the restored views instead (after
+    an empty update has initialized it the cache's own way). Other layer types go through
+    ``update``.
+    """
+    for layer, (layer_keys, layer_values) in enumerate(zip(keys, values, strict=True)):
+        layer_keys, layer_values = layer_keys[:, :, :num_tokens], layer_values[:, :, :num_tokens]
+        if dtype is not None:
+            layer_keys, layer_values = layer_keys.to(dtype), layer_values.to(dtype)
+        cache.update(layer_keys[:, :, :0], layer_values[:, :, :0], layer)
+        target = cache.layers[layer]
+        if type(target) is DynamicLayer:
+            target.keys, target.values = layer_keys, layer_values
+        else:
+            cache.update(layer_keys, layer_values, layer)

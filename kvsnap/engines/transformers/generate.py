@@ -1,0 +1,150 @@
+"""Running the model with a ``DynamicCache``: forward, prefill, greedy continuation."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from kvsnap.engines.default_model import LoadedModel
+from kvsnap.engines.transformers.model import ModelLike, module_of
+
+
+def _cache_keyword(module: torch.nn.Module) -> str:
+    """The forward keyword of the cache: ``cache`` in 5.2x, ``past_key_values`` in 5.17."""
+    parameters = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def new_dynamic_cache(model: ModelLike | None = None) -> DynamicCache:
+    """An empty ``DynamicCache``, built from the model's config when one is given."""
+    if model is None:
+        return DynamicCache()
+    return DynamicCache(config=module_of(model).config)
+
+
+@torch.no_grad()
+def forward_with_cache(model: ModelLike, input_ids: Sequence[int], cache: Cache) -> torch.Tensor:
+    """Run ``input_ids`` (one sequence) through the model, appending their KV to ``cache``.
+
+    Positions continue from the cache's length. Returns the logits of the last token, ``(vocab,)``.
+    """
+    module = module_of(model)
+    device = next(module.parameters()).device
+    ids = torch.tensor([list(input_ids)], dtype=torch.long, device=device)
+    outputs = module(input_ids=ids, use_cache=True, **{_cache_keyword(module): cache})
+    return outputs.logits[0, -1]
+
+
+def prefill(model: LoadedModel, prompts: Sequence[str]) -> list[tuple[DynamicCache, list[int]]]:
+    """Encode and run each prompt on its own, returning its ``DynamicCache`` and token ids.
+
+    Each cache holds the KV of every token of its prompt (batch 1), ready for
+    :func:`capture_dynamic_caches` and, after a restore, :func:`continue_generation`.
+    """
+    token_id_lists = []
+    for prompt in prompts:
+        token_ids = model.encode(prompt)
+        if not token_ids:
+            raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+        token_id_lists.append(token_ids)
+    return prefill_token_ids(model, token_id_lists)
+
+
+def prefill_token_ids(
+    model: ModelLike, token_id_lists: Sequence[Sequence[int]]
+) -> list[tuple[DynamicCache, list[int]]]:
+    """Run each token id list on its own (batch 1) and return its ``DynamicCache`` and the ids."""
+    results = []
+    for token_ids in token_id_lists:
+        ids = [int(token) for token in token_ids]
+        cache = new_dynamic_cache(model)
+        forward_with_cache(model, ids, cache)
+        results.append((cache, ids))
+    return results
+
+
+def generate_greedy(model: ModelLike, token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens after ``token_ids``, computed from scratch: what a restore must match."""
+    return continue_generation(model, new_dynamic_cache(model), token_ids, max_new_tokens)
+
+
+@torch.no_grad()
+def continue_generation(
+    model: ModelLike,
+    cache: Cache,
+    token_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | None = None,
+) -> list[int]:
+    """Greedy-decode ``max_new_tokens`` tokens after ``token_ids``, from a cache holding a prefix.
+
+    ``cache`` (batch 1) holds the KV of ``token_ids[:k]`` for some ``k`` (its length). The tokens
+    it lacks, ``token_ids[k:]``, are run in one forward pass; when it already holds all of them,
+    the last token's KV is dropped and recomputed, because a snapshot stores KV and not the
+    logits that pick the next token. Decoding then proceeds one token at a time; it stops early
+    after ``eos_token_id`` when one is given. Returns the new tokens only. The cache is extended
+    in place.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    cached = _leave_tokens_to_run(cache, token_ids, "continue_generation")
+    if max_new_tokens == 0:
+        return []
+    generated: list[int] = []
+    pending = list(token_ids[cached:])
+    while len(generated) < max_new_tokens:
+        logits = forward_with_cache(model, pending, cache)
+        token = int(torch.argmax(logits))
+        generated.append(token)
+        if eos_token_id is not None and token == eos_token_id:
+            break
+        pending = [token]
+    return generated
+
+
+def _leave_tokens_to_run(cache: Cache, token_ids: Sequence[int], caller: str) -> int:
+    """Check ``cache`` holds a prefix of ``token_ids``, and drop the last token's KV when it
+    holds them all, so that at least one token is left to run; return the cached length."""
+    if not token_ids:
+        raise ValueError(f"{caller} needs at least one token id")
+    cached = cache.get_seq_length()
+    if cached > len(token_ids):
+        raise ValueError(
+            f"the cache holds {cached} tokens, more than the {len(token_ids)} token ids given"
+        )
+    if cached == len(token_ids):
+        cache.crop(-1)
+        cached -= 1
+    return cached
+
+
+@torch.no_grad()
+def generate_from_restored(
+    model: ModelLike, cache: Cache, token_ids: Sequence[int], **generate_kwargs: Any
+) -> Any:
+    """transformers' own ``model.generate`` continued from a cache holding a prefix of the tokens.
+
+    ``cache`` (batch 1, e.g. from :func:`~kvsnap.engines.transformers.restore_dynamic_cache`)
+    holds the KV of ``token_ids[:k]``. ``generate`` must be given *all* of ``token_ids`` and a
+    cache holding *fewer* of them: it runs the uncached ones and takes the next token from the
+    last one's logits. Given a cache holding every token, transformers 5.17-5.24 runs the last
+    token a second time and appends its KV twice, and the continuation silently drifts. So when
+    the cache holds all of ``token_ids``, the last token's KV is dropped first (it is recomputed
+    bit for bit). ``generate_kwargs`` go to ``generate`` (``max_new_tokens``, ``do_sample``,
+    ...); an all-ones ``attention_mask`` is passed unless one is given. Returns ``generate``'s
+    output: ``(1, len(token_ids) + new)`` token ids, prompt included, as ``generate`` returns
+    them. The cache is extended in place.
+    """
+    _leave_tokens_to_run(cache, token_ids, "generate_from_restored")
+    module = module_of(model)
+    device = next(module.parameters()).device
+    ids = torch.tensor([[int(token) for token in token_ids]], dtype=torch.long, device=device)
+    generate_kwargs.setdefault("attention_mask", torch.ones_like(ids))
+    # generate takes the cache under the forward's name: ``cache`` in 5.2x, else past_key_values.
+    return module.generate(ids, **{_cache_keyword(module): cache}, **generate_kwargs)

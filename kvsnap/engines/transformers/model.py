@@ -1,0 +1,153 @@
+"""The model side: its KV geometry, what a snapshot records about it, and matching the two.
+
+Every ``model`` parameter of :mod:`kvsnap.engines.transformers` takes either kvsnap's
+:class:`~kvsnap.engines.default_model.LoadedModel` or a plain transformers model (any
+``torch.nn.Module`` with a ``config``, e.g. a ``PreTrainedModel`` built from a config). A
+snapshot records the model's id (the ``LoadedModel``'s, else the config's ``name_or_path``,
+else the model's class name), its revision and its fingerprint
+(:func:`kvsnap.format.model_fingerprint` of the config, as
+:func:`~kvsnap.engines.default_model.load_model` computes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from kvsnap.engines.default_model import LoadedModel
+from kvsnap.format import SourceInfo, model_fingerprint
+from kvsnap.layout import KVGeometry, dtype_name
+from kvsnap.snapshot import Snapshot
+
+#: transformers' layer type names, as snapshot attention types.
+_ATTENTION_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+ModelLike = LoadedModel | torch.nn.Module
+
+
+def module_of(model: ModelLike) -> torch.nn.Module:
+    """The transformers model itself: a LoadedModel's ``model``, or ``model``."""
+    return model.model if isinstance(model, LoadedModel) else model
+
+
+def _text_config(model: ModelLike | Any) -> Any:
+    """The decoder config of a LoadedModel, a transformers model, or a config."""
+    config = module_of(model).config if isinstance(model, (LoadedModel, torch.nn.Module)) else model
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_types(model: ModelLike | Any) -> tuple[str, ...]:
+    """Per layer, ``"full"`` or ``"sliding"``; other transformers layer types keep their name."""
+    config = _text_config(model)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        kind = "sliding" if getattr(config, "sliding_window", None) is not None else "full"
+        return (kind,) * config.num_hidden_layers
+    return tuple(_ATTENTION_TYPES.get(layer_type, layer_type) for layer_type in layer_types)
+
+
+def geometry_for_model(
+    model: ModelLike | Any, block_size: int, dtype: torch.dtype | str | None = None
+) -> KVGeometry:
+    """The KV geometry of ``model``'s cache: what a snapshot must match to restore into it.
+
+    ``model`` is a :class:`LoadedModel`, a transformers model or its config. ``dtype`` defaults
+    to the model's parameter dtype (required when a bare config is given).
+    """
+    config = _text_config(model)
+    if dtype is None:
+        if isinstance(model, (LoadedModel, torch.nn.Module)):
+            dtype = next(module_of(model).parameters()).dtype
+        else:
+            raise ValueError("geometry_for_model needs a dtype when given a config")
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return KVGeometry(
+        num_layers=config.num_hidden_layers,
+        block_size=block_size,
+        dtype=name,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        attention_types=attention_types(config),
+    )
+
+
+def fingerprint_of(model: ModelLike) -> str:
+    """The fingerprint a snapshot of ``model`` records: the ``LoadedModel``'s, else
+    :func:`kvsnap.format.model_fingerprint` of the model's config."""
+    if isinstance(model, LoadedModel):
+        return model.fingerprint
+    return model_fingerprint(module_of(model).config)
+
+
+def model_id_of(model: ModelLike) -> str:
+    """The id a snapshot of ``model`` records: the ``LoadedModel``'s, else the config's
+    ``name_or_path`` (where it was loaded from), else the model's class name."""
+    if isinstance(model, LoadedModel):
+        return model.model_id
+    module = module_of(model)
+    return getattr(module.config, "name_or_path", None) or type(module).__name__
+
+
+def source_info(model: ModelLike | None) -> SourceInfo:
+    """What a snapshot records about its origin: transformers, its version, the model."""
+    if model is None:
+        # Empty model id and fingerprint mean "unknown": restores then skip the fingerprint check.
+        return SourceInfo(
+            engine="transformers",
+            engine_version=transformers.__version__,
+            model_id="",
+            model_revision=None,
+            model_fingerprint="",
+        )
+    if isinstance(model, LoadedModel):
+        revision = model.model_revision
+    else:
+        revision = getattr(module_of(model).config, "_commit_hash", None)
+    return SourceInfo(
+        engine="transformers",
+        engine_version=transformers.__version__,
+        model_id=model_id_of(model),
+        model_revision=revision,
+        model_fingerprint=fingerprint_of(model),
+    )
+
+
+def check_snapshot_fits(
+    snapshot: Snapshot, model: ModelLike, *, dtype: torch.dtype | None = None, force: bool = False
+) -> None:
+    """Raise :class:`~kvsnap.errors.IncompatibleSnapshotError` unless ``snapshot`` fits ``model``.
+
+    The KV geometry must match (layers, KV heads, head dim, dtype — ``dtype`` defaults to the
+    model's); the model fingerprint must match too unless ``force``.
+    """
+    geometry = geometry_for_model(model, snapshot.geometry.block_size, dtype)
+    snapshot.check_compatible(geometry, model_fingerprint=fingerprint_of(model), force=force)
+
+
+def pick_sequence(snapshot: Snapshot, sequence_id: str | None) -> Any:
+    """The record of sequence ``sequence_id``, or the only one when ``None``."""
+    if sequence_id is not None:
+        return snapshot.sequence(sequence_id)
+    if len(snapshot.sequences) != 1:
+        known = ", ".join(record.id for record in snapshot.sequences)
+        raise ValueError(
+            f"{snapshot.path} holds {len(snapshot.sequences)} sequences ({known}): name one"
+        )
+    return snapshot.sequences[0]
+
+
+@contextmanager
+def open_snapshot(snapshot: Snapshot | str | Path) -> Iterator[Snapshot]:
+    """``snapshot`` itself when already open, else opened from its path for the ``with`` block."""
+    if isinstance(snapshot, Snapshot):
+        yield snapshot
+    else:
+        with Snapshot.open(snapshot) as opened:
+            yield opened

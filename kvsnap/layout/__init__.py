@@ -1,0 +1,85 @@
+"""What an engine's paged KV cache bytes mean, and how each local page maps onto the canonical page.
+
+Every engine stores a block of KV differently: K and V split or packed into one row, tokens
+outermost (NHD) or heads outermost (HND), one tensor per layer or one for all layers, a
+tensor-parallel rank holding only some heads. kvsnap never interprets those bytes in the hot
+path; instead this package describes each cache once:
+
+* :mod:`~kvsnap.layout.geometry`: :class:`KVGeometry`, the model-level shape of one block, which
+  fixes the **canonical page** (per layer and part, ``(block_size, num_kv_heads, head_dim)``
+  token-major, or ``(block_size, latent_dim)`` for MLA).
+* :mod:`~kvsnap.layout.mapping`: :class:`CopyRun` and :class:`CanonicalPageMapping` (local page
+  bytes onto canonical page bytes), :func:`strided_page_runs`, TP head assignment and writer
+  election (:func:`head_shard`), :func:`check_tiling`.
+* :mod:`~kvsnap.layout.cache`: :class:`CacheTensor`, :class:`PageRef`, :class:`CacheLayout`.
+* :mod:`~kvsnap.layout.constructors`: a :class:`CacheLayout` from the real tensors of each
+  engine layout (built with :mod:`~kvsnap.layout.builder`).
+* :mod:`~kvsnap.layout.allocate`: allocates an engine cache of any layout kind, with logical
+  views (benchmarks and tests measure and check on these).
+"""
+
+from kvsnap.errors import LayoutError
+from kvsnap.layout.cache import CacheLayout, CacheTensor, PageRef
+from kvsnap.layout.constructors import (
+    contiguous_layout,
+    cross_layer_layout,
+    flat_paged_layout,
+    mla_layout,
+    packed_layout,
+    vllm_legacy_layout,
+    vllm_split_layout,
+)
+from kvsnap.layout.geometry import (
+    DTYPES,
+    KEY,
+    KV_PARTS,
+    LATENT,
+    MLA_PARTS,
+    SAFETENSORS_DTYPES,
+    VALUE,
+    KVGeometry,
+    canonical_name,
+    dtype_name,
+    torch_dtype,
+)
+from kvsnap.layout.mapping import (
+    CanonicalPageMapping,
+    CopyRun,
+    HeadShard,
+    check_tiling,
+    fold_fragments,
+    head_shard,
+    strided_page_runs,
+)
+
+__all__ = [
+    "DTYPES",
+    "KEY",
+    "KV_PARTS",
+    "LATENT",
+    "MLA_PARTS",
+    "SAFETENSORS_DTYPES",
+    "VALUE",
+    "CacheLayout",
+    "CacheTensor",
+    "CanonicalPageMapping",
+    "CopyRun",
+    "HeadShard",
+    "KVGeometry",
+    "LayoutError",
+    "PageRef",
+    "canonical_name",
+    "check_tiling",
+    "contiguous_layout",
+    "cross_layer_layout",
+    "dtype_name",
+    "flat_paged_layout",
+    "fold_fragments",
+    "head_shard",
+    "mla_layout",
+    "packed_layout",
+    "strided_page_runs",
+    "torch_dtype",
+    "vllm_legacy_layout",
+    "vllm_split_layout",
+]

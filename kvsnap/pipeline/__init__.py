@@ -1,0 +1,24 @@
+"""The staging pipeline: capture and restore over slots that span tensors, kept warm.
+
+:class:`Pipeline` is what an engine keeps per set of caches; :func:`kvsnap.capture` and
+:meth:`kvsnap.Snapshot.restore` run on the same machinery. Modules, in pipeline order:
+``slots`` (which pages a slot carries), ``page_table`` (the caches' addresses as one table),
+``movers`` (how a slot's pages move), ``staging`` (pinned slots and device buffers kept per
+process), ``capture`` and ``restore`` (the loops), ``jobs`` (requests and results),
+``options``, ``warm`` (the :class:`Pipeline`).
+"""
+
+from kvsnap.pipeline.jobs import CaptureResult, RestoreResult, SequenceBlocks
+from kvsnap.pipeline.options import StagingOptions, TransferOptions
+from kvsnap.pipeline.staging import release_shared_staging
+from kvsnap.pipeline.warm import Pipeline
+
+__all__ = [
+    "CaptureResult",
+    "Pipeline",
+    "RestoreResult",
+    "SequenceBlocks",
+    "StagingOptions",
+    "TransferOptions",
+    "release_shared_staging",
+]

@@ -1,0 +1,130 @@
+"""The capture loop: engine cache -> staging slots -> the snapshot writer.
+
+Every slot is enqueued as soon as one is free, and handed to the writer (which hashes and
+writes it on its own threads) as soon as its copy completes, oldest first: the copies of later
+slots overlap the wait for earlier ones, and nothing waits per tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvsnap.pinned import Slot
+from kvsnap.pipeline.movers import SlotMover
+from kvsnap.pipeline.slots import SlotPlan
+from kvsnap.pipeline.staging import StagingRing
+from kvsnap.store import SnapshotWriter, TraceHook, traced
+
+
+@dataclass
+class _InFlight:
+    plan: SlotPlan
+    slot: Slot
+    ticket: Any
+
+
+def capture_slots(
+    mover: SlotMover,
+    ring: StagingRing,
+    writer: SnapshotWriter,
+    plans: Iterable[SlotPlan],
+    device_blocks: np.ndarray,
+    progress: Callable[[int], None],
+    trace: TraceHook | None,
+) -> None:
+    """Copy every slot of ``plans`` from the cache and feed it to ``writer`` in order.
+
+    Page ``i`` of a plan is block ``device_blocks[plan.page_positions[i]]`` of tensor
+    ``plan.page_tensors[i]``; its snapshot block is its position. Slots the writer still holds
+    return to ``ring`` when their writes complete; on an error every slot this call holds is
+    given back once no copy uses it.
+    """
+    page_bytes = writer.page_size_bytes
+    names = writer.tensor_order()
+    inflight: deque[_InFlight] = deque()
+    try:
+        for plan in plans:
+            slot = ring.try_acquire()
+            while slot is None:
+                if inflight:
+                    item = inflight.popleft()
+                    _hand_over(mover, ring, writer, item, names, page_bytes, trace)
+                    progress(item.plan.num_bytes(page_bytes))
+                    slot = ring.try_acquire()
+                else:
+                    with traced(trace, "staging.wait"):
+                        slot = ring.acquire()
+            try:
+                with traced(trace, "transfer.submit", plan.num_bytes(page_bytes)):
+                    positions = plan.page_positions
+                    ticket = mover.submit(plan, slot, device_blocks[positions], positions)
+            except BaseException:
+                ring.release(slot)
+                raise
+            inflight.append(_InFlight(plan, slot, ticket))
+        while inflight:
+            item = inflight.popleft()
+            _hand_over(mover, ring, writer, item, names, page_bytes, trace)
+            progress(item.plan.num_bytes(page_bytes))
+    finally:
+        for item in inflight:
+            # Not handed over: give the slot back once its copy is done with it.
+            try:
+                mover.wait(item.ticket)
+            finally:
+                ring.release(item.slot)
+
+
+def _hand_over(
+    mover: SlotMover,
+    ring: StagingRing,
+    writer: SnapshotWriter,
+    item: _InFlight,
+    names: Sequence[str],
+    page_bytes: int,
+    trace: TraceHook | None,
+) -> None:
+    """Wait for ``item``'s copy and queue its pages on the writer; the slot goes back to the
+    ring once every write of it has completed."""
+    try:
+        with traced(trace, "transfer.wait", item.plan.num_bytes(page_bytes)):
+            mover.wait(item.ticket)
+    except BaseException:
+        ring.release(item.slot)
+        raise
+    data = item.slot.as_numpy()
+    written: list[Future[None]] = []
+    try:
+        with traced(trace, "writer.enqueue", item.plan.num_bytes(page_bytes)):
+            for segment in item.plan.segments:
+                begin = segment.offset
+                end = begin + segment.num_pages * page_bytes
+                written.append(writer.write_pages(names[segment.tensor], data[begin:end]))
+    finally:
+        _release_when_done(ring, item.slot, written)
+
+
+def _release_when_done(ring: StagingRing, slot: Slot, futures: Sequence[Future[None]]) -> None:
+    """Give ``slot`` back to ``ring`` once every future is done (at once if there are none)."""
+    remaining = [len(futures)]
+    lock = threading.Lock()
+    if not futures:
+        ring.release(slot)
+        return
+
+    def one_done(_future: Future[None]) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            ring.release(slot)
+
+    for future in futures:
+        future.add_done_callback(one_done)

@@ -1,0 +1,156 @@
+"""What a capture or restore is asked to do, checked; and what it did."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvsnap.errors import IncompatibleSnapshotError
+from kvsnap.format import SequenceRecord
+from kvsnap.layout import CacheLayout, KVGeometry
+
+
+@dataclass(frozen=True)
+class SequenceBlocks:
+    """One sequence in an engine cache: its tokens and the device blocks holding their KV.
+
+    ``block_ids[i]`` holds tokens ``i*block_size .. (i+1)*block_size``; the last block may be
+    partial. The ids are the same on every TP rank (engines share one block table).
+    """
+
+    id: str
+    token_ids: np.ndarray
+    block_ids: np.ndarray
+
+
+@dataclass(frozen=True)
+class CaptureResult:
+    """What a capture wrote."""
+
+    path: str
+    num_sequences: int
+    num_tokens: int
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    backend: str
+    direct_io_fallback: str | None
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """What a restore wrote into the target cache."""
+
+    num_sequences: int
+    num_tokens: int
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    backend: str
+
+
+def as_layouts(layout: CacheLayout | Sequence[CacheLayout]) -> list[CacheLayout]:
+    """One layout, or one per TP rank held by this process, as a list (at least one)."""
+    layouts = [layout] if isinstance(layout, CacheLayout) else list(layout)
+    if not layouts:
+        raise ValueError("need at least one cache layout")
+    return layouts
+
+
+def common_geometry(layouts: Sequence[CacheLayout]) -> KVGeometry:
+    """The geometry every rank's layout shares; :class:`IncompatibleSnapshotError` otherwise."""
+    geometry = layouts[0].geometry
+    for layout in layouts[1:]:
+        if layout.geometry != geometry:
+            raise IncompatibleSnapshotError(
+                f"TP ranks disagree on the KV geometry: {geometry.describe()} vs "
+                f"{layout.geometry.describe()}"
+            )
+    return geometry
+
+
+def block_id_array(values: np.ndarray | Sequence[int], what: str) -> np.ndarray:
+    """``values`` as a one-dimensional int64 array; ``ValueError`` for anything but integers
+    (a float id is refused, never silently truncated)."""
+    array = np.asarray(values)
+    if array.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if array.ndim != 1 or not (
+        np.issubdtype(array.dtype, np.integer) and not np.issubdtype(array.dtype, np.bool_)
+    ):
+        raise ValueError(
+            f"{what} must be a one-dimensional sequence of integers, got {array.dtype}"
+        )
+    return array.astype(np.int64, copy=False)
+
+
+def validate_sequences(block_size: int, sequences: Sequence[SequenceBlocks]) -> None:
+    """The rule every sequence list obeys: unique ids, at least one token, and exactly
+    ``ceil(tokens / block_size)`` integer block ids. ``ValueError`` naming the first breach."""
+    if not sequences:
+        raise ValueError("capture needs at least one sequence")
+    seen: set[str] = set()
+    for sequence in sequences:
+        if sequence.id in seen:
+            raise ValueError(f"sequence id {sequence.id!r} appears twice")
+        seen.add(sequence.id)
+        if len(sequence.token_ids) == 0:
+            raise ValueError(f"sequence {sequence.id!r} has no tokens")
+        needed = math.ceil(len(sequence.token_ids) / block_size)
+        block_ids = block_id_array(sequence.block_ids, f"sequence {sequence.id!r}: block ids")
+        if len(block_ids) != needed:
+            raise ValueError(
+                f"sequence {sequence.id!r}: {len(sequence.token_ids)} tokens need {needed} blocks "
+                f"of {block_size}, got {len(block_ids)} block ids"
+            )
+
+
+def restore_pairs(
+    records: Sequence[SequenceRecord],
+    block_ids: Mapping[str, np.ndarray | Sequence[int]],
+    capacity: int,
+    path: str,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(snapshot block, target block) pairs sorted by snapshot block, and the token count, for
+    restoring the sequences named in ``block_ids`` into a cache of ``capacity`` blocks.
+
+    Raises :class:`IncompatibleSnapshotError` for an unknown sequence id, a wrong number of
+    block ids, ids outside the cache, or one target block receiving two snapshot blocks.
+    """
+    if not block_ids:
+        raise ValueError("restore needs at least one sequence")
+    by_id = {record.id: record for record in records}
+    sources, targets = [], []
+    num_tokens = 0
+    for sequence_id, targets_of_sequence in block_ids.items():
+        record = by_id.get(sequence_id)
+        if record is None:
+            known = ", ".join(repr(known_id) for known_id in list(by_id)[:8])
+            raise IncompatibleSnapshotError(
+                f"no sequence {sequence_id!r} in {path} (it has: {known})", file=path
+            )
+        target = block_id_array(targets_of_sequence, f"sequence {sequence_id!r}: target block ids")
+        if len(target) != len(record.block_ids):
+            raise IncompatibleSnapshotError(
+                f"sequence {sequence_id!r} has {len(record.block_ids)} blocks in {path}, "
+                f"the target gave {len(target)} block ids"
+            )
+        if len(target) and (target.min() < 0 or target.max() >= capacity):
+            raise IncompatibleSnapshotError(
+                f"sequence {sequence_id!r}: target block ids {target.min()}..{target.max()} "
+                f"do not fit a cache of {capacity} blocks"
+            )
+        sources.append(record.block_ids)
+        targets.append(target)
+        num_tokens += len(record.token_ids)
+    pairs = np.unique(np.stack([np.concatenate(sources), np.concatenate(targets)], axis=1), axis=0)
+    targets_seen, counts = np.unique(pairs[:, 1], return_counts=True)
+    if (counts > 1).any():
+        block = int(targets_seen[np.argmax(counts > 1)])
+        raise IncompatibleSnapshotError(
+            f"target block {block} would receive two different snapshot blocks"
+        )
+    return pairs[:, 0].copy(), pairs[:, 1].copy(), num_tokens

@@ -1,0 +1,68 @@
+"""The options every capture and restore shares: how to copy, and through which staging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvsnap.pinned import PinnedPool
+
+#: Host staging slot of small jobs (an engine's per-request prefix) and of large ones.
+SMALL_SLOT_BYTES = 16 << 20
+LARGE_SLOT_BYTES = 64 << 20
+#: A job of at least this many bytes stages through large slots (fewer, larger disk writes).
+LARGE_JOB_BYTES = 512 << 20
+#: Slots of each size kvsnap keeps pinned per process at most (pinned on first use).
+SHARED_SLOTS = 8
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    """How pages move between the engine cache and host staging.
+
+    ``backend``: ``"auto"`` runs the fused page copy (one kernel launch and one DMA per staging
+    slot, whatever the number of layers and ranks) wherever it applies, and the transfer
+    handler's ``auto`` choice elsewhere; a backend name (``cuda-batch``, ``triton``, ``torch``,
+    ``cpu``) runs that backend through the transfer handler, one job per rank and slot.
+    ``sm_budget`` bounds the streaming multiprocessors a copy may occupy while the model
+    computes (the fused kernel's grid, or the Triton backend's programs).
+    """
+
+    backend: str = "auto"
+    sm_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.sm_budget is not None and self.sm_budget < 1:
+            raise ValueError(f"sm_budget must be at least 1, got {self.sm_budget}")
+        if self.sm_budget is not None and self.backend not in ("auto", "triton"):
+            raise ValueError(
+                f"sm_budget bounds a kernel's grid; backend={self.backend!r} runs no kernel"
+            )
+
+
+@dataclass(frozen=True)
+class StagingOptions:
+    """The host memory a capture or restore stages through.
+
+    By default kvsnap's process-wide staging is used: slots pinned once, on first use, and kept
+    for every later call (``SHARED_SLOTS`` of ``SMALL_SLOT_BYTES``, and as many of
+    ``LARGE_SLOT_BYTES`` for jobs of ``LARGE_JOB_BYTES`` or more). ``pool`` is a
+    :class:`~kvsnap.pinned.PinnedPool` the caller keeps instead; ``slot_bytes`` and
+    ``num_slots`` ask for a private pool of that shape, made and freed by the call.
+    """
+
+    pool: PinnedPool | None = None
+    slot_bytes: int | None = None
+    num_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pool is not None and (self.slot_bytes or self.num_slots):
+            raise ValueError("give either a pool or a slot shape, not both")
+        if self.slot_bytes is not None and self.slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be positive, got {self.slot_bytes}")
+        if self.num_slots is not None and self.num_slots < 1:
+            raise ValueError(f"staging needs at least one slot, got {self.num_slots}")
+
+    @property
+    def private(self) -> bool:
+        """Whether the call makes (and frees) a pool of its own."""
+        return self.slot_bytes is not None or self.num_slots is not None

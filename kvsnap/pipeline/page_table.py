@@ -1,0 +1,195 @@
+"""The page table: every (rank, tensor) of the caches a process holds, as rows of one table.
+
+Each row's copy runs are unrolled once into fragments and grouped: rows whose fragments have
+the same size and the same relative offsets (every layer of one layout; every TP rank's head
+slice, which differs only by where it starts) share one :class:`FragmentGroup`. A row then
+needs only its base address, block stride and the two offsets its fragments start at. A slot's
+pages turn into per-group arrays of page base addresses with a handful of numpy calls — no
+Python loop over layers, ranks or blocks — and one kernel launch per group copies them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvsnap.layout import CacheLayout
+from kvsnap.plan import Direction
+
+
+@dataclass(frozen=True)
+class FragmentGroup:
+    """Fragments of ``fragment_bytes`` each, at ``local_offsets`` from a row's local base and
+    ``canonical_offsets`` from its canonical base (both start at 0)."""
+
+    fragment_bytes: int
+    local_offsets: np.ndarray
+    canonical_offsets: np.ndarray
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.local_offsets)
+
+
+@dataclass(frozen=True)
+class GroupCopy:
+    """One group's pages of a slot: page ``i``'s fragments go from ``src_bases[i]`` plus the
+    group's source offsets to ``dst_bases[i]`` plus its destination offsets."""
+
+    group: FragmentGroup
+    src_bases: np.ndarray
+    dst_bases: np.ndarray
+    direction: Direction
+
+    @property
+    def src_offsets(self) -> np.ndarray:
+        if self.direction is Direction.DEVICE_TO_HOST:
+            return self.group.local_offsets
+        return self.group.canonical_offsets
+
+    @property
+    def dst_offsets(self) -> np.ndarray:
+        if self.direction is Direction.DEVICE_TO_HOST:
+            return self.group.canonical_offsets
+        return self.group.local_offsets
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.src_bases)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_pages * self.group.num_fragments * self.group.fragment_bytes
+
+
+class _GroupRows:
+    """The rows of one group, as arrays indexed by row, and a ``(tensor, rank) -> row`` map."""
+
+    def __init__(self, group: FragmentGroup, num_tensors: int, num_ranks: int) -> None:
+        self.group = group
+        self.row_of = np.full((num_tensors, num_ranks), -1, dtype=np.int64)
+        self._rows: list[tuple[int, int, int, int, int]] = []
+
+    def add(
+        self,
+        tensor: int,
+        rank: int,
+        local_base: int,
+        block_stride: int,
+        canonical_base: int,
+        writers: tuple[int, int],
+    ) -> None:
+        self.row_of[tensor, rank] = len(self._rows)
+        self._rows.append((local_base, block_stride, canonical_base, *writers))
+
+    def freeze(self) -> None:
+        table = np.array(self._rows, dtype=np.int64).reshape(-1, 5)
+        self.local_base, self.block_stride, self.canonical_base = (
+            table[:, 0],
+            table[:, 1],
+            table[:, 2],
+        )
+        self.num_writers, self.writer_index = table[:, 3], table[:, 4]
+        # Tensors with a row in this group, and which ranks have one: most groups hold every
+        # rank of every tensor, and then the lookup is a plain broadcast.
+        self.dense = bool((self.row_of >= 0).all())
+
+
+class PageTable:
+    """Rows for every rank of ``layouts`` (one device) and every canonical tensor.
+
+    Raises ``ValueError`` when the layouts do not share one geometry and one device.
+    """
+
+    def __init__(self, layouts: Sequence[CacheLayout]) -> None:
+        if not layouts:
+            raise ValueError("a page table needs at least one layout")
+        self.geometry = layouts[0].geometry
+        self.device = layouts[0].device
+        for layout in layouts:
+            if layout.geometry != self.geometry or layout.device != self.device:
+                raise ValueError("a page table's layouts share one geometry and one device")
+        self.names = self.geometry.tensor_names()
+        self.page_size_bytes = self.geometry.canonical_page_size_bytes
+        groups: dict[tuple[int, bytes, bytes], _GroupRows] = {}
+        for rank, layout in enumerate(layouts):
+            for tensor, name in enumerate(self.names):
+                self._add_rows(groups, layout, name, tensor, rank, len(layouts))
+        for rows in groups.values():
+            rows.freeze()
+        self._groups = list(groups.values())
+
+    def _add_rows(
+        self,
+        groups: dict[tuple[int, bytes, bytes], _GroupRows],
+        layout: CacheLayout,
+        name: str,
+        tensor: int,
+        rank: int,
+        num_ranks: int,
+    ) -> None:
+        ref = layout.ref(name)
+        cache = layout.tensors[ref.tensor_index]
+        local, canonical, sizes = ref.mapping.fragments()
+        writers = (ref.mapping.num_writers, ref.mapping.writer_index)
+        for size in np.unique(sizes).tolist():
+            chosen = sizes == size
+            local_of, canonical_of = local[chosen], canonical[chosen]
+            relative_local = local_of - local_of[0]
+            relative_canonical = canonical_of - canonical_of[0]
+            key = (int(size), relative_local.tobytes(), relative_canonical.tobytes())
+            rows = groups.get(key)
+            if rows is None:
+                group = FragmentGroup(int(size), relative_local, relative_canonical)
+                rows = groups[key] = _GroupRows(group, len(self.names), num_ranks)
+            rows.add(
+                tensor,
+                rank,
+                cache.data_ptr + int(local_of[0]),
+                cache.block_stride_bytes,
+                int(canonical_of[0]),
+                writers,
+            )
+
+    @property
+    def groups(self) -> list[FragmentGroup]:
+        return [rows.group for rows in self._groups]
+
+    def copies(
+        self,
+        direction: Direction,
+        page_tensors: np.ndarray,
+        device_blocks: np.ndarray,
+        staging_addresses: np.ndarray,
+        snapshot_blocks: np.ndarray | None = None,
+    ) -> list[GroupCopy]:
+        """Per group, the page bases that move page ``i`` (tensor ``page_tensors[i]``, device
+        block ``device_blocks[i]``) to or from the canonical page at ``staging_addresses[i]``.
+
+        At device to host only each block's elected writer copies it; ``snapshot_blocks``
+        (default: ``device_blocks``) number the blocks the way writer election keys on.
+        """
+        copies = []
+        for rows in self._groups:
+            row = rows.row_of[page_tensors]  # (pages, ranks)
+            pages = np.broadcast_to(np.arange(len(page_tensors))[:, None], row.shape)
+            keep = row >= 0 if not rows.dense else None
+            if direction is Direction.DEVICE_TO_HOST and (rows.num_writers > 1).any():
+                keys = device_blocks if snapshot_blocks is None else snapshot_blocks
+                elected = keys[:, None] % rows.num_writers[row] == rows.writer_index[row]
+                keep = elected if keep is None else keep & elected
+            if keep is None:
+                row, pages = row.reshape(-1), pages.reshape(-1)
+            else:
+                row, pages = row[keep], pages[keep]
+            if not len(row):
+                continue
+            local = rows.local_base[row] + device_blocks[pages] * rows.block_stride[row]
+            canonical = staging_addresses[pages] + rows.canonical_base[row]
+            if direction is Direction.DEVICE_TO_HOST:
+                copies.append(GroupCopy(rows.group, local, canonical, direction))
+            else:
+                copies.append(GroupCopy(rows.group, canonical, local, direction))
+        return copies

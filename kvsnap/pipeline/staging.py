@@ -1,0 +1,183 @@
+"""Staging memory kept warm for a whole process: pinned host slots and a device buffer.
+
+Pinning costs seconds per GiB, so slots are pinned once, on first use, and reused by every
+capture and restore after that (:func:`shared_ring`). A slot given back while a copy may still
+read or write it carries that copy's CUDA event; whoever takes it next waits for the event
+first, so a restore returns as soon as its copies are enqueued. On CUDA a device buffer per
+device (:class:`DeviceStaging`, at most one slot large) holds the canonical pages between the
+fused page kernel and the DMA over PCIe; one stream per device orders every use of it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from kvsnap.pinned import PinnedPool, Slot
+from kvsnap.pipeline.options import (
+    LARGE_JOB_BYTES,
+    LARGE_SLOT_BYTES,
+    SHARED_SLOTS,
+    SMALL_SLOT_BYTES,
+    StagingOptions,
+)
+
+
+class StagingRing:
+    """Slots of a :class:`PinnedPool`, each given back with the event of its last copy.
+
+    ``owned``: the ring made the pool and closes it in :meth:`finish`.
+    """
+
+    def __init__(self, pool: PinnedPool, *, owned: bool) -> None:
+        self.pool = pool
+        self.owned = owned
+        self._pending: dict[int, torch.cuda.Event] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.pool.slot_bytes
+
+    def _ready(self, slot: Slot) -> Slot:
+        with self._lock:
+            event = self._pending.pop(slot.index, None)
+        if event is not None:
+            event.synchronize()
+        return slot
+
+    def acquire(self) -> Slot:
+        """A free slot whose last copy has completed (waits for both)."""
+        return self._ready(self.pool.acquire())
+
+    def try_acquire(self) -> Slot | None:
+        """A free slot without waiting for one to be given back (None if there is none)."""
+        slot = self.pool.try_acquire()
+        return None if slot is None else self._ready(slot)
+
+    def release(self, slot: Slot, after: torch.cuda.Event | None = None) -> None:
+        """Give ``slot`` back; ``after`` is the event of a copy still using it."""
+        if after is not None:
+            with self._lock:
+                self._pending[slot.index] = after
+        self.pool.release(slot)
+
+    def finish(self) -> None:
+        """End of a call on a pool that is not kvsnap's own: wait for every copy still using a
+        slot (the caller may reuse them at once), and close the pool if the ring made it."""
+        if self.owned or not _is_shared(self):
+            with self._lock:
+                events, self._pending = list(self._pending.values()), {}
+            for event in events:
+                event.synchronize()
+        if self.owned:
+            self.pool.close()
+
+
+_SHARED: dict[int, StagingRing] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _is_shared(ring: StagingRing) -> bool:
+    return any(ring is shared for shared in _SHARED.values())
+
+
+def shared_ring(slot_bytes: int) -> StagingRing:
+    """The process-wide ring of ``SHARED_SLOTS`` slots of ``slot_bytes`` (pinned on use)."""
+    with _SHARED_LOCK:
+        ring = _SHARED.get(slot_bytes)
+        if ring is None:
+            pool = PinnedPool(slot_bytes, SHARED_SLOTS, lazy=True)
+            ring = _SHARED[slot_bytes] = StagingRing(pool, owned=False)
+        return ring
+
+
+def release_shared_staging() -> None:
+    """Unpin and free kvsnap's process-wide staging (the next call pins again)."""
+    with _SHARED_LOCK:
+        rings = list(_SHARED.values())
+        _SHARED.clear()
+    for ring in rings:
+        ring.finish()
+        ring.pool.close()
+    with _DEVICE_LOCK:
+        _DEVICE.clear()
+
+
+def staging_ring(options: StagingOptions, page_size_bytes: int, job_bytes: int) -> StagingRing:
+    """The ring a call of ``job_bytes`` over pages of ``page_size_bytes`` stages through.
+
+    Raises ``ValueError`` when a caller's pool cannot hold one page.
+    """
+    if options.pool is not None:
+        if options.pool.slot_bytes < page_size_bytes:
+            raise ValueError(
+                f"staging slots of {options.pool.slot_bytes} bytes cannot hold one "
+                f"{page_size_bytes}-byte page"
+            )
+        return StagingRing(options.pool, owned=False)
+    if options.private:
+        slot_bytes = max(options.slot_bytes or SMALL_SLOT_BYTES, page_size_bytes)
+        pool = PinnedPool(slot_bytes, options.num_slots or SHARED_SLOTS, lazy=True)
+        return StagingRing(pool, owned=True)
+    slot_bytes = LARGE_SLOT_BYTES if job_bytes >= LARGE_JOB_BYTES else SMALL_SLOT_BYTES
+    if page_size_bytes > slot_bytes:
+        pool = PinnedPool(page_size_bytes, 2, lazy=True)  # pages larger than any shared slot
+        return StagingRing(pool, owned=True)
+    return shared_ring(slot_bytes)
+
+
+class DeviceStaging:
+    """One device's staging buffer and the stream that orders every use of it.
+
+    :meth:`use` holds a lock while a slot's copies are enqueued, so two threads never
+    interleave their copies through the buffer.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._buffer: torch.Tensor | None = None
+        self._tables: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def use(self, num_bytes: int) -> Iterator[torch.Tensor]:
+        """The buffer (at least ``num_bytes``), current stream set to :attr:`stream`."""
+        with self._lock:
+            if self._buffer is None or self._buffer.numel() < num_bytes:
+                # Grown only to the largest slot used: at most LARGE_SLOT_BYTES of GPU memory.
+                with torch.cuda.stream(self.stream):
+                    self._buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+            previous = torch.cuda.current_stream(self.device)
+            torch.cuda.set_stream(self.stream)
+            try:
+                yield self._buffer
+            finally:
+                torch.cuda.set_stream(previous)
+
+    def table_buffer(self, owner: int, num_entries: int) -> torch.Tensor:
+        """Pinned int64 memory for ``num_entries`` kernel-table entries, one buffer per
+        ``owner`` (a staging slot's address), grown as needed; call inside :meth:`use`."""
+        buffer = self._tables.get(owner)
+        if buffer is None or buffer.numel() < num_entries:
+            buffer = torch.empty(max(num_entries, 1024), dtype=torch.int64, pin_memory=True)
+            self._tables[owner] = buffer
+        return buffer[:num_entries]
+
+
+_DEVICE: dict[int, DeviceStaging] = {}
+_DEVICE_LOCK = threading.Lock()
+
+
+def device_staging(device: torch.device) -> DeviceStaging:
+    """The process-wide :class:`DeviceStaging` of a CUDA device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _DEVICE_LOCK:
+        staging = _DEVICE.get(index)
+        if staging is None:
+            staging = _DEVICE[index] = DeviceStaging(torch.device("cuda", index))
+        return staging

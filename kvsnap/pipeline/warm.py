@@ -1,0 +1,356 @@
+"""The :class:`Pipeline`: capture and restore for one set of caches, kept warm between calls.
+
+An engine calls kvsnap once per request from a long-lived process, so everything that does not
+depend on the request is made once: the page table of the caches (per rank and tensor, the
+addresses and fragment groups the fused copy needs), the pinned host slots and the device
+staging buffer (process-wide, see :mod:`kvsnap.pipeline.staging`), and the compiled kernel.
+``kvsnap.capture`` and ``Snapshot.restore`` use the same machinery through a process-wide
+cache of page tables, so a second call is warm without the caller keeping anything.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvsnap import format as fmt
+from kvsnap._version import __version__
+from kvsnap.compat import check_fits
+from kvsnap.errors import RestoreIncompleteError
+from kvsnap.layout import CacheLayout
+from kvsnap.pipeline.capture import capture_slots
+from kvsnap.pipeline.jobs import (
+    CaptureResult,
+    RestoreResult,
+    SequenceBlocks,
+    as_layouts,
+    block_id_array,
+    common_geometry,
+    restore_pairs,
+    validate_sequences,
+)
+from kvsnap.pipeline.movers import FusedMover, HandlerMover, SlotMover, fused_unavailable
+from kvsnap.pipeline.options import StagingOptions, TransferOptions
+from kvsnap.pipeline.page_table import PageTable
+from kvsnap.pipeline.restore import (
+    SnapshotPages,
+    describe_failure,
+    failed_target_blocks,
+    restore_slots,
+)
+from kvsnap.pipeline.slots import plan_slots
+from kvsnap.pipeline.staging import staging_ring
+from kvsnap.plan import Direction
+from kvsnap.store import SnapshotWriter, TraceHook, traced
+from kvsnap.transfer import TransferHandler
+
+if TYPE_CHECKING:
+    from kvsnap.snapshot import Snapshot
+
+ProgressCallback = Callable[[int, int], None]
+"""``progress(done_bytes, total_bytes)``, called as data moves."""
+
+#: Page tables kept by the process-wide cache (each a few arrays of addresses, no tensors).
+MAX_SHARED_TABLES = 32
+
+
+class Pipeline:
+    """Capture from and restore into the caches ``layout`` describes, warm across calls.
+
+    ``layout`` may list one layout per TP rank held by this process: a capture then takes from
+    each rank the canonical fragments it is elected for, and a restore gives every rank its
+    own heads. ``transfer`` picks how pages move (:class:`TransferOptions`). Keep one per set of
+    caches for as long as the caches live; the plain :func:`kvsnap.capture` and
+    :meth:`kvsnap.Snapshot.restore` make one per call over the same warm state.
+    """
+
+    def __init__(
+        self,
+        layout: CacheLayout | Sequence[CacheLayout],
+        *,
+        transfer: TransferOptions | None = None,
+    ) -> None:
+        self.layouts = as_layouts(layout)
+        self.geometry = common_geometry(self.layouts)
+        self.transfer = transfer or TransferOptions()
+        self._fused: dict[Direction, FusedMover] = {}
+
+    def _mover(self, direction: Direction) -> SlotMover:
+        if self.transfer.backend == "auto":
+            mover = self._fused.get(direction)
+            if mover is not None:
+                return mover
+            table = shared_page_table(self.layouts, direction)
+            if table is not None:
+                mover = FusedMover(table, direction, self.transfer.sm_budget)
+                self._fused[direction] = mover
+                return mover
+        return HandlerMover(self.layouts, direction, self._handlers(direction))
+
+    def _handlers(self, direction: Direction) -> list[TransferHandler]:
+        backend, budget = self.transfer.backend, self.transfer.sm_budget
+        if budget is None:
+            return [TransferHandler(rank, direction, backend=backend) for rank in self.layouts]
+        options = {"triton": {"max_programs": budget}}
+        return [
+            TransferHandler(rank, direction, backend="triton", backend_options=options)
+            for rank in self.layouts
+        ]
+
+    def capture(
+        self,
+        sequences: Sequence[SequenceBlocks],
+        path: str | Path,
+        *,
+        source: fmt.SourceInfo | None = None,
+        staging: StagingOptions | None = None,
+        reproducible: bool = False,
+        max_shard_bytes: int | None = None,
+        direct_io: bool | None = None,
+        progress: ProgressCallback | None = None,
+        trace: TraceHook | None = None,
+    ) -> CaptureResult:
+        """Write the KV of ``sequences`` to a snapshot at ``path``; see :func:`kvsnap.capture`."""
+        started = time.perf_counter()
+        validate_sequences(self.geometry.block_size, sequences)
+        metadata, device_blocks = _capture_metadata(
+            self.layouts, sequences, source or fmt.SourceInfo(), reproducible
+        )
+        page_bytes = self.geometry.canonical_page_size_bytes
+        names = self.geometry.tensor_names()
+        total_bytes = page_bytes * len(device_blocks) * len(names)
+        with traced(trace, "setup.staging"):
+            ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes)
+        mover = self._mover(Direction.DEVICE_TO_HOST)
+        done = _Progress(progress, total_bytes)
+        try:
+            with traced(trace, "setup.writer"):
+                writer = SnapshotWriter(
+                    path,
+                    metadata,
+                    direct_io=direct_io,
+                    max_shard_bytes=max_shard_bytes,
+                    trace=trace,
+                )
+            try:
+                mover.begin()
+                plans = plan_slots(len(names), len(device_blocks), page_bytes, ring.slot_bytes)
+                capture_slots(mover, ring, writer, plans, device_blocks, done.add, trace)
+                info = writer.commit()
+            except BaseException:
+                writer.abort()
+                raise
+        finally:
+            with traced(trace, "teardown"):
+                try:
+                    mover.end()
+                finally:
+                    ring.finish()
+        return CaptureResult(
+            path=str(info.path),
+            num_sequences=len(sequences),
+            num_tokens=sum(len(sequence.token_ids) for sequence in sequences),
+            num_blocks=len(device_blocks),
+            num_bytes=info.num_bytes,
+            seconds=time.perf_counter() - started,
+            backend=mover.backend_name,
+            direct_io_fallback=writer.fallback_reason,
+        )
+
+    def restore(
+        self,
+        snapshot: Snapshot | str | Path,
+        block_ids: Mapping[str, np.ndarray | Sequence[int]],
+        *,
+        staging: StagingOptions | None = None,
+        model_fingerprint: str | None = None,
+        force: bool = False,
+        progress: ProgressCallback | None = None,
+        trace: TraceHook | None = None,
+    ) -> RestoreResult:
+        """Write the KV of the sequences named in ``block_ids`` into the caches.
+
+        ``snapshot`` is an open :class:`~kvsnap.Snapshot` or a path (opened and closed here).
+        ``block_ids`` maps a sequence id to the target's device block ids, one per block of
+        that sequence. Everything is checked before the first byte is written (see
+        :func:`kvsnap.compat.check_fits`, and the ids, counts and ranges of the blocks). A page
+        that fails its checksum is never written: the others are, and
+        :class:`~kvsnap.errors.RestoreIncompleteError` then lists the target blocks not
+        (fully) restored.
+        """
+        from kvsnap.snapshot import Snapshot
+
+        if not isinstance(snapshot, Snapshot):
+            with Snapshot.open(snapshot) as opened:
+                return self.restore(
+                    opened,
+                    block_ids,
+                    staging=staging,
+                    model_fingerprint=model_fingerprint,
+                    force=force,
+                    progress=progress,
+                    trace=trace,
+                )
+        started = time.perf_counter()
+        check_fits(
+            snapshot.metadata,
+            self.geometry,
+            path=snapshot.path,
+            model_fingerprint=model_fingerprint,
+            force=force,
+        )
+        capacity = min(layout.num_blocks for layout in self.layouts)
+        snapshot_blocks, target_blocks, num_tokens = restore_pairs(
+            snapshot.sequences, block_ids, capacity, snapshot.path
+        )
+        page_bytes = self.geometry.canonical_page_size_bytes
+        names = self.geometry.tensor_names()
+        total_bytes = page_bytes * len(snapshot_blocks) * len(names)
+        with traced(trace, "setup.staging"):
+            ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes)
+        mover = self._mover(Direction.HOST_TO_DEVICE)
+        pages = SnapshotPages(snapshot.reader)
+        done = _Progress(progress, total_bytes)
+        try:
+            mover.begin()
+            plans = plan_slots(len(names), len(snapshot_blocks), page_bytes, ring.slot_bytes)
+            failed = restore_slots(
+                mover, ring, pages, plans, (snapshot_blocks, target_blocks), done.add, trace
+            )
+        finally:
+            with traced(trace, "teardown"):
+                try:
+                    mover.end()
+                finally:
+                    ring.finish()
+        result = RestoreResult(
+            num_sequences=len(block_ids),
+            num_tokens=num_tokens,
+            num_blocks=len(snapshot_blocks),
+            num_bytes=total_bytes,
+            seconds=time.perf_counter() - started,
+            backend=mover.backend_name,
+        )
+        if len(failed.positions):
+            raise RestoreIncompleteError(
+                describe_failure(failed, names, target_blocks),
+                file=snapshot.path,
+                failed_block_ids=failed_target_blocks(failed, target_blocks),
+                result=result,
+            ) from failed.first_error
+        return result
+
+
+class _Progress:
+    """Counts the bytes moved and reports them to an optional :data:`ProgressCallback`."""
+
+    def __init__(self, callback: ProgressCallback | None, total_bytes: int) -> None:
+        self.callback = callback
+        self.total_bytes = total_bytes
+        self.done_bytes = 0
+
+    def add(self, num_bytes: int) -> None:
+        self.done_bytes += num_bytes
+        if self.callback is not None:
+            self.callback(self.done_bytes, self.total_bytes)
+
+
+def _capture_metadata(
+    layouts: Sequence[CacheLayout],
+    sequences: Sequence[SequenceBlocks],
+    source: fmt.SourceInfo,
+    reproducible: bool,
+) -> tuple[fmt.SnapshotMetadata, np.ndarray]:
+    """The snapshot's metadata, and the device block holding each unique snapshot block.
+
+    Blocks whose prefix hash chains coincide are stored once (their first owner's block).
+    """
+    geometry = layouts[0].geometry
+    token_lists = [np.asarray(sequence.token_ids, dtype=np.int64) for sequence in sequences]
+    block_lists = [block_id_array(sequence.block_ids, "block ids") for sequence in sequences]
+    chains = [fmt.prefix_hash_chain(tokens, geometry.block_size) for tokens in token_lists]
+    dedupe = fmt.dedupe_blocks(chains)
+    device_blocks = np.array(
+        [int(block_lists[index][position]) for index, position in dedupe.owners], dtype=np.int64
+    )
+    records = [
+        fmt.SequenceRecord(
+            id=sequence.id,
+            token_ids=tokens,
+            block_ids=np.asarray(block_ids, dtype=np.int64),
+            prefix_hashes=tuple(chain),
+        )
+        for sequence, tokens, chain, block_ids in zip(
+            sequences, token_lists, chains, dedupe.sequence_block_ids, strict=True
+        )
+    ]
+    metadata = fmt.SnapshotMetadata(
+        geometry=geometry,
+        source=source,
+        sequences=records,
+        num_blocks=len(device_blocks),
+        capture_encoding=layouts[0].encoding,
+        tp_size=layouts[0].tp_size,
+        # A reproducible snapshot must not change bytes with each patch release.
+        kvsnap_version=".".join(__version__.split(".")[:2]) if reproducible else __version__,
+        created=None if reproducible else fmt.utc_now(),
+    )
+    return metadata, device_blocks
+
+
+_TABLES: OrderedDict[tuple[object, ...], _SharedEntry] = OrderedDict()
+_TABLES_LOCK = threading.Lock()
+
+
+def layout_key(layout: CacheLayout) -> tuple[object, ...]:
+    """Everything a page table depends on: addresses, strides, block counts and copy runs."""
+    return (
+        layout.encoding,
+        layout.tp_rank,
+        layout.tp_size,
+        layout.geometry,
+        str(layout.device),
+        tuple((t.data_ptr, t.num_blocks, t.block_stride_bytes) for t in layout.tensors),
+        tuple((ref.tensor_index, ref.layer, ref.part, ref.mapping) for ref in layout.refs),
+    )
+
+
+def shared_page_table(layouts: Sequence[CacheLayout], direction: Direction) -> PageTable | None:
+    """The process-wide page table of ``layouts``, or ``None`` where the fused copy cannot
+    serve them in ``direction`` (:func:`~kvsnap.pipeline.movers.fused_unavailable`). Both are
+    worked out once (the tiling check of many ranks takes milliseconds); the least recently
+    used layouts past ``MAX_SHARED_TABLES`` are dropped."""
+    key = tuple(layout_key(layout) for layout in layouts)
+    with _TABLES_LOCK:
+        entry = _TABLES.get(key)
+        if entry is not None:
+            _TABLES.move_to_end(key)
+    if entry is None:
+        entry = _SharedEntry(layouts)
+        with _TABLES_LOCK:
+            _TABLES[key] = entry
+            while len(_TABLES) > MAX_SHARED_TABLES:
+                _TABLES.popitem(last=False)
+    return entry.table_for(direction)
+
+
+class _SharedEntry:
+    """One set of layouts' page table and, per direction, whether the fused copy serves it.
+
+    Everything is worked out at once, so the cache never holds the caches' tensors.
+    """
+
+    def __init__(self, layouts: Sequence[CacheLayout]) -> None:
+        self._usable = {
+            direction: fused_unavailable(layouts, direction) is None for direction in Direction
+        }
+        self._table = PageTable(layouts) if any(self._usable.values()) else None
+
+    def table_for(self, direction: Direction) -> PageTable | None:
+        return self._table if self._usable[direction] else None

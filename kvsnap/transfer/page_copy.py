@@ -1,0 +1,216 @@
+"""The fused page copy: every page of a staging slot, whatever its layer or rank, in one launch.
+
+:class:`~kvsnap.pipeline.page_table.PageTable` turns a slot's pages into :class:`GroupCopy`
+arrays: per fragment group, a base address per page on each side, plus the group's fragment
+offsets. :func:`run_page_copies` executes them:
+
+* on CUDA, one Triton kernel launch per group (a layout has one or two groups, whatever its
+  number of layers and TP ranks held) copies between the cache and a device staging buffer;
+  the DMA between that buffer and pinned host memory is one contiguous copy per slot, at the
+  PCIe ceiling. The kernel computes every fragment's two addresses from the page bases and the
+  group's offsets, so the host never builds per-fragment descriptors;
+* on CPU (caches in host memory: CPU engines, the test suite), the same arrays become
+  descriptors with two numpy broadcasts, copied in vectorized groups (:mod:`kvsnap.transfer.cpu`).
+
+The kernel is compiled once per process and fragment shape (Triton caches it); tiles are
+``ROWS`` fragments x ``BLOCK`` words, so 256-byte head slices share a step while a whole
+32 KiB page is moved ``BLOCK`` words at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvsnap.plan import Descriptors, merge_adjacent
+from kvsnap.transfer.cpu import copy_descriptors
+from kvsnap.transfer.triton_copy import interpreting
+
+if TYPE_CHECKING:
+    from kvsnap.pipeline.page_table import GroupCopy
+
+try:
+    import triton
+    import triton.language as tl
+
+    _IMPORT_ERROR: str | None = None
+except ImportError as exc:  # pragma: no cover - triton is a dependency on Linux
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    _IMPORT_ERROR = f"triton cannot be imported ({exc})"
+
+#: Bytes one program moves per step (ROWS x BLOCK words).
+STEP_BYTES = 8 << 10
+#: Programs per streaming multiprocessor of a launch without an SM budget.
+PROGRAMS_PER_SM = 4
+
+if triton is not None:
+
+    def _page_copy_kernel(
+        src_bases,
+        dst_bases,
+        src_offsets,
+        dst_offsets,
+        num_items,
+        num_fragments,
+        WORD: tl.constexpr,
+        FRAGMENT_WORDS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ROWS: tl.constexpr,
+        ALIGNED_16: tl.constexpr,
+    ):
+        """Item ``i`` is fragment ``i % num_fragments`` of page ``i // num_fragments``: copy
+        ``FRAGMENT_WORDS`` words from ``src_bases[page] + src_offsets[fragment]`` to
+        ``dst_bases[page] + dst_offsets[fragment]`` (byte addresses), ``ROWS`` items a step."""
+        program = tl.program_id(0)
+        num_programs = tl.num_programs(0)
+        rows = tl.arange(0, ROWS)
+        columns = tl.arange(0, BLOCK)
+        for first in range(program * ROWS, num_items, num_programs * ROWS):
+            items = first + rows
+            live = items < num_items
+            page = items // num_fragments
+            fragment = items - page * num_fragments
+            src = tl.load(src_bases + page, mask=live, other=0)
+            src += tl.load(src_offsets + fragment, mask=live, other=0)
+            dst = tl.load(dst_bases + page, mask=live, other=0)
+            dst += tl.load(dst_offsets + fragment, mask=live, other=0)
+            src_words = src.to(tl.pointer_type(WORD))
+            dst_words = dst.to(tl.pointer_type(WORD))
+            if ALIGNED_16:
+                # Every address is 16-byte aligned: the compiler may emit 128-bit accesses.
+                src_words = tl.multiple_of(src_words, 16)
+                dst_words = tl.multiple_of(dst_words, 16)
+            for start in range(0, FRAGMENT_WORDS, BLOCK):
+                offsets = start + columns
+                mask = live[:, None] & (offsets[None, :] < FRAGMENT_WORDS)
+                values = tl.load(src_words[:, None] + offsets[None, :], mask=mask)
+                tl.store(dst_words[:, None] + offsets[None, :], values, mask=mask)
+
+
+_KERNELS: dict[bool, Any] = {}
+
+
+def page_copy_kernel() -> Any:
+    """The kernel, JIT-compiled for the GPU or, under ``TRITON_INTERPRET=1``, interpreted on
+    host memory (how the CPU test suite checks its index arithmetic)."""
+    interpret = interpreting()
+    kernel = _KERNELS.get(interpret)
+    if kernel is None:
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            kernel = InterpretedFunction(_page_copy_kernel)
+        else:
+            kernel = triton.jit(_page_copy_kernel)
+        _KERNELS[interpret] = kernel
+    return kernel
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the fused copy cannot run on ``device`` (``None`` when it can)."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"the fused page copy runs on CUDA or CPU, not {device.type}"
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    return None if torch.cuda.is_available() else "CUDA is not available"
+
+
+def word_bytes(copy: GroupCopy) -> tuple[int, bool]:
+    """The widest word (8/4/2/1 bytes) dividing every address, offset and the fragment size of
+    ``copy``, and whether all of them are 16-byte aligned."""
+    combined = copy.group.fragment_bytes
+    for values in (copy.src_bases, copy.dst_bases, copy.src_offsets, copy.dst_offsets):
+        if len(values):
+            combined |= int(np.bitwise_or.reduce(values))
+    lowest_bit = combined & -combined if combined else 16
+    return min(lowest_bit, 8), lowest_bit >= 16
+
+
+def tile_shape(fragment_words: int, word: int) -> tuple[int, int]:
+    """``(BLOCK, ROWS)``: ``BLOCK`` words per fragment row (a power of two covering the
+    fragment, at most one step), ``ROWS`` fragments per step."""
+    step_words = STEP_BYTES // word
+    block = min(1 << max(fragment_words - 1, 0).bit_length(), step_words)
+    return block, max(1, step_words // block)
+
+
+def run_on_cpu(copies: Sequence[GroupCopy]) -> None:
+    """Execute ``copies`` between host addresses, synchronously."""
+    for copy in copies:
+        group = copy.group
+        src = (copy.src_bases[:, None] + copy.src_offsets[None, :]).reshape(-1)
+        dst = (copy.dst_bases[:, None] + copy.dst_offsets[None, :]).reshape(-1)
+        sizes = np.full(len(src), group.fragment_bytes, dtype=np.int64)
+        descriptors = Descriptors(src, dst, sizes)
+        if group.num_fragments == 1:
+            # Whole pages of consecutive blocks continue each other: one memmove per run.
+            descriptors = merge_adjacent(descriptors)
+        copy_descriptors(descriptors.src, descriptors.dst, descriptors.sizes)
+
+
+def kernel_table(copies: Sequence[GroupCopy]) -> np.ndarray:
+    """Every group's page bases and fragment offsets, concatenated: what :func:`launch_kernel`
+    reads from device memory (the caller uploads it, from pinned memory, on its stream)."""
+    arrays = []
+    for copy in copies:
+        arrays += [copy.src_bases, copy.dst_bases, copy.src_offsets, copy.dst_offsets]
+    return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+
+
+def launch_kernel(
+    copies: Sequence[GroupCopy],
+    table: torch.Tensor,
+    device: torch.device,
+    max_programs: int | None = None,
+) -> None:
+    """Enqueue ``copies`` on the current stream of ``device``, one kernel launch per group;
+    ``table`` holds :func:`kernel_table` on the device (or on the host under the interpreter).
+    ``max_programs`` bounds each launch's grid."""
+    if max_programs is None:
+        max_programs = PROGRAMS_PER_SM * _multiprocessors(device)
+    position = 0
+    for copy in copies:
+        views = []
+        for values in (copy.src_bases, copy.dst_bases, copy.src_offsets, copy.dst_offsets):
+            views.append(table[position : position + len(values)])
+            position += len(values)
+        _launch(copy, views, max_programs)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    count = _SM_COUNTS.get(device.index)
+    if count is None:
+        count = _SM_COUNTS[device.index] = torch.cuda.get_device_properties(
+            device
+        ).multi_processor_count
+    return count
+
+
+_SM_COUNTS: dict[int | None, int] = {}
+
+
+def _launch(copy: GroupCopy, views: list[torch.Tensor], max_programs: int) -> None:
+    word, aligned_16 = word_bytes(copy)
+    fragment_words = copy.group.fragment_bytes // word
+    block, rows = tile_shape(fragment_words, word)
+    num_items = copy.num_pages * copy.group.num_fragments
+    grid = (max(1, min(-(-num_items // rows), max_programs)),)
+    dtype: Any = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[word]
+    page_copy_kernel()[grid](
+        *views,
+        num_items,
+        copy.group.num_fragments,
+        WORD=dtype,
+        FRAGMENT_WORDS=fragment_words,
+        BLOCK=block,
+        ROWS=rows,
+        ALIGNED_16=aligned_16,
+    )

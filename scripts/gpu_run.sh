@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device run: install the carried wheels, then the steps named in $@ (tests, bench-quick,
+# bench-full, e2e), writing logs and JSON under $OUT. Used from the device tool; see docs/testing.md.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    tests) timeout 400 python3 -m pytest -q -x tests/gpu tests/test_pipeline.py 2>&1 | tail -25 ;;
+    fixed) timeout 300 python3 -m benchmarks.engine --skip-model --skip-media --repeat 20 --json-out $OUT/fixed.json ;;
+    model-quick) timeout 400 python3 -m benchmarks.engine --skip-fixed --skip-media --sizes 128,2048 --json-out $OUT/model.json ;;
+    model) timeout 500 python3 -m benchmarks.engine --skip-fixed --skip-media --json-out $OUT/model.json ;;
+    media) timeout 400 python3 -m benchmarks.engine --skip-fixed --skip-model --json-out $OUT/media.json ;;
+    transfer) timeout 300 python3 -m benchmarks.transfer $OUT/transfer.json ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+echo "=== done $(date +%T)"

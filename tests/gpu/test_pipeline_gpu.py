@@ -1,0 +1,137 @@
+"""The warm pipeline on real CUDA caches (skipped without CUDA): the fused kernel and DMA per
+slot for every layout and TP split, restores ordered before the caller's next work, captures
+of KV still being written by the caller's stream, and many warm calls reusing one state.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the CPU tests' helpers
+from test_pipeline import (
+    LAYOUTS,
+    SOURCE,
+    _assert_restored,
+    _caches,
+    _flip_byte,
+    _sequences,
+)
+
+from kvsnap.errors import RestoreIncompleteError
+from kvsnap.pipeline import Pipeline, StagingOptions
+from kvsnap.snapshot import Snapshot, capture
+from kvsnap.testing.caches import same_bytes
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize(("kind", "tp_size", "heads"), LAYOUTS)
+def test_every_layout_round_trips_on_the_gpu(tmp_path, kind, tp_size, heads):
+    sources, content = _caches(kind, heads=heads, tp_size=tp_size, device="cuda", blocks=40)
+    used = [[3, 7, 1], [3, 7, 9, 10, 33]]
+    path = tmp_path / "snap.safetensors"
+    result = capture([c.layout for c in sources], _sequences(used), path, source=SOURCE)
+    assert result.backend == "fused"
+    targets, _ = _caches(
+        kind, heads=heads, tp_size=tp_size, seed=1, fill=False, device="cuda", blocks=40
+    )
+    other = "mla" if kind == "mla" else "vllm-hnd"
+    targets += _caches(other, heads=heads, seed=2, fill=False, device="cuda", blocks=40)[0]
+    with Snapshot.open(path) as snap:
+        for group in (targets[:tp_size], targets[tp_size:]):
+            block_ids = {"s0": [0, 2, 4], "s1": [0, 2, 5, 6, 39]}
+            assert snap.restore([c.layout for c in group], block_ids).backend == "fused"
+    _assert_restored(targets, content, [3, 7, 1, 9, 10, 33], [0, 2, 4, 5, 6, 39])
+
+
+def test_many_slots_in_flight_restore_bit_exact(tmp_path):
+    # Small private slots: dozens of slots, each kernel + DMA on the staging stream while the
+    # next slots are read.
+    sources, content = _caches("vllm-nhd", layers=4, heads=8, blocks=300, device="cuda")
+    blocks = list(range(0, 300, 2))
+    path = tmp_path / "snap.safetensors"
+    staging = StagingOptions(slot_bytes=64 << 10, num_slots=3)
+    capture([sources[0].layout], _sequences([blocks]), path, source=SOURCE, staging=staging)
+    targets, _ = _caches(
+        "vllm-hnd", layers=4, heads=8, blocks=300, seed=7, fill=False, device="cuda"
+    )
+    with Snapshot.open(path) as snap:
+        snap.restore([targets[0].layout], {"s0": blocks[::-1]}, staging=staging)
+    _assert_restored(targets, content, blocks, blocks[::-1])
+
+
+def test_restored_blocks_are_ready_for_the_callers_stream(tmp_path):
+    sources, content = _caches("vllm-nhd", layers=8, heads=8, blocks=256, device="cuda")
+    path = tmp_path / "snap.safetensors"
+    capture([sources[0].layout], _sequences([list(range(256))]), path, source=SOURCE)
+    targets, _ = _caches(
+        "vllm-nhd", layers=8, heads=8, blocks=256, seed=3, fill=False, device="cuda"
+    )
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side), Snapshot.open(path) as snap:
+        snap.restore([targets[0].layout], {"s0": list(range(256))})
+        # No synchronize: work the caller enqueues next on its stream must see the blocks.
+        copies = {name: view.clone() for name, view in targets[0].views.items()}
+    torch.cuda.synchronize()
+    for name, copy in copies.items():
+        assert same_bytes(copy, targets[0].expected(content, name, torch.arange(256))), name
+
+
+def test_a_capture_waits_for_kv_the_callers_stream_is_still_writing(tmp_path):
+    sources, content = _caches("vllm-nhd", layers=4, heads=8, blocks=64, device="cuda", fill=False)
+    cache = sources[0]
+    side = torch.cuda.Stream()
+    path = tmp_path / "snap.safetensors"
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the "model" is still running
+        cache.fill(content)  # ... and writes the KV after that
+        capture([cache.layout], _sequences([list(range(64))]), path, source=SOURCE)
+    targets, _ = _caches(
+        "vllm-nhd", layers=4, heads=8, blocks=64, seed=4, fill=False, device="cuda"
+    )
+    with Snapshot.open(path) as snap:
+        snap.restore([targets[0].layout], {"s0": list(range(64))})
+    _assert_restored(targets, content, list(range(64)), list(range(64)))
+
+
+def test_a_kept_pipeline_restores_many_requests_exactly(tmp_path):
+    sources, content = _caches("vllm-nhd", layers=32, heads=8, blocks=128, device="cuda")
+    source = Pipeline([sources[0].layout])
+    targets, _ = _caches(
+        "vllm-nhd", layers=32, heads=8, blocks=128, seed=5, fill=False, device="cuda"
+    )
+    target = Pipeline([targets[0].layout])
+    for step in range(20):
+        blocks = [(step * 7 + i) % 128 for i in range(8)]
+        path = tmp_path / f"{step % 2}.safetensors"
+        source.capture(_sequences([blocks]), path, source=SOURCE)
+        placed = [(b + 64) % 128 for b in blocks]
+        target.restore(path, {"s0": placed})
+        torch.cuda.synchronize()
+        _assert_restored(targets, content, blocks, placed)
+
+
+def test_a_corrupt_page_is_not_written_on_the_gpu(tmp_path):
+    sources, content = _caches("vllm-nhd", layers=3, device="cuda")
+    path = tmp_path / "snap.safetensors"
+    capture([sources[0].layout], _sequences([[4, 5, 6, 7]]), path, source=SOURCE)
+    _flip_byte(path, "layers.2.key", 1)
+    targets, _ = _caches("vllm-nhd", layers=3, seed=6, fill=False, device="cuda")
+    with Snapshot.open(path) as snap, pytest.raises(RestoreIncompleteError) as caught:
+        snap.restore(targets[0].layout, {"s0": [0, 1, 2, 3]})
+    assert caught.value.failed_block_ids.tolist() == [1]
+    torch.cuda.synchronize()
+    target = targets[0]
+    assert not target.logical("layers.2.key")[1].view(torch.uint8).any()
+    for name in target.views:
+        for source_block, target_block in ((4, 0), (5, 1), (6, 2), (7, 3)):
+            if (name, target_block) != ("layers.2.key", 1):
+                want = target.expected(content, name, torch.tensor([source_block]))[0]
+                assert same_bytes(want, target.logical(name)[target_block]), (name, target_block)
