@@ -172,7 +172,7 @@ def test_readers_see_the_old_or_the_new_snapshot_during_replacements(tmp_path: P
                 pages = second if round_ % 2 == 0 else first
                 shards = None if round_ % 6 == 5 else limit
                 write_snapshot(path, metadata, pages, max_shard_bytes=shards)
-                time.sleep(0.02)
+                time.sleep(0.05)  # one replacement at most during one open attempt
         except BaseException as error:
             failures.append(error)
         finally:
@@ -193,7 +193,7 @@ def test_readers_see_the_old_or_the_new_snapshot_during_replacements(tmp_path: P
     writer.join()
     assert failures == []
     assert errors == [], errors[:3]
-    assert opens >= 10
+    assert opens >= 5
     # Only the last (sharded) snapshot's files remain: no old shard, single file or temporary.
     with SnapshotReader(path) as reader:
         own = {Path(file).name for file in reader.files}
