@@ -540,6 +540,29 @@ def test_random_bytes_raise_only_typed_errors(junk: bytes, file_size: int) -> No
         fmt.decode_header(junk[: 8 + length], max(file_size, len(junk)), file="junk")
 
 
+# Ids and names are text, whatever they hold: rich-markup brackets, quotes, escapes, unicode.
+_MARKUP = st.sampled_from(["[/]", "[/i]", "[bold]", "[/x]", "\\[", "[", "]", '"', "\\", "é"])
+_TEXT = st.lists(st.one_of(_MARKUP, st.text(max_size=6)), min_size=1, max_size=5).map("".join)
+_ID = _TEXT.filter(bool)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(_ID, min_size=5, max_size=5, unique=True), model_id=_TEXT)
+def test_markup_bearing_ids_round_trip_through_a_file_header(ids: list[str], model_id: str) -> None:
+    geometry = GEOMETRIES["bf16"]
+    metadata = make_metadata(geometry, shared_prefix_tokens(np.random.default_rng(6), 4))
+    for record, new_id in zip(metadata.sequences, ids, strict=True):
+        record.id = new_id
+    metadata.source = fmt.SourceInfo(engine="e[/]", model_id=model_id)
+    assert metadata.problems() == []
+    (layout,) = fmt.plan_files(metadata)
+    decoded = fmt.decode_header(layout.header, layout.file_size, file="a[/x]/snap[v2]")
+    rebuilt = decoded.metadata.with_tensors(metadata.metadata_tensors())
+    assert rebuilt == metadata
+    assert [record.id for record in rebuilt.sequences] == ids
+    assert rebuilt.source.model_id == model_id
+
+
 # --------------------------------------------------------------------------------------------
 # Errors
 

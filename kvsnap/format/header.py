@@ -34,6 +34,8 @@ from kvsnap.format.schema import strict_json_loads
 _LEADING_METADATA = re.compile(
     rb'\{\s*"__metadata__"\s*:\s*\{\s*"format"\s*:\s*"pt"\s*,\s*"kvsnap"\s*:\s*"'
 )
+#: One JSON string (its quotes included), escapes and all.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 #: The trailer's entry, as kvsnap writes it; found by :func:`locate_trailer` without parsing.
 _TRAILER_ENTRY = re.compile(
     rb'"kvsnap\.checksums"\s*:\s*\{\s*"dtype"\s*:\s*"U8"\s*,\s*"shape"\s*:\s*'
@@ -100,17 +102,18 @@ def decode_header(header: bytes, file_size: int, file: str | None = None) -> Dec
     overlap up to exactly the end of the file (:class:`SnapshotCorruptError`).
     """
     data_start = len(header)
-    body = header[HEADER_PREFIX.size :]
-    if body[:1] != b"{":
+    if header[HEADER_PREFIX.size : HEADER_PREFIX.size + 1] != b"{":
         raise NotASnapshotError("header does not start with '{': not a safetensors file", file=file)
-    leading = _leading_kvsnap_json(body)
+    # Nothing here copies or parses the whole header before its bounds are checked.
+    leading = _leading_kvsnap_json(header)
     if leading is not None:
-        # Bounds first: what the metadata implies limits what the full parse may cost.
         metadata = _parse_kvsnap_json(leading, file)
-        _check_header_bounds(body, metadata, leading, file)
-    elif len(body) > FOREIGN_HEADER_PARSE_LIMIT:
+        _check_header_bounds(header, metadata, leading, file)
+    elif data_start - HEADER_PREFIX.size > FOREIGN_HEADER_PARSE_LIMIT:
         raise NotASnapshotError(
-            f"a header of {len(body)} bytes that does not begin with kvsnap metadata", file=file
+            f"a header of {data_start - HEADER_PREFIX.size} bytes that does not begin with "
+            "kvsnap metadata",
+            file=file,
         )
     document, kvsnap_json = _header_document(header, file)
     if leading is None:
@@ -129,17 +132,19 @@ def decode_header(header: bytes, file_size: int, file: str | None = None) -> Dec
     return DecodedHeader(metadata, kvsnap_json, tuple(entries), data_start)
 
 
-def _leading_kvsnap_json(body: bytes) -> str | None:
-    """The kvsnap metadata string when the header begins with ``__metadata__`` and its
+def _leading_kvsnap_json(header: bytes) -> str | None:
+    """The kvsnap metadata string when the header JSON begins with ``__metadata__`` and its
     ``format`` and ``kvsnap`` keys (as kvsnap writes it), found without parsing the rest."""
-    match = _LEADING_METADATA.match(body)
+    match = _LEADING_METADATA.match(header, HEADER_PREFIX.size)
     if match is None:
         return None
+    string = _JSON_STRING.match(header, match.end() - 1)
+    if string is None:
+        return None
     try:
-        text, _ = json.decoder.scanstring(body.decode("utf-8"), match.end())
+        return json.loads(string.group())
     except (UnicodeDecodeError, ValueError):
         return None
-    return text
 
 
 def _parse_kvsnap_json(kvsnap_json: str, file: str | None) -> HeaderMetadata:
@@ -153,7 +158,7 @@ def _parse_kvsnap_json(kvsnap_json: str, file: str | None) -> HeaderMetadata:
 
 
 def _check_header_bounds(
-    body: bytes, metadata: HeaderMetadata, kvsnap_json: str, file: str | None
+    header: bytes, metadata: HeaderMetadata, kvsnap_json: str, file: str | None
 ) -> None:
     """Refuse, before parsing its entries, a header with more tensor entries or more bytes than
     its metadata allows: at most two entries (the tensor and its padding) per snapshot tensor
@@ -161,17 +166,16 @@ def _check_header_bounds(
     specs = specs_for(metadata)
     most_entries = 2 * (len(specs) + 1)  # every tensor and the trailer, each with padding
     # Every entry has a "data_offsets" key; JSON strings cannot hide an unescaped quote.
-    entries = body.count(b'"data_offsets"')
+    entries = header.count(b'"data_offsets"', HEADER_PREFIX.size)
     if entries > most_entries:
         raise SnapshotCorruptError(
             f"the header lists {entries} tensors, its metadata allows at most {most_entries}",
             file=file,
         )
     most_bytes = 3 * len(pack_file(specs, kvsnap_json).header) + 2 * DATA_ALIGNMENT
-    if HEADER_PREFIX.size + len(body) > most_bytes:
+    if len(header) > most_bytes:
         raise SnapshotCorruptError(
-            f"the header has {HEADER_PREFIX.size + len(body)} bytes, its metadata allows at "
-            f"most {most_bytes}",
+            f"the header has {len(header)} bytes, its metadata allows at most {most_bytes}",
             file=file,
         )
 

@@ -33,12 +33,15 @@ The package, one module per job:
 
 - :mod:`~kvsnap.store.writer`: :class:`SnapshotWriter` (public API, hashing beside writing),
   with its two targets :mod:`~kvsnap.store.write_local` and :mod:`~kvsnap.store.write_stream`;
-- :mod:`~kvsnap.store.reader`: :class:`SnapshotReader`; :mod:`~kvsnap.store.verify` its
-  full verification; :mod:`~kvsnap.store.source` random-access reads of one file;
+- :mod:`~kvsnap.store.reader`: :class:`SnapshotReader`; :mod:`~kvsnap.store.opening` what it
+  checks as it opens a file; :mod:`~kvsnap.store.verify` its full verification;
+  :mod:`~kvsnap.store.slot_reads` many tensors' pages read into one staging slot;
+  :mod:`~kvsnap.store.source` random-access reads of one file;
 - :mod:`~kvsnap.store.local_file`, :mod:`~kvsnap.store.stream_file`: one output file, local or
   through fsspec;
 - :mod:`~kvsnap.store.publish`: temporary names, atomic publish (:func:`publish_bytes`) and
   the cleanup of dead writers' temporary files;
+- :mod:`~kvsnap.store.overwrite`: what a writer may delete when it replaces a snapshot;
 - :mod:`~kvsnap.store.location`: local paths and fsspec URLs;
 - :mod:`~kvsnap.store.tracing`, :mod:`~kvsnap.store.completion`, :mod:`~kvsnap.store.tuning`:
   the trace hook, split futures, pipeline sizes.

@@ -59,9 +59,11 @@ def temp_name(final_name: str, owner: str | None = None) -> str:
 def create_temp(final_path: str, owner: str | None = None) -> tuple[int, str]:
     """Create and lock a temporary file next to ``final_path``; returns ``(fd, temp_path)``.
 
-    The file is created exclusively (``O_EXCL``) and ``flock``ed; ``fd`` (write only) holds the
-    lock until it is closed. Should a cleanup remove the file between creation and locking,
-    a new name is tried, so the returned path is this file's.
+    The file is created exclusively (``O_EXCL``) and ``flock``ed; ``fd`` (read-write) holds
+    the lock until it is closed. Should a cleanup remove the file between creation and
+    locking, a new name is tried, so the returned path is this file's. On a filesystem without
+    ``flock`` the file stays unlocked, and :func:`remove_dead_temps` (which cannot lock it
+    either) never removes it.
     """
     directory = os.path.dirname(final_path)
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -69,7 +71,7 @@ def create_temp(final_path: str, owner: str | None = None) -> tuple[int, str]:
         path = os.path.join(directory, temp_name(os.path.basename(final_path), owner))
         fd = os.open(path, flags, 0o666)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _lock(fd)
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 return fd, path
         except FileNotFoundError:
@@ -80,6 +82,18 @@ def create_temp(final_path: str, owner: str | None = None) -> tuple[int, str]:
                 os.unlink(path)
             raise
         os.close(fd)
+
+
+#: ``flock`` errors meaning "this filesystem has no such locks" (some FUSE and network ones).
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
+
+
+def _lock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as error:
+        if error.errno not in _NO_LOCKS:
+            raise
 
 
 def fsync_directory(path: str) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,11 +14,9 @@ import xxhash
 from kvsnap import format as fmt
 from kvsnap.dtypes import SAFETENSORS_TYPES
 from kvsnap.errors import (
-    KVSnapError,
     NotASnapshotError,
     SnapshotCorruptError,
     SnapshotIOError,
-    UnsupportedVersionError,
 )
 from kvsnap.format import SnapshotMetadata, TensorEntry
 from kvsnap.store import slot_reads, tuning
@@ -31,86 +27,13 @@ from kvsnap.store.location import (
     locate,
     read_small,
 )
+from kvsnap.store.opening import check_in_directory, decoded_header
 from kvsnap.store.source import OpenFile, Source, check_blocks
 from kvsnap.store.tracing import TraceHook, traced
 from kvsnap.store.verify import ReaderVerification
 
 #: Opens of a snapshot that is being replaced, before a vanished file is an error.
 OPEN_ATTEMPTS = 3
-#: Largest checksum trailer read to tell a damaged format version from a newer format.
-_MAX_TRAILER_PROBE_BYTES = 16 << 20
-
-
-#: Headers decoded lately, by their bytes' xxh3-128 and the file size: an engine opening the same
-#: snapshots again and again skips the JSON parse and schema validation. Only headers that
-#: passed every check are kept, and any change to a header's bytes misses the cache.
-_HEADER_CACHE: OrderedDict[tuple[bytes, int], tuple[fmt.DecodedHeader, fmt.FileLayout]] = (
-    OrderedDict()
-)
-_HEADER_CACHE_SIZE = 64
-_HEADER_CACHE_LOCK = threading.Lock()
-
-
-def _decoded_header(
-    source: Source, header_bytes: bytes
-) -> tuple[fmt.DecodedHeader, fmt.FileLayout]:
-    """The checked header and file layout of ``source`` (whose first bytes are
-    ``header_bytes``); see :func:`kvsnap.format.decode_header`."""
-    key = (fmt.digest128(header_bytes), source.size)
-    with _HEADER_CACHE_LOCK:
-        cached = _HEADER_CACHE.get(key)
-        if cached is not None:
-            _HEADER_CACHE.move_to_end(key)
-            return cached
-    try:
-        header = fmt.decode_header(header_bytes, source.size, file=source.url)
-    except UnsupportedVersionError as error:
-        raise _version_or_damage(source, header_bytes, error) from None
-    layout, _, _ = fmt.expected_layout(header, file=source.url)
-    if layout.header != header_bytes:
-        raise SnapshotCorruptError(
-            "header bytes differ from the format's encoding", file=source.url
-        )
-    with _HEADER_CACHE_LOCK:
-        _HEADER_CACHE[key] = (header, layout)
-        while len(_HEADER_CACHE) > _HEADER_CACHE_SIZE:
-            _HEADER_CACHE.popitem(last=False)
-    return header, layout
-
-
-def _version_or_damage(
-    source: Source, header: bytes, error: UnsupportedVersionError
-) -> KVSnapError:
-    """``error`` for a header that is intact by its checksum trailer (a newer format, really),
-    a :class:`SnapshotCorruptError` for one whose intact trailer disagrees with it (a damaged
-    byte in ``format_version``), ``error`` again when the trailer cannot tell."""
-    where = fmt.locate_trailer(header)
-    if where is None or where[1] != source.size or where[1] - where[0] > _MAX_TRAILER_PROBE_BYTES:
-        return error
-    try:
-        digests = fmt.decode_trailer(source.read(where[0], where[1] - where[0]))
-    except KVSnapError:
-        return error
-    if digests[0] == fmt.digest128(header):
-        return error
-    return SnapshotCorruptError(
-        f"format_version reads {error.version!r}, but the header does not match its checksum "
-        "(trailer row 0): a damaged header, not a newer format",
-        file=source.url,
-    )
-
-
-def _check_in_directory(index: Location, shard: Location) -> None:
-    """Refuse a local shard that resolves (through symbolic links) outside the index's
-    directory: an index only ever names files beside it."""
-    if not shard.is_local:
-        return
-    home = os.path.realpath(os.path.dirname(index.path))
-    if os.path.dirname(os.path.realpath(shard.path)) != home:
-        raise SnapshotCorruptError(
-            "is a symbolic link to a file outside the snapshot's directory (refused)",
-            file=shard.url,
-        )
 
 
 class SnapshotReader(ReaderVerification):
@@ -203,7 +126,7 @@ class SnapshotReader(ReaderVerification):
             prefix = source.read(0, min(8, source.size))
             length = fmt.header_length(prefix, source.size, file=source.url)
             header_bytes = prefix + source.read(8, length)
-            header, layout = _decoded_header(source, header_bytes)
+            header, layout = decoded_header(source, header_bytes)
             open_file = OpenFile(source, layout)
             if self._verify:
                 self._load_trailer(open_file)
@@ -223,7 +146,7 @@ class SnapshotReader(ReaderVerification):
         count = len(index.files)
         for number, name in enumerate(index.files, start=1):
             location = index_location.sibling(name)
-            _check_in_directory(index_location, location)
+            check_in_directory(index_location, location)
             open_file, header = self._open_file(location)
             self._files.append(open_file)
             if header.metadata.shard != (number, count):

@@ -68,8 +68,6 @@ class LocalTarget:
         cause = "; ".join(why) or "unaligned boundaries"
         return f"{self._buffered_bytes} of {total} KV bytes went through the page cache ({cause})"
 
-    # -- local files ---------------------------------------------------------------------
-
     def _start_local(self, direct_io: bool | None) -> None:
         directory = os.path.dirname(self._location.path)
         # Leftovers of killed writers of this snapshot (their lock is free); never a live one's.

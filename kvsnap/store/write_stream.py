@@ -22,8 +22,6 @@ from kvsnap.store.tracing import traced
 class StreamTarget:
     """The fsspec half of :class:`~kvsnap.store.writer.SnapshotWriter` (a mixin)."""
 
-    # -- streams (fsspec) ------------------------------------------------------------------
-
     def _start_stream(self, direct_io: bool | None) -> None:
         """Start the ordered lane and queue everything up to the first layer tensor."""
         if direct_io:
