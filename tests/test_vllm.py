@@ -384,8 +384,10 @@ def test_persisted_prompts_load_after_restart_with_the_same_tokens(scenario: Sce
     # E1 computed everything and persisted the loadable blocks of A and B as chunks of two
     # blocks (A's third block alone), none of C (opted out).
     assert _tokens(e1, "save", "A") == [64, 32] and _tokens(e1, "save", "B") == [64]
-    print("E1 HITS", [e for e in e1.events if e.get("event") == "hit"])
-    assert e1.events_for("save", "C") == [] and count_events(e1.events, "hit") == 0
+    # Nothing of A, B or C was stored before E1 (later requests of E1 may find chunks that
+    # E1 itself stored a moment earlier, depending on the scheduler's timing).
+    assert e1.events_for("save", "C") == []
+    assert all(e1.events_for("hit", label) == [] for label in ("A", "B", "C"))
     # E3 started fresh and skipped the stored prefixes: A whole, D the chunk it shares with A.
     for label, skipped in (("A", 96), ("D", 64)):
         assert _tokens(e3, "hit", label) == [skipped], label

@@ -40,6 +40,7 @@ from kvsnap.pipeline.movers import HandlerMover, SlotMover
 from kvsnap.pipeline.options import StagingOptions, TransferOptions
 from kvsnap.pipeline.page_table import PageTable
 from kvsnap.pipeline.restore import (
+    FailedPages,
     SnapshotPages,
     describe_failure,
     failed_target_blocks,
@@ -210,42 +211,55 @@ class Pipeline:
         snapshot_blocks, target_blocks, num_tokens = restore_pairs(
             snapshot.sequences, block_ids, capacity, snapshot.path
         )
+        failed, result = self._move_in(
+            snapshot, (snapshot_blocks, target_blocks), staging, progress, trace
+        )
+        result = RestoreResult(
+            num_sequences=len(block_ids),
+            num_tokens=num_tokens,
+            num_blocks=len(snapshot_blocks),
+            num_bytes=result.num_bytes,
+            seconds=time.perf_counter() - started,
+            backend=result.backend,
+        )
+        if len(failed.positions):
+            raise RestoreIncompleteError(
+                describe_failure(failed, self.geometry.tensor_names(), target_blocks),
+                file=snapshot.path,
+                failed_block_ids=failed_target_blocks(failed, target_blocks),
+                result=result,
+            ) from failed.first_error
+        return result
+
+    def _move_in(
+        self,
+        snapshot: Snapshot,
+        blocks: tuple[np.ndarray, np.ndarray],
+        staging: StagingOptions | None,
+        progress: ProgressCallback | None,
+        trace: TraceHook | None,
+    ) -> tuple[FailedPages, RestoreResult]:
+        """The staging loop of a checked restore: the pages that failed, and the bytes and
+        backend (the rest of the result is the caller's)."""
         page_bytes = self.geometry.canonical_page_size_bytes
         names = self.geometry.tensor_names()
-        total_bytes = page_bytes * len(snapshot_blocks) * len(names)
+        total_bytes = page_bytes * len(blocks[0]) * len(names)
         with traced(trace, "setup.staging"):
             ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes)
         mover = self._mover(Direction.HOST_TO_DEVICE)
-        pages = SnapshotPages(snapshot.reader)
         done = _Progress(progress, total_bytes)
         try:
             mover.begin()
-            plans = plan_slots(len(names), len(snapshot_blocks), page_bytes, ring.slot_bytes)
-            failed = restore_slots(
-                mover, ring, pages, plans, (snapshot_blocks, target_blocks), done.add, trace
-            )
+            plans = plan_slots(len(names), len(blocks[0]), page_bytes, ring.slot_bytes)
+            pages = SnapshotPages(snapshot.reader)
+            failed = restore_slots(mover, ring, pages, plans, blocks, done.add, trace)
         finally:
             with traced(trace, "teardown"):
                 try:
                     mover.end()
                 finally:
                     ring.finish()
-        result = RestoreResult(
-            num_sequences=len(block_ids),
-            num_tokens=num_tokens,
-            num_blocks=len(snapshot_blocks),
-            num_bytes=total_bytes,
-            seconds=time.perf_counter() - started,
-            backend=mover.backend_name,
-        )
-        if len(failed.positions):
-            raise RestoreIncompleteError(
-                describe_failure(failed, names, target_blocks),
-                file=snapshot.path,
-                failed_block_ids=failed_target_blocks(failed, target_blocks),
-                result=result,
-            ) from failed.first_error
-        return result
+        return failed, RestoreResult(0, 0, 0, total_bytes, 0.0, mover.backend_name)
 
 
 class _Progress:

@@ -14,12 +14,13 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvsnap import format as fmt
+from kvsnap.errors import SnapshotCorruptError
 from kvsnap.store.completion import Completion
 from kvsnap.store.source import Source
 from kvsnap.store.tracing import TraceHook, traced
@@ -152,18 +153,110 @@ def read_slot_async(
             result.set_result(np.sort(np.concatenate(bad)) if bad else np.empty(0, np.int64))
 
     done.future.add_done_callback(finish)
+    _run_pieces(read, pieces, done)
+    return result
+
+
+def _run_pieces(read: Callable[[_Piece], None], pieces: list[_Piece], done: Completion) -> None:
+    """Each piece on the shared read threads; where a file reads through one handle (fsspec),
+    in order on this thread."""
     executor = shared_executor()
     concurrent_ok = all(piece.source.concurrent for piece in pieces)
     for piece in pieces:
         if concurrent_ok:
             done.watch(executor.submit(read, piece))
-        else:
-            # An fsspec file reads through one handle: in order, on this thread's turn.
-            inline: concurrent.futures.Future[None] = concurrent.futures.Future()
-            try:
-                read(piece)
-                inline.set_result(None)
-            except BaseException as error:
-                inline.set_exception(error)
-            done.watch(inline)
-    return result
+            continue
+        inline: concurrent.futures.Future[None] = concurrent.futures.Future()
+        try:
+            read(piece)
+            inline.set_result(None)
+        except BaseException as error:
+            inline.set_exception(error)
+        done.watch(inline)
+
+
+class SlotReading:
+    """The slot-at-a-time half of :class:`~kvsnap.store.reader.SnapshotReader` (a mixin):
+    reads of many tensors' pages in one call, and the block-checksum table they check."""
+
+    def read_slot_async(
+        self,
+        page_tensors: np.ndarray,
+        page_blocks: np.ndarray,
+        page_offsets: np.ndarray,
+        out: np.ndarray,
+        *,
+        verify: bool = True,
+        trace: TraceHook | None = None,
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Read many tensors' pages into one buffer; see :func:`kvsnap.store.
+        read_slot_async` (the future gives the pages that failed their checksum). ``verify``
+        False skips the checksums here (a caller that checks the pages itself, on the device,
+        against :meth:`stored_checksums`); a reader opened without verification never checks.
+
+        ``page_tensors`` index :meth:`tensor_names`; the arrays must be int64 and in range
+        (``IndexError`` otherwise), ``out`` large enough (``ValueError``).
+        """
+        num_tensors, num_blocks = len(self._names), self._num_blocks
+        if len(page_tensors) and (
+            page_tensors.min() < 0
+            or page_tensors.max() >= num_tensors
+            or page_blocks.min() < 0
+            or page_blocks.max() >= num_blocks
+        ):
+            raise IndexError(f"pages outside {num_tensors} tensors of {num_blocks} blocks")
+        if len(page_offsets) and page_offsets.max() + self._page_bytes > out.nbytes:
+            raise ValueError(f"out holds {out.nbytes} bytes, the pages reach further")
+        checksums = self._block_checksum_table() if self._verify and verify else None
+        return read_slot_async(
+            self._extents(), checksums, page_tensors, page_blocks, page_offsets, out, trace
+        )
+
+    def _extents(self) -> TensorExtents:
+        if self._tensor_extents is None:
+            sources = [open_file.source for open_file in self._files]
+            located = [self._where[name] for name in self._names]
+            self._tensor_extents = TensorExtents(
+                sources,
+                np.array([index for index, _ in located], dtype=np.int64),
+                np.array([entry.begin for _, entry in located], dtype=np.int64),
+                self._page_bytes,
+            )
+        return self._tensor_extents
+
+    def _block_checksum_table(self) -> np.ndarray:
+        """Every layer tensor's stored block checksums, ``(tensors, blocks)``, read at once."""
+        if len(self._rows) < len(self._names):
+            self._load_all_rows()
+        if self._table is None:
+            self._table = np.stack([self._rows[index] for index in range(len(self._names))])
+        return self._table
+
+    def _load_all_rows(self) -> None:
+        """Read the whole block-checksum tensor in one read and check each tensor's row
+        against the trailer (one read, not one per tensor: a restore touches every tensor)."""
+        self._ensure_trailers()
+        open_file, entry = self._locate_tensor(fmt.BLOCK_CHECKSUMS_TENSOR)
+        raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.BLOCK_CHECKSUMS_TENSOR)
+        table = np.frombuffer(raw, dtype="<u8").reshape(len(self._names), self._num_blocks)
+        for tensor, name in enumerate(self._names):
+            row = table[tensor]
+            layer_file, _ = self._locate_tensor(name)
+            if fmt.layer_tensor_digest(row) != self._expected_digest(layer_file, name):
+                raise SnapshotCorruptError(
+                    f"the stored block checksums of {name} do not match their xxh3-128 checksum",
+                    file=open_file.source.url,
+                    tensor=fmt.BLOCK_CHECKSUMS_TENSOR,
+                )
+            self._rows[tensor] = row
+
+    @property
+    def verifies(self) -> bool:
+        """Whether this reader checks what it reads against the stored checksums."""
+        return self._verify
+
+    def stored_checksums(self, page_tensors: np.ndarray, page_blocks: np.ndarray) -> np.ndarray:
+        """The stored xxh3-64 of page ``i`` (block ``page_blocks[i]`` of tensor
+        ``page_tensors[i]``), as uint64; :class:`SnapshotCorruptError` if the stored
+        checksums themselves are damaged."""
+        return self._block_checksum_table()[page_tensors, page_blocks]

@@ -95,72 +95,84 @@ def supports(page_bytes: int) -> bool:
 
 if triton is not None:
 
-    def _page_digest_kernel(
-        words,
-        page_words,
-        constants,
-        digests,
-        PAGE_BYTES: tl.constexpr,
-    ):
-        """xxh3-64 of the page at word ``page_words[p]`` of ``words``, into ``digests[p]``."""
-        page = tl.program_id(0)
-        base = tl.load(page_words + page)
-        half = tl.arange(0, 4) * 2  # even lanes; odd lanes are half + 1
-        keys = constants  # 16 x 8 stripe keys
-        acc_even = tl.load(constants + 152 + half).to(tl.uint64, bitcast=True)
-        acc_odd = tl.load(constants + 153 + half).to(tl.uint64, bitcast=True)
-        # Every constant typed u64: a signed operand would make a later shift arithmetic.
-        low32 = tl.full([4], 0xFFFFFFFF, tl.uint64)
-        prime32_1 = tl.full([4], 0x9E3779B1, tl.uint64)
-        num_blocks: tl.constexpr = (PAGE_BYTES - 1) // 1024
-        for block in range(num_blocks):
-            for stripe in tl.static_range(16):
-                at = base + block * 128 + stripe * 8
-                data_even = tl.load(words + at + half).to(tl.uint64, bitcast=True)
-                data_odd = tl.load(words + at + half + 1).to(tl.uint64, bitcast=True)
-                key_even = tl.load(keys + stripe * 8 + half).to(tl.uint64, bitcast=True)
-                key_odd = tl.load(keys + stripe * 8 + half + 1).to(tl.uint64, bitcast=True)
-                mixed_even = data_even ^ key_even
-                mixed_odd = data_odd ^ key_odd
-                acc_even += data_odd + (mixed_even & low32) * (mixed_even >> 32)
-                acc_odd += data_even + (mixed_odd & low32) * (mixed_odd >> 32)
-            scramble_even = tl.load(constants + 128 + half).to(tl.uint64, bitcast=True)
-            scramble_odd = tl.load(constants + 129 + half).to(tl.uint64, bitcast=True)
-            acc_even = ((acc_even ^ (acc_even >> 47)) ^ scramble_even) * prime32_1
-            acc_odd = ((acc_odd ^ (acc_odd >> 47)) ^ scramble_odd) * prime32_1
-        last_stripes: tl.constexpr = ((PAGE_BYTES - 1) - 1024 * num_blocks) // 64
-        for stripe in tl.static_range(last_stripes):
-            at = base + num_blocks * 128 + stripe * 8
-            data_even = tl.load(words + at + half).to(tl.uint64, bitcast=True)
-            data_odd = tl.load(words + at + half + 1).to(tl.uint64, bitcast=True)
-            key_even = tl.load(keys + stripe * 8 + half).to(tl.uint64, bitcast=True)
-            key_odd = tl.load(keys + stripe * 8 + half + 1).to(tl.uint64, bitcast=True)
-            mixed_even = data_even ^ key_even
-            mixed_odd = data_odd ^ key_odd
-            acc_even += data_odd + (mixed_even & low32) * (mixed_even >> 32)
-            acc_odd += data_even + (mixed_odd & low32) * (mixed_odd >> 32)
-        at = base + PAGE_BYTES // 8 - 8  # the last stripe, at the end of the page
+    @triton.jit
+    def _accumulate(acc_even, acc_odd, words, at, keys, half, low32):
+        """One 64-byte stripe at word ``at`` into the lanes, with the 8 keys at ``keys``."""
         data_even = tl.load(words + at + half).to(tl.uint64, bitcast=True)
         data_odd = tl.load(words + at + half + 1).to(tl.uint64, bitcast=True)
-        key_even = tl.load(constants + 136 + half).to(tl.uint64, bitcast=True)
-        key_odd = tl.load(constants + 137 + half).to(tl.uint64, bitcast=True)
-        mixed_even = data_even ^ key_even
-        mixed_odd = data_odd ^ key_odd
+        mixed_even = data_even ^ tl.load(keys + half).to(tl.uint64, bitcast=True)
+        mixed_odd = data_odd ^ tl.load(keys + half + 1).to(tl.uint64, bitcast=True)
+        # acc[i ^ 1] += data[i]: the odd lanes take the even data and the even lanes the odd.
         acc_even += data_odd + (mixed_even & low32) * (mixed_even >> 32)
         acc_odd += data_even + (mixed_odd & low32) * (mixed_odd >> 32)
-        # Merge: sum over pairs of fold64(128-bit product of the lanes xor the merge keys).
-        left = acc_even ^ tl.load(constants + 144 + half).to(tl.uint64, bitcast=True)
-        right = acc_odd ^ tl.load(constants + 145 + half).to(tl.uint64, bitcast=True)
+        return acc_even, acc_odd
+
+    @triton.jit
+    def _fold(left, right, low32):
+        """The low 64 bits xor the high 64 bits of each 128-bit product ``left * right``."""
         left_lo, left_hi = left & low32, left >> 32
         right_lo, right_hi = right & low32, right >> 32
         lo_lo = left_lo * right_lo
         hi_lo = left_hi * right_lo
         lo_hi = left_lo * right_hi
-        hi_hi = left_hi * right_hi
         cross = (lo_lo >> 32) + (hi_lo & low32) + lo_hi
-        upper = (hi_lo >> 32) + (cross >> 32) + hi_hi
+        upper = (hi_lo >> 32) + (cross >> 32) + left_hi * right_hi
         lower = (cross << 32) | (lo_lo & low32)
-        result = tl.load(constants + 160).to(tl.uint64, bitcast=True) + tl.sum(lower ^ upper, 0)
+        return lower ^ upper
+
+    def _page_digest_kernel(words, page_words, constants, digests, PAGE_BYTES: tl.constexpr):
+        """xxh3-64 of the page at word ``page_words[p]`` of ``words``, into ``digests[p]``.
+
+        ``constants`` is :func:`constant_table`: stripe keys at 0, scramble keys at 128,
+        last-stripe keys at 136, merge keys at 144, initial lanes at 152, the seed at 160.
+        """
+        page = tl.program_id(0)
+        base = tl.load(page_words + page)
+        half = tl.arange(0, 4) * 2  # even lanes; odd lanes are half + 1
+        # Every constant typed u64: a signed operand would make a later shift arithmetic.
+        low32 = tl.full([4], 0xFFFFFFFF, tl.uint64)
+        prime32_1 = tl.full([4], 0x9E3779B1, tl.uint64)
+        acc_even = tl.load(constants + 152 + half).to(tl.uint64, bitcast=True)
+        acc_odd = tl.load(constants + 153 + half).to(tl.uint64, bitcast=True)
+        num_blocks: tl.constexpr = (PAGE_BYTES - 1) // 1024
+        for block in range(num_blocks):
+            for stripe in tl.static_range(16):
+                acc_even, acc_odd = _accumulate(
+                    acc_even,
+                    acc_odd,
+                    words,
+                    base + block * 128 + stripe * 8,
+                    constants + stripe * 8,
+                    half,
+                    low32,
+                )
+            acc_even = (acc_even ^ (acc_even >> 47)) ^ tl.load(constants + 128 + half).to(
+                tl.uint64, bitcast=True
+            )
+            acc_odd = (acc_odd ^ (acc_odd >> 47)) ^ tl.load(constants + 129 + half).to(
+                tl.uint64, bitcast=True
+            )
+            acc_even = acc_even * prime32_1
+            acc_odd = acc_odd * prime32_1
+        last_stripes: tl.constexpr = ((PAGE_BYTES - 1) - 1024 * num_blocks) // 64
+        for stripe in tl.static_range(last_stripes):
+            acc_even, acc_odd = _accumulate(
+                acc_even,
+                acc_odd,
+                words,
+                base + num_blocks * 128 + stripe * 8,
+                constants + stripe * 8,
+                half,
+                low32,
+            )
+        # The last stripe, at the end of the page, with its own keys.
+        acc_even, acc_odd = _accumulate(
+            acc_even, acc_odd, words, base + PAGE_BYTES // 8 - 8, constants + 136, half, low32
+        )
+        left = acc_even ^ tl.load(constants + 144 + half).to(tl.uint64, bitcast=True)
+        right = acc_odd ^ tl.load(constants + 145 + half).to(tl.uint64, bitcast=True)
+        seed = tl.load(constants + 160).to(tl.uint64, bitcast=True)
+        result = seed + tl.sum(_fold(left, right, low32), 0)
         result = result ^ (result >> 37)
         result = result * 0x165667919E3779F9
         result = result ^ (result >> 32)
