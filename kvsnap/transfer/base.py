@@ -328,9 +328,9 @@ def write_calibration(calibration: Mapping[str, Any], path: Path | None = None) 
     policy_from_calibration(calibration, source="calibration to write")
     path = calibration_path() if path is None else Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps(dict(calibration), indent=2) + "\n")
-    os.replace(partial, path)
+    from kvsnap.store.publish import publish_bytes
+
+    publish_bytes(path, (json.dumps(dict(calibration), indent=2) + "\n").encode())
     _cached_policy.cache_clear()
     return path
 

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvsnap.dtypes import WORD_DTYPES
 from kvsnap.layout import CacheLayout, CopyRun, PageRef
 from kvsnap.plan import Direction, ResolvedCopy
 from kvsnap.transfer.base import CopyBackend, CopyJob, on_stream, register_backend
@@ -130,7 +131,7 @@ def fold_runs(runs: list[CopyRun]) -> list[list[CopyRun]]:
     return groups
 
 
-_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_WORD_DTYPES = WORD_DTYPES
 
 
 def ref_word_bytes(ref: PageRef, runs: list[CopyRun], base_offset: int, block_stride: int) -> int:

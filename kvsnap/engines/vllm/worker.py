@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kvsnap import format as fmt
+from kvsnap.compat import check_fits
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.eviction import prune_store, store_bytes
 from kvsnap.engines.vllm.options import ConnectorOptions
@@ -329,23 +330,9 @@ def copy_blocks_to_host(caches: Sequence[torch.Tensor], block_ids: np.ndarray) -
 def _check_fits(
     metadata: fmt.SnapshotMetadata, geometry: KVGeometry, fingerprint: str, path: str
 ) -> None:
-    """Refuse a snapshot whose geometry or model fingerprint differs from the engine's."""
-    mine = metadata.geometry
-    fields = ("num_layers", "num_kv_heads", "head_dim", "latent_dim", "block_size", "dtype")
-    differences = [
-        f"{name}: snapshot {getattr(mine, name)!r}, engine {getattr(geometry, name)!r}"
-        for name in fields
-        if getattr(mine, name) != getattr(geometry, name)
-    ]
-    if differences:
-        raise IncompatibleSnapshotError(
-            f"{path} does not fit the engine's cache: {'; '.join(differences)}"
-        )
-    if metadata.source.model_fingerprint != fingerprint:
-        raise IncompatibleSnapshotError(
-            f"{path} was captured from model fingerprint {metadata.source.model_fingerprint[:16]}, "
-            f"the engine's is {fingerprint[:16]}"
-        )
+    """Refuse a snapshot whose geometry or model fingerprint differs from the engine's (the
+    restore contract's one check, :func:`kvsnap.compat.check_fits`)."""
+    check_fits(metadata, geometry, path=path, model_fingerprint=fingerprint)
 
 
 def _gather_on_first_rank(copies: torch.Tensor, tp_size: int) -> list[torch.Tensor] | None:
