@@ -7,6 +7,7 @@ The public API, in pipeline order::
     with kvsnap.Snapshot.open("prefix.safetensors") as snap:
         snap.verify()
         snap.restore(other_layout, {"seq-0": target_block_ids})
+    pipeline = kvsnap.Pipeline(layout)                     # an engine keeps one per cache set
 
 Names are imported on first use, so ``import kvsnap`` stays cheap for the CLI and for engines
 that only need one module.
@@ -24,8 +25,10 @@ _EXPORTS = {
         "IncompatibleSnapshotError",
         "KVSnapError",
         "NotASnapshotError",
+        "RestoreIncompleteError",
         "SnapshotCorruptError",
         "SnapshotIOError",
+        "TransferFailedError",
         "UnsupportedVersionError",
     ),
     "kvsnap.format": ("SequenceRecord", "SnapshotMetadata", "SourceInfo"),
@@ -42,6 +45,7 @@ _EXPORTS = {
         "vllm_legacy_layout",
         "vllm_split_layout",
     ),
+    "kvsnap.pipeline": ("Pipeline", "StagingOptions", "TransferOptions"),
     "kvsnap.snapshot": ("CaptureResult", "RestoreResult", "SequenceBlocks", "Snapshot", "capture"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
