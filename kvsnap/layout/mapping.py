@@ -10,7 +10,9 @@ that the elected writers of all ranks cover every canonical byte exactly once.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -62,6 +64,16 @@ class CanonicalPageMapping:
     def local_bytes(self) -> int:
         """Bytes of the canonical page this rank holds (computed once: the planner's hot path)."""
         return sum(run.num_bytes for run in self.runs)
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """A 16-byte digest of everything the mapping says, computed once: the warm pipeline
+        keys its page tables on it instead of hashing every run on every call."""
+        fields = [self.canonical_page_size_bytes, self.num_writers, self.writer_index]
+        for run in self.runs:
+            fields += [run.local_offset, run.local_stride, run.canonical_offset]
+            fields += [run.canonical_stride, run.fragment_size, run.num_fragments]
+        return hashlib.blake2b(struct.pack(f"<{len(fields)}q", *fields), digest_size=16).digest()
 
     def is_writer(self, canonical_block_ids: np.ndarray) -> np.ndarray:
         """Boolean mask: which of these snapshot blocks this rank writes at capture."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvsnap.layout import CacheLayout
+from kvsnap.layout import CacheLayout, CanonicalPageMapping
 from kvsnap.plan import Direction
 
 
@@ -99,6 +99,36 @@ class _GroupRows:
         self.dense = bool((self.row_of >= 0).all())
 
 
+_SPLITS: dict[bytes, list[tuple[int, np.ndarray, np.ndarray, int, int]]] = {}
+
+
+def _split(mapping: CanonicalPageMapping) -> list[tuple[int, np.ndarray, np.ndarray, int, int]]:
+    """A mapping's fragments per size: ``(size, local and canonical offsets relative to the
+    first, first local offset, first canonical offset)``. Worked out once per mapping: engines
+    that allocate new caches per call (transformers) rebuild only the base addresses."""
+    cached = _SPLITS.get(mapping.digest)
+    if cached is not None:
+        return cached
+    local, canonical, sizes = mapping.fragments()
+    split = []
+    for size in np.unique(sizes).tolist():
+        chosen = sizes == size
+        local_of, canonical_of = local[chosen], canonical[chosen]
+        split.append(
+            (
+                int(size),
+                local_of - local_of[0],
+                canonical_of - canonical_of[0],
+                int(local_of[0]),
+                int(canonical_of[0]),
+            )
+        )
+    if len(_SPLITS) > 4096:  # bounded: layouts of a process share a handful of mappings
+        _SPLITS.clear()
+    _SPLITS[mapping.digest] = split
+    return split
+
+
 class PageTable:
     """Rows for every rank of ``layouts`` (one device) and every canonical tensor.
 
@@ -134,24 +164,21 @@ class PageTable:
     ) -> None:
         ref = layout.ref(name)
         cache = layout.tensors[ref.tensor_index]
-        local, canonical, sizes = ref.mapping.fragments()
         writers = (ref.mapping.num_writers, ref.mapping.writer_index)
-        for size in np.unique(sizes).tolist():
-            chosen = sizes == size
-            local_of, canonical_of = local[chosen], canonical[chosen]
-            relative_local = local_of - local_of[0]
-            relative_canonical = canonical_of - canonical_of[0]
-            key = (int(size), relative_local.tobytes(), relative_canonical.tobytes())
+        for size, relative_local, relative_canonical, local_start, canonical_start in _split(
+            ref.mapping
+        ):
+            key = (size, relative_local.tobytes(), relative_canonical.tobytes())
             rows = groups.get(key)
             if rows is None:
-                group = FragmentGroup(int(size), relative_local, relative_canonical)
+                group = FragmentGroup(size, relative_local, relative_canonical)
                 rows = groups[key] = _GroupRows(group, len(self.names), num_ranks)
             rows.add(
                 tensor,
                 rank,
-                cache.data_ptr + int(local_of[0]),
+                cache.data_ptr + local_start,
                 cache.block_stride_bytes,
-                int(canonical_of[0]),
+                canonical_start,
                 writers,
             )
 

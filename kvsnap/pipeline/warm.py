@@ -336,7 +336,7 @@ def layout_key(layout: CacheLayout) -> tuple[object, ...]:
         layout.geometry,
         str(layout.device),
         tuple((t.data_ptr, t.num_blocks, t.block_stride_bytes) for t in layout.tensors),
-        tuple((ref.tensor_index, ref.layer, ref.part, ref.mapping) for ref in layout.refs),
+        tuple((ref.tensor_index, ref.layer, ref.part, ref.mapping.digest) for ref in layout.refs),
     )
 
 
