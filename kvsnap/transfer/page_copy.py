@@ -27,7 +27,7 @@ import torch
 
 from kvsnap.plan import Descriptors, merge_adjacent
 from kvsnap.transfer.cpu import copy_descriptors
-from kvsnap.transfer.triton_copy import interpreting
+from kvsnap.transfer.triton_copy import kernel_for
 
 if TYPE_CHECKING:
     from kvsnap.pipeline.page_table import GroupCopy
@@ -96,25 +96,6 @@ if triton is not None:
                 mask = live[:, None] & (offsets[None, :] < FRAGMENT_WORDS)
                 values = tl.load(src_words[:, None] + offsets[None, :], mask=mask)
                 tl.store(dst_words[:, None] + offsets[None, :], values, mask=mask)
-
-
-_KERNELS: dict[bool, Any] = {}
-
-
-def page_copy_kernel() -> Any:
-    """The kernel, JIT-compiled for the GPU or, under ``TRITON_INTERPRET=1``, interpreted on
-    host memory (how the CPU test suite checks its index arithmetic)."""
-    interpret = interpreting()
-    kernel = _KERNELS.get(interpret)
-    if kernel is None:
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            kernel = InterpretedFunction(_page_copy_kernel)
-        else:
-            kernel = triton.jit(_page_copy_kernel)
-        _KERNELS[interpret] = kernel
-    return kernel
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -217,7 +198,7 @@ def _launch(
     num_items = copy.num_pages * copy.group.num_fragments
     grid = (max(1, min(-(-num_items // rows), max_programs)),)
     dtype: Any = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[word]
-    page_copy_kernel()[grid](
+    kernel_for(_page_copy_kernel)[grid](
         *views,
         views[4] if page_ok is None else page_ok,
         num_items,

@@ -16,8 +16,6 @@ or less, or not a multiple of 8 bytes, are hashed on the host (:func:`supports`)
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -28,7 +26,7 @@ except ImportError:  # pragma: no cover - triton is a dependency on Linux
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
 
-from kvsnap.transfer.triton_copy import interpreting
+from kvsnap.transfer.triton_copy import kernel_for
 
 #: XXH3's default 192-byte secret (``XXH3_kSecret``).
 _SECRET = bytes.fromhex(
@@ -179,23 +177,6 @@ if triton is not None:
         tl.store(digests + page, result.to(tl.int64, bitcast=True))
 
 
-_KERNELS: dict[bool, Any] = {}
-
-
-def _kernel() -> Any:
-    interpret = interpreting()
-    kernel = _KERNELS.get(interpret)
-    if kernel is None:
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            kernel = InterpretedFunction(_page_digest_kernel)
-        else:
-            kernel = triton.jit(_page_digest_kernel)
-        _KERNELS[interpret] = kernel
-    return kernel
-
-
 def launch_page_digests(
     buffer: torch.Tensor,
     page_offsets: torch.Tensor,
@@ -212,4 +193,6 @@ def launch_page_digests(
     if count == 0:
         return
     words = buffer.view(torch.int64)
-    _kernel()[(count,)](words, page_offsets // 8, constants, digests, PAGE_BYTES=page_bytes)
+    kernel_for(_page_digest_kernel)[(count,)](
+        words, page_offsets // 8, constants, digests, PAGE_BYTES=page_bytes
+    )

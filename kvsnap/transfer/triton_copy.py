@@ -100,22 +100,28 @@ if triton is not None:
                 tl.store(dst[:, None] + offsets[None, :], values, mask=mask)
 
 
-_KERNELS: dict[bool, Any] = {}
+_KERNELS: dict[tuple[Any, bool], Any] = {}
 
 
-def uva_copy_kernel() -> Any:
-    """The copy kernel: JIT-compiled for the GPU, or interpreted under ``TRITON_INTERPRET=1``."""
+def kernel_for(function: Any) -> Any:
+    """``function`` as a Triton kernel: JIT-compiled for the GPU, or interpreted on host memory
+    under ``TRITON_INTERPRET=1`` (how the CPU test suite runs the GPU kernels); made once each."""
     interpret = interpreting()
-    kernel = _KERNELS.get(interpret)
+    kernel = _KERNELS.get((function, interpret))
     if kernel is None:
         if interpret:
             from triton.runtime.interpreter import InterpretedFunction
 
-            kernel = InterpretedFunction(_uva_copy_kernel)
+            kernel = InterpretedFunction(function)
         else:
-            kernel = triton.jit(_uva_copy_kernel)
-        _KERNELS[interpret] = kernel
+            kernel = triton.jit(function)
+        _KERNELS[(function, interpret)] = kernel
     return kernel
+
+
+def uva_copy_kernel() -> Any:
+    """The copy kernel (see :func:`kernel_for`)."""
+    return kernel_for(_uva_copy_kernel)
 
 
 def word_bytes(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[int, bool]:
