@@ -3,9 +3,10 @@
 :class:`Pipeline` is what an engine keeps per set of caches; :func:`kvsnap.capture` and
 :meth:`kvsnap.Snapshot.restore` run on the same machinery. Modules, in pipeline order:
 ``slots`` (which pages a slot carries), ``page_table`` (the caches' addresses as one table),
-``movers`` (how a slot's pages move), ``staging`` (pinned slots and device buffers kept per
-process), ``capture`` and ``restore`` (the loops), ``jobs`` (requests and results),
-``options``, ``warm`` (the :class:`Pipeline`).
+``movers`` (the interface, and the transfer handler's path for named backends), ``fused``
+(one kernel launch, one digest launch and one DMA per slot), ``staging`` (pinned slots and
+device buffers kept per process), ``capture`` and ``restore`` (the loops), ``jobs`` (requests
+and results), ``options``, ``warm`` (the :class:`Pipeline`).
 """
 
 from kvsnap.pipeline.jobs import CaptureResult, RestoreResult, SequenceBlocks
