@@ -92,6 +92,11 @@ BAD_INPUTS = [
     ("bench-device", "bench --device gpu"),
     ("bench-calibration-path", "bench --device cpu --calibration-path {dir}/c.json"),
     ("unknown-command", "nosuchcommand"),
+    ("store-list-missing", "store list {missing}"),
+    ("store-verify-missing", "store verify {missing}"),
+    ("store-prune-missing-bytes", "store prune {dir}"),
+    ("store-prune-negative", "store prune {dir} --max-bytes -1"),
+    ("store-unknown-subcommand", "store nosuch {dir}"),
 ]
 
 
