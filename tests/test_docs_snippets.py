@@ -65,7 +65,17 @@ def test_python_block_runs_as_written(
 
 def _run_as_test_module(code: str, directory: Path) -> None:
     (directory / "test_snippet.py").write_text(code)
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_snippet.py"]
+    # -rN: no short summary, whose lines (untruncated where CI is set) repeat each message.
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rN",
+        "-p",
+        "no:cacheprovider",
+        "test_snippet.py",
+    ]
     tests = len(re.findall(r"^def test_", code, re.MULTILINE))
     first = subprocess.run(command, cwd=directory, capture_output=True, text=True, check=False)
     assert f"{tests} failed" in first.stdout, first.stdout[-3000:]
