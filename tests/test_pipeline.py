@@ -269,3 +269,23 @@ def test_a_slot_of_whole_tensors_is_one_file_write_and_verifies(tmp_path, monkey
     with Snapshot.open(path) as snap:
         snap.restore([targets[0].layout], {"s0": [5, 6, 7, 8]})
     _assert_restored(targets, content, [1, 2, 3, 4], [5, 6, 7, 8])
+
+
+def test_a_pipeline_restores_chosen_blocks_of_a_snapshot(tmp_path):
+    # What an engine whose own prefix cache already holds a chunk's first blocks does.
+    sources, content = _caches("vllm-hnd", layers=3, blocks=16)
+    path = tmp_path / "snap.safetensors"
+    capture([sources[0].layout], _sequences([[2, 4, 6, 8]]), path, source=SOURCE)
+    targets, _ = _caches("vllm-nhd", layers=3, blocks=16, seed=4, fill=False)
+    pipeline = Pipeline([targets[0].layout])
+    with Snapshot.open(path) as snap:
+        result = pipeline.restore_blocks(snap, [3, 2], [11, 10])  # snapshot blocks 2 and 3 only
+        assert result.num_blocks == 2 and result.backend == "fused"
+        with pytest.raises(IncompatibleSnapshotError, match="outside the snapshot's 4 blocks"):
+            pipeline.restore_blocks(snap, [4], [0])
+        with pytest.raises(IncompatibleSnapshotError, match="two different snapshot blocks"):
+            pipeline.restore_blocks(snap, [0, 1], [5, 5])
+    _assert_restored(targets, content, [6, 8], [10, 11])
+    untouched = [block for block in range(16) if block not in (10, 11)]
+    for view in targets[0].views.values():
+        assert not view[torch.tensor(untouched)].view(torch.uint8).any()

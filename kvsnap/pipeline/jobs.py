@@ -146,11 +146,42 @@ def restore_pairs(
         sources.append(record.block_ids)
         targets.append(target)
         num_tokens += len(record.token_ids)
-    pairs = np.unique(np.stack([np.concatenate(sources), np.concatenate(targets)], axis=1), axis=0)
+    source_blocks, target_blocks = block_pairs(
+        np.concatenate(sources), np.concatenate(targets), np.iinfo(np.int64).max, capacity
+    )
+    return source_blocks, target_blocks, num_tokens
+
+
+def block_pairs(
+    snapshot_blocks: np.ndarray | Sequence[int],
+    target_blocks: np.ndarray | Sequence[int],
+    num_snapshot_blocks: int,
+    capacity: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Snapshot blocks and their target blocks, checked (``ValueError`` for non-integers,
+    :class:`IncompatibleSnapshotError` for unequal counts, ids out of range, or one target
+    block receiving two snapshot blocks) and sorted by snapshot block."""
+    sources = block_id_array(snapshot_blocks, "snapshot block ids")
+    targets = block_id_array(target_blocks, "target block ids")
+    if len(sources) != len(targets):
+        raise IncompatibleSnapshotError(
+            f"{len(sources)} snapshot blocks but {len(targets)} target block ids"
+        )
+    if len(sources) and (sources.min() < 0 or sources.max() >= num_snapshot_blocks):
+        raise IncompatibleSnapshotError(
+            f"snapshot block ids {sources.min()}..{sources.max()} are outside the snapshot's "
+            f"{num_snapshot_blocks} blocks"
+        )
+    if len(targets) and (targets.min() < 0 or targets.max() >= capacity):
+        raise IncompatibleSnapshotError(
+            f"target block ids {targets.min()}..{targets.max()} do not fit a cache of "
+            f"{capacity} blocks"
+        )
+    pairs = np.unique(np.stack([sources, targets], axis=1), axis=0)
     targets_seen, counts = np.unique(pairs[:, 1], return_counts=True)
     if (counts > 1).any():
         block = int(targets_seen[np.argmax(counts > 1)])
         raise IncompatibleSnapshotError(
             f"target block {block} would receive two different snapshot blocks"
         )
-    return pairs[:, 0].copy(), pairs[:, 1].copy(), num_tokens
+    return pairs[:, 0].copy(), pairs[:, 1].copy()

@@ -10,6 +10,7 @@ cache of page tables, so a second call is warm without the caller keeping anythi
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +33,7 @@ from kvsnap.pipeline.jobs import (
     SequenceBlocks,
     as_layouts,
     block_id_array,
+    block_pairs,
     common_geometry,
     restore_pairs,
     validate_sequences,
@@ -211,22 +213,64 @@ class Pipeline:
         snapshot_blocks, target_blocks, num_tokens = restore_pairs(
             snapshot.sequences, block_ids, capacity, snapshot.path
         )
-        failed, result = self._move_in(
+        result = self._restore_pairs(
             snapshot, (snapshot_blocks, target_blocks), staging, progress, trace
         )
-        result = RestoreResult(
+        return RestoreResult(
             num_sequences=len(block_ids),
             num_tokens=num_tokens,
-            num_blocks=len(snapshot_blocks),
+            num_blocks=result.num_blocks,
             num_bytes=result.num_bytes,
             seconds=time.perf_counter() - started,
             backend=result.backend,
         )
+
+    def restore_blocks(
+        self,
+        snapshot: Snapshot,
+        snapshot_blocks: np.ndarray | Sequence[int],
+        target_blocks: np.ndarray | Sequence[int],
+        *,
+        staging: StagingOptions | None = None,
+        model_fingerprint: str | None = None,
+        force: bool = False,
+        progress: ProgressCallback | None = None,
+        trace: TraceHook | None = None,
+    ) -> RestoreResult:
+        """Write snapshot block ``snapshot_blocks[i]`` into target block ``target_blocks[i]``
+        for every ``i``: part of a sequence, as an engine loading only the blocks its own
+        prefix cache lacks does. Checked as :meth:`restore` checks (``num_sequences`` and
+        ``num_tokens`` of the result are 0: no sequence is named)."""
+        started = time.perf_counter()
+        check_fits(
+            snapshot.metadata,
+            self.geometry,
+            path=snapshot.path,
+            model_fingerprint=model_fingerprint,
+            force=force,
+        )
+        capacity = min(layout.num_blocks for layout in self.layouts)
+        pairs = block_pairs(snapshot_blocks, target_blocks, snapshot.num_blocks, capacity)
+        result = self._restore_pairs(snapshot, pairs, staging, progress, trace)
+        return dataclasses.replace(result, seconds=time.perf_counter() - started)
+
+    def _restore_pairs(
+        self,
+        snapshot: Snapshot,
+        pairs: tuple[np.ndarray, np.ndarray],
+        staging: StagingOptions | None,
+        progress: ProgressCallback | None,
+        trace: TraceHook | None,
+    ) -> RestoreResult:
+        """Move checked ``(snapshot blocks, target blocks)``; raise
+        :class:`~kvsnap.errors.RestoreIncompleteError` if any page failed its checksum."""
+        failed, moved = self._move_in(snapshot, pairs, staging, progress, trace)
+        result = dataclasses.replace(moved, num_blocks=len(pairs[0]))
         if len(failed.positions):
             raise RestoreIncompleteError(
-                describe_failure(failed, self.geometry.tensor_names(), target_blocks),
+                describe_failure(failed, self.geometry.tensor_names(), pairs[1]),
                 file=snapshot.path,
-                failed_block_ids=failed_target_blocks(failed, target_blocks),
+                failed_block_ids=failed_target_blocks(failed, pairs[1]),
                 result=result,
             ) from failed.first_error
         return result

@@ -6,9 +6,10 @@ planned before the forward pass (every block checksum verified; blocks it could 
 reported so vLLM recomputes them) and, after the forward pass, copies the saved blocks to host
 memory and hands the snapshot write to a background thread.
 
-The save and load paths themselves are :meth:`KVSnapWorker._load` (one stored chunk into the
-cache) and :meth:`KVSnapWorker._write` (one snapshot from host copies, after
-:func:`copy_blocks_to_host`): the only code that moves KV. After each chunk write the store is
+The save and load paths themselves are :meth:`KVSnapWorker._load` (one stored chunk, or the
+part of it vLLM's own prefix cache lacks, into the cache through the worker's warm
+:class:`~kvsnap.pipeline.Pipeline`: one slot spans every layer) and :meth:`KVSnapWorker._write`
+(one snapshot from host copies, after :func:`copy_blocks_to_host`): the only code that moves KV. After each chunk write the store is
 pruned to ``store_capacity_bytes`` (LRU, :func:`~kvsnap.engines.vllm.eviction.prune_store`).
 
 Tensor parallelism: each rank copies the saved blocks of its own heads to host memory and the
@@ -40,18 +41,14 @@ from kvsnap.engines.vllm.specs import ChunkLoad, KVSnapConnectorMetadata, LoadSp
 from kvsnap.engines.vllm.store import PrefixStore
 from kvsnap.errors import (
     IncompatibleSnapshotError,
-    KVSnapError,
     NotASnapshotError,
     SnapshotCorruptError,
     SnapshotIOError,
     UnsupportedVersionError,
 )
 from kvsnap.layout import KVGeometry
-from kvsnap.pinned import PinnedPool
-from kvsnap.plan import Direction, HostPages, PageCopy
-from kvsnap.snapshot import SequenceBlocks, capture
-from kvsnap.store import SnapshotReader
-from kvsnap.transfer import TransferHandler
+from kvsnap.pipeline import Pipeline
+from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,7 +63,6 @@ _FILE_ERRORS = (
     OSError,
 )
 #: Host staging for loads: snapshot pages are read into it, then scattered into the cache.
-_STAGING_BYTES = 16 << 20
 
 
 class KVSnapWorker:
@@ -96,11 +92,9 @@ class KVSnapWorker:
         self._source = source
         self.cache: RegisteredCache | None = None
         self._load_errors: set[int] = set()
-        self._loader: TransferHandler | None = None
-        self._staging: PinnedPool | None = None
+        self._pipeline: Pipeline | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._writes: list[tuple[SaveSpec, Future[None]]] = []
-        self._next_job = 0
         #: The store's size as this worker last measured it plus what it wrote since.
         self._store_bytes: int | None = None
 
@@ -108,9 +102,8 @@ class KVSnapWorker:
         """Build the cache layout from the registered tensors, or refuse them (LayoutError)."""
         self.cache = register_caches(self._vllm_config, kv_caches)
         layout = self.cache.layout
-        self._loader = TransferHandler(layout, Direction.HOST_TO_DEVICE)
-        page_bytes = layout.geometry.canonical_page_size_bytes
-        self._staging = PinnedPool(max(page_bytes, _STAGING_BYTES), 1)
+        # Kept for the engine's life: page table, staging and kernels stay warm across loads.
+        self._pipeline = Pipeline(layout)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsnap-writer")
         self.events.emit(
             "registered",
@@ -173,36 +166,12 @@ class KVSnapWorker:
                 )
 
     def _load(self, chunk: ChunkLoad) -> None:
-        """Read ``chunk``'s blocks (checksums verified) and scatter them into the cache."""
-        assert self.cache is not None and self._loader is not None and self._staging is not None
-        loader, staging = self._loader, self._staging
-        geometry = self.cache.layout.geometry
-        with SnapshotReader(chunk.path, verify=True) as reader:
-            _check_fits(reader.metadata, geometry, self.fingerprint, chunk.path)
-            page_bytes = geometry.canonical_page_size_bytes
-            per_slot = staging.slot_bytes // page_bytes
-            slot = staging.acquire()
-            try:
-                for name in geometry.tensor_names():
-                    for start in range(0, len(chunk.snapshot_blocks), per_slot):
-                        source = chunk.snapshot_blocks[start : start + per_slot]
-                        count = len(source)
-                        reader.read_pages(name, source, slot.as_numpy(count * page_bytes))
-                        copy = PageCopy(
-                            name=name,
-                            device_block_ids=chunk.target_blocks[start : start + per_slot],
-                            host=HostPages.contiguous(slot.data_ptr, count, page_bytes),
-                            host_chunk_ids=np.arange(count, dtype=np.int64),
-                        )
-                        job = self._next_job
-                        self._next_job += 1
-                        if not loader.submit(job, [copy]):
-                            raise KVSnapError(f"the transfer handler refused loading {name}")
-                        for result in loader.wait([job]):
-                            if not result.success:
-                                raise KVSnapError(f"copying {name} failed: {result.error}")
-            finally:
-                staging.release(slot)
+        """Read ``chunk``'s blocks (checksums verified) and scatter them into the cache, through
+        the worker's warm :class:`~kvsnap.pipeline.Pipeline` (one slot spans every layer)."""
+        assert self.cache is not None and self._pipeline is not None
+        with Snapshot.open(chunk.path) as snapshot:
+            _check_fits(snapshot.metadata, self.cache.layout.geometry, self.fingerprint, chunk.path)
+            self._pipeline.restore_blocks(snapshot, chunk.snapshot_blocks, chunk.target_blocks)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; vLLM recomputes them."""
@@ -306,18 +275,13 @@ class KVSnapWorker:
         self._writes = remaining
 
     def shutdown(self) -> None:
-        """Finish every queued snapshot write, then release the handler and staging memory."""
+        """Finish every queued snapshot write, then drop the load pipeline."""
         while self._writes:
             self._reap_writes(block=True)
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
-        if self._loader is not None:
-            self._loader.shutdown()
-            self._loader = None
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        self._pipeline = None
 
 
 def copy_blocks_to_host(caches: Sequence[torch.Tensor], block_ids: np.ndarray) -> torch.Tensor:
