@@ -9,8 +9,9 @@ memory and hands the snapshot write to a background thread.
 The save and load paths themselves are :meth:`KVSnapWorker._load` (one stored chunk, or the
 part of it vLLM's own prefix cache lacks, into the cache through the worker's warm
 :class:`~kvsnap.pipeline.Pipeline`: one slot spans every layer) and :meth:`KVSnapWorker._write`
-(one snapshot from host copies, after :func:`copy_blocks_to_host`): the only code that moves KV. After each chunk write the store is
-pruned to ``store_capacity_bytes`` (LRU, :func:`~kvsnap.engines.vllm.eviction.prune_store`).
+(one snapshot from host copies, after :func:`copy_blocks_to_host`): the only code that moves
+KV. After each chunk write the store is pruned to ``store_capacity_bytes`` (LRU,
+:func:`~kvsnap.engines.vllm.eviction.prune_store`).
 
 Tensor parallelism: each rank copies the saved blocks of its own heads to host memory and the
 TP group's CPU (gloo) group gathers them on rank 0, which builds one layout per rank over the
