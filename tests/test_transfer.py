@@ -38,7 +38,7 @@ from kvsnap.transfer import (
 from kvsnap.transfer.base import LARGE_FRAGMENT_BYTES, policy_from_calibration
 from kvsnap.transfer.cpu import CpuBackend, copy_descriptors
 from kvsnap.transfer.cuda_batch import resolve_driver
-from kvsnap.transfer.torch_copy import _nonnegative_runs, fold_runs
+from kvsnap.transfer.torch_views import fold_runs, nonnegative_runs
 from kvsnap.transfer.triton_copy import split_pieces, tile_shape, word_bytes
 
 D2H, H2D = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
@@ -711,7 +711,7 @@ def test_nonnegative_runs_describe_the_same_fragments(
             for i in range(r.num_fragments)
         }
 
-    rewritten = _nonnegative_runs(run)
+    rewritten = nonnegative_runs(run)
     assert all(r.local_stride >= 0 and r.canonical_stride >= 0 for r in rewritten)
     assert pairs(rewritten) == pairs([run])
 
@@ -722,7 +722,7 @@ def test_nonnegative_runs_describe_the_same_fragments(
 def test_fold_runs_turns_one_run_per_head_into_one_view(kind: str, groups_per_ref: int) -> None:
     cache = make_cache(kind, num_layers=1, num_blocks=2, block_size=4, num_kv_heads=4, head_dim=8)
     for ref in cache.layout.refs:
-        runs = [split for run in ref.mapping.runs for split in _nonnegative_runs(run)]
+        runs = [split for run in ref.mapping.runs for split in nonnegative_runs(run)]
         groups = fold_runs(runs)
         assert len(groups) == groups_per_ref, (kind, ref.name, runs)
         # Every group is one progression: equally spaced on both sides.

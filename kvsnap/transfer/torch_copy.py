@@ -24,7 +24,6 @@ of a capture is strided; torch moves such a copy through a temporary, synchronou
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -38,141 +37,20 @@ from kvsnap.dtypes import WORD_DTYPES
 from kvsnap.layout import CacheLayout, CopyRun, PageRef
 from kvsnap.plan import Direction, ResolvedCopy
 from kvsnap.transfer.base import CopyBackend, CopyJob, on_stream, register_backend
+from kvsnap.transfer.torch_views import (
+    RunGroup,
+    fold_runs,
+    host_bytes,
+    nonnegative_runs,
+    ref_word_bytes,
+)
 
 #: Default bound on the two staging buffers together, in bytes.
 DEFAULT_STAGING_BYTES = 64 << 20
 #: Every batch segment starts at a multiple of this in its staging buffer (the widest word).
 _SEGMENT_ALIGNMENT = 8
 _NO_BREAKS = np.empty(0, dtype=np.int64)
-
-
-def host_bytes(address: int, num_bytes: int) -> torch.Tensor:
-    """A uint8 CPU tensor over ``num_bytes`` of host memory at ``address`` (no copy, not owned)."""
-    return torch.frombuffer((ctypes.c_uint8 * num_bytes).from_address(address), dtype=torch.uint8)
-
-
-def _nonnegative_runs(run: CopyRun) -> list[CopyRun]:
-    """``run`` rewritten with non-negative strides (``as_strided`` rejects negative ones).
-
-    A single fragment takes any stride; a run with both strides negative is walked backwards;
-    a run whose strides have opposite signs is split into single fragments.
-    """
-    if run.num_fragments == 1:
-        return [
-            CopyRun(
-                run.local_offset,
-                run.fragment_size,
-                run.canonical_offset,
-                run.fragment_size,
-                run.fragment_size,
-                1,
-            )
-        ]
-    if run.local_stride >= 0 and run.canonical_stride >= 0:
-        return [run]
-    last = run.num_fragments - 1
-    if run.local_stride <= 0 and run.canonical_stride <= 0:
-        return [
-            CopyRun(
-                run.local_offset + last * run.local_stride,
-                -run.local_stride,
-                run.canonical_offset + last * run.canonical_stride,
-                -run.canonical_stride,
-                run.fragment_size,
-                run.num_fragments,
-            )
-        ]
-    return [
-        CopyRun(
-            run.local_offset + i * run.local_stride,
-            run.fragment_size,
-            run.canonical_offset + i * run.canonical_stride,
-            run.fragment_size,
-            run.fragment_size,
-            1,
-        )
-        for i in range(run.num_fragments)
-    ]
-
-
-def fold_runs(runs: list[CopyRun]) -> list[list[CopyRun]]:
-    """Consecutive runs of one shape at equally spaced, increasing offsets, grouped.
-
-    Each group is one strided view ``(num_runs, num_fragments, fragment)`` on both sides: the
-    packed layout's one run per head becomes one group, so a copy costs one gather, not one
-    per head. Runs that do not continue the progression start a new group.
-    """
-    groups: list[list[CopyRun]] = []
-    for run in runs:
-        if groups:
-            group = groups[-1]
-            first, last = group[0], group[-1]
-            shape = (first.local_stride, first.canonical_stride)
-            shape += (first.fragment_size, first.num_fragments)
-            local_step = run.local_offset - last.local_offset
-            canonical_step = run.canonical_offset - last.canonical_offset
-            same_shape = shape == (
-                run.local_stride,
-                run.canonical_stride,
-                run.fragment_size,
-                run.num_fragments,
-            )
-            if len(group) == 1:
-                continues = local_step > 0 and canonical_step > 0
-            else:
-                continues = (local_step, canonical_step) == (
-                    group[1].local_offset - first.local_offset,
-                    group[1].canonical_offset - first.canonical_offset,
-                )
-            if same_shape and continues:
-                group.append(run)
-                continue
-        groups.append([run])
-    return groups
-
-
 _WORD_DTYPES = WORD_DTYPES
-
-
-def ref_word_bytes(ref: PageRef, runs: list[CopyRun], base_offset: int, block_stride: int) -> int:
-    """The widest word (8/4/2/1 bytes) dividing every offset, stride and size of ``ref``'s runs.
-
-    ``base_offset`` is the cache tensor's start within its storage. Moving words instead of
-    bytes makes the device-side gathers run at memory speed rather than a byte per thread.
-    """
-    values = [base_offset, block_stride, ref.mapping.canonical_page_size_bytes]
-    for run in runs:
-        values += [run.local_offset, run.local_stride, run.canonical_offset]
-        values += [run.canonical_stride, run.fragment_size]
-    combined = 0
-    for value in values:
-        combined |= value
-    lowest_bit = combined & -combined if combined else 8
-    return min(lowest_bit, 8)
-
-
-@dataclass(frozen=True)
-class _RunGroup:
-    """Folded copy runs as one strided device view and the matching canonical-page view.
-
-    ``device_view`` is ``(num_blocks, num_runs, num_fragments, fragment_words)`` over the cache
-    tensor's storage; the canonical side is given in words from the page start.
-    """
-
-    device_view: torch.Tensor
-    canonical_offset: int
-    run_stride: int
-    fragment_stride: int
-    fills_page: bool
-
-    def page_view(self, pages: torch.Tensor) -> torch.Tensor:
-        """The group's words inside ``pages``, canonical pages as a ``(count, page_words)``."""
-        _, num_runs, num_fragments, fragment_words = self.device_view.shape
-        return pages.as_strided(
-            (pages.shape[0], num_runs, num_fragments, fragment_words),
-            (pages.stride(0), self.run_stride, self.fragment_stride, 1),
-            pages.storage_offset() + self.canonical_offset,
-        )
 
 
 class _PreparedCopy:
@@ -184,7 +62,7 @@ class _PreparedCopy:
     """
 
     def __init__(
-        self, resolved: ResolvedCopy, widest_word: int, run_groups: Callable[[int], list[_RunGroup]]
+        self, resolved: ResolvedCopy, widest_word: int, run_groups: Callable[[int], list[RunGroup]]
     ) -> None:
         mapping = resolved.ref.mapping
         self.blocks = resolved.device_block_ids
@@ -207,7 +85,7 @@ class _PreparedCopy:
         return self._widest_word if address_bits % self._widest_word == 0 else 1
 
     @functools.cached_property
-    def groups(self) -> list[_RunGroup]:
+    def groups(self) -> list[RunGroup]:
         return self._run_groups(self.word)
 
     @functools.cached_property
@@ -296,7 +174,7 @@ class TorchBackend(CopyBackend):
         self.staging_bytes = staging_bytes
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._raw: dict[int, torch.Tensor] = {}
-        self._groups: dict[tuple[str, int], list[_RunGroup]] = {}
+        self._groups: dict[tuple[str, int], list[RunGroup]] = {}
         self._side_stream: torch.cuda.Stream | None = None
         self._ready: list[torch.cuda.Event] = []
         self._free: list[torch.cuda.Event] = []
@@ -306,7 +184,7 @@ class TorchBackend(CopyBackend):
         for ref in layout.refs:
             cache = layout.tensors[ref.tensor_index]
             base = cache.data_ptr - cache.tensor.untyped_storage().data_ptr()
-            runs = [split for run in ref.mapping.runs for split in _nonnegative_runs(run)]
+            runs = [split for run in ref.mapping.runs for split in nonnegative_runs(run)]
             word = ref_word_bytes(ref, runs, base, cache.block_stride_bytes)
             if cache.tensor.untyped_storage().data_ptr() % word:
                 word = 1
@@ -325,7 +203,7 @@ class TorchBackend(CopyBackend):
 
     # -- views -------------------------------------------------------------------------------
 
-    def _run_groups(self, ref: PageRef, word: int) -> list[_RunGroup]:
+    def _run_groups(self, ref: PageRef, word: int) -> list[RunGroup]:
         """``ref``'s folded runs as strided device views in ``word``-byte elements (built once)."""
         key = (ref.name, word)
         groups = self._groups.get(key)
@@ -336,9 +214,9 @@ class TorchBackend(CopyBackend):
 
     @staticmethod
     def _folded(ref: PageRef) -> list[list[CopyRun]]:
-        return fold_runs([split for run in ref.mapping.runs for split in _nonnegative_runs(run)])
+        return fold_runs([split for run in ref.mapping.runs for split in nonnegative_runs(run)])
 
-    def _run_group(self, ref: PageRef, runs: list[CopyRun], word: int) -> _RunGroup:
+    def _run_group(self, ref: PageRef, runs: list[CopyRun], word: int) -> RunGroup:
         cache = self.layout.tensors[ref.tensor_index]
         storage = cache.tensor.untyped_storage()
         raw = self._raw.get(ref.tensor_index)
@@ -357,7 +235,7 @@ class TorchBackend(CopyBackend):
             base + first.local_offset,
         )
         page_size = ref.mapping.canonical_page_size_bytes
-        group = _RunGroup(
+        group = RunGroup(
             as_bytes.view(_WORD_DTYPES[word]),
             first.canonical_offset // word,
             run_canonical_step // word,
