@@ -169,3 +169,14 @@ def test_a_capture_on_the_gpu_stores_the_digests_the_host_computes(tmp_path):
     capture([sources[0].layout], _sequences([list(range(0, 64, 3))]), path, source=SOURCE)
     with Snapshot.open(path) as snap:
         assert snap.verify() == []
+
+
+def test_chosen_blocks_restore_on_the_gpu(tmp_path):
+    sources, content = _caches("vllm-hnd", layers=3, blocks=16, device="cuda")
+    path = tmp_path / "snap.safetensors"
+    capture([sources[0].layout], _sequences([[2, 4, 6, 8]]), path, source=SOURCE)
+    targets, _ = _caches("vllm-nhd", layers=3, blocks=16, seed=4, fill=False, device="cuda")
+    with Snapshot.open(path) as snap:
+        Pipeline([targets[0].layout]).restore_blocks(snap, [3, 2], [11, 10])
+    torch.cuda.synchronize()
+    _assert_restored(targets, content, [6, 8], [10, 11])
