@@ -202,14 +202,7 @@ class Pipeline:
                     trace=trace,
                 )
         started = time.perf_counter()
-        check_fits(
-            snapshot.metadata,
-            self.geometry,
-            path=snapshot.path,
-            model_fingerprint=model_fingerprint,
-            force=force,
-        )
-        capacity = min(layout.num_blocks for layout in self.layouts)
+        capacity = self._checked_capacity(snapshot, model_fingerprint, force)
         snapshot_blocks, target_blocks, num_tokens = restore_pairs(
             snapshot.sequences, block_ids, capacity, snapshot.path
         )
@@ -242,6 +235,16 @@ class Pipeline:
         prefix cache lacks does. Checked as :meth:`restore` checks (``num_sequences`` and
         ``num_tokens`` of the result are 0: no sequence is named)."""
         started = time.perf_counter()
+        capacity = self._checked_capacity(snapshot, model_fingerprint, force)
+        pairs = block_pairs(snapshot_blocks, target_blocks, snapshot.num_blocks, capacity)
+        result = self._restore_pairs(snapshot, pairs, staging, progress, trace)
+        return dataclasses.replace(result, seconds=time.perf_counter() - started)
+
+    def _checked_capacity(
+        self, snapshot: Snapshot, model_fingerprint: str | None, force: bool
+    ) -> int:
+        """Refuse a snapshot that does not fit (:func:`kvsnap.compat.check_fits`); the number of
+        blocks every rank's cache has."""
         check_fits(
             snapshot.metadata,
             self.geometry,
@@ -249,10 +252,7 @@ class Pipeline:
             model_fingerprint=model_fingerprint,
             force=force,
         )
-        capacity = min(layout.num_blocks for layout in self.layouts)
-        pairs = block_pairs(snapshot_blocks, target_blocks, snapshot.num_blocks, capacity)
-        result = self._restore_pairs(snapshot, pairs, staging, progress, trace)
-        return dataclasses.replace(result, seconds=time.perf_counter() - started)
+        return min(layout.num_blocks for layout in self.layouts)
 
     def _restore_pairs(
         self,
