@@ -75,7 +75,9 @@ def create_temp(final_path: str, owner: str | None = None) -> tuple[int, str]:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 return fd, path
         except FileNotFoundError:
-            pass  # a cleanup took it before the lock: try another name
+            # A cleanup took it before the lock: let it go and try another name.
+            os.close(fd)
+            continue
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):

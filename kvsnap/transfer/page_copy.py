@@ -27,20 +27,11 @@ import torch
 
 from kvsnap.plan import Descriptors, merge_adjacent
 from kvsnap.transfer.cpu import copy_descriptors
-from kvsnap.transfer.triton_copy import kernel_for
+from kvsnap.transfer.triton_copy import TRITON_IMPORT_ERROR, kernel_for, tl, triton
 
 if TYPE_CHECKING:
     from kvsnap.pipeline.page_table import GroupCopy
 
-try:
-    import triton
-    import triton.language as tl
-
-    _IMPORT_ERROR: str | None = None
-except ImportError as exc:  # pragma: no cover - triton is a dependency on Linux
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    _IMPORT_ERROR = f"triton cannot be imported ({exc})"
 
 #: Bytes one program moves per step (ROWS x BLOCK words).
 STEP_BYTES = 8 << 10
@@ -104,8 +95,8 @@ def unavailable_reason(device: torch.device) -> str | None:
         return None
     if device.type != "cuda":
         return f"the fused page copy runs on CUDA or CPU, not {device.type}"
-    if _IMPORT_ERROR is not None:
-        return _IMPORT_ERROR
+    if TRITON_IMPORT_ERROR is not None:
+        return TRITON_IMPORT_ERROR
     return None if torch.cuda.is_available() else "CUDA is not available"
 
 

@@ -19,14 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is a dependency on Linux
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-
-from kvsnap.transfer.triton_copy import kernel_for
+from kvsnap.transfer.triton_copy import kernel_for, tl, triton
 
 #: XXH3's default 192-byte secret (``XXH3_kSecret``).
 _SECRET = bytes.fromhex(

@@ -44,11 +44,12 @@ try:
     import triton
     import triton.language as tl
 
-    _IMPORT_ERROR: str | None = None
+    #: Why triton cannot be imported here (``None`` when it can); the kernel modules share it.
+    TRITON_IMPORT_ERROR: str | None = None
 except ImportError as exc:  # pragma: no cover - triton is a dependency on Linux
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
-    _IMPORT_ERROR = f"triton cannot be imported ({exc})"
+    TRITON_IMPORT_ERROR = f"triton cannot be imported ({exc})"
 
 
 def interpreting() -> bool:
@@ -192,8 +193,8 @@ class TritonBackend(CopyBackend):
 
     @classmethod
     def probe(cls, device: torch.device) -> str | None:
-        if _IMPORT_ERROR is not None:
-            return _IMPORT_ERROR
+        if TRITON_IMPORT_ERROR is not None:
+            return TRITON_IMPORT_ERROR
         if device.type == "cuda":
             return None if torch.cuda.is_available() else "CUDA is not available"
         if device.type == "cpu" and interpreting():

@@ -12,6 +12,7 @@ Nothing here needs vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -118,10 +119,8 @@ def prune_store(
             break
         if not entry.quarantined and entry.age(moment) < min_idle_s:
             continue
-        try:
+        with contextlib.suppress(FileNotFoundError):  # another process removed it
             entry.path.unlink()
-        except FileNotFoundError:  # another process removed it
-            pass
         total -= entry.size
         removed.append(entry)
     return removed
