@@ -14,6 +14,7 @@ Everything a snapshot file or a restore target can do wrong maps onto one of the
     ├── LayoutError               a cache description kvsnap cannot map (also a ValueError)
     ├── BackendUnavailable        a copy backend that cannot run here (also a RuntimeError)
     ├── TransferFailedError       a copy between the cache and staging failed or was refused
+    ├── RankFailedError           another TP rank failed or was lost (kvsnap.distributed)
     └── ModelLoadError            a model that cannot be loaded offline (also a ValueError)
 
 Messages name the file, the tensor and the block wherever they are known, and the same
@@ -135,6 +136,22 @@ class BackendUnavailable(KVSnapError, RuntimeError):
 
 class TransferFailedError(KVSnapError):
     """A copy between the engine cache and the staging memory failed or was refused."""
+
+
+class RankFailedError(KVSnapError):
+    """A distributed capture or restore failed on some TP rank, or lost one (a collective
+    failed). Raised on every surviving rank; ``failures`` maps each failed rank to its error
+    message (empty when the group itself was lost)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        failures: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(message, file=file)
+        self.failures = dict(failures or {})
 
 
 class ModelLoadError(KVSnapError, ValueError):
