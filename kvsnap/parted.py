@@ -119,6 +119,11 @@ def capture_parts(
     one part per distinct head range of ``layouts`` (written from the first rank holding it),
     then the index. On any error the parts written are discarded and the previous snapshot
     at ``path`` is untouched. The result's ``path`` is the index."""
+    if layouts and layouts[0].geometry.is_mla:
+        raise LayoutError(
+            "MLA (latent) snapshots are never parted (every rank holds the whole latent): "
+            "capture without per_rank_parts"
+        )
     groups: dict[tuple[int, int], CacheLayout] = {}
     for layout in sorted(layouts, key=lambda layout: layout.tp_rank):
         groups.setdefault(head_range(layout), layout)

@@ -96,6 +96,7 @@ def part_layout(layout: CacheLayout, first_head: int, num_heads: int) -> CacheLa
     out of its own). The result is cached per layout object and head range.
     """
     geometry = layout.geometry
+    part_geometry(geometry, num_heads)  # refuses MLA
     end = first_head + num_heads
     if num_heads < 1 or first_head < 0 or end > geometry.num_kv_heads:
         raise LayoutError(
