@@ -204,23 +204,29 @@ def _check_part(
     expected = fmt.PartInfo(
         number, len(index.parts), record.first_head, whole.geometry.num_kv_heads
     )
-    if part != expected or reader.metadata.geometry.num_kv_heads != record.num_heads:
+    held = reader.metadata.geometry.num_kv_heads
+    if part != expected or held != record.num_heads:
+        says = (
+            "it is no part"
+            if part is None
+            else f"it is part {part.index} of {part.count} holding heads {part.first_head}.."
+            f"{part.first_head + held} of {part.num_kv_heads}"
+        )
         raise SnapshotCorruptError(
             f"is not part {number} of {len(index.parts)} holding heads {record.first_head}.."
-            f"{record.first_head + record.num_heads} of {whole.geometry.num_kv_heads} "
-            f"(its metadata says {part})",
+            f"{record.first_head + record.num_heads} of {whole.geometry.num_kv_heads}: {says}",
             file=reader.url,
         )
-    if _comparable(reader.metadata.to_json_dict(), whole.geometry.num_kv_heads) != _comparable(
-        whole.document, whole.geometry.num_kv_heads
-    ):
-        raise SnapshotCorruptError("its metadata differs from the index's", file=reader.url)
     if reader.trailer_digest() != record.trailer:
         raise SnapshotCorruptError(
             "does not match the index's trailer digest (a part of another snapshot or write)",
             file=reader.url,
             tensor=fmt.CHECKSUMS_TENSOR,
         )
+    if _comparable(reader.metadata.to_json_dict(), whole.geometry.num_kv_heads) != _comparable(
+        whole.document, whole.geometry.num_kv_heads
+    ):
+        raise SnapshotCorruptError("its metadata differs from the index's", file=reader.url)
 
 
 def _comparable(document: dict[str, object], num_kv_heads: int) -> dict[str, object]:
