@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import struct
 from collections import OrderedDict
 from pathlib import Path
 
@@ -268,3 +269,20 @@ def test_part_names(parted: Path) -> None:
         fmt.part_file_name("snap", 1, 2, "nope")
     with pytest.raises(NotASnapshotError):
         fmt.decode_parts_index(b"not json")
+
+
+def test_a_version_2_file_without_a_part_is_refused(tmp_path: Path) -> None:
+    ranks, _ = filled("vllm-nhd", 1, 8)
+    path = tmp_path / "plain.safetensors"
+    capture(ranks[0].layout, sequences(1), path, source=SOURCE)
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    at = data.index(b'\\"format_version\\":1', 8, 8 + length) + len(b'\\"format_version\\":1') - 1
+    data[at : at + 1] = b"2"
+    header = bytes(data[: 8 + length])
+    begin, end = fmt.locate_trailer(header)
+    rows = fmt.decode_trailer(bytes(data[begin:end]))
+    data[begin:end] = fmt.encode_trailer([fmt.digest128(header), *rows[1:]])
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotCorruptError, match="format_version 2 without a part key"):
+        Snapshot.open(path)
