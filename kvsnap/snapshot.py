@@ -56,6 +56,7 @@ def capture(
     direct_io: bool | None = None,
     progress: ProgressCallback | None = None,
     trace: TraceHook | None = None,
+    per_rank_parts: bool = False,
 ) -> CaptureResult:
     """Write the KV of ``sequences`` from the cache ``layout`` describes to a snapshot at ``path``.
 
@@ -74,7 +75,30 @@ def capture(
     writes, commit phases): ``benchmarks/e2e.py --timeline`` shows what it records. Repeated
     calls are warm; a caller capturing from the same caches many times may keep a
     :class:`~kvsnap.pipeline.Pipeline` instead.
+
+    With ``per_rank_parts`` (``layout``: one layout per TP rank) the snapshot is parted
+    (docs/format.md, "Parted snapshots"): one part file per distinct head range, each written
+    from the first rank holding it, then the index ``path + ".index.json"``; the result's
+    ``path`` is the index (``max_shard_bytes`` and ``progress`` do not apply).
     """
+    if per_rank_parts:
+        from kvsnap.parted import capture_parts
+
+        if max_shard_bytes is not None or progress is not None:
+            raise ValueError(
+                "per_rank_parts writes one file per head range: no shards, no progress"
+            )
+        return capture_parts(
+            [layout] if isinstance(layout, CacheLayout) else layout,
+            sequences,
+            path,
+            source=source,
+            transfer=transfer,
+            staging=staging,
+            reproducible=reproducible,
+            direct_io=direct_io,
+            trace=trace,
+        )
     return Pipeline(layout, transfer=transfer).capture(
         sequences,
         path,
@@ -109,8 +133,15 @@ class Snapshot:
 
         With ``verify`` (the default) every block read later is checked against its checksum.
         Raises :class:`~kvsnap.errors.KVSnapError` subclasses for anything that is not a
-        readable kvsnap snapshot.
+        readable kvsnap snapshot. A parted snapshot (its index, or the ``NAME.safetensors`` it
+        was written to) opens as a :class:`~kvsnap.parted.PartedSnapshot`: one snapshot of all
+        heads, every part checked against the index.
         """
+        from kvsnap.parted import open_parted
+
+        parted = open_parted(path, verify=verify)
+        if parted is not None:
+            return parted
         return cls(SnapshotReader(path, verify=verify), str(path))
 
     # -- metadata --------------------------------------------------------------------------

@@ -301,11 +301,11 @@ def test_metadata_problems_name_what_is_wrong(metadata: fmt.SnapshotMetadata) ->
 
 def test_newer_format_versions_ask_for_an_upgrade(metadata: fmt.SnapshotMetadata) -> None:
     document = json.loads(metadata.to_json())
-    document["format_version"] = 2
+    document["format_version"] = 3
     document["something_new"] = {"x": 1}
     with pytest.raises(UnsupportedVersionError, match="upgrade kvsnap") as caught:
         fmt.parse_metadata_json(json.dumps(document), file="snap.safetensors")
-    assert caught.value.version == 2 and "snap.safetensors" in str(caught.value)
+    assert caught.value.version == 3 and "snap.safetensors" in str(caught.value)
     document["format_version"] = 0
     with pytest.raises(UnsupportedVersionError):
         fmt.parse_metadata_json(json.dumps(document))

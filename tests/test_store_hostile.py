@@ -395,7 +395,7 @@ def test_a_flipped_bit_in_the_format_version_is_reported_as_corruption(tmp_path:
             SnapshotReader(flipped)
         assert str(flipped) in str(caught.value)
     newer = tmp_path / "newer.safetensors"
-    newer.write_bytes(_with_version(original, b"2", fix_trailer=True))
+    newer.write_bytes(_with_version(original, b"3", fix_trailer=True))
     with pytest.raises(UnsupportedVersionError, match="upgrade kvsnap"):
         SnapshotReader(newer)
 

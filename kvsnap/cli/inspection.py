@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
+from kvsnap.parted import PartedSnapshot
 from kvsnap.snapshot import Snapshot
 
 from .common import JsonOption, SnapshotArgument, format_bytes, snapshot_location
@@ -94,7 +96,56 @@ def describe(snap: Snapshot) -> dict[str, Any]:
         ],
         "num_blocks": snap.num_blocks,
         "total_bytes": snap.kv_bytes,
+        **_parts_json(snap),
     }
+
+
+def _parts_json(snap: Snapshot) -> dict[str, Any]:
+    """``parts`` (a parted snapshot: its part files in head order) or ``part`` (one part file
+    opened directly: which heads of the whole model it holds); nothing for other snapshots."""
+    if isinstance(snap, PartedSnapshot):
+        return {
+            "parts": [
+                {
+                    "file": path,
+                    "first_head": record.first_head,
+                    "num_heads": record.num_heads,
+                }
+                for path, record in zip(snap.part_files(), snap.index.parts, strict=True)
+            ]
+        }
+    part = snap.metadata.part
+    if part is None:
+        return {}
+    return {
+        "part": {
+            "index": part.index,
+            "count": part.count,
+            "first_head": part.first_head,
+            "num_heads": snap.geometry.num_kv_heads,
+            "num_kv_heads": part.num_kv_heads,
+        }
+    }
+
+
+def _part_rows(payload: dict[str, Any]) -> list[tuple[str, str]]:
+    """The rows of the metadata table saying how the snapshot is parted, if it is."""
+    if "part" in payload:
+        part = payload["part"]
+        end = part["first_head"] + part["num_heads"]
+        return [
+            (
+                "part",
+                f"part {part['index']} of {part['count']} (heads {part['first_head']}..{end} "
+                f"of {part['num_kv_heads']})",
+            )
+        ]
+    rows = []
+    for number, part in enumerate(payload.get("parts", ()), start=1):
+        end = part["first_head"] + part["num_heads"]
+        name = os.path.basename(part["file"])
+        rows.append((f"part {number}", f"heads {part['first_head']}..{end}: {name}"))
+    return rows
 
 
 def _metadata_table(payload: dict[str, Any]) -> Table:
@@ -117,6 +168,7 @@ def _metadata_table(payload: dict[str, Any]) -> Table:
         ("dtype", layout["dtype"]),
         ("captured from", f"{layout['capture_encoding']}, TP {layout['tp_size']}"),
         ("blocks", f"{payload['num_blocks']} ({format_bytes(payload['total_bytes'])})"),
+        *_part_rows(payload),
     ]
     for key, value in rows:
         table.add_row(key, Text(str(value)))

@@ -1,4 +1,4 @@
-"""The kvsnap snapshot format, version 1: a safetensors container with kvsnap metadata.
+"""The kvsnap snapshot format (versions 1 and 2): a safetensors container with kvsnap metadata.
 
 This package is pure bytes-in-memory, one module per job:
 
@@ -10,6 +10,7 @@ This package is pure bytes-in-memory, one module per job:
   sharding) and the header bytes;
 - :mod:`~kvsnap.format.header`: strict decoding of a file's header;
 - :mod:`~kvsnap.format.index`: shard file names and the sharded snapshot's index;
+- :mod:`~kvsnap.format.parts`: part file names and the parted snapshot's index (version 2);
 - :mod:`~kvsnap.format.hashing`: prefix hash chains, block dedupe, checksums, the trailer;
 - :mod:`~kvsnap.format.fingerprint`: model fingerprints.
 
@@ -54,6 +55,7 @@ from kvsnap.format.constants import (
     NHD_ENCODING,
     NO_HASH,
     PADDING_PREFIX,
+    PARTS_FORMAT_VERSION,
     ROOT_DIGEST,
     SUPPORTED_VERSIONS,
     TENSOR_CHECKSUM,
@@ -101,6 +103,7 @@ from kvsnap.format.index import (
     shard_file_name,
 )
 from kvsnap.format.metadata import (
+    PartInfo,
     Problem,
     SequenceRecord,
     SnapshotMetadata,
@@ -114,6 +117,17 @@ from kvsnap.format.parse import (
     check_version,
     parse_metadata_document,
     parse_metadata_json,
+)
+from kvsnap.format.parts import (
+    PARTS_KEY,
+    PartRecord,
+    PartsIndex,
+    decode_parts_index,
+    encode_parts_index,
+    is_part_of,
+    is_parts_index,
+    part_file_name,
+    whole_geometry,
 )
 from kvsnap.format.schema import (
     metadata_schema,
@@ -136,6 +150,8 @@ __all__ = [
     "NHD_ENCODING",
     "NO_HASH",
     "PADDING_PREFIX",
+    "PARTS_FORMAT_VERSION",
+    "PARTS_KEY",
     "ROOT_DIGEST",
     "SUPPORTED_VERSIONS",
     "TENSOR_CHECKSUM",
@@ -144,6 +160,9 @@ __all__ = [
     "DecodedHeader",
     "FileLayout",
     "HeaderMetadata",
+    "PartInfo",
+    "PartRecord",
+    "PartsIndex",
     "Problem",
     "SequenceRecord",
     "SequenceShape",
@@ -157,15 +176,19 @@ __all__ = [
     "check_version",
     "decode_header",
     "decode_index",
+    "decode_parts_index",
     "decode_trailer",
     "dedupe_blocks",
     "digest128",
     "encode_index",
+    "encode_parts_index",
     "encode_trailer",
     "expected_layout",
     "header_length",
     "is_container_tensor",
     "is_layer_tensor",
+    "is_part_of",
+    "is_parts_index",
     "is_shard_of",
     "layer_tensor_digest",
     "locate_trailer",
@@ -175,6 +198,7 @@ __all__ = [
     "pack_file",
     "parse_metadata_document",
     "parse_metadata_json",
+    "part_file_name",
     "plan_files",
     "prefix_hash_chain",
     "shard_file_name",
@@ -183,4 +207,5 @@ __all__ = [
     "split_shards",
     "strict_json_loads",
     "utc_now",
+    "whole_geometry",
 ]

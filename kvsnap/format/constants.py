@@ -1,4 +1,4 @@
-"""The v1 format's constants: version, names of kvsnap's own tensors, alignment, limits."""
+"""The format's constants: version, names of kvsnap's own tensors, alignment, limits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import struct
 
 #: The format version this module writes; readers accept every version in SUPPORTED_VERSIONS.
 FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+#: The version of a parted snapshot's part files and index (plain snapshots stay version 1, so
+#: their bytes never change; a reader that knows only version 1 refuses parts with "upgrade").
+PARTS_FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 #: ``__metadata__`` key holding the kvsnap JSON (safetensors metadata values must be strings).
 METADATA_KEY = "kvsnap"
 #: File offsets of the data region and of every layer tensor are multiples of this (O_DIRECT).

@@ -16,6 +16,7 @@ from kvsnap.format.constants import (
     HEADER_PREFIX,
     MAX_HEADER_BYTES,
     METADATA_KEY,
+    PARTS_FORMAT_VERSION,
 )
 from kvsnap.format.container import (
     FileLayout,
@@ -154,7 +155,15 @@ def _parse_kvsnap_json(kvsnap_json: str, file: str | None) -> HeaderMetadata:
         raise SnapshotCorruptError(
             f"kvsnap metadata is not valid JSON ({error})", file=file
         ) from None
-    return parse_metadata_document(metadata_document, file=file)
+    metadata = parse_metadata_document(metadata_document, file=file)
+    if metadata.format_version == PARTS_FORMAT_VERSION and metadata.part is None:
+        # Version 2 files are the parts of a parted snapshot (its index is no file header).
+        raise SnapshotCorruptError(
+            f"format_version {PARTS_FORMAT_VERSION} without a part key: version 2 files are the "
+            "parts of a parted snapshot",
+            file=file,
+        )
+    return metadata
 
 
 def _check_header_bounds(

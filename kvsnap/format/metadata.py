@@ -21,6 +21,7 @@ from kvsnap.format.constants import (
     HEX32,
     MLA_ENCODING,
     NHD_ENCODING,
+    PARTS_FORMAT_VERSION,
     TENSOR_CHECKSUM,
 )
 from kvsnap.format.hashing import (
@@ -56,6 +57,43 @@ class SourceInfo:
     model_id: str = "unknown"
     model_revision: str | None = None
     model_fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """Where one part of a parted snapshot sits: part ``index`` (1-based) of ``count``, holding
+    global KV heads ``first_head .. first_head + its own layout.num_kv_heads`` of the model's
+    ``num_kv_heads``. Stored as ``part`` in the part file's metadata (format version 2)."""
+
+    index: int
+    count: int
+    first_head: int
+    num_kv_heads: int
+
+    def to_json_dict(self) -> dict[str, int]:
+        return {
+            "index": self.index,
+            "count": self.count,
+            "first_head": self.first_head,
+            "num_kv_heads": self.num_kv_heads,
+        }
+
+
+def part_problems(part: PartInfo, geometry: KVGeometry) -> list[str]:
+    """What is wrong with ``part`` for a part file of ``geometry`` (empty when it is right)."""
+    found = []
+    if geometry.is_mla:
+        found.append("an MLA (latent) snapshot is never parted")
+    elif part.first_head + geometry.num_kv_heads > part.num_kv_heads:
+        found.append(
+            f"part heads {part.first_head}..{part.first_head + geometry.num_kv_heads} exceed "
+            f"the model's {part.num_kv_heads} KV heads"
+        )
+    if not 1 <= part.index <= part.count:
+        found.append(f"part {part.index} of {part.count}")
+    if part.first_head < 0:
+        found.append(f"first_head must not be negative, got {part.first_head}")
+    return found
 
 
 @dataclass(frozen=True)
@@ -137,6 +175,8 @@ class SnapshotMetadata:
     tp_size: int
     kvsnap_version: str = __version__
     created: str | None = None
+    #: Set in the metadata of one part of a parted snapshot (its ``geometry`` is the part's).
+    part: PartInfo | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SnapshotMetadata):
@@ -150,17 +190,28 @@ class SnapshotMetadata:
             and self.tp_size == other.tp_size
             and self.kvsnap_version == other.kvsnap_version
             and self.created == other.created
+            and self.part == other.part
         )
 
     __hash__ = None  # type: ignore[assignment]
 
-    def to_json_dict(self, shard: tuple[int, int] | None = None) -> dict[str, Any]:
-        """The metadata as the JSON object of :data:`METADATA_KEY` (``shard``: (index, count))."""
+    @property
+    def format_version(self) -> int:
+        """The version a file of this metadata is written in: 2 for a part, 1 otherwise."""
+        return FORMAT_VERSION if self.part is None else PARTS_FORMAT_VERSION
+
+    def to_json_dict(
+        self, shard: tuple[int, int] | None = None, *, format_version: int | None = None
+    ) -> dict[str, Any]:
+        """The metadata as the JSON object of :data:`METADATA_KEY` (``shard``: (index, count)).
+
+        ``format_version`` overrides :attr:`format_version` (a parted snapshot's index stores
+        the whole snapshot's metadata, no ``part``, as version 2)."""
         layout = _geometry_json(self.geometry)
         layout["capture_encoding"] = self.capture_encoding
         layout["tp_size"] = self.tp_size
         document: dict[str, Any] = {
-            "format_version": FORMAT_VERSION,
+            "format_version": format_version or self.format_version,
             "kvsnap_version": self.kvsnap_version,
             "created": self.created,
             "source": {
@@ -184,6 +235,8 @@ class SnapshotMetadata:
         }
         if shard is not None:
             document["shard"] = {"index": shard[0], "count": shard[1]}
+        if self.part is not None:
+            document["part"] = self.part.to_json_dict()
         return document
 
     def to_json(self, shard: tuple[int, int] | None = None) -> str:
@@ -231,6 +284,8 @@ class SnapshotMetadata:
             found.append(f"tp_size must be at least 1, got {self.tp_size}")
         if not self.capture_encoding:
             found.append("capture_encoding must not be empty")
+        if self.part is not None:
+            found += part_problems(self.part, geometry)
         if self.created is not None and not CREATED_PATTERN.fullmatch(self.created):
             found.append(
                 f"created must be ISO-8601 UTC like 2026-01-31T12:00:00Z, got {self.created!r}"

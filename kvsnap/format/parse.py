@@ -15,13 +15,16 @@ from kvsnap.format.constants import (
     BLOCK_HASHES_TENSOR,
     CREATED_PATTERN,
     DIGEST_BYTES,
+    PARTS_FORMAT_VERSION,
     SUPPORTED_VERSIONS,
 )
 from kvsnap.format.metadata import (
+    PartInfo,
     SequenceRecord,
     SnapshotMetadata,
     SourceInfo,
     canonical_encoding,
+    part_problems,
 )
 from kvsnap.format.schema import strict_json_loads, validate_schema
 from kvsnap.layout import KVGeometry
@@ -60,6 +63,12 @@ class HeaderMetadata:
     created: str | None
     shard: tuple[int, int] | None
     document: dict[str, Any]
+    #: Set in one part file of a parted snapshot (format version 2).
+    part: PartInfo | None = None
+
+    @property
+    def format_version(self) -> int:
+        return int(self.document["format_version"])
 
     def unsharded_document(self) -> dict[str, Any]:
         """The JSON object without the ``shard`` key, as a sharded snapshot's index stores it."""
@@ -109,6 +118,7 @@ class HeaderMetadata:
             tp_size=self.tp_size,
             kvsnap_version=self.kvsnap_version,
             created=self.created,
+            part=self.part,
         )
 
 
@@ -201,6 +211,25 @@ def _parse_shard(document: dict[str, Any]) -> tuple[int, int] | None:
     return shard
 
 
+def _parse_part(document: dict[str, Any], geometry: KVGeometry) -> PartInfo | None:
+    """The ``part`` of a schema-valid document: only in version 2, never with ``shard``, its
+    heads inside the model's (``ValueError`` otherwise)."""
+    if "part" not in document:
+        return None
+    if document["format_version"] != PARTS_FORMAT_VERSION:
+        raise ValueError(f"a part needs format_version {PARTS_FORMAT_VERSION}")
+    if "shard" in document:
+        raise ValueError("a part file is never a shard")
+    raw = document["part"]
+    part = PartInfo(
+        _int(raw["index"]), _int(raw["count"]), _int(raw["first_head"]), _int(raw["num_kv_heads"])
+    )
+    problems = part_problems(part, geometry)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return part
+
+
 def parse_metadata_document(document: Any, *, file: str | None = None) -> HeaderMetadata:
     """:func:`parse_metadata_json` for an already parsed JSON object."""
     check_version(document, file)
@@ -229,6 +258,7 @@ def parse_metadata_document(document: Any, *, file: str | None = None) -> Header
             created=created,
             shard=_parse_shard(document),
             document=document,
+            part=_parse_part(document, geometry),
         )
     except (ValueError, LayoutError) as error:
         raise SnapshotCorruptError(f"kvsnap metadata is inconsistent: {error}", file=file) from None

@@ -11,6 +11,8 @@ path; instead this package describes each cache once:
 * :mod:`~kvsnap.layout.mapping`: :class:`CopyRun` and :class:`CanonicalPageMapping` (local page
   bytes onto canonical page bytes), :func:`strided_page_runs`, TP head assignment and writer
   election (:func:`head_shard`), :func:`check_tiling`.
+* :mod:`~kvsnap.layout.heads`: head ranges of parted snapshots (:func:`part_layout`,
+  :func:`part_plan`, :func:`head_range`).
 * :mod:`~kvsnap.layout.cache`: :class:`CacheTensor`, :class:`PageRef`, :class:`CacheLayout`.
 * :mod:`~kvsnap.layout.constructors`: a :class:`CacheLayout` from the real tensors of each
   engine layout (built with :mod:`~kvsnap.layout.builder`).
@@ -42,6 +44,13 @@ from kvsnap.layout.geometry import (
     dtype_name,
     torch_dtype,
 )
+from kvsnap.layout.heads import (
+    PartAssignment,
+    head_range,
+    part_geometry,
+    part_layout,
+    part_plan,
+)
 from kvsnap.layout.mapping import (
     CanonicalPageMapping,
     CopyRun,
@@ -68,6 +77,7 @@ __all__ = [
     "KVGeometry",
     "LayoutError",
     "PageRef",
+    "PartAssignment",
     "canonical_name",
     "check_tiling",
     "contiguous_layout",
@@ -75,9 +85,13 @@ __all__ = [
     "dtype_name",
     "flat_paged_layout",
     "fold_fragments",
+    "head_range",
     "head_shard",
     "mla_layout",
     "packed_layout",
+    "part_geometry",
+    "part_layout",
+    "part_plan",
     "strided_page_runs",
     "torch_dtype",
     "vllm_legacy_layout",

@@ -38,6 +38,9 @@ class CaptureResult:
     seconds: float
     backend: str
     direct_io_fallback: str | None
+    #: xxh3-128 (hex) of the file's checksum trailer when the capture wrote one file (a plain
+    #: snapshot or one part of a parted snapshot: what the parted index records), else None.
+    trailer_digest: str | None = None
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,10 @@ A snapshot written to ``dir/NAME.safetensors`` owns exactly these names in ``dir
 index), shards ``{stem}-00001-of-00004.safetensors`` and ``{stem}-g<12 hex>-00001-of-00004
 .safetensors`` (``stem``: NAME without ``.safetensors``, see
 :func:`kvsnap.format.is_shard_of`), and temporary files of those names
-(:mod:`kvsnap.store.publish`). An index may name any file (it could have been copied from
-another snapshot); a file it names is removed only when the naming above makes it this
-snapshot's.
+(:mod:`kvsnap.store.publish`), and parts ``{stem}-g<12 hex>-part-00001-of-00004.safetensors``
+of a parted snapshot (:func:`kvsnap.format.is_part_of`). An index may name any file (it
+could have been copied from another snapshot); a file it names is removed only when the naming
+above makes it this snapshot's.
 """
 
 from __future__ import annotations
@@ -24,29 +25,37 @@ def owns_name(location: Location) -> Callable[[str], bool]:
     """Whether a file name in ``location``'s directory belongs to the snapshot at ``location``."""
     stem = stem_of(location)
     own = {location.name, location.with_suffix(INDEX_SUFFIX).name}
-    return lambda name: name in own or fmt.is_shard_of(stem, name)
+    return lambda name: name in own or fmt.is_shard_of(stem, name) or fmt.is_part_of(stem, name)
+
+
+def indexed_files(index: Location) -> tuple[str, ...]:
+    """The data files the index at ``index`` names (shards or parts), in order; ``()`` when
+    there is no readable index there (an unreadable index names nothing we could know to be
+    ours)."""
+    with contextlib.suppress(KVSnapError):
+        if index.exists():
+            raw = read_small(index, fmt.MAX_INDEX_BYTES)
+            if fmt.is_parts_index(raw):
+                return tuple(part.file for part in fmt.decode_parts_index(raw).parts)
+            return fmt.decode_index(raw, file=index.url).files
+    return ()
 
 
 def stale_files(location: Location, new_files: Sequence[Location], sharded: bool) -> list[Location]:
-    """Files of the snapshot at ``location`` that its new form (``new_files``, one file or
-    shards) does not replace: the other form's index or single file, and the shards the
-    previous index names that are this snapshot's by name and not among ``new_files``. In the
-    order to delete them: a superseded index first, so readers stop finding old shards."""
+    """Files of the snapshot at ``location`` that its new form (``new_files``: one file, or
+    shards or parts published by an index, ``sharded``) does not replace: the other form's
+    index or single file, and the shards or parts the previous index names that are this
+    snapshot's by name and not among ``new_files``. In the order to delete them: a superseded
+    index first, so readers stop finding old shards or parts."""
     stale: list[Location] = []
     index = location.with_suffix(INDEX_SUFFIX)
     owns = owns_name(location)
     new_names = {file.name for file in new_files}
     if not sharded and index.exists():
         stale.append(index)
-    # An unreadable old index names nothing we could know to be ours.
-    with contextlib.suppress(KVSnapError):
-        if index.exists():
-            previous = fmt.decode_index(read_small(index, fmt.MAX_INDEX_BYTES), file=index.url)
-            stale += [
-                index.sibling(name)
-                for name in previous.files
-                if owns(name) and name not in new_names
-            ]
+    stale += [
+        index.sibling(name) for name in indexed_files(index) if owns(name) and name not in new_names
+    ]
     if sharded and location.exists():
         stale.append(location)
     return stale

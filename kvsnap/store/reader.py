@@ -137,9 +137,14 @@ class SnapshotReader(ReaderVerification, SlotReading):
         return open_file, header
 
     def _open_sharded(self, index_location: Location) -> None:
-        index = fmt.decode_index(
-            read_small(index_location, fmt.MAX_INDEX_BYTES), file=index_location.url
-        )
+        raw = read_small(index_location, fmt.MAX_INDEX_BYTES)
+        if fmt.is_parts_index(raw):
+            raise NotASnapshotError(
+                "is the index of a parted snapshot (one file per head range): open it with "
+                "kvsnap.Snapshot.open, or open one part file",
+                file=index_location.url,
+            )
+        index = fmt.decode_index(raw, file=index_location.url)
         self._header_metadata = index.metadata
         self._index_digests = index.trailer_digests
         specs = fmt.specs_for(index.metadata)
@@ -315,6 +320,16 @@ class SnapshotReader(ReaderVerification, SlotReading):
     def format_version(self) -> int:
         """The snapshot format version the file was written in."""
         return int(self._header_metadata.document["format_version"])
+
+    def trailer_digest(self) -> str:
+        """xxh3-128 (32 hex digits) of a single-file snapshot's checksum trailer, read from the
+        file: what a parted snapshot's index records for each part."""
+        if len(self._files) != 1:
+            raise ValueError("trailer_digest is defined for a single-file snapshot")
+        open_file = self._files[0]
+        entry = open_file.layout.by_name[fmt.CHECKSUMS_TENSOR]
+        raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.CHECKSUMS_TENSOR)
+        return xxhash.xxh3_128_hexdigest(raw)
 
     @property
     def files(self) -> list[str]:

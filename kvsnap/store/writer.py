@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from kvsnap import format as fmt
 from kvsnap.errors import (
@@ -53,6 +54,9 @@ class SnapshotInfo:
     direct_io: bool
     fallback_reason: str | None
     seconds: float
+    #: xxh3-128 (hex) of each file's checksum trailer, in ``files`` order: what an index
+    #: records to bind itself to exactly these files.
+    trailers: tuple[str, ...] = ()
 
 
 class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
@@ -128,6 +132,8 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         before any data (metadata tensors)."""
         self._layouts = fmt.plan_files(metadata, max_shard_bytes)
         self._sharded = len(self._layouts) > 1
+        if self._sharded and metadata.part is not None:
+            raise ValueError("a part of a parted snapshot is one file: it cannot be sharded")
         if self._sharded:
             stem = stem_of(self._location)
             count = len(self._layouts)
@@ -170,6 +176,7 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._layer_bytes_done = 0
+        self._trailer_bytes: dict[int, bytes] = {}
         self._direct_bytes = 0
         self._buffered_bytes = 0
         self._unaligned_buffers = False
@@ -325,6 +332,10 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
             direct_io=self._direct_bytes > 0,
             fallback_reason=self.fallback_reason,
             seconds=time.perf_counter() - self._started,
+            trailers=tuple(
+                xxhash.xxh3_128_hexdigest(self._trailer(shard))
+                for shard in range(len(self._layouts))
+            ),
         )
         return self.info
 
@@ -454,6 +465,10 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
     # -- shared --------------------------------------------------------------------------
 
     def _trailer(self, shard: int) -> bytes:
+        # Computed once all data is written (commit), then reused by the index and the info.
+        cached = self._trailer_bytes.get(shard)
+        if cached is not None:
+            return cached
         layout = self._layouts[shard]
         digests = [fmt.digest128(layout.header)]
         for entry in layout.checksummed():
@@ -467,7 +482,8 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
                 static = self._static_bytes(entry)
                 assert static is not None
                 digests.append(fmt.digest128(static))
-        return fmt.encode_trailer(digests)
+        self._trailer_bytes[shard] = fmt.encode_trailer(digests)
+        return self._trailer_bytes[shard]
 
     def _index_bytes(self) -> bytes:
         trailers = [self._trailer(shard) for shard in range(len(self._layouts))]

@@ -1,0 +1,268 @@
+"""Parted snapshots on storage: part file locations, the index publish, discarding a failed
+write's parts, and opening the parts an index names (with every cross-check).
+
+The write protocol (docs/format.md, "Parted snapshots"): every part is published atomically
+under its own new name (``{stem}-{generation}-part-{i:05d}-of-{k:05d}.safetensors``, a plain
+:class:`~kvsnap.store.SnapshotWriter` commit), then :func:`publish_parts_index` publishes the
+index, which is the commit point, and only then removes what the replaced snapshot owned.
+Until the index's rename readers find the old snapshot; a failed write's parts are named by no
+index, and :func:`discard_parts` removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvsnap import format as fmt
+from kvsnap.errors import KVSnapError, SnapshotCorruptError, SnapshotIOError
+from kvsnap.store import overwrite, publish
+from kvsnap.store.location import INDEX_SUFFIX, Location, io_error, locate, read_small, stem_of
+from kvsnap.store.opening import check_in_directory
+from kvsnap.store.publish import temp_name
+from kvsnap.store.reader import OPEN_ATTEMPTS, SnapshotReader
+
+__all__ = [
+    "OpenedParts",
+    "discard_parts",
+    "open_parts",
+    "part_path",
+    "parted_index",
+    "parts_index_bytes",
+    "publish_parts_index",
+]
+
+
+def part_path(path: str | os.PathLike[str], index: int, count: int, generation: str) -> str:
+    """Where part ``index`` (1-based) of ``count`` of the write ``generation`` of the snapshot
+    ``path`` (``NAME.safetensors``) goes: beside it, named by
+    :func:`kvsnap.format.part_file_name`."""
+    location = locate(path, None)
+    name = fmt.part_file_name(stem_of(location), index, count, generation)
+    return location.sibling(name).url
+
+
+def parts_index_bytes(path: str | os.PathLike[str], records: Sequence[fmt.PartRecord]) -> bytes:
+    """The index of a parted snapshot at ``path`` whose parts ``records`` are durable: the
+    whole snapshot's metadata is read from part 1 (verified), and every part is checked to be
+    the part its record says (number, heads, trailer digest, same snapshot), so an index is
+    never published over parts that do not make one snapshot."""
+    location = locate(path, None)
+    index_location = location.with_suffix(INDEX_SUFFIX)
+    if not records:
+        raise ValueError("a parted snapshot needs at least one part")
+    with SnapshotReader(location.sibling(records[0].file).url) as first:
+        part = first.metadata.part
+        if part is None:
+            raise ValueError(f"{records[0].file} is not a part of a parted snapshot")
+        whole = _whole_metadata(first.metadata, part.num_kv_heads)
+    raw = fmt.encode_parts_index(whole, records)
+    index = fmt.decode_parts_index(raw, file=index_location.url)
+    opened = _open_once(index_location, index, verify=True)
+    for reader in opened:
+        reader.close()
+    return raw
+
+
+def publish_parts_index(path: str | os.PathLike[str], records: Sequence[fmt.PartRecord]) -> str:
+    """Publish the index of the parted snapshot at ``path`` (``NAME.safetensors``) naming the
+    durable parts ``records`` (in head order), then remove what the snapshot it replaces
+    owned (its old index's shards or parts, or the single file ``NAME.safetensors``), never
+    one of ``records``. The index goes through :func:`~kvsnap.store.publish_bytes` (local) or
+    a temporary name and a move (fsspec; one put on object stores). Returns the index's URL.
+    Checked first as :func:`parts_index_bytes` checks; on any error nothing is published."""
+    location = locate(path, None)
+    raw = parts_index_bytes(path, records)
+    index = location.with_suffix(INDEX_SUFFIX)
+    stale = overwrite.stale_files(
+        location, [location.sibling(record.file) for record in records], sharded=True
+    )
+    try:
+        if index.is_local:
+            publish.publish_bytes(index.path, raw)
+        elif index.object_store:
+            index.fs.pipe_file(index.path, raw)
+        else:
+            temp = index.sibling(temp_name(index.name))
+            temp.fs.pipe_file(temp.path, raw)
+            temp.fs.mv(temp.path, index.path)
+    except OSError as error:
+        raise io_error("publishing the parted index", index.url, error) from error
+    overwrite.remove_quietly(stale)
+    return index.url
+
+
+def discard_parts(path: str | os.PathLike[str], generation: str) -> list[str]:
+    """Remove the part files of the write ``generation`` of the snapshot ``path`` (a failed
+    parted write: no index names them), and the unlocked temporary files of those names
+    (dead writers'; a live writer's is kept). Best effort: what cannot be removed stays. The
+    published snapshot, if any, is never touched (its parts have another generation). Returns
+    the URLs removed. Local directories and fsspec filesystems with ``ls``."""
+    location = locate(path, None)
+    stem = stem_of(location)
+    removed: list[str] = []
+    with contextlib.suppress(OSError, KVSnapError):
+        if location.is_local:
+            names = os.listdir(os.path.dirname(location.path))
+        else:
+            names = [
+                os.path.basename(entry)
+                for entry in location.fs.ls(os.path.dirname(location.path), detail=False)
+            ]
+        for name in names:
+            if fmt.is_part_of(stem, name, generation):
+                target = location.sibling(name)
+                with contextlib.suppress(OSError, KVSnapError):
+                    target.remove()
+                    removed.append(target.url)
+        if location.is_local:
+            removed += publish.remove_dead_temps(
+                os.path.dirname(location.path),
+                lambda name: fmt.is_part_of(stem, name, generation),
+                stem,
+            )
+    return removed
+
+
+def parted_index(path: str | os.PathLike[str]) -> Location | None:
+    """The index location when ``path`` names a parted snapshot: its ``.index.json``, or the
+    ``NAME.safetensors`` it was written to when only the index exists there. ``None`` for
+    anything else (a plain or sharded snapshot, or nothing: its reader says what)."""
+    location = locate(path, None)
+    if location.path.endswith(INDEX_SUFFIX):
+        index = location
+    elif location.exists():
+        return None
+    else:
+        index = location.with_suffix(INDEX_SUFFIX)
+    try:
+        raw = read_small(index, fmt.MAX_INDEX_BYTES)
+    except KVSnapError:
+        return None
+    return index if fmt.is_parts_index(raw) else None
+
+
+@dataclass
+class OpenedParts:
+    """A parted snapshot opened: its index and one reader per part, in head order."""
+
+    index: fmt.PartsIndex
+    readers: list[SnapshotReader]
+    url: str
+
+
+def open_parts(index_location: Location, *, verify: bool = True) -> OpenedParts:
+    """Open the parted snapshot whose index is at ``index_location`` and every part it names,
+    checking each part against the index (:func:`_check_part`). A part that vanished while
+    opening (the snapshot was replaced) starts the open over, up to ``OPEN_ATTEMPTS`` times."""
+    for attempt in range(1, OPEN_ATTEMPTS + 1):
+        raw = read_small(index_location, fmt.MAX_INDEX_BYTES)
+        index = fmt.decode_parts_index(raw, file=index_location.url)
+        try:
+            readers = _open_once(index_location, index, verify=verify)
+        except SnapshotIOError as error:
+            if attempt == OPEN_ATTEMPTS or not isinstance(error.__cause__, FileNotFoundError):
+                raise
+            continue
+        return OpenedParts(index, readers, index_location.url)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _open_once(
+    index_location: Location, index: fmt.PartsIndex, *, verify: bool
+) -> list[SnapshotReader]:
+    readers: list[SnapshotReader] = []
+    try:
+        for number, record in enumerate(index.parts, start=1):
+            location = index_location.sibling(record.file)
+            check_in_directory(index_location, location)
+            reader = SnapshotReader(location.url, verify=verify)
+            readers.append(reader)
+            _check_part(index, number, record, reader)
+            if number > 1 and reader.metadata.sequences != readers[0].metadata.sequences:
+                raise SnapshotCorruptError(
+                    "its sequences (token ids, block ids or prefix hashes) differ from part 1's",
+                    file=reader.url,
+                )
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
+    return readers
+
+
+def _check_part(
+    index: fmt.PartsIndex, number: int, record: fmt.PartRecord, reader: SnapshotReader
+) -> None:
+    """``reader``'s file is part ``number`` of this index: its ``part`` key, its heads, its
+    metadata the index's (but for its head count, ``part`` and ``created``: each rank stamps
+    its own) and its trailer the digest the index records."""
+    part = reader.metadata.part
+    whole = index.metadata
+    expected = fmt.PartInfo(
+        number, len(index.parts), record.first_head, whole.geometry.num_kv_heads
+    )
+    held = reader.metadata.geometry.num_kv_heads
+    if part != expected or held != record.num_heads:
+        says = (
+            "it is no part"
+            if part is None
+            else f"it is part {part.index} of {part.count} holding heads {part.first_head}.."
+            f"{part.first_head + held} of {part.num_kv_heads}"
+        )
+        raise SnapshotCorruptError(
+            f"is not part {number} of {len(index.parts)} holding heads {record.first_head}.."
+            f"{record.first_head + record.num_heads} of {whole.geometry.num_kv_heads}: {says}",
+            file=reader.url,
+        )
+    if reader.trailer_digest() != record.trailer:
+        raise SnapshotCorruptError(
+            "does not match the index's trailer digest (a part of another snapshot or write)",
+            file=reader.url,
+            tensor=fmt.CHECKSUMS_TENSOR,
+        )
+    if _comparable(reader.metadata.to_json_dict(), whole.geometry.num_kv_heads) != _comparable(
+        whole.document, whole.geometry.num_kv_heads
+    ):
+        raise SnapshotCorruptError("its metadata differs from the index's", file=reader.url)
+
+
+def _comparable(document: dict[str, object], num_kv_heads: int) -> dict[str, object]:
+    """A metadata document as parts and index must agree on it: whole head count, no
+    ``part`` or ``created``."""
+    comparable = {key: value for key, value in document.items() if key not in ("part", "created")}
+    layout = dict(comparable["layout"])  # type: ignore[call-overload]
+    layout["num_kv_heads"] = num_kv_heads
+    comparable["layout"] = layout
+    return comparable
+
+
+def _whole_metadata(part: fmt.SnapshotMetadata, num_kv_heads: int) -> fmt.SnapshotMetadata:
+    """The whole snapshot's metadata, given one part's."""
+    return fmt.SnapshotMetadata(
+        geometry=fmt.whole_geometry(part.geometry, num_kv_heads),
+        source=part.source,
+        sequences=part.sequences,
+        num_blocks=part.num_blocks,
+        capture_encoding=part.capture_encoding,
+        tp_size=part.tp_size,
+        kvsnap_version=part.kvsnap_version,
+        created=part.created,
+    )
+
+
+def whole_metadata(index: fmt.PartsIndex, first: SnapshotReader) -> fmt.SnapshotMetadata:
+    """The whole snapshot's metadata: the index's, with part 1's sequences."""
+    meta = index.metadata
+    return fmt.SnapshotMetadata(
+        geometry=meta.geometry,
+        source=meta.source,
+        sequences=first.metadata.sequences,
+        num_blocks=meta.num_blocks,
+        capture_encoding=meta.capture_encoding,
+        tp_size=meta.tp_size,
+        kvsnap_version=meta.kvsnap_version,
+        created=meta.created,
+    )
