@@ -1,0 +1,318 @@
+"""Capture and restore with one process per tensor-parallel rank, as engines and ``torchrun`` run.
+
+``torch.distributed`` is initialised by the caller; every rank of the group calls the same
+function with its own cache's layout (``layout.tp_rank`` is its rank in the group). Each rank
+moves only its own heads, over its own PCIe link, into its own file: a capture writes one *part*
+per distinct head group (docs/format.md, "Parted snapshots") and rank 0 publishes the index
+that makes them one snapshot once every part is durable. Collectives carry a generation token,
+one small status object per rank and the outcome, never KV bytes. A restore moves no data
+between ranks either (each reads the parts holding its heads, whatever TP size the snapshot was
+taken at); its ranks agree on the outcome, so an engine recomputes the same blocks everywhere.
+
+Failure of any rank, or of the group itself (a rank killed, a collective timing out), leaves no
+published snapshot: the index is written last, by rank 0, after every rank reported its part
+durable, and the previous snapshot at ``path`` is intact until then. Surviving ranks remove the
+write's parts and raise :class:`~kvsnap.errors.RankFailedError`.
+
+A group of one rank writes a plain snapshot; so does an MLA model at any TP size (every rank
+holds the whole latent, rank 0 writes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from kvsnap import format as fmt
+from kvsnap.errors import RankFailedError, RestoreIncompleteError
+from kvsnap.layout import CacheLayout, PageRef, part_plan
+from kvsnap.parted import capture_part
+from kvsnap.pipeline import (
+    CaptureResult,
+    Pipeline,
+    RestoreResult,
+    SequenceBlocks,
+    StagingOptions,
+    TransferOptions,
+)
+from kvsnap.snapshot import Snapshot
+from kvsnap.store import TraceHook
+from kvsnap.store.parts import discard_parts, publish_parts_index
+
+__all__ = ["DistributedCapture", "capture", "restore"]
+
+
+@dataclass(frozen=True)
+class DistributedCapture:
+    """What a distributed capture published, as every rank sees it."""
+
+    #: The snapshot (``NAME.safetensors``; a parted one is opened through it or its index).
+    path: str
+    #: Part files of the snapshot (0 for a plain snapshot).
+    num_parts: int
+    num_blocks: int
+    #: KV bytes of the whole snapshot, every part together.
+    num_bytes: int
+    #: Wall time of this rank's call, the collectives included.
+    seconds: float
+    #: What this rank wrote (its part, or the plain snapshot), ``None`` if it wrote nothing.
+    written: CaptureResult | None
+
+
+def capture(
+    layout: CacheLayout,
+    sequences: Sequence[SequenceBlocks],
+    path: str | os.PathLike[str],
+    *,
+    group: Any = None,
+    source: fmt.SourceInfo | None = None,
+    transfer: TransferOptions | None = None,
+    staging: StagingOptions | None = None,
+    reproducible: bool = False,
+    direct_io: bool | None = None,
+    trace: TraceHook | None = None,
+) -> DistributedCapture:
+    """Capture ``sequences`` from every rank of ``group`` into one snapshot at ``path``.
+
+    Call it on every rank of ``group`` (a ``torch.distributed`` process group; default: the
+    world) with that rank's cache ``layout`` (``tp_rank`` = rank in the group, ``tp_size`` =
+    its size) and the same ``sequences`` (the ranks share one block table) and ``path`` (a
+    local or shared filesystem every rank reaches). Each rank holding a distinct head group
+    writes its part beside ``path``, in parallel; rank 0 publishes the index once every part
+    is durable, and every rank returns only then. Raises
+    :class:`~kvsnap.errors.RankFailedError` on every surviving rank when any rank failed or
+    was lost: nothing is published and the previous snapshot at ``path`` is untouched.
+    """
+    started = time.perf_counter()
+    rank, world = _check_rank(layout, group)
+    path = os.fspath(path)
+    options = {
+        "source": source,
+        "transfer": transfer,
+        "staging": staging,
+        "reproducible": reproducible,
+        "direct_io": direct_io,
+        "trace": trace,
+    }
+    plan = part_plan(layout.geometry, world) if world > 1 else []
+    if not plan:  # one rank, or an MLA latent every rank holds: a plain snapshot from rank 0
+        return _capture_plain(layout, sequences, path, rank, group, options, started)
+    generation = _broadcast(fmt.new_generation() if rank == 0 else None, group, path)
+    written: list[Any] = []
+    status: dict[str, Any] = {"error": None, "records": [], "num_bytes": 0, "num_blocks": 0}
+    try:
+        for part in plan:
+            if part.writer_rank == rank:
+                result = capture_part(
+                    layout,
+                    sequences,
+                    path,
+                    part=part,
+                    count=len(plan),
+                    generation=generation,
+                    **options,
+                )
+                written.append(result)
+                status["records"].append(result.record)
+                status["num_bytes"] += result.result.num_bytes
+                status["num_blocks"] = result.result.num_blocks
+    except Exception as error:  # every rank learns of it; nothing is published
+        status = {"error": _describe(error), "records": []}
+    statuses = _all_gather(status, group, path, generation, world)
+    failures = {r: s["error"] for r, s in enumerate(statuses) if s["error"] is not None}
+    if rank == 0 and not failures:
+        try:
+            publish_parts_index(path, [record for s in statuses for record in s["records"]])
+        except Exception as error:
+            failures[0] = _describe(error)
+    failures = _broadcast(failures if rank == 0 else None, group, path, generation)
+    if failures:
+        discard_parts(path, generation)
+        raise _failed("capture", path, failures)
+    return DistributedCapture(
+        path=path,
+        num_parts=len(plan),
+        num_blocks=max(s["num_blocks"] for s in statuses),
+        num_bytes=sum(s["num_bytes"] for s in statuses),
+        seconds=time.perf_counter() - started,
+        written=written[0].result if written else None,
+    )
+
+
+def restore(
+    path: str | os.PathLike[str],
+    target: CacheLayout | Pipeline,
+    block_ids: Mapping[str, np.ndarray | Sequence[int]],
+    *,
+    group: Any = None,
+    staging: StagingOptions | None = None,
+    model_fingerprint: str | None = None,
+    force: bool = False,
+    trace: TraceHook | None = None,
+) -> RestoreResult:
+    """Restore, on every rank of ``group``, that rank's heads of the snapshot at ``path``.
+
+    ``target`` is this rank's cache layout, or the :class:`~kvsnap.pipeline.Pipeline` an
+    engine keeps for it (warm across calls); ``block_ids`` maps sequence ids to the target's
+    block ids, the same on every rank. Each rank reads only the parts holding its heads (a
+    plain snapshot: the pages of its blocks), at any TP size of the snapshot. The ranks then
+    agree: when a page failed its checksum on any rank, every rank raises
+    :class:`~kvsnap.errors.RestoreIncompleteError` naming the union of the failed blocks
+    (everything else was written, on every rank); when a rank failed otherwise (a snapshot that
+    does not fit, an I/O error) or the group was lost, every rank raises
+    :class:`~kvsnap.errors.RankFailedError`.
+    """
+    pipeline = target if isinstance(target, Pipeline) else Pipeline(target)
+    _, world = _check_rank(pipeline.layouts[0], group)
+    result: RestoreResult | None = None
+    status: dict[str, Any] = {"error": None, "failed_block_ids": []}
+    try:
+        with Snapshot.open(path) as snapshot:
+            result = pipeline.restore(
+                snapshot,
+                block_ids,
+                staging=staging,
+                model_fingerprint=model_fingerprint,
+                force=force,
+                trace=trace,
+            )
+    except RestoreIncompleteError as error:
+        result = error.result
+        status["failed_block_ids"] = [int(block) for block in error.failed_block_ids]
+    except Exception as error:  # every rank learns of it
+        status["error"] = _describe(error)
+    statuses = _all_gather(status, group, os.fspath(path), None, world)
+    failures = {r: s["error"] for r, s in enumerate(statuses) if s["error"] is not None}
+    if failures:
+        raise _failed("restore", os.fspath(path), failures)
+    failed = sorted({block for s in statuses for block in s["failed_block_ids"]})
+    if failed:
+        raise RestoreIncompleteError(
+            f"{len(failed)} target blocks failed their checksums on some rank and were not "
+            "(fully) restored; every other page was, on every rank",
+            file=os.fspath(path),
+            failed_block_ids=np.asarray(failed, dtype=np.int64),
+            result=result,
+        )
+    assert result is not None
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _check_rank(layout: CacheLayout, group: Any) -> tuple[int, int]:
+    """This process's rank and the group's size, checked against the layout's TP rank."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("kvsnap.distributed needs torch.distributed initialised first")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if (layout.tp_rank, layout.tp_size) != (rank, world):
+        raise ValueError(
+            f"this process is rank {rank} of {world}, but its layout is TP rank "
+            f"{layout.tp_rank} of {layout.tp_size}: pass the layout of this rank's own cache"
+        )
+    return rank, world
+
+
+def _capture_plain(
+    layout: CacheLayout,
+    sequences: Sequence[SequenceBlocks],
+    path: str,
+    rank: int,
+    group: Any,
+    options: dict[str, Any],
+    started: float,
+) -> DistributedCapture:
+    """Rank 0 writes the whole snapshot (published atomically by itself); the others wait."""
+    written: CaptureResult | None = None
+    outcome: dict[str, Any] = {"failures": {}, "num_blocks": 0, "num_bytes": 0}
+    if rank == 0:
+        try:
+            written = Pipeline(_sole_writer(layout), transfer=options["transfer"]).capture(
+                sequences, path, **{k: v for k, v in options.items() if k != "transfer"}
+            )
+            outcome.update(num_blocks=written.num_blocks, num_bytes=written.num_bytes)
+        except Exception as error:
+            outcome["failures"] = {0: _describe(error)}
+    outcome = _broadcast(outcome if rank == 0 else None, group, path)
+    if outcome["failures"]:
+        raise _failed("capture", path, outcome["failures"])
+    return DistributedCapture(
+        path=path,
+        num_parts=0,
+        num_blocks=outcome["num_blocks"],
+        num_bytes=outcome["num_bytes"],
+        seconds=time.perf_counter() - started,
+        written=written,
+    )
+
+
+def _sole_writer(layout: CacheLayout) -> CacheLayout:
+    """``layout`` electing itself the writer of every block (its bytes are every rank's)."""
+    if all(ref.mapping.num_writers == 1 for ref in layout.refs):
+        return layout
+    refs = [
+        PageRef(
+            ref.tensor_index,
+            ref.layer,
+            ref.part,
+            dataclasses.replace(ref.mapping, num_writers=1, writer_index=0),
+        )
+        for ref in layout.refs
+    ]
+    return dataclasses.replace(layout, refs=refs, tp_rank=0, tp_size=1)
+
+
+def _broadcast(value: Any, group: Any, path: str, generation: str | None = None) -> Any:
+    """Rank 0's ``value`` on every rank (a small picklable object)."""
+    box = [value]
+    _collective(
+        lambda: dist.broadcast_object_list(box, src=_first_rank(group), group=group),
+        path,
+        generation,
+    )
+    return box[0]
+
+
+def _all_gather(value: Any, group: Any, path: str, generation: str | None, world: int) -> list[Any]:
+    """Every rank's ``value`` (small picklable objects), in rank order."""
+    gathered: list[Any] = [None] * world
+    _collective(lambda: dist.all_gather_object(gathered, value, group=group), path, generation)
+    return gathered
+
+
+def _first_rank(group: Any) -> int:
+    """The global rank of the group's rank 0 (what ``broadcast_object_list`` takes)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _collective(run: Any, path: str, generation: str | None) -> None:
+    """Run one collective; a lost peer or a timeout becomes :class:`RankFailedError` after this
+    rank removed the write's parts (``generation``), so nothing it wrote survives."""
+    try:
+        run()
+    except RuntimeError as error:  # gloo and NCCL report lost peers and timeouts so
+        if generation is not None:
+            discard_parts(path, generation)
+        raise RankFailedError(
+            f"the process group failed (a rank was lost or timed out): {error}", file=path
+        ) from error
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _failed(action: str, path: str, failures: dict[int, str]) -> RankFailedError:
+    listed = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(failures.items()))
+    published = ", nothing was published" if action == "capture" else ""
+    return RankFailedError(
+        f"distributed {action} failed{published}: {listed}", file=path, failures=failures
+    )

@@ -1,0 +1,192 @@
+"""Child processes of the distributed tests: one TP rank each, joined by a gloo group.
+
+Every rank builds the same model content from one seed (the TP=1 canonical pages, random bytes)
+and allocates its own rank's cache of it, the way a TP engine holds its heads; the parent
+rebuilds the content to check what the ranks wrote and restored. Runs under multiprocessing's
+spawn, so each child is a fresh interpreter like a ``torchrun`` rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kvsnap import distributed
+from kvsnap.errors import RestoreIncompleteError
+from kvsnap.layout import KVGeometry
+from kvsnap.pipeline import SequenceBlocks
+from kvsnap.testing.caches import (
+    KVContent,
+    SyntheticCache,
+    make_cache,
+    random_content,
+    same_bytes,
+)
+
+#: Seconds a collective waits for a lost peer before it fails.
+GROUP_TIMEOUT_S = 30
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model's cache at one TP size: what every rank (and the parent) rebuilds."""
+
+    kind: str = "vllm-nhd"
+    num_layers: int = 3
+    num_kv_heads: int = 4
+    head_dim: int = 16
+    block_size: int = 4
+    num_blocks: int = 24
+    seed: int = 0
+    #: MLA models (``kind="mla"``) hold a latent of this size instead of heads.
+    latent_dim: int = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float16
+
+    def geometry(self) -> KVGeometry:
+        if self.latent_dim:
+            return KVGeometry(
+                num_layers=self.num_layers,
+                num_kv_heads=0,
+                head_dim=0,
+                latent_dim=self.latent_dim,
+                block_size=self.block_size,
+                dtype="float16",
+            )
+        return KVGeometry(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            dtype="float16",
+        )
+
+    def content(self) -> KVContent:
+        generator = torch.Generator().manual_seed(self.seed)
+        return random_content(self.geometry(), self.num_blocks, generator)
+
+    def cache(self, tp_rank: int, tp_size: int) -> SyntheticCache:
+        return make_cache(
+            self.kind,
+            num_layers=self.num_layers,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=0 if self.latent_dim else self.num_kv_heads,
+            head_dim=0 if self.latent_dim else self.head_dim,
+            latent_dim=self.latent_dim,
+            dtype=self.dtype,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+
+    def device_blocks(self) -> np.ndarray:
+        """Where the content's pages sit in every rank's cache (a permutation: engines scatter)."""
+        return np.random.default_rng(self.seed + 1).permutation(self.num_blocks)
+
+    def sequences(self) -> list[SequenceBlocks]:
+        """Two sequences over the content's blocks, the second ending in a partial block."""
+        blocks = self.device_blocks()
+        rng = np.random.default_rng(self.seed + 2)
+        half = self.num_blocks // 2
+        first = rng.integers(0, 32000, half * self.block_size)
+        second = rng.integers(0, 32000, (self.num_blocks - half) * self.block_size - 1)
+        return [
+            SequenceBlocks("first", first, blocks[:half]),
+            SequenceBlocks("second", second, blocks[half:]),
+        ]
+
+
+def join_group(rank: int, world: int, rendezvous: str) -> None:
+    """Join the gloo group of ``world`` ranks through the rendezvous file."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+
+
+def run_rank(rank: int, world: int, job: dict[str, Any]) -> None:
+    """One rank of ``job["role"]``; writes what it saw to ``job["out"]/rank{rank}.json``."""
+    out = Path(job["out"])
+    join_group(rank, world, job["rendezvous"])
+    case = Case(**job.get("case", {}))
+    report: dict[str, Any] = {"rank": rank}
+    try:
+        if job["role"] == "capture":
+            report.update(_capture(case, rank, world, job))
+        elif job["role"] == "restore":
+            report.update(_restore(case, rank, world, job))
+        else:
+            raise ValueError(f"unknown role {job['role']!r}")
+    except Exception as error:  # reported to the parent, which asserts on it
+        report["error"] = f"{type(error).__name__}: {error}"
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def _capture(case: Case, rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    cache = case.cache(rank, world)
+    cache.fill(case.content(), torch.from_numpy(case.device_blocks()))
+    trace = None
+    if job.get("die_on_rank") == rank:
+
+        def trace(kind: str, started: float, finished: float, nbytes: int) -> None:
+            if kind.startswith("writer"):  # pages of this rank's part are being written: die
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    result = distributed.capture(cache.layout, case.sequences(), job["path"], trace=trace)
+    return {
+        "num_bytes": result.num_bytes,
+        "num_parts": result.num_parts,
+        "part_bytes": None if result.written is None else result.written.num_bytes,
+        "part_path": None if result.written is None else result.written.path,
+    }
+
+
+def _restore(case: Case, rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    cache = case.cache(rank, world)
+    target = np.random.default_rng(case.seed + 7).permutation(case.num_blocks)
+    block_ids = {}
+    for sequence in case.sequences():
+        block_ids[sequence.id] = target[: len(sequence.block_ids)]
+        target = target[len(sequence.block_ids) :]
+    report: dict[str, Any] = {"error": None, "failed_block_ids": []}
+    try:
+        distributed.restore(job["path"], cache.layout, block_ids)
+    except RestoreIncompleteError as error:
+        report["error"] = f"{type(error).__name__}: {error}"
+        report["failed_block_ids"] = sorted(int(block) for block in error.failed_block_ids)
+    content = case.content()
+    mismatched = []
+    for position, sequence_blocks in enumerate(_stored_order(case, block_ids)):
+        source, destination = sequence_blocks
+        for name in content.pages:
+            expected = cache.expected(content, name, torch.as_tensor(source))
+            actual = cache.logical(name)[torch.as_tensor(destination)]
+            if not same_bytes(expected, actual):
+                mismatched.append(f"{position}:{name}")
+    return {**report, "mismatched": mismatched}
+
+
+def _stored_order(
+    case: Case, block_ids: dict[str, np.ndarray]
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per sequence: (content page indices, target blocks) the restore must have written."""
+    inverse = np.argsort(case.device_blocks())
+    return [
+        (inverse[sequence.block_ids], np.asarray(block_ids[sequence.id]))
+        for sequence in case.sequences()
+    ]
