@@ -239,8 +239,8 @@ def _page_digests(tensors: list[torch.Tensor], heads: slice) -> list[str]:
 
     digests = []
     for tensor in tensors:
-        for part in range(tensor.shape[0]):
-            pages = tensor[part][:, :, heads].contiguous().view(torch.uint8).cpu().numpy()
+        for part in range(tensor.shape[1]):  # vLLM split NHD: [blocks, 2, tokens, heads, dim]
+            pages = tensor[:, part][:, :, heads].contiguous().view(torch.uint8).cpu().numpy()
             digests.append(xxhash.xxh3_128_hexdigest(pages))
     return digests
 

@@ -1,9 +1,11 @@
 """Every ```python block of README.md and docs/*.md runs as written.
 
 A block whose first line is ``# needs: cuda`` or ``# needs: vllm`` is skipped where that is
-missing. A block that defines ``test_*`` functions is a test module: it runs under pytest (with
-kvsnap's plugin) twice, since a first run writes the golden files and fails as documented, and
-the second must pass. Every block runs in a fresh directory, so the files it writes vanish.
+missing; one whose first line is ``# run: torchrun ARGS`` is saved to a file and run by
+``torchrun ARGS FILE`` (one process per rank, as its document says to run it). A block that
+defines ``test_*`` functions is a test module: it runs under pytest (with kvsnap's plugin)
+twice, since a first run writes the golden files and fails as documented, and the second must
+pass. Every block runs in a fresh directory, so the files it writes vanish.
 """
 
 from __future__ import annotations
@@ -60,7 +62,20 @@ def test_python_block_runs_as_written(
     if re.search(r"^def test_", code, re.MULTILINE):
         _run_as_test_module(code, tmp_path)
         return
+    launcher = re.match(r"# run: torchrun (.*)\n", code)
+    if launcher is not None:
+        _run_under_torchrun(code, launcher.group(1).split(), tmp_path)
+        return
     exec(compile(code, "<snippet>", "exec"), {"__name__": "__snippet__"})
+
+
+def _run_under_torchrun(code: str, arguments: list[str], directory: Path) -> None:
+    (directory / "snippet.py").write_text(code)
+    command = [sys.executable, "-m", "torch.distributed.run", *arguments, "snippet.py"]
+    done = subprocess.run(
+        command, cwd=directory, capture_output=True, text=True, check=False, timeout=300
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
 
 
 def _run_as_test_module(code: str, directory: Path) -> None:
