@@ -49,6 +49,8 @@ class Case:
     seed: int = 0
     #: MLA models (``kind="mla"``) hold a latent of this size instead of heads.
     latent_dim: int = 0
+    #: Where each rank's cache lives (``"cuda"``: the rank's own GPU, or GPU 0 if it is alone).
+    device: str = "cpu"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -88,7 +90,13 @@ class Case:
             dtype=self.dtype,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            device=self.rank_device(tp_rank),
         )
+
+    def rank_device(self, rank: int) -> torch.device:
+        if self.device != "cuda":
+            return torch.device(self.device)
+        return torch.device("cuda", rank % torch.cuda.device_count())
 
     def device_blocks(self) -> np.ndarray:
         """Where the content's pages sit in every rank's cache (a permutation: engines scatter)."""
