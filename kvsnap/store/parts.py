@@ -32,6 +32,7 @@ __all__ = [
     "parted_index",
     "parts_index_bytes",
     "publish_parts_index",
+    "whole_metadata",
 ]
 
 
