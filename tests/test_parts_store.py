@@ -203,3 +203,12 @@ def test_an_open_racing_a_replacement_starts_over_and_finds_the_new_snapshot(
             same_bytes(snap.read_tensor(name), replaced[1].pages[name])
             for name in snap.geometry.tensor_names()
         )
+
+
+def test_an_index_is_published_only_over_the_snapshots_own_parts(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs.safetensors"
+    _write(theirs, "parted", seed=3)
+    records = list(fmt.decode_parts_index(Path(str(theirs) + ".index.json").read_bytes()).parts)
+    with pytest.raises(ValueError, match=r"is not a part file name of ours\.safetensors"):
+        publish_parts_index(tmp_path / "ours.safetensors", records)
+    assert not (tmp_path / "ours.safetensors.index.json").exists()
