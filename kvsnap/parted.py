@@ -19,13 +19,21 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvsnap import format as fmt
-from kvsnap.errors import LayoutError
+from kvsnap.errors import LayoutError, RestoreIncompleteError
 from kvsnap.layout import CacheLayout, PartAssignment, head_range, part_layout
 from kvsnap.pinned import PinnedPool
-from kvsnap.pipeline import CaptureResult, Pipeline, SequenceBlocks, StagingOptions, TransferOptions
+from kvsnap.pipeline import (
+    CaptureResult,
+    Pipeline,
+    RestoreResult,
+    SequenceBlocks,
+    StagingOptions,
+    TransferOptions,
+)
 from kvsnap.snapshot import Snapshot, staging_options
 from kvsnap.store import SnapshotReader, TraceHook
 from kvsnap.store.parts import (
@@ -37,7 +45,14 @@ from kvsnap.store.parts import (
     whole_metadata,
 )
 
-__all__ = ["PartCapture", "PartedSnapshot", "capture_part", "capture_parts"]
+__all__ = [
+    "PartCapture",
+    "PartedSnapshot",
+    "capture_part",
+    "capture_parts",
+    "open_parted",
+    "restore_parted",
+]
 
 
 @dataclass(frozen=True)
@@ -242,3 +257,50 @@ def open_parted(path: str | os.PathLike[str], *, verify: bool = True) -> PartedS
     if index is None:
         return None
     return PartedSnapshot(open_parts(index, verify=verify), str(path))
+
+
+def restore_parted(
+    pipeline: Pipeline,
+    snapshot: PartedSnapshot,
+    pairs: tuple[np.ndarray, np.ndarray],
+    staging: StagingOptions | None,
+    progress: ProgressCallback | None,
+    trace: TraceHook | None,
+) -> RestoreResult:
+    """What :class:`~kvsnap.pipeline.Pipeline` runs to move checked ``(snapshot blocks, target
+    blocks)`` of a parted snapshot: each part into the ranks of ``pipeline`` holding some of
+    its heads, through the pipeline's kept per-part pipelines (a part no rank holds is never
+    read). A part's failed pages do not stop the other parts; the target blocks any part
+    failed are reported together in one :class:`~kvsnap.errors.RestoreIncompleteError`."""
+    jobs = [
+        (part, moving)
+        for part, record in zip(snapshot.parts, snapshot.index.parts, strict=True)
+        # Pipeline and this function are one mechanism split over two modules.
+        if (moving := pipeline._part_pipeline(record.first_head, record.num_heads))
+    ]
+    names = len(pipeline.geometry.tensor_names())
+    total = sum(p.geometry.canonical_page_size_bytes for _, p in jobs) * len(pairs[0]) * names
+    done = 0
+    moved: list[RestoreResult] = []
+    failures: list[RestoreIncompleteError] = []
+    for part, moving in jobs:
+        report = None
+        if progress is not None:
+            report = lambda n, _t, base=done: progress(base + n, total)  # noqa: E731
+        try:
+            moved.append(moving._restore_pairs(part, pairs, staging, report, trace))
+        except RestoreIncompleteError as error:
+            failures.append(error)
+            moved.append(error.result)
+        done += moved[-1].num_bytes
+    result = RestoreResult(0, 0, len(pairs[0]), done, 0.0, moved[0].backend if moved else "none")
+    if failures:
+        raise RestoreIncompleteError(
+            "; ".join(str(error) for error in failures),
+            file=snapshot.path,
+            failed_block_ids=np.unique(
+                np.concatenate([error.failed_block_ids for error in failures])
+            ),
+            result=result,
+        ) from failures[0]
+    return result

@@ -22,8 +22,10 @@ SOURCE = SourceInfo(
 )
 
 
-def caches(kind: str, tp: int, heads: int, num_blocks: int = NUM_BLOCKS) -> list[SyntheticCache]:
-    """One zeroed cache per TP rank of a model with ``heads`` KV heads."""
+def caches(
+    kind: str, tp: int, heads: int, num_blocks: int = NUM_BLOCKS, device: str = "cpu"
+) -> list[SyntheticCache]:
+    """One zeroed cache per TP rank of a model with ``heads`` KV heads, on ``device``."""
     return [
         make_cache(
             kind,
@@ -34,6 +36,7 @@ def caches(kind: str, tp: int, heads: int, num_blocks: int = NUM_BLOCKS) -> list
             head_dim=HEAD_DIM,
             tp_rank=rank,
             tp_size=tp,
+            device=device,
         )
         for rank in range(tp)
     ]
@@ -55,9 +58,11 @@ def sequences(seed: int = 0) -> list[SequenceBlocks]:
     ]
 
 
-def filled(kind: str, tp: int, heads: int, seed: int = 1) -> tuple[list[SyntheticCache], KVContent]:
-    """TP ``tp`` caches of ``kind`` holding random content in every block."""
-    ranks = caches(kind, tp, heads)
+def filled(
+    kind: str, tp: int, heads: int, seed: int = 1, device: str = "cpu"
+) -> tuple[list[SyntheticCache], KVContent]:
+    """TP ``tp`` caches of ``kind`` on ``device`` holding random content in every block."""
+    ranks = caches(kind, tp, heads, device=device)
     content = random_content(geometry(heads), NUM_BLOCKS, torch.Generator().manual_seed(seed))
     for rank in ranks:
         rank.fill(content)

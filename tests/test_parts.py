@@ -226,3 +226,21 @@ def test_random_content_of_part_layouts_matches_the_logical_views() -> None:
             page[canonical : canonical + run.fragment_size] = raw[local : local + run.fragment_size]
     expected = rank.logical("layers.1.value")[block][:, 2:4].contiguous()
     assert same_bytes(page.view(torch.float16).reshape(expected.shape), expected)
+
+
+def test_progress_of_a_parted_restore_and_verify_reaches_the_total(tmp_path: Path) -> None:
+    path = tmp_path / "parted.safetensors"
+    parted_snapshot(path, "vllm-nhd", 8)
+    ranks = caches("vllm-nhd", 1, 8)
+    seen: list[tuple[int, int]] = []
+    with Snapshot.open(path) as snap:
+        result = snap.restore(
+            ranks[0].layout, restore_map(), progress=lambda done, total: seen.append((done, total))
+        )
+        total = snap.kv_bytes
+        assert result.num_bytes == total and result.num_blocks == NUM_BLOCKS
+        assert [done for done, _ in seen] == sorted(done for done, _ in seen)
+        assert seen[-1] == (total, total) and {t for _, t in seen} == {total}
+        checked: list[tuple[int, int]] = []
+        assert snap.verify(progress=lambda done, total: checked.append((done, total))) == []
+        assert checked[-1] == (total, total)

@@ -11,6 +11,7 @@ import pytest
 from parts_helpers import SOURCE, filled, sequences
 
 import kvsnap.parted
+import kvsnap.store.parts
 from kvsnap import format as fmt
 from kvsnap import layout as L
 from kvsnap.errors import SnapshotCorruptError
@@ -175,3 +176,39 @@ def test_a_copied_index_never_gets_foreign_parts_deleted(tmp_path: Path) -> None
     # Our (copied) index is replaced by the single file; their parts are not ours by name.
     assert _files(tmp_path) == (before - {"ours.safetensors.index.json"}) | {"ours.safetensors"}
     assert _holds(theirs, content)
+
+
+def test_an_open_racing_a_replacement_starts_over_and_finds_the_new_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "snap.safetensors"
+    _write(path, "parted", seed=1)
+    real_open_once = kvsnap.store.parts._open_once
+    attempts = []
+
+    def replaced_meanwhile(*args, **kwargs):
+        if replaced:  # the writer's own check of its parts, or the reader's next attempt
+            attempts.append(1)
+        else:  # the reader has read the old index; a writer now replaces the snapshot
+            replaced.append(None)
+            replaced.append(_write(path, "parted", seed=2))
+            attempts.clear()
+        return real_open_once(*args, **kwargs)
+
+    replaced: list = []
+    monkeypatch.setattr(kvsnap.store.parts, "_open_once", replaced_meanwhile)
+    with Snapshot.open(path) as snap:
+        assert len(attempts) == 1  # the retry, after the first attempt found a part gone
+        assert all(
+            same_bytes(snap.read_tensor(name), replaced[1].pages[name])
+            for name in snap.geometry.tensor_names()
+        )
+
+
+def test_an_index_is_published_only_over_the_snapshots_own_parts(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs.safetensors"
+    _write(theirs, "parted", seed=3)
+    records = list(fmt.decode_parts_index(Path(str(theirs) + ".index.json").read_bytes()).parts)
+    with pytest.raises(ValueError, match=r"is not a part file name of ours\.safetensors"):
+        publish_parts_index(tmp_path / "ours.safetensors", records)
+    assert not (tmp_path / "ours.safetensors.index.json").exists()

@@ -55,7 +55,6 @@ from kvsnap.store import SnapshotWriter, TraceHook, traced
 from kvsnap.transfer import TransferHandler
 
 if TYPE_CHECKING:
-    from kvsnap.parted import PartedSnapshot
     from kvsnap.snapshot import Snapshot
 
 ProgressCallback = Callable[[int, int], None]
@@ -116,20 +115,17 @@ class Pipeline:
         path: str | Path,
         *,
         source: fmt.SourceInfo | None = None,
+        # Set, the file is that part of a parted snapshot (format version 2), the layouts are
+        # part layouts and ``path`` the part's file: what kvsnap.parted.capture_part passes.
+        part: fmt.PartInfo | None = None,
         staging: StagingOptions | None = None,
         reproducible: bool = False,
         max_shard_bytes: int | None = None,
         direct_io: bool | None = None,
         progress: ProgressCallback | None = None,
         trace: TraceHook | None = None,
-        part: fmt.PartInfo | None = None,
     ) -> CaptureResult:
-        """Write the KV of ``sequences`` to a snapshot at ``path``; see :func:`kvsnap.capture`.
-
-        With ``part`` the file is that part of a parted snapshot (format version 2): the
-        layouts are then part layouts (:func:`kvsnap.layout.part_layout`), and ``path`` the
-        part's own file name; :func:`kvsnap.parted.capture_part` is the entry point that
-        does all of that."""
+        """Write the KV of ``sequences`` to a snapshot at ``path``; see :func:`kvsnap.capture`."""
         started = time.perf_counter()
         validate_sequences(self.geometry.block_size, sequences)
         metadata, device_blocks = _capture_metadata(
@@ -275,10 +271,10 @@ class Pipeline:
     ) -> RestoreResult:
         """Move checked ``(snapshot blocks, target blocks)``; raise
         :class:`~kvsnap.errors.RestoreIncompleteError` if any page failed its checksum."""
-        from kvsnap.parted import PartedSnapshot
+        from kvsnap.parted import PartedSnapshot, restore_parted
 
         if isinstance(snapshot, PartedSnapshot):
-            return self._restore_parted(snapshot, pairs, staging, progress, trace)
+            return restore_parted(self, snapshot, pairs, staging, progress, trace)
         failed, moved = self._move_in(snapshot, pairs, staging, progress, trace)
         result = dataclasses.replace(moved, num_blocks=len(pairs[0]))
         if len(failed.positions):
@@ -300,51 +296,6 @@ class Pipeline:
             held = [layout for layout in layouts if layout is not None]
             self._part_pipelines[key] = Pipeline(held, transfer=self.transfer) if held else None
         return self._part_pipelines[key]
-
-    def _restore_parted(
-        self,
-        snapshot: PartedSnapshot,
-        pairs: tuple[np.ndarray, np.ndarray],
-        staging: StagingOptions | None,
-        progress: ProgressCallback | None,
-        trace: TraceHook | None,
-    ) -> RestoreResult:
-        """:meth:`_restore_pairs` for a parted snapshot: each part into the ranks holding some
-        of its heads (a part no rank here holds is never read). A part's failed pages do not
-        stop the other parts; the blocks any part failed are reported together."""
-        jobs = [
-            (part, pipeline)
-            for part, record in zip(snapshot.parts, snapshot.index.parts, strict=True)
-            if (pipeline := self._part_pipeline(record.first_head, record.num_heads))
-        ]
-        names = len(self.geometry.tensor_names())
-        total = sum(p.geometry.canonical_page_size_bytes for _, p in jobs) * len(pairs[0]) * names
-        done = 0
-        moved: list[RestoreResult] = []
-        failures: list[RestoreIncompleteError] = []
-        for part, pipeline in jobs:
-            report = None
-            if progress is not None:
-                report = lambda n, _t, base=done: progress(base + n, total)  # noqa: E731
-            try:
-                moved.append(pipeline._restore_pairs(part, pairs, staging, report, trace))
-            except RestoreIncompleteError as error:
-                failures.append(error)
-                moved.append(error.result)
-            done += moved[-1].num_bytes
-        result = RestoreResult(
-            0, 0, len(pairs[0]), done, 0.0, moved[0].backend if moved else "none"
-        )
-        if failures:
-            raise RestoreIncompleteError(
-                "; ".join(str(error) for error in failures),
-                file=snapshot.path,
-                failed_block_ids=np.unique(
-                    np.concatenate([error.failed_block_ids for error in failures])
-                ),
-                result=result,
-            ) from failures[0]
-        return result
 
     def _move_in(
         self,

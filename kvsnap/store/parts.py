@@ -32,6 +32,7 @@ __all__ = [
     "parted_index",
     "parts_index_bytes",
     "publish_parts_index",
+    "whole_metadata",
 ]
 
 
@@ -53,6 +54,10 @@ def parts_index_bytes(path: str | os.PathLike[str], records: Sequence[fmt.PartRe
     index_location = location.with_suffix(INDEX_SUFFIX)
     if not records:
         raise ValueError("a parted snapshot needs at least one part")
+    stem = stem_of(location)
+    foreign = [record.file for record in records if not fmt.is_part_of(stem, record.file)]
+    if foreign:
+        raise ValueError(f"{foreign[0]!r} is not a part file name of {location.name}")
     with SnapshotReader(location.sibling(records[0].file).url) as first:
         part = first.metadata.part
         if part is None:
