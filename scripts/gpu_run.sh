@@ -14,6 +14,9 @@ for step in "$@"; do
     model) timeout 500 python3 -m benchmarks.engine --skip-fixed --skip-media --json-out $OUT/model.json ;;
     media) timeout 400 python3 -m benchmarks.engine --skip-fixed --skip-model --json-out $OUT/media.json ;;
     transfer) timeout 300 python3 -m benchmarks.transfer $OUT/transfer.json ;;
+    tp-shared) timeout 300 python3 -m benchmarks.tp_scaling --gpus 2 --share-gpu --gib-per-gpu 1 --shapes 8b --targets shm --json-out $OUT/tp_shared.json ;;
+    tp) timeout 500 python3 -m benchmarks.tp_scaling --gpus 2 --json-out $OUT/tp.json ;;
+    vllm-worker) timeout 300 python3 -m benchmarks.vllm_worker --json-out $OUT/vllm_worker.json ;;
     *) echo "unknown step $step" ;;
   esac
 done
