@@ -244,3 +244,13 @@ def test_progress_of_a_parted_restore_and_verify_reaches_the_total(tmp_path: Pat
         checked: list[tuple[int, int]] = []
         assert snap.verify(progress=lambda done, total: checked.append((done, total))) == []
         assert checked[-1] == (total, total)
+
+
+def test_one_rank_makes_one_part_and_unverified_opens_read_the_same(tmp_path: Path) -> None:
+    ranks, content = filled("vllm-nhd", 1, 8)
+    path = tmp_path / "one.safetensors"
+    capture(ranks[0].layout, sequences(1), path, source=SOURCE, per_rank_parts=True)
+    with Snapshot.open(path, verify=False) as snap:
+        assert isinstance(snap, PartedSnapshot) and len(snap.parts) == 1
+        assert snap.index.parts[0].num_heads == 8
+        assert same_bytes(snap.read_tensor("layers.1.key"), content.pages["layers.1.key"])

@@ -164,9 +164,18 @@ def _units(mapping: CanonicalPageMapping, head_bytes: int) -> tuple[np.ndarray, 
     return unit_local, unit
 
 
-def _heads_of(mapping: CanonicalPageMapping, geometry: KVGeometry) -> np.ndarray:
-    _, unit = _units(mapping, _head_bytes(geometry))
-    return np.unique(unit % geometry.num_kv_heads)
+# Every layer of a cache usually shares one mapping: its heads are worked out once.
+@functools.lru_cache(maxsize=256)
+def _heads_of(
+    mapping: CanonicalPageMapping, num_kv_heads: int, head_bytes: int
+) -> tuple[int, int] | None:
+    """The range ``[first, end)`` of heads ``mapping`` holds; ``None`` when they are not one
+    non-empty contiguous range."""
+    _, unit = _units(mapping, head_bytes)
+    heads = np.unique(unit % num_kv_heads)
+    if not len(heads) or heads[-1] - heads[0] + 1 != len(heads):
+        return None
+    return int(heads[0]), int(heads[-1]) + 1
 
 
 def _head_range(layout: CacheLayout) -> tuple[int, int]:
@@ -175,10 +184,10 @@ def _head_range(layout: CacheLayout) -> tuple[int, int]:
         raise LayoutError("an MLA (latent) layout holds no KV heads")
     ranges = set()
     for ref in layout.refs:
-        heads = _heads_of(ref.mapping, geometry)
-        if not len(heads) or heads[-1] - heads[0] + 1 != len(heads):
+        heads = _heads_of(ref.mapping, geometry.num_kv_heads, _head_bytes(geometry))
+        if heads is None:
             raise LayoutError(f"{ref.name}: the heads this rank holds are not a contiguous range")
-        ranges.add((int(heads[0]), int(heads[-1]) + 1))
+        ranges.add(heads)
     if len(ranges) != 1:
         raise LayoutError(f"layers and parts of one rank hold different heads: {sorted(ranges)}")
     return ranges.pop()
