@@ -20,7 +20,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kvsnap.engines.vllm.eviction import StoreEntry, prune_store, store_entries
+from kvsnap.engines.vllm.eviction import ORPHAN_GRACE_S, StoreEntry, prune_store, store_entries
 from kvsnap.errors import KVSnapError
 from kvsnap.snapshot import Snapshot
 
@@ -190,13 +190,24 @@ def prune(
             help="Keep chunks used this recently (an engine may be about to load them).",
         ),
     ] = 0.0,
+    orphan_grace_s: Annotated[
+        float,
+        typer.Option(
+            "--orphan-grace-s",
+            min=0.0,
+            help="Keep parts named by no index that were written this recently (a parted "
+            "write may still be publishing its index).",
+        ),
+    ] = ORPHAN_GRACE_S,
     as_json: JsonOption = False,
 ) -> None:
     """Delete orphan parts and quarantined chunks, then the least recently used chunks, until
     the store fits; a parted chunk goes whole (its index first, then its parts)."""
     root = _require_store(directory)
     now = time.time()
-    removed = prune_store(root, max_bytes, min_idle_s=min_idle_s, now=now)
+    removed = prune_store(
+        root, max_bytes, min_idle_s=min_idle_s, orphan_grace_s=orphan_grace_s, now=now
+    )
     remaining = sum(entry.size for entry in store_entries(root))
     rows = [_entry_json(entry, root, now) for entry in removed]
     freed = sum(row["bytes"] for row in rows)

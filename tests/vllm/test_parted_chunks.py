@@ -184,6 +184,9 @@ def test_quarantine_moves_a_parted_chunk_whole(tmp_path: Path) -> None:
     assert store.quarantine(path) is None  # another process got there first
     (entry,) = store_entries(tmp_path)
     assert entry.quarantined and entry.path == moved and len(entry.parts) == TP
+    # Pruning takes it whole, its directory too.
+    assert prune_store(tmp_path, 0) == [entry]
+    assert list(store.quarantined.iterdir()) == []
 
 
 def test_entries_and_prune_take_parted_chunks_whole(tmp_path: Path) -> None:
@@ -298,3 +301,14 @@ def test_store_cli_takes_parted_chunks_as_one_entry(tmp_path: Path) -> None:
     assert [entry["path"] for entry in pruned["removed"]] == [oldest["path"]]
     assert pruned["removed"][0]["parts"] == TP
     assert _files(tmp_path) == {_index(second), *_parts(second)}
+    # Parts no index names: listed as orphans, kept while young, pruned after the grace.
+    _index(second).unlink()
+    code, listing = _invoke("list", str(tmp_path))
+    assert [(entry["orphan"], entry["parts"]) for entry in listing["entries"]] == [(True, 0)] * TP
+    code, report = _invoke("verify", str(tmp_path))
+    assert (code, report["checked"]) == (0, 0)
+    code, pruned = _invoke("prune", str(tmp_path), "--max-bytes", "0")
+    assert pruned["removed"] == [] and not pruned["fits"]
+    code, pruned = _invoke("prune", str(tmp_path), "--max-bytes", "0", "--orphan-grace-s", "0")
+    assert code == 0 and pruned["fits"] and len(pruned["removed"]) == TP
+    assert _files(tmp_path) == set()

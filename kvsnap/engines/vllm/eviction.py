@@ -187,6 +187,9 @@ def _delete(entry: StoreEntry) -> bool:
     for part in entry.parts:
         with contextlib.suppress(FileNotFoundError):
             part.unlink()
+    if entry.quarantined and entry.parts:
+        with contextlib.suppress(OSError):  # not empty: something else is in it, keep it
+            entry.path.parent.rmdir()  # the parted chunk's own quarantine/HASH.T/
     return True
 
 
