@@ -29,13 +29,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvsnap import format as fmt
 from kvsnap.engines.vllm.store import CHUNK_SUFFIX, part_files
 from kvsnap.store.location import INDEX_SUFFIX
 
 #: Seconds after its last modification from which a part named by no index is garbage.
 ORPHAN_GRACE_S = 600.0
-#: A part file name (docs/format.md, "Parted snapshots"); ``is_part_of`` checks it exactly.
-_PART_NAME = re.compile(r".+-g[0-9a-f]{12}-part-[0-9]{5}-of-[0-9]{5}" + re.escape(CHUNK_SUFFIX))
+#: A part file name's stem (docs/format.md, "Parted snapshots"); :func:`_is_part` checks the
+#: rest with :func:`kvsnap.format.is_part_of`.
+_PART_STEM = re.compile(r"(.+)-g[0-9a-f]{12}-part-[0-9]{5}-of-[0-9]{5}" + re.escape(CHUNK_SUFFIX))
+
+
+def _is_part(name: str) -> bool:
+    """Whether ``name`` is a part file name of some snapshot."""
+    match = _PART_STEM.fullmatch(name)
+    return match is not None and fmt.is_part_of(match.group(1), name)
 
 
 @dataclass(frozen=True)
@@ -60,12 +68,6 @@ class StoreEntry:
     def age(self, now: float | None = None) -> float:
         """Seconds since the entry was last used."""
         return (time.time() if now is None else now) - self.last_used
-
-    @property
-    def files(self) -> tuple[Path, ...]:
-        """Every file of the entry, in the order a deletion removes them (the index, the
-        commit point, first)."""
-        return (self.path, *self.parts)
 
 
 def _directories(directory: Path) -> Iterator[tuple[Path, list[os.DirEntry[str]]]]:
@@ -133,7 +135,7 @@ def _directory_entries(
         if not name.endswith(CHUNK_SUFFIX):
             continue
         entry = _entry(directory / name, namespace, quarantined)
-        if entry is not None and _PART_NAME.fullmatch(name):
+        if entry is not None and _is_part(name):
             entry = dataclasses.replace(entry, orphan=True)
         found.append(entry)
     return [entry for entry in found if entry is not None]
