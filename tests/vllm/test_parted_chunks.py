@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -23,6 +24,7 @@ from kvsnap.engines.vllm import (
     ChunkChecker,
     PrefixStore,
     chunk_sequence_id,
+    eviction,
     prune_store,
     store_bytes,
     store_entries,
@@ -226,6 +228,21 @@ def test_entries_and_prune_take_parted_chunks_whole(tmp_path: Path) -> None:
     # What is left: every index with all its parts, and no part of a live index deleted.
     assert store.has_chunk(newest) and len(_parts(newest)) == TP and single.is_file()
     with Snapshot.open(newest) as snapshot:
+        assert snapshot.verify() == []
+
+
+def test_prune_leaves_a_chunk_another_process_moved_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=1)
+    path = _write_chunk(store, _prompt(1, seed=70), 0, 1)
+    listed = store_entries(tmp_path)
+    moved = store.quarantine(path)  # between this pruner's listing and its deletions
+    assert moved is not None
+    monkeypatch.setattr(eviction, "store_entries", lambda root: listed)
+    # The index is gone from where it was listed: its parts are the mover's, not deleted.
+    assert prune_store(tmp_path, 0) == []
+    with Snapshot.open(moved) as snapshot:
         assert snapshot.verify() == []
 
 
