@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap.engines.vllm.store import ChunkRef, chunk_sequence_id, committed_file
+from kvsnap.engines.vllm.store import ChunkRef, chunk_sequence_id, index_path, snapshot_path
 from kvsnap.errors import KVSnapError
 from kvsnap.snapshot import Snapshot
 
@@ -33,14 +33,13 @@ FileKey = tuple[int, int, int]
 def file_key(path: str) -> FileKey | None:
     """The identity now of the file committing the chunk at ``path`` (``HASH.safetensors``):
     the single file's, or a parted chunk's index's (``None``: there is neither)."""
-    committed = committed_file(path)
-    if committed is None:
-        return None
-    try:
-        status = os.stat(committed)
-    except OSError:
-        return None
-    return status.st_ino, status.st_size, status.st_mtime_ns
+    for candidate in (snapshot_path(path), index_path(path)):
+        try:
+            status = os.stat(candidate)
+        except OSError:
+            continue  # not this form (or gone)
+        return status.st_ino, status.st_size, status.st_mtime_ns
+    return None
 
 
 class ChunkChecker:
