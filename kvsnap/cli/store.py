@@ -1,21 +1,26 @@
 """``kvsnap store``: look after a vLLM prefix store (the ``KVSnapConnector``'s ``path``).
 
 ``list`` shows every chunk (and quarantined chunk) with its size and age, ``verify`` checks
-every chunk's structure and checksums (exit 1 if any is bad), ``prune`` deletes quarantined
-chunks, then the least recently used ones, until the store fits a size. A thin client of
+every chunk's structure and checksums (exit 1 if any is bad), ``prune`` deletes orphan parts
+and quarantined chunks, then the least recently used chunks, until the store fits a size. A
+parted chunk (TP > 1: an index and one part per head range) is one entry everywhere: listed
+with its parts count, verified over every part, pruned whole. A thin client of
 :mod:`kvsnap.engines.vllm.eviction` and :class:`kvsnap.snapshot.Snapshot`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from kvsnap.engines.vllm.eviction import StoreEntry, prune_store, store_entries
+from kvsnap.engines.vllm.eviction import ORPHAN_GRACE_S, StoreEntry, prune_store, store_entries
 from kvsnap.errors import KVSnapError
 from kvsnap.snapshot import Snapshot
 
@@ -47,7 +52,15 @@ def _entry_json(entry: StoreEntry, root: Path, now: float) -> dict[str, Any]:
         "age_s": round(entry.age(now), 3),
         "written_s_ago": round(now - entry.modified, 3),
         "quarantined": entry.quarantined,
+        "parts": len(entry.parts),
+        "orphan": entry.orphan,
     }
+
+
+def _state(row: dict[str, Any]) -> str:
+    if row["orphan"]:
+        return "orphan part"
+    return "quarantined" if row["quarantined"] else "ok"
 
 
 def _age(seconds: float) -> str:
@@ -59,15 +72,16 @@ def _age(seconds: float) -> str:
 
 def _print_entries(rows: list[dict[str, Any]], title: str) -> None:
     table = Table(title=title)
-    for column in ("entry", "namespace", "size", "last used", "state"):
+    for column in ("entry", "namespace", "parts", "size", "last used", "state"):
         table.add_column(column)
     for row in rows:
         table.add_row(
             row["path"],
             row["namespace"],
+            str(row["parts"]) if row["parts"] else "-",
             format_bytes(row["bytes"]),
             f"{_age(row['age_s'])} ago",
-            "quarantined" if row["quarantined"] else "ok",
+            _state(row),
         )
     stdout.print(table)
 
@@ -75,7 +89,8 @@ def _print_entries(rows: list[dict[str, Any]], title: str) -> None:
 @app.command("list")
 @handle_errors
 def list_entries(directory: StoreArgument, as_json: JsonOption = False) -> None:
-    """List every chunk and quarantined chunk, least recently used first, with size and age."""
+    """List every chunk, quarantined chunk and orphan part, least recently used first, with
+    size and age; a parted chunk is one entry (its index) with its parts count."""
     root = _require_store(directory)
     now = time.time()
     rows = [_entry_json(entry, root, now) for entry in store_entries(root)]
@@ -86,10 +101,28 @@ def list_entries(directory: StoreArgument, as_json: JsonOption = False) -> None:
     _print_entries(rows, f"{root}: {len(rows)} entries, {format_bytes(total)}")
 
 
-def _verify_one(path: Path) -> list[str]:
-    """Problems of the chunk at ``path`` (none: it is intact)."""
+@contextlib.contextmanager
+def _last_use_kept(path: Path) -> Iterator[None]:
+    """Put back the access time of ``path`` (a chunk's last use for LRU eviction) after the
+    block reads it, unless the file was rewritten meanwhile: a check is no use."""
     try:
-        with Snapshot.open(path) as snap:
+        before = os.stat(path)
+    except OSError:
+        before = None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            after = os.stat(path)
+            if before is not None and after.st_mtime_ns == before.st_mtime_ns:
+                os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def _verify_one(path: Path) -> list[str]:
+    """Problems of the chunk at ``path``, a single file or a parted chunk's index (every part
+    checked); none: it is intact. Its last use (access time) is left as it was."""
+    try:
+        with _last_use_kept(path), Snapshot.open(path) as snap:
             return [
                 f"{problem.tensor} block {problem.block}: {problem.message}"
                 if problem.tensor
@@ -103,32 +136,38 @@ def _verify_one(path: Path) -> list[str]:
 @app.command("verify")
 @handle_errors
 def verify_entries(directory: StoreArgument, as_json: JsonOption = False) -> None:
-    """Check every chunk's structure and checksums; exit 1 if any chunk is bad.
+    """Check every chunk's structure and checksums (a parted chunk's over every part); exit 1
+    if any chunk is bad.
 
-    Quarantined chunks are listed but not checked: they are known bad and never served.
+    Quarantined chunks and orphan parts are listed but not checked: they are known bad or
+    unused, and never served.
     """
     root = _require_store(directory)
     entries = store_entries(root)
     results = []
     for entry in entries:
-        problems = [] if entry.quarantined else _verify_one(entry.path)
+        checked = not (entry.quarantined or entry.orphan)
+        problems = _verify_one(entry.path) if checked else []
         results.append(
             {
                 "path": str(entry.path.relative_to(root)),
                 "quarantined": entry.quarantined,
+                "orphan": entry.orphan,
+                "parts": len(entry.parts),
+                "checked": checked,
                 "ok": not problems,
                 "problems": problems,
             }
         )
     bad = [result for result in results if not result["ok"]]
-    checked = sum(not result["quarantined"] for result in results)
+    checked = sum(result["checked"] for result in results)
     if as_json:
         emit_json({"ok": not bad, "checked": checked, "bad": len(bad), "entries": results})
     else:
         for result in bad:
             stdout.print(f"[red]bad:[/] {result['path']}: {result['problems'][0]}")
-        quarantined = len(results) - checked
-        summary = f"{checked} chunks checked, {len(bad)} bad, {quarantined} quarantined"
+        skipped = len(results) - checked
+        summary = f"{checked} chunks checked, {len(bad)} bad, {skipped} quarantined or orphan"
         stdout.print(
             f"[bold green]OK[/] {summary}" if not bad else f"[bold red]FAILED[/] {summary}"
         )
@@ -151,12 +190,24 @@ def prune(
             help="Keep chunks used this recently (an engine may be about to load them).",
         ),
     ] = 0.0,
+    orphan_grace_s: Annotated[
+        float,
+        typer.Option(
+            "--orphan-grace-s",
+            min=0.0,
+            help="Keep parts named by no index that were written this recently (a parted "
+            "write may still be publishing its index).",
+        ),
+    ] = ORPHAN_GRACE_S,
     as_json: JsonOption = False,
 ) -> None:
-    """Delete quarantined chunks, then the least recently used chunks, until the store fits."""
+    """Delete orphan parts and quarantined chunks, then the least recently used chunks, until
+    the store fits; a parted chunk goes whole (its index first, then its parts)."""
     root = _require_store(directory)
     now = time.time()
-    removed = prune_store(root, max_bytes, min_idle_s=min_idle_s, now=now)
+    removed = prune_store(
+        root, max_bytes, min_idle_s=min_idle_s, orphan_grace_s=orphan_grace_s, now=now
+    )
     remaining = sum(entry.size for entry in store_entries(root))
     rows = [_entry_json(entry, root, now) for entry in removed]
     freed = sum(row["bytes"] for row in rows)

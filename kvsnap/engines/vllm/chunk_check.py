@@ -1,11 +1,14 @@
 """The scheduler's check of a stored chunk before it offers the chunk to vLLM.
 
-:class:`ChunkChecker` opens a chunk's header and checks what this engine needs: the model
-fingerprint, the KV geometry, one sequence of the expected length whose id names the prefix it
-follows, and token ids equal to the prompt's. With ``verify`` it also reads every block and
-checks every checksum (kvsnap's ``verify``), so a damaged chunk is a miss before any load is
-planned. A chunk that passes is remembered by its file identity (inode, size, modification
-time), so each version of a file is read once per process.
+:class:`ChunkChecker` opens a chunk (:meth:`kvsnap.Snapshot.open`: a single file, or a parted
+chunk through its index, every part checked against it) and checks what this engine needs: the
+model fingerprint, the KV geometry (the whole model's, all heads, for a parted chunk), one
+sequence of the expected length whose id names the prefix it follows, and token ids equal to
+the prompt's. With ``verify`` it also reads every block of every part and checks every checksum
+(kvsnap's ``verify``), so a damaged chunk is a miss before any load is planned. A chunk that
+passes is remembered by the identity (inode, size, modification time) of its committing file
+(a parted chunk's index: its parts are never rewritten, a new write gets new part names and a
+new index), so each version of a chunk is read once per process.
 
 Nothing here needs vLLM.
 """
@@ -19,21 +22,24 @@ from typing import Any
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap.engines.vllm.store import ChunkRef, chunk_sequence_id
+from kvsnap.engines.vllm.store import ChunkRef, chunk_sequence_id, index_path, snapshot_path
 from kvsnap.errors import KVSnapError
-from kvsnap.store import SnapshotReader
+from kvsnap.snapshot import Snapshot
 
 #: What identifies one version of a file: inode, size, modification time.
 FileKey = tuple[int, int, int]
 
 
 def file_key(path: str) -> FileKey | None:
-    """The identity of the file at ``path`` now (``None``: there is none)."""
-    try:
-        status = os.stat(path)
-    except OSError:
-        return None
-    return status.st_ino, status.st_size, status.st_mtime_ns
+    """The identity now of the file committing the chunk at ``path`` (``HASH.safetensors``):
+    the single file's, or a parted chunk's index's (``None``: there is neither)."""
+    for candidate in (snapshot_path(path), index_path(path)):
+        try:
+            status = os.stat(candidate)
+        except OSError:
+            continue  # not this form (or gone)
+        return status.st_ino, status.st_size, status.st_mtime_ns
+    return None
 
 
 class ChunkChecker:
@@ -84,13 +90,13 @@ class ChunkChecker:
 
     def _read(self, path: str) -> fmt.SequenceRecord | str:
         try:
-            with SnapshotReader(path, verify=True) as reader:
-                metadata = reader.metadata
+            with Snapshot.open(path, verify=True) as snapshot:
+                metadata = snapshot.metadata
                 reason = self._fits_engine(metadata)
                 if reason is not None:
                     return reason
                 if self.verify:
-                    problems = reader.verify()
+                    problems = snapshot.verify()
                     if problems:
                         first = problems[0]
                         where = f"{first.tensor} block {first.block}: " if first.tensor else ""

@@ -8,7 +8,14 @@ one system prompt store it once. :class:`PrefixStore` finds the longest run of s
 of a prompt (:meth:`~PrefixStore.longest_prefix`), records their use for LRU eviction
 (:meth:`~PrefixStore.touch`) and moves damaged ones aside (:meth:`~PrefixStore.quarantine`);
 :mod:`kvsnap.engines.vllm.eviction` lists and prunes a store. The chunks themselves are
-written by :func:`kvsnap.snapshot.capture` and read by :class:`kvsnap.store.SnapshotReader`.
+written by :func:`kvsnap.snapshot.capture` (or, one part per TP rank, by
+:func:`kvsnap.distributed.capture`) and read by :meth:`kvsnap.Snapshot.open`.
+
+A chunk is either one file ``HASH.safetensors`` or a *parted* snapshot (docs/format.md,
+"Parted snapshots"): the parts ``HASH-gXXXXXXXXXXXX-part-0000i-of-0000k.safetensors`` beside
+it and the index ``HASH.safetensors.index.json``, which is its commit point; no
+``HASH.safetensors`` exists then. Either way the chunk's path is ``HASH.safetensors`` (what
+:meth:`kvsnap.Snapshot.open` opens) and :func:`committed_file` names the file that commits it.
 
 Nothing here needs vLLM.
 """
@@ -22,6 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvsnap import format as fmt
+from kvsnap.errors import KVSnapError
+from kvsnap.store.location import INDEX_SUFFIX
+
 #: Suffix of every chunk file.
 CHUNK_SUFFIX = ".safetensors"
 #: Default blocks per chunk (``chunk_blocks``): 256 tokens at vLLM's GPU block size of 16.
@@ -33,6 +44,70 @@ def safe_name(text: str) -> str:
     """``text`` reduced to characters safe in one file name (other characters become ``_``)."""
     cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", text).strip(".")
     return cleaned or "_"
+
+
+def index_path(path: str | os.PathLike[str]) -> Path:
+    """The parted-snapshot index of the chunk (or snapshot) ``path``: ``path + ".index.json"``,
+    or ``path`` itself when it names an index already."""
+    text = os.fspath(path)
+    return Path(text if text.endswith(INDEX_SUFFIX) else text + INDEX_SUFFIX)
+
+
+def snapshot_path(path: str | os.PathLike[str]) -> Path:
+    """The ``NAME.safetensors`` path of the chunk (or snapshot) ``path``, whether ``path``
+    names that file or its index."""
+    text = os.fspath(path)
+    return Path(text[: -len(INDEX_SUFFIX)] if text.endswith(INDEX_SUFFIX) else text)
+
+
+def committed_file(path: str | os.PathLike[str]) -> Path | None:
+    """The file whose presence commits the chunk at ``path`` (``HASH.safetensors`` or its
+    index): the single file when it exists, else the parted snapshot's index when that
+    exists, else ``None``. At most two ``stat`` calls.
+
+    Both exist only for a moment while one form replaces the other; the single file is what
+    :meth:`kvsnap.Snapshot.open` opens then, so it is the one returned.
+    """
+    single = snapshot_path(path)
+    if single.is_file():
+        return single
+    index = index_path(single)
+    return index if index.is_file() else None
+
+
+def part_files(index: str | os.PathLike[str]) -> list[Path]:
+    """The part files the parted-snapshot index at ``index`` names, beside it, that are its
+    own by name (:func:`kvsnap.format.is_part_of`); ``[]`` when the index is gone or
+    unreadable (its parts are then named by no index: see
+    :mod:`kvsnap.engines.vllm.eviction` for what becomes of them). The index is read without
+    moving its access time where the OS allows (``O_NOATIME``): listing a store must not make
+    every parted chunk look just used to LRU eviction."""
+    index = Path(index)
+    raw = _read_keeping_atime(index, fmt.MAX_INDEX_BYTES)
+    if raw is None or not fmt.is_parts_index(raw):
+        return []
+    try:
+        records = fmt.decode_parts_index(raw, file=str(index)).parts
+    except (KVSnapError, ValueError):
+        return []
+    stem = snapshot_path(index).name[: -len(CHUNK_SUFFIX)]
+    return [index.parent / part.file for part in records if fmt.is_part_of(stem, part.file)]
+
+
+def _read_keeping_atime(path: Path, limit: int) -> bytes | None:
+    """The bytes of the file ``path`` (``None``: gone, unreadable or over ``limit`` bytes),
+    read with ``O_NOATIME`` when this process may (it owns the file); otherwise plainly."""
+    flags = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
+    try:
+        try:
+            descriptor = os.open(path, flags)
+        except PermissionError:  # O_NOATIME needs the file's owner: read it the plain way
+            descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    with os.fdopen(descriptor, "rb") as file:
+        raw = file.read(limit + 1)
+    return raw if len(raw) <= limit else None
 
 
 def chunk_sequence_id(first_block: int, parent: str | None) -> str:
@@ -68,15 +143,22 @@ class PrefixStore:
 
         NAMESPACE/chunks/HH/HASH.safetensors   a chunk, named by the prefix hash of its last
                                                block (HH: the hash's first two digits)
+        NAMESPACE/chunks/HH/HASH.safetensors.index.json
+        NAMESPACE/chunks/HH/HASH-gG-part-0000i-of-0000k.safetensors
+                                               a parted chunk (TP > 1, every rank wrote its
+                                               own heads): the index commits it
         NAMESPACE/quarantine/HASH.T.safetensors  chunks that failed a check, moved aside at
                                                time T so they are never matched again
+        NAMESPACE/quarantine/HASH.T/           a parted chunk moved aside: its index and
+                                               parts under their own names
 
     ``namespace`` separates models, KV dtypes and block sizes (prefix hashes depend on the
     block size, the KV on the rest); :func:`store_namespace` builds it. Chunks are aligned:
     chunk ``k`` of a prompt holds blocks ``k*chunk_blocks ..`` and is ``chunk_blocks`` long
     unless it is the prompt's last. Files are published atomically by the writer (temporary
-    name, rename), so readers in other processes never see a partial one; a file's presence is
-    its index entry.
+    name, rename; a parted chunk's index only once every part is durable), so readers in other
+    processes never see a partial one; the presence of a chunk's :func:`committed_file` is its
+    index entry.
     """
 
     def __init__(
@@ -111,7 +193,9 @@ class PrefixStore:
 
         Whole chunks are taken while they exist; in the first span without its whole chunk a
         shorter chunk (a shorter prompt's last) ending as late as possible ends the match. One
-        ``stat`` per whole chunk, at most ``chunk_blocks`` for the last span.
+        ``stat`` per whole single-file chunk, two per parted one (:func:`committed_file`); at
+        most ``chunk_blocks`` candidates for the last span. A chunk's ``path`` is its
+        ``HASH.safetensors`` in either form.
         """
         found: list[ChunkRef] = []
         for start, end in self.chunk_spans(len(chain)):
@@ -126,32 +210,67 @@ class PrefixStore:
     def _longest_in_span(self, chain: Sequence[str], start: int, end: int) -> ChunkRef | None:
         for last in range(end, start, -1):
             path = self.chunk_path(chain[last - 1])
-            if path.is_file():
+            if committed_file(path) is not None:
                 return ChunkRef(str(path), start, last - start)
         return None
 
+    def has_chunk(self, path: str | os.PathLike[str]) -> bool:
+        """Whether the chunk at ``path`` (``HASH.safetensors``) is stored, in either form."""
+        return committed_file(path) is not None
+
     def touch(self, path: str | os.PathLike[str]) -> None:
-        """Record that the chunk at ``path`` was used now (its access time; LRU eviction reads
-        it). The modification time is kept: it tells a rewritten file from the one checked."""
-        try:
-            modified = os.stat(path).st_mtime_ns
-            os.utime(path, ns=(time.time_ns(), modified))
-        except OSError:
-            return  # gone (evicted, quarantined): nothing to record
+        """Record that the chunk at ``path`` was used now: the access time of its
+        :func:`committed_file` (a parted chunk's index), which LRU eviction reads. The
+        modification time is kept: it tells a rewritten file from the one checked."""
+        for candidate in (snapshot_path(path), index_path(path)):
+            try:
+                modified = os.stat(candidate).st_mtime_ns
+                os.utime(candidate, ns=(time.time_ns(), modified))
+            except OSError:
+                continue  # not this form, or gone (evicted, quarantined)
+            return
 
     def quarantine(self, path: str | os.PathLike[str]) -> Path | None:
-        """Move the chunk at ``path`` to ``quarantine/`` so it is never matched again.
+        """Move the chunk at ``path`` (``HASH.safetensors`` or a parted chunk's index) to
+        ``quarantine/`` so it is never matched again, keeping it readable there.
 
-        Returns where it went, or ``None`` when it is gone already (another process moved or
-        evicted it).
+        A single file becomes ``quarantine/HASH.T.safetensors``. A parted chunk moves whole
+        into ``quarantine/HASH.T/`` under its own names: the index first (from that moment the
+        chunk is never matched), then the parts it names, so ``kvsnap inspect
+        quarantine/HASH.T/HASH.safetensors`` still opens it. Parts of an index too damaged to
+        name them stay behind, named by no index (eviction removes them). Returns the moved
+        file (a parted chunk's index), or ``None`` when the chunk is gone already (another
+        process moved or evicted it).
         """
-        source = Path(path)
+        single = snapshot_path(path)
         self.quarantined.mkdir(parents=True, exist_ok=True)
-        target = self.quarantined / f"{source.stem}.{time.time_ns()}{CHUNK_SUFFIX}"
+        moment = time.time_ns()
+        stem = single.name[: -len(CHUNK_SUFFIX)]
+        if not Path(path).name.endswith(INDEX_SUFFIX):
+            target = self.quarantined / f"{stem}.{moment}{CHUNK_SUFFIX}"
+            try:
+                os.replace(single, target)
+                return target
+            except FileNotFoundError:
+                pass  # no single file: a parted chunk, or gone
+        return self._quarantine_parted(index_path(single), self.quarantined / f"{stem}.{moment}")
+
+    def _quarantine_parted(self, index: Path, directory: Path) -> Path | None:
+        """Move the parted chunk whose index is ``index`` into the new ``directory``."""
+        directory.mkdir()
+        target = directory / index.name
         try:
-            os.replace(source, target)
+            os.replace(index, target)
         except FileNotFoundError:
+            directory.rmdir()
             return None
+        # The parts the moved index names (read after the move: a write replacing the chunk
+        # meanwhile has parts of another generation, which stay with their own index).
+        for moved in part_files(target):
+            try:
+                os.replace(index.parent / moved.name, moved)
+            except FileNotFoundError:
+                continue  # removed by a pruner or a replacing write: nothing left to keep
         return target
 
 
