@@ -222,8 +222,9 @@ def run_steps(
         if saving:
             slot = saves % slots
             if slot in holders and holders[slot] not in reported:
-                assert worker is not None and worker._saves is not None
-                worker._saves.wait_copied([holders[slot]])  # the engine out of free blocks
+                # The engine out of free blocks: as if the holder had been preempted.
+                assert worker is not None
+                worker.handle_preemptions(KVSnapConnectorMetadata(preempted=[holders[slot]]))
                 reuse_waits += 1
             holders[slot] = request
             blocks = np.arange(slot * prompt_blocks, (slot + 1) * prompt_blocks, dtype=np.int64)
@@ -363,14 +364,13 @@ def bench_model(model: Model, packing: str, args: argparse.Namespace, root: Path
     worker.attach(cache)
     forward = FakeForward(device, args.forward_ms, block_views(cache), prompt_blocks)
     plan = (args.steps, args.save_every, prompt_blocks)
-    assert worker._saves is not None
     # Warm up both runs (staging pinned, kernels compiled, page table built), then measure.
     run_steps(worker, forward, store, cache, (2 * args.save_every, args.save_every, prompt_blocks))
-    worker._saves.drain()
+    worker.wait_for_writes()
     without = run_steps(None, forward, store, cache, plan)
     with_saves = run_steps(worker, forward, store, cache, plan, seed=1)
     started = time.perf_counter()
-    worker._saves.drain()
+    worker.wait_for_writes()
     drain = time.perf_counter() - started
     loads = measure_loads(worker, cache, with_saves, args.repeats)
     worker.shutdown()
@@ -438,8 +438,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     quick = args.quick
-    args.steps = args.steps or (12 if quick else 240)
-    args.save_every = args.save_every or (3 if quick else 12)
+    args.steps = args.steps or (12 if quick else 640)
+    args.save_every = args.save_every or (3 if quick else 32)
     args.prompt_tokens = args.prompt_tokens or (512 if quick else 2048)
     args.repeats = args.repeats or (3 if quick else 20)
     if args.out is None:

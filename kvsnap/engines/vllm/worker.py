@@ -318,6 +318,11 @@ class KVSnapWorker:
         if self._saves is not None and meta.preempted:
             self._saves.wait_copied(meta.preempted)
 
+    def wait_for_writes(self) -> None:
+        """Block until every queued save is written (or has failed and been logged)."""
+        if self._saves is not None:
+            self._saves.drain()
+
     def shutdown(self) -> None:
         """Finish every queued snapshot write, then drop the pipeline."""
         if self._saves is not None:
