@@ -22,9 +22,11 @@ Per model, side by side:
   copy not ordered after the forward reads stale blocks) followed by ``wait_for_save`` and
   ``get_finished``, then a wait for the stream (the engine waits for each step's sampled
   tokens). Every ``--save-every`` steps the step saves a fresh 2k-token prompt (chunks of 16
-  blocks, as the scheduler plans them). Reported: the host time of ``wait_for_save`` +
-  ``get_finished`` (median, p99, max) on saving steps, and the step wall time on saving steps,
-  on the steps after them and on a run without saves.
+  blocks, as the scheduler plans them). Each step also runs a fixed pure-Python workload of
+  about ``--engine-python-ms`` (the engine's own host work: it needs the GIL, which the writer
+  thread competes for). Reported: the host time of ``wait_for_save`` + ``get_finished``
+  (median, p99, max) on saving steps; the step wall time on saving steps, on the steps after
+  them and on a run without saves; the workload's time with and without saves.
 * **loads** (``start_load_kv``): the first saved prompt's chunks (page-cached files) into other
   blocks, to the compute stream seeing them, checked bit-exact against the blocks the forward
   wrote; against the raw read ceiling (the same files read into pinned memory, one thread, plus
@@ -122,8 +124,19 @@ class FakeForward:
     """bf16 matmuls of about ``ms`` on ``stream``, then new KV written into the step's saved
     blocks, so a copy that does not follow the pass reads stale blocks."""
 
-    def __init__(self, device: torch.device, ms: float, views: list[torch.Tensor], blocks: int):
+    def __init__(
+        self,
+        device: torch.device,
+        ms: float,
+        views: list[torch.Tensor],
+        blocks: int,
+        python_ms: float,
+    ):
         self.device, self.views = device, views
+        self.python_loops = 1000
+        started = time.perf_counter()
+        self.engine_python()
+        self.python_loops = max(1, round(1000 * python_ms / 1000 / (time.perf_counter() - started)))
         size = 4096 if device.type == "cuda" else 128
         self.a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
         # The KV the pass "computes": changed (as int16) before every write.
@@ -137,6 +150,14 @@ class FakeForward:
                 self.run(None)
             _sync(device)
             self.repeats = max(1, round(ms / 1000 / ((time.perf_counter() - started) / 10)))
+
+    def engine_python(self) -> int:
+        """Pure Python the engine runs each step (scheduling, input preparation): it needs the
+        GIL, so a background thread holding it shows as this taking longer."""
+        total = 0
+        for value in range(self.python_loops):
+            total += value & 7
+        return total
 
     def run(self, blocks: torch.Tensor | None) -> None:
         """Enqueue one pass on the current stream; with ``blocks``, new KV is written into
@@ -210,7 +231,7 @@ def run_steps(
     steps, save_every, prompt_blocks = plan
     device, views = cache.layout.device, block_views(cache)
     slots = (cache.layout.num_blocks - prompt_blocks) // prompt_blocks  # last range: loads
-    host, walls, saving_walls, next_walls = [], [], [], []
+    host, walls, saving_walls, next_walls, python = [], [], [], [], []
     holders: dict[int, str] = {}
     reported: set[str] = set()
     first: tuple[list[SaveSpec], list[torch.Tensor]] = ([], [])
@@ -244,6 +265,9 @@ def run_steps(
             if saving and saves == 0:
                 first = (meta.saves, [view[index].clone() for view in views])
             saves += saving
+        python_started = time.perf_counter()
+        forward.engine_python()
+        python.append(time.perf_counter() - python_started)
         _sync(device)
         elapsed = time.perf_counter() - started
         walls.append(elapsed)
@@ -251,7 +275,7 @@ def run_steps(
             saving_walls.append(elapsed)
         elif worker is not None and step % save_every == 1:
             next_walls.append(elapsed)
-    figures: dict[str, Any] = {"step_wall": _stats(walls)}
+    figures: dict[str, Any] = {"step_wall": _stats(walls), "engine_python": _stats(python)}
     if worker is not None:
         figures.update(
             save_host=_stats(host),
@@ -362,7 +386,9 @@ def bench_model(model: Model, packing: str, args: argparse.Namespace, root: Path
         options, store, events, vllm_config=None, fingerprint=FINGERPRINT, source=SOURCE
     )
     worker.attach(cache)
-    forward = FakeForward(device, args.forward_ms, block_views(cache), prompt_blocks)
+    forward = FakeForward(
+        device, args.forward_ms, block_views(cache), prompt_blocks, args.engine_python_ms
+    )
     plan = (args.steps, args.save_every, prompt_blocks)
     # Warm up both runs (staging pinned, kernels compiled, page table built), then measure.
     run_steps(worker, forward, store, cache, (2 * args.save_every, args.save_every, prompt_blocks))
@@ -398,28 +424,50 @@ def bench_model(model: Model, packing: str, args: argparse.Namespace, root: Path
     return result
 
 
+def _cell(figures: dict[str, float] | None) -> str:
+    """``median/p99`` in ms."""
+    if figures is None:
+        return "-"
+    return f"{figures['median_ms']:.3f}/{figures['p99_ms']:.3f}"
+
+
 def print_table(results: list[dict]) -> None:
-    """One row per model: save host time, step walls, load against its yardsticks."""
-    print(
-        f"{'model':<22}{'save host ms':>18}{'step ms (no save)':>20}{'saving step':>14}"
-        f"{'next step':>11}{'load ms':>10}{'read':>8}{'read+H2D':>10}{'D2D':>8}{'exact':>7}"
-    )
+    """Per model: what saves cost the engine's steps, then loads against their yardsticks."""
+    print("saves (ms, median/p99)")
+    header = ("model", "save host", "step, no saves", "saving step", "next step")
+    header += ("engine py, no saves", "engine py, saves")
+    print("".join(f"{name:>22}" for name in header))
     for row in results:
         saves, without = row["with_saves"], row["without_saves"]
-        nxt = saves["next_step_wall"]
-        print(
-            f"{row['model'] + '/' + row['packing']:<22}"
-            f"{saves['save_host']['median_ms']:>9.3f}/{saves['save_host']['p99_ms']:<8.3f}"
-            f"{without['step_wall']['median_ms']:>20.3f}"
-            f"{saves['saving_step_wall']['median_ms']:>14.3f}"
-            f"{nxt['median_ms'] if nxt else float('nan'):>11.3f}"
-            f"{row['load']['median_ms']:>10.3f}"
-            f"{row['raw_read']['read']['median_ms']:>8.3f}"
-            f"{row['raw_read']['read_and_upload']['median_ms']:>10.3f}"
-            f"{row['device_copy']['median_ms']:>8.3f}"
-            f"{row['load_bit_exact']!s:>7}"
+        cells = (
+            f"{row['model']}/{row['packing']}",
+            _cell(saves["save_host"]),
+            _cell(without["step_wall"]),
+            _cell(saves["saving_step_wall"]),
+            _cell(saves["next_step_wall"]),
+            _cell(without["engine_python"]),
+            _cell(saves["engine_python"]),
         )
-    print("save host: median/p99 of wait_for_save + get_finished on saving steps")
+        print("".join(f"{cell:>22}" for cell in cells))
+    print("loads of a prompt prefix (ms, median/p99)")
+    header = ("model", "tokens", "start_load_kv", "read files", "read + H2D", "D2D copy", "exact")
+    print("".join(f"{name:>18}" for name in header))
+    for row in results:
+        raw = row["raw_read"]
+        cells = (
+            f"{row['model']}/{row['packing']}",
+            str(row["prompt_tokens"]),
+            _cell(row["load"]),
+            _cell(raw["read"]),
+            _cell(raw["read_and_upload"]),
+            _cell(row["device_copy"]),
+            str(row["load_bit_exact"]),
+        )
+        print("".join(f"{cell:>18}" for cell in cells))
+    print(
+        "save host: wait_for_save + get_finished on saving steps; engine py: a fixed pure-Python "
+        "step workload (longer when the writer thread holds the GIL)"
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -433,6 +481,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=None)
     parser.add_argument("--prompt-slots", type=int, default=6, help="prompts the cache holds")
     parser.add_argument("--forward-ms", type=float, default=5.0)
+    parser.add_argument(
+        "--engine-python-ms", type=float, default=1.0, help="pure Python per step (GIL users)"
+    )
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--dir", type=Path, default=None, help="store directory (default: tmp)")
     parser.add_argument("--out", type=Path, default=None)
@@ -469,7 +520,14 @@ def main(argv: list[str] | None = None) -> dict:
         "quick": args.quick,
         "settings": {
             key: getattr(args, key)
-            for key in ("steps", "save_every", "prompt_tokens", "prompt_slots", "forward_ms")
+            for key in (
+                "steps",
+                "save_every",
+                "prompt_tokens",
+                "prompt_slots",
+                "forward_ms",
+                "engine_python_ms",
+            )
         },
         "seconds": round(time.perf_counter() - started, 2),
         "results": results,

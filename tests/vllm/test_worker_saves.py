@@ -319,4 +319,4 @@ def test_the_worker_benchmark_runs_quick_on_cpu(tmp_path: Path) -> None:
         assert row["saves_written"] == 6 * 2 and row["saves_failed"] == 0
         assert row["load_bit_exact"] is True and row["load_failed_blocks"] == 0
         assert row["raw_read"]["bytes"] > row["prompt_tokens"] * row["kv_bytes_per_token"]
-    assert "save host" in result.stdout
+    assert "start_load_kv" in result.stdout and "tiny-8l-1h/cells" in result.stdout
