@@ -239,7 +239,7 @@ def run_steps(
     for step in range(steps):
         saving = worker is not None and step % save_every == 0
         blocks = None
-        request = f"req-{step}"
+        request = f"req-{seed}-{step}"
         if saving:
             slot = saves % slots
             if slot in holders and holders[slot] not in reported:
@@ -258,7 +258,7 @@ def run_steps(
                 meta.saves = prompt_specs(store, request, blocks, seed=seed * 1_000_003 + step)
             host_started = time.perf_counter()
             worker.wait_for_save(meta)
-            done, _ = worker.get_finished({f"req-{step - 1}"})
+            done, _ = worker.get_finished({f"req-{seed}-{step - 1}"})
             if saving:
                 host.append(time.perf_counter() - host_started)
             reported |= done or set()
