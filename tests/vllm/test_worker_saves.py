@@ -63,12 +63,13 @@ def _cache(seed: int = 0) -> RegisteredCache:
     )
 
 
-def _worker(tmp_path: Path) -> KVSnapWorker:
+def _worker(tmp_path: Path, **extra: Any) -> KVSnapWorker:
     options = ConnectorOptions.from_extra_config(
         {
             "path": str(tmp_path / "store"),
             "chunk_blocks": CHUNK_BLOCKS,
             "event_log": str(tmp_path / "events.jsonl"),
+            **extra,
         }
     )
     store = PrefixStore(options.path, "ns", chunk_blocks=CHUNK_BLOCKS)
@@ -205,6 +206,26 @@ def test_a_preempted_request_waits_for_its_copies_before_the_next_pass(
     gate.set()
     waiter.join(timeout=30)
     assert not waiter.is_alive()
+    worker.shutdown()
+
+
+def test_a_step_waits_only_when_earlier_steps_fill_the_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = _worker(tmp_path, max_pending_writes=2)
+    gate = _gate_captures(worker, monkeypatch)
+    # Two saves in one step: queued at once, however many (only earlier steps count).
+    worker.wait_for_save(KVSnapConnectorMetadata(saves=_chunk_saves(worker, "r1", [1, 2, 3])))
+    second = threading.Thread(
+        target=worker.wait_for_save,
+        args=(KVSnapConnectorMetadata(saves=_chunk_saves(worker, "r2", [5, 6])),),
+    )
+    second.start()
+    time.sleep(0.3)
+    assert second.is_alive()  # 2 saves of the first step still queued: the disk is behind
+    gate.set()
+    second.join(timeout=30)
+    assert not second.is_alive()
     worker.shutdown()
 
 
