@@ -60,8 +60,14 @@ class FusedMover(SlotMover):
             constants = torch.from_numpy(page_hash.constant_table(page_bytes))
             self._constants = constants.to(self.device)
 
-    def begin(self) -> None:
-        if self._staging is not None:
+    def begin(self, after: torch.cuda.Event | None = None) -> None:
+        if self._staging is None:
+            return  # a cache in host memory: copied by this thread, nothing is in flight
+        if after is not None:
+            # A capture from another thread than the one computing the KV: the copies follow
+            # the event recorded after the KV, not whatever that thread's stream holds now.
+            self._staging.stream.wait_event(after)
+        else:
             # The copies wait for what the caller enqueued before (the KV being computed, or a
             # restore's target blocks being allocated or cleared).
             self._staging.stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -39,8 +39,12 @@ class SlotMover(ABC):
     #: Whether the mover computes every page's xxh3-64 itself (else the host hashes them).
     hashes_pages: bool = False
 
-    def begin(self) -> None:  # noqa: B027 - most movers need no set-up per call
-        """Called at the start of each capture or restore."""
+    def begin(self, after: torch.cuda.Event | None = None) -> None:
+        """Called at the start of each capture or restore. ``after``: a CUDA event that the
+        first copy must follow (the one recorded after the KV was computed); movers without
+        a stream of their own wait for it on the host."""
+        if after is not None:
+            after.synchronize()
 
     @abstractmethod
     def submit(

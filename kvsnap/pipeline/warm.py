@@ -55,6 +55,8 @@ from kvsnap.store import SnapshotWriter, TraceHook, traced
 from kvsnap.transfer import TransferHandler
 
 if TYPE_CHECKING:
+    import torch
+
     from kvsnap.snapshot import Snapshot
 
 ProgressCallback = Callable[[int, int], None]
@@ -124,8 +126,13 @@ class Pipeline:
         direct_io: bool | None = None,
         progress: ProgressCallback | None = None,
         trace: TraceHook | None = None,
+        after: torch.cuda.Event | None = None,
     ) -> CaptureResult:
-        """Write the KV of ``sequences`` to a snapshot at ``path``; see :func:`kvsnap.capture`."""
+        """Write the KV of ``sequences`` to a snapshot at ``path``; see :func:`kvsnap.capture`.
+
+        ``after``: the copies wait for this CUDA event instead of for the calling thread's
+        current stream (a capture run on a background thread, of KV computed on another).
+        """
         started = time.perf_counter()
         validate_sequences(self.geometry.block_size, sequences)
         metadata, device_blocks = _capture_metadata(
@@ -149,7 +156,7 @@ class Pipeline:
                     trace=trace,
                 )
             try:
-                mover.begin()
+                mover.begin(after)
                 plans = plan_slots(len(names), len(device_blocks), page_bytes, ring.slot_bytes)
                 capture_slots(mover, ring, writer, plans, device_blocks, done.add, trace)
                 info = writer.commit()

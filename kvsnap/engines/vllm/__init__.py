@@ -26,11 +26,15 @@ tensors it registers, the physical layout it resolved (``LBHNC``, ``LBNHC``, ...
 attention backend that decides how K and V share the last axis. Anything else is refused when
 the caches are registered.
 
-Tensor parallelism: each rank copies the saved blocks of its own heads to host memory and the
-TP group's CPU (gloo) group gathers them on rank 0, which builds one layout per rank over the
-gathered copies and lets :func:`kvsnap.snapshot.capture` take from each rank the canonical
-fragments it is elected for. The file is one complete, TP-free snapshot. Loads need no
-collective: every rank reads its own heads out of the same canonical pages.
+Saves never hold up the engine at TP = 1: ``wait_for_save`` records a CUDA event behind the
+forward pass and a background thread captures the blocks straight from the cache through the
+warm :class:`~kvsnap.pipeline.Pipeline`, its copies ordered after that event; vLLM keeps the
+blocks of a finished request until ``get_finished`` reports its copies done. At TP > 1 each
+rank copies the saved blocks of its own heads to host memory and the TP group's CPU (gloo)
+group gathers them on rank 0, which builds one layout per rank over the gathered copies and
+lets :func:`kvsnap.snapshot.capture` take from each rank the canonical fragments it is elected
+for. The file is one complete, TP-free snapshot. Loads need no collective: every rank reads its
+own heads out of the same canonical pages.
 
 The package has one module per job (like vLLM's own offloading connector) and re-exports
 their public names:
@@ -48,7 +52,9 @@ their public names:
 * :mod:`~kvsnap.engines.vllm.specs`: scheduler-to-worker metadata (:class:`LoadSpec`,
   :class:`SaveSpec`, :class:`KVSnapConnectorMetadata`);
 * :mod:`~kvsnap.engines.vllm.scheduler` and :mod:`~kvsnap.engines.vllm.worker`: the two sides
-  of the connector; :mod:`~kvsnap.engines.vllm.registration`: the worker's registered caches;
+  of the connector; :mod:`~kvsnap.engines.vllm.saves`: the worker's save queue;
+  :mod:`~kvsnap.engines.vllm.registration`: the worker's registered caches
+  (:class:`RegisteredCache`, :func:`registered_cache`);
   :mod:`~kvsnap.engines.vllm.engine_config`: what is read from vLLM's config;
 * :mod:`~kvsnap.engines.vllm.connector`: :class:`KVSnapConnector`, a facade that delegates to
   the scheduler or the worker side by role.
@@ -74,6 +80,7 @@ from kvsnap.engines.vllm.layout import (
     vllm_layout,
 )
 from kvsnap.engines.vllm.options import MODES, ConnectorOptions
+from kvsnap.engines.vllm.registration import RegisteredCache, registered_cache
 from kvsnap.engines.vllm.specs import (
     ChunkLoad,
     KVSnapConnectorMetadata,
@@ -108,6 +115,7 @@ __all__ = [
     "KVSnapConnectorMetadata",
     "LoadSpec",
     "PrefixStore",
+    "RegisteredCache",
     "SaveSpec",
     "StoreEntry",
     "StoreMatch",
@@ -117,6 +125,7 @@ __all__ = [
     "probe_block_order",
     "prune_store",
     "read_events",
+    "registered_cache",
     "safe_name",
     "store_bytes",
     "store_entries",

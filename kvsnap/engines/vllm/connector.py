@@ -143,9 +143,9 @@ class KVSnapConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; saves copy their blocks during the step, so blocks free now."""
-        self._scheduler().request_finished(request)
-        return False, None
+        """Forget the request; hold its blocks (``True``) if a save was planned for it, until
+        the workers report its copies done through :meth:`get_finished`."""
+        return self._scheduler().request_finished(request), None
 
     # -- worker side -------------------------------------------------------------------------
 
@@ -171,10 +171,20 @@ class KVSnapConnector(KVConnectorBase_V1):
         """Saves happen in :meth:`wait_for_save`, once every layer of the step is written."""
         return
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward pass: wait for the copies of requests vLLM preempted."""
+        assert isinstance(kv_connector_metadata, KVSnapConnectorMetadata)
+        self._worker().handle_preemptions(kv_connector_metadata)
+
     def wait_for_save(self) -> None:
-        """Copy this step's saved blocks to host memory and queue their snapshot writes."""
+        """Queue this step's saves on the background thread; the forward pass waits for
+        nothing (a CUDA event orders the copies after it)."""
         if self.has_connector_metadata():
             self._worker().wait_for_save(self._metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The finished requests whose saves no longer read their blocks (vLLM frees them)."""
+        return self._worker().get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; vLLM recomputes them."""

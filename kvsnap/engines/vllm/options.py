@@ -47,8 +47,9 @@ class ConnectorOptions:
       whose ``SamplingParams.extra_args`` holds ``{"kvsnap_persist": false}`` is not persisted.
     * ``event_log``: a JSON-lines file every process appends its hits, misses, loads, load
       failures, saves and dumps to (default: none; vLLM's log gets them either way).
-    * ``max_pending_writes``: snapshot writes queued behind the engine before a save waits
-      (default 4); bounds the host memory that saved blocks hold.
+    * ``max_pending_writes``: chunk and dump writes queued behind the engine before a step's
+      saves wait for the oldest step's (default 64); bounds how long finished requests' blocks
+      are held for their copies when the disk falls behind.
     * ``chunk_blocks``: blocks per stored chunk (default 16); prompts share stored chunks, so
       smaller chunks share more and cost more files.
     * ``store_capacity_bytes``: the store's bound in bytes (default: none); after each write
@@ -68,7 +69,7 @@ class ConnectorOptions:
     dump_path: str | None = None
     min_blocks: int = 1
     event_log: str | None = None
-    max_pending_writes: int = 4
+    max_pending_writes: int = 64
     chunk_blocks: int = 16
     store_capacity_bytes: int | None = None
     store_min_idle_s: float = 10.0
@@ -101,7 +102,7 @@ class ConnectorOptions:
             dump_path=str(dump_path),
             min_blocks=_integer(extra, "min_blocks", 1, minimum=1),
             event_log=extra.get("event_log"),
-            max_pending_writes=_integer(extra, "max_pending_writes", 4, minimum=1),
+            max_pending_writes=_integer(extra, "max_pending_writes", 64, minimum=1),
             chunk_blocks=_integer(extra, "chunk_blocks", 16, minimum=1),
             store_capacity_bytes=(
                 None

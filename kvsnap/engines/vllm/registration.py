@@ -4,7 +4,8 @@
 forward context (one backend, one head size, no shared tensors), learns the CPU kernel's block
 order where the backend needs it, and builds the rank's :class:`~kvsnap.layout.CacheLayout`
 with :func:`~kvsnap.engines.vllm.layout.vllm_layout`. Anything else raises
-:class:`~kvsnap.layout.LayoutError` and the engine does not start.
+:class:`~kvsnap.layout.LayoutError` and the engine does not start. :func:`registered_cache`
+builds the same from tensors and the facts vLLM reports, without vLLM.
 """
 
 from __future__ import annotations
@@ -87,13 +88,17 @@ def _attention_layers(
 def register_caches(
     vllm_config: VllmConfig, kv_caches: Mapping[str, torch.Tensor]
 ) -> RegisteredCache:
-    """Build the rank's cache layout from the registered tensors, or refuse them (LayoutError)."""
+    """Build the rank's cache layout from the registered tensors, or refuse them (LayoutError).
+
+    Reads the backend, head size, attention types, physical layout and TP rank from vLLM
+    (and probes the CPU kernel's block order), then builds the cache with
+    :func:`registered_cache`.
+    """
     context = vllm_config.compilation_config.static_forward_context
     names = sorted(kv_caches, key=layer_index)
     backend, head_size, attention_types = _attention_layers(context, names)
     tensors = [kv_caches[name] for name in names]
-    if len({tensor.data_ptr() for tensor in tensors}) != len(tensors):
-        raise LayoutError("layers share KV cache tensors (KV sharing); kvsnap does not support it")
+    _check_distinct(tensors)
     layout_name = vllm_config.cache_config.kv_cache_layout
     if layout_name is None:
         raise LayoutError("vLLM has not resolved its KV cache layout")
@@ -103,7 +108,7 @@ def register_caches(
     block_order = None
     if BACKEND_KV_PACKING.get(backend) == KV_PLANES:
         block_order = _probe_layer(context, names, tensors[0], head_size)
-    layout = vllm_layout(
+    return registered_cache(
         tensors,
         backend=backend,
         kv_cache_layout=str(layout_name),
@@ -114,9 +119,50 @@ def register_caches(
         attention_types=attention_types,
         block_order=block_order,
     )
+
+
+def registered_cache(
+    kv_caches: Sequence[torch.Tensor],
+    *,
+    backend: str,
+    kv_cache_layout: str,
+    head_size: int,
+    num_kv_heads: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    attention_types: Sequence[str] | None = None,
+    block_order: BlockOrder | None = None,
+) -> RegisteredCache:
+    """The :class:`RegisteredCache` of one rank's per-layer ``[B, H, N, C]`` cache views (in
+    layer order), described as vLLM describes them: what :func:`register_caches` builds from
+    vLLM's config, and what a caller without vLLM (a benchmark, a test) passes directly.
+
+    The arguments are those of :func:`~kvsnap.engines.vllm.layout.vllm_layout`. Layers that
+    share one tensor, and anything :func:`vllm_layout` refuses, raise
+    :class:`~kvsnap.layout.LayoutError`.
+    """
+    tensors = list(kv_caches)
+    _check_distinct(tensors)
+    layout = vllm_layout(
+        tensors,
+        backend=backend,
+        kv_cache_layout=kv_cache_layout,
+        head_size=head_size,
+        num_kv_heads=num_kv_heads,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        attention_types=attention_types,
+        block_order=block_order,
+    )
     if tensors[0].device.type == "cpu":
         request_amx_permission()
-    return RegisteredCache(layout, tensors, backend, str(layout_name), block_order)
+    return RegisteredCache(layout, tensors, backend, kv_cache_layout, block_order)
+
+
+def _check_distinct(tensors: Sequence[torch.Tensor]) -> None:
+    """Refuse layers that share one KV tensor (vLLM's KV sharing)."""
+    if len({tensor.data_ptr() for tensor in tensors}) != len(tensors):
+        raise LayoutError("layers share KV cache tensors (KV sharing); kvsnap does not support it")
 
 
 def _probe_layer(

@@ -87,6 +87,9 @@ class KVSnapScheduler:
         self._pending_loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
         self._planned: dict[str, float] = {}
+        #: Requests a save was planned for: vLLM holds their blocks after they finish until
+        #: the workers report the copies done (``get_finished``).
+        self._saving: set[str] = set()
 
     def _chain(self, prompt: np.ndarray, num_blocks: int) -> list[str]:
         return fmt.prefix_hash_chain(prompt[: num_blocks * self.block_size], self.block_size)
@@ -228,6 +231,8 @@ class KVSnapScheduler:
         """This step's loads (planned at allocation) and the saves and dumps it completes."""
         meta = KVSnapConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        meta.preempted = [request_id for request_id in preempted if request_id in self._saving]
         # A request loading in this step saves nothing before the load is known to have
         # worked: a failed load leaves its blocks wrong until vLLM recomputes them.
         loading = {spec.request_id for spec in meta.loads}
@@ -246,6 +251,7 @@ class KVSnapScheduler:
                 self._plan_persist(tracked, computed, meta)
             if self.options.dump and not tracked.dumped:
                 self._plan_dump(tracked, computed, meta)
+        self._saving.update(spec.request_id for spec in meta.saves)
         return meta
 
     def _plan_persist(
@@ -336,7 +342,12 @@ class KVSnapScheduler:
             tracked.load = None
             tracked.persisted = tracked.dumped = False
 
-    def request_finished(self, request: Request) -> None:
-        """Forget the request."""
+    def request_finished(self, request: Request) -> bool:
+        """Forget the request; whether vLLM must hold its blocks until the workers report its
+        saves' copies done (``get_finished``): true for every request a save was planned for."""
         self._tracked.pop(request.request_id, None)
         self._matches.pop(request.request_id, None)
+        if request.request_id in self._saving:
+            self._saving.discard(request.request_id)
+            return True
+        return False

@@ -62,7 +62,10 @@ class SaveSpec:
 
 @dataclass
 class KVSnapConnectorMetadata(KVConnectorMetadata):
-    """What the scheduler tells every worker for one step: loads before it, saves after it."""
+    """What the scheduler tells every worker for one step: loads before it, saves after it,
+    and the ``preempted`` requests with saves (their blocks were freed: the worker waits for
+    their copies before the forward pass)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)

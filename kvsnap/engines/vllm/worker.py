@@ -1,23 +1,29 @@
 """The connector's worker side: load planned blocks before a step, save blocks after it.
 
-:class:`KVSnapWorker` runs in every vLLM worker process. It reads the registered caches
-(:func:`~kvsnap.engines.vllm.registration.register_caches`), loads the blocks the scheduler
-planned before the forward pass (every block checksum verified; blocks it could not load are
-reported so vLLM recomputes them) and, after the forward pass, copies the saved blocks to host
-memory and hands the snapshot write to a background thread.
+:class:`KVSnapWorker` runs in every vLLM worker process. It takes the registered caches
+(:func:`~kvsnap.engines.vllm.registration.register_caches`, or :meth:`KVSnapWorker.attach`
+with a :class:`~kvsnap.engines.vllm.registration.RegisteredCache` built without vLLM), loads
+the blocks the scheduler planned before the forward pass (every block checksum verified;
+blocks it could not load are reported so vLLM recomputes them) and, after the forward pass,
+hands the step's saves to a background thread (:class:`~kvsnap.engines.vllm.saves.SaveQueue`)
+without waiting for anything.
 
-The save and load paths themselves are :meth:`KVSnapWorker._load` (one stored chunk, or the
-part of it vLLM's own prefix cache lacks, into the cache through the worker's warm
-:class:`~kvsnap.pipeline.Pipeline`: one slot spans every layer) and :meth:`KVSnapWorker._write`
-(one snapshot from host copies, after :func:`copy_blocks_to_host`): the only code that moves
-KV. After each chunk write the store is pruned to ``store_capacity_bytes`` (LRU,
-:func:`~kvsnap.engines.vllm.eviction.prune_store`).
+The code that moves KV is :meth:`KVSnapWorker._load` (one stored chunk, or the part of it
+vLLM's own prefix cache lacks, into the cache through the worker's warm
+:class:`~kvsnap.pipeline.Pipeline`: one slot spans every layer) and
+:meth:`KVSnapWorker._capture` (one snapshot straight from the cache through the same
+pipeline, on the background thread, its copies ordered after a CUDA event recorded when the
+forward pass was enqueued: device -> pinned staging slots -> writer, checksums on the device).
+vLLM keeps the blocks of a request with saves until :meth:`KVSnapWorker.get_finished` reports
+their copies done. After each chunk write the store is pruned to ``store_capacity_bytes``
+(LRU, :func:`~kvsnap.engines.vllm.eviction.prune_store`).
 
-Tensor parallelism: each rank copies the saved blocks of its own heads to host memory and the
-TP group's CPU (gloo) group gathers them on rank 0, which builds one layout per rank over the
-gathered copies and lets :func:`kvsnap.snapshot.capture` take from each rank the canonical
-fragments it is elected for. Loads need no collective: every rank reads its own heads out of
-the same canonical pages.
+Tensor parallelism: each rank copies the saved blocks of its own heads to host memory on the
+engine's thread (:func:`copy_blocks_to_host`) and the TP group's CPU (gloo) group gathers them
+on rank 0, which builds one layout per rank over the gathered copies and lets
+:func:`kvsnap.snapshot.capture` take from each rank the canonical fragments it is elected for
+(:meth:`KVSnapWorker._write_host`, on the background thread). Loads need no collective: every
+rank reads its own heads out of the same canonical pages.
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +43,7 @@ from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.eviction import prune_store, store_bytes
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.registration import RegisteredCache, register_caches
+from kvsnap.engines.vllm.saves import PendingSave, SaveQueue
 from kvsnap.engines.vllm.specs import ChunkLoad, KVSnapConnectorMetadata, LoadSpec, SaveSpec
 from kvsnap.engines.vllm.store import PrefixStore
 from kvsnap.errors import (
@@ -49,7 +55,7 @@ from kvsnap.errors import (
 )
 from kvsnap.layout import KVGeometry
 from kvsnap.pipeline import Pipeline
-from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
+from kvsnap.snapshot import CaptureResult, SequenceBlocks, Snapshot, capture
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,16 +69,17 @@ _FILE_ERRORS = (
     SnapshotIOError,
     OSError,
 )
-#: Host staging for loads: snapshot pages are read into it, then scattered into the cache.
 
 
 class KVSnapWorker:
     """The worker side of :class:`~kvsnap.engines.vllm.KVSnapConnector`.
 
-    :meth:`register_kv_caches` builds the cache layout (or refuses the cache);
-    :meth:`start_load_kv` loads, verifying every block checksum, and collects the blocks it
-    could not load for :meth:`get_block_ids_with_load_errors`; :meth:`wait_for_save` copies
-    the saved blocks to host memory and queues their snapshot writes.
+    :meth:`register_kv_caches` (or :meth:`attach`) takes the cache; :meth:`start_load_kv`
+    loads, verifying every block checksum, and collects the blocks it could not load for
+    :meth:`get_block_ids_with_load_errors`; :meth:`wait_for_save` queues the step's saves;
+    :meth:`get_finished` names the finished requests whose blocks vLLM may free;
+    :meth:`handle_preemptions` waits for the copies of preempted requests.
+    ``vllm_config`` is needed by :meth:`register_kv_caches` only.
     """
 
     def __init__(
@@ -81,7 +88,7 @@ class KVSnapWorker:
         store: PrefixStore,
         events: EventLog,
         *,
-        vllm_config: VllmConfig,
+        vllm_config: VllmConfig | None,
         fingerprint: str,
         source: fmt.SourceInfo | None,
     ) -> None:
@@ -94,23 +101,26 @@ class KVSnapWorker:
         self.cache: RegisteredCache | None = None
         self._load_errors: set[int] = set()
         self._pipeline: Pipeline | None = None
-        self._writer: ThreadPoolExecutor | None = None
-        self._writes: list[tuple[SaveSpec, Future[None]]] = []
+        self._saves: SaveQueue | None = None
         #: The store's size as this worker last measured it plus what it wrote since.
         self._store_bytes: int | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Build the cache layout from the registered tensors, or refuse them (LayoutError)."""
-        self.cache = register_caches(self._vllm_config, kv_caches)
-        layout = self.cache.layout
-        # Kept for the engine's life: page table, staging and kernels stay warm across loads.
-        self._pipeline = Pipeline(layout)
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsnap-writer")
+        assert self._vllm_config is not None, "register_kv_caches needs the VllmConfig"
+        self.attach(register_caches(self._vllm_config, kv_caches))
+
+    def attach(self, cache: RegisteredCache) -> None:
+        """Load into and save from ``cache``: make the warm pipeline and the save queue."""
+        self.cache = cache
+        # Kept for the engine's life: page table, staging and kernels stay warm across calls.
+        self._pipeline = Pipeline(cache.layout)
+        self._saves = SaveQueue(self.events, self.options.max_pending_writes)
         self.events.emit(
             "registered",
-            layout=layout.describe(),
-            encoding=layout.encoding,
-            kv_cache_layout=self.cache.kv_cache_layout,
+            layout=cache.layout.describe(),
+            encoding=cache.layout.encoding,
+            kv_cache_layout=cache.kv_cache_layout,
         )
 
     # -- loads -------------------------------------------------------------------------------
@@ -182,49 +192,88 @@ class KVSnapWorker:
     # -- saves -------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVSnapConnectorMetadata) -> None:
-        """Copy this step's saved blocks to host memory and queue their snapshot writes.
+        """Queue this step's saves; the forward pass waits for nothing.
 
-        The forward pass waits for the copy (and, at TP > 1, the gather on rank 0) only; the
-        checksumming and writing run on a background thread, at most
-        ``max_pending_writes`` snapshots behind.
+        At TP = 1 this records a CUDA event on the current (compute) stream after the forward
+        pass and hands the saves to the background thread, which captures each one straight
+        from the cache through the warm :class:`~kvsnap.pipeline.Pipeline`, its copies
+        ordered after that event. At TP > 1 the blocks are copied to host memory and gathered
+        on rank 0 here (:func:`copy_blocks_to_host`), and only the writes are queued. A
+        request's blocks stay allocated until :meth:`get_finished` reports its copies done.
         """
-        self._reap_writes(block=False)
         if not meta.saves:
             return
-        assert self.cache is not None and self._writer is not None
-        all_blocks = np.concatenate([spec.block_ids for spec in meta.saves])
+        assert self.cache is not None and self._saves is not None
+        if self.cache.layout.tp_size > 1:
+            self._save_gathered(meta.saves)
+            return
+        after = _record_after_compute(self.cache.layout.device)
+        saves = [PendingSave(spec) for spec in meta.saves]
+        self._saves.submit(saves, lambda save: self._capture(save, after))
+
+    def _capture(self, save: PendingSave, after: torch.cuda.Event | None) -> None:
+        """Write one save's snapshot straight from the cache, once ``after`` has passed (on
+        the background thread); ``save.copied`` is set as soon as the last slot is copied."""
+        assert self._pipeline is not None
+        spec = save.spec
+        path = Path(spec.path)
+        if spec.kind == "persist" and path.exists():
+            return  # stored meanwhile by another request or engine: never copied again
+        started = time.perf_counter()
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+        def copied(done_bytes: int, total_bytes: int) -> None:
+            if done_bytes >= total_bytes:
+                save.copied.set()
+
+        result = self._pipeline.capture(
+            [_sequence(spec, spec.block_ids)],
+            path,
+            source=self._source,
+            progress=copied,
+            after=after,
+        )
+        self._saved(spec, result, started)
+
+    def _save_gathered(self, specs: Sequence[SaveSpec]) -> None:
+        """TP > 1: copy the blocks to host memory, gather them on rank 0, queue the writes."""
+        assert self.cache is not None and self._saves is not None
+        all_blocks = np.concatenate([spec.block_ids for spec in specs])
         per_rank = _gather_on_first_rank(
             copy_blocks_to_host(self.cache.caches, all_blocks), self.cache.layout.tp_size
         )
+        saves = [PendingSave(spec) for spec in specs]
+        for save in saves:
+            save.copied.set()  # the host copies above are complete
         if per_rank is None:  # not the writing rank
+            self._saves.track(saves)
             return
+        parts: dict[int, list[torch.Tensor]] = {}
         offset = 0
-        for spec in meta.saves:
-            count = len(spec.block_ids)
-            parts = [rank_copy[:, offset : offset + count] for rank_copy in per_rank]
+        for save in saves:
+            count = len(save.spec.block_ids)
+            parts[id(save)] = [rank_copy[:, offset : offset + count] for rank_copy in per_rank]
             offset += count
-            while len(self._writes) >= self.options.max_pending_writes:
-                self._reap_writes(block=True)
-            self._writes.append((spec, self._writer.submit(self._write, spec, parts)))
+        self._saves.submit(saves, lambda save: self._write_host(save.spec, parts.pop(id(save))))
 
-    def _write(self, spec: SaveSpec, parts: Sequence[torch.Tensor]) -> None:
+    def _write_host(self, spec: SaveSpec, parts: Sequence[torch.Tensor]) -> None:
         """Write one saved snapshot from the host copies ``parts`` (one per TP rank)."""
-        assert self.cache is not None and self._source is not None
+        assert self.cache is not None
         started = time.perf_counter()
         path = Path(spec.path)
         if spec.kind == "persist" and path.exists():
             return  # another request or engine stored this chunk meanwhile
         path.parent.mkdir(parents=True, exist_ok=True)
-        sequence = SequenceBlocks(
-            id=spec.sequence_id,
-            token_ids=spec.token_ids,
-            block_ids=np.arange(len(spec.block_ids), dtype=np.int64),
-        )
+        sequence = _sequence(spec, np.arange(len(spec.block_ids), dtype=np.int64))
         result = capture(self.cache.host_layouts(parts), [sequence], path, source=self._source)
+        self._saved(spec, result, started)
+
+    def _saved(self, spec: SaveSpec, result: CaptureResult, started: float) -> None:
+        """Log a written save or dump; after a chunk, keep the store within its bound."""
         self.events.emit(
             "save" if spec.kind == "persist" else "dump",
             request=spec.request_id,
-            path=str(path),
+            path=result.path,
             tokens=len(spec.token_ids),
             blocks=result.num_blocks,
             bytes=result.num_bytes,
@@ -255,34 +304,47 @@ class KVSnapWorker:
             )
         self._store_bytes = store_bytes(self.store.root)
 
-    def _reap_writes(self, block: bool) -> None:
-        """Collect finished writes (all of the oldest one when ``block``); log failures."""
-        remaining = []
-        for position, (spec, future) in enumerate(self._writes):
-            if block and position == 0:
-                future.exception()
-            if not future.done():
-                remaining.append((spec, future))
-                continue
-            error = future.exception()
-            if error is not None:
-                self.events.emit(
-                    "save_failed",
-                    logging.ERROR,
-                    request=spec.request_id,
-                    path=spec.path,
-                    error=f"{type(error).__name__}: {error}",
-                )
-        self._writes = remaining
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        """vLLM's async save contract: the finished requests (``finished_req_ids``, of this
+        step or an earlier one) that had saves and whose blocks no save reads any more, so
+        vLLM may free them; nothing is ever received asynchronously."""
+        if self._saves is None:
+            return None, None
+        return self._saves.finished(finished_req_ids) or None, None
+
+    def handle_preemptions(self, meta: KVSnapConnectorMetadata) -> None:
+        """Before the forward pass: wait until no save reads the blocks of the requests vLLM
+        preempted (their blocks were freed and may be written by this very step)."""
+        if self._saves is not None and meta.preempted:
+            self._saves.wait_copied(meta.preempted)
+
+    def wait_for_writes(self) -> None:
+        """Block until every queued save is written (or has failed and been logged)."""
+        if self._saves is not None:
+            self._saves.drain()
 
     def shutdown(self) -> None:
-        """Finish every queued snapshot write, then drop the load pipeline."""
-        while self._writes:
-            self._reap_writes(block=True)
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
+        """Finish every queued snapshot write, then drop the pipeline."""
+        if self._saves is not None:
+            self._saves.shutdown()
+            self._saves = None
         self._pipeline = None
+
+
+def _sequence(spec: SaveSpec, block_ids: np.ndarray) -> SequenceBlocks:
+    """The one sequence of ``spec``'s snapshot, its blocks read from ``block_ids``."""
+    return SequenceBlocks(id=spec.sequence_id, token_ids=spec.token_ids, block_ids=block_ids)
+
+
+def _record_after_compute(device: torch.device) -> torch.cuda.Event | None:
+    """An event on ``device``'s current stream, after what was enqueued on it (the forward
+    pass): the saves' copies follow it. ``None`` for a cache in host memory (its forward pass
+    has finished when the engine's thread gets here)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def copy_blocks_to_host(caches: Sequence[torch.Tensor], block_ids: np.ndarray) -> torch.Tensor:
