@@ -16,7 +16,7 @@ for step in "$@"; do
     transfer) timeout 300 python3 -m benchmarks.transfer $OUT/transfer.json ;;
     tp-shared) timeout 300 python3 -m benchmarks.tp_scaling --gpus 2 --share-gpu --gib-per-gpu 1 --shapes 8b --targets shm --json-out $OUT/tp_shared.json ;;
     tp) timeout 500 python3 -m benchmarks.tp_scaling --gpus 2 --json-out $OUT/tp.json ;;
-    vllm-worker) timeout 300 python3 -m benchmarks.vllm_worker --json-out $OUT/vllm_worker.json ;;
+    vllm-worker) timeout 400 python3 -m benchmarks.vllm_worker --packing both --out $OUT/vllm_worker.json ;;
     *) echo "unknown step $step" ;;
   esac
 done
