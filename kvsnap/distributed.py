@@ -23,16 +23,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from kvsnap import format as fmt
 from kvsnap.errors import RankFailedError, RestoreIncompleteError
-from kvsnap.layout import CacheLayout, PageRef, part_plan
+from kvsnap.layout import CacheLayout, PageRef, PartAssignment, part_plan
 from kvsnap.parted import capture_part
 from kvsnap.pipeline import (
     CaptureResult,
@@ -44,6 +45,7 @@ from kvsnap.pipeline import (
 )
 from kvsnap.snapshot import Snapshot
 from kvsnap.store import TraceHook
+from kvsnap.store.location import INDEX_SUFFIX
 from kvsnap.store.parts import discard_parts, publish_parts_index
 
 __all__ = ["DistributedCapture", "capture", "restore"]
@@ -64,6 +66,8 @@ class DistributedCapture:
     seconds: float
     #: What this rank wrote (its part, or the plain snapshot), ``None`` if it wrote nothing.
     written: CaptureResult | None
+    #: ``only_if_missing`` found a snapshot at ``path``: nothing was written.
+    skipped: bool = False
 
 
 def capture(
@@ -77,7 +81,10 @@ def capture(
     staging: StagingOptions | None = None,
     reproducible: bool = False,
     direct_io: bool | None = None,
+    progress: Callable[[int, int], None] | None = None,
     trace: TraceHook | None = None,
+    after: torch.cuda.Event | None = None,
+    only_if_missing: bool = False,
 ) -> DistributedCapture:
     """Capture ``sequences`` from every rank of ``group`` into one snapshot at ``path``.
 
@@ -89,6 +96,12 @@ def capture(
     is durable, and every rank returns only then. Raises
     :class:`~kvsnap.errors.RankFailedError` on every surviving rank when any rank failed or
     was lost: nothing is published and the previous snapshot at ``path`` is untouched.
+
+    ``progress(done, total)`` sees this rank's bytes (called once with ``(0, 0)`` on a rank
+    that writes none); ``after`` is a CUDA event the copies follow (a capture run on another
+    thread than the one that computed the KV). With ``only_if_missing`` rank 0 looks for a
+    snapshot at ``path`` first and, if there is one, no rank writes anything (a content-
+    addressed store's dedup, decided once for all ranks): the result says ``skipped``.
     """
     started = time.perf_counter()
     rank, world = _check_rank(layout, group)
@@ -99,51 +112,22 @@ def capture(
         "staging": staging,
         "reproducible": reproducible,
         "direct_io": direct_io,
+        "progress": progress,
         "trace": trace,
+        "after": after,
     }
     plan = part_plan(layout.geometry, world) if world > 1 else []
+    start = None
+    if rank == 0:
+        start = {"generation": fmt.new_generation(), "skip": only_if_missing and _exists(path)}
+    start = _broadcast(start, group, path)
+    if start["skip"]:
+        _report_nothing(progress)
+        return DistributedCapture(path, 0, 0, 0, time.perf_counter() - started, None, True)
     if not plan:  # one rank, or an MLA latent every rank holds: a plain snapshot from rank 0
-        return _capture_plain(layout, sequences, path, rank, group, options, started)
-    generation = _broadcast(fmt.new_generation() if rank == 0 else None, group, path)
-    written: list[Any] = []
-    status: dict[str, Any] = {"error": None, "records": [], "num_bytes": 0, "num_blocks": 0}
-    try:
-        for part in plan:
-            if part.writer_rank == rank:
-                result = capture_part(
-                    layout,
-                    sequences,
-                    path,
-                    part=part,
-                    count=len(plan),
-                    generation=generation,
-                    **options,
-                )
-                written.append(result)
-                status["records"].append(result.record)
-                status["num_bytes"] += result.result.num_bytes
-                status["num_blocks"] = result.result.num_blocks
-    except Exception as error:  # every rank learns of it; nothing is published
-        status = {"error": _describe(error), "records": []}
-    statuses = _all_gather(status, group, path, generation, world)
-    failures = {r: s["error"] for r, s in enumerate(statuses) if s["error"] is not None}
-    if rank == 0 and not failures:
-        try:
-            publish_parts_index(path, [record for s in statuses for record in s["records"]])
-        except Exception as error:
-            failures[0] = _describe(error)
-    failures = _broadcast(failures if rank == 0 else None, group, path, generation)
-    if failures:
-        discard_parts(path, generation)
-        raise _failed("capture", path, failures)
-    return DistributedCapture(
-        path=path,
-        num_parts=len(plan),
-        num_blocks=max(s["num_blocks"] for s in statuses),
-        num_bytes=sum(s["num_bytes"] for s in statuses),
-        seconds=time.perf_counter() - started,
-        written=written[0].result if written else None,
-    )
+        return _capture_plain(layout, sequences, path, group, options, started)
+    generation = start["generation"]
+    return _capture_parts(layout, sequences, path, plan, generation, group, options, started)
 
 
 def restore(
@@ -221,16 +205,73 @@ def _check_rank(layout: CacheLayout, group: Any) -> tuple[int, int]:
     return rank, world
 
 
+def _capture_parts(
+    layout: CacheLayout,
+    sequences: Sequence[SequenceBlocks],
+    path: str,
+    plan: list[PartAssignment],
+    generation: str,
+    group: Any,
+    options: dict[str, Any],
+    started: float,
+) -> DistributedCapture:
+    """Write this rank's part (if the plan gives it one), exchange the statuses, and have rank
+    0 publish the index; on any failure every rank discards the write's parts and raises."""
+    rank, world = layout.tp_rank, layout.tp_size
+    mine = next((part for part in plan if part.writer_rank == rank), None)
+    written = None
+    status: dict[str, Any] = {"error": None, "record": None, "num_bytes": 0, "num_blocks": 0}
+    try:
+        if mine is not None:
+            written = capture_part(
+                layout,
+                sequences,
+                path,
+                part=mine,
+                count=len(plan),
+                generation=generation,
+                **options,
+            )
+            status.update(
+                record=written.record,
+                num_bytes=written.result.num_bytes,
+                num_blocks=written.result.num_blocks,
+            )
+    except Exception as error:  # every rank learns of it; nothing is published
+        status["error"] = _describe(error)
+    if written is None:
+        _report_nothing(options["progress"])
+    statuses = _all_gather(status, group, path, generation, world)
+    failures = {r: s["error"] for r, s in enumerate(statuses) if s["error"] is not None}
+    if rank == 0 and not failures:
+        try:
+            publish_parts_index(path, [s["record"] for s in statuses if s["record"] is not None])
+        except Exception as error:
+            failures[0] = _describe(error)
+    failures = _broadcast(failures if rank == 0 else None, group, path, generation)
+    if failures:
+        discard_parts(path, generation)
+        raise _failed("capture", path, failures)
+    return DistributedCapture(
+        path=path,
+        num_parts=len(plan),
+        num_blocks=max(s["num_blocks"] for s in statuses),
+        num_bytes=sum(s["num_bytes"] for s in statuses),
+        seconds=time.perf_counter() - started,
+        written=None if written is None else written.result,
+    )
+
+
 def _capture_plain(
     layout: CacheLayout,
     sequences: Sequence[SequenceBlocks],
     path: str,
-    rank: int,
     group: Any,
     options: dict[str, Any],
     started: float,
 ) -> DistributedCapture:
     """Rank 0 writes the whole snapshot (published atomically by itself); the others wait."""
+    rank = layout.tp_rank
     written: CaptureResult | None = None
     outcome: dict[str, Any] = {"failures": {}, "num_blocks": 0, "num_bytes": 0}
     if rank == 0:
@@ -241,6 +282,8 @@ def _capture_plain(
             outcome.update(num_blocks=written.num_blocks, num_bytes=written.num_bytes)
         except Exception as error:
             outcome["failures"] = {0: _describe(error)}
+    else:
+        _report_nothing(options["progress"])
     outcome = _broadcast(outcome if rank == 0 else None, group, path)
     if outcome["failures"]:
         raise _failed("capture", path, outcome["failures"])
@@ -252,6 +295,18 @@ def _capture_plain(
         seconds=time.perf_counter() - started,
         written=written,
     )
+
+
+def _exists(path: str) -> bool:
+    """Whether a snapshot is published at ``path``: the single file, or the index of a sharded
+    or parted one."""
+    return os.path.exists(path) or os.path.exists(path + INDEX_SUFFIX)
+
+
+def _report_nothing(progress: Callable[[int, int], None] | None) -> None:
+    """Tell ``progress`` that this rank has nothing to move (its copies are all done)."""
+    if progress is not None:
+        progress(0, 0)
 
 
 def _sole_writer(layout: CacheLayout) -> CacheLayout:

@@ -77,7 +77,9 @@ def capture_part(
     staging: StagingOptions | PinnedPool | None = None,
     reproducible: bool = False,
     direct_io: bool | None = None,
+    progress: Callable[[int, int], None] | None = None,
     trace: TraceHook | None = None,
+    after: torch.cuda.Event | None = None,
 ) -> PartCapture:
     """Write part ``part.index`` of ``count`` of the parted snapshot ``path``
     (``NAME.safetensors``): global heads ``[part.first_head, +part.num_heads)`` of the
@@ -91,7 +93,9 @@ def capture_part(
     and shared), ``count`` (``len(part_plan(...))``) and ``sequences``. ``part`` comes from
     :func:`kvsnap.layout.part_plan`; ``layout`` must hold those heads (a superset is fine).
     Warm across calls: the part layout is cached per layout object, the page table per
-    process. ``LayoutError`` when the rank holds none of the heads.
+    process. ``progress`` and ``after`` are :meth:`kvsnap.pipeline.Pipeline.capture`'s (the
+    part's bytes; a CUDA event the copies follow). ``LayoutError`` when the rank holds none of
+    the heads.
     """
     geometry = layout.geometry
     moved = part_layout(layout, part.first_head, part.num_heads)
@@ -108,7 +112,9 @@ def capture_part(
         staging=staging_options(staging),
         reproducible=reproducible,
         direct_io=direct_io,
+        progress=progress,
         trace=trace,
+        after=after,
         part=fmt.PartInfo(part.index, count, part.first_head, geometry.num_kv_heads),
     )
     assert result.trailer_digest is not None  # a part is always one file

@@ -137,6 +137,8 @@ def run_rank(rank: int, world: int, job: dict[str, Any]) -> None:
             report.update(_capture(case, rank, world, job))
         elif job["role"] == "restore":
             report.update(_restore(case, rank, world, job))
+        elif job["role"] == "worker-save":
+            report.update(_worker_save(rank, world, job))
         else:
             raise ValueError(f"unknown role {job['role']!r}")
     except Exception as error:  # reported to the parent, which asserts on it
@@ -198,3 +200,97 @@ def _stored_order(
         (inverse[sequence.block_ids], np.asarray(block_ids[sequence.id]))
         for sequence in case.sequences()
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# The vLLM connector's worker at TP > 1 (no vLLM needed: the worker takes a registered cache)
+
+WORKER_BLOCK, WORKER_HEADS, WORKER_HEAD_DIM, WORKER_LAYERS, WORKER_BLOCKS = 4, 4, 8, 2, 16
+WORKER_CHUNK_BLOCKS = 2
+WORKER_FINGERPRINT = "cd" * 16
+
+
+def worker_cells(seed: int = 0) -> list[torch.Tensor]:
+    """Every head of a FLASH_ATTN cache, per layer ``[blocks, tokens, heads, 2*head_dim]``
+    (each (token, head) cell is key ‖ value): what the TP ranks split between them."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (WORKER_BLOCKS, WORKER_BLOCK, WORKER_HEADS, 2 * WORKER_HEAD_DIM)
+    return [
+        torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(WORKER_LAYERS)
+    ]
+
+
+def worker_for(store_path: str, cells: list[torch.Tensor], rank: int, tp: int, group: Any) -> Any:
+    """A connector worker over this rank's heads of ``cells`` (a copy it owns)."""
+    from kvsnap.engines.vllm import ConnectorOptions, EventLog, PrefixStore
+    from kvsnap.engines.vllm.registration import registered_cache
+    from kvsnap.engines.vllm.worker import KVSnapWorker
+    from kvsnap.format import SourceInfo
+
+    per_rank = WORKER_HEADS // tp
+    mine = [layer[:, :, rank * per_rank : (rank + 1) * per_rank].contiguous() for layer in cells]
+    options = ConnectorOptions.from_extra_config(
+        {"path": store_path, "chunk_blocks": WORKER_CHUNK_BLOCKS}
+    )
+    store = PrefixStore(options.path, "ns", chunk_blocks=WORKER_CHUNK_BLOCKS)
+    source = SourceInfo("vllm", "test", "synthetic", None, WORKER_FINGERPRINT)
+    worker = KVSnapWorker(
+        options,
+        store,
+        EventLog(None, "worker", rank),
+        vllm_config=None,
+        fingerprint=WORKER_FINGERPRINT,
+        source=source,
+    )
+    cache = registered_cache(
+        [tensor.permute(0, 2, 1, 3) for tensor in mine],
+        backend="FLASH_ATTN",
+        kv_cache_layout="LBNHC",
+        head_size=WORKER_HEAD_DIM,
+        num_kv_heads=WORKER_HEADS,
+        tp_rank=rank,
+        tp_size=tp,
+    )
+    worker.attach(cache, group=group)
+    return worker
+
+
+def worker_saves(worker: Any, blocks: list[int], request: str) -> list[Any]:
+    """The chunk saves of a prompt held in ``blocks``, as the scheduler plans them."""
+    from kvsnap import format as fmt
+    from kvsnap.engines.vllm import SaveSpec, chunk_sequence_id
+
+    tokens = np.random.default_rng(sum(blocks)).integers(1, 500, len(blocks) * WORKER_BLOCK)
+    chain = fmt.prefix_hash_chain(tokens, WORKER_BLOCK)
+    ids = np.asarray(blocks, dtype=np.int64)
+    return [
+        SaveSpec(
+            request_id=request,
+            kind="persist",
+            path=str(worker.store.chunk_path(chain[end - 1])),
+            token_ids=tokens[start * WORKER_BLOCK : end * WORKER_BLOCK],
+            block_ids=ids[start:end],
+            sequence_id=chunk_sequence_id(start, chain[start - 1] if start else None),
+        )
+        for start, end in worker.store.chunk_spans(len(blocks))
+    ]
+
+
+def _worker_save(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    from kvsnap.engines.vllm import KVSnapConnectorMetadata
+
+    worker = worker_for(job["path"], worker_cells(), rank, world, dist.group.WORLD)
+    saves = worker_saves(worker, job["blocks"], "r1")
+    worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
+    worker.wait_for_writes()
+    finished = worker.get_finished({"r1"})[0]
+    first_files = sorted(str(p) for p in Path(job["path"]).rglob("*") if p.is_file())
+    # The same chunks again (another request with the same prompt): stored, so never written.
+    worker.wait_for_save(KVSnapConnectorMetadata(saves=worker_saves(worker, job["blocks"], "r2")))
+    worker.wait_for_writes()
+    worker.shutdown()
+    return {
+        "paths": [save.path for save in saves],
+        "finished": sorted(finished or []),
+        "first_files": first_files,
+    }

@@ -187,3 +187,48 @@ def test_mla_and_single_rank_groups_write_one_plain_snapshot(
                 assert same_bytes(stored, pages[torch.as_tensor(inverse[sequence.block_ids])])
     restored = _run(tmp_path, "restore", 2, path, case=case)
     assert [(r["error"], r["mismatched"]) for r in restored] == [(None, [])] * 2
+
+
+def test_connector_worker_at_tp2_saves_parted_chunks_a_tp1_worker_loads(tmp_path: Path) -> None:
+    from distributed_child import (
+        WORKER_BLOCK,
+        WORKER_HEAD_DIM,
+        worker_cells,
+        worker_for,
+    )
+
+    from kvsnap.engines.vllm import ChunkLoad, KVSnapConnectorMetadata, LoadSpec
+
+    store = tmp_path / "store"
+    blocks = [9, 2, 14, 5, 7]  # five blocks: chunks of 2, 2 and 1
+    reports = _run(tmp_path, "worker-save", 2, store, blocks=blocks)
+    assert [report.get("error") for report in reports] == [None, None], reports
+    assert [report["finished"] for report in reports] == [["r1"], ["r1"]]
+    paths = reports[0]["paths"]
+    assert len(paths) == 3
+    # Every chunk is one parted snapshot: an index and one part per rank, nothing else (the
+    # second request's identical saves wrote nothing).
+    files = sorted(str(p) for p in store.rglob("*") if p.is_file())
+    assert len(files) == 3 * 3 and not any(Path(name).name.startswith(".") for name in files)
+    assert reports[0]["first_files"] == reports[1]["first_files"] == files
+    cells = worker_cells()
+    for path in paths:
+        with kvsnap.Snapshot.open(path) as snapshot:
+            assert len(snapshot.part_files()) == 2 and snapshot.verify() == []
+    # A TP=1 engine loads the chunks into other blocks: every byte as the TP=2 engine held it.
+    target = [0, 1, 3, 4, 6]
+    loader = worker_for(str(store), [torch.zeros_like(layer) for layer in cells], 0, 1, None)
+    chunks, start = [], 0
+    for path in paths:
+        with kvsnap.Snapshot.open(path) as snapshot:
+            count = snapshot.num_blocks
+        chunks.append(ChunkLoad(path, np.arange(count), np.asarray(target[start : start + count])))
+        start += count
+    loader.start_load_kv(
+        KVSnapConnectorMetadata(loads=[LoadSpec("r3", tuple(chunks), len(blocks) * WORKER_BLOCK)])
+    )
+    assert loader.get_block_ids_with_load_errors() == set()
+    assert loader.cache is not None
+    for layer, cache in zip(cells, loader.cache.caches, strict=True):
+        restored = cache.permute(0, 2, 1, 3)  # back to [blocks, tokens, heads, key ‖ value]
+        assert same_bytes(restored[target], layer[blocks]), WORKER_HEAD_DIM

@@ -28,7 +28,7 @@ import numpy as np
 from kvsnap.errors import LayoutError
 from kvsnap.layout.cache import CacheLayout, PageRef
 from kvsnap.layout.geometry import KVGeometry
-from kvsnap.layout.mapping import CanonicalPageMapping, fold_fragments, head_shard
+from kvsnap.layout.mapping import CanonicalPageMapping, CopyRun, fold_fragments, head_shard
 
 _T = TypeVar("_T")
 
@@ -149,19 +149,27 @@ def _head_bytes(geometry: KVGeometry) -> int:
     return geometry.head_dim * geometry.element_size
 
 
-def _units(mapping: CanonicalPageMapping, head_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """The mapping unrolled into one fragment per (token, head): local offsets and canonical
-    unit numbers (``token * num_kv_heads + head``)."""
+def _pieces(
+    mapping: CanonicalPageMapping, head_bytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The mapping unrolled into pieces that each lie in one (token, head) row of the
+    canonical page: ``(local offsets, canonical offsets, sizes)``. A fragment of whole rows
+    becomes one piece per row; a fragment inside one row (a layout that interleaves a head's
+    dimensions, such as vLLM's CPU cache) stays as it is."""
     local, canonical, sizes = mapping.fragments()
-    if ((canonical % head_bytes) != 0).any() or ((sizes % head_bytes) != 0).any():
-        raise LayoutError("copy runs split a head's row: the layout cannot be cut into head ranges")
-    counts = sizes // head_bytes
+    whole_rows = (canonical % head_bytes == 0) & (sizes % head_bytes == 0)
+    one_row = canonical // head_bytes == (canonical + sizes - 1) // head_bytes
+    if not (whole_rows | one_row).all():
+        raise LayoutError(
+            "copy runs cross a head's row part-way: the layout cannot be cut into head ranges"
+        )
+    counts = np.where(whole_rows, sizes // head_bytes, 1)
+    piece_sizes = np.repeat(np.where(whole_rows, head_bytes, sizes), counts)
     steps = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
         np.cumsum(counts) - counts, counts
     )
-    unit_local = np.repeat(local, counts) + steps * head_bytes
-    unit = np.repeat(canonical // head_bytes, counts) + steps
-    return unit_local, unit
+    offsets = steps * piece_sizes
+    return np.repeat(local, counts) + offsets, np.repeat(canonical, counts) + offsets, piece_sizes
 
 
 # Every layer of a cache usually shares one mapping: its heads are worked out once.
@@ -171,8 +179,8 @@ def _heads_of(
 ) -> tuple[int, int] | None:
     """The range ``[first, end)`` of heads ``mapping`` holds; ``None`` when they are not one
     non-empty contiguous range."""
-    _, unit = _units(mapping, head_bytes)
-    heads = np.unique(unit % num_kv_heads)
+    _, canonical, _ = _pieces(mapping, head_bytes)
+    heads = np.unique(canonical // head_bytes % num_kv_heads)
     if not len(heads) or heads[-1] - heads[0] + 1 != len(heads):
         return None
     return int(heads[0]), int(heads[-1]) + 1
@@ -202,15 +210,19 @@ def _part_mapping(
     num_heads: int,
 ) -> CanonicalPageMapping | None:
     """``mapping`` restricted to heads ``[first_head, +num_heads)`` on the part's page."""
-    unit_local, unit = _units(mapping, head_bytes)
-    token, head = unit // num_kv_heads, unit % num_kv_heads
+    local, canonical, sizes = _pieces(mapping, head_bytes)
+    row, within = canonical // head_bytes, canonical % head_bytes
+    token, head = row // num_kv_heads, row % num_kv_heads
     keep = (head >= first_head) & (head < first_head + num_heads)
     if not keep.any():
         return None
-    canonical = (token[keep] * num_heads + head[keep] - first_head) * head_bytes
+    moved = (token * num_heads + head - first_head) * head_bytes + within
     page_bytes = mapping.canonical_page_size_bytes // num_kv_heads * num_heads
-    runs = fold_fragments(unit_local[keep], canonical, head_bytes)
-    return CanonicalPageMapping(page_bytes, runs)
+    runs: list[CopyRun] = []
+    for size in np.unique(sizes[keep]):  # fold_fragments folds equal-size fragments
+        same = keep & (sizes == size)
+        runs += fold_fragments(local[same], moved[same], int(size))
+    return CanonicalPageMapping(page_bytes, tuple(runs))
 
 
 def _part_layout(layout: CacheLayout, first_head: int, num_heads: int) -> CacheLayout | None:

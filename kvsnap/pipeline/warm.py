@@ -117,8 +117,6 @@ class Pipeline:
         path: str | Path,
         *,
         source: fmt.SourceInfo | None = None,
-        # Set, the file is that part of a parted snapshot (format version 2), the layouts are
-        # part layouts and ``path`` the part's file: what kvsnap.parted.capture_part passes.
         part: fmt.PartInfo | None = None,
         staging: StagingOptions | None = None,
         reproducible: bool = False,
@@ -129,10 +127,9 @@ class Pipeline:
         after: torch.cuda.Event | None = None,
     ) -> CaptureResult:
         """Write the KV of ``sequences`` to a snapshot at ``path``; see :func:`kvsnap.capture`.
-
-        ``after``: the copies wait for this CUDA event instead of for the calling thread's
-        current stream (a capture run on a background thread, of KV computed on another).
-        """
+        ``part``: the file is that part of a parted snapshot, from part layouts (what
+        :func:`kvsnap.parted.capture_part` passes). ``after``: the copies follow this CUDA event,
+        not the calling thread's stream (KV computed on another thread's stream)."""
         started = time.perf_counter()
         validate_sequences(self.geometry.block_size, sequences)
         metadata, device_blocks = _capture_metadata(
@@ -148,13 +145,8 @@ class Pipeline:
         done = _Progress(progress, total_bytes)
         try:
             with traced(trace, "setup.writer"):
-                writer = SnapshotWriter(
-                    path,
-                    metadata,
-                    direct_io=direct_io,
-                    max_shard_bytes=max_shard_bytes,
-                    trace=trace,
-                )
+                options = {"direct_io": direct_io, "max_shard_bytes": max_shard_bytes}
+                writer = SnapshotWriter(path, metadata, trace=trace, **options)
             try:
                 mover.begin(after)
                 plans = plan_slots(len(names), len(device_blocks), page_bytes, ring.slot_bytes)

@@ -187,3 +187,35 @@ def test_unknown_or_contradicted_layouts_are_refused() -> None:
         vllm_layout(
             [cache], backend="CPU_ATTN", kv_cache_layout="LBHNC", head_size=16, num_kv_heads=2
         )
+
+
+def test_amx_ordered_ranks_write_parts_that_restore_at_tp1(tmp_path: Path) -> None:
+    # The CPU kernel's pages interleave a head's dims (pieces of 4 bytes inside one head's row):
+    # each TP rank still writes exactly its own heads as its part, and TP=1 reads both parts.
+    blocks, tokens, head_dim = 4, BLOCK, 32
+    full = _random_cache((blocks, 2, tokens, 2 * head_dim), 6)
+    order = {heads: BlockOrder(*_vnni_offsets(tokens, heads, head_dim)) for heads in (1, 2)}
+
+    def layout(cache: torch.Tensor, rank: int, tp: int):
+        return vllm_layout(
+            [cache],
+            backend="CPU_ATTN",
+            kv_cache_layout="LBHNC",
+            head_size=head_dim,
+            num_kv_heads=2,
+            tp_rank=rank,
+            tp_size=tp,
+            block_order=order[2 // tp],
+        )
+
+    ranks = [layout(full[:, rank : rank + 1].contiguous(), rank, 2) for rank in range(2)]
+    tokens_ids = np.arange(2 * tokens)
+    source = fmt.SourceInfo("vllm", "test", "synthetic", None, "0" * 32)
+    path = tmp_path / "parted.safetensors"
+    sequence = SequenceBlocks("s", tokens_ids, np.array([2, 3]))
+    capture(ranks, [sequence], path, source=source, per_rank_parts=True)
+    restored = torch.zeros_like(full)
+    with Snapshot.open(path) as snapshot:
+        assert len(snapshot.part_files()) == 2 and snapshot.verify() == []
+        snapshot.restore(layout(restored, 0, 1), {"s": [0, 1]})
+    assert torch.equal(restored[[0, 1]].view(torch.int16), full[[2, 3]].view(torch.int16))

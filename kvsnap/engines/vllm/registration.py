@@ -25,7 +25,7 @@ from kvsnap.engines.vllm.layout import (
     probe_block_order,
     vllm_layout,
 )
-from kvsnap.layout import CacheLayout, LayoutError, check_tiling
+from kvsnap.layout import CacheLayout, LayoutError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -42,27 +42,6 @@ class RegisteredCache:
     backend: str
     kv_cache_layout: str
     block_order: BlockOrder | None
-
-    def host_layouts(self, parts: Sequence[torch.Tensor]) -> list[CacheLayout]:
-        """One layout per TP rank over host copies of saved blocks (``parts[rank]``:
-        ``[layers, n, H, N, C]`` as ``index_select`` returns them, contiguous)."""
-        geometry = self.layout.geometry
-        layouts = [
-            vllm_layout(
-                list(rank_part),
-                backend=self.backend,
-                kv_cache_layout="LBHNC",  # index_select returns contiguous [n, H, N, C] copies
-                head_size=geometry.head_dim,
-                num_kv_heads=geometry.num_kv_heads,
-                tp_rank=rank,
-                tp_size=self.layout.tp_size,
-                attention_types=geometry.attention_types,
-                block_order=self.block_order,  # the copies keep each block's bytes as they were
-            )
-            for rank, rank_part in enumerate(parts)
-        ]
-        check_tiling(layouts)
-        return layouts
 
 
 def _attention_layers(

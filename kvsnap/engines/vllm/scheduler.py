@@ -140,7 +140,7 @@ class KVSnapScheduler:
         """
         start, end = span
         path = self.store.chunk_path(chain[end - 1])
-        if not path.is_file():
+        if not self.store.has_chunk(path):
             return False
         chunk = ChunkRef(str(path), start, end - start)
         record = self.checker.check(chunk, prompt, chain[start - 1] if start else None)

@@ -18,25 +18,26 @@ vLLM keeps the blocks of a request with saves until :meth:`KVSnapWorker.get_fini
 their copies done. After each chunk write the store is pruned to ``store_capacity_bytes``
 (LRU, :func:`~kvsnap.engines.vllm.eviction.prune_store`).
 
-Tensor parallelism: each rank copies the saved blocks of its own heads to host memory on the
-engine's thread (:func:`copy_blocks_to_host`) and the TP group's CPU (gloo) group gathers them
-on rank 0, which builds one layout per rank over the gathered copies and lets
-:func:`kvsnap.snapshot.capture` take from each rank the canonical fragments it is elected for
-(:meth:`KVSnapWorker._write_host`, on the background thread). Loads need no collective: every
-rank reads its own heads out of the same canonical pages.
+Tensor parallelism: every rank saves its own heads, in parallel, on its own background thread
+(:func:`kvsnap.distributed.capture`): a chunk becomes a parted snapshot, one part per rank and
+the index rank 0 publishes once every part is durable. Only control messages cross between
+ranks, over a gloo group of the TP ranks made for kvsnap at registration (vLLM's own groups
+are used by its threads; the saves run on another). Loads need no collective: every rank reads
+the parts holding its heads, whatever TP size stored the chunk.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from kvsnap import distributed
 from kvsnap import format as fmt
 from kvsnap.compat import check_fits
 from kvsnap.engines.vllm.events import EventLog
@@ -55,7 +56,7 @@ from kvsnap.errors import (
 )
 from kvsnap.layout import KVGeometry
 from kvsnap.pipeline import Pipeline
-from kvsnap.snapshot import CaptureResult, SequenceBlocks, Snapshot, capture
+from kvsnap.snapshot import SequenceBlocks, Snapshot
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,17 +103,25 @@ class KVSnapWorker:
         self._load_errors: set[int] = set()
         self._pipeline: Pipeline | None = None
         self._saves: SaveQueue | None = None
+        self._group: Any = None
         #: The store's size as this worker last measured it plus what it wrote since.
         self._store_bytes: int | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Build the cache layout from the registered tensors, or refuse them (LayoutError)."""
         assert self._vllm_config is not None, "register_kv_caches needs the VllmConfig"
-        self.attach(register_caches(self._vllm_config, kv_caches))
+        cache = register_caches(self._vllm_config, kv_caches)
+        self.attach(cache, group=_tp_control_group(cache.layout.tp_size))
 
-    def attach(self, cache: RegisteredCache) -> None:
-        """Load into and save from ``cache``: make the warm pipeline and the save queue."""
+    def attach(self, cache: RegisteredCache, *, group: Any = None) -> None:
+        """Load into and save from ``cache``: make the warm pipeline and the save queue.
+
+        At TP > 1, ``group`` is the ``torch.distributed`` group of the TP ranks (rank =
+        ``tp_rank``) that the saves' control messages use; no other thread may use it."""
+        if cache.layout.tp_size > 1 and group is None:
+            raise ValueError("a cache of TP > 1 saves through a process group of its TP ranks")
         self.cache = cache
+        self._group = group
         # Kept for the engine's life: page table, staging and kernels stay warm across calls.
         self._pipeline = Pipeline(cache.layout)
         self._saves = SaveQueue(self.events, self.options.max_pending_writes)
@@ -194,93 +203,72 @@ class KVSnapWorker:
     def wait_for_save(self, meta: KVSnapConnectorMetadata) -> None:
         """Queue this step's saves; the forward pass waits for nothing.
 
-        At TP = 1 this records a CUDA event on the current (compute) stream after the forward
-        pass and hands the saves to the background thread, which captures each one straight
-        from the cache through the warm :class:`~kvsnap.pipeline.Pipeline`, its copies
-        ordered after that event. At TP > 1 the blocks are copied to host memory and gathered
-        on rank 0 here (:func:`copy_blocks_to_host`), and only the writes are queued. A
-        request's blocks stay allocated until :meth:`get_finished` reports its copies done.
+        Records a CUDA event on the current (compute) stream after the forward pass and hands
+        the saves to the background thread, which captures each one straight from the cache
+        (at TP > 1 every rank its own heads), its copies ordered after that event. A request's
+        blocks stay allocated until :meth:`get_finished` reports its copies done.
         """
         if not meta.saves:
             return
         assert self.cache is not None and self._saves is not None
-        if self.cache.layout.tp_size > 1:
-            self._save_gathered(meta.saves)
-            return
         after = _record_after_compute(self.cache.layout.device)
         saves = [PendingSave(spec) for spec in meta.saves]
         self._saves.submit(saves, lambda save: self._capture(save, after))
 
     def _capture(self, save: PendingSave, after: torch.cuda.Event | None) -> None:
         """Write one save's snapshot straight from the cache, once ``after`` has passed (on
-        the background thread); ``save.copied`` is set as soon as the last slot is copied."""
-        assert self._pipeline is not None
+        the background thread); ``save.copied`` is set as soon as the last slot is copied.
+
+        A chunk already stored (by another request or engine) is never copied again; at
+        TP > 1 rank 0 decides that for every rank."""
+        assert self.cache is not None and self._pipeline is not None
         spec = save.spec
-        path = Path(spec.path)
-        if spec.kind == "persist" and path.exists():
-            return  # stored meanwhile by another request or engine: never copied again
+        persist = spec.kind == "persist"
+        layout = self.cache.layout
+        if layout.tp_size == 1 and persist and self.store.has_chunk(spec.path):
+            return
         started = time.perf_counter()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        Path(spec.path).parent.mkdir(parents=True, exist_ok=True)
 
         def copied(done_bytes: int, total_bytes: int) -> None:
             if done_bytes >= total_bytes:
                 save.copied.set()
 
-        result = self._pipeline.capture(
-            [_sequence(spec, spec.block_ids)],
-            path,
+        sequences = [_sequence(spec, spec.block_ids)]
+        if layout.tp_size == 1:
+            result = self._pipeline.capture(
+                sequences, spec.path, source=self._source, progress=copied, after=after
+            )
+            self._saved(spec, result.path, result.num_blocks, result.num_bytes, started)
+            return
+        whole = distributed.capture(
+            layout,
+            sequences,
+            spec.path,
+            group=self._group,
             source=self._source,
             progress=copied,
             after=after,
+            only_if_missing=persist,
         )
-        self._saved(spec, result, started)
+        if not whole.skipped and layout.tp_rank == 0:  # one event and one prune per chunk
+            self._saved(spec, whole.path, whole.num_blocks, whole.num_bytes, started)
 
-    def _save_gathered(self, specs: Sequence[SaveSpec]) -> None:
-        """TP > 1: copy the blocks to host memory, gather them on rank 0, queue the writes."""
-        assert self.cache is not None and self._saves is not None
-        all_blocks = np.concatenate([spec.block_ids for spec in specs])
-        per_rank = _gather_on_first_rank(
-            copy_blocks_to_host(self.cache.caches, all_blocks), self.cache.layout.tp_size
-        )
-        saves = [PendingSave(spec) for spec in specs]
-        for save in saves:
-            save.copied.set()  # the host copies above are complete
-        if per_rank is None:  # not the writing rank
-            self._saves.track(saves)
-            return
-        parts: dict[int, list[torch.Tensor]] = {}
-        offset = 0
-        for save in saves:
-            count = len(save.spec.block_ids)
-            parts[id(save)] = [rank_copy[:, offset : offset + count] for rank_copy in per_rank]
-            offset += count
-        self._saves.submit(saves, lambda save: self._write_host(save.spec, parts.pop(id(save))))
-
-    def _write_host(self, spec: SaveSpec, parts: Sequence[torch.Tensor]) -> None:
-        """Write one saved snapshot from the host copies ``parts`` (one per TP rank)."""
-        assert self.cache is not None
-        started = time.perf_counter()
-        path = Path(spec.path)
-        if spec.kind == "persist" and path.exists():
-            return  # another request or engine stored this chunk meanwhile
-        path.parent.mkdir(parents=True, exist_ok=True)
-        sequence = _sequence(spec, np.arange(len(spec.block_ids), dtype=np.int64))
-        result = capture(self.cache.host_layouts(parts), [sequence], path, source=self._source)
-        self._saved(spec, result, started)
-
-    def _saved(self, spec: SaveSpec, result: CaptureResult, started: float) -> None:
+    def _saved(
+        self, spec: SaveSpec, path: str, num_blocks: int, num_bytes: int, started: float
+    ) -> None:
         """Log a written save or dump; after a chunk, keep the store within its bound."""
         self.events.emit(
             "save" if spec.kind == "persist" else "dump",
             request=spec.request_id,
-            path=result.path,
+            path=path,
             tokens=len(spec.token_ids),
-            blocks=result.num_blocks,
-            bytes=result.num_bytes,
+            blocks=num_blocks,
+            bytes=num_bytes,
             seconds=round(time.perf_counter() - started, 6),
         )
         if spec.kind == "persist":
-            self._keep_capacity(result.num_bytes)
+            self._keep_capacity(num_bytes)
 
     def _keep_capacity(self, written: int) -> None:
         """After a chunk write: prune the store to ``store_capacity_bytes`` (LRU) if above it."""
@@ -347,13 +335,6 @@ def _record_after_compute(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
-def copy_blocks_to_host(caches: Sequence[torch.Tensor], block_ids: np.ndarray) -> torch.Tensor:
-    """``[layers, n, H, N, C]``: blocks ``block_ids`` of every layer, copied to host memory."""
-    index = torch.from_numpy(block_ids).to(caches[0].device)
-    # One host copy per layer, contiguous: the bytes the snapshot is made of.
-    return torch.stack([cache.index_select(0, index) for cache in caches]).cpu()
-
-
 def _check_fits(
     metadata: fmt.SnapshotMetadata, geometry: KVGeometry, fingerprint: str, path: str
 ) -> None:
@@ -362,24 +343,17 @@ def _check_fits(
     check_fits(metadata, geometry, path=path, model_fingerprint=fingerprint)
 
 
-def _gather_on_first_rank(copies: torch.Tensor, tp_size: int) -> list[torch.Tensor] | None:
-    """Every TP rank's ``copies`` on rank 0 (in rank order); ``None`` on the other ranks.
+def _tp_control_group(tp_size: int) -> Any:
+    """A gloo group of this worker's TP ranks for kvsnap's control messages (``None`` at TP 1).
 
-    Runs over the TP group's CPU (gloo) group as raw bytes, so any KV dtype travels unchanged.
+    Made only by the TP group's members (``use_local_synchronization``), once, at registration;
+    vLLM's own CPU group is not used because the saves run on a thread of their own.
     """
     if tp_size == 1:
-        return [copies]
+        return None
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
 
-    group = get_tp_group()
-    raw = copies.contiguous().view(torch.uint8)
-    gathered = (
-        [torch.empty_like(raw) for _ in range(group.world_size)]
-        if group.rank_in_group == 0
-        else None
+    return dist.new_group(
+        ranks=get_tp_group().ranks, backend="gloo", use_local_synchronization=True
     )
-    dist.gather(raw, gathered, dst=group.ranks[0], group=group.cpu_group)
-    if gathered is None:
-        return None
-    return [part.view(copies.dtype).view(copies.shape) for part in gathered]
