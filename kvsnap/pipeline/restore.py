@@ -68,52 +68,67 @@ class FailedPages:
     first_error: SnapshotCorruptError | None
 
 
+@dataclass(frozen=True)
+class RestoreSource:
+    """One snapshot of a restore job: its pages, the slots they fill, and ``blocks`` =
+    ``(snapshot_blocks, target_blocks)``: page ``i`` of a plan is snapshot block
+    ``snapshot_blocks[p]`` going to device block ``target_blocks[p]``, ``p`` its position."""
+
+    pages: SnapshotPages
+    plans: Iterable[SlotPlan]
+    blocks: tuple[np.ndarray, np.ndarray]
+
+
+#: A read in flight: whose it is, what it reads, the slot it reads into, and its future.
+_Reading = tuple["_RestoreRun", SlotPlan, Slot, Future[np.ndarray]]
+
+
 def restore_slots(
     mover: SlotMover,
     ring: StagingRing,
-    pages: SnapshotPages,
-    plans: Iterable[SlotPlan],
-    blocks: tuple[np.ndarray, np.ndarray],
+    sources: Sequence[RestoreSource],
     progress: Callable[[int], None],
     trace: TraceHook | None,
-) -> FailedPages:
-    """Read every slot of ``plans`` and move it into the cache.
+) -> list[FailedPages]:
+    """Read every slot of every source and move it into the cache, as one job.
 
-    ``blocks`` is ``(snapshot_blocks, target_blocks)``: page ``i`` of a plan is snapshot block
-    ``snapshot_blocks[p]`` going to device block ``target_blocks[p]``, ``p`` its position.
-    A read is queued in every free slot, and slots are moved in the order their reads
-    complete, all on this thread (CUDA calls from many read threads would contend). Pages are
-    verified on the device where the mover hashes pages (the reads then skip the host's
-    checksums), on the read threads otherwise. Returns the pages that failed their checksum:
-    nothing of them was written.
+    A read is queued in every free slot (the next source's reads as soon as the previous
+    source's are all queued, so that several snapshots read as one stream), and slots are moved
+    in the order their reads complete, all on this thread (CUDA calls from many read threads
+    would contend). Pages are verified on the device where the mover hashes pages (the reads
+    then skip the host's checksums), on the read threads otherwise. Returns, per source, the
+    pages that failed their checksum: nothing of them was written.
     """
-    run = _RestoreRun(mover, ring, pages, blocks, progress, trace)
-    completed: queue.SimpleQueue[tuple[SlotPlan, Slot, Future[np.ndarray]]] = queue.SimpleQueue()
-    remaining = iter(plans)
+    runs = [_RestoreRun(mover, ring, s.pages, s.blocks, progress, trace) for s in sources]
+    completed: queue.SimpleQueue[_Reading] = queue.SimpleQueue()
+    remaining = ((run, plan) for run, s in zip(runs, sources, strict=True) for plan in s.plans)
     reading = 0
     try:
         while True:
-            reading += _fill_free_slots(run, remaining, completed, blocking=reading == 0)
+            reading += _fill_free_slots(ring, runs, remaining, completed, blocking=reading == 0)
             if reading == 0:
                 break
-            plan, slot, read = completed.get()
+            run, plan, slot, read = completed.get()
             reading -= 1
             run.move(plan, slot, read)
     finally:
         while reading:
             # A read still in flight must finish before its slot is reused.
-            _, slot, read = completed.get()
+            _, _, slot, read = completed.get()
             reading -= 1
             ring.release(slot)
-    run.raise_error()
-    run.collect_device_checks()
-    return run.failed()
+    for run in runs:
+        run.raise_error()
+    for run in runs:
+        run.collect_device_checks()
+    return [run.failed() for run in runs]
 
 
 def _fill_free_slots(
-    run: _RestoreRun,
-    remaining: Iterator[SlotPlan],
-    completed: queue.SimpleQueue[tuple[SlotPlan, Slot, Future[np.ndarray]]],
+    ring: StagingRing,
+    runs: Sequence[_RestoreRun],
+    remaining: Iterator[tuple[_RestoreRun, SlotPlan]],
+    completed: queue.SimpleQueue[_Reading],
     *,
     blocking: bool,
 ) -> int:
@@ -121,25 +136,26 @@ def _fill_free_slots(
     slot only when ``blocking`` (nothing of ours in flight): a pool shared with another
     restore must not leave both waiting for each other's slots."""
     started = 0
-    while run.error is None:
+    while not any(run.error is not None for run in runs):
         if blocking and not started:
-            with traced(run.trace, "staging.wait"):
-                slot = run.ring.acquire()
+            with traced(runs[0].trace, "staging.wait"):
+                slot = ring.acquire()
         else:
-            slot = run.ring.try_acquire()
+            slot = ring.try_acquire()
         if slot is None:
             break
-        plan = next(remaining, None)
-        if plan is None:
-            run.ring.release(slot)
+        item = next(remaining, None)
+        if item is None:
+            ring.release(slot)
             break
+        run, plan = item
         try:
             read = run.read(plan, slot)
         except BaseException:
-            run.ring.release(slot)
+            ring.release(slot)
             raise
         # The read thread that completes it only queues it: this thread moves every slot.
-        read.add_done_callback(lambda done, p=plan, s=slot: completed.put((p, s, done)))
+        read.add_done_callback(lambda done, r=run, p=plan, s=slot: completed.put((r, p, s, done)))
         started += 1
     return started
 

@@ -43,6 +43,7 @@ from kvsnap.pipeline.options import StagingOptions, TransferOptions
 from kvsnap.pipeline.page_table import PageTable
 from kvsnap.pipeline.restore import (
     FailedPages,
+    RestoreSource,
     SnapshotPages,
     describe_failure,
     failed_target_blocks,
@@ -246,6 +247,27 @@ class Pipeline:
         result = self._restore_pairs(snapshot, pairs, staging, progress, trace)
         return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
+    def restore_chunks(
+        self,
+        chunks: Sequence[tuple[Snapshot, np.ndarray | Sequence[int], np.ndarray | Sequence[int]]],
+        *,
+        staging: StagingOptions | None = None,
+        model_fingerprint: str | None = None,
+        force: bool = False,
+        trace: TraceHook | None = None,
+    ) -> RestoreResult:
+        """:meth:`restore_blocks` of several snapshots, ``(snapshot, snapshot_blocks,
+        target_blocks)`` each, as one job: their pages stream through the staging slots back
+        to back, so the reads of one overlap the moves of the one before (an engine loading a
+        prompt's prefix stored as chunks). Every snapshot is checked before anything is
+        written. A page failing its checksum is never written; the others are, and
+        :class:`~kvsnap.errors.RestoreIncompleteError` lists the target blocks of every
+        snapshot not (fully) restored. Parted snapshots restore part by part, one job per head
+        range."""
+        from kvsnap.pipeline.chunked import restore_chunks
+
+        return restore_chunks(self, chunks, staging, model_fingerprint, force, trace)
+
     def _checked_capacity(
         self, snapshot: Snapshot, model_fingerprint: str | None, force: bool
     ) -> int:
@@ -274,7 +296,7 @@ class Pipeline:
 
         if isinstance(snapshot, PartedSnapshot):
             return restore_parted(self, snapshot, pairs, staging, progress, trace)
-        failed, moved = self._move_in(snapshot, pairs, staging, progress, trace)
+        (failed,), moved = self._move_in([(snapshot, pairs)], staging, progress, trace)
         result = dataclasses.replace(moved, num_blocks=len(pairs[0]))
         if len(failed.positions):
             raise RestoreIncompleteError(
@@ -298,26 +320,33 @@ class Pipeline:
 
     def _move_in(
         self,
-        snapshot: Snapshot,
-        blocks: tuple[np.ndarray, np.ndarray],
+        items: Sequence[tuple[Snapshot, tuple[np.ndarray, np.ndarray]]],
         staging: StagingOptions | None,
         progress: ProgressCallback | None,
         trace: TraceHook | None,
-    ) -> tuple[FailedPages, RestoreResult]:
-        """The staging loop of a checked restore: the pages that failed, and the bytes and
-        backend (the rest of the result is the caller's)."""
+    ) -> tuple[list[FailedPages], RestoreResult]:
+        """The staging loop of checked restores of ``items`` (single-file snapshots and their
+        ``(snapshot blocks, target blocks)``), as one job: per item the pages that failed, and
+        the bytes and backend (the rest of the result is the caller's)."""
         page_bytes = self.geometry.canonical_page_size_bytes
         names = self.geometry.tensor_names()
-        total_bytes = page_bytes * len(blocks[0]) * len(names)
+        pages_total = sum(len(blocks[0]) for _, blocks in items) * len(names)
+        total_bytes = page_bytes * pages_total
         with traced(trace, "setup.staging"):
             ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes)
         mover = self._mover(Direction.HOST_TO_DEVICE)
         done = _Progress(progress, total_bytes)
         try:
             mover.begin()
-            plans = plan_slots(len(names), len(blocks[0]), page_bytes, ring.slot_bytes)
-            pages = SnapshotPages(snapshot.reader)
-            failed = restore_slots(mover, ring, pages, plans, blocks, done.add, trace)
+            sources = [
+                RestoreSource(
+                    SnapshotPages(snapshot.reader),
+                    plan_slots(len(names), len(blocks[0]), page_bytes, ring.slot_bytes),
+                    blocks,
+                )
+                for snapshot, blocks in items
+            ]
+            failed = restore_slots(mover, ring, sources, done.add, trace)
         finally:
             with traced(trace, "teardown"):
                 try:

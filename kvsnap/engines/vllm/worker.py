@@ -8,8 +8,8 @@ blocks it could not load are reported so vLLM recomputes them) and, after the fo
 hands the step's saves to a background thread (:class:`~kvsnap.engines.vllm.saves.SaveQueue`)
 without waiting for anything.
 
-The code that moves KV is :meth:`KVSnapWorker._load` (one stored chunk, or the part of it
-vLLM's own prefix cache lacks, into the cache through the worker's warm
+The code that moves KV is :meth:`KVSnapWorker._load` (a request's stored chunks, or the part of
+them vLLM's own prefix cache lacks, into the cache as one job of the worker's warm
 :class:`~kvsnap.pipeline.Pipeline`: one slot spans every layer) and
 :meth:`KVSnapWorker._capture` (one snapshot straight from the cache through the same
 pipeline, on the background thread, its copies ordered after a CUDA event recorded when the
@@ -28,6 +28,7 @@ the parts holding its heads, whatever TP size stored the chunk.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -45,11 +46,12 @@ from kvsnap.engines.vllm.eviction import prune_store, store_bytes
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.registration import RegisteredCache, register_caches
 from kvsnap.engines.vllm.saves import PendingSave, SaveQueue
-from kvsnap.engines.vllm.specs import ChunkLoad, KVSnapConnectorMetadata, LoadSpec, SaveSpec
+from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata, LoadSpec, SaveSpec
 from kvsnap.engines.vllm.store import PrefixStore
 from kvsnap.errors import (
     IncompatibleSnapshotError,
     NotASnapshotError,
+    RestoreIncompleteError,
     SnapshotCorruptError,
     SnapshotIOError,
     UnsupportedVersionError,
@@ -137,27 +139,50 @@ class KVSnapWorker:
     def start_load_kv(self, meta: KVSnapConnectorMetadata) -> None:
         """Load this step's planned blocks before the forward pass (checksums verified).
 
-        A chunk that fails to load ends its request's load: its blocks and those of the
-        request's later chunks are reported (:meth:`get_block_ids_with_load_errors`) for vLLM
-        to recompute, and a chunk whose file is at fault is quarantined.
+        A request's chunks load as one job (:meth:`_load`). A chunk that fails to load ends
+        its request's load: its blocks and those of the request's later chunks are reported
+        (:meth:`get_block_ids_with_load_errors`) for vLLM to recompute, and a chunk whose file
+        is at fault is quarantined.
         """
         for spec in meta.loads:
             started = time.perf_counter()
+            failure = self._load(spec)
+            if failure is not None:
+                self._load_failed(spec, *failure)
+                continue
+            self.events.emit(
+                "load",
+                request=spec.request_id,
+                paths=[chunk.path for chunk in spec.chunks],
+                tokens=spec.num_tokens,
+                blocks=len(spec.target_blocks),
+                seconds=round(time.perf_counter() - started, 6),
+            )
+
+    def _load(self, spec: LoadSpec) -> tuple[int, Exception] | None:
+        """Read ``spec``'s chunks (checksums verified) and scatter them into the cache as one
+        job of the worker's warm :class:`~kvsnap.pipeline.Pipeline` (the reads of a chunk
+        overlap the moves of the one before). Returns ``None``, or the first chunk that failed
+        and why (the chunks before it are loaded)."""
+        assert self.cache is not None and self._pipeline is not None
+        geometry = self.cache.layout.geometry
+        with contextlib.ExitStack() as stack:
+            jobs = []
+            failure: tuple[int, Exception] | None = None
             for position, chunk in enumerate(spec.chunks):
                 try:
-                    self._load(chunk)
-                except Exception as error:  # any failure: report the blocks, vLLM recomputes
-                    self._load_failed(spec, position, error)
+                    snapshot = stack.enter_context(Snapshot.open(chunk.path))
+                    _check_fits(snapshot.metadata, geometry, self.fingerprint, chunk.path)
+                except Exception as error:  # any failure: the blocks from here on are recomputed
+                    failure = (position, error)
                     break
-            else:
-                self.events.emit(
-                    "load",
-                    request=spec.request_id,
-                    paths=[chunk.path for chunk in spec.chunks],
-                    tokens=spec.num_tokens,
-                    blocks=len(spec.target_blocks),
-                    seconds=round(time.perf_counter() - started, 6),
-                )
+                jobs.append((snapshot, chunk.snapshot_blocks, chunk.target_blocks))
+            try:
+                if jobs:
+                    self._pipeline.restore_chunks(jobs)
+            except Exception as error:
+                return (_failed_chunk(spec, error), error)
+            return failure
 
     def _load_failed(self, spec: LoadSpec, position: int, error: Exception) -> None:
         """Report the blocks of ``spec`` from chunk ``position`` on; quarantine a bad file."""
@@ -184,14 +209,6 @@ class KVSnapWorker:
                     moved_to=str(moved),
                     reason=message,
                 )
-
-    def _load(self, chunk: ChunkLoad) -> None:
-        """Read ``chunk``'s blocks (checksums verified) and scatter them into the cache, through
-        the worker's warm :class:`~kvsnap.pipeline.Pipeline` (one slot spans every layer)."""
-        assert self.cache is not None and self._pipeline is not None
-        with Snapshot.open(chunk.path) as snapshot:
-            _check_fits(snapshot.metadata, self.cache.layout.geometry, self.fingerprint, chunk.path)
-            self._pipeline.restore_blocks(snapshot, chunk.snapshot_blocks, chunk.target_blocks)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; vLLM recomputes them."""
@@ -333,6 +350,20 @@ def _record_after_compute(device: torch.device) -> torch.cuda.Event | None:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def _failed_chunk(spec: LoadSpec, error: Exception) -> int:
+    """The first chunk of ``spec`` that ``error`` (from loading its chunks as one job) hit: the
+    first holding a block the restore reports failed, or the chunk of the file it names."""
+    if isinstance(error, RestoreIncompleteError):
+        for position, chunk in enumerate(spec.chunks):
+            if np.isin(chunk.target_blocks, error.failed_block_ids).any():
+                return position
+    named = getattr(error, "file", None)
+    for position, chunk in enumerate(spec.chunks):
+        if named is not None and Path(named).name.startswith(Path(chunk.path).stem):
+            return position
+    return 0
 
 
 def _check_fits(
