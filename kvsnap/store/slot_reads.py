@@ -39,13 +39,20 @@ def read_threads() -> int:
     return max(2, min(16, os.cpu_count() or 1))
 
 
-def shared_executor(role: str = "read") -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide pool of ``role`` (slot reads and their verification), started once."""
+def shared_executor(
+    role: str = "read", threads: int | None = None
+) -> concurrent.futures.ThreadPoolExecutor:
+    """The process-wide pool of ``role`` with ``threads`` workers (default
+    :func:`read_threads`), created on first use and kept: slot reads and their verification
+    (``read``), the writers' hashing (``hash``) and their serial write lanes (``write``). A pool
+    starts its threads only as concurrent work needs them, up to ``threads``."""
+    count = threads or read_threads()
+    key = f"{role}-{count}"
     with _EXECUTOR_LOCK:
-        executor = _EXECUTORS.get(role)
+        executor = _EXECUTORS.get(key)
         if executor is None:
-            executor = _EXECUTORS[role] = concurrent.futures.ThreadPoolExecutor(
-                read_threads(), thread_name_prefix=f"kvsnap-{role}"
+            executor = _EXECUTORS[key] = concurrent.futures.ThreadPoolExecutor(
+                count, thread_name_prefix=f"kvsnap-{role}"
             )
         return executor
 
