@@ -145,3 +145,36 @@ def test_the_fields_checks_refuse_exactly_what_the_schema_refuses() -> None:
     for what, good in accepted.items():
         assert schema_accepts(good), what
         assert good.problems() == [], what
+
+
+def test_file_plans_are_reused_per_shape_and_match_a_fresh_packing() -> None:
+    first, _ = build(GEOMETRIES["f16-32k"], seed=4)
+    # Another capture of the same shape: other tokens, ids and time, same geometry and sizes.
+    second, _ = build(GEOMETRIES["f16-32k"], seed=5)
+    second.sequences[0].id = "another-id"
+    for max_shard_bytes in (None, first.num_blocks * first.geometry.canonical_page_size_bytes):
+        plans = [fmt.plan_files(metadata, max_shard_bytes) for metadata in (first, second)]
+        assert len(plans[0]) == len(plans[1]) and (len(plans[0]) > 1) == bool(max_shard_bytes)
+        for one, other in zip(*plans, strict=True):
+            assert one.entries is other.entries  # placed once, not per capture
+            assert one.header != other.header
+        for metadata, layouts in zip((first, second), plans, strict=True):
+            for layout in layouts:
+                assert layout.header == fresh_header(layout, metadata)
+
+
+def fresh_header(layout: fmt.FileLayout, metadata: fmt.SnapshotMetadata) -> bytes:
+    """The header bytes of ``layout`` built from scratch: JSON of the metadata and entries,
+    space-padded to the data start."""
+    start = layout.data_start
+    document: dict[str, Any] = {"__metadata__": {"format": "pt", "kvsnap": layout.kvsnap_json}}
+    for entry in layout.entries:
+        document[entry.name] = {
+            "dtype": entry.dtype,
+            "shape": list(entry.shape),
+            "data_offsets": [entry.begin - start, entry.end - start],
+        }
+    body = json.dumps(document, separators=(",", ":")).encode()
+    assert start % fmt.DATA_ALIGNMENT == 0 and 8 + len(body) <= start
+    assert json.loads(layout.kvsnap_json)["sequences"][0]["id"] == metadata.sequences[0].id
+    return struct.pack("<Q", start - 8) + body + b" " * (start - 8 - len(body))
