@@ -216,7 +216,10 @@ def schema_field_problems(metadata: SnapshotMetadata) -> list[str]:
     for field in ("num_layers", "num_kv_heads", "head_dim", "latent_dim", "block_size"):
         checks.append((field, getattr(geometry, field), layout[field]))
     item = layout["attention_types"]["items"]
-    checks += [("attention_types[]", kind, item) for kind in geometry.attention_types]
+    # Layers share a few kinds: each distinct one checked once.
+    checks += [
+        ("attention_types[]", kind, item) for kind in dict.fromkeys(geometry.attention_types)
+    ]
     sequence_id = rules["sequences"]["items"]["properties"]["id"]
     checks += [("sequence id", record.id, sequence_id) for record in metadata.sequences]
     if metadata.part is not None:
