@@ -5,6 +5,7 @@ own work."""
 from __future__ import annotations
 
 import concurrent.futures
+import multiprocessing
 import os
 import threading
 import time
@@ -182,4 +183,30 @@ def test_an_abort_removes_the_file_only_after_its_pending_write_and_spares_other
     assert files_seen_by_the_write and len(files_seen_by_the_write[0]) == 2
     assert os.listdir(tmp_path) == ["other.safetensors"]
     with SnapshotReader(tmp_path / "other.safetensors") as reader:
+        assert reader.verify() == []
+
+
+def _write_in_child(path: str) -> None:
+    metadata, pages = build("bf16", seed=33)
+    with SnapshotWriter(path, metadata, direct_io=False) as writer:
+        for name in writer.tensor_order():
+            writer.write_pages(name, pages[name])
+
+
+def test_a_forked_child_writes_with_pools_of_its_own(tmp_path: Path) -> None:
+    # The parent's shared pools exist and have idle workers when the child is forked.
+    metadata, pages = build("bf16", seed=34)
+    with SnapshotWriter(tmp_path / "parent.safetensors", metadata, direct_io=False) as writer:
+        for name in writer.tensor_order():
+            writer.write_pages(name, pages[name])
+    child = multiprocessing.get_context("fork").Process(
+        target=_write_in_child, args=(str(tmp_path / "child.safetensors"),)
+    )
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == 0
+    with SnapshotReader(tmp_path / "child.safetensors") as reader:
         assert reader.verify() == []

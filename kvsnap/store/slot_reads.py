@@ -33,6 +33,18 @@ _EXECUTORS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _EXECUTOR_LOCK = threading.Lock()
 
 
+def _forget_executors_after_fork() -> None:
+    """A forked child inherits the pools but none of their threads: an inherited pool that
+    believes a worker idle never starts one, and its work would wait forever. The child starts
+    its own pools on first use (and a lock held by another thread at the fork is replaced)."""
+    global _EXECUTOR_LOCK
+    _EXECUTOR_LOCK = threading.Lock()
+    _EXECUTORS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_executors_after_fork)
+
+
 def read_threads() -> int:
     """Threads of the shared read pool: a page-cached file reads ~4 GB/s per thread and xxh3
     hashes ~7.6 GB/s per thread (DESIGN.md), so up to 16 keep scaling."""
