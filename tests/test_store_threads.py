@@ -210,3 +210,17 @@ def test_a_forked_child_writes_with_pools_of_its_own(tmp_path: Path) -> None:
     assert child.exitcode == 0
     with SnapshotReader(tmp_path / "child.safetensors") as reader:
         assert reader.verify() == []
+
+
+def test_streamed_snapshots_start_no_thread(started_threads: list[str]) -> None:
+    metadata, pages = build("bf16", seed=35)
+    urls = [f"memory://kvsnap-threads/s{index}.safetensors" for index in range(6)]
+    for url in urls:
+        if url == urls[1]:
+            started_threads.clear()  # the first write started the shared pools
+        with SnapshotWriter(url, metadata) as writer:
+            for name in writer.tensor_order():
+                writer.write_pages(name, pages[name])
+    assert started_threads == []
+    with SnapshotReader(urls[-1]) as reader:
+        assert reader.verify() == []

@@ -183,11 +183,9 @@ def _rule_problem(label: str, value: Any, rule: Mapping[str, Any]) -> str | None
     if "maximum" in rule and value > rule["maximum"]:
         return f"{label} must be at most {rule['maximum']}, got {value!r}"
     if isinstance(value, str):
-        if not rule.get("minLength", 0) <= len(value) <= rule.get("maxLength", len(value)):
-            return (
-                f"{label} must have {rule.get('minLength', 0)} to {rule['maxLength']} "
-                f"characters, got {len(value)}"
-            )
+        shortest, longest = rule.get("minLength", 0), rule.get("maxLength", len(value))
+        if not shortest <= len(value) <= longest:
+            return f"{label} must have {shortest} to {longest} characters, got {len(value)}"
         if "pattern" in rule and not re.search(rule["pattern"], value):
             return f"{label} must match {rule['pattern']}, got {value!r}"
     return None
