@@ -6,7 +6,6 @@ import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvsnap.dtypes import KV_DTYPES, SAFETENSORS_TYPES
 from kvsnap.format.constants import (
@@ -127,15 +126,66 @@ def specs_for(metadata: SnapshotMetadata | HeaderMetadata) -> list[TensorSpec]:
     return snapshot_specs(metadata.geometry, metadata.num_blocks, shapes)
 
 
-def _header_json(entries: Sequence[TensorEntry], data_start: int, kvsnap_json: str) -> bytes:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", METADATA_KEY: kvsnap_json}}
-    for entry in entries:
-        header[entry.name] = {
-            "dtype": entry.dtype,
-            "shape": list(entry.shape),
-            "data_offsets": [entry.begin - data_start, entry.end - data_start],
+class _Packing:
+    """Where ``specs`` go in a file, relative to its data start, and their header entries as
+    JSON: everything of :func:`pack_file` but the metadata string, which changes per snapshot
+    (ids, time) while the specs repeat for every capture of one shape."""
+
+    def __init__(self, specs: tuple[TensorSpec, ...]) -> None:
+        trailer = TensorSpec(CHECKSUMS_TENSOR, "U8", (len(specs) + 2, DIGEST_BYTES))
+        relative: list[TensorEntry] = []
+        offset = 0
+        for spec in [*specs, trailer]:
+            aligned = -(-offset // spec.alignment) * spec.alignment
+            if aligned > offset:
+                relative.append(
+                    TensorEntry(
+                        PADDING_PREFIX + spec.name, "U8", (aligned - offset,), offset, aligned
+                    )
+                )
+            relative.append(
+                TensorEntry(spec.name, spec.dtype, spec.shape, aligned, aligned + spec.nbytes)
+            )
+            offset = aligned + spec.nbytes
+        self.relative = tuple(relative)
+        entries = {
+            entry.name: {
+                "dtype": entry.dtype,
+                "shape": list(entry.shape),
+                "data_offsets": [entry.begin, entry.end],
+            }
+            for entry in relative
         }
-    return dump_json(header).encode("ascii")
+        # The header object without its braces: "name":{...},... (there is always a trailer).
+        self.entries_json = dump_json(entries)[1:-1]
+        self._placed: dict[int, tuple[TensorEntry, ...]] = {}
+
+    def placed(self, data_start: int) -> tuple[TensorEntry, ...]:
+        """The entries at absolute offsets in a file whose data starts at ``data_start``."""
+        entries = self._placed.get(data_start)
+        if entries is None:
+            entries = tuple(
+                TensorEntry(e.name, e.dtype, e.shape, e.begin + data_start, e.end + data_start)
+                for e in self.relative
+            )
+            if len(self._placed) >= 8:  # headers of one shape round to few data starts
+                self._placed.clear()
+            self._placed[data_start] = entries
+        return entries
+
+
+@functools.lru_cache(maxsize=512)
+def _packing(specs: tuple[TensorSpec, ...]) -> _Packing:
+    return _Packing(specs)
+
+
+def _pack(packing: _Packing, kvsnap_json: str) -> FileLayout:
+    metadata = dump_json({"__metadata__": {"format": "pt", METADATA_KEY: kvsnap_json}})
+    body = f"{metadata[:-1]},{packing.entries_json}}}".encode("ascii")
+    data_start = -(-(HEADER_PREFIX.size + len(body)) // DATA_ALIGNMENT) * DATA_ALIGNMENT
+    padded = body + b" " * (data_start - HEADER_PREFIX.size - len(body))
+    header = HEADER_PREFIX.pack(len(padded)) + padded
+    return FileLayout(header, packing.placed(data_start), kvsnap_json)
 
 
 def pack_file(specs: Sequence[TensorSpec], kvsnap_json: str) -> FileLayout:
@@ -143,30 +193,10 @@ def pack_file(specs: Sequence[TensorSpec], kvsnap_json: str) -> FileLayout:
 
     Offsets relative to the data start do not depend on the header length, and the data
     start is a multiple of :data:`DATA_ALIGNMENT`, so aligning relative offsets aligns file
-    offsets. The header is padded with spaces (which JSON ignores) up to that multiple.
+    offsets. The header is padded with spaces (which JSON ignores) up to that multiple. The
+    placement of a sequence of specs is computed once per process and reused.
     """
-    trailer = TensorSpec(CHECKSUMS_TENSOR, "U8", (len(specs) + 2, DIGEST_BYTES))
-    relative: list[TensorEntry] = []
-    offset = 0
-    for spec in [*specs, trailer]:
-        aligned = -(-offset // spec.alignment) * spec.alignment
-        if aligned > offset:
-            relative.append(
-                TensorEntry(PADDING_PREFIX + spec.name, "U8", (aligned - offset,), offset, aligned)
-            )
-        relative.append(
-            TensorEntry(spec.name, spec.dtype, spec.shape, aligned, aligned + spec.nbytes)
-        )
-        offset = aligned + spec.nbytes
-    body = _header_json(relative, 0, kvsnap_json)
-    data_start = -(-(HEADER_PREFIX.size + len(body)) // DATA_ALIGNMENT) * DATA_ALIGNMENT
-    padded = body + b" " * (data_start - HEADER_PREFIX.size - len(body))
-    header = HEADER_PREFIX.pack(len(padded)) + padded
-    entries = tuple(
-        TensorEntry(e.name, e.dtype, e.shape, e.begin + data_start, e.end + data_start)
-        for e in relative
-    )
-    return FileLayout(header, entries, kvsnap_json)
+    return _pack(_packing(tuple(specs)), kvsnap_json)
 
 
 def split_shards(
@@ -189,12 +219,30 @@ def split_shards(
     return shards
 
 
+@functools.lru_cache(maxsize=256)
+def _planned(
+    geometry: KVGeometry,
+    num_blocks: int,
+    shapes: tuple[tuple[int, int], ...],
+    max_shard_bytes: int | None,
+) -> tuple[_Packing, ...]:
+    """The packings of a snapshot's files: pure in its arguments, so computed once each."""
+    groups = split_shards(snapshot_specs(geometry, num_blocks, shapes), max_shard_bytes)
+    return tuple(_packing(tuple(group)) for group in groups)
+
+
 def plan_files(metadata: SnapshotMetadata, max_shard_bytes: int | None = None) -> list[FileLayout]:
-    """The exact layout of every file of a snapshot: one, or one per shard."""
-    groups = split_shards(specs_for(metadata), max_shard_bytes)
-    if len(groups) == 1:
-        return [pack_file(groups[0], metadata.to_json())]
-    count = len(groups)
+    """The exact layout of every file of a snapshot: one, or one per shard.
+
+    Everything but the headers' metadata JSON depends only on the geometry, the block count,
+    the sequences' shapes and ``max_shard_bytes``; it is computed once per process for each.
+    """
+    shapes = tuple((record.num_tokens, len(record.block_ids)) for record in metadata.sequences)
+    packings = _planned(metadata.geometry, int(metadata.num_blocks), shapes, max_shard_bytes)
+    if len(packings) == 1:
+        return [_pack(packings[0], metadata.to_json())]
+    count = len(packings)
     return [
-        pack_file(group, metadata.to_json((index + 1, count))) for index, group in enumerate(groups)
+        _pack(packing, metadata.to_json((index + 1, count)))
+        for index, packing in enumerate(packings)
     ]

@@ -33,19 +33,38 @@ _EXECUTORS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _EXECUTOR_LOCK = threading.Lock()
 
 
+def _forget_executors_after_fork() -> None:
+    """A forked child inherits the pools but none of their threads: an inherited pool that
+    believes a worker idle never starts one, and its work would wait forever. The child starts
+    its own pools on first use (and a lock held by another thread at the fork is replaced)."""
+    global _EXECUTOR_LOCK
+    _EXECUTOR_LOCK = threading.Lock()
+    _EXECUTORS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_executors_after_fork)
+
+
 def read_threads() -> int:
     """Threads of the shared read pool: a page-cached file reads ~4 GB/s per thread and xxh3
     hashes ~7.6 GB/s per thread (DESIGN.md), so up to 16 keep scaling."""
     return max(2, min(16, os.cpu_count() or 1))
 
 
-def shared_executor(role: str = "read") -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide pool of ``role`` (slot reads and their verification), started once."""
+def shared_executor(
+    role: str = "read", threads: int | None = None
+) -> concurrent.futures.ThreadPoolExecutor:
+    """The process-wide pool of ``role`` with ``threads`` workers (default
+    :func:`read_threads`), created on first use and kept: slot reads and their verification
+    (``read``), the writers' hashing (``hash``) and their serial write lanes (``write``). A pool
+    starts its threads only as concurrent work needs them, up to ``threads``."""
+    count = threads or read_threads()
+    key = f"{role}-{count}"
     with _EXECUTOR_LOCK:
-        executor = _EXECUTORS.get(role)
+        executor = _EXECUTORS.get(key)
         if executor is None:
-            executor = _EXECUTORS[role] = concurrent.futures.ThreadPoolExecutor(
-                read_threads(), thread_name_prefix=f"kvsnap-{role}"
+            executor = _EXECUTORS[key] = concurrent.futures.ThreadPoolExecutor(
+                count, thread_name_prefix=f"kvsnap-{role}"
             )
         return executor
 

@@ -7,11 +7,13 @@ SUBCHUNK_BYTES = 8 << 20
 #: Largest single write of layer data to a local file, as large as the raw-disk benchmark's:
 #: where the filesystem serializes writes to one file, the disk drains its queue once per write.
 WRITE_CHUNK_BYTES = 64 << 20
-#: Writes to one local file in flight at once. One: on the H200 machine's disk a single stream of
-#: in-order 64 MiB O_DIRECT writes reached 0.89-0.92 of the raw write, 2 threads 0.83 and 4
-#: threads 0.77-0.81 (docs/benchmarks.md); hashing runs on its own threads alongside, so the
-#: writer still has the next buffer ready when a write returns.
-LOCAL_WRITE_THREADS = 1
+#: Threads of the process-wide pool the writers' serial lanes (``store/lanes.py``) run on. A
+#: writer has one write in flight at a time, front to back: on the H200 machine's disk a single
+#: stream of in-order 64 MiB O_DIRECT writes reached 0.89-0.92 of the raw write, 2 threads 0.83
+#: and 4 threads 0.77-0.81 (docs/benchmarks.md); hashing runs on its own pool alongside, so the
+#: writer still has the next buffer ready when a write returns. This bounds the writers writing
+#: at once; the pool starts threads only as concurrent writers need them.
+WRITE_POOL_THREADS = 32
 #: Part size of streaming uploads to object stores (S3 needs at least 5 MiB).
 STREAM_BLOCK_BYTES = 16 << 20
 #: Blocks a verify reports per tensor before summarizing the rest.

@@ -10,11 +10,13 @@ import numpy as np
 from kvsnap import format as fmt
 from kvsnap.errors import SnapshotIOError
 from kvsnap.format import TensorEntry
-from kvsnap.store import overwrite
+from kvsnap.store import overwrite, tuning
+from kvsnap.store.lanes import SerialLane
 from kvsnap.store.location import (
     INDEX_SUFFIX,
 )
 from kvsnap.store.publish import temp_name
+from kvsnap.store.slot_reads import shared_executor
 from kvsnap.store.stream_file import StreamFile
 from kvsnap.store.tracing import traced
 
@@ -27,7 +29,8 @@ class StreamTarget:
         if direct_io:
             raise SnapshotIOError("O_DIRECT needs a local file", file=self._location.url)
         self.fallback_reason = f"not a local file ({self._location.url})"
-        self._lane = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvsnap-stream")
+        # Its own lane on the shared write pool: ordered, one item at a time, no new thread.
+        self._lane = SerialLane(shared_executor("write", tuning.WRITE_POOL_THREADS))
         self._items = self._stream_items()
         self._cursor = 0
         self._advance(self._names[0] if self._current == 0 else None)

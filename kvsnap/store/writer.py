@@ -23,6 +23,7 @@ from kvsnap.errors import (
 from kvsnap.format import SnapshotMetadata, TensorEntry
 from kvsnap.store import tuning
 from kvsnap.store.completion import Completion
+from kvsnap.store.lanes import SerialLane, TaskGroup
 from kvsnap.store.local_file import LocalFile
 from kvsnap.store.location import (
     INDEX_SUFFIX,
@@ -30,6 +31,7 @@ from kvsnap.store.location import (
     locate,
     stem_of,
 )
+from kvsnap.store.slot_reads import shared_executor
 from kvsnap.store.slot_writes import SlotWrites
 from kvsnap.store.stream_file import StreamFile
 from kvsnap.store.tracing import TraceHook, traced
@@ -75,8 +77,10 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
             written.
         direct_io: ``None`` uses O_DIRECT for local files when the filesystem accepts it,
             ``True`` requires it (:class:`SnapshotIOError` otherwise), ``False`` never uses it.
-        hash_threads: worker threads hashing (default: CPUs, 2 to 8); local files are
-            written by ``tuning.LOCAL_WRITE_THREADS`` more, fsspec URLs by one ordered lane.
+        hash_threads: threads of the process-wide hashing pool this writer uses (default:
+            CPUs, 2 to 8; each count is one pool, created once). Writes go in file order, one
+            at a time, through a lane on the process-wide write pool: a writer starts no
+            thread of its own.
         max_shard_bytes: largest tensor bytes per shard (a larger single tensor gets a shard
             of its own); ``None`` writes one file.
         progress: called with the layer bytes written so far, from worker threads, serialized,
@@ -181,18 +185,16 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         self._buffered_bytes = 0
         self._unaligned_buffers = False
         threads = hash_threads or max(2, min(8, os.cpu_count() or 1))
-        self._hash_pool = concurrent.futures.ThreadPoolExecutor(
-            threads, thread_name_prefix="kvsnap-hash"
-        )
-        self._writes = concurrent.futures.ThreadPoolExecutor(
-            tuning.LOCAL_WRITE_THREADS, thread_name_prefix="kvsnap-write"
-        )
+        # Shared pools: a snapshot creates no thread (three per snapshot cost ~7 ms of a small
+        # capture); the lane keeps this writer's writes in order, one at a time.
+        self._hash_pool = TaskGroup(shared_executor("hash", threads))
+        self._writes = SerialLane(shared_executor("write", tuning.WRITE_POOL_THREADS))
         self._hash_futures: list[list[concurrent.futures.Future[None]]] = [
             [] for _ in self._layouts
         ]
         self._local_files: list[LocalFile] = []
         self._stream_files: list[StreamFile | None] = [None] * len(self._layouts)
-        self._lane: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lane: SerialLane | None = None
 
     # -- public API ----------------------------------------------------------------------
 
@@ -340,7 +342,8 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         return self.info
 
     def abort(self) -> None:
-        """Stop, wait for the workers, and delete everything written; safe to call repeatedly."""
+        """Stop, wait for this writer's pending work, and delete everything written; safe to
+        call repeatedly."""
         if self._state in ("committed", "aborted", "starting"):
             return
         self._state = "aborted"
@@ -492,6 +495,8 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         )
 
     def _shutdown_threads(self, cancel: bool = False) -> None:
+        """Wait for this writer's hashing and writes on the shared pools to end (``cancel``:
+        cancel those not started first); the pools keep running for other writers."""
         self._hash_pool.shutdown(wait=True, cancel_futures=cancel)
         self._writes.shutdown(wait=True, cancel_futures=cancel)
         if self._lane is not None:
