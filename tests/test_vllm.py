@@ -37,6 +37,7 @@ import torch
 from kvsnap import format as fmt
 from kvsnap.engines.vllm import (
     PrefixStore,
+    StoreEntry,
     count_events,
     external_request_id,
     read_events,
@@ -236,8 +237,30 @@ def _flip_byte(path: Path, tensor: str, block: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def _chunk_entries(store: Path) -> list[StoreEntry]:
+    """The store's chunks (single files, and parted chunks written at TP > 1)."""
+    return [e for e in store_entries(store) if not e.quarantined and not e.orphan]
+
+
 def _chunk_files(store: Path) -> list[Path]:
-    return [entry.path for entry in store_entries(store) if not entry.quarantined]
+    """Each chunk's path as the connector names it (``HASH.safetensors``, in either form)."""
+    return [Path(str(entry.path).removesuffix(".index.json")) for entry in _chunk_entries(store)]
+
+
+def _keep(path: Path, copy: Path) -> Path:
+    """A copy of the chunk at ``path`` as it is now; a parted chunk's index and parts go to a
+    directory of their own, under their own names (the index names them)."""
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        copy.write_bytes(path.read_bytes())
+        return copy
+    index = Path(f"{path}.index.json")
+    names = json.loads(index.read_text())["metadata"]["kvsnap.parts"]
+    directory = copy.with_suffix("")
+    directory.mkdir()
+    for name in [index.name, *(part["file"] for part in names)]:
+        (directory / name).write_bytes((path.parent / name).read_bytes())
+    return directory / path.name
 
 
 def _forge_chunks(
@@ -283,16 +306,14 @@ def _first_runs(tmp: Path, model: Path, prompts: dict[str, list[int]], persist: 
     store = Path(persist["path"])
     namespaces = [path for path in store.iterdir() if path.is_dir()]
     assert len(namespaces) == 1, namespaces
-    bytes_after_e1 = {path: path.stat().st_size for path in _chunk_files(store)}
+    bytes_after_e1 = {entry.path: entry.size for entry in _chunk_entries(store)}
     runs["e2"] = _run(tmp, "e2", model, ["A", "C"], prompts, connector=persist, tp=2)
     chunks = {**e1.saved(), **runs["e2"].saved()}
     # Later engines quarantine and rewrite these files: keep them as they were written.
     kept: dict[str, list[Path]] = {}
     for label, paths in chunks.items():
         for index, path in enumerate(paths):
-            copy = tmp / "kept" / f"{label}-{index}.safetensors"
-            copy.parent.mkdir(exist_ok=True)
-            copy.write_bytes(path.read_bytes())
+            copy = _keep(path, tmp / "kept" / f"{label}-{index}.safetensors")
             kept.setdefault(label, []).append(copy)
     corrupted = ("layers.1.value", 1)
     _flip_byte(chunks["B"][0], *corrupted)
@@ -326,10 +347,12 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
     restart = ["A", "B", "C", "D", "F", "G", *SHARING]
     lenient = {**persist, "verify_before_load": False}
     scene.runs["e3"] = _run(tmp, "e3", model, restart, prompts, connector=lenient)
-    # One byte of KV data flipped in every chunk; vLLM's default load failure policy.
+    # One byte of KV data flipped in every chunk file (every part of a parted chunk); vLLM's
+    # default load failure policy.
     scene.flipped = _chunk_files(scene.store)
-    for path in scene.flipped:
-        _flip_byte(path, "layers.0.key", 0)
+    for entry in _chunk_entries(scene.store):
+        for path in entry.parts or (entry.path,):
+            _flip_byte(path, "layers.0.key", 0)
     damaged = ["A", "B", "C", "D", "F", "G", *SHARING]
     scene.runs["e4"] = _run(tmp, "e4", model, damaged, prompts, connector=persist, policy=None)
     scene.quarantine_problems = {
@@ -337,7 +360,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
         for entry in store_entries(scene.store)
         if entry.quarantined
     }
-    scene.capacity = sum(path.stat().st_size for path in _chunk_files(scene.store))
+    scene.capacity = sum(entry.size for entry in _chunk_entries(scene.store))
     bounded = {**persist, "store_capacity_bytes": scene.capacity, "store_min_idle_s": 0}
     last = ["A", "S1", "S2", "H"]
     scene.runs["e5"] = _run(tmp, "e5", model, last, prompts, connector=bounded, policy=None)
