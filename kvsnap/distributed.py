@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from kvsnap import format as fmt
-from kvsnap.errors import RankFailedError, RestoreIncompleteError
+from kvsnap.errors import LayoutError, RankFailedError, RestoreIncompleteError
 from kvsnap.layout import CacheLayout, PageRef, PartAssignment, part_plan
 from kvsnap.parted import capture_part
 from kvsnap.pipeline import (
@@ -198,7 +198,7 @@ def _check_rank(layout: CacheLayout, group: Any) -> tuple[int, int]:
         raise RuntimeError("kvsnap.distributed needs torch.distributed initialised first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if (layout.tp_rank, layout.tp_size) != (rank, world):
-        raise ValueError(
+        raise LayoutError(
             f"this process is rank {rank} of {world}, but its layout is TP rank "
             f"{layout.tp_rank} of {layout.tp_size}: pass the layout of this rank's own cache"
         )
