@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -149,43 +150,29 @@ def capture_parts(
     for layout in sorted(layouts, key=lambda layout: layout.tp_rank):
         groups.setdefault(head_range(layout), layout)
     ranges = sorted(groups)
-    count = len(ranges)
     generation = fmt.new_generation()
-    records: list[fmt.PartRecord] = []
-    results: list[CaptureResult] = []
+    options = {"source": source, "transfer": transfer, "staging": staging, "trace": trace}
+    options.update(reproducible=reproducible, direct_io=direct_io, generation=generation)
+    written: list[PartCapture] = []
     try:
         for number, (first, end) in enumerate(ranges, start=1):
             part = PartAssignment(number, first, end - first, groups[(first, end)].tp_rank)
-            written = capture_part(
-                groups[(first, end)],
-                sequences,
-                path,
-                part=part,
-                count=count,
-                generation=generation,
-                source=source,
-                transfer=transfer,
-                staging=staging,
-                reproducible=reproducible,
-                direct_io=direct_io,
-                trace=trace,
+            written.append(
+                capture_part(
+                    groups[(first, end)], sequences, path, part=part, count=len(ranges), **options
+                )
             )
-            records.append(written.record)
-            results.append(written.result)
-        index = publish_parts_index(path, records)
+        index = publish_parts_index(path, [part.record for part in written])
     except BaseException:
         discard_parts(path, generation)
         raise
-    first = results[0]
-    return CaptureResult(
+    results = [part.result for part in written]
+    return dataclasses.replace(
+        results[0],
         path=index,
-        num_sequences=first.num_sequences,
-        num_tokens=first.num_tokens,
-        num_blocks=first.num_blocks,
         num_bytes=sum(result.num_bytes for result in results),
         seconds=sum(result.seconds for result in results),
-        backend=first.backend,
-        direct_io_fallback=first.direct_io_fallback,
+        trailer_digest=None,
     )
 
 

@@ -81,6 +81,7 @@ def capture(
     from the first rank holding it, then the index ``path + ".index.json"``; the result's
     ``path`` is the index (``max_shard_bytes`` and ``progress`` do not apply).
     """
+    common = {"source": source, "reproducible": reproducible, "direct_io": direct_io}
     if per_rank_parts:
         from kvsnap.parted import capture_parts
 
@@ -88,27 +89,18 @@ def capture(
             raise ValueError(
                 "per_rank_parts writes one file per head range: no shards, no progress"
             )
+        layouts = [layout] if isinstance(layout, CacheLayout) else layout
         return capture_parts(
-            [layout] if isinstance(layout, CacheLayout) else layout,
-            sequences,
-            path,
-            source=source,
-            transfer=transfer,
-            staging=staging,
-            reproducible=reproducible,
-            direct_io=direct_io,
-            trace=trace,
+            layouts, sequences, path, transfer=transfer, staging=staging, trace=trace, **common
         )
     return Pipeline(layout, transfer=transfer).capture(
         sequences,
         path,
-        source=source,
         staging=staging_options(staging),
-        reproducible=reproducible,
         max_shard_bytes=max_shard_bytes,
-        direct_io=direct_io,
         progress=progress,
         trace=trace,
+        **common,
     )
 
 

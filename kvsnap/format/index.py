@@ -124,23 +124,28 @@ def _index_document(raw: bytes, file: str | None) -> tuple[dict[str, Any], dict[
     return document, extra
 
 
+def check_member_name(kind: str, number: int, name: object, suffix: str, file: str | None) -> None:
+    """An index's file ``number`` (a shard or a part) must be a printable name (no NUL or other
+    control character) of a file in the index's directory, ending ``suffix``."""
+    if (
+        not isinstance(name, str)
+        or not name.endswith(suffix)
+        or "/" in name
+        or name.startswith(".")
+        or not name.isprintable()
+    ):
+        raise SnapshotCorruptError(
+            f"{kind} {number} is named {name!r}, expected a name ending {suffix}", file=file
+        )
+
+
 def _check_shard_names(shards: dict[str, Any], file: str | None) -> None:
     """Shard ``i`` of ``n`` must be a printable name (no NUL or other control character) ending
     ``-{i:05d}-of-{n:05d}.safetensors`` in this directory, all with one stem, each with a
     32-digit trailer digest."""
     count = len(shards)
     for index, name in enumerate(shards, start=1):
-        suffix = f"-{index:05d}-of-{count:05d}.safetensors"
-        if (
-            not isinstance(name, str)
-            or not name.endswith(suffix)
-            or "/" in name
-            or name.startswith(".")
-            or not name.isprintable()
-        ):
-            raise SnapshotCorruptError(
-                f"shard {index} is named {name!r}, expected a name ending {suffix}", file=file
-            )
+        check_member_name("shard", index, name, f"-{index:05d}-of-{count:05d}.safetensors", file)
         digest = shards[name]
         if not isinstance(digest, str) or not HEX32.fullmatch(digest):
             raise SnapshotCorruptError(f"shard {name} has no valid trailer digest", file=file)

@@ -19,7 +19,7 @@ from typing import Any
 from kvsnap.errors import NotASnapshotError, SnapshotCorruptError
 from kvsnap.format.constants import HEX32, MAX_INDEX_BYTES, METADATA_KEY, PARTS_FORMAT_VERSION
 from kvsnap.format.container import specs_for
-from kvsnap.format.index import GENERATION_PATTERN
+from kvsnap.format.index import GENERATION_PATTERN, check_member_name
 from kvsnap.format.metadata import SnapshotMetadata
 from kvsnap.format.parse import HeaderMetadata, parse_metadata_document
 from kvsnap.format.schema import strict_json_loads
@@ -165,17 +165,7 @@ def _record(entry: Any, number: int, count: int, file: str | None) -> PartRecord
             f"part {number} must be an object with keys {', '.join(_RECORD_KEYS)}", file=file
         )
     name, first, heads, trailer = (entry[key] for key in _RECORD_KEYS)
-    suffix = f"-part-{number:05d}-of-{count:05d}.safetensors"
-    if (
-        not isinstance(name, str)
-        or not name.endswith(suffix)
-        or "/" in name
-        or name.startswith(".")
-        or not name.isprintable()
-    ):
-        raise SnapshotCorruptError(
-            f"part {number} is named {name!r}, expected a name ending {suffix}", file=file
-        )
+    check_member_name("part", number, name, f"-part-{number:05d}-of-{count:05d}.safetensors", file)
     if not all(isinstance(value, int) and not isinstance(value, bool) for value in (first, heads)):
         raise SnapshotCorruptError(
             f"part {number}: first_head and num_heads must be integers", file=file

@@ -134,9 +134,8 @@ class Pipeline:
         started = time.perf_counter()
         validate_sequences(self.geometry.block_size, sequences)
         metadata, device_blocks = _capture_metadata(
-            self.layouts, sequences, source or fmt.SourceInfo(), reproducible
+            self.layouts, sequences, source or fmt.SourceInfo(), reproducible, part
         )
-        metadata.part = part
         page_bytes = self.geometry.canonical_page_size_bytes
         names = self.geometry.tensor_names()
         total_bytes = page_bytes * len(device_blocks) * len(names)
@@ -144,10 +143,10 @@ class Pipeline:
             ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes)
         mover = self._mover(Direction.DEVICE_TO_HOST)
         done = _Progress(progress, total_bytes)
+        options = {"direct_io": direct_io, "max_shard_bytes": max_shard_bytes, "trace": trace}
         try:
             with traced(trace, "setup.writer"):
-                options = {"direct_io": direct_io, "max_shard_bytes": max_shard_bytes}
-                writer = SnapshotWriter(path, metadata, trace=trace, **options)
+                writer = SnapshotWriter(path, metadata, **options)
             try:
                 mover.begin(after)
                 plans = plan_slots(len(names), len(device_blocks), page_bytes, ring.slot_bytes)
@@ -379,8 +378,10 @@ def _capture_metadata(
     sequences: Sequence[SequenceBlocks],
     source: fmt.SourceInfo,
     reproducible: bool,
+    part: fmt.PartInfo | None = None,
 ) -> tuple[fmt.SnapshotMetadata, np.ndarray]:
-    """The snapshot's metadata, and the device block holding each unique snapshot block.
+    """The snapshot's metadata (of part ``part`` of a parted snapshot, if given), and the
+    device block holding each unique snapshot block.
 
     Blocks whose prefix hash chains coincide are stored once (their first owner's block).
     """
@@ -413,6 +414,7 @@ def _capture_metadata(
         # A reproducible snapshot must not change bytes with each patch release.
         kvsnap_version=".".join(__version__.split(".")[:2]) if reproducible else __version__,
         created=None if reproducible else fmt.utc_now(),
+        part=part,
     )
     return metadata, device_blocks
 

@@ -16,21 +16,13 @@ import numpy as np
 import xxhash
 
 from kvsnap import format as fmt
-from kvsnap.errors import (
-    KVSnapError,
-    SnapshotIOError,
-)
+from kvsnap.errors import KVSnapError, SnapshotIOError
 from kvsnap.format import SnapshotMetadata, TensorEntry
 from kvsnap.store import tuning
 from kvsnap.store.completion import Completion
 from kvsnap.store.lanes import SerialLane, TaskGroup
 from kvsnap.store.local_file import LocalFile
-from kvsnap.store.location import (
-    INDEX_SUFFIX,
-    io_error,
-    locate,
-    stem_of,
-)
+from kvsnap.store.location import INDEX_SUFFIX, io_error, locate, stem_of
 from kvsnap.store.slot_reads import shared_executor
 from kvsnap.store.slot_writes import SlotWrites
 from kvsnap.store.stream_file import StreamFile

@@ -22,6 +22,7 @@ Nothing here needs vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -248,11 +249,9 @@ class PrefixStore:
         stem = single.name[: -len(CHUNK_SUFFIX)]
         if not Path(path).name.endswith(INDEX_SUFFIX):
             target = self.quarantined / f"{stem}.{moment}{CHUNK_SUFFIX}"
-            try:
+            with contextlib.suppress(FileNotFoundError):  # no single file: parted, or gone
                 os.replace(single, target)
                 return target
-            except FileNotFoundError:
-                pass  # no single file: a parted chunk, or gone
         return self._quarantine_parted(index_path(single), self.quarantined / f"{stem}.{moment}")
 
     def _quarantine_parted(self, index: Path, directory: Path) -> Path | None:
