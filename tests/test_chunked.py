@@ -101,3 +101,25 @@ def test_a_damaged_chunk_fails_only_its_blocks(tmp_path: Path) -> None:
         good = [block for block in range(11) if block != 5]
         assert same_bytes(restored[good], expected[good]), name
     assert not same_bytes(target.logical("layers.1.key")[[5]], pages["layers.1.key"][[5]])
+
+
+def test_a_reopened_chunk_reuses_its_checked_block_checksums(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths, _, _ = _store_chunks(tmp_path, 1, 4)
+    loads = []
+    real = SnapshotReader._load_all_rows
+
+    def counted(self):  # type: ignore[no-untyped-def]
+        loads.append(self.url)
+        return real(self)
+
+    monkeypatch.setattr(SnapshotReader, "_load_all_rows", counted)
+    pages = (np.array([0, 3, 2]), np.array([1, 3, 0]))
+    with SnapshotReader(paths[0]) as first:
+        expected = first.stored_checksums(*pages)
+    with SnapshotReader(paths[0]) as again, SnapshotReader(paths[1]) as other:
+        assert np.array_equal(again.stored_checksums(*pages), expected)
+        other.stored_checksums(*pages)
+    # Read and checked once per file version: the reopened chunk reused the first reader's.
+    assert loads == [str(paths[0]), str(paths[1])]

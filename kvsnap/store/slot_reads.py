@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -67,6 +68,35 @@ def shared_executor(
                 count, thread_name_prefix=f"kvsnap-{role}"
             )
         return executor
+
+
+#: Checked block-checksum tables by the digest of their files' trailers, least recently used
+#: first; tables above ``_MAX_CACHED_TABLE_BYTES`` (snapshots of many blocks) are not kept.
+_TABLES: OrderedDict[bytes, np.ndarray] = OrderedDict()
+_TABLES_LOCK = threading.Lock()
+_MAX_CACHED_TABLES = 256
+_MAX_CACHED_TABLE_BYTES = 256 << 10
+
+
+def _cached_table(key: bytes | None) -> np.ndarray | None:
+    if key is None:
+        return None
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+        if table is not None:
+            _TABLES.move_to_end(key)
+        return table
+
+
+def _keep_table(key: bytes | None, table: np.ndarray) -> np.ndarray:
+    """``table`` made read-only and, if small enough, kept under ``key``."""
+    table.flags.writeable = False
+    if key is not None and table.nbytes <= _MAX_CACHED_TABLE_BYTES:
+        with _TABLES_LOCK:
+            _TABLES[key] = table
+            while len(_TABLES) > _MAX_CACHED_TABLES:
+                _TABLES.popitem(last=False)
+    return table
 
 
 @dataclass(frozen=True)
@@ -244,11 +274,21 @@ class SlotReading:
         return self._tensor_extents
 
     def _block_checksum_table(self) -> np.ndarray:
-        """Every layer tensor's stored block checksums, ``(tensors, blocks)``, read at once."""
-        if len(self._rows) < len(self._names):
-            self._load_all_rows()
+        """Every layer tensor's stored block checksums, ``(tensors, blocks)``, read at once.
+
+        Kept process-wide by the files' trailers, which commit to these rows: an engine that
+        opens the same stored prefix again skips the read and the row checks."""
         if self._table is None:
-            self._table = np.stack([self._rows[index] for index in range(len(self._names))])
+            self._ensure_trailers()
+            trailers = [open_file.trailer for open_file in self._files]
+            key = None
+            if all(trailer is not None for trailer in trailers):
+                key = fmt.digest128(b"".join(row for trailer in trailers for row in trailer))
+            self._table = _cached_table(key)
+            if self._table is None:
+                self._load_all_rows()
+                table = np.stack([self._rows[index] for index in range(len(self._names))])
+                self._table = _keep_table(key, table)
         return self._table
 
     def _load_all_rows(self) -> None:
