@@ -108,8 +108,9 @@ class ShardIndex:
     weight_map: dict[str, str]
 
 
-def _index_document(raw: bytes, file: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The index's JSON object and its ``metadata`` object, structurally checked."""
+def index_json(raw: bytes, file: str | None) -> dict[str, Any]:
+    """An index file's JSON object (of a sharded or a parted snapshot): bounded in size,
+    strictly parsed, with a ``metadata`` object; :class:`NotASnapshotError` otherwise."""
     if len(raw) > MAX_INDEX_BYTES:
         raise NotASnapshotError(f"index of {len(raw)} bytes exceeds {MAX_INDEX_BYTES}", file=file)
     try:
@@ -118,6 +119,12 @@ def _index_document(raw: bytes, file: str | None) -> tuple[dict[str, Any], dict[
         raise NotASnapshotError(f"index is not valid JSON ({error})", file=file) from None
     if not isinstance(document, dict) or not isinstance(document.get("metadata"), dict):
         raise NotASnapshotError("index has no metadata object", file=file)
+    return document
+
+
+def _index_document(raw: bytes, file: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The index's JSON object and its ``metadata`` object, structurally checked."""
+    document = index_json(raw, file)
     extra = document["metadata"]
     if METADATA_KEY not in extra:
         raise NotASnapshotError("index without kvsnap metadata", file=file)

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvsnap.errors import NotASnapshotError, SnapshotCorruptError
-from kvsnap.format.constants import HEX32, MAX_INDEX_BYTES, METADATA_KEY, PARTS_FORMAT_VERSION
+from kvsnap.errors import SnapshotCorruptError
+from kvsnap.format.constants import HEX32, METADATA_KEY, PARTS_FORMAT_VERSION
 from kvsnap.format.container import specs_for
-from kvsnap.format.index import GENERATION_PATTERN, check_member_name
+from kvsnap.format.index import GENERATION_PATTERN, check_member_name, index_json
 from kvsnap.format.metadata import SnapshotMetadata
 from kvsnap.format.parse import HeaderMetadata, parse_metadata_document
 from kvsnap.format.schema import strict_json_loads
@@ -141,14 +141,8 @@ def is_parts_index(raw: bytes) -> bool:
 
 
 def _document(raw: bytes, file: str | None) -> dict[str, Any]:
-    if len(raw) > MAX_INDEX_BYTES:
-        raise NotASnapshotError(f"index of {len(raw)} bytes exceeds {MAX_INDEX_BYTES}", file=file)
-    try:
-        document = strict_json_loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as error:
-        raise NotASnapshotError(f"index is not valid JSON ({error})", file=file) from None
-    if not isinstance(document, dict) or not isinstance(document.get("metadata"), dict):
-        raise NotASnapshotError("index has no metadata object", file=file)
+    """A parted index's ``metadata`` object, with exactly its keys."""
+    document = index_json(raw, file)
     if set(document) != {"metadata"} or set(document["metadata"]) != {
         "total_size",
         METADATA_KEY,

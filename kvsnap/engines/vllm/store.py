@@ -12,7 +12,7 @@ written by :func:`kvsnap.snapshot.capture` (or, one part per TP rank, by
 :func:`kvsnap.distributed.capture`) and read by :meth:`kvsnap.Snapshot.open`.
 
 A chunk is either one file ``HASH.safetensors`` or a *parted* snapshot (docs/format.md,
-"Parted snapshots"): the parts ``HASH-gXXXXXXXXXXXX-part-0000i-of-0000k.safetensors`` beside
+"Parted snapshots"): the parts ``HASH-{generation}-part-0000i-of-0000k.safetensors`` beside
 it and the index ``HASH.safetensors.index.json``, which is its commit point; no
 ``HASH.safetensors`` exists then. Either way the chunk's path is ``HASH.safetensors`` (what
 :meth:`kvsnap.Snapshot.open` opens) and :func:`committed_file` names the file that commits it.
