@@ -176,6 +176,9 @@ def test_a_buffer_is_let_go_only_after_every_piece_finished_even_after_a_failure
 
     def failing_pwrite(fd: int, view: memoryview, offset: int) -> None:
         if is_data(offset):
+            # Fail only once the hash runs: a failure first cancels a hash not yet started,
+            # which would leave nothing reading the buffer to wait for.
+            assert hashing.wait(WAIT_S)
             failed.set()
             raise OSError(errno.EIO, "Input/output error")
         real_pwrite(fd, view, offset)
