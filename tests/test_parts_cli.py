@@ -140,3 +140,18 @@ def test_a_flipped_byte_in_part_2_is_named_with_its_tensor_and_block(
     assert damaged.name in problem["message"]
     code, out = run("verify", str(copy))
     assert code == 1 and "FAILED" in out and "layers.2.value" in out and "block 1" in out
+
+
+def test_a_missing_part_fails_verification_and_inspect_names_it(
+    parted: Path, tmp_path: Path
+) -> None:
+    copy = tmp_path / "parted.safetensors"
+    shutil.copy(str(parted) + ".index.json", str(copy) + ".index.json")
+    shutil.copy(_part_files(parted)[0], tmp_path)  # part 2 is lost
+    missing = Path(_part_files(parted)[1]).name
+    code, payload = run_json("verify", str(copy))
+    assert code == 1 and not payload["ok"]  # a damaged snapshot, not a bad path (exit 2)
+    [problem] = payload["problems"]
+    assert missing in problem["message"] and "the index names this file" in problem["message"]
+    result = runner.invoke(app, ["inspect", str(copy)])
+    assert result.exit_code == 1 and missing in result.stderr

@@ -178,12 +178,15 @@ def test_a_wrong_trailer_digest_names_the_part(parted: Path) -> None:
     assert caught.value.file is not None and "part-00002-of-00002" in caught.value.file
 
 
-def test_a_missing_part_file_is_an_io_error_naming_it(parted: Path) -> None:
+def test_a_missing_part_file_makes_the_snapshot_corrupt_naming_it(parted: Path) -> None:
     part = Path(parted.parent / _index(parted)["metadata"]["kvsnap.parts"][0]["file"])
     part.unlink()
-    with pytest.raises(SnapshotIOError) as caught:
+    with pytest.raises(SnapshotCorruptError, match="the index names this file") as caught:
         Snapshot.open(parted)
-    assert "part-00001-of-00002" in str(caught.value)
+    assert caught.value.file is not None and "part-00001-of-00002" in caught.value.file
+    parted.with_name(parted.name + INDEX).unlink()
+    with pytest.raises(SnapshotIOError, match="no such file"):  # no snapshot at all: a bad path
+        Snapshot.open(parted)
 
 
 def test_a_part_of_another_snapshot_is_refused(tmp_path: Path) -> None:

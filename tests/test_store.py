@@ -172,6 +172,21 @@ def test_sharded_round_trip_and_index(tmp_path: Path) -> None:
     assert "snap.safetensors" not in os.listdir(tmp_path)
 
 
+def test_a_missing_shard_makes_the_snapshot_corrupt_naming_it(tmp_path: Path) -> None:
+    metadata, pages = build("bf16", seed=14)
+    limit = max(p.nbytes for p in pages.values()) + 100
+    path = tmp_path / "snap.safetensors"
+    info = write_snapshot(path, metadata, pages, max_shard_bytes=limit)
+    Path(info.files[2]).unlink()
+    for url in (path, info.path):
+        with pytest.raises(SnapshotCorruptError, match="the index names this file") as caught:
+            SnapshotReader(url)
+        assert caught.value.file == info.files[2]
+    Path(info.path).unlink()
+    with pytest.raises(SnapshotIOError, match="no such file"):  # no snapshot there at all
+        SnapshotReader(path)
+
+
 def test_shards_of_another_snapshot_are_detected(tmp_path: Path) -> None:
     metadata, pages = build("bf16", seed=14)
     limit = max(p.nbytes for p in pages.values()) + 100

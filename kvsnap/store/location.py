@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsnap.errors import (
+    KVSnapError,
     NotASnapshotError,
+    SnapshotCorruptError,
     SnapshotIOError,
 )
 
@@ -99,6 +101,19 @@ def stem_of(location: Location) -> str:
 
 def io_error(action: str, location: str, error: BaseException) -> SnapshotIOError:
     return SnapshotIOError(f"{action} failed: {error}", file=location)
+
+
+def missing_member(error: SnapshotIOError, *named: Location) -> KVSnapError:
+    """What an open that gave up raises for ``error``: a file that vanished but was not one of
+    ``named`` (the path the caller gave, its index) is a file the index names, so the snapshot
+    is incomplete (:class:`SnapshotCorruptError` naming that file), not a bad path."""
+    if not isinstance(error.__cause__, FileNotFoundError) or error.file is None:
+        return error
+    if error.file in {location.url for location in named}:
+        return error
+    return SnapshotCorruptError(
+        "missing: the index names this file, but it is not there", file=error.file
+    )
 
 
 def open_regular(location: Location) -> tuple[int, os.stat_result]:

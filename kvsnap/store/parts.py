@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from kvsnap import format as fmt
 from kvsnap.errors import KVSnapError, SnapshotCorruptError, SnapshotIOError
 from kvsnap.store import overwrite, publish
-from kvsnap.store.location import INDEX_SUFFIX, Location, io_error, locate, read_small, stem_of
+from kvsnap.store.location import (
+    INDEX_SUFFIX,
+    Location,
+    io_error,
+    locate,
+    missing_member,
+    read_small,
+    stem_of,
+)
 from kvsnap.store.opening import check_in_directory
 from kvsnap.store.publish import temp_name
 from kvsnap.store.reader import OPEN_ATTEMPTS, SnapshotReader
@@ -168,8 +176,10 @@ def open_parts(index_location: Location, *, verify: bool = True) -> OpenedParts:
         try:
             readers = _open_once(index_location, index, verify=verify)
         except SnapshotIOError as error:
-            if attempt == OPEN_ATTEMPTS or not isinstance(error.__cause__, FileNotFoundError):
+            if not isinstance(error.__cause__, FileNotFoundError):
                 raise
+            if attempt == OPEN_ATTEMPTS:
+                raise missing_member(error, index_location) from error.__cause__
             continue
         return OpenedParts(index, readers, index_location.url)
     raise AssertionError("unreachable: the last attempt returns or raises")

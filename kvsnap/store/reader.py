@@ -25,6 +25,7 @@ from kvsnap.store.location import (
     INDEX_SUFFIX,
     Location,
     locate,
+    missing_member,
     read_small,
 )
 from kvsnap.store.opening import check_in_directory, decoded_header
@@ -97,8 +98,11 @@ class SnapshotReader(ReaderVerification, SlotReading):
                 self._open(location)
                 return
             except SnapshotIOError as error:
-                if attempt == OPEN_ATTEMPTS or not isinstance(error.__cause__, FileNotFoundError):
+                if not isinstance(error.__cause__, FileNotFoundError):
                     raise
+                if attempt == OPEN_ATTEMPTS:
+                    index = location.with_suffix(INDEX_SUFFIX)
+                    raise missing_member(error, location, index) from error.__cause__
                 for open_file in self._files:
                     open_file.source.close()
                 self._files = []
