@@ -31,7 +31,8 @@ Per model, side by side:
   blocks, to the compute stream seeing them, checked bit-exact against the blocks the forward
   wrote; against the raw read ceiling (the same files read into pinned memory, one thread, plus
   one host->device copy of their bytes) and a device->device copy of the same blocks per layer
-  (the in-memory prefix-cache hit yardstick).
+  (the in-memory prefix-cache hit yardstick). ``--load-variants`` also times the same load
+  under each of :data:`LOAD_VARIANTS` (other settings of kvsnap's read-path tuning).
 
 Prints a table and writes JSON to ``$OUT/vllm_worker.json`` (``--out`` overrides).
 """
@@ -44,9 +45,10 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,8 @@ from kvsnap.engines.vllm.specs import ChunkLoad, KVSnapConnectorMetadata, LoadSp
 from kvsnap.engines.vllm.store import PrefixStore, chunk_sequence_id
 from kvsnap.engines.vllm.worker import KVSnapWorker
 from kvsnap.layout import vllm_legacy_layout
+from kvsnap.pipeline import options as staging_defaults
+from kvsnap.store import slot_reads
 
 FINGERPRINT = "ab" * 16
 SOURCE = fmt.SourceInfo("benchmark", torch.__version__, "synthetic", None, FINGERPRINT)
@@ -303,10 +307,11 @@ def run_steps(
 
 
 def measure_loads(
-    worker: KVSnapWorker, cache: RegisteredCache, steps: Steps, repeats: int
+    worker: KVSnapWorker, cache: RegisteredCache, steps: Steps, repeats: int, sweep: bool
 ) -> dict[str, Any]:
     """Load the first saved prompt into the last blocks through ``start_load_kv`` (scrubbed
-    before each repeat), check it bit-exact, and time it against the yardsticks."""
+    before each repeat), check it bit-exact, and time it against the yardsticks; with
+    ``sweep``, also under each of :data:`LOAD_VARIANTS`."""
     device, views = cache.layout.device, block_views(cache)
     specs = steps.first_specs
     prompt_blocks = sum(len(spec.block_ids) for spec in specs)
@@ -318,31 +323,117 @@ def measure_loads(
         offset += count
     meta = KVSnapConnectorMetadata(loads=[LoadSpec("load", tuple(chunks), prompt_blocks * BLOCK)])
     index = torch.from_numpy(target).to(device)
-    times = []
-    # The first load compiles the restore kernels for this cache: an engine pays it once.
-    worker.start_load_kv(meta)
-    _sync(device)
-    for _ in range(repeats):
-        for view in views:
-            view.index_fill_(0, index, 0.0)
-        _sync(device)
-        started = time.perf_counter()
+
+    def timed_loads() -> tuple[dict[str, float], bool, int]:
+        times = []
+        # The first load compiles the restore kernels for this cache (an engine pays it once),
+        # or pins a variant's staging and starts its threads.
         worker.start_load_kv(meta)
         _sync(device)
-        times.append(time.perf_counter() - started)
-    failed = worker.get_block_ids_with_load_errors()
-    exact = not failed and all(
-        torch.equal(view[index].view(torch.int16), wrote.view(torch.int16))
-        for view, wrote in zip(views, steps.first_blocks, strict=True)
-    )
+        for _ in range(repeats):
+            for view in views:
+                view.index_fill_(0, index, 0.0)
+            _sync(device)
+            started = time.perf_counter()
+            worker.start_load_kv(meta)
+            _sync(device)
+            times.append(time.perf_counter() - started)
+        failed = worker.get_block_ids_with_load_errors()
+        exact = not failed and all(
+            torch.equal(view[index].view(torch.int16), wrote.view(torch.int16))
+            for view, wrote in zip(views, steps.first_blocks, strict=True)
+        )
+        return _stats(times), exact, len(failed)
+
+    load, exact, failed = timed_loads()
+    variants = {}
+    for label, settings in LOAD_VARIANTS.items() if sweep else ():
+        with read_path_settings(**settings):
+            figures, variant_exact, _ = timed_loads()
+        variants[label] = {**figures, "bit_exact": variant_exact}
     source = torch.cat([torch.from_numpy(spec.block_ids) for spec in specs]).to(device)
     return {
-        "load": _stats(times),
+        "load": load,
         "load_bit_exact": exact,
-        "load_failed_blocks": len(failed),
+        "load_failed_blocks": failed,
+        "load_variants": variants,
         "raw_read": raw_read([Path(spec.path) for spec in specs], device, repeats),
         "device_copy": _timed(lambda: _copy_blocks(views, source, index), device, repeats),
     }
+
+
+def _variant(
+    pieces: int | None, slots: str, threads: int | None = None, switch_ms: float | None = None
+) -> tuple[str, dict[str, Any]]:
+    """One :data:`LOAD_VARIANTS` entry: its label and its :func:`read_path_settings`."""
+    label = f"pieces={pieces or 'threads'}, {slots} slots"
+    label += f", {threads} threads" if threads else ""
+    label += f", GIL switch {switch_ms} ms" if switch_ms else ""
+    settings = {
+        "pieces_per_slot": pieces,
+        "large_restores_from": 128 << 20 if slots == "large" else 1 << 62,
+        "read_threads": threads,
+        "switch_interval_s": switch_ms / 1000 if switch_ms else None,
+    }
+    return label, settings
+
+
+#: Variants of the read path's tuning (see :func:`read_path_settings`) that ``--load-variants``
+#: times after the defaults (4 pieces, large slots from 128 MiB, one read thread per core up to
+#: 16). The GIL switch interval is a diagnostic, not a setting kvsnap may choose for an engine:
+#: it shows how much of a load is threads waiting for the GIL (the interpreter's default is 5 ms).
+LOAD_VARIANTS: dict[str, dict[str, Any]] = dict(
+    [
+        _variant(4, "large"),
+        _variant(2, "large"),
+        _variant(1, "large"),
+        _variant(None, "large"),
+        _variant(4, "large", threads=8),
+        _variant(2, "large", threads=8),
+        _variant(4, "large", threads=4),
+        _variant(4, "small"),
+        _variant(2, "small"),
+        _variant(8, "small"),
+        _variant(None, "small"),
+        _variant(None, "small", threads=12),
+        _variant(None, "small", threads=8),
+        _variant(4, "large", switch_ms=20),
+        _variant(None, "small", switch_ms=0.5),
+    ]
+)
+
+
+@contextlib.contextmanager
+def read_path_settings(
+    pieces_per_slot: int | None,
+    large_restores_from: int,
+    read_threads: int | None = None,
+    switch_interval_s: float | None = None,
+) -> Iterator[None]:
+    """kvsnap's read-path tuning set for the block: pieces per slot read, the restore size from
+    which large staging slots are used, the read threads (a pool of that size is started), and
+    the interpreter's thread switch interval."""
+    saved = (
+        slot_reads.PIECES_PER_SLOT,
+        staging_defaults.LARGE_RESTORE_JOB_BYTES,
+        slot_reads.READ_THREADS,
+        sys.getswitchinterval(),
+    )
+    slot_reads.PIECES_PER_SLOT = pieces_per_slot
+    staging_defaults.LARGE_RESTORE_JOB_BYTES = large_restores_from
+    slot_reads.READ_THREADS = read_threads
+    if switch_interval_s is not None:
+        sys.setswitchinterval(switch_interval_s)
+    try:
+        yield
+    finally:
+        (
+            slot_reads.PIECES_PER_SLOT,
+            staging_defaults.LARGE_RESTORE_JOB_BYTES,
+            slot_reads.READ_THREADS,
+            interval,
+        ) = saved
+        sys.setswitchinterval(interval)
 
 
 def _copy_blocks(views: list[torch.Tensor], source: torch.Tensor, target: torch.Tensor) -> None:
@@ -416,7 +507,7 @@ def bench_model(model: Model, packing: str, args: argparse.Namespace, root: Path
     started = time.perf_counter()
     worker.wait_for_writes()
     drain = time.perf_counter() - started
-    loads = measure_loads(worker, cache, with_saves, args.repeats)
+    loads = measure_loads(worker, cache, with_saves, args.repeats, args.load_variants)
     worker.shutdown()
     logged = read_events(root / "ev.jsonl")
     result = {
@@ -483,6 +574,10 @@ def print_table(results: list[dict]) -> None:
             str(row["load_bit_exact"]),
         )
         print("".join(f"{cell:>18}" for cell in cells))
+    for row in results:
+        for label, figures in row["load_variants"].items():
+            exact = "" if figures["bit_exact"] else "  NOT BIT-EXACT"
+            print(f"  {row['model']}/{row['packing']} load, {label}: {_cell(figures)}{exact}")
     print(
         "save host: wait_for_save + get_finished on saving steps; prompt step / next, no saves: "
         "the same steps without a worker; engine py: a fixed pure-Python "
@@ -506,6 +601,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--dir", type=Path, default=None, help="store directory (default: tmp)")
+    parser.add_argument(
+        "--load-variants", action="store_true", help="also time loads under LOAD_VARIANTS"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     quick = args.quick
@@ -524,18 +622,27 @@ def main(argv: list[str] | None = None) -> dict:
     names = args.models or list(catalogue)
     packings = ["cells", "split"] if args.packing == "both" else [args.packing]
     started = time.perf_counter()
+    results: list[dict] = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvsnap-vllm-worker-") as root:
         stream = torch.cuda.Stream(args.device) if args.device.startswith("cuda") else None
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with context:  # the engine's compute stream: not the staging stream, not the default
-            results = [
-                bench_model(catalogue[name], packing, args, Path(root))
-                for name in names
-                for packing in packings
-            ]
+            for name in names:
+                for packing in packings:
+                    results.append(bench_model(catalogue[name], packing, args, Path(root)))
+                    # Written after every model: a run cut short keeps what it measured.
+                    report = write_report(args, results, time.perf_counter() - started)
+    print_table(results)
+    print(f"wrote {args.out} in {report['seconds']} s")
+    return report
+
+
+def write_report(args: argparse.Namespace, results: list[dict], seconds: float) -> dict:
+    """The run's settings and ``results`` as JSON at ``args.out``; returns the report."""
+    cuda = args.device.startswith("cuda")
     report = {
         "device": args.device,
-        "device_name": torch.cuda.get_device_name(args.device) if stream is not None else "cpu",
+        "device_name": torch.cuda.get_device_name(args.device) if cuda else "cpu",
         "torch": torch.__version__,
         "quick": args.quick,
         "settings": {
@@ -549,13 +656,11 @@ def main(argv: list[str] | None = None) -> dict:
                 "engine_python_ms",
             )
         },
-        "seconds": round(time.perf_counter() - started, 2),
+        "seconds": round(seconds, 2),
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    print_table(results)
-    print(f"wrote {args.out} in {report['seconds']} s")
     return report
 
 

@@ -17,7 +17,7 @@ for step in "$@"; do
     tp-shared) timeout 300 python3 -m benchmarks.tp_scaling --gpus 2 --share-gpu --gib-per-gpu 1 --shapes 8b --targets shm --json-out $OUT/tp_shared.json ;;
     tp) timeout 500 python3 -m benchmarks.tp_scaling --gpus 2 --json-out $OUT/tp.json ;;
     vllm-worker) timeout 400 python3 -m benchmarks.vllm_worker --packing both --out $OUT/vllm_worker.json ;;
-    vllm-worker-shm) mkdir -p /dev/shm/kvsnap-vllm; timeout 400 python3 -m benchmarks.vllm_worker --dir /dev/shm/kvsnap-vllm --out $OUT/vllm_worker_shm.json; rm -rf /dev/shm/kvsnap-vllm ;;
+    vllm-worker-shm) mkdir -p /dev/shm/kvsnap-vllm; timeout 400 python3 -m benchmarks.vllm_worker --dir /dev/shm/kvsnap-vllm --load-variants --out $OUT/vllm_worker_shm.json; rm -rf /dev/shm/kvsnap-vllm ;;
     *) echo "unknown step $step" ;;
   esac
 done

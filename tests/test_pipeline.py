@@ -289,3 +289,15 @@ def test_a_pipeline_restores_chosen_blocks_of_a_snapshot(tmp_path):
     untouched = [block for block in range(16) if block not in (10, 11)]
     for view in targets[0].views.values():
         assert not view[torch.tensor(untouched)].view(torch.uint8).any()
+
+
+def test_captures_and_restores_take_large_slots_from_their_own_thresholds(monkeypatch):
+    from kvsnap.pipeline import options, staging
+
+    monkeypatch.setattr(options, "LARGE_JOB_BYTES", 1000)
+    monkeypatch.setattr(options, "LARGE_RESTORE_JOB_BYTES", 5000)
+    small, large, default = options.SMALL_SLOT_BYTES, options.LARGE_SLOT_BYTES, StagingOptions()
+    assert staging.staging_ring(default, 256, 999).slot_bytes == small
+    assert staging.staging_ring(default, 256, 1000).slot_bytes == large
+    assert staging.staging_ring(default, 256, 1000, restore=True).slot_bytes == small
+    assert staging.staging_ring(default, 256, 5000, restore=True).slot_bytes == large

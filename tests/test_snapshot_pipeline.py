@@ -21,7 +21,7 @@ from kvsnap.pipeline import StagingOptions, TransferOptions
 from kvsnap.pipeline.fused import FusedMover
 from kvsnap.pipeline.slots import plan_slots
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-from kvsnap.store import SnapshotReader, SnapshotWriter
+from kvsnap.store import SnapshotReader, SnapshotWriter, slot_reads
 from kvsnap.transfer import TransferHandler
 
 #: Staging of 16 pages of 256 bytes per slot (slots are 4096-aligned); the caches below need
@@ -298,3 +298,34 @@ def test_the_trace_shows_every_step_of_capture_and_restore(tmp_path: Path, cache
     assert {"setup.staging", "staging.wait", "transfer.submit", "teardown"} <= kinds
     for kind in ("read", "verify", "transfer.submit"):
         assert sum(n for k, _, _, n in restored if k == kind) == kv_bytes, kind
+
+
+@pytest.mark.parametrize(("pieces_per_slot", "read_threads"), [(1, None), (4, None), (None, 3)])
+def test_a_slot_is_read_in_the_pieces_set_and_restores_exactly(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cache,
+    pieces_per_slot: int | None,
+    read_threads: int | None,
+) -> None:
+    """The read path's tuning (what ``benchmarks/vllm_worker.py --load-variants`` varies): a
+    slot's read is cut into ``PIECES_PER_SLOT`` pieces (one per read thread when ``None``)."""
+    monkeypatch.setattr(slot_reads, "MIN_PIECE_BYTES", 256)  # one page: the slots here are small
+    monkeypatch.setattr(slot_reads, "PIECES_PER_SLOT", pieces_per_slot)
+    monkeypatch.setattr(slot_reads, "READ_THREADS", read_threads)
+    layout, view, sequences = cache
+    path = tmp_path / "snap.safetensors"
+    capture(layout, sequences, path, source=SOURCE)
+    reads: list[int] = []
+    target_layout, target_view = split_nhd(40, 0, 1, torch.Generator().manual_seed(27))
+    with Snapshot.open(path) as snap:
+        snap.restore(
+            target_layout,
+            {s.id: s.block_ids for s in sequences},
+            staging=StagingOptions(slot_bytes=SLOT_BYTES, num_slots=4),
+            trace=lambda kind, _start, _end, nbytes: kind == "read" and reads.append(nbytes),
+        )
+    pieces = pieces_per_slot or read_threads or 0
+    assert max(reads) == -(-SLOT_BYTES // pieces // 256) * 256  # whole pages, a slot in `pieces`
+    assert sum(reads) == sum(len(s.block_ids) for s in sequences) * 2 * LAYERS * 256
+    assert_same_kv(view, target_view, [(s.block_ids, s.block_ids) for s in sequences])

@@ -9,8 +9,10 @@ from kvsnap.pinned import PinnedPool
 #: Host staging slot of small jobs (an engine's per-request prefix) and of large ones.
 SMALL_SLOT_BYTES = 16 << 20
 LARGE_SLOT_BYTES = 64 << 20
-#: A job of at least this many bytes stages through large slots (fewer, larger disk writes).
+#: A capture of at least this many bytes stages through large slots (fewer, larger disk writes).
 LARGE_JOB_BYTES = 128 << 20
+#: A restore of at least this many bytes stages through large slots.
+LARGE_RESTORE_JOB_BYTES = 128 << 20
 #: Slots of each size kvsnap keeps pinned per process at most (pinned on first use).
 SHARED_SLOTS = 8
 

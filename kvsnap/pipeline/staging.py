@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from kvsnap.pinned import PinnedPool, Slot
+from kvsnap.pipeline import options as defaults
 from kvsnap.pipeline.options import (
-    LARGE_JOB_BYTES,
     LARGE_SLOT_BYTES,
     SHARED_SLOTS,
     SMALL_SLOT_BYTES,
@@ -108,8 +108,11 @@ def release_shared_staging() -> None:
         _DEVICE.clear()
 
 
-def staging_ring(options: StagingOptions, page_size_bytes: int, job_bytes: int) -> StagingRing:
-    """The ring a call of ``job_bytes`` over pages of ``page_size_bytes`` stages through.
+def staging_ring(
+    options: StagingOptions, page_size_bytes: int, job_bytes: int, *, restore: bool = False
+) -> StagingRing:
+    """The ring a call (a capture, or with ``restore`` a restore) of ``job_bytes`` over pages of
+    ``page_size_bytes`` stages through.
 
     Raises ``ValueError`` when a caller's pool cannot hold one page.
     """
@@ -124,7 +127,8 @@ def staging_ring(options: StagingOptions, page_size_bytes: int, job_bytes: int) 
         slot_bytes = max(options.slot_bytes or SMALL_SLOT_BYTES, page_size_bytes)
         pool = PinnedPool(slot_bytes, options.num_slots or SHARED_SLOTS, lazy=True)
         return StagingRing(pool, owned=True)
-    slot_bytes = LARGE_SLOT_BYTES if job_bytes >= LARGE_JOB_BYTES else SMALL_SLOT_BYTES
+    large_from = defaults.LARGE_RESTORE_JOB_BYTES if restore else defaults.LARGE_JOB_BYTES
+    slot_bytes = LARGE_SLOT_BYTES if job_bytes >= large_from else SMALL_SLOT_BYTES
     if page_size_bytes > slot_bytes:
         pool = PinnedPool(page_size_bytes, 2, lazy=True)  # pages larger than any shared slot
         return StagingRing(pool, owned=True)

@@ -332,7 +332,7 @@ class Pipeline:
         pages_total = sum(len(blocks[0]) for _, blocks in items) * len(names)
         total_bytes = page_bytes * pages_total
         with traced(trace, "setup.staging"):
-            ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes)
+            ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes, restore=True)
         mover = self._mover(Direction.HOST_TO_DEVICE)
         done = _Progress(progress, total_bytes)
         try:

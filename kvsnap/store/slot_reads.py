@@ -29,6 +29,10 @@ from kvsnap.store.tracing import TraceHook, traced
 #: Smallest and largest piece one read thread takes.
 MIN_PIECE_BYTES = 256 << 10
 MAX_PIECE_BYTES = 8 << 20
+#: Pieces a slot's read is cut into (within the bounds above); ``None``: one per read thread.
+PIECES_PER_SLOT: int | None = 4
+#: Threads of the shared read pool; ``None``: one per core, at most 16.
+READ_THREADS: int | None = None
 
 _EXECUTORS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _EXECUTOR_LOCK = threading.Lock()
@@ -47,8 +51,11 @@ os.register_at_fork(after_in_child=_forget_executors_after_fork)
 
 
 def read_threads() -> int:
-    """Threads of the shared read pool: a page-cached file reads ~4 GB/s per thread and xxh3
-    hashes ~7.6 GB/s per thread (DESIGN.md), so up to 16 keep scaling."""
+    """Threads of the shared read pool (:data:`READ_THREADS`, else one per core, at most 16):
+    a page-cached file reads ~4 GB/s per thread and xxh3 hashes ~7.6 GB/s per thread
+    (DESIGN.md), so up to 16 keep scaling."""
+    if READ_THREADS is not None:
+        return READ_THREADS
     return max(2, min(16, os.cpu_count() or 1))
 
 
@@ -117,6 +124,11 @@ class _Piece:
     pages: np.ndarray  # indices into the slot's page arrays, consecutive in file and slot
 
 
+def pieces_per_slot() -> int:
+    """How many pieces a slot's read is cut into (:data:`PIECES_PER_SLOT`)."""
+    return PIECES_PER_SLOT if PIECES_PER_SLOT is not None else read_threads()
+
+
 def _pieces(
     extents: TensorExtents,
     page_tensors: np.ndarray,
@@ -134,11 +146,10 @@ def _pieces(
     )
     starts = np.flatnonzero(np.concatenate(([True], ~continues)))
     stops = np.append(starts[1:], len(page_tensors))
-    total = len(page_tensors) * page
-    # A slot in four pieces or so: several slots are read at once, so the threads stay busy,
-    # and fewer, larger pieces keep the threads' Python work (and the GIL) short.
-    piece_bytes = min(MAX_PIECE_BYTES, max(MIN_PIECE_BYTES, total // 4))
-    per_piece = max(1, piece_bytes // page)
+    # The slot in at most pieces_per_slot() pieces of whole pages, within the size bounds.
+    per_piece = -(-len(page_tensors) // pieces_per_slot())
+    per_piece = min(max(per_piece, MIN_PIECE_BYTES // page), max(1, MAX_PIECE_BYTES // page))
+    per_piece = max(1, per_piece)
     pieces = []
     for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
         for first in range(start, stop, per_piece):

@@ -322,6 +322,7 @@ def test_capture_copies_after_the_given_event(tmp_path: Path) -> None:
 def test_the_worker_benchmark_runs_quick_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "vllm_worker.json"
     command = [sys.executable, "-m", "benchmarks.vllm_worker", "--quick", "--device", "cpu"]
+    command.append("--load-variants")
     result = subprocess.run(
         [*command, "--out", str(out), "--dir", str(tmp_path)],
         cwd=ROOT,
@@ -340,4 +341,6 @@ def test_the_worker_benchmark_runs_quick_on_cpu(tmp_path: Path) -> None:
         assert row["saves_written"] == 6 * 2 and row["saves_failed"] == 0
         assert row["load_bit_exact"] is True and row["load_failed_blocks"] == 0
         assert row["raw_read"]["bytes"] > row["prompt_tokens"] * row["kv_bytes_per_token"]
+        variants = row["load_variants"]
+        assert len(variants) > 10 and all(figures["bit_exact"] for figures in variants.values())
     assert "start_load_kv" in result.stdout and "tiny-8l-1h/cells" in result.stdout
