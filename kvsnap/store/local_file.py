@@ -36,17 +36,21 @@ def _aligned_copy(data: bytes) -> mmap.mmap:
     return buffer
 
 
-def _libc_fallocate() -> Callable[..., int] | None:
+def _libc_function(name: str, argtypes: list[type]) -> Callable[..., int] | None:
+    """libc's ``name``, typed, looked up once (a lookup per call costs more than the call)."""
     try:
-        function = ctypes.CDLL(None, use_errno=True).fallocate
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (AttributeError, OSError):
         return None  # not glibc/Linux
-    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    function.argtypes = argtypes
     function.restype = ctypes.c_int
     return function
 
 
-_FALLOCATE = _libc_fallocate()
+_FALLOCATE = _libc_function(
+    "fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+)
+_STATFS = _libc_function("statfs", [ctypes.c_char_p, ctypes.c_void_p])
 #: fallocate errors that mean "not for this file": the snapshot is then written without it.
 _NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EPERM})
 
@@ -62,12 +66,8 @@ class _StatFs(ctypes.Structure):
 def memory_backed(directory: str) -> bool:
     """Whether files in ``directory`` live in memory (tmpfs or ramfs, by ``statfs``); False
     where that cannot be told."""
-    libc = ctypes.CDLL(None, use_errno=True)
     result = _StatFs()
-    try:
-        if libc.statfs(os.fsencode(directory or "."), ctypes.byref(result)) != 0:
-            return False
-    except (AttributeError, OSError):
+    if _STATFS is None or _STATFS(os.fsencode(directory or "."), ctypes.byref(result)) != 0:
         return False
     return (result.f_type & 0xFFFFFFFF) in _MEMORY_FILESYSTEMS
 
