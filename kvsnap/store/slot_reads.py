@@ -30,6 +30,9 @@ from kvsnap.store.tracing import TraceHook, traced
 MIN_PIECE_BYTES = 256 << 10
 MAX_PIECE_BYTES = 8 << 20
 #: Pieces a slot's read is cut into (within the bounds above); ``None``: one per read thread.
+#: Four: several slots are read at once, so the threads stay busy, and each piece is Python work
+#: that must take the GIL back (one piece per thread made a 2k-token load 1.4-1.5x slower on
+#: the H200: docs/benchmarks.md, "Tuning the read path").
 PIECES_PER_SLOT: int | None = 4
 #: Threads of the shared read pool; ``None``: one per core, at most 16.
 READ_THREADS: int | None = None
@@ -147,9 +150,8 @@ def _pieces(
     starts = np.flatnonzero(np.concatenate(([True], ~continues)))
     stops = np.append(starts[1:], len(page_tensors))
     # The slot in at most pieces_per_slot() pieces of whole pages, within the size bounds.
-    per_piece = -(-len(page_tensors) // pieces_per_slot())
-    per_piece = min(max(per_piece, MIN_PIECE_BYTES // page), max(1, MAX_PIECE_BYTES // page))
-    per_piece = max(1, per_piece)
+    per_piece = max(-(-len(page_tensors) // pieces_per_slot()), MIN_PIECE_BYTES // page, 1)
+    per_piece = min(per_piece, max(1, MAX_PIECE_BYTES // page))
     pieces = []
     for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
         for first in range(start, stop, per_piece):
