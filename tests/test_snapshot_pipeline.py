@@ -6,6 +6,7 @@ reader are wrapped only to record (or hold) their calls.
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -325,7 +326,9 @@ def test_a_slot_is_read_in_the_pieces_set_and_restores_exactly(
             staging=StagingOptions(slot_bytes=SLOT_BYTES, num_slots=4),
             trace=lambda kind, _start, _end, nbytes: kind == "read" and reads.append(nbytes),
         )
-    pieces = pieces_per_slot or read_threads or 0
-    assert max(reads) == -(-SLOT_BYTES // pieces // 256) * 256  # whole pages, a slot in `pieces`
+    pieces = pieces_per_slot if pieces_per_slot is not None else read_threads
+    assert pieces is not None
+    pages_per_piece = math.ceil(SLOT_BYTES // 256 / pieces)  # whole pages, a slot in `pieces`
+    assert max(reads) == pages_per_piece * 256
     assert sum(reads) == sum(len(s.block_ids) for s in sequences) * 2 * LAYERS * 256
     assert_same_kv(view, target_view, [(s.block_ids, s.block_ids) for s in sequences])
