@@ -26,6 +26,7 @@ import json
 import os
 import struct
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,13 +37,16 @@ import torch
 
 from kvsnap import format as fmt
 from kvsnap.engines.vllm import (
+    CacheIdentity,
     PrefixStore,
     StoreEntry,
+    chunk_sequence_id,
     count_events,
     external_request_id,
     read_events,
     store_bytes,
     store_entries,
+    store_key_chain,
     vllm_layout,
 )
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
@@ -268,11 +272,11 @@ def _forge_chunks(
 ) -> None:
     """F: A's first chunk stored under F's name. G: a chunk from another model fingerprint."""
     store = PrefixStore(store_dir, namespace, chunk_blocks=CHUNK_BLOCKS)
-    chain_f = fmt.prefix_hash_chain(np.asarray(prompts["F"][: 2 * BLOCK]), BLOCK)
+    chain_f = _keys(prompts["F"][: 2 * BLOCK])
     store.chunk_path(chain_f[1]).parent.mkdir(parents=True, exist_ok=True)
     store.chunk_path(chain_f[1]).write_bytes(a_chunk.read_bytes())
     g_tokens = np.asarray(prompts["G"][: 2 * BLOCK])
-    chain_g = fmt.prefix_hash_chain(g_tokens, BLOCK)
+    chain_g = _keys(g_tokens)
     generator = torch.Generator().manual_seed(11)
     caches = [
         torch.randn((2, 2, BLOCK, 64), generator=generator).to(torch.bfloat16) for _ in range(2)
@@ -281,10 +285,15 @@ def _forge_chunks(
         caches, backend="FLASH_ATTN", kv_cache_layout="LBHNC", head_size=32, num_kv_heads=2
     )
     source = fmt.SourceInfo("vllm", "0.32.0", "another-model", None, "f" * 32)
-    sequence = SequenceBlocks("prefix@0:root", g_tokens, np.array([0, 1]))
+    sequence = SequenceBlocks(chunk_sequence_id(0, None, chain_g[1]), g_tokens, np.array([0, 1]))
     path = store.chunk_path(chain_g[1])
     path.parent.mkdir(parents=True, exist_ok=True)
     capture(layout, [sequence], path, source=source)
+
+
+def _keys(tokens: Sequence[int]) -> list[str]:
+    """The store keys of a plain text prompt's blocks (no LoRA, salt or images)."""
+    return store_key_chain(np.asarray(tokens), BLOCK, CacheIdentity())
 
 
 def _problems(path: Path) -> int:
@@ -429,7 +438,7 @@ def test_requests_sharing_a_prefix_store_it_once(scenario: Scenario) -> None:
     runs, prompts = scenario.runs, scenario.prompts
     e1, e3 = runs["e1"], runs["e3"]
     store = PrefixStore(scenario.store, scenario.namespace.name, chunk_blocks=CHUNK_BLOCKS)
-    chain = fmt.prefix_hash_chain(np.asarray(prompts["S1"][: 6 * BLOCK]), BLOCK)
+    chain = _keys(prompts["S1"][: 6 * BLOCK])
     shared = [store.chunk_path(chain[1]), store.chunk_path(chain[3])]
     saved = {label: e1.saved().get(label, []) for label in SHARING}
     # Four requests behind one 4-block system prompt: its two chunks were written once, and
@@ -483,7 +492,7 @@ def test_corrupt_chunk_found_while_loading_is_reported_and_recomputed(
 def test_mismatching_chunks_are_logged_misses_and_quarantined(scenario: Scenario) -> None:
     e3, reference = scenario.runs["e3"], scenario.runs["e0"]
     (forged_copy,) = e3.events_for("miss", "F")
-    assert "token ids differ" in forged_copy["reason"]
+    assert "is not this prompt's prefix" in forged_copy["reason"]
     (other_model,) = e3.events_for("miss", "G")
     assert "model fingerprint ffffffffffffffff differs" in other_model["reason"]
     for label, miss in (("F", forged_copy), ("G", other_model)):
@@ -609,9 +618,15 @@ def test_dumps_and_chunks_are_read_by_the_kvsnap_cli(scenario: Scenario) -> None
     assert (code, report) == (0, {"ok": True, "problems": []})
     # A stored chunk is an ordinary snapshot too: one sequence, named by where it starts.
     code, info = _cli("inspect", str(scenario.kept["A"][1]))
+    a_keys = _keys(scenario.prompts["A"][: 4 * BLOCK])
     assert code == 0
     assert [(s["id"], s["num_tokens"]) for s in info["sequences"]] == [
-        (f"prefix@2:{fmt.prefix_hash_chain(np.asarray(scenario.prompts['A'][:64]), BLOCK)[1]}", 32)
+        (
+            chunk_sequence_id(
+                2, _keys(scenario.prompts["A"][:64])[1], _keys(scenario.prompts["A"][:128])[3]
+            ),
+            32,
+        )
     ]
     # The same CLI names the corrupted persisted block.
     code, report = _cli("verify", str(scenario.corrupt_copy))
