@@ -621,12 +621,7 @@ def test_dumps_and_chunks_are_read_by_the_kvsnap_cli(scenario: Scenario) -> None
     a_keys = _keys(scenario.prompts["A"][: 4 * BLOCK])
     assert code == 0
     assert [(s["id"], s["num_tokens"]) for s in info["sequences"]] == [
-        (
-            chunk_sequence_id(
-                2, _keys(scenario.prompts["A"][:64])[1], _keys(scenario.prompts["A"][:128])[3]
-            ),
-            32,
-        )
+        (chunk_sequence_id(2, a_keys[1], a_keys[3]), 32)
     ]
     # The same CLI names the corrupted persisted block.
     code, report = _cli("verify", str(scenario.corrupt_copy))
