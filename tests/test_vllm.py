@@ -496,10 +496,10 @@ def test_dumps_and_chunks_are_read_by_the_kvsnap_cli(scenario: Scenario) -> None
     assert (code, report) == (0, {"ok": True, "problems": []})
     # A stored chunk is an ordinary snapshot too: one sequence, named by where it starts.
     code, info = _cli("inspect", str(scenario.kept["A"][1]))
-    a_keys = _keys(scenario.prompts["A"][: 4 * BLOCK])
+    a_keys = _keys(scenario.prompts["A"][: 3 * BLOCK])  # A's 3 loadable blocks
     assert code == 0
     assert [(s["id"], s["num_tokens"]) for s in info["sequences"]] == [
-        (chunk_sequence_id(2, a_keys[1], a_keys[3]), 32)
+        (chunk_sequence_id(2, a_keys[1], a_keys[2]), 32)
     ]
     # The same CLI names the corrupted persisted block.
     code, report = _cli("verify", str(scenario.corrupt_copy))
