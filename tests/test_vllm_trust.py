@@ -1,4 +1,4 @@
-"""A store engines can trust, against real vLLM (CPU build): identity, weights, signing, permissions.
+"""A store engines can trust, against real vLLM (CPU): identity, weights, signing, permissions.
 
 Every engine runs in a subprocess with ``.venv-vllm``'s Python (``tests/vllm/engines.py``); the
 module skips without it. One random-weight Llama, two LoRA adapters on its key and value
