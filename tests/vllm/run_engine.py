@@ -91,8 +91,17 @@ def main() -> None:
                 extra_args=extra or None,
             )
         )
-    lora_requests = adapters if any(adapters) else None
-    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
+    outputs = []
+    for start, end in _adapter_runs(adapters):
+        # vLLM 0.32's CPU LoRA path computes other tokens for a request without an adapter
+        # batched with adapter requests (seen here: the same prompt alone and in such a batch
+        # differ): each run of prompts with adapters, or without, is its own batch.
+        outputs += llm.generate(
+            prompts[start:end],
+            params[start:end],
+            use_tqdm=False,
+            lora_request=adapters[start:end] if adapters[start] is not None else None,
+        )
     finished = time.perf_counter()
     result = {
         "outputs": [
@@ -111,6 +120,18 @@ def main() -> None:
     result["shutdown_seconds"] = time.perf_counter() - finished
     with open(job["output"], "w") as handle:
         json.dump(result, handle)
+
+
+def _adapter_runs(adapters: list) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of consecutive prompts that all have an adapter, or all
+    have none (request ids stay the prompts' positions: vLLM numbers requests in order)."""
+    runs: list[tuple[int, int]] = []
+    for index, adapter in enumerate(adapters):
+        if runs and (adapters[runs[-1][0]] is None) == (adapter is None):
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
 
 
 if __name__ == "__main__":
