@@ -84,6 +84,7 @@ from kvsnap.engines.vllm.registration import RegisteredCache, registered_cache
 from kvsnap.engines.vllm.specs import (
     ChunkLoad,
     KVSnapConnectorMetadata,
+    KVSnapWorkerMetadata,
     LoadSpec,
     SaveSpec,
     external_request_id,
@@ -113,6 +114,7 @@ __all__ = [
     "EventLog",
     "KVSnapConnector",
     "KVSnapConnectorMetadata",
+    "KVSnapWorkerMetadata",
     "LoadSpec",
     "PrefixStore",
     "RegisteredCache",

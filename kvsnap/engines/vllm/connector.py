@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvsnap.engines.vllm.chunk_check import ChunkChecker
-from kvsnap.engines.vllm.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from kvsnap.engines.vllm.compat import (
+    DISK_HIT_SOURCE,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from kvsnap.engines.vllm.engine_config import (
     expected_geometry,
     kv_dtype,
@@ -26,7 +31,7 @@ from kvsnap.engines.vllm.engine_config import (
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
-from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata
+from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata, KVSnapWorkerMetadata
 from kvsnap.engines.vllm.store import PrefixStore, store_namespace
 from kvsnap.engines.vllm.worker import KVSnapWorker
 
@@ -47,6 +52,15 @@ class KVSnapConnector(KVConnectorBase_V1):
     Scheduler-side calls go to :attr:`connector_scheduler`, worker-side calls to
     :attr:`connector_worker` (the other one is ``None``); docs/vllm.md says what each does.
     """
+
+    #: vLLM's metrics label the tokens this connector loads as disk hits.
+    _cache_hit_source = DISK_HIT_SOURCE
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """``False``: a best-effort cache. A save vLLM's preemption cuts short is a later miss,
+        so vLLM need not drop and resample a preempted request's in-flight output."""
+        return False
 
     def __init__(
         self,
@@ -140,6 +154,11 @@ class KVSnapConnector(KVConnectorBase_V1):
         """Learn which loads failed (vLLM recomputes their blocks)."""
         self._scheduler().update_connector_output(connector_output)
 
+    def has_pending_block_frees(self) -> bool:
+        """Whether finished requests' blocks are held for their saves: vLLM waits for them
+        instead of preempting a running request when it runs out of blocks."""
+        return self._scheduler().has_pending_block_frees()
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -189,6 +208,10 @@ class KVSnapConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; vLLM recomputes them."""
         return self._worker().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVSnapWorkerMetadata | None:
+        """The requests whose loads ran in this step, for the scheduler side."""
+        return self._worker().build_connector_worker_meta()
 
     def shutdown(self) -> None:
         """Finish every queued snapshot write and release the worker's memory."""

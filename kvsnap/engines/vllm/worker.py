@@ -46,7 +46,12 @@ from kvsnap.engines.vllm.eviction import prune_store, store_bytes
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.registration import RegisteredCache, register_caches
 from kvsnap.engines.vllm.saves import PendingSave, SaveQueue
-from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata, LoadSpec, SaveSpec
+from kvsnap.engines.vllm.specs import (
+    KVSnapConnectorMetadata,
+    KVSnapWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
 from kvsnap.engines.vllm.store import PrefixStore
 from kvsnap.errors import (
     IncompatibleSnapshotError,
@@ -103,6 +108,8 @@ class KVSnapWorker:
         self._source = source
         self.cache: RegisteredCache | None = None
         self._load_errors: set[int] = set()
+        #: Requests whose loads ran since the last :meth:`build_connector_worker_meta`.
+        self._loaded: set[str] = set()
         self._pipeline: Pipeline | None = None
         self._saves: SaveQueue | None = None
         self._group: Any = None
@@ -146,6 +153,7 @@ class KVSnapWorker:
         """
         for spec in meta.loads:
             started = time.perf_counter()
+            self._loaded.add(spec.request_id)
             failure = self._load(spec)
             if failure is not None:
                 self._load_failed(spec, *failure)
@@ -214,6 +222,14 @@ class KVSnapWorker:
         """Blocks whose load failed since the last call; vLLM recomputes them."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def build_connector_worker_meta(self) -> KVSnapWorkerMetadata | None:
+        """The requests whose loads ran in this step (``None``: none did), for the scheduler,
+        which plans no save of a request until it knows how its load went."""
+        if not self._loaded:
+            return None
+        loaded, self._loaded = frozenset(self._loaded), set()
+        return KVSnapWorkerMetadata(loaded)
 
     # -- saves -------------------------------------------------------------------------------
 
