@@ -175,13 +175,11 @@ class KVSnapScheduler:
         if loadable_blocks * self.block_size <= num_computed_tokens:
             return 0, False
         chain = self._chain(prompt, loadable_blocks)
-        usable = self._usable_chunks(request.request_id, prompt, chain)
+        usable = self._touched(self._usable_chunks(request.request_id, prompt, chain))
         matched = sum(chunk.num_blocks for chunk, _ in usable) * self.block_size
         if matched <= num_computed_tokens:
             return 0, False
         self._matches[request.request_id] = (num_computed_tokens, usable)
-        for chunk, _ in usable:
-            self.store.touch(chunk.path)
         self.events.emit(
             "hit",
             request=request.request_id,
@@ -190,6 +188,16 @@ class KVSnapScheduler:
             local_tokens=num_computed_tokens,
         )
         return matched - num_computed_tokens, False
+
+    def _touched(
+        self, usable: list[tuple[ChunkRef, fmt.SequenceRecord]]
+    ) -> list[tuple[ChunkRef, fmt.SequenceRecord]]:
+        """``usable`` up to the first chunk that could not be touched (gone: evicted or set
+        aside by a pruner), recording the use of the others so pruning keeps them."""
+        for position, (chunk, _) in enumerate(usable):
+            if not self.store.touch(chunk.path):
+                return usable[:position]
+        return usable
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
