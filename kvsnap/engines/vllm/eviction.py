@@ -42,6 +42,7 @@ import fcntl
 import os
 import re
 import secrets
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,6 +57,11 @@ from kvsnap.store.location import INDEX_SUFFIX
 ORPHAN_GRACE_S = 600.0
 #: Marker of a chunk the connector staged before committing it within the bound.
 STAGE_MARKER = ".kvsnap-stage-"
+#: This host's name as staged chunk names carry it.
+_HOST = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+_STAGED = re.compile(
+    re.escape(STAGE_MARKER) + r"(?P<host>[A-Za-z0-9_]+)-(?P<pid>[0-9]+)-[0-9a-f]{16}"
+)
 #: The store-wide lock file (at the store root) that serializes commits within the bound.
 CAPACITY_LOCK = ".kvsnap-capacity.lock"
 #: A part file name's stem (docs/format.md, "Parted snapshots"); :func:`_is_part` checks the
@@ -147,11 +153,27 @@ def _leftover(path: Path, namespace: str, quarantined: bool, grace_s: float) -> 
     if entry is None:
         return None
     if STAGE_MARKER in path.name and publish.TEMP_MARKER not in path.name:
-        if time.time() - entry.modified < grace_s:
+        if _stager_alive(path.name, time.time() - entry.modified, grace_s):
             return None
     elif publish.is_locked(str(path)):
         return None
     return dataclasses.replace(entry, orphan=True, temp=True)
+
+
+def _stager_alive(name: str, age_s: float, grace_s: float) -> bool:
+    """Whether the process that staged the chunk ``name`` may still commit it: on this host,
+    whether its pid is alive; from another host (a shared filesystem), whether the file is
+    younger than ``grace_s``."""
+    match = _STAGED.search(name)
+    if match is None or match.group("host") != _HOST:
+        return age_s < grace_s
+    try:
+        os.kill(int(match.group("pid")), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True
 
 
 def _directory_entries(
@@ -212,10 +234,16 @@ def store_bytes(root: str | os.PathLike[str]) -> int:
 
 
 def eviction_order(entries: list[StoreEntry]) -> list[StoreEntry]:
-    """``entries`` in the order pruning deletes them: orphan parts, then quarantined chunks,
-    then chunks, each least recently used first."""
+    """``entries`` in the order pruning deletes them: leftover temporary files, orphan parts,
+    quarantined chunks, then chunks, each least recently used first."""
     return sorted(
-        entries, key=lambda entry: (not entry.orphan, not entry.quarantined, entry.last_used)
+        entries,
+        key=lambda entry: (
+            not entry.temp,
+            not entry.orphan,
+            not entry.quarantined,
+            entry.last_used,
+        ),
     )
 
 
@@ -319,9 +347,12 @@ def prune_store(
     ``max_bytes``; return the deleted ones. A parted chunk goes whole: its index first (the
     commit point: no reader finds it from then on), then its parts.
 
-    Chunks used in the last ``min_idle_s`` seconds are kept even if the store stays above the
-    bound: a scheduler may have matched one that a worker is about to load. Orphan parts
-    modified in the last ``orphan_grace_s`` seconds are kept: they may be a write in progress.
+    Leftover temporary files (dead writers', abandoned staged chunks) are deleted whatever the
+    bound. Chunks used in the last ``min_idle_s`` seconds are kept even if the store stays
+    above the bound: a scheduler may have matched one that a worker is about to load; a chunk
+    used after the listing is set aside, found used and put back (see the module's notes).
+    Orphan parts modified in the last ``orphan_grace_s`` seconds are kept: they may be a write
+    in progress.
     """
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
@@ -330,7 +361,8 @@ def prune_store(
     moment = time.time() if now is None else now
     removed = []
     for entry in eviction_order(entries):
-        if total <= max_bytes:
+        # Leftover temporary files are garbage whatever the bound: they always go.
+        if total <= max_bytes and not entry.temp:
             break
         if not _removable(entry, moment, min_idle_s, orphan_grace_s):
             continue
@@ -348,10 +380,12 @@ def _exists(path: Path) -> bool:
 
 def staged_path(path: str | os.PathLike[str]) -> Path:
     """A fresh name beside the chunk ``path`` (``HASH.safetensors``) to write it under before
-    :func:`commit_within_capacity` commits it: ``.HASH.kvsnap-stage-PID-TOKEN.safetensors``."""
+    :func:`commit_within_capacity` commits it:
+    ``.HASH.kvsnap-stage-HOST-PID-TOKEN.safetensors`` (host and pid tell a dead stager's
+    leftover from a commit to come)."""
     final = Path(path)
     stem = final.name[: -len(CHUNK_SUFFIX)]
-    token = f"{os.getpid()}-{secrets.token_hex(8)}"
+    token = f"{_HOST}-{os.getpid()}-{secrets.token_hex(8)}"
     return final.with_name(f".{stem}{STAGE_MARKER}{token}{CHUNK_SUFFIX}")
 
 
