@@ -136,3 +136,35 @@ def test_best_effort_cache_labels_its_hits(failed_load: dict[str, Any]) -> None:
     sources = [source for engine in engines for source in engine["hit_sources"]]
     assert sources, "no hit was labelled"
     assert all(set(source) == {"disk"} and all(source.values()) for source in sources), sources
+
+
+def test_sliding_window_models_are_refused_at_start(tmp_path: Path) -> None:
+    """Item 2, on real vLLM (CPU): a model whose every layer uses a sliding window keeps
+    vLLM's sliding-window cache (vLLM frees blocks behind the window during prefill), so the
+    connector refuses it when the engine starts, in one line naming why."""
+    model = tmp_path / "sliding"
+    subprocess.run(
+        [str(PYTHON), str(HERE / "make_model.py"), str(model), "0", str(2 * BLOCK)],
+        check=True,
+        capture_output=True,
+    )
+    job = {
+        "model": str(model),
+        "connector": {"path": str(tmp_path / "store")},
+        "prompts": [{"token_ids": list(range(1, 5 * BLOCK))}],
+        "max_tokens": 2,
+        "output": str(tmp_path / "out.json"),
+    }
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    done = subprocess.run(
+        [str(PYTHON), str(HERE / "run_engine.py"), str(tmp_path / "job.json")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=600,
+    )
+    assert done.returncode != 0 and not (tmp_path / "out.json").exists()
+    refusal = (
+        "kvsnap.errors.LayoutError: KVSnapConnector does not support SlidingWindowSpec KV caches"
+    )
+    assert refusal in done.stdout + done.stderr

@@ -30,6 +30,7 @@ from kvsnap.engines.vllm.engine_config import (
 )
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.options import ConnectorOptions
+from kvsnap.engines.vllm.registration import refuse_dropping_caches
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata, KVSnapWorkerMetadata
 from kvsnap.engines.vllm.store import PrefixStore, store_namespace
@@ -71,6 +72,7 @@ class KVSnapConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("KVSnapConnector does not support pipeline parallelism")
+        refuse_dropping_caches(kv_cache_config)
         transfer = self._kv_transfer_config
         self.options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config or {})
         block_size = vllm_config.cache_config.block_size
