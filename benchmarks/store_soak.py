@@ -281,7 +281,9 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         samples += 1
         if time.monotonic() >= next_kill:
             victim = random.choice(list(engines))
-            engines.pop(victim).send_signal(signal.SIGKILL)
+            killed = engines.pop(victim)
+            killed.send_signal(signal.SIGKILL)
+            killed.wait()
             kills += 1
             engines[next_id] = _spawn(args, counts_dir / f"{next_id}.json")
             next_id += 1

@@ -308,3 +308,24 @@ def test_store_options_are_parsed_and_checked() -> None:
     ):
         with pytest.raises(ValueError, match=key):
             ConnectorOptions.from_extra_config({"path": "/s", **bad})
+
+
+def test_a_dead_stagers_staged_chunk_is_a_leftover(tmp_path: Path) -> None:
+    """Item 5: a chunk staged for a commit within the bound by a process that died before
+    committing it is counted and pruned; one staged by a live process is a write in progress."""
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=1)
+    chunk = _write_chunk(store, _prompt(1, seed=98), 0, 1)
+    live = eviction.staged_path(chunk)
+    live.write_bytes(b"s" * 1000)
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = Path(str(live).replace(f"-{os.getpid()}-", f"-{int(finished.stdout)}-"))
+    dead.write_bytes(b"d" * 2000)
+    entries = store_entries(tmp_path)
+    assert sorted(entry.path for entry in entries) == sorted([chunk, dead])
+    assert prune_store(tmp_path, 10**9)[0].path == dead  # leftovers go whatever the bound
+    assert live.exists() and not dead.exists() and chunk.exists()

@@ -167,13 +167,23 @@ def _stager_alive(name: str, age_s: float, grace_s: float) -> bool:
     match = _STAGED.search(name)
     if match is None or match.group("host") != _HOST:
         return age_s < grace_s
+    pid = int(match.group("pid"))
     try:
-        os.kill(int(match.group("pid")), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # alive, another user's
-    return True
+        pass  # exists, another user's
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and only waits for its parent to reap it (Linux)."""
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return status.rsplit(")", 1)[-1].split()[:1] == ["Z"]
 
 
 def _directory_entries(
