@@ -307,6 +307,51 @@ def _requests(prompts: list[list[int]], max_tokens: int, engine_index: int) -> l
     return requests
 
 
+def _record_hit_sources(connector: Any) -> list[dict[str, int]]:
+    """What ``connector.get_external_cache_hit_sources`` answers vLLM, call by call."""
+    hit_sources: list[dict[str, int]] = []
+    sources_of = connector.get_external_cache_hit_sources
+
+    def record_sources(request: Any, num_external_tokens: int) -> Any:
+        sources = sources_of(request, num_external_tokens)
+        hit_sources.append({str(getattr(k, "value", k)): v for k, v in sources.items()})
+        return sources
+
+    connector.get_external_cache_hit_sources = record_sources
+    return hit_sources
+
+
+def drive(
+    scheduler: Any, runner: FakeRunner, depth: int
+) -> tuple[dict[str, str], list[tuple[int, bool]]]:
+    """Step ``scheduler`` and ``runner`` until every request is done and its blocks freed,
+    scheduling up to ``depth`` steps ahead of the one running (vLLM's batch queue: 2 under
+    ``AsyncScheduler``). Returns the finish reasons and, after each step, (finished requests
+    whose blocks vLLM still holds, what ``has_pending_block_frees()`` says)."""
+    in_flight: deque[Any] = deque()
+    finished: dict[str, str] = {}
+    held_vs_pending: list[tuple[int, bool]] = []
+    deadline = time.monotonic() + 60
+    while scheduler.has_requests() or in_flight:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the engine did not finish its requests in 60 s")
+        if scheduler.has_requests() and len(in_flight) < depth:
+            in_flight.append(scheduler.schedule())
+            if len(in_flight) < depth:
+                continue
+        output = in_flight.popleft()
+        if not output.num_scheduled_tokens:
+            time.sleep(0.005)  # only held blocks are left: their saves run on another thread
+        engine_outputs = scheduler.update_from_output(output, runner.execute(output))
+        for outputs in engine_outputs.values():
+            for item in outputs.outputs:
+                if item.finish_reason is not None:
+                    finished[item.request_id] = str(item.finish_reason)
+        held = sum(1 for request in scheduler.requests.values() if request.is_finished())
+        held_vs_pending.append((held, bool(scheduler.connector.has_pending_block_frees())))
+    return finished, held_vs_pending
+
+
 def run_engine(job: dict[str, Any], engine: dict[str, Any], index: int) -> dict[str, Any]:
     """Run one engine's prompts to the end; what it did, for the parent's assertions."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -328,40 +373,8 @@ def run_engine(job: dict[str, Any], engine: dict[str, Any], index: int) -> dict[
     free_at_start = pool.get_num_free_blocks()
     for request in _requests(engine["prompts"], int(engine.get("max_tokens", 3)), index):
         scheduler.add_request(request)
-    depth = 2 if engine["scheduler"] == "async" else 1
-    in_flight: deque[Any] = deque()
-    finished: dict[str, str] = {}
-    connector = scheduler.connector
-    hit_sources: list[dict[str, int]] = []
-    sources_of = connector.get_external_cache_hit_sources
-
-    def record_sources(request: Any, num_external_tokens: int) -> Any:
-        sources = sources_of(request, num_external_tokens)
-        hit_sources.append({str(getattr(k, "value", k)): v for k, v in sources.items()})
-        return sources
-
-    connector.get_external_cache_hit_sources = record_sources
-    # After each step: (finished requests whose blocks vLLM still holds, what
-    # has_pending_block_frees() says) -- vLLM asks the latter when it runs out of blocks.
-    held_vs_pending: list[tuple[int, bool]] = []
-    deadline = time.monotonic() + 60
-    while scheduler.has_requests() or in_flight:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the engine did not finish its requests in 60 s")
-        if scheduler.has_requests() and len(in_flight) < depth:
-            in_flight.append(scheduler.schedule())
-            if len(in_flight) < depth:
-                continue
-        output = in_flight.popleft()
-        if not output.num_scheduled_tokens:
-            time.sleep(0.005)  # only held blocks are left: their saves run on another thread
-        engine_outputs = scheduler.update_from_output(output, runner.execute(output))
-        for outputs in engine_outputs.values():
-            for item in outputs.outputs:
-                if item.finish_reason is not None:
-                    finished[item.request_id] = str(item.finish_reason)
-        held = sum(1 for request in scheduler.requests.values() if request.is_finished())
-        held_vs_pending.append((held, bool(connector.has_pending_block_frees())))
+    hit_sources = _record_hit_sources(scheduler.connector)
+    finished, held_vs_pending = drive(scheduler, runner, 2 if engine["scheduler"] == "async" else 1)
     runner.connector.connector_worker.wait_for_writes()
     runner.connector.shutdown()
     return {
