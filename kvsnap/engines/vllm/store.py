@@ -354,8 +354,8 @@ def check_store_directory(root: str | os.PathLike[str], *, shared: bool, signed:
 def make_directories(directory: Path, root: Path) -> None:
     """Create ``directory`` and its missing parents up to ``root`` with the root's permission
     bits exactly (``0700`` for a private store; a shared store's group bits), whatever the
-    process umask (a missing root is created ``0700``); files created in them get no more access than they grant
-    (:func:`kvsnap.store.publish.create_temp`)."""
+    process umask (a missing root is created ``0700``); files created in them get no more
+    access than they grant (:func:`kvsnap.store.publish.create_temp`)."""
     if directory.is_dir():
         return
     if not root.is_dir():
