@@ -354,7 +354,7 @@ def test_the_worker_benchmark_runs_quick_on_cpu(tmp_path: Path) -> None:
 def _distinct_chunk_saves(worker: KVSnapWorker, request: str, seed: int) -> list[SaveSpec]:
     """One chunk (blocks 0 and 1 of the cache) of a prompt of its own (tokens from ``seed``)."""
     tokens = np.random.default_rng(seed).integers(1, 500, size=CHUNK_BLOCKS * BLOCK)
-    chain = fmt.prefix_hash_chain(tokens, BLOCK)
+    chain = store_key_chain(tokens, BLOCK, CacheIdentity())
     return [
         SaveSpec(
             request_id=request,
@@ -362,7 +362,7 @@ def _distinct_chunk_saves(worker: KVSnapWorker, request: str, seed: int) -> list
             path=str(worker.store.chunk_path(chain[-1])),
             token_ids=tokens,
             block_ids=np.arange(CHUNK_BLOCKS, dtype=np.int64),
-            sequence_id=chunk_sequence_id(0, None),
+            sequence_id=chunk_sequence_id(0, None, chain[-1]),
         )
     ]
 
