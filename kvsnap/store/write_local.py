@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
@@ -80,10 +81,11 @@ class LocalTarget:
             raise io_error("opening the target directory", directory, error) from error
         free = stats.f_bavail * stats.f_frsize
         if free < needed:
+            # Raised from an ENOSPC so that callers tell a full disk from other failures.
             raise SnapshotIOError(
                 f"the snapshot needs {needed} bytes, {directory} has {free} free",
                 file=self._location.url,
-            )
+            ) from OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         for final in self._finals:
             self._local_files.append(LocalFile(final, owner=stem))
         memory = memory_backed(directory)

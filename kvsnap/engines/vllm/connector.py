@@ -102,6 +102,13 @@ class KVSnapConnector(KVConnectorBase_V1):
                 checker=checker,
                 block_ids_of=self._block_ids_of,
             )
+            if store.read_only and self.options.persist:
+                events.emit(
+                    "config",
+                    logging.WARNING,
+                    message=f"the store {self.options.path} is read-only for this engine: "
+                    "stored chunks are loaded, no chunk is saved",
+                )
             if policy != "recompute" and not verify:
                 events.emit(
                     "config",

@@ -291,13 +291,15 @@ class KVSnapScheduler:
     def _plan_persist(
         self, tracked: _Tracked, computed: int, meta: KVSnapConnectorMetadata
     ) -> None:
-        """Once the prompt is computed: save each of its chunks the store does not hold."""
+        """Once the prompt is computed: save each of its chunks the store does not hold
+        (none into a read-only store)."""
         request = tracked.request
         prompt = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
         # The blocks a later prompt can load: never the one holding the last prompt token.
         num_blocks = max(len(prompt) - 1, 0) // self.block_size
         extra = getattr(request.sampling_params, "extra_args", None) or {}
-        if num_blocks < self.options.min_blocks or extra.get("kvsnap_persist") is False:
+        unwanted = extra.get("kvsnap_persist") is False or self.store.read_only
+        if num_blocks < self.options.min_blocks or unwanted:
             tracked.persisted = True
             return
         if computed < num_blocks * self.block_size:

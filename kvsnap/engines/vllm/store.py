@@ -24,6 +24,7 @@ Nothing here needs vLLM.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -188,6 +189,9 @@ class PrefixStore:
         self.directory = self.root / namespace
         self.chunks = self.directory / "chunks"
         self.quarantined = self.directory / "quarantine"
+        #: A store this process cannot write (a read-only mount, no write permission): it
+        #: serves loads; nothing is saved, and a use or a bad chunk is not recorded.
+        self.read_only = is_read_only(self.root)
 
     def chunk_path(self, last_key: str) -> Path:
         """Where the chunk ending with the block of store key ``last_key`` lives."""
@@ -250,9 +254,16 @@ class PrefixStore:
         for candidate in (snapshot_path(path), index_path(path)):
             try:
                 modified = os.stat(candidate).st_mtime_ns
-                os.utime(candidate, ns=(time.time_ns(), modified))
             except OSError:
                 continue  # not this form, or gone (evicted, quarantined)
+            try:
+                os.utime(candidate, ns=(time.time_ns(), modified))
+            except FileNotFoundError:
+                continue  # gone since the stat
+            except OSError as error:
+                if error.errno not in _CANNOT_WRITE:
+                    raise
+                # A store this process cannot write is not pruned by it: no record needed.
             return True
         return False
 
@@ -266,8 +277,17 @@ class PrefixStore:
         quarantine/HASH.T/HASH.safetensors`` still opens it. Parts of an index too damaged to
         name them stay behind, named by no index (eviction removes them). Returns the moved
         file (a parted chunk's index), or ``None`` when the chunk is gone already (another
-        process moved or evicted it).
+        process moved or evicted it) or cannot be moved (a store this process cannot write:
+        the chunk is checked, and missed, again when next matched).
         """
+        try:
+            return self._quarantine(path)
+        except OSError as error:
+            if error.errno not in _CANNOT_WRITE:
+                raise
+            return None
+
+    def _quarantine(self, path: str | os.PathLike[str]) -> Path | None:
         single = snapshot_path(path)
         make_directories(self.quarantined, self.root)
         moment = time.time_ns()
@@ -296,6 +316,20 @@ class PrefixStore:
             except FileNotFoundError:
                 continue  # removed by a pruner or a replacing write: nothing left to keep
         return target
+
+
+#: errno values of a write refused by the filesystem or the permissions.
+_CANNOT_WRITE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def is_read_only(root: str | os.PathLike[str]) -> bool:
+    """Whether this process cannot write the existing directory ``root`` (a read-only mount,
+    or no write permission); ``False`` for a missing one (it will be created)."""
+    try:
+        flags = os.statvfs(root).f_flag
+    except FileNotFoundError:
+        return False
+    return bool(flags & os.ST_RDONLY) or not os.access(root, os.W_OK)
 
 
 def store_namespace(model_fingerprint: str, geometry: Mapping[str, Any]) -> str:

@@ -29,6 +29,7 @@ the parts holding its heads, whatever TP size stored the chunk.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import time
 from collections.abc import Mapping
@@ -124,6 +125,8 @@ class KVSnapWorker:
         self._pipeline: Pipeline | None = None
         self._saves: SaveQueue | None = None
         self._group: Any = None
+        #: Whether the last save met a full disk (said once, until a save fits again).
+        self._store_full = False
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Build the cache layout from the registered tensors, or refuse them (LayoutError)."""
@@ -255,7 +258,30 @@ class KVSnapWorker:
         assert self.cache is not None and self._saves is not None
         after = _record_after_compute(self.cache.layout.device)
         saves = [PendingSave(spec) for spec in meta.saves]
-        self._saves.submit(saves, lambda save: self._capture(save, after))
+        self._saves.submit(saves, lambda save: self._capture_or_full(save, after))
+
+    def _capture_or_full(self, save: PendingSave, after: torch.cuda.Event | None) -> None:
+        """:meth:`_capture`, with a full disk said once: the writer has already removed what
+        it wrote (the store holds only whole chunks) and the request is served either way, so
+        a save that meets ENOSPC is skipped with one ``store_full`` warning until a save
+        succeeds again. Other failures are the save queue's ``save_failed``."""
+        try:
+            self._capture(save, after)
+        except (OSError, SnapshotIOError) as error:
+            if not _disk_full(error):
+                raise
+            if not self._store_full:
+                self._store_full = True
+                self.events.emit(
+                    "store_full",
+                    logging.WARNING,
+                    request=save.spec.request_id,
+                    path=save.spec.path,
+                    error=f"{type(error).__name__}: {error}",
+                    message="the store's disk is full: saves are skipped until one fits",
+                )
+            return
+        self._store_full = False
 
     def _capture(self, save: PendingSave, after: torch.cuda.Event | None) -> None:
         """Write one save's snapshot straight from the cache, once ``after`` has passed (on
@@ -384,6 +410,17 @@ class KVSnapWorker:
 #: How often, and how long apart, a chunk found missing is opened again: a pruner that sets a
 #: chunk aside puts it back within microseconds when it was just used (matched).
 _OPEN_ATTEMPTS, _OPEN_RETRY_S = 4, 0.005
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether ``error``, or an error it was raised from, is a full disk or an exceeded
+    quota."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _open_chunk(path: str, keys: KeyRing | None) -> Snapshot:

@@ -1,0 +1,156 @@
+"""A full disk and a read-only store, on real size-limited and read-only filesystems.
+
+The store lives on a tmpfs mounted for the test (a real ``ENOSPC``, a real ``EROFS``); where the
+test may not mount one, a full disk is injected into the writer's ``pwrite`` instead, and the
+read-only case (which needs a mount when running as root) is skipped.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvsnap.engines.vllm import (
+    ChunkChecker,
+    ConnectorOptions,
+    EventLog,
+    KVSnapConnectorMetadata,
+    PrefixStore,
+    read_events,
+)
+from kvsnap.engines.vllm.scheduler import KVSnapScheduler
+from kvsnap.snapshot import Snapshot
+from kvsnap.store import local_file
+from tests.vllm import test_worker_saves as saves
+
+#: Room for a few of the test's chunks (each a few KiB: a 4 KiB header and small pages).
+SMALL_DISK = "40k"
+
+
+def _mount(directory: Path, options: str) -> bool:
+    """Mount a tmpfs with ``options`` at ``directory``; whether it could be."""
+    directory.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
+        capture_output=True,
+        check=False,
+    )
+    return done.returncode == 0
+
+
+def _unmount(directory: Path) -> None:
+    subprocess.run(["umount", str(directory)], capture_output=True, check=False)
+
+
+@pytest.fixture
+def small_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """``tmp_path / "store"`` on a full-able disk: a tmpfs of :data:`SMALL_DISK`, or (no
+    mount) a ``pwrite`` that fails with ``ENOSPC`` once that many bytes were written."""
+    store = tmp_path / "store"
+    if _mount(store, f"size={SMALL_DISK},mode=0700"):
+        yield "tmpfs"
+        _unmount(store)
+        return
+    budget = [40 * 1024]
+    real = local_file._pwrite_all
+
+    def filling(fd: int, view: memoryview, offset: int) -> None:
+        budget[0] -= len(view)
+        if budget[0] < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, view, offset)
+
+    monkeypatch.setattr(local_file, "_pwrite_all", filling)
+    yield "injected"
+
+
+def test_a_full_disk_skips_saves_says_so_once_and_keeps_the_store_whole(
+    tmp_path: Path, small_store: str
+) -> None:
+    worker = saves._worker(tmp_path)
+    requests = {f"r{index}": [2 * index, 2 * index + 1] for index in range(8)}
+    planned = {rid: saves._chunk_saves(worker, rid, blocks) for rid, blocks in requests.items()}
+    for specs in planned.values():
+        worker.wait_for_save(KVSnapConnectorMetadata(saves=specs))
+    worker.wait_for_writes()
+    events = read_events(tmp_path / "events.jsonl")
+    kinds = [event["event"] for event in events]
+    assert kinds.count("store_full") == 1, (small_store, kinds)
+    assert "save_failed" not in kinds
+    written = [event["path"] for event in events if event["event"] == "save"]
+    assert 0 < len(written) < len(requests)
+    # Every request is served: its blocks are freed once its (skipped) save is done.
+    assert worker.get_finished(set(requests)) == (set(requests), None)
+    # The store holds whole chunks only: no temporary or staged file, every chunk intact.
+    store = Path(worker.store.root)
+    assert sorted(p.name for p in store.rglob(".*")) == [], list(store.rglob(".*"))
+    for path in written:
+        with Snapshot.open(path) as snapshot:
+            assert snapshot.verify() == []
+    # A stored chunk still loads bit-exact.
+    first = next(rid for rid, specs in planned.items() if specs[0].path in written)
+    expected = saves._blocks(worker, requests[first])
+    saves._load(worker, planned[first], [14, 15])
+    assert all(
+        torch.equal(got, want)
+        for got, want in zip(saves._blocks(worker, [14, 15]), expected, strict=True)
+    )
+    worker.shutdown()
+
+
+@pytest.fixture
+def read_only_store(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs at ``tmp_path / "store"`` that the test remounts read-only when asked."""
+    store = tmp_path / "store"
+    if not _mount(store, "size=1m,mode=0700"):
+        pytest.skip("cannot mount a tmpfs here (a read-only store needs one when run as root)")
+    yield store
+    _unmount(store)
+
+
+def _scheduler(tmp_path: Path, store: PrefixStore) -> KVSnapScheduler:
+    options = ConnectorOptions.from_extra_config(
+        {"path": str(store.root), "chunk_blocks": saves.CHUNK_BLOCKS}
+    )
+    geometry = {"num_layers": saves.LAYERS, "num_kv_heads": saves.HEADS, "head_dim": 8}
+    return KVSnapScheduler(
+        options,
+        store,
+        EventLog(str(tmp_path / "scheduler.jsonl"), "scheduler", 0),
+        block_size=saves.BLOCK,
+        checker=ChunkChecker(saves.FINGERPRINT, geometry, saves.BLOCK, verify=True),
+        block_ids_of=lambda request_id: list(range(saves.BLOCKS)),
+    )
+
+
+def test_a_read_only_store_serves_loads_and_plans_no_saves(
+    tmp_path: Path, read_only_store: Path
+) -> None:
+    worker = saves._worker(tmp_path)
+    specs = saves._chunk_saves(worker, "writer", [0, 1, 2, 3])
+    worker.wait_for_save(KVSnapConnectorMetadata(saves=specs))
+    worker.wait_for_writes()
+    worker.shutdown()
+    prompt = np.concatenate([spec.token_ids for spec in specs] + [np.array([7])]).tolist()
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only_store)], check=True)
+    store = PrefixStore(read_only_store, "ns", chunk_blocks=saves.CHUNK_BLOCKS)
+    assert store.read_only and not os.access(read_only_store, os.W_OK)
+    scheduler = _scheduler(tmp_path, store)
+    request = saves._request("reader", prompt)
+    matched, _ = scheduler.get_num_new_matched_tokens(request, 0)  # type: ignore[arg-type]
+    assert matched == 4 * saves.BLOCK  # a hit, though its use cannot be recorded
+    # A prompt computed here is not saved: nothing can be written.
+    other = saves._request("other", list(range(100, 100 + 4 * saves.BLOCK + 1)))
+    scheduler.update_state_after_alloc(other, None, 0)  # type: ignore[arg-type]
+    meta = scheduler.build_connector_meta(saves._step({"other": 4 * saves.BLOCK + 1}))  # type: ignore[arg-type]
+    assert meta.saves == []
+    # A chunk that fails its check cannot be quarantined: it is a miss, and nothing raises.
+    assert store.quarantine(specs[0].path) is None
+    assert Path(specs[0].path).exists()
