@@ -61,6 +61,19 @@ def test_a_change_in_place_is_seen_by_the_remembered_fingerprint() -> None:
     assert module_weights_fingerprint(model) != before
 
 
+def test_a_replaced_module_or_parameter_is_seen_by_the_remembered_fingerprint() -> None:
+    model = build_default_model()
+    first = loaded_model_fingerprint(model)
+    attention = model.model.layers[0].self_attn
+    # What an adapter library does: a projection swapped for a module of its own.
+    attention.k_proj = torch.nn.Linear(attention.k_proj.in_features, attention.k_proj.out_features)
+    second = loaded_model_fingerprint(model)
+    assert second != first
+    weight = model.model.layers[1].self_attn.v_proj.weight
+    model.model.layers[1].self_attn.v_proj.weight = torch.nn.Parameter(weight.detach() * 2)
+    assert loaded_model_fingerprint(model) not in (first, second)
+
+
 def test_files_and_the_loaded_model_agree_in_any_float_dtype(base_model, tmp_path: Path) -> None:
     base_model.save_pretrained(tmp_path / "f32")
     build_default_model(dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
