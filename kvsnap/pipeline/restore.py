@@ -23,15 +23,44 @@ from kvsnap.pipeline.movers import SlotMover
 from kvsnap.pipeline.slots import SlotPlan
 from kvsnap.pipeline.staging import StagingRing
 from kvsnap.store import SnapshotReader, TraceHook, traced
+from kvsnap.store.hot import HotFile, hot_tier
 
 
 class SnapshotPages:
-    """The pages of one open snapshot as a restore reads them: a slot's pages in one call."""
+    """The pages of one open snapshot as a restore reads them: a slot's pages in one call.
 
-    def __init__(self, reader: SnapshotReader) -> None:
+    ``hot``: the snapshot's files held by the hot tier (one per file, leased by the caller):
+    then nothing is read, and each slot's pages go to the device straight from the files'
+    registered mappings (:meth:`uploads`).
+    """
+
+    def __init__(self, reader: SnapshotReader, hot: Sequence[HotFile] | None = None) -> None:
         self.reader = reader
         self.names = reader.tensor_names()
         self.page_size_bytes = reader.metadata.geometry.canonical_page_size_bytes
+        self.hot = hot
+
+    def uploads(self, plan: SlotPlan, snapshot_blocks: np.ndarray) -> list[tuple[Any, int]]:
+        """``plan``'s pages as host→device copies out of the hot files' mappings: per run of
+        pages consecutive in a file and in the slot, the mapped bytes and their offset in the
+        slot (one run per slot when the slot's pages follow each other in the file)."""
+        assert self.hot is not None
+        runs = self.reader.page_runs(
+            plan.page_tensors, snapshot_blocks[plan.page_positions], plan.page_offsets
+        )
+        lengths = (runs.stops - runs.starts) * self.page_size_bytes
+        uploads = []
+        for file, begin, length, slot_offset in zip(
+            runs.files.tolist(),
+            runs.file_offsets.tolist(),
+            lengths.tolist(),
+            runs.slot_offsets.tolist(),
+            strict=True,
+        ):
+            host = self.hot[file].host
+            assert host is not None  # leased entries stay mapped
+            uploads.append((host[begin : begin + length], slot_offset))
+        return uploads
 
     def read_async(
         self,
@@ -56,6 +85,26 @@ class SnapshotPages:
     def stored(self, plan: SlotPlan, snapshot_blocks: np.ndarray) -> np.ndarray:
         """The stored xxh3-64 of ``plan``'s pages."""
         return self.reader.stored_checksums(plan.page_tensors, snapshot_blocks[plan.page_positions])
+
+
+def lease_hot_files(reader: SnapshotReader, *, admit: bool) -> list[HotFile] | None:
+    """Every file of ``reader``'s snapshot from the process-wide hot tier, leased (give each
+    back with :meth:`~kvsnap.store.hot.HotTier.release`), or ``None``: a file is not local or
+    not (yet) held (all or nothing; each lookup counts a hit). ``admit``: register the files
+    now (the caller's word) rather than on the tier's ``register_after``-th hit."""
+    tier = hot_tier()
+    files = reader.local_files() if tier.enabled else None
+    if files is None:
+        return None
+    leases: list[HotFile] = []
+    for path, fd, status in files:
+        entry = tier.lookup(path, fd, status, admit=admit)
+        if entry is None:
+            for leased in leases:
+                tier.release(leased)
+            return None
+        leases.append(entry)
+    return leases
 
 
 @dataclass(frozen=True)
@@ -176,6 +225,12 @@ class _RestoreRun:
         self.snapshot_blocks, self.target_blocks = blocks
         self.progress = progress
         self.on_device = mover.hashes_pages and pages.reader.verifies
+        # Hot files are only ever read by the device: never through a host read or host check.
+        self.hot = (
+            pages.hot is not None
+            and mover.uploads
+            and (self.on_device or not pages.reader.verifies)
+        )
         self.checked: list[tuple[SlotPlan, Any]] = []
         self.failed_tensors: list[np.ndarray] = []
         self.failed_positions: list[np.ndarray] = []
@@ -184,7 +239,11 @@ class _RestoreRun:
 
     def read(self, plan: SlotPlan, slot: Slot) -> Future[np.ndarray]:
         """Queue ``plan``'s read into ``slot`` (checksums on the read threads unless the
-        device checks them)."""
+        device checks them). From hot files nothing is read: the slot only orders the move."""
+        if self.hot:
+            nothing: Future[np.ndarray] = Future()
+            nothing.set_result(np.empty(0, dtype=np.int64))
+            return nothing
         return self.pages.read_async(
             plan, self.snapshot_blocks, slot.as_numpy(), self.trace, verify=not self.on_device
         )
@@ -208,6 +267,7 @@ class _RestoreRun:
         positions = moving.page_positions
         expected = self.pages.stored(moving, self.snapshot_blocks) if self.on_device else None
         nbytes = moving.num_bytes(self.pages.page_size_bytes)
+        uploads = self.pages.uploads(moving, self.snapshot_blocks) if self.hot else None
         with traced(self.trace, "transfer.submit", nbytes):
             ticket = self.mover.submit(
                 moving,
@@ -215,6 +275,7 @@ class _RestoreRun:
                 self.target_blocks[positions],
                 self.snapshot_blocks[positions],
                 expected,
+                uploads=uploads,
             )
         if expected is not None:
             self.checked.append((moving, ticket))

@@ -18,3 +18,8 @@ WRITE_POOL_THREADS = 32
 STREAM_BLOCK_BYTES = 16 << 20
 #: Blocks a verify reports per tensor before summarizing the rest.
 MAX_PROBLEMS_PER_TENSOR = 16
+#: Whether a local file's aligned ranges that the page cache does not hold are read with
+#: O_DIRECT (a range the page cache holds is always read through it: ``preadv`` with
+#: ``RWF_NOWAIT`` first). False: cold ranges are read through the page cache too, so the next
+#: load of the file (by any process, after an engine restart too) is served from RAM.
+COLD_READS_DIRECT = False
