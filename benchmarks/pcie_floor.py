@@ -205,13 +205,62 @@ def _fixed_row(source: list, target: list, tokens: int, path: Path, repeat: int)
     return row
 
 
+def profile(model, tokens: int, directory: Path, out: Path) -> None:
+    """Where a hot ``restore_dynamic_cache`` of ``tokens`` spends its time: the host's calls
+    (cProfile, 10 restores) and the device's kernels and copies (torch.profiler, 3 restores),
+    written to ``out/profile-TOKENS-{host,device}.txt``."""
+    import cProfile
+    import io
+    import pstats
+
+    from kvsnap.engines import transformers as kt
+
+    ids = torch.randint(0, 128000, (1, tokens), device="cuda")
+    path = directory / f"profile-{tokens}.safetensors"
+    kt.capture_dynamic_cache(prefill(model, ids), [ids[0].tolist()], path, model=model)
+    configure_hot_tier(8 << 30, register_after=1)
+
+    def restore():
+        return kt.restore_dynamic_cache(path, device="cuda", model=model)[0]
+
+    for _ in range(3):
+        restore()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(10):
+        restore()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+    (out / f"profile-{tokens}-host.txt").write_text(text.getvalue())
+    try:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as device_profile
+
+        with device_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                restore()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        (out / f"profile-{tokens}-device.txt").write_text(table)
+    except Exception as error:  # a profiler that cannot run here is reported, not fatal
+        (out / f"profile-{tokens}-device.txt").write_text(repr(error))
+    configure_hot_tier(0)
+    path.unlink()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json-out", type=Path, default=None)
-    parser.add_argument("--sizes", default="128,2048,8192")
+    parser.add_argument("--sizes", default="128,2048,8192", help="'' for none")
     parser.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
     parser.add_argument("--disk-dir", type=Path, default=None)
     parser.add_argument("--fixed", action="store_true")
+    parser.add_argument("--profile", default="", help="prefix lengths to profile, e.g. 128,2048")
+    parser.add_argument("--profile-dir", type=Path, default=Path("."))
     parser.add_argument("--repeat", type=int, default=30, help="timed calls per fixed-cost case")
     args = parser.parse_args()
     kvikio = _kvikio()
@@ -220,8 +269,10 @@ def main() -> None:
         "kvikio": getattr(kvikio, "__version__", None),
     }
     model = build_model()
+    for tokens in [int(size) for size in args.profile.split(",") if size]:
+        profile(model, tokens, args.shm_dir, args.profile_dir)
     rows = []
-    for tokens in [int(size) for size in args.sizes.split(",")]:
+    for tokens in [int(size) for size in args.sizes.split(",") if size]:
         row = one_prefix(model, tokens, args.shm_dir, kvikio)
         rows.append(row)
         print(json.dumps(row), flush=True)
