@@ -11,7 +11,10 @@ a Llama-3-8B-shaped model (32 layers, 8 KV heads x 128, bf16, random weights, tr
 * ``hot``: the same once the file is registered (copied straight from the page cache);
 * ``kvikio``: kvikio's ``CuFile.pread`` of the whole file into device memory (its C++ thread
   pool, compat mode; bytes only, no checks, no scatter), where kvikio is installed;
-* ``floor``: one host->device copy of the same number of bytes from pinned memory.
+* ``floor``: one host->device copy of the same number of bytes from pinned memory;
+* ``pipeline`` / ``pipeline hot``: ``Pipeline.restore`` as an engine calls it (a kept pipeline
+  over a vLLM-shaped paged cache of the same shape, the snapshot opened per call), hot tier off
+  and on.
 
 Every restore is checked bit-exact against the prefilled cache. With ``--disk-dir`` it also
 measures a 2,048-token prefix on a disk: a cold restore (page cache dropped) read with O_DIRECT
@@ -106,26 +109,80 @@ def one_prefix(model, tokens: int, directory: Path, kvikio) -> dict:
     row["hot_ms"] = median_ms(restore, repeat)
     row["hot_registered_bytes"] = hot_tier().stats().registered_bytes
     configure_hot_tier(0)
-    data = torch.empty(row["file_bytes"], dtype=torch.uint8, device="cuda")
+    row.update(_raw_copies(path, row["file_bytes"], row["kv_bytes"], kvikio, repeat))
+    for name in ("restore", "hot", "hot_first"):
+        row[f"prefill_over_{name}"] = row["prefill_ms"] / row[f"{name}_ms"]
+    row["floor_over_hot"] = row["floor_ms"] / row["hot_ms"]
+    row.update(engine_path(tokens, directory))
+    row["prefill_over_pipeline_hot"] = row["prefill_ms"] / row["pipeline_hot_ms"]
+    row["floor_over_pipeline_hot"] = row["floor_ms"] / row["pipeline_hot_ms"]
+    for file in directory.glob(f"floor-{tokens}*"):
+        file.unlink()
+    return row
+
+
+def _raw_copies(path: Path, file_bytes: int, kv_bytes: int, kvikio, repeat: int) -> dict:
+    """kvikio's read of the whole file into device memory (checked), and the pinned floor."""
+    row: dict[str, float | bool] = {}
+    data = torch.empty(file_bytes, dtype=torch.uint8, device="cuda")
     if kvikio is not None:
         handle = kvikio.CuFile(path, "r")
         try:
             row["kvikio_ms"] = median_ms(lambda: handle.pread(data, data.numel(), 0).get(), repeat)
         finally:
             handle.close()
-        row["kvikio_exact"] = bool(
-            torch.equal(
-                data.cpu(), torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-            )
-        )
-    pinned = torch.empty(row["kv_bytes"], dtype=torch.uint8, pin_memory=True)
-    target = torch.empty(row["kv_bytes"], dtype=torch.uint8, device="cuda")
+        expected = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+        row["kvikio_exact"] = bool(torch.equal(data.cpu(), expected))
+    pinned = torch.empty(kv_bytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(kv_bytes, dtype=torch.uint8, device="cuda")
     row["floor_ms"] = median_ms(lambda: target.copy_(pinned, non_blocking=True), repeat)
-    for name in ("restore", "hot", "hot_first"):
-        row[f"prefill_over_{name}"] = row["prefill_ms"] / row[f"{name}_ms"]
-    row["floor_over_hot"] = row["floor_ms"] / row["hot_ms"]
-    for file in directory.glob(f"floor-{tokens}*"):
-        file.unlink()
+    return row
+
+
+def engine_path(tokens: int, directory: Path) -> dict:
+    """``Pipeline.restore`` as an engine calls it: a kept pipeline over a vLLM-shaped paged
+    cache of the same shape (blocks of 16 tokens), the snapshot opened per call; hot tier off
+    and on, each checked bit-exact against the captured cache."""
+    from benchmarks.engine import SOURCE
+    from kvsnap.layout.allocate import allocate_cache
+    from kvsnap.pipeline import Pipeline
+    from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
+
+    blocks = tokens // 16
+    shape = {"num_layers": 32, "num_blocks": blocks, "block_size": 16, "num_kv_heads": 8}
+    source, target = (
+        allocate_cache("vllm-nhd", **shape, head_dim=128, dtype=torch.bfloat16, device="cuda")
+        for _ in range(2)
+    )
+    for tensor in source.layout.tensors:
+        tensor.tensor.view(torch.uint8).random_()
+    ids = np.arange(blocks, dtype=np.int64)
+    path = directory / f"engine-{tokens}.safetensors"
+    sequence = SequenceBlocks("s", np.arange(tokens), ids)
+    capture(source.layout, [sequence], path, source=SOURCE)
+    pipeline = Pipeline(target.layout)
+
+    def restore() -> None:
+        with Snapshot.open(path) as snap:
+            pipeline.restore(snap, {"s": ids})
+
+    def exact() -> bool:
+        for tensor in target.layout.tensors:
+            tensor.tensor.zero_()
+        restore()
+        torch.cuda.synchronize()
+        pairs = zip(source.layout.tensors, target.layout.tensors, strict=True)
+        return all(torch.equal(a.tensor, b.tensor) for a, b in pairs)
+
+    row: dict[str, float | bool] = {}
+    configure_hot_tier(0)
+    row["pipeline_exact"] = exact()
+    row["pipeline_ms"] = median_ms(restore, 7)
+    configure_hot_tier(8 << 30, register_after=1)
+    row["pipeline_hot_exact"] = exact()
+    row["pipeline_hot_ms"] = median_ms(restore, 7)
+    configure_hot_tier(0)
+    path.unlink()
     return row
 
 

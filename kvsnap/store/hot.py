@@ -177,6 +177,7 @@ class HotTier:
         if not self.enabled:
             return None
         key = file_key(status)
+        path = os.path.abspath(path)
         closing: list[HotFile] = []
         try:
             with self._lock:
@@ -289,6 +290,7 @@ class HotTier:
     def forget(self, path: str) -> None:
         """Drop every entry of ``path`` (its owner is removing or replacing it); a leased entry
         is closed when its lease ends."""
+        path = os.path.abspath(path)
         with self._lock:
             gone = [entry for entry in self._files.values() if entry.path == path]
             self._counts["invalidations"] += len(gone)

@@ -121,9 +121,9 @@ def test_a_byte_flipped_in_a_registered_page_is_caught_on_the_device(tmp_path, t
         with pytest.raises(RestoreIncompleteError) as caught:
             pipeline.restore(snap, {"s0": TARGET})
     assert hot_tier().stats().hits == 1
-    # Snapshot block 1 is the third block of the sequence: target block 4.
-    assert caught.value.failed_block_ids.tolist() == [4]
-    others = [i for i, block in enumerate(USED[0]) if block != 1]
+    # Snapshot block 1 holds the sequence's second block, restored into target block 2.
+    assert caught.value.failed_block_ids.tolist() == [TARGET[1]]
+    others = [i for i in range(len(TARGET)) if i != 1]
     _assert_restored(targets, content, [USED[0][i] for i in others], [TARGET[i] for i in others])
 
 

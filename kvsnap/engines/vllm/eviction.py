@@ -31,6 +31,7 @@ from pathlib import Path
 
 from kvsnap import format as fmt
 from kvsnap.engines.vllm.store import CHUNK_SUFFIX, part_files
+from kvsnap.store.hot import hot_tier
 from kvsnap.store.location import INDEX_SUFFIX
 
 #: Seconds after its last modification from which a part named by no index is garbage.
@@ -186,7 +187,10 @@ def _delete(entry: StoreEntry) -> bool:
         entry.path.unlink()
     except FileNotFoundError:
         return False
+    tier = hot_tier()
+    tier.forget(str(entry.path))  # its registered pages are freed now, not at the next prune
     for part in entry.parts:
+        tier.forget(str(part))
         with contextlib.suppress(FileNotFoundError):
             part.unlink()
     if entry.quarantined and entry.parts:
