@@ -15,7 +15,9 @@ import pytest
 
 from kvsnap.store import tuning
 from kvsnap.store.hot import HotFile, HotTier
+from kvsnap.store.local_file import memory_backed
 from kvsnap.store.location import locate
+from kvsnap.store.residency import resident
 from kvsnap.store.source import Source
 
 PAGE = 4096
@@ -173,8 +175,10 @@ def test_forget_drops_a_leased_entry_once_its_lease_ends(tmp_path, opened):
 
 
 def test_a_page_cached_range_is_never_read_through_o_direct(tmp_path, monkeypatch):
-    if not hasattr(os, "O_DIRECT") or not getattr(os, "RWF_NOWAIT", 0):
-        pytest.skip("needs O_DIRECT and RWF_NOWAIT")
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("needs O_DIRECT")
+    if memory_backed(str(tmp_path)):
+        pytest.skip("a file in memory cannot leave the page cache")
     monkeypatch.setattr(tuning, "COLD_READS_DIRECT", True)
     path = tmp_path / "snap"
     data = _write(path, 64, 0)
@@ -196,8 +200,6 @@ def test_a_page_cached_range_is_never_read_through_o_direct(tmp_path, monkeypatc
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
         source.read_into(0, memoryview(out))
-        if source._nowait and out.tobytes() == data:
-            pytest.skip("this filesystem keeps the file in memory (the cache cannot be dropped)")
         assert out.tobytes() == bytes(len(data))  # cold, aligned: through O_DIRECT
     finally:
         source.close()
@@ -213,3 +215,20 @@ def test_cold_reads_through_the_page_cache_open_no_o_direct_descriptor(tmp_path,
         assert source.read(0, len(data)) == data
     finally:
         source.close()
+
+
+def test_residency_is_told_without_reading(tmp_path):
+    if memory_backed(str(tmp_path)):
+        pytest.skip("a file in memory cannot leave the page cache")
+    path = tmp_path / "snap"
+    data = _write(path, 16, 0)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert resident(fd, 0, len(data)) is True  # just written: in the page cache
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert resident(fd, 0, len(data)) is False  # asking read nothing in
+        assert os.pread(fd, PAGE, 3 * PAGE) == data[3 * PAGE : 4 * PAGE]
+        assert resident(fd, 3 * PAGE + 5, 100) is True
+    finally:
+        os.close(fd)

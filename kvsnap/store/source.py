@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import threading
 from dataclasses import dataclass
@@ -23,9 +22,7 @@ from kvsnap.store.location import (
     io_error,
     open_regular,
 )
-
-#: ``preadv`` flag: read only what the page cache holds, never wait for the disk (0: none).
-_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+from kvsnap.store.residency import resident
 
 
 def _open_direct_reader(path: str, status: os.stat_result) -> int | None:
@@ -74,7 +71,6 @@ class Source:
         self._direct_fd: int | None = None
         self._handle: Any = None
         self._status: os.stat_result | None = None
-        self._nowait = _NOWAIT != 0
         try:
             if location.is_local:
                 self._fd, status = open_regular(location)
@@ -140,23 +136,12 @@ class Source:
 
     def _read_local(self, out: memoryview, offset: int, direct: bool) -> int:
         """One ``preadv`` into ``out`` at ``offset``: through the page cache, or with ``direct``
-        (an aligned range, cold reads set to O_DIRECT) from the page cache only as far as it
-        holds the range (``RWF_NOWAIT``) and with O_DIRECT beyond: a page-cached file is never
-        read through O_DIRECT, which would go to the disk."""
+        (an aligned range, cold reads set to O_DIRECT) through O_DIRECT unless the page cache
+        holds the whole range: a page-cached file is never read through O_DIRECT, which would
+        go to the disk for bytes already in memory."""
         assert self._fd is not None
-        if not direct:
+        if not direct or resident(self._fd, offset, len(out)):
             return os.preadv(self._fd, [out], offset)
-        if self._nowait:
-            try:
-                count = os.preadv(self._fd, [out], offset, _NOWAIT)
-                if count > 0:
-                    return count
-            except BlockingIOError:
-                pass  # nothing of the range is in the page cache
-            except OSError as error:
-                if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                self._nowait = False  # this kernel or filesystem cannot tell: O_DIRECT
         assert self._direct_fd is not None
         return os.preadv(self._direct_fd, [out], offset)
 
