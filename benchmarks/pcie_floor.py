@@ -139,10 +139,12 @@ def _raw_copies(path: Path, file_bytes: int, kv_bytes: int, kvikio, repeat: int)
     return row
 
 
-def engine_path(tokens: int, directory: Path) -> dict:
+def engine_path(tokens: int, directory: Path, profile_out: Path | None = None) -> dict:
     """``Pipeline.restore`` as an engine calls it: a kept pipeline over a vLLM-shaped paged
     cache of the same shape (blocks of 16 tokens), the snapshot opened per call; hot tier off
-    and on, each checked bit-exact against the captured cache."""
+    and on, each checked bit-exact against the captured cache. With ``profile_out``, also
+    where 10 hot restores spend the host's time (cProfile, and the summed trace spans per
+    step) in ``profile_out/profile-engine-TOKENS.txt``."""
     from benchmarks.engine import SOURCE
     from kvsnap.layout.allocate import allocate_cache
     from kvsnap.pipeline import Pipeline
@@ -184,9 +186,43 @@ def engine_path(tokens: int, directory: Path) -> dict:
     configure_hot_tier(8 << 30, register_after=1)
     row["pipeline_hot_exact"] = exact()
     row["pipeline_hot_ms"] = median_ms(restore, 7)
+    if profile_out is not None:
+        _profile_engine(pipeline, path, ids, profile_out / f"profile-engine-{tokens}.txt")
     configure_hot_tier(0)
     path.unlink()
     return row
+
+
+def _profile_engine(pipeline, path: Path, ids: np.ndarray, out: Path) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    from kvsnap.snapshot import Snapshot
+
+    spans: dict[str, float] = {}
+
+    def trace(kind: str, started: float, finished: float, nbytes: int) -> None:
+        spans[kind] = spans.get(kind, 0.0) + (finished - started) * 1e3
+
+    def restore() -> None:
+        with Snapshot.open(path) as snap:
+            pipeline.restore(snap, {"s": ids}, trace=trace)
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    profiler.enable()
+    for _ in range(10):
+        restore()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    text.write(f"10 hot restores in {(time.perf_counter() - started) * 1e3:.1f} ms (profiled)\n")
+    for kind, total in sorted(spans.items(), key=lambda item: -item[1]):
+        text.write(f"{kind:>24}: {total / 10:8.3f} ms per restore\n")
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
+    out.write_text(text.getvalue())
 
 
 def disk_prefix(model, tokens: int, directory: Path) -> dict:
@@ -320,6 +356,7 @@ def main() -> None:
     parser.add_argument("--disk-dir", type=Path, default=None)
     parser.add_argument("--fixed", action="store_true")
     parser.add_argument("--profile", default="", help="prefix lengths to profile, e.g. 128,2048")
+    parser.add_argument("--profile-engine", default="", help="prefix lengths, e.g. 2048")
     parser.add_argument("--profile-dir", type=Path, default=Path("."))
     parser.add_argument("--repeat", type=int, default=30, help="timed calls per fixed-cost case")
     args = parser.parse_args()
@@ -337,6 +374,8 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     out["prefixes"] = rows
+    for tokens in [int(size) for size in args.profile_engine.split(",") if size]:
+        engine_path(tokens, args.shm_dir, args.profile_dir)
     if args.disk_dir is not None:
         out["disk"] = disk_prefix(model, 2048, args.disk_dir)
         print(json.dumps(out["disk"]), flush=True)
