@@ -100,9 +100,9 @@ def test_a_slot_spans_tensors_so_a_short_prefix_is_one_copy(tmp_path: Path, cach
     calls: list[int] = []
     real = FusedMover.submit
 
-    def recorded(self, plan, *args):
+    def recorded(self, plan, *args, **kwargs):
         calls.append(len(plan.segments))
-        return real(self, plan, *args)
+        return real(self, plan, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(FusedMover, "submit", recorded)

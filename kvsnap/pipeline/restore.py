@@ -150,7 +150,9 @@ def restore_slots(
     """
     runs = [_RestoreRun(mover, ring, s.pages, s.blocks, progress, trace) for s in sources]
     completed: queue.SimpleQueue[_Reading] = queue.SimpleQueue()
-    remaining = ((run, plan) for run, s in zip(runs, sources, strict=True) for plan in s.plans)
+    remaining = _Plans(
+        (run, plan) for run, s in zip(runs, sources, strict=True) for plan in s.plans
+    )
     reading = 0
     try:
         while True:
@@ -176,16 +178,17 @@ def restore_slots(
 def _fill_free_slots(
     ring: StagingRing,
     runs: Sequence[_RestoreRun],
-    remaining: Iterator[tuple[_RestoreRun, SlotPlan]],
+    remaining: _Plans,
     completed: queue.SimpleQueue[_Reading],
     *,
     blocking: bool,
 ) -> int:
     """Queue the next plans' reads in every free slot: how many were started. Waits for a
     slot only when ``blocking`` (nothing of ours in flight): a pool shared with another
-    restore must not leave both waiting for each other's slots."""
+    restore must not leave both waiting for each other's slots. No slot is taken once every
+    plan is started: taking one waits for its last copy, often the one just enqueued."""
     started = 0
-    while not any(run.error is not None for run in runs):
+    while not any(run.error is not None for run in runs) and remaining.peek() is not None:
         if blocking and not started:
             with traced(runs[0].trace, "staging.wait"):
                 slot = ring.acquire()
@@ -193,11 +196,7 @@ def _fill_free_slots(
             slot = ring.try_acquire()
         if slot is None:
             break
-        item = next(remaining, None)
-        if item is None:
-            ring.release(slot)
-            break
-        run, plan = item
+        run, plan = remaining.take()
         try:
             read = run.read(plan, slot)
         except BaseException:
@@ -207,6 +206,25 @@ def _fill_free_slots(
         read.add_done_callback(lambda done, r=run, p=plan, s=slot: completed.put((r, p, s, done)))
         started += 1
     return started
+
+
+class _Plans:
+    """The plans of a restore in order, the next one visible before it is taken."""
+
+    def __init__(self, plans: Iterator[tuple[_RestoreRun, SlotPlan]]) -> None:
+        self._plans = plans
+        self._next: tuple[_RestoreRun, SlotPlan] | None = None
+
+    def peek(self) -> tuple[_RestoreRun, SlotPlan] | None:
+        if self._next is None:
+            self._next = next(self._plans, None)
+        return self._next
+
+    def take(self) -> tuple[_RestoreRun, SlotPlan]:
+        item = self.peek()
+        assert item is not None
+        self._next = None
+        return item
 
 
 class _RestoreRun:
