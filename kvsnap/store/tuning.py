@@ -21,8 +21,8 @@ MAX_PROBLEMS_PER_TENSOR = 16
 #: Whether a local file's aligned ranges that the page cache does not hold are read with
 #: O_DIRECT (a range the page cache holds is always read through it: ``store/residency.py``).
 #: False, measured on the H200 machine's disk (docs/benchmarks.md, "Hits at the PCIe floor"):
-#: a cold 268 MB restore read through the page cache took 187 ms against 204 ms with O_DIRECT,
-#: and the next load of the file (by any process, after an engine restart too) is then served
-#: from RAM (23 ms). True leaves the page cache alone: for files read once that should not
-#: displace what the page cache holds.
+#: a cold 268 MB restore read through the page cache took 150 ms against 140 ms with O_DIRECT,
+#: and the next load of the file (by any process, after an engine restart too) 21 ms against
+#: 152. True keeps cold ranges off the page cache: for files read once that should not
+#: displace what it holds.
 COLD_READS_DIRECT = False
