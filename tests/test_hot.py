@@ -232,3 +232,18 @@ def test_residency_is_told_without_reading(tmp_path):
         assert resident(fd, 3 * PAGE + 5, 100) is True
     finally:
         os.close(fd)
+
+
+def test_a_file_the_page_cache_does_not_hold_is_not_registered_until_it_does(tmp_path, opened):
+    if memory_backed(str(tmp_path)):
+        pytest.skip("a file in memory cannot leave the page cache")
+    path = tmp_path / "snap"
+    data = _write(path, 16, 0)
+    file = opened(path)
+    os.fsync(file.fd)
+    os.posix_fadvise(file.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    tier = _tier(hot_bytes=64 * PAGE)
+    assert _lookup(tier, file, admit=True) is None
+    assert os.pread(file.fd, len(data), 0) == data  # read once: now page-cached
+    entry = _lookup(tier, file, admit=True)
+    assert entry is not None and _mapped_bytes(entry) == data

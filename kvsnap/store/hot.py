@@ -10,7 +10,9 @@ keeps one process-wide :class:`HotTier`:
 
 * bounded by ``hot_bytes`` (whole files, least recently used evicted first);
 * a file is registered on its ``register_after``-th hit (see :data:`REGISTER_AFTER`), or at
-  once on the caller's word (``admit=True``), so a one-off restore does not pay for it;
+  once on the caller's word (``admit=True``), so a one-off restore does not pay for it, and
+  only once the page cache holds all of it (registering a cold file would read it page by
+  page);
 * keyed by what identifies one version of a file (:func:`file_key`: device, inode, size,
   modification and change times): a file replaced by rename, truncated or rewritten is a new
   key and never served from the old mapping; entries whose path no longer names their version
@@ -36,6 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvsnap.store.residency import resident
 
 #: Default bound on the bytes registered at once, process-wide. Registered pages are locked in
 #: RAM; 4 GiB holds ~30 prefixes of 2,048 tokens of an 8B model.
@@ -169,11 +173,11 @@ class HotTier:
         self, path: str, fd: int, status: os.stat_result, *, admit: bool = False
     ) -> HotFile | None:
         """The held file for the open descriptor ``fd`` (whose ``fstat`` is ``status``), leased
-        to the caller until :meth:`release`, or ``None``: not (yet) worth holding, too large,
-        or everything it could displace is in use. Counts the hit; maps and registers the file
-        on its ``register_after``-th hit, or now with ``admit``. Mapping ``fd`` itself maps the
-        very file its opener checked. A failed mapping or registration serves nothing (counted
-        in :attr:`HotStats.failures`)."""
+        to the caller until :meth:`release`, or ``None``: not (yet) worth holding, not (all)
+        in the page cache, too large, or everything it could displace is in use. Counts the
+        hit; maps and registers the file on its ``register_after``-th hit, or now with
+        ``admit``. Mapping ``fd`` itself maps the very file its opener checked. A failed
+        mapping or registration serves nothing (counted in :attr:`HotStats.failures`)."""
         if not self.enabled:
             return None
         key = file_key(status)
@@ -190,6 +194,11 @@ class HotTier:
                 self._counts["misses"] += 1
                 hits = self._seen.pop(key, 0) + 1
                 if (hits < self.register_after and not admit) or key[2] > self.hot_bytes:
+                    self._count_seen_locked(key, hits)
+                    return None
+                if resident(fd, 0, key[2]) is False:
+                    # Registering faults every page in, one at a time, under this lock: a file
+                    # the page cache does not hold (yet) is read instead, and held once it is.
                     self._count_seen_locked(key, hits)
                     return None
                 closing = self._stale_locked(path, key)

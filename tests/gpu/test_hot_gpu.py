@@ -39,9 +39,12 @@ def tier():
 
 
 def _snapshot(path: Path, seed: int):
-    """A snapshot of a 4-layer cache (pages of 8 heads x 64: hashed on the device)."""
+    """A snapshot of a 4-layer cache (pages of 8 heads x 64: hashed on the device), read once
+    so that the page cache holds it (it was written with O_DIRECT), as a first load leaves it:
+    the hot tier registers only files the page cache holds."""
     sources, content = _caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, seed=seed)
     capture([c.layout for c in sources], _sequences(USED), path, source=SOURCE)
+    path.read_bytes()
     return content
 
 

@@ -250,6 +250,7 @@ def test_evicting_a_chunk_drops_it_from_the_hot_tier(tmp_path: Path, monkeypatch
     paths = [_write_chunk(store, _prompt(1, seed=30 + i), 0, 1) for i in range(2)]
     entries = []
     for path in paths:
+        path.read_bytes()  # written with O_DIRECT: loaded once, through the page cache
         fd = os.open(path, os.O_RDONLY)
         try:
             entry = tier.lookup(str(path), fd, os.fstat(fd))
