@@ -58,6 +58,7 @@ import torch
 
 from kvsnap import format as fmt
 from kvsnap.engines.vllm.events import EventLog, read_events
+from kvsnap.engines.vllm.identity import CacheIdentity, store_key_chain
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.registration import RegisteredCache, registered_cache
 from kvsnap.engines.vllm.specs import ChunkLoad, KVSnapConnectorMetadata, LoadSpec, SaveSpec
@@ -178,7 +179,7 @@ def prompt_specs(store: PrefixStore, request: str, blocks: np.ndarray, seed: int
     """The chunk saves of one prompt whose full blocks are ``blocks``, as the scheduler plans
     them (aligned chunks of ``CHUNK_BLOCKS``, named by their last block's prefix hash)."""
     tokens = np.random.default_rng(seed).integers(1, 32000, size=len(blocks) * BLOCK)
-    chain = fmt.prefix_hash_chain(tokens, BLOCK)
+    chain = store_key_chain(tokens, BLOCK, CacheIdentity())
     return [
         SaveSpec(
             request_id=request,
@@ -186,7 +187,9 @@ def prompt_specs(store: PrefixStore, request: str, blocks: np.ndarray, seed: int
             path=str(store.chunk_path(chain[end - 1])),
             token_ids=tokens[start * BLOCK : end * BLOCK],
             block_ids=blocks[start:end],
-            sequence_id=chunk_sequence_id(start, chain[start - 1] if start else None),
+            sequence_id=chunk_sequence_id(
+                start, chain[start - 1] if start else None, chain[end - 1]
+            ),
         )
         for start, end in store.chunk_spans(len(blocks))
     ]

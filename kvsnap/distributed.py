@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from kvsnap import format as fmt
 from kvsnap.errors import LayoutError, RankFailedError, RestoreIncompleteError
+from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, PageRef, PartAssignment, part_plan
 from kvsnap.parted import capture_part
 from kvsnap.pipeline import (
@@ -85,6 +86,7 @@ def capture(
     trace: TraceHook | None = None,
     after: torch.cuda.Event | None = None,
     only_if_missing: bool = False,
+    keys: KeyRing | None = None,
 ) -> DistributedCapture:
     """Capture ``sequences`` from every rank of ``group`` into one snapshot at ``path``.
 
@@ -102,6 +104,7 @@ def capture(
     thread than the one that computed the KV). With ``only_if_missing`` rank 0 looks for a
     snapshot at ``path`` first and, if there is one, no rank writes anything (a content-
     addressed store's dedup, decided once for all ranks): the result says ``skipped``.
+    ``keys`` signs every rank's file (:class:`~kvsnap.format.KeyRing`).
     """
     started = time.perf_counter()
     rank, world = _check_rank(layout, group)
@@ -115,6 +118,7 @@ def capture(
         "progress": progress,
         "trace": trace,
         "after": after,
+        "keys": keys,
     }
     plan = part_plan(layout.geometry, world) if world > 1 else []
     start = None

@@ -8,6 +8,9 @@ Everything a snapshot file or a restore target can do wrong maps onto one of the
     ├── SnapshotCorruptError      a kvsnap snapshot whose bytes or structure are wrong
     ├── NotASnapshotError         not a kvsnap snapshot at all (garbage, empty, foreign file)
     ├── UnsupportedVersionError   a snapshot format this kvsnap cannot read (too new)
+    ├── SignatureError            a file that a key-checking reader must not trust
+    │   ├── UnsignedSnapshotError   it carries no signature
+    │   └── BadSignatureError       its signature is not one of the keys' over its bytes
     ├── IncompatibleSnapshotError a valid snapshot that does not fit the target
     │   └── CacheCapacityError    the target cache has too few free blocks
     ├── SnapshotIOError           the operating system or object store failed us
@@ -75,6 +78,21 @@ class KVSnapError(Exception):
 class SnapshotCorruptError(KVSnapError):
     """A kvsnap snapshot whose bytes or structure are wrong: a checksum mismatch, truncation,
     offsets that overlap or leave gaps, metadata that contradicts the tensors."""
+
+
+class SignatureError(KVSnapError):
+    """A snapshot file that a reader given signing keys must not trust: unsigned, or signed
+    other than by one of the keys over exactly its header and checksum trailer. Not
+    corruption: its checksums may all be right (someone without the key wrote it)."""
+
+
+class UnsignedSnapshotError(SignatureError):
+    """A snapshot file without a signature, read by a reader that requires one."""
+
+
+class BadSignatureError(SignatureError):
+    """A signature that does not verify: made with a key the reader does not hold, or over
+    other bytes (the header or the checksum trailer changed after signing)."""
 
 
 class NotASnapshotError(KVSnapError):

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from kvsnap import format as fmt
-from kvsnap.errors import LayoutError, RestoreIncompleteError
+from kvsnap.errors import LayoutError, RestoreIncompleteError, SignatureError
+from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, PartAssignment, head_range, part_layout
 from kvsnap.pinned import PinnedPool
 from kvsnap.pipeline import (
@@ -81,6 +82,7 @@ def capture_part(
     progress: Callable[[int, int], None] | None = None,
     trace: TraceHook | None = None,
     after: torch.cuda.Event | None = None,
+    keys: KeyRing | None = None,
 ) -> PartCapture:
     """Write part ``part.index`` of ``count`` of the parted snapshot ``path``
     (``NAME.safetensors``): global heads ``[part.first_head, +part.num_heads)`` of the
@@ -96,7 +98,7 @@ def capture_part(
     Warm across calls: the part layout is cached per layout object, the page table per
     process. ``progress`` and ``after`` are :meth:`kvsnap.pipeline.Pipeline.capture`'s (the
     part's bytes; a CUDA event the copies follow). ``LayoutError`` when the rank holds none of
-    the heads.
+    the heads. ``keys`` signs the part file (:class:`~kvsnap.format.KeyRing`).
     """
     geometry = layout.geometry
     moved = part_layout(layout, part.first_head, part.num_heads)
@@ -117,6 +119,7 @@ def capture_part(
         trace=trace,
         after=after,
         part=fmt.PartInfo(part.index, count, part.first_head, geometry.num_kv_heads),
+        keys=keys,
     )
     assert result.trailer_digest is not None  # a part is always one file
     record = fmt.PartRecord(
@@ -136,11 +139,13 @@ def capture_parts(
     reproducible: bool = False,
     direct_io: bool | None = None,
     trace: TraceHook | None = None,
+    keys: KeyRing | None = None,
 ) -> CaptureResult:
     """A parted snapshot at ``path`` from the caches of every TP rank, held by this process:
-    one part per distinct head range of ``layouts`` (written from the first rank holding it),
-    then the index. On any error the parts written are discarded and the previous snapshot
-    at ``path`` is untouched. The result's ``path`` is the index."""
+    one part per distinct head range of ``layouts`` (written from the first rank holding it,
+    signed with ``keys`` when given), then the index. On any error the parts written are
+    discarded and the previous snapshot at ``path`` is untouched. The result's ``path`` is
+    the index."""
     if layouts and layouts[0].geometry.is_mla:
         raise LayoutError(
             "MLA (latent) snapshots are never parted (every rank holds the whole latent): "
@@ -153,6 +158,7 @@ def capture_parts(
     generation = fmt.new_generation()
     options = {"source": source, "transfer": transfer, "staging": staging, "trace": trace}
     options.update(reproducible=reproducible, direct_io=direct_io, generation=generation)
+    options["keys"] = keys
     written: list[PartCapture] = []
     try:
         for number, (first, end) in enumerate(ranges, start=1):
@@ -223,6 +229,14 @@ class PartedSnapshot(Snapshot):
             done += part.kv_bytes
         return problems
 
+    def signature_problems(self, keys: KeyRing) -> list[SignatureError]:
+        """:meth:`Snapshot.signature_problems` of every part file."""
+        return [problem for part in self.parts for problem in part.signature_problems(keys)]
+
+    def signing_key_ids(self) -> list[str | None]:
+        """:meth:`Snapshot.signing_key_ids` of every part file, in head order."""
+        return [key_id for part in self.parts for key_id in part.signing_key_ids()]
+
     def read_tensor(self, name: str) -> torch.Tensor:
         """A whole canonical tensor, ``(num_blocks, block_size, num_kv_heads, head_dim)``, the
         parts' heads concatenated; checksums verified."""
@@ -241,15 +255,18 @@ class PartedSnapshot(Snapshot):
             part.close()
 
 
-def open_parted(path: str | os.PathLike[str], *, verify: bool = True) -> PartedSnapshot | None:
-    """The parted snapshot at ``path`` opened, or ``None`` when ``path`` is no parted
-    snapshot (see :func:`kvsnap.store.parts.parted_index`)."""
+def open_parted(
+    path: str | os.PathLike[str], *, verify: bool = True, keys: KeyRing | None = None
+) -> PartedSnapshot | None:
+    """The parted snapshot at ``path`` opened (every part signed by one of ``keys``, when
+    given), or ``None`` when ``path`` is no parted snapshot (see
+    :func:`kvsnap.store.parts.parted_index`)."""
     from kvsnap.store.parts import parted_index
 
     index = parted_index(path)
     if index is None:
         return None
-    return PartedSnapshot(open_parts(index, verify=verify), str(path))
+    return PartedSnapshot(open_parts(index, verify=verify, keys=keys), str(path))
 
 
 def restore_parted(

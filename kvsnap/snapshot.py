@@ -17,6 +17,8 @@ from kvsnap import analysis
 from kvsnap import format as fmt
 from kvsnap.analysis import Comparison, LayerDifference
 from kvsnap.compat import check_fits
+from kvsnap.errors import SignatureError
+from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, KVGeometry, torch_dtype
 from kvsnap.pinned import PinnedPool
 from kvsnap.pipeline import (
@@ -57,6 +59,7 @@ def capture(
     progress: ProgressCallback | None = None,
     trace: TraceHook | None = None,
     per_rank_parts: bool = False,
+    keys: KeyRing | None = None,
 ) -> CaptureResult:
     """Write the KV of ``sequences`` from the cache ``layout`` describes to a snapshot at ``path``.
 
@@ -80,8 +83,13 @@ def capture(
     (docs/format.md, "Parted snapshots"): one part file per distinct head range, each written
     from the first rank holding it, then the index ``path + ".index.json"``; the result's
     ``path`` is the index (``max_shard_bytes`` and ``progress`` do not apply).
+
+    With ``keys`` (:func:`kvsnap.store.keys.load_key_ring`) every file is signed by the first
+    key: an HMAC-SHA256 over its header and checksum trailer (docs/format.md, "Signed
+    snapshots"), which :meth:`Snapshot.open` checks when given the keys.
     """
     common = {"source": source, "reproducible": reproducible, "direct_io": direct_io}
+    common["keys"] = keys
     if per_rank_parts:
         from kvsnap.parted import capture_parts
 
@@ -120,10 +128,15 @@ class Snapshot:
         self.path = path
 
     @classmethod
-    def open(cls, path: str | Path, *, verify: bool = True) -> Snapshot:
+    def open(
+        cls, path: str | Path, *, verify: bool = True, keys: KeyRing | None = None
+    ) -> Snapshot:
         """Open and strictly validate the snapshot header at ``path`` (a local path or fsspec URL).
 
         With ``verify`` (the default) every block read later is checked against its checksum.
+        With ``keys`` (:func:`kvsnap.store.keys.load_key_ring`) every file must be signed by one
+        of them: :class:`~kvsnap.errors.UnsignedSnapshotError` or
+        :class:`~kvsnap.errors.BadSignatureError` otherwise.
         Raises :class:`~kvsnap.errors.KVSnapError` subclasses for anything that is not a
         readable kvsnap snapshot. A parted snapshot (its index, or the ``NAME.safetensors`` it
         was written to) opens as a :class:`~kvsnap.parted.PartedSnapshot`: one snapshot of all
@@ -131,10 +144,10 @@ class Snapshot:
         """
         from kvsnap.parted import open_parted
 
-        parted = open_parted(path, verify=verify)
+        parted = open_parted(path, verify=verify, keys=keys)
         if parted is not None:
             return parted
-        return cls(SnapshotReader(path, verify=verify), str(path))
+        return cls(SnapshotReader(path, verify=verify, keys=keys), str(path))
 
     # -- metadata --------------------------------------------------------------------------
 
@@ -186,6 +199,18 @@ class Snapshot:
         total = self.kv_bytes
         callback = None if progress is None else (lambda done: progress(done, total))
         return self._reader.verify(progress=callback)
+
+    def signature_problems(self, keys: KeyRing) -> list[SignatureError]:
+        """Why ``keys`` do not vouch for each file of the snapshot: an
+        :class:`~kvsnap.errors.UnsignedSnapshotError` or a
+        :class:`~kvsnap.errors.BadSignatureError` per file that fails (empty: every file is
+        signed by one of the keys over exactly its header and checksum trailer)."""
+        return self._reader.signature_problems(keys)
+
+    def signing_key_ids(self) -> list[str | None]:
+        """Per file, the hex id of the key that signed it, as written (unchecked; ``None``
+        for an unsigned file)."""
+        return self._reader.signing_key_ids()
 
     @property
     def reader(self) -> SnapshotReader:

@@ -257,11 +257,10 @@ def worker_for(store_path: str, cells: list[torch.Tensor], rank: int, tp: int, g
 
 def worker_saves(worker: Any, blocks: list[int], request: str) -> list[Any]:
     """The chunk saves of a prompt held in ``blocks``, as the scheduler plans them."""
-    from kvsnap import format as fmt
-    from kvsnap.engines.vllm import SaveSpec, chunk_sequence_id
+    from kvsnap.engines.vllm import CacheIdentity, SaveSpec, chunk_sequence_id, store_key_chain
 
     tokens = np.random.default_rng(sum(blocks)).integers(1, 500, len(blocks) * WORKER_BLOCK)
-    chain = fmt.prefix_hash_chain(tokens, WORKER_BLOCK)
+    chain = store_key_chain(tokens, WORKER_BLOCK, CacheIdentity())
     ids = np.asarray(blocks, dtype=np.int64)
     return [
         SaveSpec(
@@ -270,7 +269,9 @@ def worker_saves(worker: Any, blocks: list[int], request: str) -> list[Any]:
             path=str(worker.store.chunk_path(chain[end - 1])),
             token_ids=tokens[start * WORKER_BLOCK : end * WORKER_BLOCK],
             block_ids=ids[start:end],
-            sequence_id=chunk_sequence_id(start, chain[start - 1] if start else None),
+            sequence_id=chunk_sequence_id(
+                start, chain[start - 1] if start else None, chain[end - 1]
+            ),
         )
         for start, end in worker.store.chunk_spans(len(blocks))
     ]

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from kvsnap.format import SourceInfo
+from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry
 from kvsnap.pipeline import SequenceBlocks
 from kvsnap.snapshot import capture
@@ -70,9 +71,15 @@ def filled(
 
 
 def parted_snapshot(
-    path: Path, kind: str = "vllm-nhd", heads: int = 8, tp: int = 2, seed: int = 1
+    path: Path,
+    kind: str = "vllm-nhd",
+    heads: int = 8,
+    tp: int = 2,
+    seed: int = 1,
+    keys: KeyRing | None = None,
 ) -> KVContent:
-    """A parted snapshot at ``path`` captured from TP ``tp`` caches; the content it holds."""
+    """A parted snapshot at ``path`` captured from TP ``tp`` caches (signed with ``keys``);
+    the content it holds."""
     ranks, content = filled(kind, tp, heads, seed)
     capture(
         [rank.layout for rank in ranks],
@@ -80,6 +87,7 @@ def parted_snapshot(
         path,
         source=SOURCE,
         per_rank_parts=True,
+        keys=keys,
     )
     return content
 

@@ -20,8 +20,9 @@ from kvsnap.engines.default_model import (
     build_default_model,
     load_model,
 )
+from kvsnap.engines.weights import module_weights_fingerprint
 from kvsnap.errors import KVSnapError
-from kvsnap.format import model_fingerprint
+from kvsnap.format import model_fingerprint, model_fingerprint_with_weights
 
 #: sha256 over (name, fp32 bytes) of every weight of the built-in model, sorted by name. Pinned
 #: so the model stays identical across machines and library versions: snapshots captured on
@@ -81,12 +82,15 @@ def test_builtin_model_generates_deterministic_varied_text(loaded: LoadedModel) 
     assert len(set(first)) >= 12
 
 
-def test_fingerprint_is_the_config_fingerprint_and_tracks_the_config(loaded: LoadedModel) -> None:
-    assert loaded.fingerprint == model_fingerprint(loaded.model.config)
+def test_fingerprint_covers_the_config_and_the_weights(loaded: LoadedModel) -> None:
+    weights = module_weights_fingerprint(loaded.model)
+    assert loaded.fingerprint == model_fingerprint_with_weights(loaded.model.config, weights)
     assert len(loaded.fingerprint) == 32
     assert load_model().fingerprint == loaded.fingerprint
+    assert load_model(dtype=torch.bfloat16).fingerprint == loaded.fingerprint
     changed = dict(loaded.model.config.to_dict(), num_key_value_heads=4)
-    assert model_fingerprint(changed) != loaded.fingerprint
+    assert model_fingerprint_with_weights(changed, weights) != loaded.fingerprint
+    assert model_fingerprint(loaded.model.config) != loaded.fingerprint
 
 
 def test_dtype_argument_converts_every_parameter() -> None:

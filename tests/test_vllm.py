@@ -26,6 +26,7 @@ import json
 import os
 import struct
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,30 +37,33 @@ import torch
 
 from kvsnap import format as fmt
 from kvsnap.engines.vllm import (
+    CacheIdentity,
     PrefixStore,
     StoreEntry,
+    chunk_sequence_id,
     count_events,
-    external_request_id,
-    read_events,
     store_bytes,
     store_entries,
+    store_key_chain,
     vllm_layout,
 )
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
+from tests.vllm.engines import (
+    HELPERS,
+    PYTHON,
+    ROOT,
+    EngineRun,
+    finish_engine,
+    launch_engine,
+    needs_vllm,
+    run_engine,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV = ROOT / ".venv-vllm"
-PYTHON = VENV / "bin" / "python"
-HELPERS = Path(__file__).resolve().parent / "vllm"
 BLOCK = 32
 CHUNK_BLOCKS = 2
-ENGINE_TIMEOUT_S = 300
 SHARING = ("S1", "S2", "S3", "S4")
 
-pytestmark = pytest.mark.skipif(
-    not (VENV / ".installed").exists(),
-    reason=f"real vLLM is not installed: run scripts/setup_vllm_venv.sh to create {VENV}",
-)
+pytestmark = needs_vllm
 
 
 def _prompts() -> dict[str, list[int]]:
@@ -84,35 +88,6 @@ def _prompts() -> dict[str, list[int]]:
 
 
 @dataclass
-class EngineRun:
-    """One finished engine: request label -> generated tokens, plus its event log and dumps."""
-
-    tokens: dict[str, list[int]]
-    cached: dict[str, int]
-    events: list[dict[str, Any]]
-    dumps: Path
-    labels: dict[str, str]  # vLLM's external request id -> prompt label
-    startup_seconds: float
-
-    def events_for(self, name: str, label: str) -> list[dict[str, Any]]:
-        return [
-            event
-            for event in self.events
-            if event["event"] == name
-            and self.labels.get(external_request_id(event.get("request", ""))) == label
-        ]
-
-    def saved(self) -> dict[str, list[Path]]:
-        """Prompt label -> the chunks this engine saved for it, in order."""
-        chunks: dict[str, list[Path]] = {}
-        for event in self.events:
-            if event["event"] == "save":
-                label = self.labels[external_request_id(event["request"])]
-                chunks.setdefault(label, []).append(Path(event["path"]))
-        return chunks
-
-
-@dataclass
 class Scenario:
     model: Path
     prompts: dict[str, list[int]]
@@ -128,101 +103,6 @@ class Scenario:
     quarantine_problems: dict[str, int] = field(default_factory=dict)  # after E4
     capacity: int = 0  # E5's store_capacity_bytes
     bytes_after_e5: int = 0
-
-
-def _job(
-    tmp: Path,
-    name: str,
-    model: Path,
-    labels: list[str],
-    prompts: dict[str, list[int]],
-    **options: Any,
-) -> tuple[Path, dict[str, Any]]:
-    connector = options.pop("connector", None)
-    job = {
-        "model": str(model),
-        "tensor_parallel_size": options.pop("tp", 1),
-        "connector": connector,
-        "load_failure_policy": options.pop("policy", "recompute"),
-        "prompts": [
-            {"token_ids": prompts[label], "persist": label not in options.get("no_persist", ())}
-            for label in labels
-        ],
-        "max_tokens": 8,
-        "output": str(tmp / f"{name}.out.json"),
-    }
-    path = tmp / f"{name}.job.json"
-    path.write_text(json.dumps(job))
-    return path, job
-
-
-def _start(job_path: Path, log: Path) -> subprocess.Popen[bytes]:
-    # The engine imports kvsnap from this tree (whatever the venv's editable install points at).
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        [str(PYTHON), str(HELPERS / "run_engine.py"), str(job_path)],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=str(job_path.parent),
-    )
-
-
-def _finish(
-    process: subprocess.Popen[bytes],
-    job: dict[str, Any],
-    labels: list[str],
-    log: Path,
-    events: Path,
-    dumps: Path,
-) -> EngineRun:
-    try:
-        code = process.wait(timeout=ENGINE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    if code != 0 or not Path(job["output"]).exists():
-        tail = log.read_text(errors="replace")[-6000:]
-        raise AssertionError(f"vLLM engine failed (exit {code}); log tail:\n{tail}")
-    result = json.loads(Path(job["output"]).read_text())
-    by_label = {str(index): label for index, label in enumerate(labels)}
-    tokens = {by_label[out["request_id"]]: out["token_ids"] for out in result["outputs"]}
-    cached = {by_label[out["request_id"]]: out["num_cached_tokens"] for out in result["outputs"]}
-    return EngineRun(
-        tokens, cached, read_events(events), dumps, by_label, result["startup_seconds"]
-    )
-
-
-def _run(
-    tmp: Path,
-    name: str,
-    model: Path,
-    labels: list[str],
-    prompts: dict[str, list[int]],
-    **options: Any,
-) -> EngineRun:
-    process, job, log, events, dumps = _launch(tmp, name, model, labels, prompts, **options)
-    return _finish(process, job, labels, log, events, dumps)
-
-
-def _launch(
-    tmp: Path,
-    name: str,
-    model: Path,
-    labels: list[str],
-    prompts: dict[str, list[int]],
-    **options: Any,
-) -> tuple[subprocess.Popen[bytes], dict[str, Any], Path, Path, Path]:
-    events, dumps = tmp / f"{name}.events.jsonl", tmp / f"{name}.dumps"
-    if options.get("connector") is not None:
-        options["connector"] = {
-            **options["connector"],
-            "event_log": str(events),
-            "dump_path": str(dumps),
-        }
-    job_path, job = _job(tmp, name, model, labels, prompts, **options)
-    log = tmp / f"{name}.log"
-    return _start(job_path, log), job, log, events, dumps
 
 
 def _flip_byte(path: Path, tensor: str, block: int) -> None:
@@ -268,11 +148,11 @@ def _forge_chunks(
 ) -> None:
     """F: A's first chunk stored under F's name. G: a chunk from another model fingerprint."""
     store = PrefixStore(store_dir, namespace, chunk_blocks=CHUNK_BLOCKS)
-    chain_f = fmt.prefix_hash_chain(np.asarray(prompts["F"][: 2 * BLOCK]), BLOCK)
+    chain_f = _keys(prompts["F"][: 2 * BLOCK])
     store.chunk_path(chain_f[1]).parent.mkdir(parents=True, exist_ok=True)
     store.chunk_path(chain_f[1]).write_bytes(a_chunk.read_bytes())
     g_tokens = np.asarray(prompts["G"][: 2 * BLOCK])
-    chain_g = fmt.prefix_hash_chain(g_tokens, BLOCK)
+    chain_g = _keys(g_tokens)
     generator = torch.Generator().manual_seed(11)
     caches = [
         torch.randn((2, 2, BLOCK, 64), generator=generator).to(torch.bfloat16) for _ in range(2)
@@ -281,10 +161,15 @@ def _forge_chunks(
         caches, backend="FLASH_ATTN", kv_cache_layout="LBHNC", head_size=32, num_kv_heads=2
     )
     source = fmt.SourceInfo("vllm", "0.32.0", "another-model", None, "f" * 32)
-    sequence = SequenceBlocks("prefix@0:root", g_tokens, np.array([0, 1]))
+    sequence = SequenceBlocks(chunk_sequence_id(0, None, chain_g[1]), g_tokens, np.array([0, 1]))
     path = store.chunk_path(chain_g[1])
     path.parent.mkdir(parents=True, exist_ok=True)
     capture(layout, [sequence], path, source=source)
+
+
+def _keys(tokens: Sequence[int]) -> list[str]:
+    """The store keys of a plain text prompt's blocks (no LoRA, salt or images)."""
+    return store_key_chain(np.asarray(tokens), BLOCK, CacheIdentity())
 
 
 def _problems(path: Path) -> int:
@@ -298,16 +183,16 @@ def _problems(path: Path) -> int:
 
 def _first_runs(tmp: Path, model: Path, prompts: dict[str, list[int]], persist: dict) -> Scenario:
     """E0 beside E1, then E2 (TP=2): the store the later engines restart from."""
-    reference = _launch(tmp, "e0", model, list(prompts), prompts)
+    reference = launch_engine(tmp, "e0", model, list(prompts), prompts)
     first = ["A", "B", "C", *SHARING]
-    e1 = _run(tmp, "e1", model, first, prompts, connector=persist, no_persist=("C",))
+    e1 = run_engine(tmp, "e1", model, first, prompts, connector=persist, no_persist=("C",))
     process, job, log, events, dumps = reference
-    runs = {"e0": _finish(process, job, list(prompts), log, events, dumps), "e1": e1}
+    runs = {"e0": finish_engine(process, job, list(prompts), log, events, dumps), "e1": e1}
     store = Path(persist["path"])
     namespaces = [path for path in store.iterdir() if path.is_dir()]
     assert len(namespaces) == 1, namespaces
     bytes_after_e1 = {entry.path: entry.size for entry in _chunk_entries(store)}
-    runs["e2"] = _run(tmp, "e2", model, ["A", "C"], prompts, connector=persist, tp=2)
+    runs["e2"] = run_engine(tmp, "e2", model, ["A", "C"], prompts, connector=persist, tp=2)
     chunks = {**e1.saved(), **runs["e2"].saved()}
     # Later engines quarantine and rewrite these files: keep them as they were written.
     kept: dict[str, list[Path]] = {}
@@ -346,7 +231,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
     scene = _first_runs(tmp, model, prompts, persist)
     restart = ["A", "B", "C", "D", "F", "G", *SHARING]
     lenient = {**persist, "verify_before_load": False}
-    scene.runs["e3"] = _run(tmp, "e3", model, restart, prompts, connector=lenient)
+    scene.runs["e3"] = run_engine(tmp, "e3", model, restart, prompts, connector=lenient)
     # One byte of KV data flipped in every chunk file (every part of a parted chunk); vLLM's
     # default load failure policy.
     scene.flipped = _chunk_files(scene.store)
@@ -354,7 +239,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
         for path in entry.parts or (entry.path,):
             _flip_byte(path, "layers.0.key", 0)
     damaged = ["A", "B", "C", "D", "F", "G", *SHARING]
-    scene.runs["e4"] = _run(tmp, "e4", model, damaged, prompts, connector=persist, policy=None)
+    scene.runs["e4"] = run_engine(
+        tmp, "e4", model, damaged, prompts, connector=persist, policy=None
+    )
     scene.quarantine_problems = {
         str(entry.path): _problems(entry.path)
         for entry in store_entries(scene.store)
@@ -363,7 +250,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
     scene.capacity = sum(entry.size for entry in _chunk_entries(scene.store))
     bounded = {**persist, "store_capacity_bytes": scene.capacity, "store_min_idle_s": 0}
     last = ["A", "S1", "S2", "H"]
-    scene.runs["e5"] = _run(tmp, "e5", model, last, prompts, connector=bounded, policy=None)
+    scene.runs["e5"] = run_engine(tmp, "e5", model, last, prompts, connector=bounded, policy=None)
     scene.bytes_after_e5 = store_bytes(scene.store)
     return scene
 
@@ -429,7 +316,7 @@ def test_requests_sharing_a_prefix_store_it_once(scenario: Scenario) -> None:
     runs, prompts = scenario.runs, scenario.prompts
     e1, e3 = runs["e1"], runs["e3"]
     store = PrefixStore(scenario.store, scenario.namespace.name, chunk_blocks=CHUNK_BLOCKS)
-    chain = fmt.prefix_hash_chain(np.asarray(prompts["S1"][: 6 * BLOCK]), BLOCK)
+    chain = _keys(prompts["S1"][: 6 * BLOCK])
     shared = [store.chunk_path(chain[1]), store.chunk_path(chain[3])]
     saved = {label: e1.saved().get(label, []) for label in SHARING}
     # Four requests behind one 4-block system prompt: its two chunks were written once, and
@@ -483,7 +370,7 @@ def test_corrupt_chunk_found_while_loading_is_reported_and_recomputed(
 def test_mismatching_chunks_are_logged_misses_and_quarantined(scenario: Scenario) -> None:
     e3, reference = scenario.runs["e3"], scenario.runs["e0"]
     (forged_copy,) = e3.events_for("miss", "F")
-    assert "token ids differ" in forged_copy["reason"]
+    assert "is not this prompt's prefix" in forged_copy["reason"]
     (other_model,) = e3.events_for("miss", "G")
     assert "model fingerprint ffffffffffffffff differs" in other_model["reason"]
     for label, miss in (("F", forged_copy), ("G", other_model)):
@@ -609,9 +496,10 @@ def test_dumps_and_chunks_are_read_by_the_kvsnap_cli(scenario: Scenario) -> None
     assert (code, report) == (0, {"ok": True, "problems": []})
     # A stored chunk is an ordinary snapshot too: one sequence, named by where it starts.
     code, info = _cli("inspect", str(scenario.kept["A"][1]))
+    a_keys = _keys(scenario.prompts["A"][: 3 * BLOCK])  # A's 3 loadable blocks
     assert code == 0
     assert [(s["id"], s["num_tokens"]) for s in info["sequences"]] == [
-        (f"prefix@2:{fmt.prefix_hash_chain(np.asarray(scenario.prompts['A'][:64]), BLOCK)[1]}", 32)
+        (chunk_sequence_id(2, a_keys[1], a_keys[2]), 32)
     ]
     # The same CLI names the corrupted persisted block.
     code, report = _cli("verify", str(scenario.corrupt_copy))

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvsnap.engines.weights import loaded_model_fingerprint
 from kvsnap.errors import ModelLoadError
-from kvsnap.format import model_fingerprint
 
 #: The id recorded in snapshot metadata for the built-in model.
 DEFAULT_MODEL_ID = "kvsnap/tiny-llama"
@@ -78,7 +78,8 @@ class ByteTokenizer:
 class LoadedModel:
     """A causal LM ready for kvsnap: the model, its tokenizer and what snapshots record about it.
 
-    ``fingerprint`` is :func:`kvsnap.format.model_fingerprint` of the model config; a snapshot
+    ``fingerprint`` is :func:`kvsnap.format.model_fingerprint_with_weights` of the model's
+    config and weights (:func:`kvsnap.engines.weights.module_weights_fingerprint`); a snapshot
     restores into a model only when the fingerprints match (or the user forces it).
     """
 
@@ -125,7 +126,7 @@ def load_model(
             tokenizer=ByteTokenizer(),
             model_id=DEFAULT_MODEL_ID,
             model_revision=DEFAULT_MODEL_REVISION,
-            fingerprint=model_fingerprint(built.config),
+            fingerprint=loaded_model_fingerprint(built),
         )
     return _load_pretrained(model, dtype=dtype, device=device)
 
@@ -204,7 +205,7 @@ def _load_pretrained(name: str, *, dtype: torch.dtype, device: str) -> LoadedMod
         tokenizer=tokenizer,
         model_id=getattr(config, "name_or_path", None) or name,
         model_revision=revision,
-        fingerprint=model_fingerprint(model.config),
+        fingerprint=loaded_model_fingerprint(model),
     )
 
 

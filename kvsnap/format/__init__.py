@@ -12,7 +12,7 @@ This package is pure bytes-in-memory, one module per job:
 - :mod:`~kvsnap.format.index`: shard file names and the sharded snapshot's index;
 - :mod:`~kvsnap.format.parts`: part file names and the parted snapshot's index (version 2);
 - :mod:`~kvsnap.format.hashing`: prefix hash chains, block dedupe, checksums, the trailer;
-- :mod:`~kvsnap.format.fingerprint`: model fingerprints.
+- :mod:`~kvsnap.format.fingerprint`: model fingerprints (config and weights).
 
 All file and object-store I/O lives in :mod:`kvsnap.store`. ``docs/format.md`` is the prose
 specification.
@@ -48,6 +48,7 @@ from kvsnap.format.constants import (
     DATA_ALIGNMENT,
     DIGEST_BYTES,
     FORMAT_VERSION,
+    KEY_ID_BYTES,
     MAX_HEADER_BYTES,
     MAX_INDEX_BYTES,
     METADATA_KEY,
@@ -57,6 +58,9 @@ from kvsnap.format.constants import (
     PADDING_PREFIX,
     PARTS_FORMAT_VERSION,
     ROOT_DIGEST,
+    SIGNATURE_ALGORITHM,
+    SIGNATURE_BYTES,
+    SIGNATURE_TENSOR,
     SUPPORTED_VERSIONS,
     TENSOR_CHECKSUM,
 )
@@ -74,7 +78,12 @@ from kvsnap.format.container import (
 )
 from kvsnap.format.fingerprint import (
     VOLATILE_CONFIG_KEYS,
+    WeightSample,
+    bfloat16_bits,
     model_fingerprint,
+    model_fingerprint_with_weights,
+    sample_windows,
+    weights_fingerprint,
 )
 from kvsnap.format.hashing import (
     BlockDedupe,
@@ -133,6 +142,7 @@ from kvsnap.format.schema import (
     metadata_schema,
     strict_json_loads,
 )
+from kvsnap.format.signing import KeyRing, SigningKey
 
 __all__ = [
     "BLOCK_CHECKSUM",
@@ -143,6 +153,7 @@ __all__ = [
     "DIGEST_BYTES",
     "FORMAT_VERSION",
     "GENERATION_PATTERN",
+    "KEY_ID_BYTES",
     "MAX_HEADER_BYTES",
     "MAX_INDEX_BYTES",
     "METADATA_KEY",
@@ -153,6 +164,9 @@ __all__ = [
     "PARTS_FORMAT_VERSION",
     "PARTS_KEY",
     "ROOT_DIGEST",
+    "SIGNATURE_ALGORITHM",
+    "SIGNATURE_BYTES",
+    "SIGNATURE_TENSOR",
     "SUPPORTED_VERSIONS",
     "TENSOR_CHECKSUM",
     "VOLATILE_CONFIG_KEYS",
@@ -160,6 +174,7 @@ __all__ = [
     "DecodedHeader",
     "FileLayout",
     "HeaderMetadata",
+    "KeyRing",
     "PartInfo",
     "PartRecord",
     "PartsIndex",
@@ -167,10 +182,13 @@ __all__ = [
     "SequenceRecord",
     "SequenceShape",
     "ShardIndex",
+    "SigningKey",
     "SnapshotMetadata",
     "SourceInfo",
     "TensorEntry",
     "TensorSpec",
+    "WeightSample",
+    "bfloat16_bits",
     "block_digests",
     "canonical_encoding",
     "check_version",
@@ -194,6 +212,7 @@ __all__ = [
     "locate_trailer",
     "metadata_schema",
     "model_fingerprint",
+    "model_fingerprint_with_weights",
     "new_generation",
     "pack_file",
     "parse_metadata_document",
@@ -201,11 +220,13 @@ __all__ = [
     "part_file_name",
     "plan_files",
     "prefix_hash_chain",
+    "sample_windows",
     "shard_file_name",
     "snapshot_specs",
     "specs_for",
     "split_shards",
     "strict_json_loads",
     "utc_now",
+    "weights_fingerprint",
     "whole_geometry",
 ]

@@ -27,6 +27,11 @@ BLOCK_HASHES_TENSOR = "kvsnap.block_hashes"
 BLOCK_CHECKSUMS_TENSOR = "kvsnap.block_checksums"
 CHECKSUMS_TENSOR = "kvsnap.checksums"
 PADDING_PREFIX = "kvsnap.padding."
+#: A signed file's last tensor, after the trailer: key id, then the HMAC (docs/format.md).
+SIGNATURE_TENSOR = "kvsnap.signature"
+SIGNATURE_ALGORITHM = "hmac-sha256"
+KEY_ID_BYTES = 16
+SIGNATURE_BYTES = KEY_ID_BYTES + 32
 
 NHD_ENCODING = "kvsnap-nhd-v1"
 MLA_ENCODING = "kvsnap-mla-v1"

@@ -17,6 +17,8 @@ from kvsnap.format.constants import (
     HEADER_PREFIX,
     METADATA_KEY,
     PADDING_PREFIX,
+    SIGNATURE_BYTES,
+    SIGNATURE_TENSOR,
 )
 from kvsnap.format.metadata import (
     SnapshotMetadata,
@@ -63,8 +65,9 @@ def is_layer_tensor(name: str) -> bool:
 
 
 def is_container_tensor(name: str) -> bool:
-    """Padding and the per-file checksum trailer: part of one file, not of the snapshot."""
-    return name == CHECKSUMS_TENSOR or name.startswith(PADDING_PREFIX)
+    """Padding, the per-file checksum trailer and the signature: part of one file, not of the
+    snapshot."""
+    return name in (CHECKSUMS_TENSOR, SIGNATURE_TENSOR) or name.startswith(PADDING_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -131,11 +134,12 @@ class _Packing:
     JSON: everything of :func:`pack_file` but the metadata string, which changes per snapshot
     (ids, time) while the specs repeat for every capture of one shape."""
 
-    def __init__(self, specs: tuple[TensorSpec, ...]) -> None:
+    def __init__(self, specs: tuple[TensorSpec, ...], signed: bool) -> None:
         trailer = TensorSpec(CHECKSUMS_TENSOR, "U8", (len(specs) + 2, DIGEST_BYTES))
+        signature = [TensorSpec(SIGNATURE_TENSOR, "U8", (SIGNATURE_BYTES,))] if signed else []
         relative: list[TensorEntry] = []
         offset = 0
-        for spec in [*specs, trailer]:
+        for spec in [*specs, trailer, *signature]:
             aligned = -(-offset // spec.alignment) * spec.alignment
             if aligned > offset:
                 relative.append(
@@ -175,8 +179,8 @@ class _Packing:
 
 
 @functools.lru_cache(maxsize=512)
-def _packing(specs: tuple[TensorSpec, ...]) -> _Packing:
-    return _Packing(specs)
+def _packing(specs: tuple[TensorSpec, ...], signed: bool = False) -> _Packing:
+    return _Packing(specs, signed)
 
 
 def _pack(packing: _Packing, kvsnap_json: str) -> FileLayout:
@@ -188,15 +192,16 @@ def _pack(packing: _Packing, kvsnap_json: str) -> FileLayout:
     return FileLayout(header, packing.placed(data_start), kvsnap_json)
 
 
-def pack_file(specs: Sequence[TensorSpec], kvsnap_json: str) -> FileLayout:
-    """Lay out one file holding ``specs`` in order, plus padding and its checksum trailer.
+def pack_file(specs: Sequence[TensorSpec], kvsnap_json: str, signed: bool = False) -> FileLayout:
+    """Lay out one file holding ``specs`` in order, plus padding and its checksum trailer, and
+    with ``signed`` the signature after the trailer (:data:`SIGNATURE_TENSOR`).
 
     Offsets relative to the data start do not depend on the header length, and the data
     start is a multiple of :data:`DATA_ALIGNMENT`, so aligning relative offsets aligns file
     offsets. The header is padded with spaces (which JSON ignores) up to that multiple. The
     placement of a sequence of specs is computed once per process and reused.
     """
-    return _pack(_packing(tuple(specs)), kvsnap_json)
+    return _pack(_packing(tuple(specs), signed), kvsnap_json)
 
 
 def split_shards(
@@ -225,10 +230,11 @@ def _planned(
     num_blocks: int,
     shapes: tuple[tuple[int, int], ...],
     max_shard_bytes: int | None,
+    signed: bool,
 ) -> tuple[_Packing, ...]:
     """The packings of a snapshot's files: pure in its arguments, so computed once each."""
     groups = split_shards(snapshot_specs(geometry, num_blocks, shapes), max_shard_bytes)
-    return tuple(_packing(tuple(group)) for group in groups)
+    return tuple(_packing(tuple(group), signed) for group in groups)
 
 
 def plan_files(metadata: SnapshotMetadata, max_shard_bytes: int | None = None) -> list[FileLayout]:
@@ -238,7 +244,10 @@ def plan_files(metadata: SnapshotMetadata, max_shard_bytes: int | None = None) -
     the sequences' shapes and ``max_shard_bytes``; it is computed once per process for each.
     """
     shapes = tuple((record.num_tokens, len(record.block_ids)) for record in metadata.sequences)
-    packings = _planned(metadata.geometry, int(metadata.num_blocks), shapes, max_shard_bytes)
+    signed = metadata.signature is not None
+    packings = _planned(
+        metadata.geometry, int(metadata.num_blocks), shapes, max_shard_bytes, signed
+    )
     if len(packings) == 1:
         return [_pack(packings[0], metadata.to_json())]
     count = len(packings)

@@ -173,7 +173,8 @@ def _check_header_bounds(
     its metadata allows: at most two entries (the tensor and its padding) per snapshot tensor
     and for the trailer, and at most three times the bytes of the whole snapshot's header."""
     specs = specs_for(metadata)
-    most_entries = 2 * (len(specs) + 1)  # every tensor and the trailer, each with padding
+    # Every tensor and the trailer, each with padding, and the signature.
+    most_entries = 2 * (len(specs) + 1) + 1
     # Every entry has a "data_offsets" key; JSON strings cannot hide an unescaped quote.
     entries = header.count(b'"data_offsets"', HEADER_PREFIX.size)
     if entries > most_entries:
@@ -304,7 +305,7 @@ def expected_layout(decoded: DecodedHeader, file: str | None = None) -> tuple[Fi
     if metadata.shard is None and (first, stop) != (0, len(specs)):
         missing = specs[stop].name if stop < len(specs) else specs[0].name
         raise SnapshotCorruptError("missing (the metadata implies it)", file=file, tensor=missing)
-    layout = pack_file(run, decoded.kvsnap_json)
+    layout = pack_file(run, decoded.kvsnap_json, signed=metadata.signature is not None)
     found = {entry.name: entry for entry in decoded.entries}
     for entry in layout.entries:
         actual = found.get(entry.name)

@@ -257,6 +257,9 @@ class SnapshotMetadata:
     created: str | None = None
     #: Set in the metadata of one part of a parted snapshot (its ``geometry`` is the part's).
     part: PartInfo | None = None
+    #: ``"hmac-sha256"`` when every file of the snapshot ends with a signature
+    #: (:data:`~kvsnap.format.constants.SIGNATURE_TENSOR`); ``None`` for an unsigned one.
+    signature: str | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SnapshotMetadata):
@@ -271,6 +274,7 @@ class SnapshotMetadata:
             and self.kvsnap_version == other.kvsnap_version
             and self.created == other.created
             and self.part == other.part
+            and self.signature == other.signature
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -317,6 +321,8 @@ class SnapshotMetadata:
             document["shard"] = {"index": shard[0], "count": shard[1]}
         if self.part is not None:
             document["part"] = self.part.to_json_dict()
+        if self.signature is not None:
+            document["signature"] = self.signature
         return document
 
     def to_json(self, shard: tuple[int, int] | None = None) -> str:

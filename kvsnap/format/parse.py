@@ -65,6 +65,8 @@ class HeaderMetadata:
     document: dict[str, Any]
     #: Set in one part file of a parted snapshot (format version 2).
     part: PartInfo | None = None
+    #: The signature algorithm when the file ends with a signature, else ``None``.
+    signature: str | None = None
 
     @property
     def format_version(self) -> int:
@@ -119,6 +121,7 @@ class HeaderMetadata:
             kvsnap_version=self.kvsnap_version,
             created=self.created,
             part=self.part,
+            signature=self.signature,
         )
 
 
@@ -259,6 +262,7 @@ def parse_metadata_document(document: Any, *, file: str | None = None) -> Header
             shard=_parse_shard(document),
             document=document,
             part=_parse_part(document, geometry),
+            signature=document.get("signature"),
         )
     except (ValueError, LayoutError) as error:
         raise SnapshotCorruptError(f"kvsnap metadata is inconsistent: {error}", file=file) from None

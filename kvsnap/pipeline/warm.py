@@ -24,6 +24,7 @@ from kvsnap import format as fmt
 from kvsnap._version import __version__
 from kvsnap.compat import check_fits
 from kvsnap.errors import RestoreIncompleteError
+from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, part_layout
 from kvsnap.pipeline.capture import capture_slots
 from kvsnap.pipeline.fused import FusedMover, fused_unavailable
@@ -128,6 +129,7 @@ class Pipeline:
         progress: ProgressCallback | None = None,
         trace: TraceHook | None = None,
         after: torch.cuda.Event | None = None,
+        keys: KeyRing | None = None,
     ) -> CaptureResult:
         """Write the KV of ``sequences`` to a snapshot at ``path``; see :func:`kvsnap.capture`.
         ``part``: the file is that part of a parted snapshot, from part layouts (what
@@ -146,6 +148,7 @@ class Pipeline:
         mover = self._mover(Direction.DEVICE_TO_HOST)
         done = _Progress(progress, total_bytes)
         options = {"direct_io": direct_io, "max_shard_bytes": max_shard_bytes, "trace": trace}
+        options["keys"] = keys
         try:
             with traced(trace, "setup.writer"):
                 writer = SnapshotWriter(path, metadata, **options)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from kvsnap import format as fmt
 from kvsnap.errors import KVSnapError, SnapshotCorruptError, SnapshotIOError
+from kvsnap.format.signing import KeyRing
 from kvsnap.store import overwrite, publish
 from kvsnap.store.location import (
     INDEX_SUFFIX,
@@ -166,15 +167,18 @@ class OpenedParts:
     url: str
 
 
-def open_parts(index_location: Location, *, verify: bool = True) -> OpenedParts:
+def open_parts(
+    index_location: Location, *, verify: bool = True, keys: KeyRing | None = None
+) -> OpenedParts:
     """Open the parted snapshot whose index is at ``index_location`` and every part it names,
-    checking each part against the index (:func:`_check_part`). A part that vanished while
-    opening (the snapshot was replaced) starts the open over, up to ``OPEN_ATTEMPTS`` times."""
+    checking each part against the index (:func:`_check_part`) and, with ``keys``, its
+    signature. A part that vanished while opening (the snapshot was replaced) starts the open
+    over, up to ``OPEN_ATTEMPTS`` times."""
     for attempt in range(1, OPEN_ATTEMPTS + 1):
         raw = read_small(index_location, fmt.MAX_INDEX_BYTES)
         index = fmt.decode_parts_index(raw, file=index_location.url)
         try:
-            readers = _open_once(index_location, index, verify=verify)
+            readers = _open_once(index_location, index, verify=verify, keys=keys)
         except SnapshotIOError as error:
             if not isinstance(error.__cause__, FileNotFoundError):
                 raise
@@ -186,14 +190,14 @@ def open_parts(index_location: Location, *, verify: bool = True) -> OpenedParts:
 
 
 def _open_once(
-    index_location: Location, index: fmt.PartsIndex, *, verify: bool
+    index_location: Location, index: fmt.PartsIndex, *, verify: bool, keys: KeyRing | None = None
 ) -> list[SnapshotReader]:
     readers: list[SnapshotReader] = []
     try:
         for number, record in enumerate(index.parts, start=1):
             location = index_location.sibling(record.file)
             check_in_directory(index_location, location)
-            reader = SnapshotReader(location.url, verify=verify)
+            reader = SnapshotReader(location.url, verify=verify, keys=keys)
             readers.append(reader)
             _check_part(index, number, record, reader)
             if number > 1 and reader.metadata.sequences != readers[0].metadata.sequences:
@@ -265,6 +269,7 @@ def _whole_metadata(part: fmt.SnapshotMetadata, num_kv_heads: int) -> fmt.Snapsh
         tp_size=part.tp_size,
         kvsnap_version=part.kvsnap_version,
         created=part.created,
+        signature=part.signature,
     )
 
 
@@ -280,4 +285,5 @@ def whole_metadata(index: fmt.PartsIndex, first: SnapshotReader) -> fmt.Snapshot
         tp_size=meta.tp_size,
         kvsnap_version=meta.kvsnap_version,
         created=meta.created,
+        signature=meta.signature,
     )

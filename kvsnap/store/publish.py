@@ -56,20 +56,35 @@ def temp_name(final_name: str, owner: str | None = None) -> str:
     return f".{head}{tag}{suffix}"
 
 
+def file_mode(directory: str) -> int:
+    """The mode a new file in ``directory`` is created with (before the umask): read-write for
+    its owner, and for group and others only the read and write bits the directory grants
+    them. A store kept in a ``0700`` directory thus holds ``0600`` files, and a group-shared
+    (``0770``) one ``0660`` files."""
+    try:
+        granted = os.stat(directory or ".").st_mode & 0o066
+    except OSError:
+        return 0o666
+    return 0o600 | granted
+
+
 def create_temp(final_path: str, owner: str | None = None) -> tuple[int, str]:
     """Create and lock a temporary file next to ``final_path``; returns ``(fd, temp_path)``.
 
     The file is created exclusively (``O_EXCL``) and ``flock``ed; ``fd`` (read-write) holds
-    the lock until it is closed. Should a cleanup remove the file between creation and
-    locking, a new name is tried, so the returned path is this file's. On a filesystem without
+    the lock until it is closed. It grants group and others no more than its directory does
+    (:func:`file_mode`): in a private (``0700``) directory it is ``0600``. Should a cleanup
+    remove the file between creation and locking, a new name is tried, so the returned path
+    is this file's. On a filesystem without
     ``flock`` the file stays unlocked, and :func:`remove_dead_temps` (which cannot lock it
     either) never removes it.
     """
     directory = os.path.dirname(final_path)
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    mode = file_mode(directory)
     while True:
         path = os.path.join(directory, temp_name(os.path.basename(final_path), owner))
-        fd = os.open(path, flags, 0o666)
+        fd = os.open(path, flags, mode)
         try:
             _lock(fd)
             if os.stat(path).st_ino == os.fstat(fd).st_ino:

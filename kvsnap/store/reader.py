@@ -15,10 +15,12 @@ from kvsnap import format as fmt
 from kvsnap.dtypes import SAFETENSORS_TYPES
 from kvsnap.errors import (
     NotASnapshotError,
+    SignatureError,
     SnapshotCorruptError,
     SnapshotIOError,
 )
 from kvsnap.format import SnapshotMetadata, TensorEntry
+from kvsnap.format.signing import KeyRing
 from kvsnap.store import slot_reads, tuning
 from kvsnap.store.completion import Completion
 from kvsnap.store.location import (
@@ -29,6 +31,7 @@ from kvsnap.store.location import (
     read_small,
 )
 from kvsnap.store.opening import check_in_directory, decoded_header
+from kvsnap.store.signatures import signature_problem, signing_key_id
 from kvsnap.store.slot_reads import SlotReading
 from kvsnap.store.source import OpenFile, Source, check_blocks
 from kvsnap.store.tracing import TraceHook, traced
@@ -48,7 +51,9 @@ class SnapshotReader(ReaderVerification, SlotReading):
     every later read checks each block against its checksum.
 
     ``url`` may name the ``.safetensors`` file, a sharded snapshot's ``.index.json``, or the
-    ``.safetensors`` name a sharded snapshot was written to.
+    ``.safetensors`` name a sharded snapshot was written to. With ``keys`` every file must be
+    signed by one of them (:class:`~kvsnap.errors.SignatureError` otherwise, before anything
+    but its header is read).
     """
 
     def __init__(
@@ -58,8 +63,10 @@ class SnapshotReader(ReaderVerification, SlotReading):
         verify: bool = True,
         io_threads: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        keys: KeyRing | None = None,
     ) -> None:
         self._verify = verify
+        self._keys = keys
         self._threads = io_threads or max(2, min(8, os.cpu_count() or 1))
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._files: list[OpenFile] = []
@@ -133,6 +140,10 @@ class SnapshotReader(ReaderVerification, SlotReading):
             header_bytes = prefix + source.read(8, length)
             header, layout = decoded_header(source, header_bytes)
             open_file = OpenFile(source, layout)
+            if self._keys is not None:
+                problem = signature_problem(open_file, self._keys)
+                if problem is not None:
+                    raise problem
             if self._verify:
                 self._load_trailer(open_file)
         except BaseException:
@@ -225,6 +236,18 @@ class SnapshotReader(ReaderVerification, SlotReading):
                 array.reshape(-1, fmt.DIGEST_BYTES) if name == fmt.BLOCK_HASHES_TENSOR else array
             )
         return header.with_tensors(tensors, file=self.url)
+
+    # -- signatures ------------------------------------------------------------------------
+
+    def signature_problems(self, keys: KeyRing) -> list[SignatureError]:
+        """Why ``keys`` do not vouch for each file of the snapshot (empty: every file is signed
+        by one of them over exactly its header and trailer)."""
+        found = (signature_problem(open_file, keys) for open_file in self._files)
+        return [problem for problem in found if problem is not None]
+
+    def signing_key_ids(self) -> list[str | None]:
+        """Per file, the hex id of the key that signed it, unchecked (``None``: unsigned)."""
+        return [signing_key_id(open_file) for open_file in self._files]
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -142,6 +142,9 @@ class LocalTarget:
                         file.write(entry.begin, memoryview(self._digests.astype("<u8").tobytes()))
                 trailer = layout.by_name[fmt.CHECKSUMS_TENSOR]
                 file.write(trailer.begin, memoryview(self._trailer(shard)))
+                signature = layout.by_name.get(fmt.SIGNATURE_TENSOR)
+                if signature is not None:
+                    file.write(signature.begin, memoryview(self._signature(shard)))
         with traced(self._trace, "commit.fsync"):
             for file in self._local_files:
                 file.sync()

@@ -48,6 +48,8 @@ class StreamTarget:
                     kind = "blocksums"
                 elif entry.name == fmt.CHECKSUMS_TENSOR:
                     kind = "trailer"
+                elif entry.name == fmt.SIGNATURE_TENSOR:
+                    continue  # written right after the trailer, which it signs
                 else:
                     kind = "static"
                 items.append((kind, shard, entry))
@@ -101,6 +103,9 @@ class StreamTarget:
             concurrent.futures.wait(self._hash_futures[shard])
             self._raise_error()
             self._stream_write(shard, entry.begin, memoryview(self._trailer(shard)))
+            signature = layout.by_name.get(fmt.SIGNATURE_TENSOR)
+            if signature is not None:
+                self._stream_write(shard, signature.begin, memoryview(self._signature(shard)))
             stream = self._stream_files[shard]
             assert stream is not None
             stream.close()

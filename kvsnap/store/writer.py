@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import math
 import os
 import threading
@@ -18,6 +19,7 @@ import xxhash
 from kvsnap import format as fmt
 from kvsnap.errors import KVSnapError, SnapshotIOError
 from kvsnap.format import SnapshotMetadata, TensorEntry
+from kvsnap.format.signing import KeyRing
 from kvsnap.store import tuning
 from kvsnap.store.completion import Completion
 from kvsnap.store.lanes import SerialLane, TaskGroup
@@ -80,6 +82,8 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         max_inflight_bytes: bytes of caller buffers held at once (default 256 MiB).
         storage_options: passed to fsspec for URLs (e.g. an S3 ``endpoint_url``).
         trace: receives ``hash`` and ``write`` spans per piece and ``commit.*`` spans.
+        keys: sign every file with the first key (:mod:`kvsnap.format.signing`): the
+            metadata's ``signature`` is set, and each file ends with its signature.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         max_inflight_bytes: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         trace: TraceHook | None = None,
+        keys: KeyRing | None = None,
     ) -> None:
         self._state = "starting"
         self._trace = trace
@@ -101,6 +106,11 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         problems = metadata.problems()
         if problems:
             raise ValueError("cannot write this snapshot metadata: " + "; ".join(problems[:5]))
+        if keys is not None:
+            metadata = dataclasses.replace(metadata, signature=fmt.SIGNATURE_ALGORITHM)
+        elif metadata.signature is not None:
+            raise ValueError("the metadata says the snapshot is signed, but no keys were given")
+        self._keys = keys
         self.metadata = metadata
         self.fallback_reason: str | None = None
         #: Whether the local files' blocks were reserved up front (see ``preallocate``).
@@ -479,6 +489,11 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
                 digests.append(fmt.digest128(static))
         self._trailer_bytes[shard] = fmt.encode_trailer(digests)
         return self._trailer_bytes[shard]
+
+    def _signature(self, shard: int) -> bytes:
+        """File ``shard``'s signature over its header and trailer (a signing writer only)."""
+        assert self._keys is not None
+        return self._keys.sign(self._layouts[shard].header, self._trailer(shard))
 
     def _index_bytes(self) -> bytes:
         trailers = [self._trailer(shard) for shard in range(len(self._layouts))]

@@ -3,8 +3,10 @@
 Usage: ``python run_engine.py JOB.json`` with the vLLM virtualenv's Python. ``JOB.json``::
 
     {"model": DIR, "tensor_parallel_size": 1, "connector": {...} | null,
-     "load_failure_policy": "recompute" | null,
-     "prompts": [{"token_ids": [...], "persist": true, "dump": false}, ...],
+     "load_failure_policy": "recompute" | null, "enable_lora": false,
+     "prompts": [{"token_ids": [...], "persist": true, "dump": false,
+                  "lora": {"name": ..., "id": 1, "path": DIR} (optional),
+                  "cache_salt": "..." (optional)}, ...],
      "max_tokens": 8, "output": PATH}
 
 ``connector`` is KVSnapConnector's ``kv_connector_extra_config`` (null: no KV connector at
@@ -57,11 +59,25 @@ def main() -> None:
         # Every reuse in these runs must come from kvsnap, so vLLM's own prefix cache is off.
         enable_prefix_caching=False,
         kv_transfer_config=transfer,
+        **(
+            {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+            if job.get("enable_lora")
+            else {}
+        ),
     )
     ready = time.perf_counter()
-    prompts, params = [], []
+    from vllm.lora.request import LoRARequest
+
+    prompts, params, adapters = [], [], []
     for prompt in job["prompts"]:
-        prompts.append({"prompt_token_ids": prompt["token_ids"]})
+        request = {"prompt_token_ids": prompt["token_ids"]}
+        if prompt.get("cache_salt") is not None:
+            request["cache_salt"] = prompt["cache_salt"]
+        prompts.append(request)
+        lora = prompt.get("lora")
+        adapters.append(
+            None if lora is None else LoRARequest(lora["name"], int(lora["id"]), lora["path"])
+        )
         extra = {}
         if not prompt.get("persist", True):
             extra["kvsnap_persist"] = False
@@ -75,7 +91,17 @@ def main() -> None:
                 extra_args=extra or None,
             )
         )
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = []
+    for start, end in _adapter_runs(adapters):
+        # vLLM 0.32's CPU LoRA path computes other tokens for a request without an adapter
+        # batched with adapter requests (seen here: the same prompt alone and in such a batch
+        # differ): each run of prompts with adapters, or without, is its own batch.
+        outputs += llm.generate(
+            prompts[start:end],
+            params[start:end],
+            use_tqdm=False,
+            lora_request=adapters[start:end] if adapters[start] is not None else None,
+        )
     finished = time.perf_counter()
     result = {
         "outputs": [
@@ -94,6 +120,18 @@ def main() -> None:
     result["shutdown_seconds"] = time.perf_counter() - finished
     with open(job["output"], "w") as handle:
         json.dump(result, handle)
+
+
+def _adapter_runs(adapters: list) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of consecutive prompts that all have an adapter, or all
+    have none (request ids stay the prompts' positions: vLLM numbers requests in order)."""
+    runs: list[tuple[int, int]] = []
+    for index, adapter in enumerate(adapters):
+        if runs and (adapters[runs[-1][0]] is None) == (adapter is None):
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
 
 
 if __name__ == "__main__":

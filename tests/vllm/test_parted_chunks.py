@@ -21,6 +21,7 @@ from kvsnap import format as fmt
 from kvsnap.cli.app import app as main_app
 from kvsnap.cli.store import app as store_app
 from kvsnap.engines.vllm import (
+    CacheIdentity,
     ChunkChecker,
     PrefixStore,
     chunk_sequence_id,
@@ -28,6 +29,7 @@ from kvsnap.engines.vllm import (
     prune_store,
     store_bytes,
     store_entries,
+    store_key_chain,
 )
 from kvsnap.engines.vllm.chunk_check import file_key
 from kvsnap.engines.vllm.eviction import ORPHAN_GRACE_S
@@ -52,7 +54,7 @@ def _prompt(num_blocks: int, seed: int) -> np.ndarray:
 
 
 def _chain(prompt: np.ndarray) -> list[str]:
-    return fmt.prefix_hash_chain(prompt[: len(prompt) // BLOCK * BLOCK], BLOCK)
+    return store_key_chain(prompt[: len(prompt) // BLOCK * BLOCK], BLOCK, CacheIdentity())
 
 
 def _write_chunk(
@@ -86,7 +88,7 @@ def _write_chunk(
         cache.fill(content)
         ranks.append(cache.layout)
     sequence = SequenceBlocks(
-        chunk_sequence_id(start, chain[start - 1] if start else None),
+        chunk_sequence_id(start, chain[start - 1] if start else None, chain[end - 1]),
         prompt[start * BLOCK : end * BLOCK],
         np.arange(end - start),
     )
@@ -258,28 +260,28 @@ def test_checker_reads_parted_chunks_through_their_index(tmp_path: Path) -> None
         index_status.st_mtime_ns,
     )
     checker = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=True)
-    record = checker.check(chunk, prompt, None)
+    record = checker.check(chunk, prompt, _chain(prompt))
     assert not isinstance(record, str), record
-    assert record.id == chunk_sequence_id(0, None)
+    assert record.id == chunk_sequence_id(0, None, _chain(prompt)[1])
     # The chunk is written anew (a new index and parts) with one KV byte flipped in part 2:
     # the index's identity changed, so the checker reads it again and finds the damage.
     _write_chunk(store, prompt, 0, 2)
     second = _parts(path)[1]
     assert "-part-00002-of-00002" in second.name
     _flip_kv_byte(second)
-    reason = checker.check(chunk, prompt, None)
+    reason = checker.check(chunk, prompt, _chain(prompt))
     assert isinstance(reason, str) and "failed verification" in reason
     assert "layers.0.key" in reason
     # Without verify only the headers (every part's, against the index) are read.
     lenient = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=False)
-    assert not isinstance(lenient.check(chunk, prompt, None), str)
+    assert not isinstance(lenient.check(chunk, prompt, _chain(prompt)), str)
     # A pass is remembered by the index's identity; once forgotten (a load of the chunk
     # failed), a missing part makes the chunk unreadable. A missing index makes it gone.
     second.unlink()
     lenient.forget(chunk.path)
-    assert "unreadable chunk" in lenient.check(chunk, prompt, None)
+    assert "unreadable chunk" in lenient.check(chunk, prompt, _chain(prompt))
     _index(path).unlink()
-    assert checker.check(chunk, prompt, None) == "the chunk is gone"
+    assert checker.check(chunk, prompt, _chain(prompt)) == "the chunk is gone"
 
 
 def _invoke(*args: str) -> tuple[int, dict]:

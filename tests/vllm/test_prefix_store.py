@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from kvsnap import format as fmt
 from kvsnap.cli.store import app as store_app
 from kvsnap.engines.vllm import (
+    CacheIdentity,
     ChunkChecker,
     ConnectorOptions,
     PrefixStore,
@@ -25,6 +26,7 @@ from kvsnap.engines.vllm import (
     prune_store,
     store_bytes,
     store_entries,
+    store_key_chain,
     vllm_layout,
 )
 from kvsnap.snapshot import SequenceBlocks, capture
@@ -57,9 +59,11 @@ def _write_chunk(
     *,
     fingerprint: str = FINGERPRINT,
     path: Path | None = None,
+    tokens: np.ndarray | None = None,
 ) -> Path:
-    """Capture blocks ``[start, end)`` of ``prompt`` as the store's chunk (what the worker does)."""
-    chain = fmt.prefix_hash_chain(prompt[: end * BLOCK], BLOCK)
+    """Capture blocks ``[start, end)`` of ``prompt`` as the store's chunk (what the worker does);
+    ``tokens`` records other token ids under the prompt's sequence id (a forged chunk)."""
+    chain = store_key_chain(prompt[: end * BLOCK], BLOCK, CacheIdentity())
     target = path or store.chunk_path(chain[end - 1])
     target.parent.mkdir(parents=True, exist_ok=True)
     layout = vllm_layout(
@@ -70,8 +74,8 @@ def _write_chunk(
         num_kv_heads=HEADS,
     )
     sequence = SequenceBlocks(
-        chunk_sequence_id(start, chain[start - 1] if start else None),
-        prompt[start * BLOCK : end * BLOCK],
+        chunk_sequence_id(start, chain[start - 1] if start else None, chain[end - 1]),
+        (prompt if tokens is None else tokens)[start * BLOCK : end * BLOCK],
         np.arange(end - start),
     )
     source = fmt.SourceInfo("vllm", "test", "synthetic", None, fingerprint)
@@ -84,7 +88,7 @@ def _prompt(num_blocks: int, seed: int) -> np.ndarray:
 
 
 def _chain(prompt: np.ndarray) -> list[str]:
-    return fmt.prefix_hash_chain(prompt[: len(prompt) // BLOCK * BLOCK], BLOCK)
+    return store_key_chain(prompt[: len(prompt) // BLOCK * BLOCK], BLOCK, CacheIdentity())
 
 
 def _flip_kv_byte(path: Path) -> None:
@@ -127,27 +131,30 @@ def test_checker_refuses_damaged_foreign_and_misplaced_chunks(tmp_path: Path) ->
     path = _write_chunk(store, prompt, 0, 2)
     (chunk,) = store.longest_prefix(chain[:2]).chunks
     checker = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=True)
-    record = checker.check(chunk, prompt, None)
-    assert not isinstance(record, str) and record.id == chunk_sequence_id(0, None)
+    record = checker.check(chunk, prompt, chain)
+    assert not isinstance(record, str) and record.id == chunk_sequence_id(0, None, chain[1])
     # The file changes on disk (same size): the remembered pass is not reused.
     _flip_kv_byte(path)
-    reason = checker.check(chunk, prompt, None)
+    reason = checker.check(chunk, prompt, chain)
     assert isinstance(reason, str) and "failed verification" in reason
     assert "layers.0.key" in reason
     # Without verify, only the header is read: the damage is found by the load instead.
     lenient = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=False)
-    assert not isinstance(lenient.check(chunk, prompt, None), str)
+    assert not isinstance(lenient.check(chunk, prompt, chain), str)
     # Another model's chunk, a chunk at another prefix's name, a truncated file.
     foreign = ChunkChecker("cd" * 16, GEOMETRY, BLOCK, verify=True)
-    assert "model fingerprint abababababababab differs" in foreign.check(chunk, prompt, None)
+    assert "model fingerprint abababababababab differs" in foreign.check(chunk, prompt, chain)
     other = _prompt(2, seed=5)
     _write_chunk(store, other, 0, 2, path=path)
-    assert "token ids differ" in checker.check(chunk, prompt, None)
+    assert "is not this prompt's prefix" in checker.check(chunk, prompt, chain)
+    _write_chunk(store, prompt, 0, 2, path=path, tokens=other)
+    assert "token ids differ" in checker.check(chunk, prompt, chain)
     second = _write_chunk(store, prompt, 2, 4)
     (_, later) = store.longest_prefix(chain).chunks
-    assert "does not follow" in checker.check(later, prompt, "0" * 32)
+    salted = store_key_chain(prompt, BLOCK, CacheIdentity(cache_salt="another tenant"))
+    assert "is not this prompt's prefix" in checker.check(later, prompt, salted)
     second.write_bytes(second.read_bytes()[:200])
-    assert "unreadable chunk" in checker.check(later, prompt, chain[1])
+    assert "unreadable chunk" in checker.check(later, prompt, chain)
 
 
 def test_quarantined_chunks_are_never_matched_again(tmp_path: Path) -> None:

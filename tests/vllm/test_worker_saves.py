@@ -23,6 +23,7 @@ import torch
 
 from kvsnap import format as fmt
 from kvsnap.engines.vllm import (
+    CacheIdentity,
     ChunkChecker,
     ChunkLoad,
     ConnectorOptions,
@@ -33,6 +34,7 @@ from kvsnap.engines.vllm import (
     SaveSpec,
     chunk_sequence_id,
     read_events,
+    store_key_chain,
     vllm_layout,
 )
 from kvsnap.engines.vllm.registration import RegisteredCache, registered_cache
@@ -88,7 +90,7 @@ def _worker(tmp_path: Path, **extra: Any) -> KVSnapWorker:
 def _chunk_saves(worker: KVSnapWorker, request: str, blocks: list[int]) -> list[SaveSpec]:
     """A prompt's chunk saves as the scheduler plans them (its tokens drawn from ``blocks``)."""
     tokens = np.random.default_rng(sum(blocks)).integers(1, 500, size=len(blocks) * BLOCK)
-    chain = fmt.prefix_hash_chain(tokens, BLOCK)
+    chain = store_key_chain(tokens, BLOCK, CacheIdentity())
     block_ids = np.asarray(blocks, dtype=np.int64)
     return [
         SaveSpec(
@@ -97,7 +99,9 @@ def _chunk_saves(worker: KVSnapWorker, request: str, blocks: list[int]) -> list[
             path=str(worker.store.chunk_path(chain[end - 1])),
             token_ids=tokens[start * BLOCK : end * BLOCK],
             block_ids=block_ids[start:end],
-            sequence_id=chunk_sequence_id(start, chain[start - 1] if start else None),
+            sequence_id=chunk_sequence_id(
+                start, chain[start - 1] if start else None, chain[end - 1]
+            ),
         )
         for start, end in worker.store.chunk_spans(len(blocks))
     ]

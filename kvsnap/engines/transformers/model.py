@@ -4,9 +4,8 @@ Every ``model`` parameter of :mod:`kvsnap.engines.transformers` takes either kvs
 :class:`~kvsnap.engines.default_model.LoadedModel` or a plain transformers model (any
 ``torch.nn.Module`` with a ``config``, e.g. a ``PreTrainedModel`` built from a config). A
 snapshot records the model's id (the ``LoadedModel``'s, else the config's ``name_or_path``,
-else the model's class name), its revision and its fingerprint
-(:func:`kvsnap.format.model_fingerprint` of the config, as
-:func:`~kvsnap.engines.default_model.load_model` computes it).
+else the model's class name), its revision and its fingerprint (the config and the weights:
+:func:`kvsnap.engines.weights.loaded_model_fingerprint`).
 """
 
 from __future__ import annotations
@@ -20,7 +19,8 @@ import torch
 import transformers
 
 from kvsnap.engines.default_model import LoadedModel
-from kvsnap.format import SourceInfo, model_fingerprint
+from kvsnap.engines.weights import loaded_model_fingerprint
+from kvsnap.format import SourceInfo
 from kvsnap.layout import KVGeometry, dtype_name
 from kvsnap.snapshot import Snapshot
 
@@ -79,11 +79,10 @@ def geometry_for_model(
 
 
 def fingerprint_of(model: ModelLike) -> str:
-    """The fingerprint a snapshot of ``model`` records: the ``LoadedModel``'s, else
-    :func:`kvsnap.format.model_fingerprint` of the model's config."""
-    if isinstance(model, LoadedModel):
-        return model.fingerprint
-    return model_fingerprint(module_of(model).config)
+    """The fingerprint a snapshot of ``model`` records: its config and its weights as they are
+    now (:func:`kvsnap.engines.weights.loaded_model_fingerprint`; remembered per model until a
+    parameter changes, so a call costs a walk over the parameters)."""
+    return loaded_model_fingerprint(module_of(model))
 
 
 def model_id_of(model: ModelLike) -> str:

@@ -69,6 +69,13 @@ from kvsnap.engines.vllm.compat import VLLM_IMPORT_ERROR
 from kvsnap.engines.vllm.connector import KVSnapConnector
 from kvsnap.engines.vllm.events import EventLog, count_events, read_events
 from kvsnap.engines.vllm.eviction import StoreEntry, prune_store, store_bytes, store_entries
+from kvsnap.engines.vllm.identity import (
+    CacheIdentity,
+    MultimodalInput,
+    adapter_digest,
+    identity_of,
+    store_key_chain,
+)
 from kvsnap.engines.vllm.layout import (
     BACKEND_KV_PACKING,
     KV_CELLS,
@@ -92,6 +99,7 @@ from kvsnap.engines.vllm.store import (
     ChunkRef,
     PrefixStore,
     StoreMatch,
+    check_store_directory,
     chunk_sequence_id,
     safe_name,
     store_namespace,
@@ -106,6 +114,7 @@ __all__ = [
     "VLLM_IMPORT_ERROR",
     "BlockOrder",
     "BlockWriter",
+    "CacheIdentity",
     "ChunkChecker",
     "ChunkLoad",
     "ChunkRef",
@@ -114,14 +123,18 @@ __all__ = [
     "KVSnapConnector",
     "KVSnapConnectorMetadata",
     "LoadSpec",
+    "MultimodalInput",
     "PrefixStore",
     "RegisteredCache",
     "SaveSpec",
     "StoreEntry",
     "StoreMatch",
+    "adapter_digest",
+    "check_store_directory",
     "chunk_sequence_id",
     "count_events",
     "external_request_id",
+    "identity_of",
     "probe_block_order",
     "prune_store",
     "read_events",
@@ -129,6 +142,7 @@ __all__ = [
     "safe_name",
     "store_bytes",
     "store_entries",
+    "store_key_chain",
     "store_namespace",
     "vllm_layout",
 ]

@@ -1,14 +1,16 @@
 """The scheduler's check of a stored chunk before it offers the chunk to vLLM.
 
 :class:`ChunkChecker` opens a chunk (:meth:`kvsnap.Snapshot.open`: a single file, or a parted
-chunk through its index, every part checked against it) and checks what this engine needs: the
-model fingerprint, the KV geometry (the whole model's, all heads, for a parted chunk), one
-sequence of the expected length whose id names the prefix it follows, and token ids equal to
-the prompt's. With ``verify`` it also reads every block of every part and checks every checksum
-(kvsnap's ``verify``), so a damaged chunk is a miss before any load is planned. A chunk that
-passes is remembered by the identity (inode, size, modification time) of its committing file
-(a parted chunk's index: its parts are never rewritten, a new write gets new part names and a
-new index), so each version of a chunk is read once per process.
+chunk through its index, every part checked against it; with signing keys every file must be
+signed by one of them) and checks what this engine needs: the model fingerprint, the KV
+geometry (the whole model's, all heads, for a parted chunk), one sequence of the expected
+length whose id names the store key it follows and its own (the chunk's name is not trusted:
+anyone who can write the store can rename a file), and token ids equal to the prompt's. With
+``verify`` it also reads every block of every part and checks every checksum (kvsnap's
+``verify``), so a damaged chunk is a miss before any load is planned. A chunk that passes is
+remembered by the identity (inode, size, modification time) of its committing file (a parted
+chunk's index: its parts are never rewritten, a new write gets new part names and a new
+index), so each version of a chunk is read once per process.
 
 Nothing here needs vLLM.
 """
@@ -16,14 +18,15 @@ Nothing here needs vLLM.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvsnap import format as fmt
 from kvsnap.engines.vllm.store import ChunkRef, chunk_sequence_id, index_path, snapshot_path
-from kvsnap.errors import KVSnapError
+from kvsnap.errors import KVSnapError, SignatureError
+from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import Snapshot
 
 #: What identifies one version of a file: inode, size, modification time.
@@ -52,21 +55,20 @@ class ChunkChecker:
         block_size: int,
         *,
         verify: bool,
+        keys: KeyRing | None = None,
     ) -> None:
         self.fingerprint = fingerprint
         self.expected_geometry = dict(expected_geometry)
         self.block_size = block_size
         self.verify = verify
+        self.keys = keys
         self._passed: dict[str, tuple[FileKey, fmt.SequenceRecord]] = {}
 
     def check(
-        self, chunk: ChunkRef, prompt: np.ndarray, parent: str | None
+        self, chunk: ChunkRef, prompt: np.ndarray, chain: Sequence[str]
     ) -> fmt.SequenceRecord | str:
-        """The chunk's sequence record, or why the chunk cannot serve ``prompt``.
-
-        ``parent`` is the prompt's prefix hash of the block before the chunk (``None`` for the
-        first chunk).
-        """
+        """The chunk's sequence record, or why the chunk cannot serve ``prompt``, whose store
+        keys (under the request's identity) are ``chain`` (at least up to the chunk's end)."""
         key = file_key(chunk.path)
         if key is None:
             return "the chunk is gone"
@@ -78,7 +80,7 @@ class ChunkChecker:
             if isinstance(result, str):
                 return result
             record = result
-        reason = self._fits_prompt(record, chunk, prompt, parent)
+        reason = self._fits_prompt(record, chunk, prompt, chain)
         if reason is not None:
             return reason
         self._passed[chunk.path] = (key, record)
@@ -90,7 +92,7 @@ class ChunkChecker:
 
     def _read(self, path: str) -> fmt.SequenceRecord | str:
         try:
-            with Snapshot.open(path, verify=True) as snapshot:
+            with Snapshot.open(path, verify=True, keys=self.keys) as snapshot:
                 metadata = snapshot.metadata
                 reason = self._fits_engine(metadata)
                 if reason is not None:
@@ -103,6 +105,8 @@ class ChunkChecker:
                         count = len(problems)
                         return f"failed verification ({count} problems): {where}{first.message}"
                 return metadata.sequences[0]
+        except SignatureError as error:
+            return f"{error.detail} (keys {self.keys!r})"
         except (KVSnapError, OSError, ValueError) as error:
             return f"unreadable chunk: {type(error).__name__}: {error}"
 
@@ -122,11 +126,17 @@ class ChunkChecker:
         return None
 
     def _fits_prompt(
-        self, record: fmt.SequenceRecord, chunk: ChunkRef, prompt: np.ndarray, parent: str | None
+        self, record: fmt.SequenceRecord, chunk: ChunkRef, prompt: np.ndarray, chain: Sequence[str]
     ) -> str | None:
-        """Why ``record`` is not blocks ``chunk`` of ``prompt`` after ``parent``, if it is not."""
-        if record.id != chunk_sequence_id(chunk.first_block, parent):
-            return f"the chunk's sequence {record.id!r} does not follow the prompt's prefix"
+        """Why ``record`` is not blocks ``chunk`` of ``prompt`` (store keys ``chain``), if it
+        is not."""
+        parent = chain[chunk.first_block - 1] if chunk.first_block else None
+        key = chain[chunk.first_block + chunk.num_blocks - 1]
+        if record.id != chunk_sequence_id(chunk.first_block, parent, key):
+            return (
+                f"the chunk's sequence {record.id!r} is not this prompt's prefix under this "
+                "identity (a chunk stored under another name?)"
+            )
         start = chunk.first_block * self.block_size
         expected = prompt[start : start + chunk.num_blocks * self.block_size]
         if len(record.block_ids) != chunk.num_blocks or not np.array_equal(

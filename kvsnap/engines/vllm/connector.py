@@ -18,7 +18,6 @@ from kvsnap.engines.vllm.chunk_check import ChunkChecker
 from kvsnap.engines.vllm.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvsnap.engines.vllm.engine_config import (
     expected_geometry,
-    kv_dtype,
     model_fingerprint,
     source_info,
     tp_rank,
@@ -27,7 +26,7 @@ from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata
-from kvsnap.engines.vllm.store import PrefixStore, store_namespace
+from kvsnap.engines.vllm.store import PrefixStore, check_store_directory, store_namespace
 from kvsnap.engines.vllm.worker import KVSnapWorker
 
 if TYPE_CHECKING:
@@ -61,9 +60,15 @@ class KVSnapConnector(KVConnectorBase_V1):
         self.options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config or {})
         block_size = vllm_config.cache_config.block_size
         fingerprint = model_fingerprint(vllm_config)
+        geometry = expected_geometry(vllm_config)
+        keys = self.options.key_ring()
+        if self.options.persist:
+            check_store_directory(
+                self.options.path, shared=self.options.shared_store, signed=keys is not None
+            )
         store = PrefixStore(
             self.options.path,
-            store_namespace(fingerprint, kv_dtype(vllm_config), block_size),
+            store_namespace(fingerprint, geometry),
             chunk_blocks=self.options.chunk_blocks,
         )
         self.connector_scheduler: KVSnapScheduler | None = None
@@ -72,9 +77,7 @@ class KVSnapConnector(KVConnectorBase_V1):
             policy = str(transfer.kv_load_failure_policy)
             verify = self.options.verifies_before_load(policy)
             events = EventLog(self.options.event_log, "scheduler", 0)
-            checker = ChunkChecker(
-                fingerprint, expected_geometry(vllm_config), block_size, verify=verify
-            )
+            checker = ChunkChecker(fingerprint, geometry, block_size, verify=verify, keys=keys)
             self.connector_scheduler = KVSnapScheduler(
                 self.options,
                 store,
@@ -99,6 +102,7 @@ class KVSnapConnector(KVConnectorBase_V1):
                 vllm_config=vllm_config,
                 fingerprint=fingerprint,
                 source=source_info(vllm_config, fingerprint),
+                keys=keys,
             )
 
     def _block_ids_of(self, request_id: str) -> list[int]:

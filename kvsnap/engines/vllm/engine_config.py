@@ -5,10 +5,13 @@ Each function takes a ``VllmConfig`` (or a layer name) and needs vLLM only to be
 
 from __future__ import annotations
 
+import os
 import re
 from typing import TYPE_CHECKING, Any
 
 from kvsnap import format as fmt
+from kvsnap.engines.weights import checkpoint_weights_fingerprint
+from kvsnap.errors import ModelLoadError
 from kvsnap.layout import LayoutError, dtype_name
 
 if TYPE_CHECKING:
@@ -16,8 +19,41 @@ if TYPE_CHECKING:
 
 
 def model_fingerprint(vllm_config: VllmConfig) -> str:
-    """The served model's fingerprint (:func:`kvsnap.format.model_fingerprint` of its config)."""
-    return fmt.model_fingerprint(vllm_config.model_config.hf_config.to_dict())
+    """The served model's fingerprint: its config (RoPE scaling included) and its weights
+    (:func:`kvsnap.format.model_fingerprint_with_weights`), the weights sampled from the
+    checkpoint's safetensors files (the scheduler holds no weights; a transformers model
+    loaded from the same files gets the same fingerprint).
+
+    Raises :class:`~kvsnap.errors.ModelLoadError` when the checkpoint's files cannot be found
+    (a model id not in the local Hugging Face cache, or weights in another format): a store
+    keyed on the config alone would serve a fine-tune the base model's KV.
+    """
+    model = vllm_config.model_config
+    directory = weights_directory(str(model.model), model.revision)
+    try:
+        weights = checkpoint_weights_fingerprint(directory)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(
+            f"KVSnapConnector cannot fingerprint the weights of {model.model!r}: {error}"
+        ) from error
+    return fmt.model_fingerprint_with_weights(model.hf_config.to_dict(), weights)
+
+
+def weights_directory(model: str, revision: str | None) -> str:
+    """The local directory holding ``model``'s checkpoint: ``model`` itself when it is a
+    directory, else its snapshot in the local Hugging Face cache (never downloaded)."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(
+            model, revision=revision, local_files_only=True, allow_patterns=["*.safetensors"]
+        )
+    except Exception as error:  # the hub client raises many unrelated types for "not cached"
+        raise ModelLoadError(
+            f"KVSnapConnector cannot find the weights of {model!r} locally: {error}"
+        ) from error
 
 
 def kv_dtype(vllm_config: VllmConfig) -> str:

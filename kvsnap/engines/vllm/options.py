@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvsnap.format.signing import KeyRing
+from kvsnap.store.keys import key_ring_from_environment, load_key_ring
+
 MODES = ("persist", "dump", "persist+dump")
 
 #: Every key :meth:`ConnectorOptions.from_extra_config` accepts.
@@ -27,6 +30,8 @@ KNOWN_OPTIONS = frozenset(
         "store_capacity_bytes",
         "store_min_idle_s",
         "verify_before_load",
+        "key_file",
+        "shared_store",
     }
 )
 
@@ -60,6 +65,12 @@ class ConnectorOptions:
       verifies every checksum of a chunk (once per file) before offering it, so a damaged
       chunk is a miss instead of a failed load. ``auto`` turns it on unless
       ``kv_load_failure_policy`` is ``recompute`` (where vLLM recomputes failed loads).
+    * ``key_file``: a key file (or a list of them; :mod:`kvsnap.store.keys`) to sign every
+      chunk with and to check every chunk against: unsigned or badly signed chunks are misses.
+      Default: the files ``KVSNAP_KEY_FILE`` names, else none (chunks are not signed).
+    * ``shared_store``: ``false`` (default) refuses a store directory that other users may
+      write or that another user owns; ``true`` accepts it (a deliberate multi-user store),
+      and then requires a key.
     """
 
     path: str
@@ -74,6 +85,8 @@ class ConnectorOptions:
     store_capacity_bytes: int | None = None
     store_min_idle_s: float = 10.0
     verify_before_load: bool | None = None  # None: auto
+    key_file: tuple[str, ...] = ()
+    shared_store: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorOptions:
@@ -111,6 +124,8 @@ class ConnectorOptions:
             ),
             store_min_idle_s=_seconds(extra.get("store_min_idle_s", 10.0)),
             verify_before_load=_auto_flag(extra.get("verify_before_load", "auto")),
+            key_file=_paths(extra.get("key_file")),
+            shared_store=_flag(extra, "shared_store"),
         )
 
     def verifies_before_load(self, kv_load_failure_policy: str) -> bool:
@@ -119,6 +134,13 @@ class ConnectorOptions:
         if self.verify_before_load is None:
             return kv_load_failure_policy != "recompute"
         return self.verify_before_load
+
+    def key_ring(self) -> KeyRing | None:
+        """The signing keys: those of ``key_file``, else of the files ``KVSNAP_KEY_FILE``
+        names, else ``None`` (chunks are neither signed nor required to be)."""
+        if self.key_file:
+            return load_key_ring(self.key_file)
+        return key_ring_from_environment()
 
     @property
     def persist(self) -> bool:
@@ -165,6 +187,24 @@ def _seconds(raw: Any) -> float:
     if value < 0:
         raise ValueError(f"KVSnapConnector: store_min_idle_s must be >= 0, got {value}")
     return value
+
+
+def _paths(raw: Any) -> tuple[str, ...]:
+    """``key_file``: one path or a list of paths (``()`` when absent)."""
+    if raw is None:
+        return ()
+    if isinstance(raw, str) and raw:
+        return (raw,)
+    if isinstance(raw, list | tuple) and raw and all(isinstance(p, str) and p for p in raw):
+        return tuple(raw)
+    raise ValueError(f"KVSnapConnector: key_file must be a path or a list of paths, got {raw!r}")
+
+
+def _flag(extra: Mapping[str, Any], key: str) -> bool:
+    raw = extra.get(key, False)
+    if isinstance(raw, bool):
+        return raw
+    raise ValueError(f"KVSnapConnector: {key} must be true or false, got {raw!r}")
 
 
 def _auto_flag(raw: Any) -> bool | None:

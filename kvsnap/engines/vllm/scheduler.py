@@ -22,6 +22,7 @@ import numpy as np
 from kvsnap import format as fmt
 from kvsnap.engines.vllm.chunk_check import ChunkChecker
 from kvsnap.engines.vllm.events import EventLog
+from kvsnap.engines.vllm.identity import identity_of, store_key_chain
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.specs import (
     ChunkLoad,
@@ -91,8 +92,24 @@ class KVSnapScheduler:
         #: the workers report the copies done (``get_finished``).
         self._saving: set[str] = set()
 
-    def _chain(self, prompt: np.ndarray, num_blocks: int) -> list[str]:
-        return fmt.prefix_hash_chain(prompt[: num_blocks * self.block_size], self.block_size)
+    def _chain(self, request: Request, prompt: np.ndarray, num_blocks: int) -> list[str] | None:
+        """The store keys of the prompt's first ``num_blocks`` blocks under the request's cache
+        identity (LoRA adapter, ``cache_salt``, multimodal inputs), or ``None`` when the
+        identity cannot be known (a LoRA adapter whose files cannot be read): such a prompt is
+        neither matched nor stored."""
+        try:
+            identity = identity_of(request)
+        except OSError as error:
+            self.events.emit(
+                "miss",
+                logging.WARNING,
+                request=request.request_id,
+                path=None,
+                reason=f"cache identity unknown: {error}",
+            )
+            return None
+        tokens = prompt[: num_blocks * self.block_size]
+        return store_key_chain(tokens, self.block_size, identity)
 
     def _usable_chunks(
         self, request_id: str, prompt: np.ndarray, chain: list[str]
@@ -104,8 +121,7 @@ class KVSnapScheduler:
         match = self.store.longest_prefix(chain)
         usable: list[tuple[ChunkRef, fmt.SequenceRecord]] = []
         for chunk in match.chunks if match is not None else ():
-            parent = chain[chunk.first_block - 1] if chunk.first_block else None
-            record = self.checker.check(chunk, prompt, parent)
+            record = self.checker.check(chunk, prompt, chain)
             if isinstance(record, str):
                 self.events.emit(
                     "miss", logging.WARNING, request=request_id, path=chunk.path, reason=record
@@ -143,7 +159,7 @@ class KVSnapScheduler:
         if not self.store.has_chunk(path):
             return False
         chunk = ChunkRef(str(path), start, end - start)
-        record = self.checker.check(chunk, prompt, chain[start - 1] if start else None)
+        record = self.checker.check(chunk, prompt, chain)
         if isinstance(record, str):
             self._quarantine(request_id, str(path), record)
             return False
@@ -165,7 +181,9 @@ class KVSnapScheduler:
         loadable_blocks = max(len(prompt) - 1, 0) // self.block_size
         if loadable_blocks * self.block_size <= num_computed_tokens:
             return 0, False
-        chain = self._chain(prompt, loadable_blocks)
+        chain = self._chain(request, prompt, loadable_blocks)
+        if chain is None:
+            return 0, False
         usable = self._usable_chunks(request.request_id, prompt, chain)
         matched = sum(chunk.num_blocks for chunk, _ in usable) * self.block_size
         if matched <= num_computed_tokens:
@@ -269,7 +287,9 @@ class KVSnapScheduler:
         if computed < num_blocks * self.block_size:
             return
         tracked.persisted = True
-        chain = self._chain(prompt, num_blocks)
+        chain = self._chain(request, prompt, num_blocks)
+        if chain is None:
+            return
         engine_blocks = np.asarray(self._block_ids(request.request_id)[:num_blocks], np.int64)
         now = time.monotonic()
         self._forget_old_plans(now)
@@ -288,7 +308,9 @@ class KVSnapScheduler:
                     path=str(path),
                     token_ids=prompt[start * self.block_size : end * self.block_size],
                     block_ids=engine_blocks[start:end],
-                    sequence_id=chunk_sequence_id(start, chain[start - 1] if start else None),
+                    sequence_id=chunk_sequence_id(
+                        start, chain[start - 1] if start else None, chain[end - 1]
+                    ),
                 )
             )
 

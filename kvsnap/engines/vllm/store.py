@@ -2,9 +2,10 @@
 
 A prompt's full blocks are cut into *chunks* of ``chunk_blocks`` blocks, aligned at the start
 of the prompt (the last chunk may be shorter). A chunk is an ordinary kvsnap snapshot named by
-the prefix hash (:func:`kvsnap.format.prefix_hash_chain`) of its last block, which identifies
-the whole prefix up to it; prompts that share a prefix share its chunks, so N requests behind
-one system prompt store it once. :class:`PrefixStore` finds the longest run of stored chunks
+the store key (:func:`kvsnap.engines.vllm.identity.store_key_chain`: SHA-256 over the request's
+cache identity and its tokens) of its last block, which identifies the whole prefix up to it;
+prompts that share a prefix share its chunks, so N requests behind one system prompt store it
+once. :class:`PrefixStore` finds the longest run of stored chunks
 of a prompt (:meth:`~PrefixStore.longest_prefix`), records their use for LRU eviction
 (:meth:`~PrefixStore.touch`) and moves damaged ones aside (:meth:`~PrefixStore.quarantine`);
 :mod:`kvsnap.engines.vllm.eviction` lists and prunes a store. The chunks themselves are
@@ -23,14 +24,19 @@ Nothing here needs vLLM.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import re
+import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvsnap import format as fmt
+from kvsnap.engines.vllm.identity import KEY_PATTERN
 from kvsnap.errors import KVSnapError
 from kvsnap.store.location import INDEX_SUFFIX
 
@@ -38,7 +44,9 @@ from kvsnap.store.location import INDEX_SUFFIX
 CHUNK_SUFFIX = ".safetensors"
 #: Default blocks per chunk (``chunk_blocks``): 256 tokens at vLLM's GPU block size of 16.
 DEFAULT_CHUNK_BLOCKS = 16
-_HASH = re.compile(r"[0-9a-f]{32}")
+#: Chunk names written before store keys were SHA-256 (xxh3-128, 32 digits): never matched
+#: (a lookup builds only 64-digit names), removed by pruning (``legacy`` entries).
+LEGACY_KEY = re.compile(r"[0-9a-f]{32}")
 
 
 def safe_name(text: str) -> str:
@@ -111,9 +119,12 @@ def _read_keeping_atime(path: Path, limit: int) -> bytes | None:
     return raw if len(raw) <= limit else None
 
 
-def chunk_sequence_id(first_block: int, parent: str | None) -> str:
-    """The id of a chunk's one sequence: where it starts and the prefix hash it follows."""
-    return f"prefix@{first_block}:{parent or 'root'}"
+def chunk_sequence_id(first_block: int, parent: str | None, key: str) -> str:
+    """The id of a chunk's one sequence: where it starts, the store key of the block before
+    it (``root`` for the first chunk) and its own key (its last block's). A chunk's file name
+    can be changed by anyone who can write the store; its (signed) sequence id cannot, so a
+    chunk copied under another identity's name never passes the check."""
+    return f"prefix@{first_block}:{parent or 'root'}>{key}"
 
 
 @dataclass(frozen=True)
@@ -142,7 +153,7 @@ class PrefixStore:
 
     Layout of ``root``::
 
-        NAMESPACE/chunks/HH/HASH.safetensors   a chunk, named by the prefix hash of its last
+        NAMESPACE/chunks/HH/HASH.safetensors   a chunk, named by the store key of its last
                                                block (HH: the hash's first two digits)
         NAMESPACE/chunks/HH/HASH.safetensors.index.json
         NAMESPACE/chunks/HH/HASH-gG-part-0000i-of-0000k.safetensors
@@ -153,8 +164,9 @@ class PrefixStore:
         NAMESPACE/quarantine/HASH.T/           a parted chunk moved aside: its index and
                                                parts under their own names
 
-    ``namespace`` separates models, KV dtypes and block sizes (prefix hashes depend on the
-    block size, the KV on the rest); :func:`store_namespace` builds it. Chunks are aligned:
+    ``namespace`` separates models (config and weights), KV dtypes, block sizes and KV
+    geometries (store keys depend on the block size, the KV on the rest);
+    :func:`store_namespace` builds it. Chunks are aligned:
     chunk ``k`` of a prompt holds blocks ``k*chunk_blocks ..`` and is ``chunk_blocks`` long
     unless it is the prompt's last. Files are published atomically by the writer (temporary
     name, rename; a parted chunk's index only once every part is durable), so readers in other
@@ -177,11 +189,18 @@ class PrefixStore:
         self.chunks = self.directory / "chunks"
         self.quarantined = self.directory / "quarantine"
 
-    def chunk_path(self, last_hash: str) -> Path:
-        """Where the chunk ending with the block of prefix hash ``last_hash`` lives."""
-        if not _HASH.fullmatch(last_hash):
-            raise ValueError(f"not a prefix hash: {last_hash!r}")
-        return self.chunks / last_hash[:2] / f"{last_hash}{CHUNK_SUFFIX}"
+    def chunk_path(self, last_key: str) -> Path:
+        """Where the chunk ending with the block of store key ``last_key`` lives."""
+        if not KEY_PATTERN.fullmatch(last_key):
+            raise ValueError(f"not a store key (64 hex digits): {last_key!r}")
+        return self.chunks / last_key[:2] / f"{last_key}{CHUNK_SUFFIX}"
+
+    def chunk_directory(self, path: str | os.PathLike[str]) -> Path:
+        """The directory of the chunk at ``path``, created (with the store's own permissions,
+        as every directory under the root: :func:`make_directories`) if missing."""
+        directory = Path(path).parent
+        make_directories(directory, self.root)
+        return directory
 
     def chunk_spans(self, num_blocks: int) -> list[tuple[int, int]]:
         """The aligned ``[start, end)`` block ranges of the chunks of ``num_blocks`` blocks."""
@@ -189,7 +208,7 @@ class PrefixStore:
         return [(start, min(start + step, num_blocks)) for start in range(0, num_blocks, step)]
 
     def longest_prefix(self, chain: Sequence[str]) -> StoreMatch | None:
-        """The longest run of stored chunks covering ``chain`` (full-block prefix hashes) from
+        """The longest run of stored chunks covering ``chain`` (full-block store keys) from
         its first block.
 
         Whole chunks are taken while they exist; in the first span without its whole chunk a
@@ -244,7 +263,7 @@ class PrefixStore:
         process moved or evicted it).
         """
         single = snapshot_path(path)
-        self.quarantined.mkdir(parents=True, exist_ok=True)
+        make_directories(self.quarantined, self.root)
         moment = time.time_ns()
         stem = single.name[: -len(CHUNK_SUFFIX)]
         if not Path(path).name.endswith(INDEX_SUFFIX):
@@ -256,7 +275,7 @@ class PrefixStore:
 
     def _quarantine_parted(self, index: Path, directory: Path) -> Path | None:
         """Move the parted chunk whose index is ``index`` into the new ``directory``."""
-        directory.mkdir()
+        directory.mkdir(mode=0o700)
         target = directory / index.name
         try:
             os.replace(index, target)
@@ -273,6 +292,75 @@ class PrefixStore:
         return target
 
 
-def store_namespace(model_fingerprint: str, dtype: str, block_size: int) -> str:
-    """The store namespace of one model (fingerprint), KV dtype and block size."""
-    return safe_name(f"{model_fingerprint[:16]}-{dtype}-b{block_size}")
+def store_namespace(model_fingerprint: str, geometry: Mapping[str, Any]) -> str:
+    """The store namespace of one model and KV layout: ``FINGERPRINT16-DTYPE-bBLOCK-gGEOMETRY8``.
+
+    ``model_fingerprint`` covers the config (RoPE scaling included) and the weights
+    (:func:`kvsnap.format.model_fingerprint_with_weights`); ``geometry`` holds the canonical
+    KV geometry's fields (``num_layers``, ``num_kv_heads``, ``head_dim``, ``block_size``,
+    ``dtype``, ...), hashed into the last component so that any change of them is another
+    namespace. Chunks of other namespaces are never matched.
+    """
+    canonical = json.dumps(dict(geometry), sort_keys=True, separators=(",", ":"), default=str)
+    digest = hashlib.sha256(canonical.encode()).hexdigest()[:8]
+    dtype, block_size = geometry.get("dtype", "unknown"), geometry.get("block_size", 0)
+    return safe_name(f"{model_fingerprint[:16]}-{dtype}-b{block_size}-g{digest}")
+
+
+#: Permission bits a store directory may grant beyond its owner's without ``shared``.
+_GROUP_OR_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+def check_store_directory(root: str | os.PathLike[str], *, shared: bool, signed: bool) -> Path:
+    """The store root ``root``, created private (``0700``) when missing, checked otherwise.
+
+    A root that other users may write (group or world write permission) or that another user
+    owns could hold chunks nobody here wrote: it is refused with a ``PermissionError`` saying
+    how to fix it, unless ``shared`` (a deliberate multi-user store), which in turn requires
+    ``signed`` (a signing key: in a shared store only signed chunks are trusted).
+    """
+    path = Path(root)
+    if shared and not signed:
+        raise PermissionError(
+            f"a shared store ({path}) needs a signing key (key_file or KVSNAP_KEY_FILE): "
+            "without one, anyone who can write it can plant KV"
+        )
+    if not path.exists():
+        path.mkdir(mode=0o700, parents=True)
+        return path
+    status = path.stat()
+    if shared:
+        return path
+    if status.st_uid != os.geteuid():
+        raise PermissionError(
+            f"the store {path} belongs to user id {status.st_uid}, not to this process "
+            f"({os.geteuid()}): use a directory of your own, or set shared_store with a key"
+        )
+    if status.st_mode & _GROUP_OR_OTHER_WRITE:
+        mode = stat.S_IMODE(status.st_mode)
+        raise PermissionError(
+            f"the store {path} is writable by other users (mode {mode:o}): run chmod 700 "
+            f"{path}, or set shared_store with a signing key for a deliberate shared store"
+        )
+    return path
+
+
+def make_directories(directory: Path, root: Path) -> None:
+    """Create ``directory`` and its missing parents up to ``root`` with the root's permission
+    bits exactly (``0700`` for a private store; a shared store's group bits), whatever the
+    process umask (a missing root is created ``0700``); files created in them get no more access than they grant
+    (:func:`kvsnap.store.publish.create_temp`)."""
+    if directory.is_dir():
+        return
+    if not root.is_dir():
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = stat.S_IMODE(root.stat().st_mode)
+    missing = []
+    for candidate in (directory, *directory.parents):
+        if candidate == root or candidate.is_dir():
+            break
+        missing.append(candidate)
+    for candidate in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+            candidate.mkdir(mode=mode)
+            os.chmod(candidate, mode)

@@ -52,10 +52,12 @@ from kvsnap.errors import (
     IncompatibleSnapshotError,
     NotASnapshotError,
     RestoreIncompleteError,
+    SignatureError,
     SnapshotCorruptError,
     SnapshotIOError,
     UnsupportedVersionError,
 )
+from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry
 from kvsnap.pipeline import Pipeline
 from kvsnap.snapshot import SequenceBlocks, Snapshot
@@ -65,6 +67,7 @@ if TYPE_CHECKING:
 
 #: Load errors that mean the chunk file is at fault (quarantined), not the engine.
 _FILE_ERRORS = (
+    SignatureError,
     SnapshotCorruptError,
     NotASnapshotError,
     UnsupportedVersionError,
@@ -94,11 +97,14 @@ class KVSnapWorker:
         vllm_config: VllmConfig | None,
         fingerprint: str,
         source: fmt.SourceInfo | None,
+        keys: KeyRing | None = None,
     ) -> None:
         self.options = options
         self.store = store
         self.events = events
         self.fingerprint = fingerprint
+        #: Signs every save, and every chunk loaded must be signed by one of them.
+        self.keys = keys
         self._vllm_config = vllm_config
         self._source = source
         self.cache: RegisteredCache | None = None
@@ -171,7 +177,7 @@ class KVSnapWorker:
             failure: tuple[int, Exception] | None = None
             for position, chunk in enumerate(spec.chunks):
                 try:
-                    snapshot = stack.enter_context(Snapshot.open(chunk.path))
+                    snapshot = stack.enter_context(Snapshot.open(chunk.path, keys=self.keys))
                     _check_fits(snapshot.metadata, geometry, self.fingerprint, chunk.path)
                 except Exception as error:  # any failure: the blocks from here on are recomputed
                     failure = (position, error)
@@ -245,7 +251,10 @@ class KVSnapWorker:
         if layout.tp_size == 1 and persist and self.store.has_chunk(spec.path):
             return
         started = time.perf_counter()
-        Path(spec.path).parent.mkdir(parents=True, exist_ok=True)
+        if persist:
+            self.store.chunk_directory(spec.path)
+        else:
+            Path(spec.path).parent.mkdir(parents=True, exist_ok=True)
 
         def copied(done_bytes: int, total_bytes: int) -> None:
             if done_bytes >= total_bytes:
@@ -254,7 +263,12 @@ class KVSnapWorker:
         sequences = [_sequence(spec, spec.block_ids)]
         if layout.tp_size == 1:
             result = self._pipeline.capture(
-                sequences, spec.path, source=self._source, progress=copied, after=after
+                sequences,
+                spec.path,
+                source=self._source,
+                progress=copied,
+                after=after,
+                keys=self.keys,
             )
             self._saved(spec, result.path, result.num_blocks, result.num_bytes, started)
             return
@@ -267,6 +281,7 @@ class KVSnapWorker:
             progress=copied,
             after=after,
             only_if_missing=persist,
+            keys=self.keys,
         )
         if not whole.skipped and layout.tp_rank == 0:  # one event and one prune per chunk
             self._saved(spec, whole.path, whole.num_blocks, whole.num_bytes, started)

@@ -1,0 +1,197 @@
+"""Cache identity: weights fingerprints, and store keys that separate every identity."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsnap.engines.default_model import build_default_model
+from kvsnap.engines.vllm.identity import (
+    CacheIdentity,
+    MultimodalInput,
+    adapter_digest,
+    identity_of,
+    store_key_chain,
+)
+from kvsnap.engines.weights import (
+    checkpoint_weights_fingerprint,
+    loaded_model_fingerprint,
+    module_weights_fingerprint,
+)
+from kvsnap.format import bfloat16_bits
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def base_model() -> torch.nn.Module:
+    return build_default_model()
+
+
+def fine_tune(model: torch.nn.Module, name: str, scale: float) -> torch.nn.Module:
+    """A copy of ``model`` with one weight tensor scaled: a fine-tune of the same architecture."""
+    tuned = build_default_model()
+    tuned.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        tuned.get_parameter(name).mul_(scale)
+    return tuned
+
+
+# -- weights ---------------------------------------------------------------------------------
+
+
+def test_a_fine_tune_of_the_same_architecture_has_another_fingerprint(base_model) -> None:
+    tuned = fine_tune(base_model, "model.layers.1.self_attn.k_proj.weight", 1.01)
+    assert tuned.config.to_dict() == base_model.config.to_dict()
+    assert loaded_model_fingerprint(tuned) != loaded_model_fingerprint(base_model)
+
+
+def test_a_change_in_place_is_seen_by_the_remembered_fingerprint() -> None:
+    model = build_default_model()
+    before = module_weights_fingerprint(model)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)
+    assert module_weights_fingerprint(model) != before
+
+
+def test_files_and_the_loaded_model_agree_in_any_float_dtype(base_model, tmp_path: Path) -> None:
+    base_model.save_pretrained(tmp_path / "f32")
+    build_default_model(dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    loaded = module_weights_fingerprint(base_model)
+    assert checkpoint_weights_fingerprint(tmp_path / "f32") == loaded
+    assert checkpoint_weights_fingerprint(tmp_path / "bf16") == loaded
+    assert module_weights_fingerprint(build_default_model(dtype=torch.bfloat16)) == loaded
+
+
+def test_a_full_content_fingerprint_sees_a_change_between_samples(base_model) -> None:
+    # One element far from every sampled window of a large tensor.
+    name = "model.embed_tokens.weight"
+    tuned = build_default_model()
+    tuned.load_state_dict(base_model.state_dict())
+    with torch.no_grad():
+        flat = tuned.get_parameter(name).view(-1)
+        flat[flat.numel() // 2 + 7] += 1.0
+    assert module_weights_fingerprint(tuned) == module_weights_fingerprint(base_model)
+    full = module_weights_fingerprint(tuned, full=True)
+    assert full != module_weights_fingerprint(base_model, full=True)
+
+
+def test_a_directory_without_safetensors_weights_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        checkpoint_weights_fingerprint(tmp_path)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=64))
+def test_bfloat16_bits_round_as_torch_does(values: list[float]) -> None:
+    array = np.array(values, dtype=np.float32)
+    expected = torch.from_numpy(array).to(torch.bfloat16).view(torch.int16).numpy()
+    assert np.array_equal(bfloat16_bits(array).view(np.int16), expected)
+
+
+# -- store keys ------------------------------------------------------------------------------
+
+
+def test_keys_are_sha256_and_identify_the_whole_prefix() -> None:
+    tokens = np.arange(12)
+    chain = store_key_chain(tokens, BLOCK, CacheIdentity())
+    assert len(chain) == 3 and all(len(key) == 64 for key in chain)
+    assert store_key_chain(tokens[:8], BLOCK, CacheIdentity()) == chain[:2]
+    changed = tokens.copy()
+    changed[1] = 99
+    other = store_key_chain(changed, BLOCK, CacheIdentity())
+    assert not set(other) & set(chain)
+    # A partial block never equals a full one.
+    assert store_key_chain(tokens[:10], BLOCK, CacheIdentity())[2] != chain[2]
+
+
+@pytest.mark.parametrize(
+    "identity",
+    [
+        CacheIdentity(lora_name="a", lora_digest="0" * 64),
+        CacheIdentity(lora_name="a", lora_digest="1" * 64),
+        CacheIdentity(lora_name="b", lora_digest="0" * 64),
+        CacheIdentity(cache_salt="tenant-1"),
+        CacheIdentity(cache_salt=""),
+        CacheIdentity(multimodal=(MultimodalInput("image-1", 1, 2),)),
+        CacheIdentity(multimodal=(MultimodalInput("image-2", 1, 2),)),
+        CacheIdentity(multimodal=(MultimodalInput("image-1", 2, 2),)),
+    ],
+)
+def test_every_part_of_the_identity_changes_every_key(identity: CacheIdentity) -> None:
+    tokens = np.arange(12)
+    plain = store_key_chain(tokens, BLOCK, CacheIdentity())
+    keys = store_key_chain(tokens, BLOCK, identity)
+    assert all(mine != theirs for mine, theirs in zip(keys, plain, strict=True))
+
+
+def test_a_multimodal_input_changes_keys_from_its_block_on() -> None:
+    tokens = np.arange(12)
+    plain = store_key_chain(tokens, BLOCK, CacheIdentity())
+    image = CacheIdentity(multimodal=(MultimodalInput("image", 5, 2),))
+    keys = store_key_chain(tokens, BLOCK, image)
+    assert keys[0] == plain[0]
+    assert keys[1] != plain[1] and keys[2] != plain[2]
+
+
+def test_fields_cannot_be_shifted_into_each_other() -> None:
+    # "ab" + None and "a" + "b" would meet under a plain concatenation.
+    tokens = np.arange(4)
+    first = store_key_chain(tokens, BLOCK, CacheIdentity(lora_name="ab"))
+    second = store_key_chain(tokens, BLOCK, CacheIdentity(lora_name="a", lora_digest="b"))
+    assert first != second
+
+
+def test_adapter_digest_follows_the_files_content(tmp_path: Path) -> None:
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(b"\x01" * 1000)
+    first = adapter_digest(adapter)
+    weights.write_bytes(b"\x02" * 1000)  # retrained under the same name and path
+    assert adapter_digest(adapter) != first
+    assert len(first) == 64 and first == first.lower()
+
+
+def test_identity_of_reads_a_vllm_shaped_request(tmp_path: Path) -> None:
+    adapter = tmp_path / "lora"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    request = SimpleNamespace(
+        lora_request=SimpleNamespace(lora_name="sql", lora_int_id=1, lora_path=str(adapter)),
+        cache_salt="tenant",
+        mm_features=[
+            SimpleNamespace(identifier="img", mm_position=SimpleNamespace(offset=3, length=4))
+        ],
+    )
+    identity = identity_of(request)
+    assert identity == CacheIdentity(
+        "sql",
+        adapter_digest(adapter),
+        "tenant",
+        (MultimodalInput("img", 3, 4),),
+    )
+    assert (
+        identity.lora_digest
+        == hashlib.sha256(
+            b"kvsnap-adapter-v1\0"
+            + _field("adapter_model.safetensors")
+            + (7).to_bytes(8, "little")
+            + b"weights"
+        ).hexdigest()
+    )
+    plain = SimpleNamespace(lora_request=None, cache_salt=None, mm_features=None)
+    assert identity_of(plain) == CacheIdentity()
+
+
+def _field(text: str) -> bytes:
+    raw = text.encode()
+    return b"\1" + len(raw).to_bytes(8, "little") + raw

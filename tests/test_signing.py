@@ -1,0 +1,195 @@
+"""Signed snapshots: an HMAC over each file's header and trailer, checked where keys are given."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from kvsnap import format as fmt
+from kvsnap.errors import (
+    BadSignatureError,
+    SignatureError,
+    SnapshotCorruptError,
+    SnapshotIOError,
+    UnsignedSnapshotError,
+)
+from kvsnap.format.signing import KeyRing
+from kvsnap.snapshot import Snapshot
+from kvsnap.store.keys import KEY_FILE_ENV, key_ring_from_environment, load_key_ring, new_key_text
+from tests.parts_helpers import parted_snapshot
+from tests.store_helpers import (
+    GEOMETRIES,
+    make_metadata,
+    random_pages,
+    shared_prefix_tokens,
+    write_snapshot,
+)
+
+KEY = bytes(range(32))
+OTHER_KEY = bytes(range(1, 33))
+
+
+@pytest.fixture
+def signed(tmp_path: Path) -> tuple[Path, fmt.SnapshotMetadata, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(7)
+    metadata = make_metadata(GEOMETRIES["bf16"], shared_prefix_tokens(rng, 4))
+    pages = random_pages(rng, metadata)
+    path = tmp_path / "signed.safetensors"
+    write_snapshot(path, metadata, pages, keys=KeyRing([KEY]))
+    return path, metadata, pages
+
+
+def test_a_signed_snapshot_opens_with_its_key_and_any_safetensors_reader(signed) -> None:
+    path, metadata, pages = signed
+    with Snapshot.open(path, keys=KeyRing([KEY])) as snapshot:
+        assert snapshot.verify() == []
+        assert snapshot.metadata.signature == "hmac-sha256"
+        assert snapshot.signing_key_ids() == [KeyRing([KEY]).signing_key_id]
+        assert snapshot.signature_problems(KeyRing([KEY])) == []
+    loaded = safetensors.torch.load_file(path)
+    assert tuple(loaded[fmt.SIGNATURE_TENSOR].shape) == (fmt.SIGNATURE_BYTES,)
+    name = metadata.geometry.tensor_names()[0]
+    assert loaded[name].contiguous().view(torch.uint8).numpy().tobytes() == pages[name].tobytes()
+
+
+def test_the_signature_is_the_documented_hmac(signed) -> None:
+    path, _, _ = signed
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    data_start = 8 + length
+    begin, end = header[fmt.CHECKSUMS_TENSOR]["data_offsets"]
+    trailer = raw[data_start + begin : data_start + end]
+    sig_begin, sig_end = header[fmt.SIGNATURE_TENSOR]["data_offsets"]
+    assert sig_begin == end and data_start + sig_end == len(raw)
+    signature = raw[data_start + sig_begin :]
+    key_id = hmac.new(KEY, b"kvsnap-key-id-v1", hashlib.sha256).digest()[:16]
+    mac = hmac.new(KEY, b"kvsnap-signature-v1\0" + raw[:data_start] + trailer, hashlib.sha256)
+    assert signature == key_id + mac.digest()
+
+
+def test_another_key_is_a_bad_signature_and_rotation_accepts_the_old_one(signed) -> None:
+    path, _, _ = signed
+    with pytest.raises(BadSignatureError, match="not one of ours"):
+        Snapshot.open(path, keys=KeyRing([OTHER_KEY]))
+    with Snapshot.open(path, keys=KeyRing([OTHER_KEY, KEY])) as snapshot:
+        assert snapshot.verify() == []
+
+
+def test_an_unsigned_snapshot_is_refused_where_keys_are_required(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    metadata = make_metadata(GEOMETRIES["bf16"], shared_prefix_tokens(rng, 4))
+    path = tmp_path / "plain.safetensors"
+    write_snapshot(path, metadata, random_pages(rng, metadata))
+    with pytest.raises(UnsignedSnapshotError, match="unsigned"):
+        Snapshot.open(path, keys=KeyRing([KEY]))
+    with Snapshot.open(path) as snapshot:
+        assert snapshot.signing_key_ids() == [None]
+        problems = snapshot.signature_problems(KeyRing([KEY]))
+        assert [type(problem) for problem in problems] == [UnsignedSnapshotError]
+
+
+def test_a_planted_file_with_valid_checksums_but_a_forged_signature_is_refused(
+    signed, tmp_path: Path
+) -> None:
+    # Someone without the key rewrites a page and recomputes every checksum: the checksums
+    # all pass, the signature cannot.
+    path, metadata, pages = signed
+    rng = np.random.default_rng(99)
+    forged_pages = {name: data.copy() for name, data in pages.items()}
+    name = metadata.geometry.tensor_names()[0]
+    forged_pages[name][:16] = rng.integers(0, 256, 16, dtype=np.uint8)
+    forged = tmp_path / "forged.safetensors"
+    write_snapshot(forged, metadata, forged_pages, keys=KeyRing([OTHER_KEY]))
+    raw = bytearray(forged.read_bytes())
+    raw[-fmt.SIGNATURE_BYTES :] = path.read_bytes()[-fmt.SIGNATURE_BYTES :]  # a real key id
+    forged.write_bytes(bytes(raw))
+    with Snapshot.open(forged) as snapshot:
+        assert snapshot.verify() == []  # every checksum is right
+    with pytest.raises(BadSignatureError, match="does not match"):
+        Snapshot.open(forged, keys=KeyRing([KEY]))
+
+
+def test_a_stripped_signature_makes_the_file_unreadable_not_unsigned(signed) -> None:
+    # The header names the signature: cutting it off breaks the layout (corrupt), and a header
+    # rewritten without it changes the trailer's header digest.
+    path, _, _ = signed
+    path.write_bytes(path.read_bytes()[: -fmt.SIGNATURE_BYTES])
+    with pytest.raises(SnapshotCorruptError):
+        Snapshot.open(path, keys=KeyRing([KEY]))
+
+
+def test_sharded_and_parted_snapshots_sign_every_file(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    metadata = make_metadata(GEOMETRIES["bf16"], shared_prefix_tokens(rng, 4))
+    sharded = tmp_path / "sharded.safetensors"
+    write_snapshot(
+        sharded, metadata, random_pages(rng, metadata), max_shard_bytes=200, keys=KeyRing([KEY])
+    )
+    with Snapshot.open(sharded, keys=KeyRing([KEY])) as snapshot:
+        ids = snapshot.signing_key_ids()
+        assert len(ids) > 1 and set(ids) == {KeyRing([KEY]).signing_key_id}
+        assert snapshot.verify() == []
+    parted = tmp_path / "parted.safetensors"
+    parted_snapshot(parted, keys=KeyRing([KEY]))
+    with Snapshot.open(parted, keys=KeyRing([KEY])) as snapshot:
+        assert len(snapshot.signing_key_ids()) == 2
+        assert snapshot.verify() == []
+    with pytest.raises(BadSignatureError):
+        Snapshot.open(parted, keys=KeyRing([OTHER_KEY]))
+
+
+def test_one_unsigned_part_among_signed_ones_is_refused(tmp_path: Path) -> None:
+    signed_dir, plain_dir = tmp_path / "signed", tmp_path / "plain"
+    signed_dir.mkdir()
+    plain_dir.mkdir()
+    parted_snapshot(signed_dir / "s.safetensors", keys=KeyRing([KEY]))
+    parted_snapshot(plain_dir / "s.safetensors")
+    # Swap the unsigned second part in under the signed one's name, and patch the index's
+    # trailer digest of it, as someone who can write the directory but has no key would.
+    index_path = signed_dir / "s.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    plain_index = json.loads((plain_dir / "s.safetensors.index.json").read_text())
+    second, plain_second = (
+        index["metadata"]["kvsnap.parts"][1],
+        plain_index["metadata"]["kvsnap.parts"][1],
+    )
+    shutil.copy(plain_dir / plain_second["file"], signed_dir / second["file"])
+    second["trailer"] = plain_second["trailer"]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(SignatureError):
+        Snapshot.open(signed_dir / "s.safetensors", keys=KeyRing([KEY]))
+
+
+def test_key_files_rotation_permissions_and_the_environment(tmp_path: Path, monkeypatch) -> None:
+    first, second = new_key_text(), new_key_text()
+    key_file = tmp_path / "keys"
+    key_file.write_text(f"# rotation\n{first}\n\n{second}\n")
+    key_file.chmod(0o600)
+    ring = load_key_ring(key_file)
+    assert [key.secret.hex() for key in ring.keys] == [first, second]
+    assert first not in repr(ring)  # the secret never shows
+    key_file.chmod(0o640)
+    with pytest.raises(SnapshotIOError, match="chmod 600"):
+        load_key_ring(key_file)
+    key_file.chmod(0o600)
+    short = tmp_path / "short"
+    short.write_text("abcd\n")
+    short.chmod(0o600)
+    with pytest.raises(ValueError, match="64 hex digits"):
+        load_key_ring(short)
+    monkeypatch.delenv(KEY_FILE_ENV, raising=False)
+    assert key_ring_from_environment() is None
+    monkeypatch.setenv(KEY_FILE_ENV, os.fspath(key_file))
+    environment = key_ring_from_environment()
+    assert environment is not None and environment.signing_key_id == ring.signing_key_id
