@@ -56,7 +56,7 @@ class FusedMover(SlotMover):
         page_bytes = table.page_size_bytes
         self.hashes_pages = self._staging is not None and page_hash.supports(page_bytes)
         # Restores on CUDA may upload straight from registered host memory (the hot tier).
-        self.uploads = self._staging is not None and direction is Direction.HOST_TO_DEVICE
+        self.takes_uploads = self._staging is not None and direction is Direction.HOST_TO_DEVICE
         self._constants: torch.Tensor | None = None
         if self.hashes_pages:
             constants = torch.from_numpy(page_hash.constant_table(page_bytes))
@@ -83,7 +83,7 @@ class FusedMover(SlotMover):
         expected: np.ndarray | None = None,
         uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> FusedTicket:
-        if uploads is not None and not self.uploads:
+        if uploads is not None and not self.takes_uploads:
             raise ValueError("this mover copies from its staging slot only")
         try:
             if self._staging is None:

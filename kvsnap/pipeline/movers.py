@@ -40,7 +40,7 @@ class SlotMover(ABC):
     hashes_pages: bool = False
     #: Whether a restore may hand ``submit`` the slot's bytes as ``uploads`` (registered host
     #: memory the device copies from) instead of the slot's own.
-    uploads: bool = False
+    takes_uploads: bool = False
 
     def begin(self, after: torch.cuda.Event | None = None) -> None:
         """Called at the start of each capture or restore. ``after``: a CUDA event that the
@@ -63,7 +63,7 @@ class SlotMover(ABC):
         ``device_blocks[i]`` (snapshot block ``snapshot_blocks[i]``), at
         ``plan.page_offsets[i]`` in ``slot``. ``expected`` (restores, movers that hash pages
         only) holds each page's stored xxh3-64. ``uploads`` (restores, movers with
-        :attr:`uploads` only): the slot's bytes are not in ``slot`` but in these registered
+        :attr:`takes_uploads` only): the slot's bytes are not in ``slot`` but in these registered
         host tensors, each going to its offset in the slot. Returns a ticket for :meth:`wait`."""
 
     @abstractmethod

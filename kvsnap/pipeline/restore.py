@@ -246,7 +246,7 @@ class _RestoreRun:
         # Hot files are only ever read by the device: never through a host read or host check.
         self.hot = (
             pages.hot is not None
-            and mover.uploads
+            and mover.takes_uploads
             and (self.on_device or not pages.reader.verifies)
         )
         self.checked: list[tuple[SlotPlan, Any]] = []

@@ -377,7 +377,7 @@ def _hot_files(
     checks nothing), and the caller did not turn the tier off (``StagingOptions.hot``)."""
     wish = staging.hot if staging is not None else None
     reader = snapshot.reader
-    if wish is False or not mover.uploads or not (mover.hashes_pages or not reader.verifies):
+    if wish is False or not mover.takes_uploads or not (mover.hashes_pages or not reader.verifies):
         return None
     return lease_hot_files(reader, admit=wish is True)
 
