@@ -171,7 +171,7 @@ def _is_ours(temp: str, owns: Callable[[str], bool], owner: str) -> bool:
     return owns(final)
 
 
-def _remove_if_unlocked(path: str) -> bool:
+def remove_if_unlocked(path: str) -> bool:
     """Remove the regular file ``path`` if no process holds its lock; whether it was removed."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -211,6 +211,22 @@ def remove_dead_temps(directory: str, owns: Callable[[str], bool], owner: str) -
     for name in names:
         if TEMP_MARKER in name and _is_ours(name, owns, owner):
             path = os.path.join(directory, name)
-            if _remove_if_unlocked(path):
+            if remove_if_unlocked(path):
                 removed.append(path)
     return removed
+
+
+def is_locked(path: str) -> bool:
+    """Whether some process holds the ``flock`` of the file ``path`` (a live writer's
+    temporary file); ``False`` when it is gone or free (a dead writer's leftover)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        return error.errno not in _NO_LOCKS
+    finally:
+        os.close(fd)  # closing releases a lock taken here
+    return False

@@ -241,7 +241,7 @@ def test_prune_leaves_a_chunk_another_process_moved_meanwhile(
     listed = store_entries(tmp_path)
     moved = store.quarantine(path)  # between this pruner's listing and its deletions
     assert moved is not None
-    monkeypatch.setattr(eviction, "store_entries", lambda root: listed)
+    monkeypatch.setattr(eviction, "store_entries", lambda root, **_: listed)
     # The index is gone from where it was listed: its parts are the mover's, not deleted.
     assert prune_store(tmp_path, 0) == []
     with Snapshot.open(moved) as snapshot:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from kvsnap.engines.vllm import (
     ConnectorOptions,
     PrefixStore,
     chunk_sequence_id,
+    eviction,
     prune_store,
     store_bytes,
     store_entries,
@@ -30,7 +33,7 @@ from kvsnap.engines.vllm import (
     vllm_layout,
 )
 from kvsnap.snapshot import SequenceBlocks, capture
-from kvsnap.store import hot
+from kvsnap.store import hot, publish
 from kvsnap.store.hot import HotTier
 
 BLOCK = 4
@@ -194,6 +197,73 @@ def test_prune_evicts_quarantined_then_least_recently_used(tmp_path: Path) -> No
     assert store_entries(tmp_path) == []
 
 
+def test_prune_puts_back_a_chunk_used_after_its_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 3: a pruner working from a listing taken before another engine matched (touched)
+    a chunk re-reads its last use once it has set it aside, and puts it back."""
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=1)
+    used, idle = (_write_chunk(store, _prompt(1, seed=90 + i), 0, 1) for i in range(2))
+    for path in (used, idle):
+        _aged(path, 100)
+    listed = store_entries(tmp_path)
+    assert store.touch(used)  # an engine matches it after the pruner listed the store
+    monkeypatch.setattr(eviction, "store_entries", lambda root, **_: listed)
+    removed = prune_store(tmp_path, 0, min_idle_s=10)
+    assert [entry.path for entry in removed] == [idle]
+    assert used.is_file() and not idle.exists()
+    # Nothing is left aside: the store holds exactly the used chunk.
+    assert sorted(p.name for p in used.parent.iterdir()) == [used.name]
+
+
+def test_touch_of_a_chunk_gone_is_a_miss(tmp_path: Path) -> None:
+    """Item 3: a chunk set aside by a pruner (or deleted) cannot be touched, and says so: the
+    scheduler ends the match there instead of offering a chunk the worker cannot load."""
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=1)
+    path = _write_chunk(store, _prompt(1, seed=95), 0, 1)
+    assert store.touch(path) is True
+    aside = path.with_name(publish.temp_name(path.name))
+    os.rename(path, aside)
+    assert store.touch(path) is False
+
+
+_DEAD_WRITER = """
+import os, sys
+from kvsnap.store import publish
+fd, temp = publish.create_temp(sys.argv[1])
+publish.write_all(fd, b"x" * 4096)
+os._exit(0)  # killed mid-write: the temporary file stays, its lock dies with the process
+"""
+
+
+def test_dead_writers_temp_files_are_counted_and_pruned(tmp_path: Path) -> None:
+    """Item 5: a dead writer's temporary file counts toward the store and is pruned; a live
+    writer's (its lock held) is a write in progress, neither counted nor touched."""
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=1)
+    chunk = _write_chunk(store, _prompt(1, seed=97), 0, 1)
+    final = str(chunk.with_name("f" * len(chunk.stem) + ".safetensors"))
+    subprocess.run(
+        [sys.executable, "-c", _DEAD_WRITER, final],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    live_fd, live = publish.create_temp(final)
+    try:
+        publish.write_all(live_fd, b"y" * 8192)
+        (dead,) = [p for p in chunk.parent.iterdir() if p.name.startswith(".") and str(p) != live]
+        entries = store_entries(tmp_path)
+        assert sorted(e.path for e in entries) == sorted([chunk, dead])
+        (leftover,) = [e for e in entries if e.temp]
+        assert leftover.orphan and leftover.size == 4096
+        assert store_bytes(tmp_path) == chunk.stat().st_size + 4096
+        removed = prune_store(tmp_path, chunk.stat().st_size)
+        assert [entry.path for entry in removed] == [dead]
+        assert not dead.exists() and Path(live).exists() and chunk.exists()
+    finally:
+        os.close(live_fd)
+        os.unlink(live)
+
+
 def _invoke(*args: str) -> tuple[int, dict]:
     result = CliRunner().invoke(store_app, [*args, "--json"])
     return result.exit_code, json.loads(result.stdout)
@@ -246,6 +316,27 @@ def test_store_options_are_parsed_and_checked() -> None:
     ):
         with pytest.raises(ValueError, match=key):
             ConnectorOptions.from_extra_config({"path": "/s", **bad})
+
+
+def test_a_dead_stagers_staged_chunk_is_a_leftover(tmp_path: Path) -> None:
+    """Item 5: a chunk staged for a commit within the bound by a process that died before
+    committing it is counted and pruned; one staged by a live process is a write in progress."""
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=1)
+    chunk = _write_chunk(store, _prompt(1, seed=98), 0, 1)
+    live = eviction.staged_path(chunk)
+    live.write_bytes(b"s" * 1000)
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = Path(str(live).replace(f"-{os.getpid()}-", f"-{int(finished.stdout)}-"))
+    dead.write_bytes(b"d" * 2000)
+    entries = store_entries(tmp_path)
+    assert sorted(entry.path for entry in entries) == sorted([chunk, dead])
+    assert prune_store(tmp_path, 10**9)[0].path == dead  # leftovers go whatever the bound
+    assert live.exists() and not dead.exists() and chunk.exists()
 
 
 def test_evicting_a_chunk_drops_it_from_the_hot_tier(tmp_path: Path, monkeypatch) -> None:

@@ -34,6 +34,7 @@ from kvsnap.engines.vllm import (
     SaveSpec,
     chunk_sequence_id,
     read_events,
+    store_bytes,
     store_key_chain,
     vllm_layout,
 )
@@ -348,3 +349,63 @@ def test_the_worker_benchmark_runs_quick_on_cpu(tmp_path: Path) -> None:
         variants = row["load_variants"]
         assert len(variants) > 10 and all(figures["bit_exact"] for figures in variants.values())
     assert "start_load_kv" in result.stdout and "tiny-8l-1h/cells" in result.stdout
+
+
+def _distinct_chunk_saves(worker: KVSnapWorker, request: str, seed: int) -> list[SaveSpec]:
+    """One chunk (blocks 0 and 1 of the cache) of a prompt of its own (tokens from ``seed``)."""
+    tokens = np.random.default_rng(seed).integers(1, 500, size=CHUNK_BLOCKS * BLOCK)
+    chain = store_key_chain(tokens, BLOCK, CacheIdentity())
+    return [
+        SaveSpec(
+            request_id=request,
+            kind="persist",
+            path=str(worker.store.chunk_path(chain[-1])),
+            token_ids=tokens,
+            block_ids=np.arange(CHUNK_BLOCKS, dtype=np.int64),
+            sequence_id=chunk_sequence_id(0, None, chain[-1]),
+        )
+    ]
+
+
+def test_engines_sharing_a_store_hold_its_bound(tmp_path: Path) -> None:
+    """Item 6: four engines writing to one store at once keep it within its bound (within one
+    chunk at every sample): it is measured from the store, not from each engine's writes."""
+    probe = _worker(tmp_path)
+    probe.wait_for_save(KVSnapConnectorMetadata(saves=_distinct_chunk_saves(probe, "p", 0)))
+    probe.wait_for_writes()
+    probe.shutdown()
+    (chunk,) = (tmp_path / "store").glob("ns/chunks/*/*.safetensors")
+    chunk_bytes = chunk.stat().st_size
+    capacity = 10 * chunk_bytes
+    workers = [
+        _worker(tmp_path, store_capacity_bytes=capacity, store_min_idle_s=0) for _ in range(4)
+    ]
+    samples: list[int] = []
+    writing = threading.Event()
+    writing.set()
+
+    def sample() -> None:
+        while writing.is_set():
+            samples.append(store_bytes(tmp_path / "store"))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        for step in range(8):
+            for index, worker in enumerate(workers):
+                saves = _distinct_chunk_saves(worker, f"w{index}", 1 + step * 10 + index)
+                worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
+        for worker in workers:
+            worker.wait_for_writes()
+    finally:
+        writing.clear()
+        sampler.join()
+        for worker in workers:
+            worker.shutdown()
+    events = read_events(tmp_path / "events.jsonl")
+    assert sum(event["event"] == "save" for event in events) == 1 + 32
+    assert sum(event["event"] == "evict" for event in events) >= 33 - 10
+    # A sample lists the store directory by directory while engines commit and evict, so it
+    # may count a chunk evicted from one directory and one committed into another: one chunk.
+    assert len(samples) > 10 and max(samples) <= capacity + chunk_bytes
+    assert store_bytes(tmp_path / "store") <= capacity

@@ -91,6 +91,7 @@ from kvsnap.engines.vllm.registration import RegisteredCache, registered_cache
 from kvsnap.engines.vllm.specs import (
     ChunkLoad,
     KVSnapConnectorMetadata,
+    KVSnapWorkerMetadata,
     LoadSpec,
     SaveSpec,
     external_request_id,
@@ -122,6 +123,7 @@ __all__ = [
     "EventLog",
     "KVSnapConnector",
     "KVSnapConnectorMetadata",
+    "KVSnapWorkerMetadata",
     "LoadSpec",
     "MultimodalInput",
     "PrefixStore",

@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvsnap.engines.vllm.chunk_check import ChunkChecker
-from kvsnap.engines.vllm.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from kvsnap.engines.vllm.compat import (
+    DISK_HIT_SOURCE,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from kvsnap.engines.vllm.engine_config import (
     expected_geometry,
     model_fingerprint,
@@ -24,8 +29,9 @@ from kvsnap.engines.vllm.engine_config import (
 )
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.options import ConnectorOptions
+from kvsnap.engines.vllm.registration import refuse_dropping_caches
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
-from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata
+from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata, KVSnapWorkerMetadata
 from kvsnap.engines.vllm.store import PrefixStore, check_store_directory, store_namespace
 from kvsnap.engines.vllm.worker import KVSnapWorker
 
@@ -47,6 +53,15 @@ class KVSnapConnector(KVConnectorBase_V1):
     :attr:`connector_worker` (the other one is ``None``); docs/vllm.md says what each does.
     """
 
+    #: vLLM's metrics label the tokens this connector loads as disk hits.
+    _cache_hit_source = DISK_HIT_SOURCE
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """``False``: a best-effort cache. A save vLLM's preemption cuts short is a later miss,
+        so vLLM need not drop and resample a preempted request's in-flight output."""
+        return False
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -56,6 +71,7 @@ class KVSnapConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("KVSnapConnector does not support pipeline parallelism")
+        refuse_dropping_caches(kv_cache_config)
         transfer = self._kv_transfer_config
         self.options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config or {})
         block_size = vllm_config.cache_config.block_size
@@ -144,6 +160,11 @@ class KVSnapConnector(KVConnectorBase_V1):
         """Learn which loads failed (vLLM recomputes their blocks)."""
         self._scheduler().update_connector_output(connector_output)
 
+    def has_pending_block_frees(self) -> bool:
+        """Whether finished requests' blocks are held for their saves: vLLM waits for them
+        instead of preempting a running request when it runs out of blocks."""
+        return self._scheduler().has_pending_block_frees()
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -193,6 +214,10 @@ class KVSnapConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; vLLM recomputes them."""
         return self._worker().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVSnapWorkerMetadata | None:
+        """The requests whose loads ran in this step, for the scheduler side."""
+        return self._worker().build_connector_worker_meta()
 
     def shutdown(self) -> None:
         """Finish every queued snapshot write and release the worker's memory."""

@@ -15,6 +15,22 @@ commits them. It is listed as an entry of its own (``orphan``), counts toward th
 bytes, and is deleted first once it was last modified ``orphan_grace_s`` ago (default
 :data:`ORPHAN_GRACE_S`), which no live write takes between its first part and its index.
 
+**Temporary files.** A writer publishes through a temporary file
+(``.NAME.kvsnap-tmp-PID-TOKEN``, ``flock``ed by its writer until the rename), and the connector
+stages a chunk under ``.HASH.kvsnap-stage-PID-TOKEN.safetensors`` before it commits it within
+the bound (:func:`commit_within_capacity`). A temporary file whose lock is held, or a staged
+chunk modified in the last ``orphan_grace_s``, is a write in progress: not listed. Once its
+writer is dead (the lock is free) or the grace has passed, it is a leftover: listed as an
+orphan entry (``temp``), counted, and deleted first.
+
+**Eviction racing with use.** Pruning works from a listing that may be old by the time it
+deletes an entry: another engine may have matched the chunk since. So each chunk is first
+renamed aside (under a temporary name whose lock the pruner holds), its last use read again
+from the renamed file, and it is renamed back when it was used since the listing or within
+``min_idle_s``; only otherwise deleted. A scheduler's :meth:`PrefixStore.touch
+<kvsnap.engines.vllm.store.PrefixStore.touch>` that finds the chunk gone (renamed aside or
+deleted) reports a miss.
+
 Nothing here needs vLLM.
 """
 
@@ -22,8 +38,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import re
+import secrets
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,11 +50,21 @@ from pathlib import Path
 
 from kvsnap import format as fmt
 from kvsnap.engines.vllm.store import CHUNK_SUFFIX, part_files
+from kvsnap.store import publish
 from kvsnap.store.hot import hot_tier
 from kvsnap.store.location import INDEX_SUFFIX
 
 #: Seconds after its last modification from which a part named by no index is garbage.
 ORPHAN_GRACE_S = 600.0
+#: Marker of a chunk the connector staged before committing it within the bound.
+STAGE_MARKER = ".kvsnap-stage-"
+#: This host's name as staged chunk names carry it.
+_HOST = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+_STAGED = re.compile(
+    re.escape(STAGE_MARKER) + r"(?P<host>[A-Za-z0-9_]+)-(?P<pid>[0-9]+)-[0-9a-f]{16}"
+)
+#: The store-wide lock file (at the store root) that serializes commits within the bound.
+CAPACITY_LOCK = ".kvsnap-capacity.lock"
 #: A part file name's stem (docs/format.md, "Parted snapshots"); :func:`_is_part` checks the
 #: rest with :func:`kvsnap.format.is_part_of`.
 _PART_STEM = re.compile(r"(.+)-g[0-9a-f]{12}-part-[0-9]{5}-of-[0-9]{5}" + re.escape(CHUNK_SUFFIX))
@@ -65,6 +94,8 @@ class StoreEntry:
     quarantined: bool
     parts: tuple[Path, ...] = ()
     orphan: bool = False
+    #: A dead writer's temporary file or an abandoned staged chunk (listed as an orphan).
+    temp: bool = False
 
     def age(self, now: float | None = None) -> float:
         """Seconds since the entry was last used."""
@@ -72,20 +103,13 @@ class StoreEntry:
 
 
 def _directories(directory: Path) -> Iterator[tuple[Path, list[os.DirEntry[str]]]]:
-    """Every directory under ``directory`` (itself included) with its visible files, skipping
-    writers' temporary files (dot names)."""
+    """Every directory under ``directory`` (itself included) with its files, dot names
+    (temporary and staged files) included."""
     try:
         listing = list(os.scandir(directory))
     except (FileNotFoundError, NotADirectoryError):
         return
-    yield (
-        directory,
-        [
-            item
-            for item in listing
-            if not item.name.startswith(".") and not item.is_dir(follow_symlinks=False)
-        ],
-    )
+    yield (directory, [item for item in listing if not item.is_dir(follow_symlinks=False)])
     for item in listing:
         if item.is_dir(follow_symlinks=False):
             yield from _directories(Path(item.path))
@@ -119,12 +143,61 @@ def _entry(
     )
 
 
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and (publish.TEMP_MARKER in name or STAGE_MARKER in name)
+
+
+def _leftover(path: Path, namespace: str, quarantined: bool, grace_s: float) -> StoreEntry | None:
+    """The entry of the temporary or staged file ``path`` once it is a leftover (its writer is
+    dead, or a staged chunk older than ``grace_s``); ``None`` while it is a write in progress."""
+    entry = _entry(path, namespace, quarantined)
+    if entry is None:
+        return None
+    if STAGE_MARKER in path.name and publish.TEMP_MARKER not in path.name:
+        if _stager_alive(path.name, time.time() - entry.modified, grace_s):
+            return None
+    elif publish.is_locked(str(path)):
+        return None
+    return dataclasses.replace(entry, orphan=True, temp=True)
+
+
+def _stager_alive(name: str, age_s: float, grace_s: float) -> bool:
+    """Whether the process that staged the chunk ``name`` may still commit it: on this host,
+    whether its pid is alive; from another host (a shared filesystem), whether the file is
+    younger than ``grace_s``."""
+    match = _STAGED.search(name)
+    if match is None or match.group("host") != _HOST:
+        return age_s < grace_s
+    pid = int(match.group("pid"))
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, another user's
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and only waits for its parent to reap it (Linux)."""
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return status.rsplit(")", 1)[-1].split()[:1] == ["Z"]
+
+
 def _directory_entries(
-    directory: Path, files: list[os.DirEntry[str]], namespace: str, quarantined: bool
+    directory: Path,
+    files: list[os.DirEntry[str]],
+    namespace: str,
+    quarantined: bool,
+    grace_s: float = 600.0,
 ) -> list[StoreEntry]:
     """The entries of one directory: parted chunks (an index and the parts it names), single
-    files, and orphan parts (named by no index here)."""
-    names = {item.name for item in files}
+    files, orphan parts (named by no index here) and leftover temporary files."""
+    temps = [item.name for item in files if _is_temp(item.name)]
+    names = {item.name for item in files if not item.name.startswith(".")}
     claimed: set[str] = set()
     found: list[StoreEntry | None] = []
     for name in sorted(names):
@@ -139,12 +212,16 @@ def _directory_entries(
         if entry is not None and _is_part(name):
             entry = dataclasses.replace(entry, orphan=True)
         found.append(entry)
+    found += [_leftover(directory / name, namespace, quarantined, grace_s) for name in temps]
     return [entry for entry in found if entry is not None]
 
 
-def store_entries(root: str | os.PathLike[str]) -> list[StoreEntry]:
-    """Every chunk, quarantined chunk and orphan part under the store ``root``, least
-    recently used first; a parted chunk is one entry."""
+def store_entries(
+    root: str | os.PathLike[str], *, orphan_grace_s: float = ORPHAN_GRACE_S
+) -> list[StoreEntry]:
+    """Every chunk, quarantined chunk, orphan part and leftover temporary file under the store
+    ``root``, least recently used first; a parted chunk is one entry. Writes in progress (a
+    locked temporary file, a staged chunk younger than ``orphan_grace_s``) are not listed."""
     entries = []
     base = Path(root)
     try:
@@ -154,39 +231,112 @@ def store_entries(root: str | os.PathLike[str]) -> list[StoreEntry]:
     for namespace in namespaces:
         for kind, quarantined in (("chunks", False), ("quarantine", True)):
             for directory, files in _directories(namespace / kind):
-                entries += _directory_entries(directory, files, namespace.name, quarantined)
+                entries += _directory_entries(
+                    directory, files, namespace.name, quarantined, orphan_grace_s
+                )
     entries.sort(key=lambda entry: (entry.last_used, str(entry.path)))
     return entries
 
 
 def store_bytes(root: str | os.PathLike[str]) -> int:
-    """Bytes of every chunk (all its files), quarantined chunk and orphan part under the store
-    ``root``."""
+    """Bytes of every entry under the store ``root`` (:func:`store_entries`): chunks (all their
+    files), quarantined chunks, orphan parts and leftover temporary files."""
     return sum(entry.size for entry in store_entries(root))
 
 
 def eviction_order(entries: list[StoreEntry]) -> list[StoreEntry]:
-    """``entries`` in the order pruning deletes them: orphan parts, then quarantined chunks,
-    then chunks, each least recently used first."""
+    """``entries`` in the order pruning deletes them: leftover temporary files, orphan parts,
+    quarantined chunks, then chunks, each least recently used first."""
     return sorted(
-        entries, key=lambda entry: (not entry.orphan, not entry.quarantined, entry.last_used)
+        entries,
+        key=lambda entry: (
+            not entry.temp,
+            not entry.orphan,
+            not entry.quarantined,
+            entry.last_used,
+        ),
     )
 
 
 def _removable(entry: StoreEntry, moment: float, min_idle_s: float, orphan_grace_s: float) -> bool:
+    if entry.temp:
+        return True  # listed only once its writer is dead or its grace has passed
     if entry.orphan:
         return moment - entry.modified >= orphan_grace_s
     return entry.quarantined or entry.age(moment) >= min_idle_s
 
 
-def _delete(entry: StoreEntry) -> bool:
-    """Delete ``entry``'s files, the committing one first; ``False`` (nothing deleted) when it
-    is gone already: another process evicted or quarantined it, and its parts are that
-    process's to move or delete."""
+def _delete_temp(entry: StoreEntry) -> bool:
+    """Delete a leftover temporary file, unless its lock is held (then it is not a leftover);
+    a staged chunk past its grace goes plainly."""
+    if publish.TEMP_MARKER in entry.path.name:
+        return publish.remove_if_unlocked(str(entry.path))
     try:
         entry.path.unlink()
     except FileNotFoundError:
         return False
+    return True
+
+
+def _set_aside(path: Path) -> tuple[int, Path] | None:
+    """Rename the file ``path`` to a temporary name beside it whose lock this process holds
+    (so no other pruner removes it meanwhile); ``(fd holding the lock, new path)``, or ``None``
+    when it is gone or another pruner holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        aside = path.with_name(publish.temp_name(path.name))
+        os.rename(path, aside)
+        if os.stat(aside, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
+            os.rename(aside, path)  # renamed another file than the one locked: leave it
+            raise FileNotFoundError(path)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd, aside
+
+
+def _still_idle(entry: StoreEntry, aside: Path, moment: float, min_idle_s: float) -> bool:
+    """Whether the chunk set aside at ``aside`` was not used since it was listed (``entry``)
+    nor in the last ``min_idle_s`` seconds, reading its last use again now."""
+    try:
+        status = os.stat(aside, follow_symlinks=False)
+    except FileNotFoundError:
+        return True
+    last_used = max(status.st_atime, status.st_mtime)
+    return last_used <= entry.last_used and moment - last_used >= min_idle_s
+
+
+def _delete(entry: StoreEntry, min_idle_s: float = 0.0) -> bool:
+    """Delete ``entry``'s files, the committing one first; ``False`` (nothing deleted) when it
+    is gone already (another process evicted or quarantined it, and its parts are that
+    process's to move or delete) or was used since it was listed.
+
+    A chunk's committing file is first set aside and its last use read again
+    (:func:`_still_idle`): used since the listing or within ``min_idle_s``, it is renamed back
+    and kept."""
+    if entry.temp:
+        return _delete_temp(entry)
+    if entry.orphan or entry.quarantined:
+        try:
+            entry.path.unlink()
+        except FileNotFoundError:
+            return False
+    else:
+        held = _set_aside(entry.path)
+        if held is None:
+            return False
+        fd, aside = held
+        try:
+            if not _still_idle(entry, aside, time.time(), min_idle_s):
+                os.replace(aside, entry.path)  # used meanwhile: put it back
+                return False
+            aside.unlink()
+        finally:
+            os.close(fd)
     tier = hot_tier()
     tier.forget(str(entry.path))  # its registered pages are freed now, not at the next prune
     for part in entry.parts:
@@ -211,22 +361,98 @@ def prune_store(
     ``max_bytes``; return the deleted ones. A parted chunk goes whole: its index first (the
     commit point: no reader finds it from then on), then its parts.
 
-    Chunks used in the last ``min_idle_s`` seconds are kept even if the store stays above the
-    bound: a scheduler may have matched one that a worker is about to load. Orphan parts
-    modified in the last ``orphan_grace_s`` seconds are kept: they may be a write in progress.
+    Leftover temporary files (dead writers', abandoned staged chunks) are deleted whatever the
+    bound. Chunks used in the last ``min_idle_s`` seconds are kept even if the store stays
+    above the bound: a scheduler may have matched one that a worker is about to load; a chunk
+    used after the listing is set aside, found used and put back (see the module's notes).
+    Orphan parts modified in the last ``orphan_grace_s`` seconds are kept: they may be a write
+    in progress.
     """
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-    entries = store_entries(root)
+    entries = store_entries(root, orphan_grace_s=orphan_grace_s)
     total = sum(entry.size for entry in entries)
     moment = time.time() if now is None else now
     removed = []
     for entry in eviction_order(entries):
-        if total <= max_bytes:
+        # Leftover temporary files are garbage whatever the bound: they always go.
+        if total <= max_bytes and not entry.temp:
             break
         if not _removable(entry, moment, min_idle_s, orphan_grace_s):
             continue
-        total -= entry.size  # gone either way: deleted here, or by another process
-        if _delete(entry):
+        if _delete(entry, min_idle_s):
             removed.append(entry)
+            total -= entry.size
+        elif not _exists(entry.path):
+            total -= entry.size  # gone: deleted or quarantined by another process
     return removed
+
+
+def _exists(path: Path) -> bool:
+    return _stat(path) is not None
+
+
+def staged_path(path: str | os.PathLike[str]) -> Path:
+    """A fresh name beside the chunk ``path`` (``HASH.safetensors``) to write it under before
+    :func:`commit_within_capacity` commits it:
+    ``.HASH.kvsnap-stage-HOST-PID-TOKEN.safetensors`` (host and pid tell a dead stager's
+    leftover from a commit to come)."""
+    final = Path(path)
+    stem = final.name[: -len(CHUNK_SUFFIX)]
+    token = f"{_HOST}-{os.getpid()}-{secrets.token_hex(8)}"
+    return final.with_name(f".{stem}{STAGE_MARKER}{token}{CHUNK_SUFFIX}")
+
+
+@contextlib.contextmanager
+def capacity_lock(root: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold the store-wide lock that serializes commits within the bound (every engine on the
+    store takes it; a dead holder's lock is released by the kernel)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+    fd = os.open(Path(root) / CAPACITY_LOCK, flags, publish.file_mode(os.fspath(root)))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def commit_within_capacity(
+    root: str | os.PathLike[str],
+    staged: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    max_bytes: int,
+    *,
+    min_idle_s: float = 0.0,
+) -> tuple[bool, list[StoreEntry]]:
+    """Commit the chunk written at ``staged`` as ``path`` so that the store ``root`` stays
+    within ``max_bytes``; returns whether it was committed and the entries pruned for it.
+
+    Under the store-wide :func:`capacity_lock`: when the store holds the chunk already (another
+    engine committed it) the staged file is dropped; otherwise the store, measured by listing
+    it (every engine's chunks), is pruned to ``max_bytes`` less the chunk's size, then the
+    chunk is renamed into place. So however many engines share the store, it exceeds the
+    bound only by chunks used within ``min_idle_s`` (which pruning keeps).
+    """
+    staged, final = Path(staged), Path(path)
+    with capacity_lock(root):
+        if committed_file_exists(final):
+            staged.unlink()
+            return False, []
+        room = max(max_bytes - staged.stat().st_size, 0)
+        removed = prune_store(root, room, min_idle_s=min_idle_s)
+        publish.replace_and_sync(str(staged), str(final))
+    return True, removed
+
+
+def prune_locked(
+    root: str | os.PathLike[str], max_bytes: int, *, min_idle_s: float = 0.0
+) -> list[StoreEntry]:
+    """:func:`prune_store` under the store-wide :func:`capacity_lock` (after a write committed
+    without staging: a parted chunk, whose index rank 0 publishes)."""
+    with capacity_lock(root):
+        return prune_store(root, max_bytes, min_idle_s=min_idle_s)
+
+
+def committed_file_exists(path: Path) -> bool:
+    """Whether the chunk ``path`` is stored, as a single file or a parted chunk's index."""
+    return path.is_file() or Path(str(path) + INDEX_SUFFIX).is_file()

@@ -100,6 +100,27 @@ def register_caches(
     )
 
 
+#: vLLM cache types that free blocks a request still covers (behind a sliding window, outside
+#: a local-attention chunk): a prefix saved from them would hold vLLM's placeholder block.
+_DROPPING_SPECS = ("SlidingWindowSpec", "ChunkedLocalAttentionSpec", "CircularBufferSpec")
+
+
+def refuse_dropping_caches(kv_cache_config: Any) -> None:
+    """Refuse (:class:`~kvsnap.layout.LayoutError`, one line) a KV cache any of whose groups
+    frees blocks inside a request's prefix: sliding-window, chunked-local or circular-buffer
+    attention layers, as vLLM keeps them when its hybrid allocator is off (it is for
+    connectors without ``SupportsHMA``). Such a prefix cannot be persisted or loaded whole."""
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        kinds = {cls.__name__ for cls in type(group.kv_cache_spec).__mro__}
+        found = sorted(kinds.intersection(_DROPPING_SPECS))
+        if found:
+            raise LayoutError(
+                f"KVSnapConnector does not support {found[0]} KV caches (sliding-window or "
+                "local attention): vLLM frees blocks behind the window, so a stored prefix "
+                "would be incomplete; serve this model without the connector"
+            )
+
+
 def registered_cache(
     kv_caches: Sequence[torch.Tensor],
     *,

@@ -27,6 +27,7 @@ from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.specs import (
     ChunkLoad,
     KVSnapConnectorMetadata,
+    KVSnapWorkerMetadata,
     LoadSpec,
     SaveSpec,
     external_request_id,
@@ -52,6 +53,11 @@ class _Tracked:
     dumped: bool = False
     #: The load planned for it (chunk paths, target blocks), until it is known to have failed.
     load: tuple[tuple[str, ...], frozenset[int]] | None = None
+    #: A load was planned and the workers have not yet said how it went: nothing of the
+    #: request is saved meanwhile (under vLLM's AsyncScheduler the next step is planned
+    #: before the step that loads has run, and a failed load leaves its blocks, and what is
+    #: computed on top of them, wrong until vLLM recomputes them).
+    load_pending: bool = False
 
 
 #: A chunk planned for saving is not planned again for this long unless it appeared (the
@@ -91,6 +97,9 @@ class KVSnapScheduler:
         #: Requests a save was planned for: vLLM holds their blocks after they finish until
         #: the workers report the copies done (``get_finished``).
         self._saving: set[str] = set()
+        #: Finished requests whose blocks vLLM holds for their saves, until the workers report
+        #: them (``finished_sending``): blocks that will be free soon.
+        self._held: set[str] = set()
 
     def _chain(self, request: Request, prompt: np.ndarray, num_blocks: int) -> list[str] | None:
         """The store keys of the prompt's first ``num_blocks`` blocks under the request's cache
@@ -184,13 +193,11 @@ class KVSnapScheduler:
         chain = self._chain(request, prompt, loadable_blocks)
         if chain is None:
             return 0, False
-        usable = self._usable_chunks(request.request_id, prompt, chain)
+        usable = self._touched(self._usable_chunks(request.request_id, prompt, chain))
         matched = sum(chunk.num_blocks for chunk, _ in usable) * self.block_size
         if matched <= num_computed_tokens:
             return 0, False
         self._matches[request.request_id] = (num_computed_tokens, usable)
-        for chunk, _ in usable:
-            self.store.touch(chunk.path)
         self.events.emit(
             "hit",
             request=request.request_id,
@@ -199,6 +206,16 @@ class KVSnapScheduler:
             local_tokens=num_computed_tokens,
         )
         return matched - num_computed_tokens, False
+
+    def _touched(
+        self, usable: list[tuple[ChunkRef, fmt.SequenceRecord]]
+    ) -> list[tuple[ChunkRef, fmt.SequenceRecord]]:
+        """``usable`` up to the first chunk that could not be touched (gone: evicted or set
+        aside by a pruner), recording the use of the others so pruning keeps them."""
+        for position, (chunk, _) in enumerate(usable):
+            if not self.store.touch(chunk.path):
+                return usable[:position]
+        return usable
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -231,6 +248,7 @@ class KVSnapScheduler:
             tuple(load.path for load in loads),
             frozenset(int(block) for block in spec.target_blocks),
         )
+        tracked.load_pending = True
         self._pending_loads.append(spec)
 
     def _selected_for_dump(self, request: Request) -> bool:
@@ -251,9 +269,6 @@ class KVSnapScheduler:
         self._pending_loads = []
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         meta.preempted = [request_id for request_id in preempted if request_id in self._saving]
-        # A request loading in this step saves nothing before the load is known to have
-        # worked: a failed load leaves its blocks wrong until vLLM recomputes them.
-        loading = {spec.request_id for spec in meta.loads}
         progress: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             progress[new.req_id] = new.num_computed_tokens
@@ -262,7 +277,8 @@ class KVSnapScheduler:
             progress[request_id] = cached.num_computed_tokens[index]
         for request_id, computed_before in progress.items():
             tracked = self._tracked.get(request_id)
-            if tracked is None or request_id in loading:
+            # A request whose load's outcome is unknown saves nothing yet (_Tracked.load_pending).
+            if tracked is None or tracked.load_pending:
                 continue
             computed = computed_before + scheduler_output.num_scheduled_tokens.get(request_id, 0)
             if self.options.persist and not tracked.persisted:
@@ -347,22 +363,35 @@ class KVSnapScheduler:
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Learn which loads failed (vLLM recomputes their blocks) and plan their saves anew.
+        """Learn how this step's loads went, and which held blocks the workers released.
 
-        A request whose loaded blocks come back invalid has its chunks checked again when next
-        matched (the worker quarantined a chunk that failed), and is persisted (the chunks the
-        store no longer holds) and dumped again once recomputed.
+        The workers name the requests whose loads ran (:class:`KVSnapWorkerMetadata`); the
+        blocks that failed are in ``invalid_block_ids`` (vLLM recomputes them). A request
+        whose load worked may now be saved; one whose load failed has its chunks checked
+        again when next matched (the worker quarantined a chunk whose file was at fault) and
+        is persisted (the chunks the store no longer holds) and dumped again once recomputed.
         """
-        invalid = connector_output.invalid_block_ids
-        if not invalid:
-            return
-        for tracked in self._tracked.values():
-            if tracked.load is None or not tracked.load[1] & invalid:
+        for request_id in connector_output.finished_sending or ():
+            self._held.discard(request_id)
+        report = connector_output.kv_connector_worker_meta
+        loaded = report.loaded if isinstance(report, KVSnapWorkerMetadata) else frozenset()
+        invalid = connector_output.invalid_block_ids or set()
+        for request_id, tracked in self._tracked.items():
+            if tracked.load is None:
                 continue
-            for path in tracked.load[0]:
-                self.checker.forget(path)
-            tracked.load = None
-            tracked.persisted = tracked.dumped = False
+            failed = bool(tracked.load[1] & invalid)
+            if failed:
+                for path in tracked.load[0]:
+                    self.checker.forget(path)
+                tracked.persisted = tracked.dumped = False
+            if failed or request_id in loaded:
+                tracked.load = None
+                tracked.load_pending = False
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether finished requests' blocks are held for their saves (vLLM's contract: such
+        blocks will be released, so the scheduler waits for them rather than preempting)."""
+        return bool(self._held)
 
     def request_finished(self, request: Request) -> bool:
         """Forget the request; whether vLLM must hold its blocks until the workers report its
@@ -371,5 +400,6 @@ class KVSnapScheduler:
         self._matches.pop(request.request_id, None)
         if request.request_id in self._saving:
             self._saving.discard(request.request_id)
+            self._held.add(request.request_id)
             return True
         return False

@@ -1,7 +1,11 @@
-"""What the scheduler tells the workers each step: :class:`LoadSpec`, :class:`SaveSpec`.
+"""What the scheduler tells the workers each step (:class:`LoadSpec`, :class:`SaveSpec`), and
+what the workers tell it back (:class:`KVSnapWorkerMetadata`).
 
 :class:`KVSnapConnectorMetadata` carries one step's loads (before the forward pass) and saves
-(after it) from the scheduler process to every worker. Nothing here needs vLLM.
+(after it) from the scheduler process to every worker; :class:`KVSnapWorkerMetadata` carries
+back which requests' loads ran in that step, so the scheduler learns every load's outcome
+(the blocks that failed come in the same step's ``invalid_block_ids``). Nothing here needs
+vLLM.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvsnap.engines.vllm.compat import KVConnectorMetadata
+from kvsnap.engines.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 _INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
@@ -69,3 +73,18 @@ class KVSnapConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class KVSnapWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers report to the scheduler for one step: the requests whose planned
+    loads ran in it (whether or not they failed; a failure's blocks are in the same step's
+    ``invalid_block_ids``). vLLM aggregates the reports of every TP rank with
+    :meth:`aggregate`."""
+
+    loaded: frozenset[str] = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVSnapWorkerMetadata:
+        """The union of two ranks' reports of the same step."""
+        assert isinstance(other, KVSnapWorkerMetadata)
+        return KVSnapWorkerMetadata(self.loaded | other.loaded)

@@ -238,17 +238,23 @@ class PrefixStore:
         """Whether the chunk at ``path`` (``HASH.safetensors``) is stored, in either form."""
         return committed_file(path) is not None
 
-    def touch(self, path: str | os.PathLike[str]) -> None:
+    def touch(self, path: str | os.PathLike[str]) -> bool:
         """Record that the chunk at ``path`` was used now: the access time of its
         :func:`committed_file` (a parted chunk's index), which LRU eviction reads. The
-        modification time is kept: it tells a rewritten file from the one checked."""
+        modification time is kept: it tells a rewritten file from the one checked.
+
+        Returns whether the chunk was there to touch: ``False`` when it is gone (evicted,
+        quarantined, or set aside by a pruner this instant), which the caller treats as a
+        miss. A pruner re-reads the last use after setting a chunk aside, so a chunk touched
+        before that is put back (:mod:`kvsnap.engines.vllm.eviction`)."""
         for candidate in (snapshot_path(path), index_path(path)):
             try:
                 modified = os.stat(candidate).st_mtime_ns
                 os.utime(candidate, ns=(time.time_ns(), modified))
             except OSError:
                 continue  # not this form, or gone (evicted, quarantined)
-            return
+            return True
+        return False
 
     def quarantine(self, path: str | os.PathLike[str]) -> Path | None:
         """Move the chunk at ``path`` (``HASH.safetensors`` or a parted chunk's index) to
@@ -348,8 +354,8 @@ def check_store_directory(root: str | os.PathLike[str], *, shared: bool, signed:
 def make_directories(directory: Path, root: Path) -> None:
     """Create ``directory`` and its missing parents up to ``root`` with the root's permission
     bits exactly (``0700`` for a private store; a shared store's group bits), whatever the
-    process umask (a missing root is created ``0700``); files created in them get no more access than they grant
-    (:func:`kvsnap.store.publish.create_temp`)."""
+    process umask (a missing root is created ``0700``); files created in them get no more
+    access than they grant (:func:`kvsnap.store.publish.create_temp`)."""
     if directory.is_dir():
         return
     if not root.is_dir():

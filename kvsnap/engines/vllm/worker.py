@@ -42,11 +42,21 @@ from kvsnap import distributed
 from kvsnap import format as fmt
 from kvsnap.compat import check_fits
 from kvsnap.engines.vllm.events import EventLog
-from kvsnap.engines.vllm.eviction import prune_store, store_bytes
+from kvsnap.engines.vllm.eviction import (
+    StoreEntry,
+    commit_within_capacity,
+    prune_locked,
+    staged_path,
+)
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.registration import RegisteredCache, register_caches
 from kvsnap.engines.vllm.saves import PendingSave, SaveQueue
-from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata, LoadSpec, SaveSpec
+from kvsnap.engines.vllm.specs import (
+    KVSnapConnectorMetadata,
+    KVSnapWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
 from kvsnap.engines.vllm.store import PrefixStore
 from kvsnap.errors import (
     IncompatibleSnapshotError,
@@ -109,11 +119,11 @@ class KVSnapWorker:
         self._source = source
         self.cache: RegisteredCache | None = None
         self._load_errors: set[int] = set()
+        #: Requests whose loads ran since the last :meth:`build_connector_worker_meta`.
+        self._loaded: set[str] = set()
         self._pipeline: Pipeline | None = None
         self._saves: SaveQueue | None = None
         self._group: Any = None
-        #: The store's size as this worker last measured it plus what it wrote since.
-        self._store_bytes: int | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Build the cache layout from the registered tensors, or refuse them (LayoutError)."""
@@ -152,6 +162,7 @@ class KVSnapWorker:
         """
         for spec in meta.loads:
             started = time.perf_counter()
+            self._loaded.add(spec.request_id)
             failure = self._load(spec)
             if failure is not None:
                 self._load_failed(spec, *failure)
@@ -177,7 +188,7 @@ class KVSnapWorker:
             failure: tuple[int, Exception] | None = None
             for position, chunk in enumerate(spec.chunks):
                 try:
-                    snapshot = stack.enter_context(Snapshot.open(chunk.path, keys=self.keys))
+                    snapshot = stack.enter_context(_open_chunk(chunk.path, self.keys))
                     _check_fits(snapshot.metadata, geometry, self.fingerprint, chunk.path)
                 except Exception as error:  # any failure: the blocks from here on are recomputed
                     failure = (position, error)
@@ -221,6 +232,14 @@ class KVSnapWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def build_connector_worker_meta(self) -> KVSnapWorkerMetadata | None:
+        """The requests whose loads ran in this step (``None``: none did), for the scheduler,
+        which plans no save of a request until it knows how its load went."""
+        if not self._loaded:
+            return None
+        loaded, self._loaded = frozenset(self._loaded), set()
+        return KVSnapWorkerMetadata(loaded)
+
     # -- saves -------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVSnapConnectorMetadata) -> None:
@@ -261,16 +280,32 @@ class KVSnapWorker:
                 save.copied.set()
 
         sequences = [_sequence(spec, spec.block_ids)]
+        capacity = self.options.store_capacity_bytes
         if layout.tp_size == 1:
+            # Within a bound the chunk is staged, then committed under the store's lock once
+            # the store (every engine's chunks) has room for it.
+            staged = persist and capacity is not None
+            target = str(staged_path(spec.path)) if staged else spec.path
             result = self._pipeline.capture(
                 sequences,
-                spec.path,
+                target,
                 source=self._source,
                 progress=copied,
                 after=after,
                 keys=self.keys,
             )
-            self._saved(spec, result.path, result.num_blocks, result.num_bytes, started)
+            if staged and capacity is not None:
+                committed, removed = commit_within_capacity(
+                    self.store.root,
+                    target,
+                    spec.path,
+                    capacity,
+                    min_idle_s=self.options.store_min_idle_s,
+                )
+                self._evicted(removed)
+                if not committed:
+                    return  # another engine committed the same chunk meanwhile
+            self._saved(spec, spec.path, result.num_blocks, result.num_bytes, started)
             return
         whole = distributed.capture(
             layout,
@@ -299,21 +334,17 @@ class KVSnapWorker:
             bytes=num_bytes,
             seconds=round(time.perf_counter() - started, 6),
         )
-        if spec.kind == "persist":
-            self._keep_capacity(num_bytes)
-
-    def _keep_capacity(self, written: int) -> None:
-        """After a chunk write: prune the store to ``store_capacity_bytes`` (LRU) if above it."""
         capacity = self.options.store_capacity_bytes
-        if capacity is None:
-            return
-        if self._store_bytes is None:
-            self._store_bytes = store_bytes(self.store.root)
-        else:
-            self._store_bytes += written
-        if self._store_bytes <= capacity:
-            return
-        removed = prune_store(self.store.root, capacity, min_idle_s=self.options.store_min_idle_s)
+        if spec.kind == "persist" and capacity is not None and self.cache is not None:
+            if self.cache.layout.tp_size > 1:  # a parted chunk, committed by its index
+                self._evicted(
+                    prune_locked(
+                        self.store.root, capacity, min_idle_s=self.options.store_min_idle_s
+                    )
+                )
+
+    def _evicted(self, removed: list[StoreEntry]) -> None:
+        """Log the entries pruning removed."""
         for entry in removed:
             self.events.emit(
                 "evict",
@@ -322,7 +353,6 @@ class KVSnapWorker:
                 idle_s=round(entry.age(), 3),
                 quarantined=entry.quarantined,
             )
-        self._store_bytes = store_bytes(self.store.root)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
         """vLLM's async save contract: the finished requests (``finished_req_ids``, of this
@@ -349,6 +379,31 @@ class KVSnapWorker:
             self._saves.shutdown()
             self._saves = None
         self._pipeline = None
+
+
+#: How often, and how long apart, a chunk found missing is opened again: a pruner that sets a
+#: chunk aside puts it back within microseconds when it was just used (matched).
+_OPEN_ATTEMPTS, _OPEN_RETRY_S = 4, 0.005
+
+
+def _open_chunk(path: str, keys: KeyRing | None) -> Snapshot:
+    """Open the chunk at ``path`` (every file signed by one of ``keys``, when given), again a
+    few times if it is missing for an instant."""
+    for _ in range(_OPEN_ATTEMPTS - 1):
+        try:
+            return Snapshot.open(path, keys=keys)
+        except (FileNotFoundError, SnapshotIOError) as error:
+            if not _is_missing(error):
+                raise
+            time.sleep(_OPEN_RETRY_S)
+    return Snapshot.open(path, keys=keys)
+
+
+def _is_missing(error: Exception) -> bool:
+    """Whether ``error`` from opening a snapshot says the file is not there."""
+    if isinstance(error, FileNotFoundError):
+        return True
+    return isinstance(error.__cause__, FileNotFoundError) or "no such file" in str(error).lower()
 
 
 def _sequence(spec: SaveSpec, block_ids: np.ndarray) -> SequenceBlocks:
