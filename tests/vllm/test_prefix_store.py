@@ -339,6 +339,22 @@ def test_a_dead_stagers_staged_chunk_is_a_leftover(tmp_path: Path) -> None:
     assert live.exists() and not dead.exists() and chunk.exists()
 
 
+def test_chunks_of_the_old_key_scheme_are_pruned_whatever_the_bound(tmp_path: Path) -> None:
+    # What a store written before SHA-256 keys holds: chunks with 32-digit names. They are
+    # never matched, and pruning removes them even under the bound.
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=2)
+    prompt = _prompt(2, seed=30)
+    current = _write_chunk(store, prompt, 0, 2)
+    old_single = current.parent / ("ab" * 16 + ".safetensors")
+    old_single.write_bytes(current.read_bytes())
+    entries = {entry.path: entry for entry in store_entries(tmp_path)}
+    assert entries[old_single].legacy and not entries[current].legacy
+    assert store.longest_prefix(_chain(prompt)).chunks[0].path == str(current)
+    removed = prune_store(tmp_path, 10 * current.stat().st_size, min_idle_s=0)
+    assert [entry.path for entry in removed] == [old_single]
+    assert [entry.path for entry in store_entries(tmp_path)] == [current]
+
+
 def test_evicting_a_chunk_drops_it_from_the_hot_tier(tmp_path: Path, monkeypatch) -> None:
     # A tier that maps without CUDA (the bookkeeping is the same): an evicted chunk's mapping,
     # which holds its pages and (with CUDA) keeps them locked, goes with the file.

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsnap import format as fmt
-from kvsnap.engines.vllm.store import CHUNK_SUFFIX, part_files
+from kvsnap.engines.vllm.store import CHUNK_SUFFIX, LEGACY_KEY, part_files
 from kvsnap.store import publish
 from kvsnap.store.hot import hot_tier
 from kvsnap.store.location import INDEX_SUFFIX
@@ -96,6 +96,9 @@ class StoreEntry:
     orphan: bool = False
     #: A dead writer's temporary file or an abandoned staged chunk (listed as an orphan).
     temp: bool = False
+    #: A chunk named by the store keys of kvsnap before SHA-256 (32 hex digits): it is never
+    #: matched again, and pruning removes it whatever the bound.
+    legacy: bool = False
 
     def age(self, now: float | None = None) -> float:
         """Seconds since the entry was last used."""
@@ -212,8 +215,18 @@ def _directory_entries(
         if entry is not None and _is_part(name):
             entry = dataclasses.replace(entry, orphan=True)
         found.append(entry)
+    found = [_marked_legacy(entry) for entry in found]
     found += [_leftover(directory / name, namespace, quarantined, grace_s) for name in temps]
     return [entry for entry in found if entry is not None]
+
+
+def _marked_legacy(entry: StoreEntry | None) -> StoreEntry | None:
+    """``entry`` marked ``legacy`` when it is a chunk (not quarantined, not a part) whose
+    name is an old 32-digit store key."""
+    if entry is None or entry.quarantined or entry.orphan:
+        return entry
+    stem = entry.path.name.removesuffix(INDEX_SUFFIX).removesuffix(CHUNK_SUFFIX)
+    return dataclasses.replace(entry, legacy=True) if LEGACY_KEY.fullmatch(stem) else entry
 
 
 def store_entries(
@@ -245,12 +258,14 @@ def store_bytes(root: str | os.PathLike[str]) -> int:
 
 
 def eviction_order(entries: list[StoreEntry]) -> list[StoreEntry]:
-    """``entries`` in the order pruning deletes them: leftover temporary files, orphan parts,
-    quarantined chunks, then chunks, each least recently used first."""
+    """``entries`` in the order pruning deletes them: leftover temporary files, chunks of the
+    old key scheme, orphan parts, quarantined chunks, then chunks, each least recently used
+    first."""
     return sorted(
         entries,
         key=lambda entry: (
             not entry.temp,
+            not entry.legacy,
             not entry.orphan,
             not entry.quarantined,
             entry.last_used,
@@ -361,10 +376,11 @@ def prune_store(
     ``max_bytes``; return the deleted ones. A parted chunk goes whole: its index first (the
     commit point: no reader finds it from then on), then its parts.
 
-    Leftover temporary files (dead writers', abandoned staged chunks) are deleted whatever the
-    bound. Chunks used in the last ``min_idle_s`` seconds are kept even if the store stays
-    above the bound: a scheduler may have matched one that a worker is about to load; a chunk
-    used after the listing is set aside, found used and put back (see the module's notes).
+    Leftover temporary files (dead writers', abandoned staged chunks) and chunks of the old
+    key scheme (``legacy``: never matched) are deleted whatever the bound. Chunks used in the
+    last ``min_idle_s`` seconds are kept even if the store stays above the bound: a scheduler
+    may have matched one that a worker is about to load; a chunk used after the listing is set
+    aside, found used and put back (see the module's notes).
     Orphan parts modified in the last ``orphan_grace_s`` seconds are kept: they may be a write
     in progress.
     """
@@ -375,8 +391,8 @@ def prune_store(
     moment = time.time() if now is None else now
     removed = []
     for entry in eviction_order(entries):
-        # Leftover temporary files are garbage whatever the bound: they always go.
-        if total <= max_bytes and not entry.temp:
+        # Leftover temporary files and old-scheme chunks are garbage whatever the bound.
+        if total <= max_bytes and not (entry.temp or entry.legacy):
             break
         if not _removable(entry, moment, min_idle_s, orphan_grace_s):
             continue
