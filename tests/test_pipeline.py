@@ -39,6 +39,7 @@ def _caches(
             block_size=BLOCK,
             tp_rank=rank,
             tp_size=tp_size,
+            device=device,
             **geometry_args,
         )
         for rank in range(tp_size)

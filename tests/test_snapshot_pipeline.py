@@ -21,6 +21,7 @@ from kvsnap.pinned import PinnedPool
 from kvsnap.pipeline import StagingOptions, TransferOptions
 from kvsnap.pipeline.fused import FusedMover
 from kvsnap.pipeline.slots import plan_slots
+from kvsnap.pipeline.staging import StagingRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import SnapshotReader, SnapshotWriter, slot_reads
 from kvsnap.transfer import TransferHandler
@@ -100,9 +101,9 @@ def test_a_slot_spans_tensors_so_a_short_prefix_is_one_copy(tmp_path: Path, cach
     calls: list[int] = []
     real = FusedMover.submit
 
-    def recorded(self, plan, *args):
+    def recorded(self, plan, *args, **kwargs):
         calls.append(len(plan.segments))
-        return real(self, plan, *args)
+        return real(self, plan, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(FusedMover, "submit", recorded)
@@ -140,6 +141,36 @@ def test_restore_keeps_a_read_queued_in_every_slot_but_the_one_being_moved(
     for entry in log:
         in_flight += 1 if entry == "read_slot_async" else -1
         assert 0 <= in_flight <= 3
+    assert_same_kv(view, target_view, [(s.block_ids, s.block_ids) for s in sequences])
+
+
+def test_restore_takes_one_slot_per_plan_and_none_once_every_plan_is_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache
+) -> None:
+    # Taking a slot waits for its last copy (often the one just enqueued): a slot taken only to
+    # find no plan left made every move wait for its own copy.
+    layout, view, sequences = cache
+    path = tmp_path / "snap.safetensors"
+    num_blocks = capture(layout, sequences, path, source=SOURCE).num_blocks
+    taken: list[object] = []  # slot indices, and "acquire" per blocking take
+    real = StagingRing.try_acquire
+
+    def try_acquire(self):
+        slot = real(self)
+        if slot is not None:
+            taken.append(slot.index)
+        return slot
+
+    monkeypatch.setattr(StagingRing, "try_acquire", try_acquire)
+    record_calls(monkeypatch, taken, StagingRing, "acquire")
+    target_layout, target_view = split_nhd(40, 0, 1, torch.Generator().manual_seed(24))
+    with Snapshot.open(path) as snap:
+        snap.restore(
+            target_layout,
+            {s.id: s.block_ids for s in sequences},
+            staging=StagingOptions(slot_bytes=SLOT_BYTES, num_slots=3),
+        )
+    assert len(taken) == len(_slots(num_blocks, SLOT_BYTES))
     assert_same_kv(view, target_view, [(s.block_ids, s.block_ids) for s in sequences])
 
 

@@ -55,6 +55,8 @@ class FusedMover(SlotMover):
         )
         page_bytes = table.page_size_bytes
         self.hashes_pages = self._staging is not None and page_hash.supports(page_bytes)
+        # Restores on CUDA may upload straight from registered host memory (the hot tier).
+        self.takes_uploads = self._staging is not None and direction is Direction.HOST_TO_DEVICE
         self._constants: torch.Tensor | None = None
         if self.hashes_pages:
             constants = torch.from_numpy(page_hash.constant_table(page_bytes))
@@ -79,12 +81,17 @@ class FusedMover(SlotMover):
         device_blocks: np.ndarray,
         snapshot_blocks: np.ndarray,
         expected: np.ndarray | None = None,
+        uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> FusedTicket:
+        if uploads is not None and not self.takes_uploads:
+            raise ValueError("this mover copies from its staging slot only")
         try:
             if self._staging is None:
                 self._copy_on_host(plan, slot, device_blocks, snapshot_blocks)
                 return FusedTicket(None, None)
-            return self._enqueue_on_device(plan, slot, device_blocks, snapshot_blocks, expected)
+            return self._enqueue_on_device(
+                plan, slot, device_blocks, snapshot_blocks, expected, uploads
+            )
         except (RuntimeError, OSError, ValueError) as error:
             raise TransferFailedError(f"the fused page copy failed: {error}") from error
 
@@ -110,6 +117,7 @@ class FusedMover(SlotMover):
         device_blocks: np.ndarray,
         snapshot_blocks: np.ndarray,
         expected: np.ndarray | None,
+        uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> FusedTicket:
         assert self._staging is not None
         page_bytes = self.table.page_size_bytes
@@ -144,7 +152,11 @@ class FusedMover(SlotMover):
                     results.copy_(self._digests(buffer, offsets), non_blocking=True)
                 host.copy_(device, non_blocking=True)
             else:
-                device.copy_(host, non_blocking=True)
+                if uploads is None:
+                    device.copy_(host, non_blocking=True)
+                for mapped, offset in uploads or ():
+                    # Straight out of the registered page cache: one DMA per run of pages.
+                    buffer[offset : offset + mapped.numel()].copy_(mapped, non_blocking=True)
                 page_ok = None
                 if checked:
                     stored = device_table[len(copy_table) + num_pages :]
@@ -163,6 +175,15 @@ class FusedMover(SlotMover):
             buffer, offsets, self.table.page_size_bytes, self._constants, digests
         )
         return digests
+
+    def fence(self) -> torch.cuda.Event | None:
+        """An event completing once everything enqueued so far has run (``None`` on a host
+        cache, where nothing is in flight)."""
+        if self._staging is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._staging.stream)
+        return event
 
     def wait(self, ticket: FusedTicket) -> None:
         if ticket.event is not None:

@@ -38,6 +38,9 @@ class SlotMover(ABC):
     backend_name: str
     #: Whether the mover computes every page's xxh3-64 itself (else the host hashes them).
     hashes_pages: bool = False
+    #: Whether a restore may hand ``submit`` the slot's bytes as ``uploads`` (registered host
+    #: memory the device copies from) instead of the slot's own.
+    takes_uploads: bool = False
 
     def begin(self, after: torch.cuda.Event | None = None) -> None:
         """Called at the start of each capture or restore. ``after``: a CUDA event that the
@@ -54,11 +57,14 @@ class SlotMover(ABC):
         device_blocks: np.ndarray,
         snapshot_blocks: np.ndarray,
         expected: np.ndarray | None = None,
+        uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> Any:
         """Enqueue the copies of ``plan``'s pages: page ``i`` is device block
         ``device_blocks[i]`` (snapshot block ``snapshot_blocks[i]``), at
         ``plan.page_offsets[i]`` in ``slot``. ``expected`` (restores, movers that hash pages
-        only) holds each page's stored xxh3-64. Returns a ticket for :meth:`wait`."""
+        only) holds each page's stored xxh3-64. ``uploads`` (restores, movers with
+        :attr:`takes_uploads` only): the slot's bytes are not in ``slot`` but in these registered
+        host tensors, each going to its offset in the slot. Returns a ticket for :meth:`wait`."""
 
     @abstractmethod
     def wait(self, ticket: Any) -> None:
@@ -101,7 +107,10 @@ class HandlerMover(SlotMover):
         device_blocks: np.ndarray,
         snapshot_blocks: np.ndarray,
         expected: np.ndarray | None = None,
+        uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> list[tuple[TransferHandler, int]]:
+        if uploads is not None:
+            raise ValueError("a transfer handler copies from its staging slot only")
         host = HostPages(
             slot.data_ptr,
             slot.size_bytes // self._page_bytes,

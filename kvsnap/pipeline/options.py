@@ -50,11 +50,18 @@ class StagingOptions:
     ``LARGE_SLOT_BYTES`` for jobs of ``LARGE_JOB_BYTES`` or more). ``pool`` is a
     :class:`~kvsnap.pinned.PinnedPool` the caller keeps instead; ``slot_bytes`` and
     ``num_slots`` ask for a private pool of that shape, made and freed by the call.
+
+    ``hot`` (restores on CUDA): whether the snapshot's files may be served from the hot tier
+    (:mod:`kvsnap.store.hot`: the files mapped from the page cache and registered with CUDA,
+    copied to the device without being read). ``None``: as the tier decides (a file is
+    registered on its ``register_after``-th use); ``True``: register them now if they fit (the
+    caller knows they will be hit again); ``False``: read them, and count no hit.
     """
 
     pool: PinnedPool | None = None
     slot_bytes: int | None = None
     num_slots: int | None = None
+    hot: bool | None = None
 
     def __post_init__(self) -> None:
         if self.pool is not None and (self.slot_bytes or self.num_slots):

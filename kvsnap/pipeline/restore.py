@@ -23,15 +23,44 @@ from kvsnap.pipeline.movers import SlotMover
 from kvsnap.pipeline.slots import SlotPlan
 from kvsnap.pipeline.staging import StagingRing
 from kvsnap.store import SnapshotReader, TraceHook, traced
+from kvsnap.store.hot import HotFile, hot_tier
 
 
 class SnapshotPages:
-    """The pages of one open snapshot as a restore reads them: a slot's pages in one call."""
+    """The pages of one open snapshot as a restore reads them: a slot's pages in one call.
 
-    def __init__(self, reader: SnapshotReader) -> None:
+    ``hot``: the snapshot's files held by the hot tier (one per file, leased by the caller):
+    then nothing is read, and each slot's pages go to the device straight from the files'
+    registered mappings (:meth:`uploads`).
+    """
+
+    def __init__(self, reader: SnapshotReader, hot: Sequence[HotFile] | None = None) -> None:
         self.reader = reader
         self.names = reader.tensor_names()
         self.page_size_bytes = reader.metadata.geometry.canonical_page_size_bytes
+        self.hot = hot
+
+    def uploads(self, plan: SlotPlan, snapshot_blocks: np.ndarray) -> list[tuple[Any, int]]:
+        """``plan``'s pages as host→device copies out of the hot files' mappings: per run of
+        pages consecutive in a file and in the slot, the mapped bytes and their offset in the
+        slot (one run per slot when the slot's pages follow each other in the file)."""
+        assert self.hot is not None
+        runs = self.reader.page_runs(
+            plan.page_tensors, snapshot_blocks[plan.page_positions], plan.page_offsets
+        )
+        lengths = (runs.stops - runs.starts) * self.page_size_bytes
+        uploads = []
+        for file, begin, length, slot_offset in zip(
+            runs.files.tolist(),
+            runs.file_offsets.tolist(),
+            lengths.tolist(),
+            runs.slot_offsets.tolist(),
+            strict=True,
+        ):
+            host = self.hot[file].host
+            assert host is not None  # leased entries stay mapped
+            uploads.append((host[begin : begin + length], slot_offset))
+        return uploads
 
     def read_async(
         self,
@@ -56,6 +85,26 @@ class SnapshotPages:
     def stored(self, plan: SlotPlan, snapshot_blocks: np.ndarray) -> np.ndarray:
         """The stored xxh3-64 of ``plan``'s pages."""
         return self.reader.stored_checksums(plan.page_tensors, snapshot_blocks[plan.page_positions])
+
+
+def lease_hot_files(reader: SnapshotReader, *, admit: bool) -> list[HotFile] | None:
+    """Every file of ``reader``'s snapshot from the process-wide hot tier, leased (give each
+    back with :meth:`~kvsnap.store.hot.HotTier.release`), or ``None``: a file is not local or
+    not (yet) held (all or nothing; each lookup counts a hit). ``admit``: register the files
+    now (the caller's word) rather than on the tier's ``register_after``-th hit."""
+    tier = hot_tier()
+    files = reader.local_files() if tier.enabled else None
+    if files is None:
+        return None
+    leases: list[HotFile] = []
+    for path, fd, status in files:
+        entry = tier.lookup(path, fd, status, admit=admit)
+        if entry is None:
+            for leased in leases:
+                tier.release(leased)
+            return None
+        leases.append(entry)
+    return leases
 
 
 @dataclass(frozen=True)
@@ -101,7 +150,9 @@ def restore_slots(
     """
     runs = [_RestoreRun(mover, ring, s.pages, s.blocks, progress, trace) for s in sources]
     completed: queue.SimpleQueue[_Reading] = queue.SimpleQueue()
-    remaining = ((run, plan) for run, s in zip(runs, sources, strict=True) for plan in s.plans)
+    remaining = _Plans(
+        (run, plan) for run, s in zip(runs, sources, strict=True) for plan in s.plans
+    )
     reading = 0
     try:
         while True:
@@ -127,16 +178,17 @@ def restore_slots(
 def _fill_free_slots(
     ring: StagingRing,
     runs: Sequence[_RestoreRun],
-    remaining: Iterator[tuple[_RestoreRun, SlotPlan]],
+    remaining: _Plans,
     completed: queue.SimpleQueue[_Reading],
     *,
     blocking: bool,
 ) -> int:
     """Queue the next plans' reads in every free slot: how many were started. Waits for a
     slot only when ``blocking`` (nothing of ours in flight): a pool shared with another
-    restore must not leave both waiting for each other's slots."""
+    restore must not leave both waiting for each other's slots. No slot is taken once every
+    plan is started: taking one waits for its last copy, often the one just enqueued."""
     started = 0
-    while not any(run.error is not None for run in runs):
+    while not any(run.error is not None for run in runs) and remaining.peek() is not None:
         if blocking and not started:
             with traced(runs[0].trace, "staging.wait"):
                 slot = ring.acquire()
@@ -144,11 +196,7 @@ def _fill_free_slots(
             slot = ring.try_acquire()
         if slot is None:
             break
-        item = next(remaining, None)
-        if item is None:
-            ring.release(slot)
-            break
-        run, plan = item
+        run, plan = remaining.take()
         try:
             read = run.read(plan, slot)
         except BaseException:
@@ -158,6 +206,25 @@ def _fill_free_slots(
         read.add_done_callback(lambda done, r=run, p=plan, s=slot: completed.put((r, p, s, done)))
         started += 1
     return started
+
+
+class _Plans:
+    """The plans of a restore in order, the next one visible before it is taken."""
+
+    def __init__(self, plans: Iterator[tuple[_RestoreRun, SlotPlan]]) -> None:
+        self._plans = plans
+        self._next: tuple[_RestoreRun, SlotPlan] | None = None
+
+    def peek(self) -> tuple[_RestoreRun, SlotPlan] | None:
+        if self._next is None:
+            self._next = next(self._plans, None)
+        return self._next
+
+    def take(self) -> tuple[_RestoreRun, SlotPlan]:
+        item = self.peek()
+        assert item is not None
+        self._next = None
+        return item
 
 
 class _RestoreRun:
@@ -176,6 +243,12 @@ class _RestoreRun:
         self.snapshot_blocks, self.target_blocks = blocks
         self.progress = progress
         self.on_device = mover.hashes_pages and pages.reader.verifies
+        # Hot files are only ever read by the device: never through a host read or host check.
+        self.hot = (
+            pages.hot is not None
+            and mover.takes_uploads
+            and (self.on_device or not pages.reader.verifies)
+        )
         self.checked: list[tuple[SlotPlan, Any]] = []
         self.failed_tensors: list[np.ndarray] = []
         self.failed_positions: list[np.ndarray] = []
@@ -184,7 +257,11 @@ class _RestoreRun:
 
     def read(self, plan: SlotPlan, slot: Slot) -> Future[np.ndarray]:
         """Queue ``plan``'s read into ``slot`` (checksums on the read threads unless the
-        device checks them)."""
+        device checks them). From hot files nothing is read: the slot only orders the move."""
+        if self.hot:
+            nothing: Future[np.ndarray] = Future()
+            nothing.set_result(np.empty(0, dtype=np.int64))
+            return nothing
         return self.pages.read_async(
             plan, self.snapshot_blocks, slot.as_numpy(), self.trace, verify=not self.on_device
         )
@@ -208,6 +285,7 @@ class _RestoreRun:
         positions = moving.page_positions
         expected = self.pages.stored(moving, self.snapshot_blocks) if self.on_device else None
         nbytes = moving.num_bytes(self.pages.page_size_bytes)
+        uploads = self.pages.uploads(moving, self.snapshot_blocks) if self.hot else None
         with traced(self.trace, "transfer.submit", nbytes):
             ticket = self.mover.submit(
                 moving,
@@ -215,6 +293,7 @@ class _RestoreRun:
                 self.target_blocks[positions],
                 self.snapshot_blocks[positions],
                 expected,
+                uploads=uploads,
             )
         if expected is not None:
             self.checked.append((moving, ticket))

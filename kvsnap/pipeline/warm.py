@@ -48,12 +48,14 @@ from kvsnap.pipeline.restore import (
     SnapshotPages,
     describe_failure,
     failed_target_blocks,
+    lease_hot_files,
     restore_slots,
 )
 from kvsnap.pipeline.slots import plan_slots
 from kvsnap.pipeline.staging import staging_ring
 from kvsnap.plan import Direction
 from kvsnap.store import SnapshotWriter, TraceHook, traced
+from kvsnap.store.hot import HotFile, hot_tier
 from kvsnap.transfer import TransferHandler
 
 if TYPE_CHECKING:
@@ -338,24 +340,46 @@ class Pipeline:
             ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes, restore=True)
         mover = self._mover(Direction.HOST_TO_DEVICE)
         done = _Progress(progress, total_bytes)
+        leases: list[HotFile] = []
         try:
             mover.begin()
-            sources = [
-                RestoreSource(
-                    SnapshotPages(snapshot.reader),
-                    plan_slots(len(names), len(blocks[0]), page_bytes, ring.slot_bytes),
-                    blocks,
+            sources = []
+            for snapshot, blocks in items:
+                hot = _hot_files(snapshot, mover, staging) if total_bytes else None
+                leases += hot or []
+                sources.append(
+                    RestoreSource(
+                        SnapshotPages(snapshot.reader, hot),
+                        plan_slots(len(names), len(blocks[0]), page_bytes, ring.slot_bytes),
+                        blocks,
+                    )
                 )
-                for snapshot, blocks in items
-            ]
             failed = restore_slots(mover, ring, sources, done.add, trace)
         finally:
             with traced(trace, "teardown"):
                 try:
+                    if leases and isinstance(mover, FusedMover):
+                        # The mappings stay registered until the copies that read them ran.
+                        last_use = mover.fence()
+                        for entry in leases:
+                            hot_tier().release(entry, last_use)
                     mover.end()
                 finally:
                     ring.finish()
         return failed, RestoreResult(0, 0, 0, total_bytes, 0.0, mover.backend_name)
+
+
+def _hot_files(
+    snapshot: Snapshot, mover: SlotMover, staging: StagingOptions | None
+) -> list[HotFile] | None:
+    """``snapshot``'s files leased from the hot tier when this restore can copy straight out
+    of them (a CUDA mover that takes uploads and checks pages on the device, or a reader that
+    checks nothing), and the caller did not turn the tier off (``StagingOptions.hot``)."""
+    wish = staging.hot if staging is not None else None
+    reader = snapshot.reader
+    if wish is False or not mover.takes_uploads or not (mover.hashes_pages or not reader.verifies):
+        return None
+    return lease_hot_files(reader, admit=wish is True)
 
 
 class _Progress:

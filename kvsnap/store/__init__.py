@@ -44,11 +44,15 @@ The package, one module per job:
 - :mod:`~kvsnap.store.overwrite`: what a writer may delete when it replaces a snapshot;
 - :mod:`~kvsnap.store.location`: local paths and fsspec URLs;
 - :mod:`~kvsnap.store.tracing`, :mod:`~kvsnap.store.completion`, :mod:`~kvsnap.store.tuning`:
-  the trace hook, split futures, pipeline sizes.
+  the trace hook, split futures, pipeline sizes;
+- :mod:`~kvsnap.store.hot`: the hot tier (snapshot files mapped from the page cache and
+  registered with CUDA, so that restores copy straight out of it; :func:`configure_hot_tier`,
+  :func:`hot_tier`), and :mod:`~kvsnap.store.residency` (whether a range is page-cached).
 """
 
 from __future__ import annotations
 
+from kvsnap.store.hot import HotStats, configure_hot_tier, hot_tier
 from kvsnap.store.publish import publish_bytes
 from kvsnap.store.reader import SnapshotReader
 from kvsnap.store.tracing import TraceHook, traced
@@ -57,10 +61,13 @@ from kvsnap.store.writer import SnapshotInfo, SnapshotWriter
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
+    "HotStats",
     "SnapshotInfo",
     "SnapshotReader",
     "SnapshotWriter",
     "TraceHook",
+    "configure_hot_tier",
+    "hot_tier",
     "publish_bytes",
     "traced",
 ]

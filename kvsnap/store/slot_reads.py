@@ -132,13 +132,28 @@ def pieces_per_slot() -> int:
     return PIECES_PER_SLOT if PIECES_PER_SLOT is not None else read_threads()
 
 
-def _pieces(
+@dataclass(frozen=True)
+class PageRuns:
+    """Runs of a slot's pages consecutive both in one file and in the slot: per run its file
+    (an index into :attr:`TensorExtents.sources`), its first byte there, its offset in the
+    slot, and its pages (``starts[i]`` to ``stops[i]`` of the slot's page arrays)."""
+
+    files: np.ndarray
+    file_offsets: np.ndarray
+    slot_offsets: np.ndarray
+    starts: np.ndarray
+    stops: np.ndarray
+
+
+def page_runs(
     extents: TensorExtents,
     page_tensors: np.ndarray,
     page_blocks: np.ndarray,
     page_offsets: np.ndarray,
-) -> list[_Piece]:
-    """Runs of pages consecutive in one file and in the slot, cut to share the threads."""
+) -> PageRuns:
+    """Where page ``i`` (block ``page_blocks[i]`` of tensor ``page_tensors[i]``, at
+    ``page_offsets[i]`` in the slot) lies, as runs consecutive in one file and in the slot: a
+    short prefix restored from a snapshot of that prefix is one run."""
     page = extents.page_size_bytes
     files = extents.file_of[page_tensors]
     file_offsets = extents.begin[page_tensors] + page_blocks * page
@@ -149,18 +164,38 @@ def _pieces(
     )
     starts = np.flatnonzero(np.concatenate(([True], ~continues)))
     stops = np.append(starts[1:], len(page_tensors))
+    return PageRuns(files[starts], file_offsets[starts], page_offsets[starts], starts, stops)
+
+
+def _pieces(
+    extents: TensorExtents,
+    page_tensors: np.ndarray,
+    page_blocks: np.ndarray,
+    page_offsets: np.ndarray,
+) -> list[_Piece]:
+    """Runs of pages consecutive in one file and in the slot, cut to share the threads."""
+    page = extents.page_size_bytes
+    runs = page_runs(extents, page_tensors, page_blocks, page_offsets)
     # The slot in at most pieces_per_slot() pieces of whole pages, within the size bounds.
     per_piece = max(-(-len(page_tensors) // pieces_per_slot()), MIN_PIECE_BYTES // page, 1)
     per_piece = min(per_piece, max(1, MAX_PIECE_BYTES // page))
     pieces = []
-    for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
+    for file, file_offset, slot_offset, start, stop in zip(
+        runs.files.tolist(),
+        runs.file_offsets.tolist(),
+        runs.slot_offsets.tolist(),
+        runs.starts.tolist(),
+        runs.stops.tolist(),
+        strict=True,
+    ):
         for first in range(start, stop, per_piece):
             last = min(stop, first + per_piece)
+            skipped = (first - start) * page
             pieces.append(
                 _Piece(
-                    extents.sources[int(files[first])],
-                    int(file_offsets[first]),
-                    int(page_offsets[first]),
+                    extents.sources[file],
+                    file_offset + skipped,
+                    slot_offset + skipped,
                     np.arange(first, last),
                 )
             )
@@ -273,6 +308,25 @@ class SlotReading:
         return read_slot_async(
             self._extents(), checksums, page_tensors, page_blocks, page_offsets, out, trace
         )
+
+    def page_runs(
+        self, page_tensors: np.ndarray, page_blocks: np.ndarray, page_offsets: np.ndarray
+    ) -> PageRuns:
+        """Where a slot's pages lie in this snapshot's files (see :func:`page_runs`); a run's
+        file indexes :meth:`local_files`."""
+        return page_runs(self._extents(), page_tensors, page_blocks, page_offsets)
+
+    def local_files(self) -> list[tuple[str, int, os.stat_result]] | None:
+        """Per file of the snapshot (the order :meth:`page_runs` uses): its path, the open
+        descriptor this reader checked it through, and that descriptor's ``fstat``; ``None``
+        unless every file is local."""
+        files = []
+        for open_file in self._files:
+            entry = open_file.source.local_file()
+            if entry is None:
+                return None
+            files.append(entry)
+        return files
 
     def _extents(self) -> TensorExtents:
         if self._tensor_extents is None:

@@ -16,11 +16,13 @@ from kvsnap.errors import (
     SnapshotCorruptError,
     SnapshotIOError,
 )
+from kvsnap.store import tuning
 from kvsnap.store.location import (
     Location,
     io_error,
     open_regular,
 )
+from kvsnap.store.residency import resident
 
 
 def _open_direct_reader(path: str, status: os.stat_result) -> int | None:
@@ -68,11 +70,14 @@ class Source:
         self._fd: int | None = None
         self._direct_fd: int | None = None
         self._handle: Any = None
+        self._status: os.stat_result | None = None
         try:
             if location.is_local:
                 self._fd, status = open_regular(location)
+                self._status = status
                 self.size = status.st_size
-                self._direct_fd = _open_direct_reader(location.path, status)
+                if tuning.COLD_READS_DIRECT:
+                    self._direct_fd = _open_direct_reader(location.path, status)
             else:
                 self.size = int(location.fs.size(location.path))
                 self._handle = location.fs.open(location.path, "rb", cache_type="none")
@@ -88,6 +93,13 @@ class Source:
         """Whether several threads may read at once (``pread`` on a local descriptor)."""
         return self._fd is not None
 
+    def local_file(self) -> tuple[str, int, os.stat_result] | None:
+        """A local file's path, open descriptor and its ``fstat`` at open; ``None`` for fsspec
+        files or once closed."""
+        if self._fd is None or self._status is None:
+            return None
+        return self.location.path, self._fd, self._status
+
     def read_into(self, offset: int, out: memoryview, *, tensor: str | None = None) -> None:
         """Fill ``out`` from ``offset``; a short file is a :class:`SnapshotCorruptError`."""
         wanted = len(out)
@@ -96,15 +108,12 @@ class Source:
             if self._fd is not None:
                 address = np.frombuffer(out, dtype=np.uint8).ctypes.data if wanted else 0
                 while done < wanted:
-                    # Aligned ranges bypass the page cache (O_DIRECT): on the disks measured
-                    # that reads up to twice as fast and leaves the cache to the engine.
                     direct = self._direct_fd is not None and not (
                         (offset + done) % fmt.DATA_ALIGNMENT
                         or (wanted - done) % fmt.DATA_ALIGNMENT
                         or (address + done) % fmt.DATA_ALIGNMENT
                     )
-                    descriptor = self._direct_fd if direct else self._fd
-                    count = os.preadv(descriptor, [out[done:]], offset + done)
+                    count = self._read_local(out[done:], offset + done, direct)
                     if count <= 0:
                         break
                     done += count
@@ -124,6 +133,17 @@ class Source:
                 file=self.url,
                 tensor=tensor,
             )
+
+    def _read_local(self, out: memoryview, offset: int, direct: bool) -> int:
+        """One ``preadv`` into ``out`` at ``offset``: through the page cache, or with ``direct``
+        (an aligned range, cold reads set to O_DIRECT) through O_DIRECT unless the page cache
+        holds the whole range: a page-cached file is never read through O_DIRECT, which would
+        go to the disk for bytes already in memory."""
+        assert self._fd is not None
+        if not direct or resident(self._fd, offset, len(out)):
+            return os.preadv(self._fd, [out], offset)
+        assert self._direct_fd is not None
+        return os.preadv(self._direct_fd, [out], offset)
 
     def read(self, offset: int, size: int, *, tensor: str | None = None) -> bytes:
         buffer = bytearray(size)

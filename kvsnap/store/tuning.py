@@ -18,3 +18,11 @@ WRITE_POOL_THREADS = 32
 STREAM_BLOCK_BYTES = 16 << 20
 #: Blocks a verify reports per tensor before summarizing the rest.
 MAX_PROBLEMS_PER_TENSOR = 16
+#: Whether a local file's aligned ranges that the page cache does not hold are read with
+#: O_DIRECT (a range the page cache holds is always read through it: ``store/residency.py``).
+#: False, measured on the H200 machine's disk (docs/benchmarks.md, "Hits at the PCIe floor"):
+#: a cold 268 MB restore read through the page cache took 150 ms against 140 ms with O_DIRECT,
+#: and the next load of the file (by any process, after an engine restart too) 21 ms against
+#: 152. True keeps cold ranges off the page cache: for files read once that should not
+#: displace what it holds.
+COLD_READS_DIRECT = False

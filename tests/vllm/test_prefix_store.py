@@ -33,7 +33,8 @@ from kvsnap.engines.vllm import (
     vllm_layout,
 )
 from kvsnap.snapshot import SequenceBlocks, capture
-from kvsnap.store import publish
+from kvsnap.store import hot, publish
+from kvsnap.store.hot import HotTier
 
 BLOCK = 4
 HEADS, HEAD_DIM, LAYERS = 2, 8, 2
@@ -352,3 +353,28 @@ def test_chunks_of_the_old_key_scheme_are_pruned_whatever_the_bound(tmp_path: Pa
     removed = prune_store(tmp_path, 10 * current.stat().st_size, min_idle_s=0)
     assert [entry.path for entry in removed] == [old_single]
     assert [entry.path for entry in store_entries(tmp_path)] == [current]
+
+
+def test_evicting_a_chunk_drops_it_from_the_hot_tier(tmp_path: Path, monkeypatch) -> None:
+    # A tier that maps without CUDA (the bookkeeping is the same): an evicted chunk's mapping,
+    # which holds its pages and (with CUDA) keeps them locked, goes with the file.
+    tier = HotTier(1 << 30, 1, register=False, serve_unregistered=True)
+    monkeypatch.setattr(hot, "_TIER", tier)
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=1)
+    paths = [_write_chunk(store, _prompt(1, seed=30 + i), 0, 1) for i in range(2)]
+    entries = []
+    for path in paths:
+        path.read_bytes()  # written with O_DIRECT: loaded once, through the page cache
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            entry = tier.lookup(str(path), fd, os.fstat(fd))
+        finally:
+            os.close(fd)
+        assert entry is not None
+        tier.release(entry)
+        entries.append(entry)
+    _aged(paths[0], 400)
+    removed = prune_store(tmp_path, paths[1].stat().st_size)
+    assert [entry.path for entry in removed] == [paths[0]]
+    assert entries[0].host is None and entries[1].host is not None
+    assert tier.stats().files == 1

@@ -51,6 +51,7 @@ from pathlib import Path
 from kvsnap import format as fmt
 from kvsnap.engines.vllm.store import CHUNK_SUFFIX, LEGACY_KEY, part_files
 from kvsnap.store import publish
+from kvsnap.store.hot import hot_tier
 from kvsnap.store.location import INDEX_SUFFIX
 
 #: Seconds after its last modification from which a part named by no index is garbage.
@@ -351,7 +352,10 @@ def _delete(entry: StoreEntry, min_idle_s: float = 0.0) -> bool:
             aside.unlink()
         finally:
             os.close(fd)
+    tier = hot_tier()
+    tier.forget(str(entry.path))  # its registered pages are freed now, not at the next prune
     for part in entry.parts:
+        tier.forget(str(part))
         with contextlib.suppress(FileNotFoundError):
             part.unlink()
     if entry.quarantined and entry.parts:

@@ -1,0 +1,392 @@
+"""Restores against recompute and the PCIe floor, side by side in one run (CUDA machine).
+
+``python -m benchmarks.pcie_floor --json-out out/floor.json`` measures, per prefix length of
+a Llama-3-8B-shaped model (32 layers, 8 KV heads x 128, bf16, random weights, transformers):
+
+* ``prefill``: the recompute an engine would do;
+* ``restore``: ``restore_dynamic_cache`` from a memory-backed file with the hot tier off (every
+  call reads the file: what a first touch of a page-cached file costs);
+* ``hot first``: the same from a file seen for the first time, registered on the caller's word
+  (``register_after=1``): the registration included;
+* ``hot``: the same once the file is registered (copied straight from the page cache);
+* ``kvikio``: kvikio's ``CuFile.pread`` of the whole file into device memory (its C++ thread
+  pool, compat mode; bytes only, no checks, no scatter), where kvikio is installed;
+* ``floor``: one host->device copy of the same number of bytes from pinned memory;
+* ``pipeline`` / ``pipeline hot``: ``Pipeline.restore`` as an engine calls it (a kept pipeline
+  over a vLLM-shaped paged cache of the same shape, the snapshot opened per call), hot tier off
+  and on.
+
+Every restore is checked bit-exact against the prefilled cache. With ``--disk-dir`` it also
+measures a 2,048-token prefix on a disk: a cold restore (page cache dropped) read with O_DIRECT
+and read through the page cache, the next restore after each (page-cached, or not), and a hot
+restore from the disk's page cache. With ``--fixed`` it times warm restores of 16 and 128
+tokens (open included) of benchmarks/engine.py's fixed-cost cases with the hot tier off and on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.engine import (
+    FIXED_CASES,
+    _layouts,
+    build_model,
+    drop_cache,
+    kv_tensors,
+    median_ms,
+    prefill,
+)
+from kvsnap.store import tuning
+from kvsnap.store.hot import configure_hot_tier, hot_tier
+
+
+def _kvikio() -> object | None:
+    """kvikio configured as the prototypes ran it (16 threads, 4 MiB tasks), or ``None``."""
+    os.environ.setdefault("KVIKIO_COMPAT_MODE", "ON")
+    try:
+        import kvikio
+        import kvikio.defaults
+    except ImportError:
+        return None
+    kvikio.defaults.set({"num_threads": 16, "task_size": 4 << 20})
+    return kvikio
+
+
+def _exact(reference: list[torch.Tensor], cache) -> bool:
+    return all(
+        torch.equal(a.view(torch.int16), b.view(torch.int16))
+        for a, b in zip(reference, kv_tensors(cache), strict=True)
+    )
+
+
+def _once_ms(run: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e3
+
+
+def one_prefix(model, tokens: int, directory: Path, kvikio) -> dict:
+    from kvsnap.engines import transformers as kt
+
+    ids = torch.randint(0, 128000, (1, tokens), device="cuda")
+    repeat = 7
+    row: dict[str, float | int | bool | str] = {"tokens": tokens}
+    row["prefill_ms"] = median_ms(lambda: prefill(model, ids), repeat)
+    cache = prefill(model, ids)
+    reference = kv_tensors(cache)
+    row["kv_bytes"] = sum(t.numel() * t.element_size() for t in reference)
+    path = directory / f"floor-{tokens}.safetensors"
+    kt.capture_dynamic_cache(cache, [ids[0].tolist()], path, model=model)
+    row["file_bytes"] = path.stat().st_size
+
+    def restore(at: Path = path):
+        return kt.restore_dynamic_cache(at, device="cuda", model=model)[0]
+
+    configure_hot_tier(0)  # off: every restore reads the file (today's path)
+    row["restore_exact"] = _exact(reference, restore())
+    row["restore_ms"] = median_ms(restore, repeat)
+    configure_hot_tier(8 << 30, register_after=1)
+    firsts = []
+    for attempt in range(3):
+        # A new inode each time (page-cached, as a file just written is): registered anew.
+        fresh = directory / f"floor-{tokens}-{attempt}.safetensors"
+        shutil.copyfile(path, fresh)
+        firsts.append(_once_ms(lambda at=fresh: restore(at)))
+    row["hot_first_ms"] = statistics.median(firsts)
+    row["hot_exact"] = _exact(reference, restore())
+    row["hot_ms"] = median_ms(restore, repeat)
+    row["hot_registered_bytes"] = hot_tier().stats().registered_bytes
+    configure_hot_tier(0)
+    row.update(_raw_copies(path, row["file_bytes"], row["kv_bytes"], kvikio, repeat))
+    for name in ("restore", "hot", "hot_first"):
+        row[f"prefill_over_{name}"] = row["prefill_ms"] / row[f"{name}_ms"]
+    row["floor_over_hot"] = row["floor_ms"] / row["hot_ms"]
+    row.update(engine_path(tokens, directory))
+    row["prefill_over_pipeline_hot"] = row["prefill_ms"] / row["pipeline_hot_ms"]
+    row["floor_over_pipeline_hot"] = row["floor_ms"] / row["pipeline_hot_ms"]
+    for file in directory.glob(f"floor-{tokens}*"):
+        file.unlink()
+    return row
+
+
+def _raw_copies(path: Path, file_bytes: int, kv_bytes: int, kvikio, repeat: int) -> dict:
+    """kvikio's read of the whole file into device memory (checked), and the pinned floor."""
+    row: dict[str, float | bool] = {}
+    data = torch.empty(file_bytes, dtype=torch.uint8, device="cuda")
+    if kvikio is not None:
+        handle = kvikio.CuFile(path, "r")
+        try:
+            row["kvikio_ms"] = median_ms(lambda: handle.pread(data, data.numel(), 0).get(), repeat)
+        finally:
+            handle.close()
+        expected = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+        row["kvikio_exact"] = bool(torch.equal(data.cpu(), expected))
+    pinned = torch.empty(kv_bytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(kv_bytes, dtype=torch.uint8, device="cuda")
+    row["floor_ms"] = median_ms(lambda: target.copy_(pinned, non_blocking=True), repeat)
+    return row
+
+
+def engine_path(tokens: int, directory: Path, profile_out: Path | None = None) -> dict:
+    """``Pipeline.restore`` as an engine calls it: a kept pipeline over a vLLM-shaped paged
+    cache of the same shape (blocks of 16 tokens), the snapshot opened per call; hot tier off
+    and on, each checked bit-exact against the captured cache. With ``profile_out``, also
+    where 10 hot restores spend the host's time (cProfile, and the summed trace spans per
+    step) in ``profile_out/profile-engine-TOKENS.txt``."""
+    from benchmarks.engine import SOURCE
+    from kvsnap.layout.allocate import allocate_cache
+    from kvsnap.pipeline import Pipeline
+    from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
+
+    blocks = tokens // 16
+    shape = {"num_layers": 32, "num_blocks": blocks, "block_size": 16, "num_kv_heads": 8}
+    source, target = (
+        allocate_cache("vllm-nhd", **shape, head_dim=128, dtype=torch.bfloat16, device="cuda")
+        for _ in range(2)
+    )
+    for tensor in source.layout.tensors:
+        tensor.tensor.view(torch.uint8).random_()
+    ids = np.arange(blocks, dtype=np.int64)
+    path = directory / f"engine-{tokens}.safetensors"
+    sequence = SequenceBlocks("s", np.arange(tokens), ids)
+    capture(source.layout, [sequence], path, source=SOURCE)
+    pipeline = Pipeline(target.layout)
+
+    def restore() -> None:
+        with Snapshot.open(path) as snap:
+            pipeline.restore(snap, {"s": ids})
+
+    def exact() -> bool:
+        for tensor in target.layout.tensors:
+            tensor.tensor.zero_()
+        restore()
+        torch.cuda.synchronize()
+        pairs = zip(source.layout.tensors, target.layout.tensors, strict=True)
+        # As bytes: random bits hold NaNs, which never equal themselves as bf16.
+        return all(
+            torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8)) for a, b in pairs
+        )
+
+    row: dict[str, float | bool] = {}
+    configure_hot_tier(0)
+    row["pipeline_exact"] = exact()
+    row["pipeline_ms"] = median_ms(restore, 7)
+    configure_hot_tier(8 << 30, register_after=1)
+    row["pipeline_hot_exact"] = exact()
+    row["pipeline_hot_ms"] = median_ms(restore, 7)
+    if profile_out is not None:
+        _profile_engine(pipeline, path, ids, profile_out / f"profile-engine-{tokens}.txt")
+    configure_hot_tier(0)
+    path.unlink()
+    return row
+
+
+def _profile_engine(pipeline, path: Path, ids: np.ndarray, out: Path) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    from kvsnap.snapshot import Snapshot
+
+    spans: dict[str, float] = {}
+
+    def trace(kind: str, started: float, finished: float, nbytes: int) -> None:
+        spans[kind] = spans.get(kind, 0.0) + (finished - started) * 1e3
+
+    def restore() -> None:
+        with Snapshot.open(path) as snap:
+            pipeline.restore(snap, {"s": ids}, trace=trace)
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    profiler.enable()
+    for _ in range(10):
+        restore()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    text.write(f"10 hot restores in {(time.perf_counter() - started) * 1e3:.1f} ms (profiled)\n")
+    for kind, total in sorted(spans.items(), key=lambda item: -item[1]):
+        text.write(f"{kind:>24}: {total / 10:8.3f} ms per restore\n")
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
+    out.write_text(text.getvalue())
+
+
+def disk_prefix(model, tokens: int, directory: Path) -> dict:
+    """Cold and second restores of one prefix on a disk, O_DIRECT and buffered, and hot."""
+    from kvsnap.engines import transformers as kt
+
+    ids = torch.randint(0, 128000, (1, tokens), device="cuda")
+    cache = prefill(model, ids)
+    reference = kv_tensors(cache)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"disk-{tokens}.safetensors"
+    kt.capture_dynamic_cache(cache, [ids[0].tolist()], path, model=model)
+
+    def restore():
+        return kt.restore_dynamic_cache(path, device="cuda", model=model)[0]
+
+    row: dict[str, float | int | bool] = {"tokens": tokens, "file_bytes": path.stat().st_size}
+    configure_hot_tier(0)
+    previous = tuning.COLD_READS_DIRECT
+    try:
+        for label, direct in (("direct", True), ("buffered", False)):
+            tuning.COLD_READS_DIRECT = direct
+            cold, second = [], []
+            for _ in range(3):
+                drop_cache(path)
+                cold.append(_once_ms(restore))
+                second.append(_once_ms(restore))
+            row[f"cold_{label}_ms"] = statistics.median(cold)
+            row[f"second_{label}_ms"] = statistics.median(second)
+            row[f"{label}_exact"] = _exact(reference, restore())
+    finally:
+        tuning.COLD_READS_DIRECT = previous
+    configure_hot_tier(8 << 30, register_after=1)
+    restore()  # page-cached now (buffered): registered from the disk's page cache
+    row["hot_ms"] = median_ms(restore, 7)
+    row["hot_exact"] = _exact(reference, restore())
+    configure_hot_tier(0)
+    path.unlink()
+    return row
+
+
+def fixed(directory: Path, repeat: int) -> list[dict]:
+    """Warm ``Snapshot.open`` + restore of 16 and 128 tokens, hot tier off and on."""
+    rows = []
+    for label, kind, layers, heads, dim, tp_size in FIXED_CASES:
+        source = _layouts(kind, layers, heads, dim, tp_size)
+        target = _layouts(kind, layers, heads, dim, tp_size)
+        for tokens in (16, 128):
+            row = _fixed_row(source, target, tokens, directory / "fixed.safetensors", repeat)
+            row["case"] = label
+            rows.append(row)
+            print(f"{label:>16} {tokens:>4}: {row['restore_ms']:.2f} / hot {row['hot_ms']:.2f} ms")
+        del source, target
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _fixed_row(source: list, target: list, tokens: int, path: Path, repeat: int) -> dict:
+    from benchmarks.engine import BLOCK, SOURCE
+    from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
+
+    blocks = np.arange(tokens // BLOCK, dtype=np.int64)
+    capture(source, [SequenceBlocks("s", np.arange(tokens), blocks)], path, source=SOURCE)
+    targets = {"s": blocks[::-1].copy()}
+
+    def restore() -> None:
+        with Snapshot.open(path) as snap:
+            snap.restore(target, targets)
+
+    row: dict[str, float | int | str] = {"tokens": tokens}
+    configure_hot_tier(0)
+    row["restore_ms"] = median_ms(restore, repeat)
+    configure_hot_tier(8 << 30, register_after=1)
+    row["hot_ms"] = median_ms(restore, repeat)
+    configure_hot_tier(0)
+    return row
+
+
+def profile(model, tokens: int, directory: Path, out: Path) -> None:
+    """Where a hot ``restore_dynamic_cache`` of ``tokens`` spends its time: the host's calls
+    (cProfile, 10 restores) and the device's kernels and copies (torch.profiler, 3 restores),
+    written to ``out/profile-TOKENS-{host,device}.txt``."""
+    import cProfile
+    import io
+    import pstats
+
+    from kvsnap.engines import transformers as kt
+
+    ids = torch.randint(0, 128000, (1, tokens), device="cuda")
+    path = directory / f"profile-{tokens}.safetensors"
+    kt.capture_dynamic_cache(prefill(model, ids), [ids[0].tolist()], path, model=model)
+    configure_hot_tier(8 << 30, register_after=1)
+
+    def restore():
+        return kt.restore_dynamic_cache(path, device="cuda", model=model)[0]
+
+    for _ in range(3):
+        restore()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(10):
+        restore()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+    (out / f"profile-{tokens}-host.txt").write_text(text.getvalue())
+    try:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as device_profile
+
+        with device_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                restore()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        (out / f"profile-{tokens}-device.txt").write_text(table)
+    except Exception as error:  # a profiler that cannot run here is reported, not fatal
+        (out / f"profile-{tokens}-device.txt").write_text(repr(error))
+    configure_hot_tier(0)
+    path.unlink()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--sizes", default="128,2048,8192", help="'' for none")
+    parser.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
+    parser.add_argument("--disk-dir", type=Path, default=None)
+    parser.add_argument("--fixed", action="store_true")
+    parser.add_argument("--profile", default="", help="prefix lengths to profile, e.g. 128,2048")
+    parser.add_argument("--profile-engine", default="", help="prefix lengths, e.g. 2048")
+    parser.add_argument("--profile-dir", type=Path, default=Path("."))
+    parser.add_argument("--repeat", type=int, default=30, help="timed calls per fixed-cost case")
+    args = parser.parse_args()
+    kvikio = _kvikio()
+    out: dict[str, object] = {
+        "torch": torch.__version__,
+        "kvikio": getattr(kvikio, "__version__", None),
+    }
+    model = build_model()
+    for tokens in [int(size) for size in args.profile.split(",") if size]:
+        profile(model, tokens, args.shm_dir, args.profile_dir)
+    rows = []
+    for tokens in [int(size) for size in args.sizes.split(",") if size]:
+        row = one_prefix(model, tokens, args.shm_dir, kvikio)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    out["prefixes"] = rows
+    for tokens in [int(size) for size in args.profile_engine.split(",") if size]:
+        engine_path(tokens, args.shm_dir, args.profile_dir)
+    if args.disk_dir is not None:
+        out["disk"] = disk_prefix(model, 2048, args.disk_dir)
+        print(json.dumps(out["disk"]), flush=True)
+    if args.fixed:
+        del model
+        torch.cuda.empty_cache()
+        out["fixed"] = fixed(args.shm_dir, args.repeat)
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
