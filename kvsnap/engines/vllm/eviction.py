@@ -1,12 +1,16 @@
 """A prefix store as a whole: its entries, their sizes and last use, and LRU pruning.
 
-:func:`store_entries` lists every chunk and quarantined chunk under a store root (all
-namespaces), a parted chunk as one entry (its index and parts); :func:`prune_store` deletes
-abandoned parts and quarantined chunks first, then chunks in order of last use, until the
-store fits a byte bound. A chunk's last use is the later of its access and modification times
-(a parted chunk's: its index's): :meth:`~kvsnap.engines.vllm.store.PrefixStore.touch` sets the
-access time on every hit, and the writer's publish sets both. The connector prunes after its
-writes when ``store_capacity_bytes`` is set; ``kvsnap store prune`` does it by hand.
+:func:`store_entries` lists every chunk, quarantined chunk and leftover under a store root
+(all namespaces), a parted chunk as one entry (its index and parts); :func:`prune_store`
+deletes leftover temporary files, abandoned parts and quarantined chunks first, then chunks in
+order of last use, until the store fits a byte bound. A chunk's last use is the later of its
+access and modification times (a parted chunk's: its index's):
+:meth:`~kvsnap.engines.vllm.store.PrefixStore.touch` sets the access time on every hit, and
+the writer's publish sets both. With ``store_capacity_bytes`` the connector commits each chunk
+through :func:`commit_within_capacity` (under the store-wide :func:`capacity_lock`: the store
+is measured by listing it, pruned to make room, then the staged chunk is renamed into place),
+so the bound holds however many engines share the store; ``kvsnap store prune`` prunes by
+hand.
 
 **Orphan parts.** A part file that no index beside it names is a failed or abandoned parted
 write's leftover (its ranks died before the index was published, or a pruner or quarantine

@@ -15,8 +15,11 @@ them vLLM's own prefix cache lacks, into the cache as one job of the worker's wa
 pipeline, on the background thread, its copies ordered after a CUDA event recorded when the
 forward pass was enqueued: device -> pinned staging slots -> writer, checksums on the device).
 vLLM keeps the blocks of a request with saves until :meth:`KVSnapWorker.get_finished` reports
-their copies done. After each chunk write the store is pruned to ``store_capacity_bytes``
-(LRU, :func:`~kvsnap.engines.vllm.eviction.prune_store`).
+their copies done. With ``store_capacity_bytes`` a chunk is written under a staged name and
+committed once the store, measured and pruned under its lock, has room for it
+(:func:`~kvsnap.engines.vllm.eviction.commit_within_capacity`). Each step the worker reports
+which requests' loads ran (:meth:`KVSnapWorker.build_connector_worker_meta`), so that the
+scheduler plans no save of a request before it knows how its load went.
 
 Tensor parallelism: every rank saves its own heads, in parallel, on its own background thread
 (:func:`kvsnap.distributed.capture`): a chunk becomes a parted snapshot, one part per rank and
