@@ -15,8 +15,8 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from kvsnap.engines import transformers as kt
+from kvsnap.engines.weights import loaded_model_fingerprint
 from kvsnap.errors import IncompatibleSnapshotError
-from kvsnap.format import model_fingerprint
 from kvsnap.snapshot import Snapshot
 
 BLOCK = 4
@@ -81,7 +81,7 @@ def test_capture_with_a_plain_model_records_its_id_and_fingerprint(
     with Snapshot.open(path) as snapshot:
         source = snapshot.metadata.source
         assert source.model_id == "LlamaForCausalLM"  # built from a config: no name_or_path
-        assert source.model_fingerprint == model_fingerprint(model.config)
+        assert source.model_fingerprint == loaded_model_fingerprint(model)
         assert source.engine == "transformers"
 
 
@@ -115,7 +115,7 @@ def test_dump_at_step_and_the_hook_take_a_plain_model(
     )
     assert output[0].tolist() == uninterrupted(model, prompt)[: PROMPT_TOKENS + 6]
     with Snapshot.open(result.path) as snapshot:
-        assert snapshot.metadata.source.model_fingerprint == model_fingerprint(model.config)
+        assert snapshot.metadata.source.model_fingerprint == loaded_model_fingerprint(model)
         assert snapshot.sequences[0].token_ids.tolist() == output[0, : PROMPT_TOKENS + 3].tolist()
     hook = kt.KVDumpHook(tmp_path / "hook.safetensors", step=0, model=model, block_size=BLOCK)
     with hook.attached(model):
@@ -198,5 +198,5 @@ def test_paged_restore_and_capture_take_a_plain_model(
         if model.config._attn_implementation != attention:
             model.set_attn_implementation(attention)
     with Snapshot.open(original) as first, Snapshot.open(again) as second:
-        assert second.metadata.source.model_fingerprint == model_fingerprint(model.config)
+        assert second.metadata.source.model_fingerprint == loaded_model_fingerprint(model)
         assert first.compare(second).ok

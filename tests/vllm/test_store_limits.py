@@ -46,7 +46,9 @@ def _mount(directory: Path, options: str) -> bool:
 
 
 def _unmount(directory: Path) -> None:
-    subprocess.run(["umount", str(directory)], capture_output=True, check=False)
+    # Lazily: a file this process still holds open there (a pooled reader) must not keep
+    # the mount, and pytest then removes the empty directory.
+    subprocess.run(["umount", "--lazy", str(directory)], capture_output=True, check=False)
 
 
 @pytest.fixture
