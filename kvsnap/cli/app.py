@@ -24,7 +24,7 @@ from .bench import bench
 from .capture import capture
 from .fixture import fixture
 from .inspection import inspect
-from .output import EXIT_USAGE, handle_errors, report_error, settings, stdout
+from .output import EXIT_INTERRUPTED, EXIT_USAGE, handle_errors, report_error, settings, stdout
 from .restore import restore
 from .store import app as store_app
 from .verify import verify
@@ -41,6 +41,7 @@ class KVSnapGroup(TyperGroup):
         self, args: Sequence[str] | None = None, *pargs: Any, **kwargs: Any
     ) -> Any:
         arguments = list(sys.argv[1:] if args is None else args)
+        self._json_errors = "--json" in arguments
         kwargs["standalone_mode"] = False
         try:
             code = super().main(arguments, *pargs, **kwargs)
@@ -56,6 +57,16 @@ class KVSnapGroup(TyperGroup):
             report_error("aborted", as_json="--json" in arguments)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the command; Ctrl-C at any point of it (model load, prefill, write) prints one
+        "interrupted" line and exits 130, what a shell reports for SIGINT. The library has
+        removed whatever it was writing by then and left the previous file as it was."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            report_error("interrupted", as_json=getattr(self, "_json_errors", False))
+            sys.exit(EXIT_INTERRUPTED)
 
 
 def _each_sentence_once(message: str) -> str:

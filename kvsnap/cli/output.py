@@ -1,9 +1,9 @@
 """How the CLI talks to people and scripts: exit codes, error messages, JSON, progress bars.
 
 Exit codes: 0 success; 1 verification failed (corrupt, truncated, mismatching, not a snapshot);
-2 usage error (bad arguments, missing file, incompatible target). A user error prints one line
-on stderr, never a traceback (``--debug`` shows it). With ``--json`` stdout carries exactly one
-JSON object and nothing else.
+2 usage error (bad arguments, missing file, incompatible target); 130 interrupted (Ctrl-C). A
+user error prints one line on stderr, never a traceback (``--debug`` shows it). With
+``--json`` stdout carries exactly one JSON object and nothing else.
 
 Anything that comes from a file, a path or an argument is printed as text, never as rich markup:
 :func:`text` escapes it (a path ``a[/x]`` or a sequence id ``user[admin]`` prints as itself).
@@ -38,6 +38,8 @@ from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError
 EXIT_OK = 0
 EXIT_VERIFY_FAILED = 1
 EXIT_USAGE = 2
+#: Ctrl-C (SIGINT): 128 + the signal's number, as shells report it.
+EXIT_INTERRUPTED = 130
 
 stdout = Console(highlight=False, soft_wrap=True)
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)

@@ -1,0 +1,113 @@
+"""Ctrl-C: a real SIGINT sent to a real child process stops a write, keeps the previous file
+byte for byte, leaves no temporary file, and (CLI) says so in one line with exit code 130.
+
+The child (``interrupt_child.py``) writes to slow storage (each layer-data write takes a while
+longer), so the signal lands while the snapshot is being written every time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CHILD = Path(__file__).resolve().parent / "interrupt_child.py"
+#: Generous bound on a child's whole life: a hang fails the test instead of blocking the suite.
+CHILD_TIMEOUT_S = 120
+#: What ``kvsnap fixture`` writes here: 64 MiB of KV, four 16 MiB staging slots to write.
+FIXTURE_ARGS = ["--layers", "8", "--heads", "4", "--lengths", "8000", "--seed", "3"]
+
+
+def start_child(
+    mode: str, marker: Path, delay: float, slowed: str, *arguments: str
+) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(CHILD.parent)]))
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), mode, str(marker), str(delay), slowed, *arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def wait_for(marker: Path, child: subprocess.Popen[str]) -> None:
+    """Return once ``marker`` exists; fail if the child ends or takes too long first."""
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while not marker.exists():
+        if child.poll() is not None:
+            out, err = child.communicate()
+            pytest.fail(f"the child ended (exit {child.returncode}) before the phase: {err}{out}")
+        if time.monotonic() > deadline:
+            child.kill()
+            pytest.fail("the child never reached the phase to interrupt")
+        time.sleep(0.01)
+
+
+def temporary_files(directory: Path) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if ".kvsnap-tmp-" in name)
+
+
+@pytest.fixture
+def previous(tmp_path: Path) -> tuple[Path, bytes]:
+    """A snapshot already at the path the interrupted command writes, and its bytes."""
+    path = tmp_path / "snap.safetensors"
+    subprocess.run(
+        [sys.executable, "-m", "kvsnap.cli", "fixture", str(path), "--lengths", "40"],
+        check=True,
+        capture_output=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    return path, path.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("slowed", "as_json"),
+    [("write", False), ("write", True), ("synthesize", False)],
+    ids=["mid-write", "mid-write-json", "before-the-write"],
+)
+def test_ctrl_c_stops_kvsnap_fixture_and_keeps_the_previous_file(
+    tmp_path: Path, previous: tuple[Path, bytes], slowed: str, as_json: bool
+) -> None:
+    path, old_bytes = previous
+    marker = tmp_path / "marker"
+    json_flag = ["--json"] if as_json else []
+    # Each 16 MiB slot's write takes 2 s longer: the whole write would take 8 s and more.
+    child = start_child("cli", marker, 2.0, slowed, "fixture", str(path), *FIXTURE_ARGS, *json_flag)
+    wait_for(marker, child)
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+
+    assert child.returncode == 130, (out, err)
+    assert err.strip().splitlines() == ["error: interrupted"], err
+    assert json.loads(out) == {"ok": False, "error": "interrupted"} if as_json else out == ""
+    assert path.read_bytes() == old_bytes
+    assert temporary_files(tmp_path) == []
+
+
+def test_ctrl_c_reaches_a_library_caller_after_the_cleanup_even_when_repeated(
+    tmp_path: Path, previous: tuple[Path, bytes]
+) -> None:
+    path, old_bytes = previous
+    marker = tmp_path / "marker"
+    child = start_child("library", marker, 2.0, "write", str(path))
+    wait_for(marker, child)
+    child.send_signal(signal.SIGINT)
+    # A second Ctrl-C while the writer waits for its running (slow) write must not cut the
+    # cleanup short.
+    time.sleep(0.5)
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+
+    assert child.returncode == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report == {"interrupted": True, "temps": []}, report
+    assert path.read_bytes() == old_bytes
+    assert temporary_files(tmp_path) == []
