@@ -26,16 +26,23 @@ DEFAULT_PROMPT = "kvsnap keeps the KV cache of this prompt, bit for bit, across 
 
 
 def _prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[str]:
+    """The prompts to capture: ``--prompt``s, then the file's non-blank lines; the built-in
+    prompt only when neither option is given. An empty ``--prompt`` and a file without a
+    prompt are refused alike: both ask for a capture of nothing."""
     prompts = list(prompt or [])
+    if not all(prompt_text.strip() for prompt_text in prompts):
+        raise UsageError("--prompt: a prompt must not be empty")
     if prompts_file is not None:
         if not prompts_file.is_file():
             raise UsageError(f"--prompts-file {prompts_file}: no such file")
-        prompts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
-    if not prompts:
-        prompts = [DEFAULT_PROMPT]
-    if not all(prompt_text.strip() for prompt_text in prompts):
-        raise UsageError("prompts must not be empty")
-    return prompts
+        lines = [line for line in prompts_file.read_text().splitlines() if line.strip()]
+        if not lines:
+            raise UsageError(
+                f"--prompts-file {prompts_file}: no prompt in it (every line is blank); "
+                "a prompt must not be empty"
+            )
+        prompts += lines
+    return prompts or [DEFAULT_PROMPT]
 
 
 def capture(
