@@ -10,14 +10,15 @@ of their own, counted in a legend. The title names the file, the model and the s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvsnap.snapshot import Snapshot
-
 from .common import is_url
 from .output import UsageError
+
+if TYPE_CHECKING:
+    from kvsnap.snapshot import Snapshot
 
 #: Image formats ``--plot`` writes, chosen by the file name's extension.
 PLOT_EXTENSIONS = (".png", ".svg", ".pdf")
