@@ -102,6 +102,7 @@ BAD_INPUTS = [
     ("store-verify-missing", "store verify {missing}"),
     ("store-prune-missing-bytes", "store prune {dir}"),
     ("store-prune-negative", "store prune {dir} --max-bytes -1"),
+    ("store-prune-bad-size", "store prune {dir} --max-bytes 1XB"),
     ("store-unknown-subcommand", "store nosuch {dir}"),
 ]
 

@@ -40,7 +40,7 @@ class KVSnapGroup(TyperGroup):
     def main(  # type: ignore[override]
         self, args: Sequence[str] | None = None, *pargs: Any, **kwargs: Any
     ) -> Any:
-        arguments = list(sys.argv[1:] if args is None else args)
+        arguments = _global_options_first(list(sys.argv[1:] if args is None else args))
         self._json_errors = "--json" in arguments
         kwargs["standalone_mode"] = False
         try:
@@ -67,6 +67,17 @@ class KVSnapGroup(TyperGroup):
         except KeyboardInterrupt:
             report_error("interrupted", as_json=getattr(self, "_json_errors", False))
             sys.exit(EXIT_INTERRUPTED)
+
+
+def _global_options_first(arguments: list[str]) -> list[str]:
+    """``arguments`` with ``--debug`` moved before the command wherever it was typed (``kvsnap
+    verify FILE --debug`` means what ``kvsnap --debug verify FILE`` does); after ``--`` it is
+    an argument and stays."""
+    end = arguments.index("--") if "--" in arguments else len(arguments)
+    if "--debug" not in arguments[:end]:
+        return arguments
+    rest = [argument for argument in arguments[:end] if argument != "--debug"]
+    return ["--debug", *rest, *arguments[end:]]
 
 
 def _each_sentence_once(message: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,12 +223,43 @@ def verify_entries(directory: StoreArgument, as_json: JsonOption = False) -> Non
         raise typer.Exit(EXIT_VERIFY_FAILED)
 
 
+#: Size suffixes ``--max-bytes`` takes (case-insensitive): SI powers of 1000 and binary ones.
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    **{prefix: 1000**power for power, prefix in enumerate("kmgt", 1)},
+    **{f"{prefix}b": 1000**power for power, prefix in enumerate("kmgt", 1)},
+    **{f"{prefix}i": 1024**power for power, prefix in enumerate("kmgt", 1)},
+    **{f"{prefix}ib": 1024**power for power, prefix in enumerate("kmgt", 1)},
+}
+_SIZE = re.compile(r"\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(value: str) -> int:
+    """Bytes of a size such as ``5000000000``, ``5GB`` (10⁹), ``4.5GiB`` (2³⁰) or ``800M``
+    (K, M, G, T: powers of 1000, with ``i``: of 1024); ``typer.BadParameter`` otherwise."""
+    match = _SIZE.fullmatch(str(value))
+    unit = match.group("unit").lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise typer.BadParameter(
+            f"{value!r} is not a size: a byte count, or a number with a unit such as 5GB, "
+            "4.5GiB, 800M"
+        )
+    return int(float(match.group("number")) * _SIZE_UNITS[unit])
+
+
 @app.command("prune")
 @handle_errors
 def prune(
     directory: StoreArgument,
     max_bytes: Annotated[
-        int, typer.Option("--max-bytes", min=0, help="Bytes the store may hold afterwards.")
+        int,
+        typer.Option(
+            "--max-bytes",
+            parser=parse_size,
+            metavar="SIZE",
+            help="Bytes the store may hold afterwards: 5000000000, 5GB, 4.5GiB, 800M.",
+        ),
     ],
     min_idle_s: Annotated[
         float,
