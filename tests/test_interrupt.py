@@ -69,18 +69,24 @@ def previous(tmp_path: Path) -> tuple[Path, bytes]:
 
 
 @pytest.mark.parametrize(
-    ("slowed", "as_json"),
-    [("write", False), ("write", True), ("synthesize", False)],
-    ids=["mid-write", "mid-write-json", "before-the-write"],
+    ("command", "slowed", "as_json"),
+    [
+        ("fixture", "write", False),
+        ("fixture", "write", True),
+        ("fixture", "synthesize", False),
+        ("capture", "write", False),
+    ],
+    ids=["fixture-mid-write", "fixture-mid-write-json", "fixture-before-the-write", "capture"],
 )
-def test_ctrl_c_stops_kvsnap_fixture_and_keeps_the_previous_file(
-    tmp_path: Path, previous: tuple[Path, bytes], slowed: str, as_json: bool
+def test_ctrl_c_stops_the_command_and_keeps_the_previous_file(
+    tmp_path: Path, previous: tuple[Path, bytes], command: str, slowed: str, as_json: bool
 ) -> None:
     path, old_bytes = previous
     marker = tmp_path / "marker"
+    arguments = [str(path), *FIXTURE_ARGS] if command == "fixture" else ["-o", str(path)]
     json_flag = ["--json"] if as_json else []
-    # Each 16 MiB slot's write takes 2 s longer: the whole write would take 8 s and more.
-    child = start_child("cli", marker, 2.0, slowed, "fixture", str(path), *FIXTURE_ARGS, *json_flag)
+    # Each write takes 1 s longer (the fixture's: four 16 MiB slots, 4 s and more in all).
+    child = start_child("cli", marker, 1.0, slowed, command, *arguments, *json_flag)
     wait_for(marker, child)
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=CHILD_TIMEOUT_S)

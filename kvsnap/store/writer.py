@@ -340,7 +340,8 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         The temporary names go first, before the wait: an abort that a second Ctrl-C (or any
         ``KeyboardInterrupt``) reaches while a slow write is still running leaves no file
         behind. Such an interrupt does not cut the wait short (the running write still reads
-        the caller's buffer); it is raised again once the cleanup is done.
+        the caller's buffer); it is raised again once the cleanup is done. Only a third one
+        during the same wait ends it at once (a user insisting; nothing is left on disk).
         """
         if self._state in ("committed", "aborted", "starting"):
             return
@@ -505,13 +506,21 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
             self._lane.shutdown(wait=True, cancel_futures=cancel)
 
 
+#: ``KeyboardInterrupt``s an abort's wait absorbs before it lets the next one through.
+_ABSORBED_INTERRUPTS = 2
+
+
 def _uninterrupted(work: Callable[[], None]) -> KeyboardInterrupt | None:
     """Run ``work`` to its end even when ``KeyboardInterrupt`` arrives meanwhile (``work`` is
-    then run again: it must be a wait that may be repeated); returns the last interrupt."""
+    then run again: it must be a wait that may be repeated); returns the last interrupt. After
+    :data:`_ABSORBED_INTERRUPTS` of them the next one propagates: a wait that cannot end must
+    not make Ctrl-C powerless."""
     interrupted: KeyboardInterrupt | None = None
-    while True:
+    for _ in range(_ABSORBED_INTERRUPTS):
         try:
             work()
             return interrupted
         except KeyboardInterrupt as error:
             interrupted = error
+    work()
+    return interrupted
