@@ -117,3 +117,57 @@ def test_ctrl_c_reaches_a_library_caller_after_the_cleanup_even_when_repeated(
     assert report == {"interrupted": True, "temps": []}, report
     assert path.read_bytes() == old_bytes
     assert temporary_files(tmp_path) == []
+
+
+def test_an_abort_waiting_on_a_stuck_write_gives_way_to_a_third_interrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interrupts while an abort waits for its write are absorbed, two of them; a third ends
+    the wait (a write that never returns must not make Ctrl-C powerless), with the temporary
+    file already gone."""
+    import threading
+
+    import numpy as np
+    from store_helpers import GEOMETRIES, make_metadata, random_pages, shared_prefix_tokens
+
+    from kvsnap.store import SnapshotWriter, local_file
+
+    rng = np.random.default_rng(5)
+    spec = GEOMETRIES["bf16"]
+    metadata = make_metadata(spec, shared_prefix_tokens(rng, spec.block_size, num_sequences=2))
+    pages = random_pages(rng, metadata)
+    stuck, release, returned = threading.Event(), threading.Event(), threading.Event()
+    real = local_file._pwrite_all
+    writer = SnapshotWriter(tmp_path / "stuck.safetensors", metadata, direct_io=False)
+    held = {file.fd for file in writer._local_files}
+
+    def stuck_write(fd: int, view: memoryview, offset: int) -> None:
+        if fd in held:
+            stuck.set()
+            release.wait(20)
+            returned.set()
+        real(fd, view, offset)
+
+    monkeypatch.setattr(local_file, "_pwrite_all", stuck_write)
+    name = writer.tensor_order()[0]
+    writer.write_pages(name, pages[name])
+    assert stuck.wait(10)
+
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def interrupt_three_times() -> None:
+        for _ in range(3):
+            time.sleep(0.3)
+            signal.pthread_kill(main, signal.SIGINT)  # a real SIGINT, to the main thread
+
+    interrupter = threading.Thread(target=interrupt_three_times)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            writer.abort()
+        assert temporary_files(tmp_path) == []
+        assert not returned.is_set()  # the abort gave way while its write was still stuck
+    finally:
+        release.set()
+        interrupter.join(10)
