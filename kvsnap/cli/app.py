@@ -37,6 +37,9 @@ class KVSnapGroup(TyperGroup):
     """The app's click group: runs without click's standalone error printing, so that a usage
     error (a missing option, a value out of range) is reported as every other error is."""
 
+    #: Whether the command line asked for ``--json`` (errors then also go to stdout as JSON).
+    _json_errors = False
+
     def main(  # type: ignore[override]
         self, args: Sequence[str] | None = None, *pargs: Any, **kwargs: Any
     ) -> Any:
@@ -65,7 +68,7 @@ class KVSnapGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
-            report_error("interrupted", as_json=getattr(self, "_json_errors", False))
+            report_error("interrupted", as_json=self._json_errors)
             sys.exit(EXIT_INTERRUPTED)
 
 
