@@ -6,7 +6,8 @@
 ``DELAY`` seconds more, as on slow or remote storage) or ``synthesize`` (the synthetic KV takes
 ``DELAY`` seconds to build, a phase before any file exists). The first slow call creates the
 file ``MARKER``: the parent sends SIGINT once it appears, so the signal lands mid-phase every
-time, not by luck.
+time, not by luck. ``write+exit`` also makes the process's exit take ``DELAY`` seconds (an
+``atexit`` hook, as a flush to slow storage would) and creates ``MARKER.exit`` as it starts.
 
 ``MODE`` ``cli`` runs ``kvsnap ARGS...`` in this process. ``MODE`` ``library`` captures a
 synthetic cache to the path ``ARGS[0]`` with :func:`kvsnap.capture`; on ``KeyboardInterrupt``
@@ -16,6 +17,7 @@ target directory at the moment the interrupt reached the caller), and exits 0.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -63,7 +65,10 @@ def _library_capture(path: str) -> None:
 def main() -> None:
     mode, marker, delay, slowed, *arguments = sys.argv[1:]
     marker_path, seconds = Path(marker), float(delay)
-    if slowed == "write":
+    if slowed == "write+exit":
+        exiting = marker_path.with_suffix(".exit")
+        atexit.register(_slowed(lambda: None, exiting, seconds))
+    if slowed.startswith("write"):
         target = write_local.LocalTarget
         target._write_local_data = _slowed(target._write_local_data, marker_path, seconds)  # type: ignore[method-assign]
     else:

@@ -98,6 +98,25 @@ def test_ctrl_c_stops_the_command_and_keeps_the_previous_file(
     assert temporary_files(tmp_path) == []
 
 
+def test_a_second_ctrl_c_while_the_cli_exits_ends_it_without_a_traceback(
+    tmp_path: Path, previous: tuple[Path, bytes]
+) -> None:
+    path, old_bytes = previous
+    marker = tmp_path / "marker"
+    child = start_child("cli", marker, 1.0, "write+exit", "fixture", str(path), *FIXTURE_ARGS)
+    wait_for(marker, child)
+    child.send_signal(signal.SIGINT)
+    wait_for(marker.with_suffix(".exit"), child)  # the cleanup is done, the process exits
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+
+    # Ended by the second SIGINT's default action: what a shell reports as 130 too.
+    assert child.returncode == -signal.SIGINT, (out, err)
+    assert err.strip().splitlines() == ["error: interrupted"], err
+    assert path.read_bytes() == old_bytes
+    assert temporary_files(tmp_path) == []
+
+
 def test_ctrl_c_reaches_a_library_caller_after_the_cleanup_even_when_repeated(
     tmp_path: Path, previous: tuple[Path, bytes]
 ) -> None:

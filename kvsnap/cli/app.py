@@ -10,6 +10,7 @@ with ``--json``.
 from __future__ import annotations
 
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -68,6 +69,9 @@ class KVSnapGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
+            # The cleanup is done: another Ctrl-C while the interpreter exits ends the process
+            # at once, as an uncaught SIGINT does, instead of printing a traceback.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             report_error("interrupted", as_json=self._json_errors)
             sys.exit(EXIT_INTERRUPTED)
 
