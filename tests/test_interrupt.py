@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
+from kvsnap.cli.app import app
 
 REPO = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "interrupt_child.py"
@@ -59,12 +62,8 @@ def temporary_files(directory: Path) -> list[str]:
 def previous(tmp_path: Path) -> tuple[Path, bytes]:
     """A snapshot already at the path the interrupted command writes, and its bytes."""
     path = tmp_path / "snap.safetensors"
-    subprocess.run(
-        [sys.executable, "-m", "kvsnap.cli", "fixture", str(path), "--lengths", "40"],
-        check=True,
-        capture_output=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-    )
+    written = CliRunner().invoke(app, ["fixture", str(path), "--lengths", "40"])
+    assert written.exit_code == 0, written.output
     return path, path.read_bytes()
 
 

@@ -9,12 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from typer.testing import CliRunner
+
 from kvsnap import format as fmt
+from kvsnap.cli.app import app
 from kvsnap.engines.vllm import PrefixStore
 
 REPO = Path(__file__).resolve().parent.parent
 #: What a real namespace looks like: the model fingerprint, the KV dtype, the block size.
 NAMESPACE = "03a56889058c2d76a1b2c3d4e5f60718-bfloat16-bs16-nhd"
+
+
+runner = CliRunner()
 
 
 def kvsnap(*arguments: str) -> subprocess.CompletedProcess[str]:
@@ -34,8 +40,10 @@ def test_store_list_names_each_namespace_once_and_entries_relative_to_it(tmp_pat
     chunks = [store.chunk_path(chain[index]) for index in (0, 2)]
     for seed, chunk in enumerate(chunks):
         chunk.parent.mkdir(parents=True, exist_ok=True)
-        written = kvsnap("fixture", str(chunk), "--lengths", "16", "--seed", str(seed))
-        assert written.returncode == 0, written.stderr
+        written = runner.invoke(
+            app, ["fixture", str(chunk), "--lengths", "16", "--seed", str(seed)]
+        )
+        assert written.exit_code == 0, written.output
 
     listing = kvsnap("store", "list", str(tmp_path))
     assert listing.returncode == 0, listing.stderr
@@ -50,7 +58,9 @@ def test_store_list_names_each_namespace_once_and_entries_relative_to_it(tmp_pat
 
 def test_store_list_of_plain_snapshots_says_what_they_are(tmp_path: Path) -> None:
     for name in ("a.safetensors", "b.safetensors"):
-        assert kvsnap("fixture", str(tmp_path / name), "--lengths", "8").returncode == 0
+        assert (
+            runner.invoke(app, ["fixture", str(tmp_path / name), "--lengths", "8"]).exit_code == 0
+        )
     listing = kvsnap("store", "list", str(tmp_path))
     assert listing.returncode == 0, listing.stderr
     assert "0 entries" in listing.stdout
