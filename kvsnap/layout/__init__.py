@@ -23,7 +23,7 @@ path; instead this package describes each cache once:
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvsnap.errors import LayoutError
 from kvsnap.layout.geometry import (
@@ -47,6 +47,26 @@ from kvsnap.layout.mapping import (
     head_shard,
     strided_page_runs,
 )
+
+if TYPE_CHECKING:  # what type checkers see of the names below, imported on first use
+    from kvsnap.layout.cache import CacheLayout, CacheTensor, PageRef
+    from kvsnap.layout.constructors import (
+        contiguous_layout,
+        cross_layer_layout,
+        flat_paged_layout,
+        mla_layout,
+        packed_layout,
+        vllm_legacy_layout,
+        vllm_split_layout,
+    )
+    from kvsnap.layout.geometry import DTYPES
+    from kvsnap.layout.heads import (
+        PartAssignment,
+        head_range,
+        part_geometry,
+        part_layout,
+        part_plan,
+    )
 
 #: Names whose modules import torch, imported on first use: the geometry and the page mapping
 #: (what reading a snapshot's metadata needs) come without torch.
