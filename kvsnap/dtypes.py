@@ -9,31 +9,44 @@ one; none keeps a table of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
 class ElementType:
-    """One element type: its names, its torch dtype and its size in bytes."""
+    """One element type: its names, its torch dtype and its size in bytes.
+
+    The torch dtype is looked up on first use (:attr:`torch`): reading a snapshot's header,
+    checksums and metadata does not import torch (the CLI's ``inspect`` and ``verify`` start
+    without it).
+    """
 
     name: str | None  # the snapshot name; None for types that are never KV (index tensors)
     safetensors: str
-    torch: torch.dtype
+    torch_name: str  # the attribute of the ``torch`` module
     size: int
+
+    @property
+    def torch(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.torch_name)
 
 
 _TYPES = (
-    ElementType("bfloat16", "BF16", torch.bfloat16, 2),
-    ElementType("float16", "F16", torch.float16, 2),
-    ElementType("float32", "F32", torch.float32, 4),
-    ElementType("float64", "F64", torch.float64, 8),
-    ElementType("float8_e4m3fn", "F8_E4M3", torch.float8_e4m3fn, 1),
-    ElementType("float8_e5m2", "F8_E5M2", torch.float8_e5m2, 1),
-    ElementType("int8", "I8", torch.int8, 1),
-    ElementType("uint8", "U8", torch.uint8, 1),
-    ElementType(None, "I64", torch.int64, 8),
-    ElementType(None, "U64", torch.uint64, 8),
+    ElementType("bfloat16", "BF16", "bfloat16", 2),
+    ElementType("float16", "F16", "float16", 2),
+    ElementType("float32", "F32", "float32", 4),
+    ElementType("float64", "F64", "float64", 8),
+    ElementType("float8_e4m3fn", "F8_E4M3", "float8_e4m3fn", 1),
+    ElementType("float8_e5m2", "F8_E5M2", "float8_e5m2", 1),
+    ElementType("int8", "I8", "int8", 1),
+    ElementType("uint8", "U8", "uint8", 1),
+    ElementType(None, "I64", "int64", 8),
+    ElementType(None, "U64", "uint64", 8),
 )
 
 #: KV dtypes by snapshot name.
@@ -41,13 +54,18 @@ KV_DTYPES: dict[str, ElementType] = {t.name: t for t in _TYPES if t.name is not 
 #: Every element type by safetensors name (KV and index tensors).
 SAFETENSORS_TYPES: dict[str, ElementType] = {t.safetensors: t for t in _TYPES}
 
-#: Unsigned integer words by size, for moving raw bytes a word at a time.
-WORD_DTYPES: dict[int, torch.dtype] = {
-    8: torch.int64,
-    4: torch.int32,
-    2: torch.int16,
-    1: torch.uint8,
-}
+#: Integer word names by size (``WORD_DTYPES``: the torch dtypes), for moving raw bytes a word
+#: at a time.
+_WORD_NAMES = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
+
+
+def __getattr__(name: str) -> Any:
+    # ``WORD_DTYPES`` needs torch: built on first use, so that importing this module does not.
+    if name == "WORD_DTYPES":
+        import torch
+
+        return {size: getattr(torch, word) for size, word in _WORD_NAMES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
@@ -63,11 +81,17 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
     raise LayoutError(f"unsupported KV dtype {dtype}; supported: {', '.join(KV_DTYPES)}")
 
 
-def kv_torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a snapshot dtype name; :class:`~kvsnap.errors.LayoutError` if unknown."""
+def kv_element(name: str) -> ElementType:
+    """The KV element type of a snapshot dtype name; :class:`~kvsnap.errors.LayoutError` if
+    unknown (without importing torch)."""
     element = KV_DTYPES.get(name)
     if element is None:
         from kvsnap.errors import LayoutError
 
         raise LayoutError(f"unknown KV dtype {name!r}; supported: {', '.join(KV_DTYPES)}")
-    return element.torch
+    return element
+
+
+def kv_torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a snapshot dtype name; :class:`~kvsnap.errors.LayoutError` if unknown."""
+    return kv_element(name).torch

@@ -7,29 +7,51 @@ staging loop over slots that span tensors), reading and writing go through
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from kvsnap import analysis
 from kvsnap import format as fmt
-from kvsnap.analysis import Comparison, LayerDifference
-from kvsnap.compat import check_fits
-from kvsnap.errors import SignatureError
 from kvsnap.format.signing import KeyRing
-from kvsnap.layout import CacheLayout, KVGeometry, torch_dtype
-from kvsnap.pinned import PinnedPool
-from kvsnap.pipeline import (
-    CaptureResult,
-    Pipeline,
-    RestoreResult,
-    SequenceBlocks,
-    StagingOptions,
-    TransferOptions,
-)
+from kvsnap.layout import KVGeometry, torch_dtype
 from kvsnap.store import SnapshotReader, TraceHook
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvsnap.analysis import Comparison, LayerDifference
+    from kvsnap.errors import SignatureError
+    from kvsnap.layout import CacheLayout
+    from kvsnap.pinned import PinnedPool
+    from kvsnap.pipeline import (
+        CaptureResult,
+        RestoreResult,
+        SequenceBlocks,
+        StagingOptions,
+        TransferOptions,
+    )
+
+#: Names this module re-exports from modules that import torch, imported on first use: opening,
+#: inspecting and verifying a snapshot need no torch (the CLI's ``inspect`` and ``verify``
+#: start without it).
+_REEXPORTS = {
+    "Comparison": "kvsnap.analysis",
+    "LayerDifference": "kvsnap.analysis",
+    "CaptureResult": "kvsnap.pipeline",
+    "RestoreResult": "kvsnap.pipeline",
+    "SequenceBlocks": "kvsnap.pipeline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _REEXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "CaptureResult",
@@ -88,6 +110,9 @@ def capture(
     key: an HMAC-SHA256 over its header and checksum trailer (docs/format.md, "Signed
     snapshots"), which :meth:`Snapshot.open` checks when given the keys.
     """
+    from kvsnap.layout import CacheLayout
+    from kvsnap.pipeline import Pipeline
+
     common = {"source": source, "reproducible": reproducible, "direct_io": direct_io}
     common["keys"] = keys
     if per_rank_parts:
@@ -114,6 +139,9 @@ def capture(
 
 def staging_options(staging: StagingOptions | PinnedPool | None) -> StagingOptions | None:
     """A caller's pool as :class:`StagingOptions` (anything else unchanged)."""
+    from kvsnap.pinned import PinnedPool
+    from kvsnap.pipeline import StagingOptions
+
     return StagingOptions(pool=staging) if isinstance(staging, PinnedPool) else staging
 
 
@@ -142,11 +170,13 @@ class Snapshot:
         was written to) opens as a :class:`~kvsnap.parted.PartedSnapshot`: one snapshot of all
         heads, every part checked against the index.
         """
-        from kvsnap.parted import open_parted
+        from kvsnap.store.parts import open_parts, parted_index
 
-        parted = open_parted(path, verify=verify, keys=keys)
-        if parted is not None:
-            return parted
+        index = parted_index(path)
+        if index is not None:
+            from kvsnap.parted import PartedSnapshot  # imports torch: only for parted snapshots
+
+            return PartedSnapshot(open_parts(index, verify=verify, keys=keys), str(path))
         return cls(SnapshotReader(path, verify=verify, keys=keys), str(path))
 
     # -- metadata --------------------------------------------------------------------------
@@ -222,6 +252,8 @@ class Snapshot:
     ) -> None:
         """Refuse (with :class:`IncompatibleSnapshotError`) a target this snapshot does not fit;
         see :func:`kvsnap.compat.check_fits`."""
+        from kvsnap.compat import check_fits
+
         check_fits(
             self.metadata,
             geometry,
@@ -241,6 +273,8 @@ class Snapshot:
 
         Shaped ``(num_tokens, heads, head_dim)``, or ``(num_tokens, latent_dim)`` for MLA.
         """
+        import torch
+
         record = self.sequence(sequence_id)
         page_bytes = self._reader.page_size_bytes(name)
         pages = np.empty(len(record.block_ids) * page_bytes, dtype=np.uint8)
@@ -252,6 +286,8 @@ class Snapshot:
 
     def compare(self, other: Snapshot, *, atol: float = 0.0, rtol: float = 0.0) -> Comparison:
         """Compare this snapshot's KV with ``other``: see :func:`kvsnap.analysis.compare`."""
+        from kvsnap import analysis
+
         return analysis.compare(self, other, atol=atol, rtol=rtol)
 
     def restore(
@@ -276,6 +312,8 @@ class Snapshot:
         never written (:class:`~kvsnap.errors.RestoreIncompleteError` lists the target blocks
         not restored). ``transfer``, ``staging`` and ``trace`` are as for :func:`capture`.
         """
+        from kvsnap.pipeline import Pipeline
+
         return Pipeline(layout, transfer=transfer).restore(
             self,
             block_ids,
@@ -290,14 +328,20 @@ class Snapshot:
 
     def valid_tokens_per_block(self) -> np.ndarray:
         """See :func:`kvsnap.analysis.valid_tokens_per_block`."""
+        from kvsnap import analysis
+
         return analysis.valid_tokens_per_block(self)
 
     def tensor_stats(self, name: str) -> dict[str, float | int]:
         """See :func:`kvsnap.analysis.tensor_stats`."""
+        from kvsnap import analysis
+
         return analysis.tensor_stats(self, name)
 
     def token_norms(self, sequence_id: str) -> dict[str, np.ndarray]:
         """See :func:`kvsnap.analysis.token_norms`."""
+        from kvsnap import analysis
+
         return analysis.token_norms(self, sequence_id)
 
     # -- lifetime --------------------------------------------------------------------------

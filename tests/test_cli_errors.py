@@ -44,6 +44,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     captured = root / "captured.safetensors"
     code, _, err = run("capture", "-o", str(captured), "-p", "hello")
     assert code == 0, err
+    (root / "empty-prompts.txt").write_text("")
+    (root / "blank-prompts.txt").write_text("\n  \n\t\n")
     return {
         "dir": str(root),
         "missing": str(root / "missing.safetensors"),
@@ -51,6 +53,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "captured": str(captured),
         "out": str(root / "out.safetensors"),
         "no_parent": str(root / "no" / "such" / "out.safetensors"),
+        "empty_prompts": str(root / "empty-prompts.txt"),
+        "blank_prompts": str(root / "blank-prompts.txt"),
     }
 
 
@@ -67,6 +71,8 @@ BAD_INPUTS = [
     ("capture-missing-o", "capture"),
     ("capture-dtype", "capture -o {out} --dtype int3"),
     ("capture-prompts-file", "capture -o {out} --prompts-file {missing}"),
+    ("capture-prompts-file-empty", "capture -o {out} --prompts-file {empty_prompts}"),
+    ("capture-prompts-file-blank", "capture -o {out} --prompts-file {blank_prompts}"),
     ("capture-model-dir", "capture -o {out} --model {dir}/no-model"),
     ("inspect-missing", "inspect {missing}"),
     ("inspect-dir", "inspect {dir}"),
@@ -96,6 +102,7 @@ BAD_INPUTS = [
     ("store-verify-missing", "store verify {missing}"),
     ("store-prune-missing-bytes", "store prune {dir}"),
     ("store-prune-negative", "store prune {dir} --max-bytes -1"),
+    ("store-prune-bad-size", "store prune {dir} --max-bytes 1XB"),
     ("store-unknown-subcommand", "store nosuch {dir}"),
 ]
 
@@ -124,6 +131,10 @@ def test_the_messages_say_what_is_wrong(files: dict[str, str]) -> None:
         return run(*args)[2]
 
     assert "is a directory" in error("capture", "-o", files["dir"])
+    assert "a prompt must not be empty" in error("capture", "-o", files["out"], "--prompt", "")
+    assert f"--prompts-file {files['empty_prompts']}: no prompt in it" in error(
+        "capture", "-o", files["out"], "--prompts-file", files["empty_prompts"]
+    )
     assert "is a directory" in error("fixture", files["dir"])
     assert "is a directory" in error("inspect", files["dir"])
     assert "not a torch device" in error("capture", "-o", files["out"], "--device", "gpu")

@@ -200,3 +200,11 @@ def test_paged_restore_and_capture_take_a_plain_model(
     with Snapshot.open(original) as first, Snapshot.open(again) as second:
         assert second.metadata.source.model_fingerprint == loaded_model_fingerprint(model)
         assert first.compare(second).ok
+
+
+def test_prefill_of_a_plain_model_points_to_prefill_token_ids(model: LlamaForCausalLM) -> None:
+    with pytest.raises(TypeError, match=r"prefill_token_ids\(model, token_id_lists\)"):
+        kt.prefill(model, ["a prompt needs a tokenizer"])
+    # What the message points to works on the same model.
+    [(cache, ids)] = kt.prefill_token_ids(model, [[1, 2, 3]])
+    assert ids == [1, 2, 3] and cache.get_seq_length() == 3

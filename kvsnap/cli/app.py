@@ -10,6 +10,7 @@ with ``--json``.
 from __future__ import annotations
 
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -24,7 +25,7 @@ from .bench import bench
 from .capture import capture
 from .fixture import fixture
 from .inspection import inspect
-from .output import EXIT_USAGE, handle_errors, report_error, settings, stdout
+from .output import EXIT_INTERRUPTED, EXIT_USAGE, handle_errors, report_error, settings, stdout
 from .restore import restore
 from .store import app as store_app
 from .verify import verify
@@ -37,10 +38,14 @@ class KVSnapGroup(TyperGroup):
     """The app's click group: runs without click's standalone error printing, so that a usage
     error (a missing option, a value out of range) is reported as every other error is."""
 
+    #: Whether the command line asked for ``--json`` (errors then also go to stdout as JSON).
+    _json_errors = False
+
     def main(  # type: ignore[override]
         self, args: Sequence[str] | None = None, *pargs: Any, **kwargs: Any
     ) -> Any:
-        arguments = list(sys.argv[1:] if args is None else args)
+        arguments = _global_options_first(list(sys.argv[1:] if args is None else args))
+        self._json_errors = "--json" in arguments
         kwargs["standalone_mode"] = False
         try:
             code = super().main(arguments, *pargs, **kwargs)
@@ -56,6 +61,30 @@ class KVSnapGroup(TyperGroup):
             report_error("aborted", as_json="--json" in arguments)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the command; Ctrl-C at any point of it (model load, prefill, write) prints one
+        "interrupted" line and exits 130, what a shell reports for SIGINT. The library has
+        removed whatever it was writing by then and left the previous file as it was."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            # The cleanup is done: another Ctrl-C while the interpreter exits ends the process
+            # at once, as an uncaught SIGINT does, instead of printing a traceback.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            report_error("interrupted", as_json=self._json_errors)
+            sys.exit(EXIT_INTERRUPTED)
+
+
+def _global_options_first(arguments: list[str]) -> list[str]:
+    """``arguments`` with ``--debug`` moved before the command wherever it was typed (``kvsnap
+    verify FILE --debug`` means what ``kvsnap --debug verify FILE`` does); after ``--`` it is
+    an argument and stays."""
+    end = arguments.index("--") if "--" in arguments else len(arguments)
+    if "--debug" not in arguments[:end]:
+        return arguments
+    rest = [argument for argument in arguments[:end] if argument != "--debug"]
+    return ["--debug", *rest, *arguments[end:]]
 
 
 def _each_sentence_once(message: str) -> str:

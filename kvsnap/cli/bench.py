@@ -16,15 +16,13 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kvsnap.bench import BenchReport, Measurement, format_bytes, resolve_device, run_bench
-from kvsnap.plan import Direction
-from kvsnap.transfer.base import calibration_path, write_calibration
-
 from .common import JsonOption
 from .output import UsageError, emit_json, stdout, step_progress, text
 
 if TYPE_CHECKING:
     import torch
+
+    from kvsnap.bench import BenchReport, Measurement
 
 _SMOKE_TEST_WARNING = (
     "--device cpu copies host memory to host memory: a smoke test of the measurements, "
@@ -59,6 +57,9 @@ def bench(
     as_json: JsonOption = False,
 ) -> None:
     """Measure copies between GPU and host memory per backend; derive auto's calibration."""
+    from kvsnap.bench import run_bench
+    from kvsnap.transfer.base import write_calibration
+
     target = _check_options(device, write, calibration_file)
     if target.type == "cpu" and not as_json:
         stdout.print(f"[yellow]note:[/] {_SMOKE_TEST_WARNING}")
@@ -80,6 +81,9 @@ def bench(
 
 def _check_options(device: str, write: bool, calibration_file: Path | None) -> torch.device:
     """The device to measure, once the options are consistent and the calibration writable."""
+    from kvsnap.bench import resolve_device
+    from kvsnap.transfer.base import calibration_path
+
     try:
         target = resolve_device(device)
     except ValueError as error:
@@ -115,6 +119,8 @@ def _check_writable(path: Path) -> None:
 
 
 def _direction_label(direction: str, on_gpu: bool) -> str:
+    from kvsnap.plan import Direction
+
     device_side = "GPU" if on_gpu else "device"
     if direction == Direction.DEVICE_TO_HOST.value:
         return f"{device_side}→host"
@@ -122,6 +128,8 @@ def _direction_label(direction: str, on_gpu: bool) -> str:
 
 
 def _results_table(report: BenchReport) -> Table:
+    from kvsnap.bench import format_bytes
+
     on_gpu = not report.smoke_test
     table = Table(
         title=text(
@@ -171,6 +179,8 @@ def _gbps(value: float) -> str:
 
 
 def _failures(results: list[Measurement], on_gpu: bool) -> list[str]:
+    from kvsnap.bench import format_bytes
+
     return [
         f"{m.method.removeprefix('kvsnap-')}, {format_bytes(m.page_bytes)} pages x {m.blocks} "
         f"blocks, {_direction_label(m.direction, on_gpu)}: {m.note}"
@@ -180,6 +190,9 @@ def _failures(results: list[Measurement], on_gpu: bool) -> list[str]:
 
 
 def _print_calibration(report: BenchReport, written: Path | None) -> None:
+    from kvsnap.bench import format_bytes
+    from kvsnap.transfer.base import calibration_path
+
     calibration: dict[str, Any] = report.calibration
     thresholds = calibration["large_fragment_bytes"]
     on_gpu = not report.smoke_test
@@ -194,7 +207,13 @@ def _print_calibration(report: BenchReport, written: Path | None) -> None:
         f"{calibration['small_backend']} below"
     )
     default_path = calibration_path()
-    if written is None:
+    if written is None and report.smoke_test:
+        # The default path is refused for a host-memory calibration (see _check_options).
+        stdout.print(
+            "not written: --write-calibration --calibration-path FILE writes it to FILE "
+            "(a host-memory calibration never goes where auto reads it)"
+        )
+    elif written is None:
         stdout.print(f"not written: --write-calibration writes it to {text(default_path)}")
     elif written.resolve() == default_path.resolve():
         stdout.print(f"calibration written to [bold]{text(written)}[/]: auto uses it from now on")

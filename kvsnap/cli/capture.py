@@ -1,13 +1,17 @@
-"""``kvsnap capture``: run prefill for each prompt and write the KV cache as a snapshot."""
+"""``kvsnap capture``: run prefill for each prompt and write the KV cache as a snapshot.
+
+On a terminal each phase shows on stderr as it runs: a spinner while the model loads, a bar
+counting prompts through prefill, a byte bar while the snapshot is written; the summary gives
+the total time and each phase's.
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-
-from kvsnap.pipeline import TransferOptions
 
 from . import models
 from .common import (
@@ -19,23 +23,30 @@ from .common import (
     format_bytes,
     output_location,
 )
-from .output import UsageError, emit_json, progress_bar, stdout, text
+from .output import UsageError, emit_json, progress_bar, status, stdout, step_progress, text
 
 #: What ``kvsnap capture`` runs when given no prompt.
 DEFAULT_PROMPT = "kvsnap keeps the KV cache of this prompt, bit for bit, across restarts."
 
 
 def _prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[str]:
+    """The prompts to capture: ``--prompt``s, then the file's non-blank lines; the built-in
+    prompt only when neither option is given. An empty ``--prompt`` and a file without a
+    prompt are refused alike: both ask for a capture of nothing."""
     prompts = list(prompt or [])
+    if not all(prompt_text.strip() for prompt_text in prompts):
+        raise UsageError("--prompt: a prompt must not be empty")
     if prompts_file is not None:
         if not prompts_file.is_file():
             raise UsageError(f"--prompts-file {prompts_file}: no such file")
-        prompts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
-    if not prompts:
-        prompts = [DEFAULT_PROMPT]
-    if not all(prompt_text.strip() for prompt_text in prompts):
-        raise UsageError("prompts must not be empty")
-    return prompts
+        lines = [line for line in prompts_file.read_text().splitlines() if line.strip()]
+        if not lines:
+            raise UsageError(
+                f"--prompts-file {prompts_file}: no prompt in it (every line is blank); "
+                "a prompt must not be empty"
+            )
+        prompts += lines
+    return prompts or [DEFAULT_PROMPT]
 
 
 def capture(
@@ -62,15 +73,21 @@ def capture(
     as_json: JsonOption = False,
 ) -> None:
     """Run prefill for each prompt on the model and write the KV cache as a snapshot."""
+    from kvsnap.pipeline import TransferOptions
+
     target = output_location(output, option="--output")
     prompts = _prompts(prompt, prompts_file)
     model_dtype = models.torch_dtype(dtype)
     engine = models.transformers_engine("capture")
     models.check_device(device)
     models.check_backend(backend, device)
-    loaded = models.load(model, dtype=model_dtype, device=device, quiet=as_json)
-    prefilled = engine.prefill(loaded, prompts)
-    with progress_bar("capture", enabled=not as_json) as progress:
+    started = time.perf_counter()
+    with status(f"loading the model ({model or 'built-in'})", enabled=not as_json):
+        loaded = models.load(model, dtype=model_dtype, device=device, quiet=as_json)
+    loaded_at = time.perf_counter()
+    prefilled = _prefill(engine, loaded, prompts, show_progress=not as_json)
+    prefilled_at = time.perf_counter()
+    with progress_bar("writing", enabled=not as_json) as progress:
         result = engine.capture_dynamic_caches(
             prefilled,
             target,
@@ -80,6 +97,7 @@ def capture(
             progress=progress,
             reproducible=reproducible,
         )
+    finished = time.perf_counter()
     payload = {
         "path": result.path,
         "sequences": result.num_sequences,
@@ -93,5 +111,17 @@ def capture(
     stdout.print(
         f"captured {result.num_sequences} sequence(s), {result.num_tokens} tokens, "
         f"{format_bytes(result.num_bytes)} → [bold]{text(result.path)}[/] "
-        f"in {result.seconds:.2f} s"
+        f"in {finished - started:.2f} s (model load {loaded_at - started:.2f} s, prefill "
+        f"{prefilled_at - loaded_at:.2f} s, write {finished - prefilled_at:.2f} s)"
     )
+
+
+def _prefill(engine: Any, loaded: Any, prompts: list[str], *, show_progress: bool) -> list[Any]:
+    """Prefill each prompt on its own (as ``engine.prefill`` does), counting them on a bar."""
+    prefilled: list[Any] = []
+    with step_progress("prefill", enabled=show_progress) as progress:
+        for number, prompt_text in enumerate(prompts):
+            progress(number, len(prompts), f"prompt {number + 1}")
+            prefilled += engine.prefill(loaded, [prompt_text])
+        progress(len(prompts), len(prompts), "")
+    return prefilled

@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from .output import UsageError
+from .output import format_bytes as format_bytes  # the commands' size format, beside the bars
 
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")
@@ -88,12 +89,3 @@ def output_location(location: str, *, option: str) -> str:
     if not os.access(parent, os.W_OK):
         raise UsageError(f"{option} {location}: directory {parent} is not writable")
     return location
-
-
-def format_bytes(count: float) -> str:
-    """``count`` bytes in B, KiB, MiB or GiB (one decimal above bytes)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count} B"

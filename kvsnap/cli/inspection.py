@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any
+import sys
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
-from kvsnap.parted import PartedSnapshot
-from kvsnap.snapshot import Snapshot
-
 from .common import JsonOption, SnapshotArgument, format_bytes, snapshot_location
 from .output import UsageError, emit_json, stdout, text
 from .plot import check_plot_path, plot_norms
+
+if TYPE_CHECKING:
+    from kvsnap.snapshot import Snapshot
 
 
 def inspect(
@@ -39,6 +40,8 @@ def inspect(
     as_json: JsonOption = False,
 ) -> None:
     """Show a snapshot's metadata and sequences (and optionally statistics and a plot)."""
+    from kvsnap.snapshot import Snapshot
+
     location = snapshot_location(snapshot)
     if sequence is not None and plot is None:
         raise UsageError("--sequence chooses the sequence of --plot: add --plot FILE")
@@ -103,7 +106,10 @@ def describe(snap: Snapshot) -> dict[str, Any]:
 def _parts_json(snap: Snapshot) -> dict[str, Any]:
     """``parts`` (a parted snapshot: its part files in head order) or ``part`` (one part file
     opened directly: which heads of the whole model it holds); nothing for other snapshots."""
-    if isinstance(snap, PartedSnapshot):
+    # kvsnap.parted imports torch; opening a parted snapshot imported it, so without it in
+    # sys.modules ``snap`` is no PartedSnapshot.
+    parted = sys.modules.get("kvsnap.parted")
+    if parted is not None and isinstance(snap, parted.PartedSnapshot):
         return {
             "parts": [
                 {

@@ -1,9 +1,9 @@
 """How the CLI talks to people and scripts: exit codes, error messages, JSON, progress bars.
 
 Exit codes: 0 success; 1 verification failed (corrupt, truncated, mismatching, not a snapshot);
-2 usage error (bad arguments, missing file, incompatible target). A user error prints one line
-on stderr, never a traceback (``--debug`` shows it). With ``--json`` stdout carries exactly one
-JSON object and nothing else.
+2 usage error (bad arguments, missing file, incompatible target); 130 interrupted (Ctrl-C). A
+user error prints one line on stderr, never a traceback (``--debug`` shows it). With
+``--json`` stdout carries exactly one JSON object and nothing else.
 
 Anything that comes from a file, a path or an argument is printed as text, never as rich markup:
 :func:`text` escapes it (a path ``a[/x]`` or a sequence id ``user[admin]`` prints as itself).
@@ -27,17 +27,21 @@ from rich.progress import (
     DownloadColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
-    TransferSpeedColumn,
 )
+from rich.text import Text
 
 from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError
 
 EXIT_OK = 0
 EXIT_VERIFY_FAILED = 1
 EXIT_USAGE = 2
+#: Ctrl-C (SIGINT): 128 + the signal's number, as shells report it.
+EXIT_INTERRUPTED = 130
 
 stdout = Console(highlight=False, soft_wrap=True)
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -55,6 +59,26 @@ settings = Settings()
 
 class UsageError(Exception):
     """A user mistake the CLI reports with exit code 2 (bad argument, missing file)."""
+
+
+def format_bytes(count: float) -> str:
+    """``count`` bytes in B, KiB, MiB or GiB (one decimal above bytes): the one unit every
+    size the CLI prints uses, progress bars included."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count} B"
+
+
+class _BinarySpeedColumn(ProgressColumn):
+    """Bytes per second in the binary units of :func:`format_bytes` (rich's own speed column
+    speaks kB and MB, beside sizes in KiB and MiB)."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        shown = "?" if speed is None else f"{format_bytes(speed)}/s"
+        return Text(shown, style="progress.data.speed")
 
 
 def text(value: object) -> str:
@@ -128,8 +152,8 @@ def progress_bar(description: str, *, enabled: bool) -> Iterator[Callable[[int, 
     columns = (
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
+        DownloadColumn(binary_units=True),
+        _BinarySpeedColumn(),
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=stderr, transient=True) as progress:

@@ -9,15 +9,17 @@ of their own, counted in a legend. The title names the file, the model and the s
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvsnap.snapshot import Snapshot
-
 from .common import is_url
 from .output import UsageError
+
+if TYPE_CHECKING:
+    from kvsnap.snapshot import Snapshot
 
 #: Image formats ``--plot`` writes, chosen by the file name's extension.
 PLOT_EXTENSIONS = (".png", ".svg", ".pdf")
@@ -31,7 +33,8 @@ INF_COLOUR = "#ff0000"
 
 def check_plot_path(path: str) -> None:
     """Refuse, before anything is read, a ``--plot`` path that cannot take the image exactly as
-    named: a URL, a directory, a missing parent, or a name without an image extension."""
+    named: a URL, a directory, a missing or read-only parent, or a name without an image
+    extension."""
     if is_url(path):
         raise UsageError(f"--plot {path}: the plot is written to a local file, not a URL")
     target = Path(path)
@@ -43,6 +46,8 @@ def check_plot_path(path: str) -> None:
         )
     if not target.parent.is_dir():
         raise UsageError(f"--plot {path}: directory {target.parent} does not exist")
+    if not os.access(target.parent, os.W_OK):
+        raise UsageError(f"--plot {path}: directory {target.parent} is not writable")
 
 
 def _pyplot() -> Any:
@@ -80,8 +85,16 @@ def plot_norms(snap: Snapshot, path: str, *, sequence_id: str | None = None) -> 
         parse_math=False,
     )
     figure.tight_layout()
-    figure.savefig(path, dpi=100, format=Path(path).suffix.lower().lstrip("."))
-    plt.close(figure)
+    try:
+        figure.savefig(path, dpi=100, format=Path(path).suffix.lower().lstrip("."))
+    except OSError as error:
+        # What access() cannot foresee: a read-only mount for root, a full disk, a filesystem
+        # that refuses new files.
+        raise UsageError(
+            f"--plot {path}: cannot write the image ({error.strerror or error})"
+        ) from None
+    finally:
+        plt.close(figure)
     return path
 
 

@@ -4,12 +4,10 @@ greedy generation (``--check``: and compare with generation without the snapshot
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.text import Text
-
-from kvsnap.snapshot import Snapshot
 
 from . import models
 from .common import (
@@ -22,6 +20,9 @@ from .common import (
     snapshot_location,
 )
 from .output import EXIT_VERIFY_FAILED, emit_json, progress_bar, stdout
+
+if TYPE_CHECKING:
+    from kvsnap.snapshot import Snapshot
 
 
 def restore(
@@ -47,6 +48,8 @@ def restore(
     as_json: JsonOption = False,
 ) -> None:
     """Restore every sequence into a fresh cache of the model and continue generation."""
+    from kvsnap.snapshot import Snapshot
+
     location = snapshot_location(snapshot)
     engine = models.transformers_engine("restore")
     models.check_device(device)

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich import box
 from rich.table import Table
+from rich.text import Text
 
-from kvsnap.engines.vllm.eviction import ORPHAN_GRACE_S, StoreEntry, prune_store, store_entries
 from kvsnap.errors import KVSnapError
-from kvsnap.snapshot import Snapshot
 
 from .common import JsonOption, format_bytes
-from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, handle_errors, stdout
+from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, handle_errors, stdout, text
 
 app = typer.Typer(
     name="store",
@@ -34,6 +35,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+if TYPE_CHECKING:
+    from kvsnap.engines.vllm.eviction import StoreEntry
 
 StoreArgument = Annotated[Path, typer.Argument(help="The store directory (the connector's path).")]
 
@@ -71,19 +75,54 @@ def _age(seconds: float) -> str:
 
 
 def _print_entries(rows: list[dict[str, Any]], title: str) -> None:
-    table = Table(title=title)
-    for column in ("entry", "namespace", "parts", "size", "last used", "state"):
-        table.add_column(column)
+    """``title``, then one table per namespace (named once, above it) whose rows name each
+    entry by its file name without ``.safetensors`` (a chunk: its hash): a namespace is a long
+    model fingerprint, and with it in every row nothing else fitted at 80-100 columns."""
+    stdout.print(text(title))
+    namespaces: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        table.add_row(
-            row["path"],
-            row["namespace"],
-            str(row["parts"]) if row["parts"] else "-",
-            format_bytes(row["bytes"]),
-            f"{_age(row['age_s'])} ago",
-            _state(row),
+        namespaces.setdefault(row["namespace"], []).append(row)
+    for namespace, members in namespaces.items():
+        table = Table(
+            title=Text(f"namespace {namespace}"),
+            caption="entry: the file NAMESPACE/chunks/HH/ENTRY.safetensors",
+            title_justify="left",
+            caption_justify="left",
+            box=box.SIMPLE_HEAD,
         )
-    stdout.print(table)
+        for column in ("entry", "parts", "size", "last used", "state"):
+            table.add_column(column, overflow="fold")
+        for row in members:
+            table.add_row(
+                Text(_entry_name(row["path"])),
+                str(row["parts"]) if row["parts"] else "-",
+                format_bytes(row["bytes"]),
+                f"{_age(row['age_s'])} ago",
+                _state(row),
+            )
+        stdout.print(table)
+
+
+def _entry_name(path: str) -> str:
+    """An entry's file name without the suffix every chunk file shares."""
+    name = Path(path).name
+    for suffix in (".safetensors.index.json", ".safetensors"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _no_entries_hint(root: Path) -> str | None:
+    """Why a directory with no store entry may still hold snapshots: plain snapshot files
+    (``kvsnap fixture``, ``capture``) directly in it, not a store's ``NAMESPACE/chunks/``."""
+    plain = sorted(path.name for path in root.glob("*.safetensors*") if path.is_file())
+    if not plain:
+        return None
+    shown = ", ".join(plain[:3]) + (f" and {len(plain) - 3} more" if len(plain) > 3 else "")
+    return (
+        f"{root} holds {len(plain)} plain snapshot file(s) ({shown}), not a prefix store "
+        "(NAMESPACE/chunks/...): read them with kvsnap inspect FILE or kvsnap verify FILE"
+    )
 
 
 @app.command("list")
@@ -93,12 +132,17 @@ def list_entries(directory: StoreArgument, as_json: JsonOption = False) -> None:
     size and age; a parted chunk is one entry (its index) with its parts count."""
     root = _require_store(directory)
     now = time.time()
+    from kvsnap.engines.vllm.eviction import store_entries
+
     rows = [_entry_json(entry, root, now) for entry in store_entries(root)]
     total = sum(row["bytes"] for row in rows)
     if as_json:
         emit_json({"store": str(root), "entries": rows, "count": len(rows), "bytes": total})
         return
     _print_entries(rows, f"{root}: {len(rows)} entries, {format_bytes(total)}")
+    hint = None if rows else _no_entries_hint(root)
+    if hint is not None:
+        stdout.print(f"[yellow]note:[/] {text(hint)}")
 
 
 @contextlib.contextmanager
@@ -121,6 +165,8 @@ def _last_use_kept(path: Path) -> Iterator[None]:
 def _verify_one(path: Path) -> list[str]:
     """Problems of the chunk at ``path``, a single file or a parted chunk's index (every part
     checked); none: it is intact. Its last use (access time) is left as it was."""
+    from kvsnap.snapshot import Snapshot
+
     try:
         with _last_use_kept(path), Snapshot.open(path) as snap:
             return [
@@ -143,6 +189,8 @@ def verify_entries(directory: StoreArgument, as_json: JsonOption = False) -> Non
     unused, and never served.
     """
     root = _require_store(directory)
+    from kvsnap.engines.vllm.eviction import store_entries
+
     entries = store_entries(root)
     results = []
     for entry in entries:
@@ -175,12 +223,43 @@ def verify_entries(directory: StoreArgument, as_json: JsonOption = False) -> Non
         raise typer.Exit(EXIT_VERIFY_FAILED)
 
 
+#: Size suffixes ``--max-bytes`` takes (case-insensitive): SI powers of 1000 and binary ones.
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    **{prefix: 1000**power for power, prefix in enumerate("kmgt", 1)},
+    **{f"{prefix}b": 1000**power for power, prefix in enumerate("kmgt", 1)},
+    **{f"{prefix}i": 1024**power for power, prefix in enumerate("kmgt", 1)},
+    **{f"{prefix}ib": 1024**power for power, prefix in enumerate("kmgt", 1)},
+}
+_SIZE = re.compile(r"\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(value: str) -> int:
+    """Bytes of a size such as ``5000000000``, ``5GB`` (10⁹), ``4.5GiB`` (2³⁰) or ``800M``
+    (K, M, G, T: powers of 1000, with ``i``: of 1024); ``typer.BadParameter`` otherwise."""
+    match = _SIZE.fullmatch(str(value))
+    unit = match.group("unit").lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise typer.BadParameter(
+            f"{value!r} is not a size: a byte count, or a number with a unit such as 5GB, "
+            "4.5GiB, 800M"
+        )
+    return int(float(match.group("number")) * _SIZE_UNITS[unit])
+
+
 @app.command("prune")
 @handle_errors
 def prune(
     directory: StoreArgument,
     max_bytes: Annotated[
-        int, typer.Option("--max-bytes", min=0, help="Bytes the store may hold afterwards.")
+        int,
+        typer.Option(
+            "--max-bytes",
+            parser=parse_size,
+            metavar="SIZE",
+            help="Bytes the store may hold afterwards: 5000000000, 5GB, 4.5GiB, 800M.",
+        ),
     ],
     min_idle_s: Annotated[
         float,
@@ -191,18 +270,23 @@ def prune(
         ),
     ] = 0.0,
     orphan_grace_s: Annotated[
-        float,
+        float | None,
         typer.Option(
             "--orphan-grace-s",
             min=0.0,
+            show_default="600",
             help="Keep parts named by no index that were written this recently (a parted "
             "write may still be publishing its index).",
         ),
-    ] = ORPHAN_GRACE_S,
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Delete orphan parts and quarantined chunks, then the least recently used chunks, until
     the store fits; a parted chunk goes whole (its index first, then its parts)."""
+    from kvsnap.engines.vllm.eviction import ORPHAN_GRACE_S, prune_store, store_entries
+
+    if orphan_grace_s is None:
+        orphan_grace_s = ORPHAN_GRACE_S
     root = _require_store(directory)
     now = time.time()
     removed = prune_store(

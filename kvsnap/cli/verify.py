@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvsnap.analysis import Comparison
 from kvsnap.errors import NotASnapshotError, SnapshotCorruptError
-from kvsnap.snapshot import Snapshot
 
 from . import models
 from .common import DeviceOption, JsonOption, ModelOption, SnapshotArgument, snapshot_location
 from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, progress_bar, stdout, text
+
+if TYPE_CHECKING:
+    from kvsnap.analysis import Comparison
+    from kvsnap.snapshot import Snapshot
 
 
 def verify(
@@ -43,6 +45,8 @@ def verify(
     as_json: JsonOption = False,
 ) -> None:
     """Check structure and every checksum; optionally compare with another snapshot or prefill."""
+    from kvsnap.snapshot import Snapshot
+
     location = snapshot_location(snapshot)
     reference = None if against is None else snapshot_location(against)
     engine = models.transformers_engine("verify --recompute") if recompute else None
@@ -132,6 +136,8 @@ def _recompute(
     quiet: bool,
 ) -> Comparison:
     """Prefill ``snap``'s token ids on the model, capture that, and compare it with ``snap``."""
+    from kvsnap.snapshot import Snapshot
+
     kv_dtype = snap.geometry.dtype
     if kv_dtype not in models.MODEL_DTYPES:
         raise UsageError(

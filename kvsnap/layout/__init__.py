@@ -20,19 +20,13 @@ path; instead this package describes each cache once:
   views (benchmarks and tests measure and check on these).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvsnap.errors import LayoutError
-from kvsnap.layout.cache import CacheLayout, CacheTensor, PageRef
-from kvsnap.layout.constructors import (
-    contiguous_layout,
-    cross_layer_layout,
-    flat_paged_layout,
-    mla_layout,
-    packed_layout,
-    vllm_legacy_layout,
-    vllm_split_layout,
-)
 from kvsnap.layout.geometry import (
-    DTYPES,
     KEY,
     KV_PARTS,
     LATENT,
@@ -44,13 +38,6 @@ from kvsnap.layout.geometry import (
     dtype_name,
     torch_dtype,
 )
-from kvsnap.layout.heads import (
-    PartAssignment,
-    head_range,
-    part_geometry,
-    part_layout,
-    part_plan,
-)
 from kvsnap.layout.mapping import (
     CanonicalPageMapping,
     CopyRun,
@@ -60,6 +47,58 @@ from kvsnap.layout.mapping import (
     head_shard,
     strided_page_runs,
 )
+
+if TYPE_CHECKING:  # what type checkers see of the names below, imported on first use
+    from kvsnap.layout.cache import CacheLayout, CacheTensor, PageRef
+    from kvsnap.layout.constructors import (
+        contiguous_layout,
+        cross_layer_layout,
+        flat_paged_layout,
+        mla_layout,
+        packed_layout,
+        vllm_legacy_layout,
+        vllm_split_layout,
+    )
+    from kvsnap.layout.geometry import DTYPES
+    from kvsnap.layout.heads import (
+        PartAssignment,
+        head_range,
+        part_geometry,
+        part_layout,
+        part_plan,
+    )
+
+#: Names whose modules import torch, imported on first use: the geometry and the page mapping
+#: (what reading a snapshot's metadata needs) come without torch.
+_LAZY = {
+    "kvsnap.layout.cache": ("CacheLayout", "CacheTensor", "PageRef"),
+    "kvsnap.layout.constructors": (
+        "contiguous_layout",
+        "cross_layer_layout",
+        "flat_paged_layout",
+        "mla_layout",
+        "packed_layout",
+        "vllm_legacy_layout",
+        "vllm_split_layout",
+    ),
+    "kvsnap.layout.geometry": ("DTYPES",),
+    "kvsnap.layout.heads": (
+        "PartAssignment",
+        "head_range",
+        "part_geometry",
+        "part_layout",
+        "part_plan",
+    ),
+}
+_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvsnap.layout' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "DTYPES",

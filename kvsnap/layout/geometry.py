@@ -13,18 +13,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-
-from kvsnap.dtypes import KV_DTYPES, kv_dtype_name, kv_torch_dtype
+from kvsnap.dtypes import KV_DTYPES, kv_dtype_name, kv_element, kv_torch_dtype
 from kvsnap.errors import LayoutError
 
 KEY, VALUE, LATENT = "key", "value", "latent"
 KV_PARTS = (KEY, VALUE)
 MLA_PARTS = (LATENT,)
 
-#: dtype names as stored in snapshots, mapped to torch dtypes (a view of :mod:`kvsnap.dtypes`).
-DTYPES: dict[str, torch.dtype] = {name: element.torch for name, element in KV_DTYPES.items()}
+
+def __getattr__(name: str) -> Any:
+    # ``DTYPES`` (dtype names as stored in snapshots, mapped to torch dtypes) needs torch: built
+    # on first use, so that describing a snapshot's geometry does not import it.
+    if name == "DTYPES":
+        return {dtype: element.torch for dtype, element in KV_DTYPES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: The same dtypes under safetensors' names.
 SAFETENSORS_DTYPES: dict[str, str] = {
     name: element.safetensors for name, element in KV_DTYPES.items()
@@ -54,7 +60,7 @@ class KVGeometry:
     attention_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        torch_dtype(self.dtype)
+        kv_element(self.dtype)
         if self.num_layers <= 0 or self.block_size <= 0:
             raise LayoutError(f"num_layers and block_size must be positive: {self}")
         if self.latent_dim:

@@ -153,6 +153,12 @@ class LocalFile:
         os.replace(self.temp, self.final.path)
         self._close()
 
+    def unlink_temp(self) -> None:
+        """Remove the temporary name at once; the descriptors stay open (a write may still be
+        running on them) until :meth:`discard`."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.temp)
+
     def discard(self) -> None:
         with contextlib.suppress(OSError):
             self._close()

@@ -5,10 +5,9 @@ from __future__ import annotations
 import concurrent.futures
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import xxhash
 
 from kvsnap import format as fmt
@@ -36,6 +35,9 @@ from kvsnap.store.slot_reads import SlotReading
 from kvsnap.store.source import OpenFile, Source, check_blocks
 from kvsnap.store.tracing import TraceHook, traced
 from kvsnap.store.verify import ReaderVerification
+
+if TYPE_CHECKING:
+    import torch
 
 #: Opens of a snapshot that is being replaced, before a vanished file is an error.
 OPEN_ATTEMPTS = 3
@@ -474,6 +476,8 @@ class SnapshotReader(ReaderVerification, SlotReading):
     def read_tensor(self, name: str) -> torch.Tensor:
         """A whole tensor (layer, sequence or ``kvsnap.*``) with its dtype and shape, verified
         when the reader verifies."""
+        import torch  # not at module level: verifying and inspecting a snapshot need no torch
+
         _, entry = self._locate_tensor(name)
         dtype = SAFETENSORS_TYPES[entry.dtype].torch
         if entry.nbytes == 0:

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from kvsnap.errors import SnapshotIOError
-from kvsnap.pinned import host_address_view
 from kvsnap.store import tuning
 from kvsnap.store.completion import Completion
 
@@ -142,6 +141,9 @@ def _contiguous_writes(
                 runs[-1] = (shard, last_offset, last_address, last_bytes + flat.nbytes)
                 continue
         runs.append((shard, offset, address, flat.nbytes))
+    # Not at module level: kvsnap.pinned imports torch, which reading a snapshot does not need.
+    from kvsnap.pinned import host_address_view
+
     writes = []
     for shard, offset, address, nbytes in runs:
         view = host_address_view(address, nbytes)

@@ -344,18 +344,29 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         return self.info
 
     def abort(self) -> None:
-        """Stop, wait for this writer's pending work, and delete everything written; safe to
-        call repeatedly."""
+        """Stop, remove the local temporary files, wait for this writer's running work, and
+        delete everything else written; safe to call repeatedly.
+
+        The temporary names go first, before the wait: an abort that a second Ctrl-C (or any
+        ``KeyboardInterrupt``) reaches while a slow write is still running leaves no file
+        behind. Such an interrupt does not cut the wait short (the running write still reads
+        the caller's buffer); it is raised again once the cleanup is done. Only a third one
+        during the same wait ends it at once (a user insisting; nothing is left on disk).
+        """
         if self._state in ("committed", "aborted", "starting"):
             return
         self._state = "aborted"
         self._fail(SnapshotIOError("the writer was aborted", file=self._location.url))
-        self._shutdown_threads(cancel=True)
+        for file in self._local_files:
+            file.unlink_temp()
+        interrupted = _uninterrupted(lambda: self._shutdown_threads(cancel=True))
         for file in self._local_files:
             file.discard()
         for stream in self._stream_files:
             if stream is not None:
                 stream.discard()
+        if interrupted is not None:
+            raise interrupted
 
     def __enter__(self) -> SnapshotWriter:
         return self
@@ -508,3 +519,23 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         self._writes.shutdown(wait=True, cancel_futures=cancel)
         if self._lane is not None:
             self._lane.shutdown(wait=True, cancel_futures=cancel)
+
+
+#: ``KeyboardInterrupt``s an abort's wait absorbs before it lets the next one through.
+_ABSORBED_INTERRUPTS = 2
+
+
+def _uninterrupted(work: Callable[[], None]) -> KeyboardInterrupt | None:
+    """Run ``work`` to its end even when ``KeyboardInterrupt`` arrives meanwhile (``work`` is
+    then run again: it must be a wait that may be repeated); returns the last interrupt. After
+    :data:`_ABSORBED_INTERRUPTS` of them the next one propagates: a wait that cannot end must
+    not make Ctrl-C powerless."""
+    interrupted: KeyboardInterrupt | None = None
+    for _ in range(_ABSORBED_INTERRUPTS):
+        try:
+            work()
+            return interrupted
+        except KeyboardInterrupt as error:
+            interrupted = error
+    work()
+    return interrupted

@@ -470,6 +470,8 @@ def check_golden(
             ok, report = compare_files(actual_path, path, atol=atol, rtol=rtol)
         except KVSnapError as error:
             ok, report = False, f"the golden snapshot cannot be read: {error}"
+        # This run's snapshot is a temporary file, gone once the report is read: name it so.
+        report = report.replace(str(actual_path), "this run's KV")
     if ok:
         return GoldenResult("matched", path, report)
     if not update:

@@ -45,7 +45,16 @@ def prefill(model: LoadedModel, prompts: Sequence[str]) -> list[tuple[DynamicCac
 
     Each cache holds the KV of every token of its prompt (batch 1), ready for
     :func:`capture_dynamic_caches` and, after a restore, :func:`continue_generation`.
+    ``model`` is a :class:`~kvsnap.engines.default_model.LoadedModel` (it carries the
+    tokenizer); a plain model is refused with a ``TypeError`` pointing to
+    :func:`prefill_token_ids`, which takes token ids.
     """
+    if not callable(getattr(model, "encode", None)):
+        raise TypeError(
+            f"prefill needs a LoadedModel, which carries the tokenizer "
+            f"(kvsnap.engines.default_model.load_model), not a {type(model).__name__}: "
+            "tokenize the prompts yourself and call prefill_token_ids(model, token_id_lists)"
+        )
     token_id_lists = []
     for prompt in prompts:
         token_ids = model.encode(prompt)

@@ -1,0 +1,95 @@
+"""The docs say what the code does (issue 25's drift): the keys ``inspect --json`` prints, the
+version a reproducible fixture records, examples on the current transformers names, the vLLM
+example runnable as a script, and the left-padding warning (checked on a real model)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvsnap.cli.app import app
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+README = DOCS.parent / "README.md"
+runner = CliRunner()
+
+
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.DOTALL)
+
+
+@pytest.fixture(scope="module")
+def inspected(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    path = tmp_path_factory.mktemp("drift") / "fixture.safetensors"
+    assert runner.invoke(app, ["fixture", str(path), "--lengths", "5"]).exit_code == 0
+    result = runner.invoke(app, ["inspect", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_cli_md_names_every_key_of_inspect_json(inspected: dict) -> None:
+    [row] = [
+        line
+        for line in (DOCS / "cli.md").read_text().splitlines()
+        if line.startswith("| `--json` | JSON: ") and "`format_version`" in line
+    ]
+    named = set(re.findall(r"`([a-z_]+)`", row))
+    assert set(inspected) <= named, set(inspected) - named
+
+
+def test_fixtures_md_states_the_version_a_reproducible_fixture_records(inspected: dict) -> None:
+    text = (DOCS / "fixtures.md").read_text()
+    assert f'`"{inspected["kvsnap_version"]}"`' in text
+    assert "currently\n  records the full `__version__`" not in text
+
+
+def test_examples_use_the_current_cache_names() -> None:
+    # transformers 5.2x names the cache `cache`; `past_key_values` is deprecated there.
+    for path in [README, *sorted(DOCS.glob("*.md"))]:
+        for block in python_blocks(path):
+            code = "\n".join(line.split("#")[0] for line in block.splitlines())
+            assert "past_key_values" not in code, f"{path.name}: {block[:200]}"
+
+
+def test_the_vllm_example_guards_the_engine_start() -> None:
+    [example] = [block for block in python_blocks(DOCS / "vllm.md") if "LLM(" in block]
+    guard = example.find('if __name__ == "__main__":')
+    assert 0 <= guard < example.find("LLM(\n"), example
+    assert "multiple of 32" in (DOCS / "vllm.md").read_text()
+
+
+def test_the_readme_says_to_activate_the_venv() -> None:
+    assert "source .venv/bin/activate" in README.read_text()
+
+
+def test_left_padding_without_positions_shifts_the_kv_as_the_docs_warn() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    assert "Left padding and positions" in (DOCS / "transformers.md").read_text()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.tensor([[5, 17, 42, 7]])
+    padded = torch.tensor([[0, 0, 0, 5, 17, 42, 7]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
+    with torch.no_grad():
+        alone = model(input_ids=prompt, use_cache=True).cache.layers[0].keys[..., -4:, :]
+        shifted = model(input_ids=padded, attention_mask=mask, use_cache=True).cache
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        aligned = model(
+            input_ids=padded, attention_mask=mask, position_ids=positions, use_cache=True
+        ).cache
+    assert not torch.allclose(shifted.layers[0].keys[..., -4:, :], alone, atol=1e-4)
+    torch.testing.assert_close(aligned.layers[0].keys[..., -4:, :], alone, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,92 @@
+"""The CLI starts without the heavy libraries a command does not use: ``--help``, ``--version``,
+``inspect`` and ``verify`` never import torch (what made every command pay about 2 s before
+doing anything). How fast they start is a benchmark figure (``benchmarks/cli_startup.py``),
+never a timed test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvsnap.cli.app import app
+from kvsnap.engines.vllm.eviction import ORPHAN_GRACE_S
+
+REPO = Path(__file__).resolve().parent.parent
+#: Libraries that take a second or more to import, none of which these commands need.
+HEAVY_LIBRARIES = ("torch", "transformers", "triton", "matplotlib")
+#: kvsnap's own modules that import them.
+HEAVY_MODULES = ("kvsnap.pipeline", "kvsnap.bench", "kvsnap.parted")
+#: Runs each ``kvsnap ARGS`` of the JSON list in ``argv[1]`` in turn in this one process and
+#: prints, per command, its exit code and the heavy modules loaded so far.
+_RUN = f"""
+import json, sys
+from kvsnap.cli.app import main
+outcomes = []
+for arguments in json.loads(sys.argv[1]):
+    sys.argv = ["kvsnap", *arguments]
+    try:
+        main()
+    except SystemExit as exit:
+        code = exit.code
+    heavy = sorted(
+        name for name in sys.modules
+        if name.split(".")[0] in {HEAVY_LIBRARIES!r} or name in {HEAVY_MODULES!r}
+    )
+    outcomes.append({{"command": " ".join(arguments), "code": code, "heavy": heavy}})
+print(json.dumps(outcomes), file=sys.stderr)
+"""
+
+
+def run_cli(*commands: list[str]) -> list[dict]:
+    """Run ``commands`` one after the other in one fresh interpreter; their outcomes."""
+    result = subprocess.run(
+        [sys.executable, "-c", _RUN, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=120,
+    )
+    return json.loads(result.stderr.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("startup") / "fixture.safetensors"
+    assert CliRunner().invoke(app, ["fixture", str(path)]).exit_code == 0
+    return str(path)
+
+
+def test_light_commands_import_no_heavy_library(snapshot: str) -> None:
+    commands = [
+        ["--help"],
+        ["--version"],
+        ["inspect", snapshot],
+        ["inspect", snapshot, "--json"],
+        ["verify", snapshot],
+        ["verify", snapshot, "--json"],
+        ["store", "--help"],
+    ]
+    outcomes = run_cli(*commands)
+    assert outcomes == [
+        {"command": " ".join(command), "code": 0, "heavy": []} for command in commands
+    ]
+
+
+def test_a_command_that_computes_still_gets_what_it_needs(snapshot: str) -> None:
+    # verify --against compares values with torch: imported when the comparison runs.
+    [outcome] = run_cli(["verify", snapshot, "--against", snapshot])
+    assert outcome["code"] == 0 and "torch" in outcome["heavy"]
+
+
+def test_store_prune_shows_the_stores_own_orphan_grace_default() -> None:
+    from typer.main import get_command
+
+    prune = get_command(app).commands["store"].commands["prune"]  # type: ignore[attr-defined]
+    [option] = [param for param in prune.params if param.name == "orphan_grace_s"]
+    assert float(option.show_default) == ORPHAN_GRACE_S
