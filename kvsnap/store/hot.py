@@ -35,11 +35,12 @@ import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvsnap.store.residency import resident
+
+if TYPE_CHECKING:
+    import torch
 
 #: Default bound on the bytes registered at once, process-wide. Registered pages are locked in
 #: RAM; 4 GiB holds ~30 prefixes of 2,048 tokens of an 8B model.
@@ -89,6 +90,8 @@ class HotFile:
         self.retired = False  # dropped from the tier while leased: closed at the last release
         self.last_use: Any = None  # the CUDA event of the last copy that read the mapping
         self._mapping: mmap.mmap | None = mmap.mmap(fd, self.size, prot=mmap.PROT_READ)
+        import torch  # here, not at the top: the CLI reads snapshots without loading torch
+
         with warnings.catch_warnings():
             # torch warns that the buffer is not writable: nothing ever writes to it.
             warnings.simplefilter("ignore", UserWarning)
@@ -102,6 +105,8 @@ class HotFile:
         assert self.host is not None
         # Whole pages: the mapping covers the file's last page entirely.
         length = -(-self.size // mmap.PAGESIZE) * mmap.PAGESIZE
+        import torch
+
         status = torch.cuda.cudart().cudaHostRegister(self.address, length, _REGISTER_FLAGS)
         code = int(getattr(status, "value", status))
         if code != 0:
@@ -116,6 +121,8 @@ class HotFile:
             self.last_use.synchronize()
             self.last_use = None
         if self.registered:
+            import torch
+
             torch.cuda.cudart().cudaHostUnregister(self.address)
             self.registered = False
         self.host = None
@@ -153,7 +160,11 @@ class HotTier:
             raise ValueError(f"need hot_bytes >= 0 and register_after >= 1, got {hot_bytes=}")
         self.hot_bytes = hot_bytes
         self.register_after = register_after
-        self.register = torch.cuda.is_available() if register is None else register
+        if register is None:
+            import torch
+
+            register = torch.cuda.is_available()
+        self.register = register
         self.serve_unregistered = serve_unregistered
         self._files: OrderedDict[FileKey, HotFile] = OrderedDict()
         self._seen: OrderedDict[FileKey, int] = OrderedDict()
