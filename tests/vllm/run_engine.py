@@ -30,6 +30,9 @@ def main() -> None:
     tensor_parallel = int(job.get("tensor_parallel_size", 1))
     # vLLM's CPU backend sizes its KV cache from this (GiB); keep it small on a 2-core box.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM kills workers 5 s into a shutdown; on a loaded 2-core machine draining the saves
+    # still queued (TP = 2: collective ones) can take longer, and the tests read them all.
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "120")
     if tensor_parallel > 1:
         os.environ.setdefault(
             "VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tensor_parallel)))
