@@ -11,13 +11,13 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from kvsnap import format as fmt
 from kvsnap.cli.app import app
-from kvsnap.engines.vllm import PrefixStore
+from kvsnap.engines.vllm import CacheIdentity, PrefixStore, store_key_chain
 
 REPO = Path(__file__).resolve().parent.parent
-#: What a real namespace looks like: the model fingerprint, the KV dtype, the block size.
-NAMESPACE = "03a56889058c2d76a1b2c3d4e5f60718-bfloat16-bs16-nhd"
+#: What a real namespace looks like: the model fingerprint, the KV dtype, the block size, the
+#: KV geometry's digest.
+NAMESPACE = "03a56889058c2d76-bfloat16-b16-g1fffbbac"
 
 
 runner = CliRunner()
@@ -36,7 +36,7 @@ def kvsnap(*arguments: str) -> subprocess.CompletedProcess[str]:
 
 def test_store_list_names_each_namespace_once_and_entries_relative_to_it(tmp_path: Path) -> None:
     store = PrefixStore(tmp_path, NAMESPACE)
-    chain = fmt.prefix_hash_chain(list(range(48)), 16)
+    chain = store_key_chain(list(range(48)), 16, CacheIdentity())
     chunks = [store.chunk_path(chain[index]) for index in (0, 2)]
     for seed, chunk in enumerate(chunks):
         chunk.parent.mkdir(parents=True, exist_ok=True)
@@ -49,9 +49,9 @@ def test_store_list_names_each_namespace_once_and_entries_relative_to_it(tmp_pat
     assert listing.returncode == 0, listing.stderr
     assert listing.stdout.count(NAMESPACE) == 1, listing.stdout
     for chunk in chunks:
-        # Each entry's hash whole on one line: nothing of it folded away by a namespace column.
-        name = chunk.name.removesuffix(".safetensors")
-        assert any(name in line for line in listing.stdout.splitlines()), listing.stdout
+        # Each entry's key on one line, shortened as a git hash is: nothing of it folded away.
+        shown = chunk.name.removesuffix(".safetensors")[:16] + "…"
+        assert any(shown in line for line in listing.stdout.splitlines()), listing.stdout
     # Below the first line (the directory as given) everything fits 80 columns.
     assert max(len(line.rstrip()) for line in listing.stdout.splitlines()[1:]) <= 80
 

@@ -19,8 +19,10 @@ from .common import (
     DeviceOption,
     DtypeOption,
     JsonOption,
+    KeyFileOption,
     ModelOption,
     format_bytes,
+    key_ring,
     output_location,
 )
 from .output import UsageError, emit_json, progress_bar, status, stdout, step_progress, text
@@ -70,12 +72,15 @@ def capture(
         bool, typer.Option("--reproducible", help="Leave out everything time- or host-dependent.")
     ] = False,
     backend: BackendOption = "auto",
+    key_file: KeyFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Run prefill for each prompt on the model and write the KV cache as a snapshot."""
+    """Run prefill for each prompt on the model and write the KV cache as a snapshot (signed
+    with --key-file)."""
     from kvsnap.pipeline import TransferOptions
 
     target = output_location(output, option="--output")
+    keys = key_ring(key_file)
     prompts = _prompts(prompt, prompts_file)
     model_dtype = models.torch_dtype(dtype)
     engine = models.transformers_engine("capture")
@@ -96,6 +101,7 @@ def capture(
             transfer=TransferOptions(backend=backend),
             progress=progress,
             reproducible=reproducible,
+            keys=keys,
         )
     finished = time.perf_counter()
     payload = {

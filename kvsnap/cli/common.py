@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from .output import UsageError
+
+if TYPE_CHECKING:
+    from kvsnap.format.signing import KeyRing
 from .output import format_bytes as format_bytes  # the commands' size format, beside the bars
 
 JsonOption = Annotated[
@@ -47,7 +50,28 @@ BackendOption = Annotated[
         "--backend", metavar="B", help="Copy backend: auto, cuda-batch, triton, torch, cpu."
     ),
 ]
+KeyFileOption = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--key-file",
+        metavar="F",
+        help=(
+            "A signing key file (one hex key per line, mode 600); repeatable. The first key "
+            "signs, every key is accepted."
+        ),
+    ),
+]
 SnapshotArgument = Annotated[str, typer.Argument(metavar="SNAPSHOT", help="Snapshot file or URL.")]
+
+
+def key_ring(key_files: list[Path] | None) -> KeyRing | None:
+    """The keys of ``--key-file`` (``None`` when none was given); a missing or unreadable file,
+    one other users can read, or a line that is not a key is refused (exit 2)."""
+    if not key_files:
+        return None
+    from kvsnap.store.keys import load_key_ring
+
+    return load_key_ring(key_files)
 
 
 def is_url(location: str) -> bool:

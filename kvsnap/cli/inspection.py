@@ -99,6 +99,8 @@ def describe(snap: Snapshot) -> dict[str, Any]:
         ],
         "num_blocks": snap.num_blocks,
         "total_bytes": snap.kv_bytes,
+        # Who signed it, as written (checking needs the key: kvsnap verify --key-file).
+        "signature": {"algorithm": meta.signature, "key_ids": snap.signing_key_ids()},
         **_parts_json(snap),
     }
 
@@ -174,11 +176,19 @@ def _metadata_table(payload: dict[str, Any]) -> Table:
         ("dtype", layout["dtype"]),
         ("captured from", f"{layout['capture_encoding']}, TP {layout['tp_size']}"),
         ("blocks", f"{payload['num_blocks']} ({format_bytes(payload['total_bytes'])})"),
+        ("signature", _signature_row(payload["signature"])),
         *_part_rows(payload),
     ]
     for key, value in rows:
         table.add_row(key, Text(str(value)))
     return table
+
+
+def _signature_row(signature: dict[str, Any]) -> str:
+    if signature["algorithm"] is None:
+        return "unsigned"
+    keys = ", ".join(sorted({key_id[:16] for key_id in signature["key_ids"] if key_id}))
+    return f"{signature['algorithm']} by key {keys} (check it: verify --key-file)"
 
 
 def _print_inspect(payload: dict[str, Any]) -> None:

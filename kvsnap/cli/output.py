@@ -35,7 +35,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError
+from kvsnap.errors import KVSnapError, NotASnapshotError, SignatureError, SnapshotCorruptError
 
 EXIT_OK = 0
 EXIT_VERIFY_FAILED = 1
@@ -89,7 +89,7 @@ def text(value: object) -> str:
 def exit_code_for(error: BaseException) -> int:
     """The documented exit code for an error raised by a command: 1 when a snapshot failed its
     checks, 2 for everything the user must fix (arguments, paths, an incompatible target)."""
-    if isinstance(error, SnapshotCorruptError | NotASnapshotError):
+    if isinstance(error, SnapshotCorruptError | NotASnapshotError | SignatureError):
         return EXIT_VERIFY_FAILED
     return EXIT_USAGE
 

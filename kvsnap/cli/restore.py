@@ -14,9 +14,11 @@ from .common import (
     BackendOption,
     DeviceOption,
     JsonOption,
+    KeyFileOption,
     ModelOption,
     SnapshotArgument,
     format_bytes,
+    key_ring,
     snapshot_location,
 )
 from .output import EXIT_VERIFY_FAILED, emit_json, progress_bar, stdout
@@ -45,16 +47,19 @@ def restore(
         bool, typer.Option("--force", help="Restore even if the model fingerprint differs.")
     ] = False,
     backend: BackendOption = "auto",
+    key_file: KeyFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Restore every sequence into a fresh cache of the model and continue generation."""
+    """Restore every sequence into a fresh cache of the model and continue generation (with
+    --key-file, only a snapshot signed by one of the keys)."""
     from kvsnap.snapshot import Snapshot
 
     location = snapshot_location(snapshot)
+    keys = key_ring(key_file)
     engine = models.transformers_engine("restore")
     models.check_device(device)
     models.check_backend(backend, device)
-    with Snapshot.open(location) as snap:
+    with Snapshot.open(location, keys=keys) as snap:
         loaded = models.load(model, dtype=_model_dtype(snap), device=device, quiet=as_json)
         # Refuse before anything is allocated or written, naming both sides.
         models.check_fits(engine, snap, loaded, force=force)

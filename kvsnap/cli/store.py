@@ -25,7 +25,7 @@ from rich.text import Text
 
 from kvsnap.errors import KVSnapError
 
-from .common import JsonOption, format_bytes
+from .common import JsonOption, KeyFileOption, format_bytes, key_ring
 from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, handle_errors, stdout, text
 
 app = typer.Typer(
@@ -38,6 +38,7 @@ app = typer.Typer(
 
 if TYPE_CHECKING:
     from kvsnap.engines.vllm.eviction import StoreEntry
+    from kvsnap.format.signing import KeyRing
 
 StoreArgument = Annotated[Path, typer.Argument(help="The store directory (the connector's path).")]
 
@@ -58,12 +59,18 @@ def _entry_json(entry: StoreEntry, root: Path, now: float) -> dict[str, Any]:
         "quarantined": entry.quarantined,
         "parts": len(entry.parts),
         "orphan": entry.orphan,
+        "temp": entry.temp,
+        "legacy": entry.legacy,
     }
 
 
 def _state(row: dict[str, Any]) -> str:
+    if row["temp"]:
+        return "leftover temp file"
     if row["orphan"]:
         return "orphan part"
+    if row["legacy"]:
+        return "old key scheme"
     return "quarantined" if row["quarantined"] else "ok"
 
 
@@ -85,7 +92,7 @@ def _print_entries(rows: list[dict[str, Any]], title: str) -> None:
     for namespace, members in namespaces.items():
         table = Table(
             title=Text(f"namespace {namespace}"),
-            caption="entry: the file NAMESPACE/chunks/HH/ENTRY.safetensors",
+            caption="entry: NAMESPACE/chunks/HH/ENTRY….safetensors (--json: whole paths)",
             title_justify="left",
             caption_justify="left",
             box=box.SIMPLE_HEAD,
@@ -103,12 +110,24 @@ def _print_entries(rows: list[dict[str, Any]], title: str) -> None:
         stdout.print(table)
 
 
+#: A chunk's store key (``kvsnap.engines.vllm.identity.KEY_PATTERN``; not imported from there:
+#: the vLLM package loads torch, and the CLI starts without it).
+_STORE_KEY = re.compile(r"[0-9a-f]{64}")
+#: Hex digits of a chunk's 64-digit store key shown by ``list``: unique in practice (like a git
+#: short hash), and the row then fits 80 columns; ``--json`` gives whole paths.
+_SHOWN_KEY_DIGITS = 16
+
+
 def _entry_name(path: str) -> str:
-    """An entry's file name without the suffix every chunk file shares."""
+    """An entry's file name without the suffix every chunk file shares, a store key shortened
+    to its first :data:`_SHOWN_KEY_DIGITS` digits."""
     name = Path(path).name
     for suffix in (".safetensors.index.json", ".safetensors"):
         if name.endswith(suffix):
-            return name[: -len(suffix)]
+            name = name[: -len(suffix)]
+            break
+    if _STORE_KEY.fullmatch(name):
+        return name[:_SHOWN_KEY_DIGITS] + "…"
     return name
 
 
@@ -162,40 +181,53 @@ def _last_use_kept(path: Path) -> Iterator[None]:
                 os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
-def _verify_one(path: Path) -> list[str]:
-    """Problems of the chunk at ``path``, a single file or a parted chunk's index (every part
-    checked); none: it is intact. Its last use (access time) is left as it was."""
+def _verify_one(path: Path, keys: KeyRing | None) -> tuple[str, list[str]]:
+    """The state of the chunk at ``path``, a single file or a parted chunk's index (every part
+    checked), and its problems: ``ok``; ``corrupt`` (structure or checksums); with ``keys``,
+    ``unsigned`` or ``bad signature`` (intact, but not written with one of the keys: never
+    served by an engine holding them). Its last use (access time) is left as it was."""
+    from kvsnap.errors import UnsignedSnapshotError
     from kvsnap.snapshot import Snapshot
 
     try:
         with _last_use_kept(path), Snapshot.open(path) as snap:
-            return [
+            problems = [
                 f"{problem.tensor} block {problem.block}: {problem.message}"
                 if problem.tensor
                 else problem.message
                 for problem in snap.verify()
             ]
+            refused = snap.signature_problems(keys) if keys is not None else []
     except (KVSnapError, OSError) as error:
-        return [str(error)]
+        return "corrupt", [str(error)]
+    if problems:
+        return "corrupt", problems
+    if refused:
+        unsigned = isinstance(refused[0], UnsignedSnapshotError)
+        return ("unsigned" if unsigned else "bad signature"), [str(error) for error in refused]
+    return "ok", []
 
 
 @app.command("verify")
 @handle_errors
-def verify_entries(directory: StoreArgument, as_json: JsonOption = False) -> None:
-    """Check every chunk's structure and checksums (a parted chunk's over every part); exit 1
-    if any chunk is bad.
+def verify_entries(
+    directory: StoreArgument, key_file: KeyFileOption = None, as_json: JsonOption = False
+) -> None:
+    """Check every chunk's structure and checksums (a parted chunk's over every part) and, with
+    --key-file, its signature; exit 1 if any chunk is bad.
 
     Quarantined chunks and orphan parts are listed but not checked: they are known bad or
     unused, and never served.
     """
     root = _require_store(directory)
+    keys = key_ring(key_file)
     from kvsnap.engines.vllm.eviction import store_entries
 
     entries = store_entries(root)
     results = []
     for entry in entries:
         checked = not (entry.quarantined or entry.orphan)
-        problems = _verify_one(entry.path) if checked else []
+        state, problems = _verify_one(entry.path, keys) if checked else ("not checked", [])
         results.append(
             {
                 "path": str(entry.path.relative_to(root)),
@@ -204,6 +236,7 @@ def verify_entries(directory: StoreArgument, as_json: JsonOption = False) -> Non
                 "parts": len(entry.parts),
                 "checked": checked,
                 "ok": not problems,
+                "state": state,
                 "problems": problems,
             }
         )
@@ -213,7 +246,7 @@ def verify_entries(directory: StoreArgument, as_json: JsonOption = False) -> Non
         emit_json({"ok": not bad, "checked": checked, "bad": len(bad), "entries": results})
     else:
         for result in bad:
-            stdout.print(f"[red]bad:[/] {result['path']}: {result['problems'][0]}")
+            stdout.print(f"[red]{result['state']}:[/] {result['path']}: {result['problems'][0]}")
         skipped = len(results) - checked
         summary = f"{checked} chunks checked, {len(bad)} bad, {skipped} quarantined or orphan"
         stdout.print(
@@ -281,8 +314,9 @@ def prune(
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Delete orphan parts and quarantined chunks, then the least recently used chunks, until
-    the store fits; a parted chunk goes whole (its index first, then its parts)."""
+    """Delete leftover temporary files and chunks of the old key scheme (whatever the bound),
+    orphan parts and quarantined chunks, then the least recently used chunks, until the store
+    fits; a parted chunk goes whole (its index first, then its parts)."""
     from kvsnap.engines.vllm.eviction import ORPHAN_GRACE_S, prune_store, store_entries
 
     if orphan_grace_s is None:

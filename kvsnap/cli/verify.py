@@ -9,10 +9,23 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvsnap.errors import NotASnapshotError, SnapshotCorruptError
+from kvsnap.errors import (
+    NotASnapshotError,
+    SignatureError,
+    SnapshotCorruptError,
+    UnsignedSnapshotError,
+)
 
 from . import models
-from .common import DeviceOption, JsonOption, ModelOption, SnapshotArgument, snapshot_location
+from .common import (
+    DeviceOption,
+    JsonOption,
+    KeyFileOption,
+    ModelOption,
+    SnapshotArgument,
+    key_ring,
+    snapshot_location,
+)
 from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, progress_bar, stdout, text
 
 if TYPE_CHECKING:
@@ -42,22 +55,31 @@ def verify(
     ] = False,
     model: ModelOption = None,
     device: DeviceOption = "cpu",
+    key_file: KeyFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Check structure and every checksum; optionally compare with another snapshot or prefill."""
+    """Check structure and every checksum (and, with --key-file, the signature); optionally
+    compare with another snapshot or prefill."""
     from kvsnap.snapshot import Snapshot
 
     location = snapshot_location(snapshot)
+    keys = key_ring(key_file)
     reference = None if against is None else snapshot_location(against)
     engine = models.transformers_engine("verify --recompute") if recompute else None
     if recompute:
         models.check_device(device)
     problems: list[dict[str, Any]] = []
     comparison: Comparison | None = None
+    # With --key-file: valid, unsigned, bad signature, or unchecked (the file did not open).
+    signature = None if keys is None else "unchecked"
     try:
         with Snapshot.open(location) as snap:
             with progress_bar("verify", enabled=not as_json) as progress:
                 problems += [_problem(problem) for problem in snap.verify(progress=progress)]
+            if keys is not None:
+                refused = [_signature_problem(error) for error in snap.signature_problems(keys)]
+                signature = refused[0]["kind"] if refused else "valid"
+                problems += refused
             if not problems and reference is not None:
                 with Snapshot.open(reference) as other:
                     comparison = snap.compare(other, atol=atol, rtol=rtol)
@@ -73,19 +95,32 @@ def verify(
         )
     if comparison is not None:
         problems += _comparison_problems(comparison)
-    _report(problems, comparison, as_json=as_json)
+    _report(problems, comparison, as_json=as_json, signature=signature)
     if problems:
         raise typer.Exit(EXIT_VERIFY_FAILED)
 
 
 def _report(
-    problems: list[dict[str, Any]], comparison: Comparison | None, *, as_json: bool
+    problems: list[dict[str, Any]],
+    comparison: Comparison | None,
+    *,
+    as_json: bool,
+    signature: str | None,
 ) -> None:
     """Print the outcome: each problem once, after the per-tensor comparison table."""
     notes = [] if comparison is None else comparison.notes
     if as_json:
-        emit_json({"ok": not problems, "problems": problems, **({"notes": notes} if notes else {})})
+        emit_json(
+            {
+                "ok": not problems,
+                "problems": problems,
+                **({"signature": signature} if signature is not None else {}),
+                **({"notes": notes} if notes else {}),
+            }
+        )
         return
+    if signature is not None:
+        stdout.print(f"signature: {signature}")
     for note in notes:
         stdout.print(f"[yellow]note:[/] {text(note)}")
     if comparison is not None:
@@ -97,6 +132,12 @@ def _report(
         stdout.print(f"[bold red]FAILED[/] ({len(problems)} problem(s))")
     else:
         stdout.print("[bold green]OK[/]")
+
+
+def _signature_problem(error: SignatureError) -> dict[str, Any]:
+    """A file the keys do not vouch for, as a problem of its own kind (not corruption)."""
+    kind = "unsigned" if isinstance(error, UnsignedSnapshotError) else "bad signature"
+    return {"tensor": None, "block": None, "message": str(error), "kind": kind}
 
 
 def _problem(problem: Any) -> dict[str, Any]:
