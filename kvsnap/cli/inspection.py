@@ -13,6 +13,7 @@ from kvsnap.parted import PartedSnapshot
 from kvsnap.snapshot import Snapshot
 
 from .common import JsonOption, SnapshotArgument, format_bytes, snapshot_location
+from .foreign_paths import inspect_foreign, is_foreign
 from .output import UsageError, emit_json, stdout, text
 from .plot import check_plot_path, plot_norms
 
@@ -39,6 +40,9 @@ def inspect(
     as_json: JsonOption = False,
 ) -> None:
     """Show a snapshot's metadata and sequences (and optionally statistics and a plot)."""
+    if is_foreign(snapshot):
+        unsupported = {"--stats": stats, "--plot": plot is not None, "--sequence": bool(sequence)}
+        return inspect_foreign(snapshot, as_json=as_json, unsupported=unsupported)
     location = snapshot_location(snapshot)
     if sequence is not None and plot is None:
         raise UsageError("--sequence chooses the sequence of --plot: add --plot FILE")

@@ -15,6 +15,7 @@ from kvsnap.snapshot import Snapshot
 
 from . import models
 from .common import DeviceOption, JsonOption, ModelOption, SnapshotArgument, snapshot_location
+from .foreign_paths import is_foreign, verify_foreign
 from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, progress_bar, stdout, text
 
 
@@ -43,6 +44,9 @@ def verify(
     as_json: JsonOption = False,
 ) -> None:
     """Check structure and every checksum; optionally compare with another snapshot or prefill."""
+    if is_foreign(snapshot):
+        unsupported = {"--against": against is not None, "--recompute": recompute}
+        return verify_foreign(snapshot, as_json=as_json, unsupported=unsupported)
     location = snapshot_location(snapshot)
     reference = None if against is None else snapshot_location(against)
     engine = models.transformers_engine("verify --recompute") if recompute else None
