@@ -19,7 +19,9 @@ def convert(
     path: Annotated[
         str,
         typer.Argument(
-            metavar="PATH", help="vLLM fs-tier namespace, rank directory, root or block file."
+            metavar="PATH",
+            help="vLLM fs-tier namespace, rank directory, root or block file, or a llama.cpp "
+            "state file.",
         ),
     ],
     output: Annotated[
@@ -43,6 +45,10 @@ def convert(
             help="How the engine laid out each page: cells-nhd, cells-hnd, or an .npz file.",
         ),
     ] = None,
+    kv_heads: Annotated[
+        int | None,
+        typer.Option("--kv-heads", min=1, help="KV heads per layer (llama.cpp state files)."),
+    ] = None,
     tp: Annotated[
         int | None, typer.Option("--tp", min=1, help="TP size of the engine that wrote it.")
     ] = None,
@@ -61,6 +67,7 @@ def convert(
         raise UsageError(f"{path}: no such file or directory")
     token_ids = None if tokens is None else read_token_ids(tokens)
     hints: dict[str, Any] = {
+        "num_kv_heads": kv_heads,
         "model": model,
         "page_order": page_order,
         "tp_size": tp,
@@ -71,9 +78,11 @@ def convert(
     with open_foreign(path, **hints) as source:
         if token_ids is None and source.format_name == "vllm-fs":
             raise UsageError("--tokens FILE is required: the vLLM fs tier holds no token ids")
-        model_id = source.describe().get("config", {}).get("model_name", "unknown")
+        info = source.describe()
+        engine = "vllm" if source.format_name == "vllm-fs" else "llama.cpp"
+        model_id = info.get("config", {}).get("model_name") or info.get("architecture") or "unknown"
         result = convert_to_snapshot(
-            source, target, engine="vllm", model_id=model_id, reproducible=reproducible
+            source, target, engine=engine, model_id=model_id, reproducible=reproducible
         )
     payload = {
         "path": result.path,

@@ -24,11 +24,12 @@ from .base import (
     Recognition,
 )
 from .convert import convert_to_snapshot
+from .llama_state import LLAMA_STATE
 from .pages import CELL_ORDERS, PageOrder, cell_order, load_page_order
 from .vllm_fs import VLLM_FS
 
 #: Every format kvsnap reads besides its own, in the order they are asked.
-FORMATS: tuple[ForeignFormat, ...] = (VLLM_FS,)
+FORMATS: tuple[ForeignFormat, ...] = (VLLM_FS, LLAMA_STATE)
 
 
 def recognise(path: str | Path) -> ForeignFormat | None:
@@ -64,10 +65,11 @@ def open_foreign(path: str | Path, **hints: Any) -> ForeignSource:
 
 def _known_hints(candidate: ForeignFormat, hints: Mapping[str, Any]) -> dict[str, Any]:
     """The hints the reader takes; a hint it does not know is refused, not ignored."""
-    unknown = sorted(set(hints) - set(candidate.hints))
+    given = {name: value for name, value in hints.items() if value is not None}
+    unknown = sorted(set(given) - set(candidate.hints))
     if unknown:
         raise ValueError(f"{candidate.name} takes no hint {', '.join(unknown)}")
-    return {name: value for name, value in hints.items() if value is not None}
+    return given
 
 
 __all__ = [

@@ -22,7 +22,7 @@ import os
 import sys
 
 
-def probe_page_order(worker: object, block_size: int) -> tuple[object, object, str]:
+def probe_page_order(worker: object, block_size: int) -> dict[str, object]:
     """On one worker: where vLLM's CPU attention kernel puts each K and V element of a block."""
     import torch
 
@@ -41,7 +41,12 @@ def probe_page_order(worker: object, block_size: int) -> tuple[object, object, s
     order = probe_block_order(
         write, heads=heads, block_size=block_size, head_size=layer.head_size, dtype=torch.bfloat16
     )
-    return order.key, order.value, str(getattr(layer.impl, "isa", "unknown"))
+    # Plain lists: the executor's answer serializer keeps them intact.
+    return {
+        "key": order.key.tolist(),
+        "value": order.value.tolist(),
+        "isa": str(getattr(layer, "isa", "unknown")),
+    }
 
 
 def main() -> None:
@@ -89,8 +94,13 @@ def main() -> None:
     if job.get("page_order"):
         import numpy as np
 
-        np.savez(job["page_order"], key=orders[0][0], value=orders[0][1])
-        result["kernel"] = orders[0][2]
+        first = orders[0]
+        np.savez(
+            job["page_order"],
+            key=np.asarray(first["key"], dtype=np.int64),
+            value=np.asarray(first["value"], dtype=np.int64),
+        )
+        result["kernel"] = first["isa"]
     # Shutting down drains the tiers' queued stores, so every block file is on disk after it.
     llm.llm_engine.engine_core.shutdown()
     with open(job["output"], "w") as handle:
