@@ -8,7 +8,8 @@ with its ``fs`` tier at TP 1 and TP 2 (``tests/vllm/run_fs_tier.py``, which also
 attention kernel's page order), and KVSnapConnector's dump of the same prompt at TP 1 and TP 2
 (``tests/vllm/run_engine.py``).
 ``OUT/tp1`` and ``OUT/tp2`` then hold the fs tier's root (``fs/``), ``page-order.npz`` and the
-dump (``dump.safetensors``); ``OUT`` holds ``prompt.json`` and the model's ``config.json``.
+dump (``dump/0.safetensors``, at TP 2 a parted snapshot: ``0.safetensors.index.json`` and its
+parts); ``OUT`` holds ``prompt.json`` and the model's ``config.json``.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def main() -> None:
             target = out / f"tp{tp}"
             shutil.copytree(work / f"fs{tp}", target / "fs")
             shutil.copy(work / f"order{tp}.npz", target / "page-order.npz")
-            [dump] = sorted((work / f"dump{tp}").glob("*.safetensors"))
-            shutil.copy(dump, target / "dump.safetensors")
+            # A dump at TP > 1 is a parted snapshot (an index and its parts): keep its names.
+            shutil.copytree(work / f"dump{tp}", target / "dump")
             kernel = json.loads((work / f"fs{tp}.out.json").read_text()).get("kernel")
             (target / "kernel.txt").write_text(f"{kernel}\n")
     print(f"wrote {out}")

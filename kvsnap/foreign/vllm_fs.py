@@ -50,6 +50,8 @@ ROW_ALIGNMENT = 4096
 DEFAULT_HASH_SEED = "vllm-none-hash"
 _INT_FIELDS = ("tokens_per_hash", "blocks_per_file", "tp_size", "pp_size", "pcp_size", "dcp_size")
 _BLOCK_NAME = re.compile(r"^([0-9a-f]{16,128})\.bin$")
+#: A namespace directory's name ends with ``_`` and 12 hex digits (its config's hash).
+_NAMESPACE_DIR = re.compile(r"_[0-9a-f]{12}$")
 _GROUP_DIR = re.compile(r"^([0-9a-f]{2})_g([0-9]+)$")
 _MAX_CONFIG_BYTES = 1 << 20
 
@@ -150,7 +152,9 @@ def _namespace_of(path: Path) -> Path | None:
         return None
     if not path.is_dir():
         return None
-    if (path / CONFIG_NAME).is_file():
+    if (path / CONFIG_NAME).is_file() and (
+        _NAMESPACE_DIR.search(path.name) or _is_vllm_config(path / CONFIG_NAME)
+    ):
         return path
     base, _, rank = path.name.rpartition("_r")
     if base and rank.isdigit() and (path.with_name(base) / CONFIG_NAME).is_file():
@@ -158,23 +162,24 @@ def _namespace_of(path: Path) -> Path | None:
     return None
 
 
+def _is_vllm_config(config: Path) -> bool:
+    """Whether ``config`` is a small JSON object naming vLLM as its inference engine."""
+    try:
+        if config.stat().st_size > _MAX_CONFIG_BYTES:
+            return False
+        fields = json.loads(config.read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(fields, dict) and fields.get("inference_engine") == "vllm"
+
+
 def _namespaces_under(root: Path) -> list[Path]:
     """Directories right under ``root`` holding a config.json that vLLM would have written."""
-    found = []
     try:
         children = sorted(root.iterdir())
     except OSError:
         return []
-    for child in children:
-        config = child / CONFIG_NAME
-        if child.is_dir() and config.is_file() and config.stat().st_size <= _MAX_CONFIG_BYTES:
-            try:
-                fields = json.loads(config.read_bytes())
-            except (OSError, ValueError, UnicodeDecodeError):
-                continue
-            if isinstance(fields, dict) and fields.get("inference_engine") == "vllm":
-                found.append(child)
-    return found
+    return [child for child in children if child.is_dir() and _is_vllm_config(child / CONFIG_NAME)]
 
 
 def recognise(path: Path) -> Recognition:
