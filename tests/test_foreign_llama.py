@@ -189,3 +189,8 @@ def test_llama_cpp_writes_what_the_fixtures_hold(tmp_path: Path) -> None:
         assert len(fresh) == (FIXTURES / name).stat().st_size
         with open_foreign(tmp_path / name) as source:
             assert source.verify() == []
+
+
+def test_hints_a_format_does_not_take_are_refused() -> None:
+    with pytest.raises(ValueError, match="llama-state takes no hint tokens"):
+        open_foreign(FIXTURES / "seq-flash.bin", tokens=PROMPT)

@@ -167,6 +167,10 @@ def test_edited_config_and_renamed_directory_are_refused(tmp_path: Path) -> None
         open_foreign(renamed)
     renamed.rename(namespace)
     fields = json.loads((namespace / "config.json").read_text())
+    # The hash covers the fields, not the file's key order or spacing.
+    (namespace / "config.json").write_text(json.dumps(dict(reversed(fields.items()))))
+    with open_foreign(namespace) as source:
+        assert source.fields == fields
     (namespace / "config.json").write_text(json.dumps({**fields, "tokens_per_hash": 16}))
     with pytest.raises(SnapshotCorruptError, match="hashes to namespace"):
         open_foreign(namespace)
