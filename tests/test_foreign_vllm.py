@@ -260,6 +260,10 @@ def test_cli_hostile_inputs(tmp_path: Path) -> None:
     _one_line_error(
         _cli("convert", str(namespace), *common, "--tokens", str(tokens)), 2, "page order"
     )
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps([7] * len(PROMPT)))
+    unknown = [*common, "--tokens", str(other), "--page-order", order]
+    _one_line_error(_cli("convert", str(namespace), *unknown), 2, "holds no block")
     broken = [*common, "--tokens", str(tokens), "--page-order", order]
     _one_line_error(_cli("convert", str(namespace), *broken), 1, "100 bytes")
     _one_line_error(_cli("inspect", str(namespace), "--stats"), 2, "convert the foreign path")

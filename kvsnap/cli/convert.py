@@ -74,6 +74,14 @@ def convert(
         "tokens": token_ids,
         "hash_seed": hash_seed,
     }
+    _write(path, target, hints, reproducible=reproducible, as_json=as_json)
+
+
+def _write(
+    path: str, target: str, hints: dict[str, Any], *, reproducible: bool, as_json: bool
+) -> None:
+    """Open ``path`` with ``hints``, write the snapshot to ``target`` and report it."""
+    token_ids = hints["tokens"]
     started = time.perf_counter()
     with open_foreign(path, **hints) as source:
         if token_ids is None and source.format_name == "vllm-fs":

@@ -35,7 +35,7 @@ def convert_to_snapshot(
     chosen = source.sequences() if sequences is None else sequences
     chosen = [sequence for sequence in chosen if sequence.block_ids]
     if not chosen:
-        raise LayoutError(f"{source.path}: no sequence with blocks to convert")
+        raise LayoutError(f"{source.path}: holds no block of the sequences to convert")
     geometry = source.geometry()
     position: dict[str, int] = {}
     for sequence in chosen:

@@ -147,7 +147,7 @@ def _namespace_of(path: Path) -> Path | None:
     if path.is_file() and _BLOCK_NAME.match(path.name):
         rank_dir = path.parent.parent.parent
         base, _, rank = rank_dir.name.rpartition("_r")
-        if base and rank.isdigit():
+        if base and rank.isdigit() and (rank_dir.with_name(base) / CONFIG_NAME).is_file():
             return rank_dir.with_name(base)
         return None
     if not path.is_dir():
