@@ -20,7 +20,7 @@ import pytest
 
 from kvsnap.errors import LayoutError, NotASnapshotError, SnapshotCorruptError
 from kvsnap.foreign import convert_to_snapshot, open_foreign, recognise
-from kvsnap.foreign.vllm_fs import namespace_digest, prefix_hashes
+from kvsnap.foreign.vllm_fs import namespace_digest, namespace_name, prefix_hashes
 from kvsnap.snapshot import Snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -316,3 +316,18 @@ def test_real_vllm_writes_what_the_fixtures_hold(tmp_path: Path) -> None:
             comparison = converted.compare(dump)
         assert comparison.problems == []
         assert all(layer.num_mismatches == 0 for layer in comparison.layers)
+
+
+def test_canonical_format_namespaces_are_not_decoded(tmp_path: Path) -> None:
+    """A namespace vLLM would name for canonical pages opens and verifies, but is not decoded
+    as the direct layout it is not."""
+    namespace = _copy(tmp_path)
+    fields = {**json.loads((namespace / "config.json").read_text()), "canonical_format": "v1-nhd"}
+    renamed = namespace.with_name(namespace_name(fields))
+    namespace.rename(renamed)
+    namespace.with_name(namespace.name + "_r0").rename(renamed.with_name(renamed.name + "_r0"))
+    (renamed / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True))
+    with open_foreign(renamed, **_hints(1)) as source:
+        assert source.verify() == []
+        with pytest.raises(LayoutError, match="direct"):
+            source.read_block(source.sequences()[0].block_ids[0])

@@ -480,6 +480,12 @@ class VLLMFsNamespace(ForeignSource):
         return order
 
     def read_block(self, block_id: str) -> ForeignBlock:
+        for field in ("canonical_format", "replicated_layout"):
+            if field in self.fields:
+                raise LayoutError(
+                    f"{self.path}: a namespace with {field} {self.fields[field]!r}: kvsnap "
+                    "decodes vLLM's direct (per-worker) layout only"
+                )
         geometry = self.geometry()
         tp = self.writer_tp()
         if geometry.num_kv_heads % tp:
