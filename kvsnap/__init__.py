@@ -31,6 +31,7 @@ _EXPORTS = {
         "TransferFailedError",
         "UnsupportedVersionError",
     ),
+    "kvsnap.foreign": ("open_foreign",),
     "kvsnap.format": ("SequenceRecord", "SnapshotMetadata", "SourceInfo"),
     "kvsnap.layout": (
         "CacheLayout",

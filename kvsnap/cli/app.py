@@ -23,6 +23,7 @@ from kvsnap import __version__
 
 from .bench import bench
 from .capture import capture
+from .convert import convert
 from .fixture import fixture
 from .inspection import inspect
 from .output import EXIT_INTERRUPTED, EXIT_USAGE, handle_errors, report_error, settings, stdout
@@ -135,7 +136,7 @@ def main_options(
     settings.debug = debug
 
 
-for _command in (capture, inspect, verify, restore, fixture, bench):
+for _command in (capture, inspect, verify, restore, fixture, bench, convert):
     app.command()(handle_errors(_command))
 app.add_typer(store_app, name="store")
 

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .common import JsonOption, SnapshotArgument, format_bytes, snapshot_location
+from .foreign_paths import inspect_foreign, is_foreign
 from .output import UsageError, emit_json, stdout, text
 from .plot import check_plot_path, plot_norms
 
@@ -40,6 +41,9 @@ def inspect(
     as_json: JsonOption = False,
 ) -> None:
     """Show a snapshot's metadata and sequences (and optionally statistics and a plot)."""
+    if is_foreign(snapshot):
+        unsupported = {"--stats": stats, "--plot": plot is not None, "--sequence": bool(sequence)}
+        return inspect_foreign(snapshot, as_json=as_json, unsupported=unsupported)
     from kvsnap.snapshot import Snapshot
 
     location = snapshot_location(snapshot)

@@ -26,6 +26,7 @@ from .common import (
     key_ring,
     snapshot_location,
 )
+from .foreign_paths import is_foreign, verify_foreign
 from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, progress_bar, stdout, text
 
 if TYPE_CHECKING:
@@ -60,6 +61,13 @@ def verify(
 ) -> None:
     """Check structure and every checksum (and, with --key-file, the signature); optionally
     compare with another snapshot or prefill."""
+    if is_foreign(snapshot):
+        unsupported = {
+            "--against": against is not None,
+            "--recompute": recompute,
+            "--key-file": bool(key_file),
+        }
+        return verify_foreign(snapshot, as_json=as_json, unsupported=unsupported)
     from kvsnap.snapshot import Snapshot
 
     location = snapshot_location(snapshot)

@@ -1,0 +1,125 @@
+"""``kvsnap convert``: another engine's persisted KV as an ordinary kvsnap snapshot."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvsnap.foreign import convert_to_snapshot, open_foreign
+
+from .common import JsonOption, output_location
+from .output import UsageError, emit_json, stdout, text
+
+
+def convert(
+    path: Annotated[
+        str,
+        typer.Argument(
+            metavar="PATH",
+            help="vLLM fs-tier namespace, rank directory, root or block file, or a llama.cpp "
+            "state file.",
+        ),
+    ],
+    output: Annotated[
+        str, typer.Option("--output", "-o", metavar="PATH", help="Snapshot file to write.")
+    ],
+    tokens: Annotated[
+        str | None,
+        typer.Option(
+            "--tokens", metavar="FILE", help="The prompt's token ids (JSON list or whitespace)."
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option("--model", "-m", metavar="DIR", help="Model directory (its config.json)."),
+    ] = None,
+    page_order: Annotated[
+        str | None,
+        typer.Option(
+            "--page-order",
+            metavar="ORDER",
+            help="How the engine laid out each page: cells-nhd, cells-hnd, or an .npz file.",
+        ),
+    ] = None,
+    kv_heads: Annotated[
+        int | None,
+        typer.Option("--kv-heads", min=1, help="KV heads per layer (llama.cpp state files)."),
+    ] = None,
+    tp: Annotated[
+        int | None, typer.Option("--tp", min=1, help="TP size of the engine that wrote it.")
+    ] = None,
+    hash_seed: Annotated[
+        str | None,
+        typer.Option("--hash-seed", metavar="S", help="The writer's PYTHONHASHSEED, if set."),
+    ] = None,
+    reproducible: Annotated[
+        bool, typer.Option("--reproducible", help="Leave out time-dependent metadata.")
+    ] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Convert another engine's persisted KV into a checksummed kvsnap snapshot."""
+    target = output_location(output, option="--output")
+    if not Path(path).exists():
+        raise UsageError(f"{path}: no such file or directory")
+    token_ids = None if tokens is None else read_token_ids(tokens)
+    hints: dict[str, Any] = {
+        "num_kv_heads": kv_heads,
+        "model": model,
+        "page_order": page_order,
+        "tp_size": tp,
+        "tokens": token_ids,
+        "hash_seed": hash_seed,
+    }
+    _write(path, target, hints, reproducible=reproducible, as_json=as_json)
+
+
+def _write(
+    path: str, target: str, hints: dict[str, Any], *, reproducible: bool, as_json: bool
+) -> None:
+    """Open ``path`` with ``hints``, write the snapshot to ``target`` and report it."""
+    token_ids = hints["tokens"]
+    started = time.perf_counter()
+    with open_foreign(path, **hints) as source:
+        if token_ids is None and source.format_name == "vllm-fs":
+            raise UsageError("--tokens FILE is required: the vLLM fs tier holds no token ids")
+        info = source.describe()
+        engine = "vllm" if source.format_name == "vllm-fs" else "llama.cpp"
+        model_id = info.get("config", {}).get("model_name") or info.get("architecture") or "unknown"
+        result = convert_to_snapshot(
+            source, target, engine=engine, model_id=model_id, reproducible=reproducible
+        )
+    payload = {
+        "path": result.path,
+        "sequences": result.num_sequences,
+        "tokens": result.num_tokens,
+        "blocks": result.num_blocks,
+        "bytes": result.num_bytes,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    if as_json:
+        emit_json(payload)
+        return
+    stdout.print(
+        f"wrote {text(result.path)}: {result.num_sequences} sequence(s), {result.num_tokens} "
+        f"tokens, {result.num_blocks} blocks"
+    )
+
+
+def read_token_ids(path: str) -> list[int]:
+    """Token ids from ``path``: a JSON list of integers, or integers separated by whitespace."""
+    try:
+        content = Path(path).read_text()
+    except OSError as error:
+        raise UsageError(f"--tokens {path}: {error.strerror or error}") from None
+    try:
+        values = json.loads(content) if content.lstrip().startswith("[") else content.split()
+        ids = [int(value) for value in values]
+    except (ValueError, TypeError):
+        raise UsageError(f"--tokens {path}: not a list of integer token ids") from None
+    if not ids or min(ids) < 0:
+        raise UsageError(f"--tokens {path}: needs at least one non-negative token id")
+    return ids

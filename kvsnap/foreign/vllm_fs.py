@@ -1,0 +1,568 @@
+"""vLLM 0.32's ``fs`` offloading tier: a namespace ``config.json`` and one file per block hash.
+
+Layout on disk (``vllm/v1/kv_offload/file_mapper.py`` and ``tiering/fs/``)::
+
+    ROOT/<model>_<h12>/config.json                      the namespace's fields, JSON
+    ROOT/<model>_<h12>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin   one chunk of blocks, headerless
+
+``<h12>`` is the first 12 hex digits of SHA-256 over the fields as compact JSON with sorted
+keys; ``<hash>`` is the block hash (hex) and ``<hhh>``, ``<hh>`` its first 3 and next 2 digits.
+A block file is one row of vLLM's host offload region: per worker, per layer in the group's
+order, ``blocks_per_file`` engine pages, padded to a multiple of 4096 bytes. Nothing in it
+says the page layout, the heads or the token ids: see docs/foreign.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import pickle
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvsnap.dtypes import kv_torch_dtype as torch_dtype
+from kvsnap.errors import LayoutError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
+from kvsnap.layout import KVGeometry
+
+from .base import (
+    ForeignBlock,
+    ForeignFormat,
+    ForeignProblem,
+    ForeignSequence,
+    ForeignSource,
+    Recognition,
+)
+from .pages import CELL_ORDERS, PageOrder, cell_order, load_page_order
+
+FORMAT_NAME = "vllm-fs"
+ENGINE_VERSION = "0.32"
+CONFIG_NAME = "config.json"
+#: vLLM pads each host-region row, and so each block file, to the page size.
+ROW_ALIGNMENT = 4096
+#: vLLM's fixed NONE_HASH seed for its cryptographic prefix hashes when PYTHONHASHSEED is unset.
+DEFAULT_HASH_SEED = "vllm-none-hash"
+_INT_FIELDS = ("tokens_per_hash", "blocks_per_file", "tp_size", "pp_size", "pcp_size", "dcp_size")
+_BLOCK_NAME = re.compile(r"^([0-9a-f]{16,128})\.bin$")
+#: A namespace directory's name ends with ``_`` and 12 hex digits (its config's hash).
+_NAMESPACE_DIR = re.compile(r"_[0-9a-f]{12}$")
+_GROUP_DIR = re.compile(r"^([0-9a-f]{2})_g([0-9]+)$")
+_MAX_CONFIG_BYTES = 1 << 20
+
+CANNOT_TELL = (
+    "no checksums: a flipped bit in a block file is invisible; only names, sizes and the "
+    "namespace hash can be checked",
+    "no token ids: a block is found only by recomputing vLLM's prefix hash from the prompt",
+    "no model fingerprint: model_name is a name or path, not the weights",
+    "no page layout or head count: the KV heads, head size and the engine's page order come "
+    "from the model's config and a hint, not from the files",
+    "no parallel layout when the namespace is parallel-agnostic (tp_size 1 in config.json "
+    "whatever TP wrote it): the writer's TP size is a hint",
+)
+
+
+def namespace_digest(fields: Mapping[str, Any]) -> str:
+    """The 12 hex digits vLLM names a namespace by: SHA-256 of the compact, sorted JSON."""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:12]
+
+
+def namespace_name(fields: Mapping[str, Any]) -> str:
+    """The namespace directory's name: the model name with ``/`` as ``_``, then the digest."""
+    return f"{str(fields['model_name']).replace('/', '_')}_{namespace_digest(fields)}"
+
+
+def prefix_hashes(
+    token_ids: Sequence[int], block_size: int, seed: str = DEFAULT_HASH_SEED
+) -> list[bytes]:
+    """vLLM's ``sha256`` prefix-cache hashes of the full blocks of a plain text prompt.
+
+    ``h_0 = SHA-256(pickle(seed))``, then per block ``h = SHA-256(pickle((parent, tokens,
+    None)))`` with pickle's highest protocol (no LoRA, multimodal input or cache salt).
+    """
+    parent = hashlib.sha256(pickle.dumps(seed, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = tuple(int(token) for token in token_ids[start : start + block_size])
+        payload = pickle.dumps((parent, block, None), protocol=pickle.HIGHEST_PROTOCOL)
+        parent = hashlib.sha256(payload).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """The namespace's ``config.json``, checked field by field."""
+    try:
+        size = path.stat().st_size
+        if size > _MAX_CONFIG_BYTES:
+            raise NotASnapshotError(
+                f"{size} bytes, too large for a vLLM namespace config", file=str(path)
+            )
+        fields = json.loads(path.read_bytes())
+    except OSError as error:
+        raise SnapshotIOError(f"cannot read: {error.strerror or error}", file=str(path)) from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise SnapshotCorruptError(f"not JSON ({error})", file=str(path)) from None
+    problem = _config_problem(fields)
+    if problem is not None:
+        raise SnapshotCorruptError(
+            f"not a vLLM fs-tier namespace config: {problem}", file=str(path)
+        )
+    return fields
+
+
+def _config_problem(fields: object) -> str | None:
+    """What makes ``fields`` something else than vLLM 0.32's namespace fields, or ``None``."""
+    if not isinstance(fields, dict):
+        return "not a JSON object"
+    if fields.get("inference_engine") != "vllm":
+        return f"inference_engine is {fields.get('inference_engine')!r}, not 'vllm'"
+    if not isinstance(fields.get("model_name"), str) or not isinstance(fields.get("dtype"), str):
+        return "model_name and dtype must be strings"
+    for name in _INT_FIELDS:
+        value = fields.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"{name} must be a positive integer, found {value!r}"
+    groups = fields.get("kv_cache_groups")
+    if not isinstance(groups, list) or not groups:
+        return "kv_cache_groups must be a non-empty list"
+    for group in groups:
+        names = group.get("layer_names") if isinstance(group, dict) else None
+        tokens = group.get("tokens_per_block") if isinstance(group, dict) else None
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            return "each KV cache group needs a non-empty list of layer_names"
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+            return "each KV cache group needs a positive tokens_per_block"
+    return None
+
+
+def _namespace_of(path: Path) -> Path | None:
+    """The namespace directory (holding ``config.json``) that ``path`` is or belongs to."""
+    if path.is_file() and _BLOCK_NAME.match(path.name):
+        rank_dir = path.parent.parent.parent
+        base, _, rank = rank_dir.name.rpartition("_r")
+        if base and rank.isdigit() and (rank_dir.with_name(base) / CONFIG_NAME).is_file():
+            return rank_dir.with_name(base)
+        return None
+    if not path.is_dir():
+        return None
+    if (path / CONFIG_NAME).is_file() and (
+        _NAMESPACE_DIR.search(path.name) or _is_vllm_config(path / CONFIG_NAME)
+    ):
+        return path
+    base, _, rank = path.name.rpartition("_r")
+    if base and rank.isdigit() and (path.with_name(base) / CONFIG_NAME).is_file():
+        return path.with_name(base)
+    return None
+
+
+def _is_vllm_config(config: Path) -> bool:
+    """Whether ``config`` is a small JSON object naming vLLM as its inference engine."""
+    try:
+        if config.stat().st_size > _MAX_CONFIG_BYTES:
+            return False
+        fields = json.loads(config.read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(fields, dict) and fields.get("inference_engine") == "vllm"
+
+
+def _namespaces_under(root: Path) -> list[Path]:
+    """Directories right under ``root`` holding a config.json that vLLM would have written."""
+    try:
+        children = sorted(root.iterdir())
+    except OSError:
+        return []
+    return [child for child in children if child.is_dir() and _is_vllm_config(child / CONFIG_NAME)]
+
+
+def recognise(path: Path) -> Recognition:
+    """Whether ``path`` is a vLLM fs-tier namespace, a rank directory, a block file or a root
+    holding exactly one namespace."""
+    if _namespace_of(path) is not None:
+        return Recognition(True, "a vLLM fs-tier namespace")
+    if path.is_dir():
+        spaces = _namespaces_under(path)
+        if len(spaces) == 1:
+            return Recognition(True, "a vLLM fs-tier root with one namespace")
+        if spaces:
+            names = ", ".join(space.name for space in spaces)
+            return Recognition(
+                False, f"a vLLM fs-tier root with {len(spaces)} namespaces ({names}): open one"
+            )
+        return Recognition(False, "a directory without a vLLM fs-tier config.json")
+    return Recognition(False, "not a vLLM fs-tier block file (<hash>.bin under <ns>_r<rank>/)")
+
+
+def open_vllm_fs(path: Path, hints: Mapping[str, Any]) -> VLLMFsNamespace:
+    """Open the namespace ``path`` is, belongs to, or (a root) holds; ``hints`` as for
+    :class:`VLLMFsNamespace`."""
+    namespace = _namespace_of(path)
+    only = None
+    if namespace is None and path.is_dir():
+        spaces = _namespaces_under(path)
+        if len(spaces) != 1:
+            raise NotASnapshotError(recognise(path).found, file=str(path))
+        namespace = spaces[0]
+    if namespace is None:
+        raise NotASnapshotError(recognise(path).found, file=str(path))
+    if path.is_file():
+        only = path
+    return VLLMFsNamespace(namespace, hints, only_block=only)
+
+
+class VLLMFsNamespace(ForeignSource):
+    """One vLLM fs-tier namespace: its config, rank directories and block files.
+
+    ``hints`` (all optional) supply what the files do not say: ``model`` (a directory with
+    the model's transformers ``config.json``; default: ``model_name`` when that is one),
+    ``num_kv_heads`` and ``head_dim`` (instead of ``model``), ``page_order`` (``cells-nhd``,
+    ``cells-hnd``, a :class:`PageOrder` or a path to a probed order ``.npz``), ``tp_size``
+    (the writer's TP size, for a parallel-agnostic namespace), ``rank`` (which rank directory
+    to read; default the only one, else 0), ``tokens`` (a prompt's token ids: the sequence to
+    find) and ``hash_seed`` (the writer's ``PYTHONHASHSEED``, if it set one).
+    """
+
+    format_name = FORMAT_NAME
+
+    def __init__(
+        self, namespace: Path, hints: Mapping[str, Any], *, only_block: Path | None = None
+    ) -> None:
+        super().__init__(namespace)
+        self.hints = dict(hints)
+        self.config_path = namespace / CONFIG_NAME
+        self.fields = _read_config(self.config_path)
+        expected = namespace_name(self.fields)
+        if namespace.name != expected:
+            raise SnapshotCorruptError(
+                f"config.json hashes to namespace {expected}, but its directory is "
+                f"{namespace.name}: the config was edited or the directory renamed",
+                file=str(self.config_path),
+            )
+        self.only_block = only_block
+        self.rank_dirs = sorted(
+            (p for p in namespace.parent.glob(f"{glob_escape(namespace.name)}_r*") if p.is_dir()),
+            key=lambda p: p.name,
+        )
+        self._model_config = self._load_model_config()
+
+    @property
+    def version(self) -> str:
+        return f"vLLM {ENGINE_VERSION} fs tier"
+
+    @property
+    def cannot_tell(self) -> tuple[str, ...]:
+        return CANNOT_TELL
+
+    @property
+    def parallel_agnostic(self) -> bool:
+        """vLLM writes ``parallel_agnostic: false`` only when the namespace is not agnostic."""
+        return self.fields.get("parallel_agnostic", True) is not False
+
+    @property
+    def group(self) -> dict[str, Any]:
+        """The one KV cache group kvsnap decodes (hybrid models have several)."""
+        groups = self.fields["kv_cache_groups"]
+        if len(groups) != 1:
+            raise LayoutError(f"{len(groups)} KV cache groups: kvsnap decodes one")
+        return groups[0]
+
+    def _load_model_config(self) -> dict[str, Any] | None:
+        model = self.hints.get("model")
+        candidate = Path(model) if model is not None else Path(self.fields["model_name"])
+        config = candidate / "config.json"
+        if not config.is_file():
+            if model is not None:
+                raise LayoutError(f"{model}: no config.json of a model there")
+            return None
+        try:
+            loaded = json.loads(config.read_text())
+        except (OSError, ValueError) as error:
+            raise LayoutError(f"{config}: cannot read the model config ({error})") from None
+        return {**loaded, "_path": str(config)} if isinstance(loaded, dict) else None
+
+    def heads(self) -> tuple[int, int] | None:
+        """``(num_kv_heads, head_dim)`` from the hints or the model config, if known."""
+        heads, dim = self.hints.get("num_kv_heads"), self.hints.get("head_dim")
+        config = self._model_config or {}
+        text = config.get("text_config", config)
+        if heads is None:
+            heads = text.get("num_key_value_heads", text.get("num_attention_heads"))
+        if dim is None and text.get("head_dim") is not None:
+            dim = text["head_dim"]
+        if dim is None and text.get("hidden_size") and text.get("num_attention_heads"):
+            dim = text["hidden_size"] // text["num_attention_heads"]
+        if heads is None or dim is None:
+            return None
+        return int(heads), int(dim)
+
+    def geometry(self) -> KVGeometry:
+        heads = self.heads()
+        if heads is None:
+            raise LayoutError(
+                f"{self.path}: the fs tier does not record the KV heads or head size and "
+                f"{self.fields['model_name']} is not a local model directory: pass the model"
+            )
+        group = self.group
+        return KVGeometry(
+            num_layers=len(group["layer_names"]),
+            block_size=int(group["tokens_per_block"]),
+            dtype=self.fields["dtype"],
+            num_kv_heads=heads[0],
+            head_dim=heads[1],
+        )
+
+    def writer_tp(self) -> int:
+        """The TP size whose workers each wrote their own region of every block file."""
+        hinted = self.hints.get("tp_size")
+        if hinted is not None:
+            if not self.parallel_agnostic and int(hinted) != self.fields["tp_size"]:
+                raise LayoutError(
+                    f"tp_size {hinted} given, but config.json records tp_size "
+                    f"{self.fields['tp_size']}"
+                )
+            return int(hinted)
+        return 1 if self.parallel_agnostic else int(self.fields["tp_size"])
+
+    def block_file_size(self) -> int | None:
+        """The size every block file must have, when the geometry is known."""
+        try:
+            geometry = self.geometry()
+        except LayoutError:
+            return None
+        element = torch.tensor([], dtype=torch_dtype(geometry.dtype)).element_size()
+        pages = 2 * geometry.block_size * geometry.num_kv_heads * geometry.head_dim * element
+        row = geometry.num_layers * pages * int(self.fields["blocks_per_file"])
+        return math.ceil(row / ROW_ALIGNMENT) * ROW_ALIGNMENT
+
+    def block_files(self) -> list[tuple[Path, str, int]]:
+        """Every block file as ``(path, hash hex, group)``, rank directories in order."""
+        if self.only_block is not None:
+            match = _BLOCK_NAME.match(self.only_block.name)
+            group = _GROUP_DIR.match(self.only_block.parent.name)
+            assert match is not None
+            return [(self.only_block, match.group(1), int(group.group(2)) if group else 0)]
+        files = []
+        for rank_dir in self.rank_dirs:
+            for root, _, names in os.walk(rank_dir):
+                for name in sorted(names):
+                    match = _BLOCK_NAME.match(name)
+                    group = _GROUP_DIR.match(Path(root).name)
+                    if match is not None:
+                        files.append(
+                            (
+                                Path(root) / name,
+                                match.group(1),
+                                int(group.group(2)) if group else -1,
+                            )
+                        )
+        return files
+
+    def verify(self) -> list[ForeignProblem]:
+        problems = []
+        if not self.rank_dirs:
+            problems.append(
+                ForeignProblem(str(self.path), "no rank directory (<ns>_r<rank>) beside it")
+            )
+        size = self.block_file_size()
+        sizes: dict[int, int] = {}
+        groups = len(self.fields["kv_cache_groups"])
+        for path, digest, group in self.block_files():
+            problems += _placement_problems(path, digest, group, groups)
+            try:
+                actual = path.stat().st_size
+            except OSError as error:
+                problems.append(ForeignProblem(str(path), f"cannot stat: {error.strerror}"))
+                continue
+            sizes[actual] = sizes.get(actual, 0) + 1
+            if size is not None and actual != size:
+                problems.append(
+                    ForeignProblem(
+                        str(path), f"{actual} bytes, a block file of this namespace has {size}"
+                    )
+                )
+            elif actual == 0 or actual % ROW_ALIGNMENT:
+                problems.append(
+                    ForeignProblem(str(path), f"{actual} bytes, not a multiple of {ROW_ALIGNMENT}")
+                )
+        if size is None and len(sizes) > 1:
+            problems.append(
+                ForeignProblem(str(self.path), f"block files of several sizes: {sorted(sizes)}")
+            )
+        for rank_dir in self.rank_dirs:
+            for leftover in rank_dir.rglob("*.tmp"):
+                problems.append(
+                    ForeignProblem(str(leftover), "a temporary file of an interrupted write")
+                )
+        return problems
+
+    def describe(self) -> dict[str, Any]:
+        files = self.block_files()
+        heads = self.heads()
+        return {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "path": str(self.path),
+            "config": dict(self.fields),
+            "namespace_hash": namespace_digest(self.fields),
+            "parallel_agnostic": self.parallel_agnostic,
+            "rank_dirs": [p.name for p in self.rank_dirs],
+            "num_block_files": len(files),
+            "block_file_bytes": self.block_file_size(),
+            "total_bytes": sum(p.stat().st_size for p, _, _ in files if p.exists()),
+            "model_config": None if self._model_config is None else self._model_config["_path"],
+            "num_kv_heads": None if heads is None else heads[0],
+            "head_dim": None if heads is None else heads[1],
+            "blocks": [
+                {"hash": digest, "group": group, "file": str(p)}
+                for p, digest, group in files[:1000]
+            ],
+            "cannot_tell": list(CANNOT_TELL),
+        }
+
+    def sequences(self) -> list[ForeignSequence]:
+        tokens = self.hints.get("tokens")
+        if tokens is None:
+            return []
+        group = self.group
+        block_size = int(group["tokens_per_block"])
+        if self.fields["blocks_per_file"] != 1 or self.fields["tokens_per_hash"] != block_size:
+            raise LayoutError(
+                "finding a prompt's blocks needs blocks_per_file 1 and tokens_per_hash equal to "
+                f"the block size; this namespace has {self.fields['blocks_per_file']} and "
+                f"{self.fields['tokens_per_hash']} (block size {block_size})"
+            )
+        seed = str(self.hints.get("hash_seed") or DEFAULT_HASH_SEED)
+        found = []
+        for digest in prefix_hashes(tokens, block_size, seed):
+            if not self._block_path(digest.hex()).is_file():
+                break
+            found.append(digest.hex())
+        ids = np.asarray(tokens[: len(found) * block_size], dtype=np.int64)
+        return [ForeignSequence("prompt", ids, tuple(found))]
+
+    def _rank_dir(self) -> Path:
+        rank = self.hints.get("rank")
+        if rank is None and len(self.rank_dirs) == 1:
+            return self.rank_dirs[0]
+        wanted = self.path.with_name(f"{self.path.name}_r{int(rank or 0)}")
+        if wanted not in self.rank_dirs:
+            raise LayoutError(f"{wanted}: no such rank directory")
+        return wanted
+
+    def _block_path(self, digest: str, group: int = 0) -> Path:
+        return self._rank_dir() / digest[:3] / f"{digest[3:5]}_g{group}" / f"{digest}.bin"
+
+    def page_order(self, local_heads: int) -> PageOrder:
+        """The order that decodes one worker's page (``local_heads`` heads)."""
+        geometry = self.geometry()
+        order = self.hints.get("page_order")
+        if order is None:
+            raise LayoutError(
+                f"{self.path}: the fs tier does not record how the engine laid out its pages: "
+                f"pass a page order ({', '.join(CELL_ORDERS)}, or a probed order file)"
+            )
+        if isinstance(order, str) and order in CELL_ORDERS:
+            order = cell_order(order, geometry.block_size, local_heads, geometry.head_dim)
+        elif not isinstance(order, PageOrder):
+            order = load_page_order(Path(order))
+        if order.shape != (geometry.block_size, local_heads, geometry.head_dim):
+            raise LayoutError(
+                f"the page order is for pages of {order.shape} (tokens, heads, dims), each "
+                f"worker here holds {(geometry.block_size, local_heads, geometry.head_dim)}"
+            )
+        return order
+
+    def read_block(self, block_id: str) -> ForeignBlock:
+        for field in ("canonical_format", "replicated_layout"):
+            if field in self.fields:
+                raise LayoutError(
+                    f"{self.path}: a namespace with {field} {self.fields[field]!r}: kvsnap "
+                    "decodes vLLM's direct (per-worker) layout only"
+                )
+        geometry = self.geometry()
+        tp = self.writer_tp()
+        if geometry.num_kv_heads % tp:
+            raise LayoutError(f"{geometry.num_kv_heads} KV heads do not split over TP {tp}")
+        local = geometry.num_kv_heads // tp
+        order = self.page_order(local)
+        path = self._block_path(block_id)
+        expected = self.block_file_size()
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise SnapshotCorruptError("no such block file", file=str(path)) from None
+        except OSError as error:
+            raise SnapshotIOError(
+                f"cannot read: {error.strerror or error}", file=str(path)
+            ) from None
+        if len(data) != expected:
+            raise SnapshotCorruptError(
+                f"{len(data)} bytes, a block file here has {expected}", file=str(path)
+            )
+        dtype = torch_dtype(geometry.dtype)
+        elements = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
+        page = order.elements
+        pages = int(self.fields["blocks_per_file"])
+        if pages != 1:
+            raise LayoutError(f"blocks_per_file {pages}: kvsnap decodes one block per file")
+        shape = (geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
+        keys = [torch.empty(shape, dtype=dtype) for _ in range(geometry.num_layers)]
+        values = [torch.empty(shape, dtype=dtype) for _ in range(geometry.num_layers)]
+        # A row is each worker's region in rank order; a region, its layers' pages in order.
+        for worker in range(tp):
+            for layer in range(geometry.num_layers):
+                start = (worker * geometry.num_layers + layer) * page
+                key, value = order.decode(elements[start : start + page])
+                heads = slice(worker * local, (worker + 1) * local)
+                keys[layer][:, heads] = key
+                values[layer][:, heads] = value
+        return ForeignBlock(block_id, tuple(keys), tuple(values))
+
+
+def glob_escape(name: str) -> str:
+    """``name`` with glob's special characters escaped."""
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def _placement_problems(path: Path, digest: str, group: int, groups: int) -> list[ForeignProblem]:
+    """Problems with where a block file sits: vLLM derives the two directories from its hash."""
+    problems = []
+    if path.parent.parent.name != digest[:3] or not path.parent.name.startswith(f"{digest[3:5]}_g"):
+        problems.append(
+            ForeignProblem(
+                str(path),
+                f"misplaced: block {digest} belongs under {digest[:3]}/{digest[3:5]}_g<group>/",
+            )
+        )
+    if not 0 <= group < groups:
+        problems.append(
+            ForeignProblem(
+                str(path), f"KV cache group {group} is not one of the {groups} in config.json"
+            )
+        )
+    return problems
+
+
+VLLM_FS = ForeignFormat(
+    name=FORMAT_NAME,
+    reads=f"vLLM {ENGINE_VERSION} fs offloading tier (namespace, rank directory or block file)",
+    recognise=recognise,
+    open=open_vllm_fs,
+    hints=(
+        "model",
+        "num_kv_heads",
+        "head_dim",
+        "page_order",
+        "tp_size",
+        "rank",
+        "tokens",
+        "hash_seed",
+    ),
+)
