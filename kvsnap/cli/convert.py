@@ -9,8 +9,6 @@ from typing import Annotated, Any
 
 import typer
 
-from kvsnap.foreign import convert_to_snapshot, open_foreign
-
 from .common import JsonOption, output_location
 from .output import UsageError, emit_json, stdout, text
 
@@ -81,6 +79,8 @@ def _write(
     path: str, target: str, hints: dict[str, Any], *, reproducible: bool, as_json: bool
 ) -> None:
     """Open ``path`` with ``hints``, write the snapshot to ``target`` and report it."""
+    from kvsnap.foreign import convert_to_snapshot, open_foreign
+
     token_ids = hints["tokens"]
     started = time.perf_counter()
     with open_foreign(path, **hints) as source:

@@ -7,24 +7,54 @@ anything else, so kvsnap's own snapshots keep their path unchanged.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-
-from kvsnap.foreign import ForeignSource, open_foreign, recognise
 
 from .common import format_bytes, is_url
 from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, stdout, text
 
+if TYPE_CHECKING:
+    from kvsnap.foreign import ForeignSource
+
+#: What every safetensors file starts with after its 8-byte length: kvsnap's own snapshots.
+_SAFETENSORS_JSON = b"{"
+
 
 def is_foreign(location: str) -> bool:
-    """Whether ``location`` is a local path that one of kvsnap's foreign readers reads."""
-    return not is_url(location) and Path(location).exists() and recognise(location) is not None
+    """Whether ``location`` is a local path that one of kvsnap's foreign readers reads.
+
+    kvsnap's own files (a safetensors file, a sharded or parted index) are told apart first
+    without loading the readers, which load torch: ``inspect`` and ``verify`` of a snapshot
+    start without it."""
+    path = Path(location)
+    if is_url(location) or not path.exists() or _looks_like_kvsnap(path):
+        return False
+    from kvsnap.foreign import recognise
+
+    return recognise(location) is not None
+
+
+def _looks_like_kvsnap(path: Path) -> bool:
+    """A kvsnap index by name, or a file laid out as safetensors (a length that fits the
+    file, then JSON)."""
+    if path.name.endswith(".index.json"):
+        return True
+    if not path.is_file():
+        return False
+    with path.open("rb") as file:
+        start = file.read(9)
+    if len(start) != 9 or start[8:9] != _SAFETENSORS_JSON:
+        return False
+    # The length must fit the file: a foreign file's first bytes rarely make one that does.
+    return 2 <= int.from_bytes(start[:8], "little") <= path.stat().st_size - 8
 
 
 def inspect_foreign(location: str, *, as_json: bool, unsupported: dict[str, bool]) -> None:
     """``kvsnap inspect`` of a foreign path: what the format records and what it cannot tell."""
     _refuse_options("inspect", unsupported)
+    from kvsnap.foreign import open_foreign
+
     with open_foreign(location) as source:
         payload = source.describe()
     if as_json:
@@ -56,6 +86,8 @@ def verify_foreign(location: str, *, as_json: bool, unsupported: dict[str, bool]
     """``kvsnap verify`` of a foreign path: structure, sizes and names; contents cannot be
     checked where the format has no checksums (said in the output, every time)."""
     _refuse_options("verify", unsupported)
+    from kvsnap.foreign import open_foreign
+
     with open_foreign(location) as source:
         problems = [problem.as_dict() for problem in source.verify()]
         notes = _notes(source)

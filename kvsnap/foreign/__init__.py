@@ -23,13 +23,22 @@ from .base import (
     ForeignSource,
     Recognition,
 )
-from .convert import convert_to_snapshot
 from .llama_state import LLAMA_STATE
 from .pages import CELL_ORDERS, PageOrder, cell_order, load_page_order
 from .vllm_fs import VLLM_FS
 
 #: Every format kvsnap reads besides its own, in the order they are asked.
 FORMATS: tuple[ForeignFormat, ...] = (VLLM_FS, LLAMA_STATE)
+
+
+def __getattr__(name: str) -> Any:
+    # convert writes through the capture pipeline (torch); reading needs none of it, and the
+    # CLI's inspect and verify of a foreign path start without torch.
+    if name == "convert_to_snapshot":
+        from .convert import convert_to_snapshot
+
+        return convert_to_snapshot
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def recognise(path: str | Path) -> ForeignFormat | None:
