@@ -388,6 +388,18 @@ def prune_store(
     Orphan parts modified in the last ``orphan_grace_s`` seconds are kept: they may be a write
     in progress.
     """
+    removed, _ = _prune_to(root, max_bytes, min_idle_s, orphan_grace_s, now)
+    return removed
+
+
+def _prune_to(
+    root: str | os.PathLike[str],
+    max_bytes: int,
+    min_idle_s: float,
+    orphan_grace_s: float,
+    now: float | None,
+) -> tuple[list[StoreEntry], int]:
+    """:func:`prune_store`'s work; also the bytes the store holds after it."""
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
     entries = store_entries(root, orphan_grace_s=orphan_grace_s)
@@ -405,7 +417,7 @@ def prune_store(
             total -= entry.size
         elif not _exists(entry.path):
             total -= entry.size  # gone: deleted or quarantined by another process
-    return removed
+    return removed, total
 
 
 def _exists(path: Path) -> bool:
@@ -450,16 +462,21 @@ def commit_within_capacity(
     Under the store-wide :func:`capacity_lock`: when the store holds the chunk already (another
     engine committed it) the staged file is dropped; otherwise the store, measured by listing
     it (every engine's chunks), is pruned to ``max_bytes`` less the chunk's size, then the
-    chunk is renamed into place. So however many engines share the store, it exceeds the
-    bound only by chunks used within ``min_idle_s`` (which pruning keeps).
+    chunk is renamed into place, unless pruning could not make room (the chunks left were all
+    used within ``min_idle_s``): then the staged file is dropped and the save skipped, a cache
+    that is full of chunks in use keeps them. So however many engines share the store, a
+    commit never takes it over the bound.
     """
     staged, final = Path(staged), Path(path)
     with capacity_lock(root):
         if committed_file_exists(final):
             staged.unlink()
             return False, []
-        room = max(max_bytes - staged.stat().st_size, 0)
-        removed = prune_store(root, room, min_idle_s=min_idle_s)
+        size = staged.stat().st_size
+        removed, held = _prune_to(root, max(max_bytes - size, 0), min_idle_s, ORPHAN_GRACE_S, None)
+        if held + size > max_bytes:
+            staged.unlink()
+            return False, removed
         publish.replace_and_sync(str(staged), str(final))
     return True, removed
 

@@ -333,7 +333,7 @@ class KVSnapWorker:
                 )
                 self._evicted(removed)
                 if not committed:
-                    return  # another engine committed the same chunk meanwhile
+                    return  # another engine committed it, or chunks in use fill the store
             self._saved(spec, spec.path, result.num_blocks, result.num_bytes, started)
             return
         whole = distributed.capture(
