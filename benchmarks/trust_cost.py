@@ -9,7 +9,7 @@
 
 Usage::
 
-    python -m benchmarks.trust_cost [--layers 32] [--json-out FILE]
+    python -m benchmarks.trust_cost [--layers 32] [--gpu-8b] [--json-out FILE]
 
 Prints one line per figure (median of repeats, milliseconds); ``--json-out`` writes them.
 """
@@ -43,20 +43,35 @@ def _median_ms(call: Callable[[], object], repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def fingerprint_costs(layers: int) -> dict[str, float]:
-    """First and remembered weights fingerprint of a Llama with ``layers`` layers (small
-    matrices: the walk over the module tree, not the sampling, is what scales with layers)."""
+def fingerprint_costs(layers: int, gpu_8b: bool) -> dict[str, float]:
+    """First and remembered weights fingerprint of a Llama with ``layers`` layers: small
+    matrices on the CPU (the walk over the module tree, not the sampling, is what scales with
+    layers), or with ``gpu_8b`` the Llama-3-8B shape in bfloat16 on the GPU (uninitialised
+    memory: its values do not change the cost)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = LlamaForCausalLM(config)
+    if gpu_8b:
+        config = LlamaConfig(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+        )
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        model = model.to_empty(device="cuda").to(torch.bfloat16)
+    else:
+        config = LlamaConfig(
+            vocab_size=1024,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+        model = LlamaForCausalLM(config)
     started = time.perf_counter()
     loaded_model_fingerprint(model)
     first = (time.perf_counter() - started) * 1e3
@@ -108,9 +123,12 @@ def signing_costs(directory: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument(
+        "--gpu-8b", action="store_true", help="fingerprint the Llama-3-8B shape on the GPU"
+    )
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
-    figures = {**fingerprint_costs(args.layers), **key_costs()}
+    figures = {**fingerprint_costs(args.layers, args.gpu_8b), **key_costs()}
     with tempfile.TemporaryDirectory(prefix="kvsnap-trust-") as scratch:
         figures.update(signing_costs(Path(scratch)))
     for name, value in figures.items():
