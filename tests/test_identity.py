@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -72,6 +74,17 @@ def test_a_replaced_module_or_parameter_is_seen_by_the_remembered_fingerprint() 
     weight = model.model.layers[1].self_attn.v_proj.weight
     model.model.layers[1].self_attn.v_proj.weight = torch.nn.Parameter(weight.detach() * 2)
     assert loaded_model_fingerprint(model) not in (first, second)
+
+
+def test_a_remembered_fingerprint_lets_the_model_go() -> None:
+    # The remembered state is the value of a map keyed weakly by the model: it must not hold
+    # the model (or any module of it) itself, or no fingerprinted model would ever be freed.
+    model = build_default_model()
+    loaded_model_fingerprint(model)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
 
 
 def test_files_and_the_loaded_model_agree_in_any_float_dtype(base_model, tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import os
 import struct
 import threading
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -60,11 +60,18 @@ class _Remembered:
     any module or parameter was replaced (an adapter injected, a weight reassigned) or written
     in place (``copy_``, ``load_state_dict``, an optimizer step): a walk through
     ``named_parameters()`` costs ~1.4 ms per call for an 8B model on the H200's host, too much
-    for a check made on every restore."""
+    for a check made on every restore.
+
+    Modules are held by weak reference: this object is the value of a weak-keyed map whose key
+    is the model, and a strong reference to any module of it would keep the model alive."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.nodes = [
-            (sub, tuple(sub._modules.values()), tuple(sub._parameters.values()))
+            (
+                weakref.ref(sub),
+                tuple(map(_weak, sub._modules.values())),
+                tuple(sub._parameters.values()),
+            )
             for sub in module.modules()
         ]
         self.parameters = [p for _, _, params in self.nodes for p in params if p is not None]
@@ -73,14 +80,32 @@ class _Remembered:
         self.fingerprints: dict[str, str] = {}
 
     def unchanged(self) -> bool:
-        for sub, children, params in self.nodes:
-            if not (
-                _same(sub._modules.values(), children) and _same(sub._parameters.values(), params)
-            ):
+        for sub_ref, children, params in self.nodes:
+            sub = sub_ref()
+            if sub is None:
+                return False
+            now = sub._modules.values()
+            if len(now) != len(children) or not all(map(operator.is_, map(_strong, children), now)):
+                return False
+            if not _same(sub._parameters.values(), params):
                 return False
         return [p._version for p in self.parameters] == self.versions and [
             p.data_ptr() for p in self.parameters
         ] == self.pointers
+
+
+def _weak(module: torch.nn.Module | None) -> Callable[[], torch.nn.Module | None]:
+    """A weak reference to ``module`` (a registered ``None`` stays ``None`` when called)."""
+    return _no_module if module is None else weakref.ref(module)
+
+
+def _no_module() -> None:
+    """What :func:`_weak` gives for a registered ``None``: called, it is ``None`` again."""
+    return None
+
+
+def _strong(reference: Callable[[], torch.nn.Module | None]) -> torch.nn.Module | None:
+    return reference()
 
 
 def _same(now: Collection[object], then: tuple[object, ...]) -> bool:
