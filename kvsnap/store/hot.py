@@ -29,6 +29,7 @@ registered and :meth:`HotTier.lookup` serves nothing: the CPU path reads with ``
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -128,10 +129,9 @@ class HotFile:
         self.host = None
         mapping, self._mapping = self._mapping, None
         if mapping is not None:
-            try:
+            # A view still alive somewhere keeps the mapping: it is unmapped when collected.
+            with contextlib.suppress(BufferError):
                 mapping.close()
-            except BufferError:
-                pass  # a view is still alive somewhere: unmapped when it is collected
 
 
 class HotTier:

@@ -177,11 +177,11 @@ def _stager_alive(name: str, age_s: float, grace_s: float) -> bool:
         return age_s < grace_s
     pid = int(match.group("pid"))
     try:
-        os.kill(pid, 0)
+        # Signal 0 asks only whether the pid exists; refused, it exists as another user's.
+        with contextlib.suppress(PermissionError):
+            os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        pass  # exists, another user's
     return not _zombie(pid)
 
 
