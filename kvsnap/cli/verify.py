@@ -31,6 +31,7 @@ from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, progress_bar, std
 
 if TYPE_CHECKING:
     from kvsnap.analysis import Comparison
+    from kvsnap.format.signing import KeyRing
     from kvsnap.snapshot import Snapshot
 
 
@@ -85,8 +86,7 @@ def verify(
             with progress_bar("verify", enabled=not as_json) as progress:
                 problems += [_problem(problem) for problem in snap.verify(progress=progress)]
             if keys is not None:
-                refused = [_signature_problem(error) for error in snap.signature_problems(keys)]
-                signature = refused[0]["kind"] if refused else "valid"
+                signature, refused = _signature_check(snap, keys)
                 problems += refused
             if not problems and reference is not None:
                 with Snapshot.open(reference) as other:
@@ -94,13 +94,7 @@ def verify(
             if not problems and engine is not None:
                 comparison = _recompute(engine, snap, model, device, atol, rtol, quiet=as_json)
     except (SnapshotCorruptError, NotASnapshotError) as error:
-        problems.append(
-            {
-                "tensor": getattr(error, "tensor", None),
-                "block": getattr(error, "block", None),
-                "message": str(error),
-            }
-        )
+        problems.append({"tensor": error.tensor, "block": error.block, "message": str(error)})
     if comparison is not None:
         problems += _comparison_problems(comparison)
     _report(problems, comparison, as_json=as_json, signature=signature)
@@ -140,6 +134,13 @@ def _report(
         stdout.print(f"[bold red]FAILED[/] ({len(problems)} problem(s))")
     else:
         stdout.print("[bold green]OK[/]")
+
+
+def _signature_check(snap: Snapshot, keys: KeyRing) -> tuple[str, list[dict[str, Any]]]:
+    """``valid``, ``unsigned`` or ``bad signature`` for ``snap`` under ``keys``, and the
+    signature problems (one per file the keys do not vouch for)."""
+    refused = [_signature_problem(error) for error in snap.signature_problems(keys)]
+    return (refused[0]["kind"] if refused else "valid"), refused
 
 
 def _signature_problem(error: SignatureError) -> dict[str, Any]:
