@@ -102,21 +102,7 @@ class KVSnapConnector(KVConnectorBase_V1):
                 checker=checker,
                 block_ids_of=self._block_ids_of,
             )
-            if store.read_only and self.options.persist:
-                events.emit(
-                    "config",
-                    logging.WARNING,
-                    message=f"the store {self.options.path} is read-only for this engine: "
-                    "stored chunks are loaded, no chunk is saved",
-                )
-            if policy != "recompute" and not verify:
-                events.emit(
-                    "config",
-                    logging.WARNING,
-                    message="kv_load_failure_policy is not 'recompute' and verify_before_load "
-                    "is off: a stored block that fails its checksum while loading fails the "
-                    "request instead of being recomputed",
-                )
+            self._warn_of_settings(events, store, policy, verify)
         else:
             self.connector_worker = KVSnapWorker(
                 self.options,
@@ -126,6 +112,27 @@ class KVSnapConnector(KVConnectorBase_V1):
                 fingerprint=fingerprint,
                 source=source_info(vllm_config, fingerprint),
                 keys=keys,
+            )
+
+    def _warn_of_settings(
+        self, events: EventLog, store: PrefixStore, policy: str, verify: bool
+    ) -> None:
+        """One ``config`` warning at start-up for each setting that limits what the connector
+        can do: a read-only store (no saves), and failed loads that fail requests."""
+        if store.read_only and self.options.persist:
+            events.emit(
+                "config",
+                logging.WARNING,
+                message=f"the store {self.options.path} is read-only for this engine: "
+                "stored chunks are loaded, no chunk is saved",
+            )
+        if policy != "recompute" and not verify:
+            events.emit(
+                "config",
+                logging.WARNING,
+                message="kv_load_failure_policy is not 'recompute' and verify_before_load "
+                "is off: a stored block that fails its checksum while loading fails the "
+                "request instead of being recomputed",
             )
 
     def _block_ids_of(self, request_id: str) -> list[int]:
