@@ -323,17 +323,8 @@ class KVSnapWorker:
                 after=after,
                 keys=self.keys,
             )
-            if staged and capacity is not None:
-                committed, removed = commit_within_capacity(
-                    self.store.root,
-                    target,
-                    spec.path,
-                    capacity,
-                    min_idle_s=self.options.store_min_idle_s,
-                )
-                self._evicted(removed)
-                if not committed:
-                    return  # another engine committed it, or chunks in use fill the store
+            if staged and capacity is not None and not self._commit(target, spec.path, capacity):
+                return  # another engine committed it, or chunks in use fill the store
             self._saved(spec, spec.path, result.num_blocks, result.num_bytes, started)
             return
         whole = distributed.capture(
@@ -349,6 +340,16 @@ class KVSnapWorker:
         )
         if not whole.skipped and layout.tp_rank == 0:  # one event and one prune per chunk
             self._saved(spec, whole.path, whole.num_blocks, whole.num_bytes, started)
+
+    def _commit(self, staged: str, path: str, capacity: int) -> bool:
+        """Commit the chunk staged at ``staged`` as ``path`` within the store's bound
+        (:func:`~kvsnap.engines.vllm.eviction.commit_within_capacity`); log what pruning
+        removed for it; whether it was committed."""
+        committed, removed = commit_within_capacity(
+            self.store.root, staged, path, capacity, min_idle_s=self.options.store_min_idle_s
+        )
+        self._evicted(removed)
+        return committed
 
     def _saved(
         self, spec: SaveSpec, path: str, num_blocks: int, num_bytes: int, started: float
