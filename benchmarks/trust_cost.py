@@ -46,22 +46,14 @@ def _median_ms(call: Callable[[], object], repeat: int) -> float:
 def fingerprint_costs(layers: int, gpu_8b: bool) -> dict[str, float]:
     """First and remembered weights fingerprint of a Llama with ``layers`` layers: small
     matrices on the CPU (the walk over the module tree, not the sampling, is what scales with
-    layers), or with ``gpu_8b`` the Llama-3-8B shape in bfloat16 on the GPU (uninitialised
-    memory: its values do not change the cost)."""
+    layers), or with ``gpu_8b`` the Llama-3-8B shape in bfloat16 on the GPU, the model
+    ``benchmarks/engine.py`` prefills."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if gpu_8b:
-        config = LlamaConfig(
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-        )
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-        model = model.to_empty(device="cuda").to(torch.bfloat16)
+        from benchmarks.engine import build_model
+
+        model = build_model()
     else:
         config = LlamaConfig(
             vocab_size=1024,
