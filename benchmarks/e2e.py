@@ -49,11 +49,11 @@ import torch
 
 from kvsnap.format import SourceInfo
 from kvsnap.layout import vllm_split_layout
-from kvsnap.pinned import PinnedPool
 from kvsnap.pipeline import StagingOptions
-from kvsnap.plan import Direction, HostPages, PageCopy
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.transfer import TransferHandler
+from kvsnap.transfer.pinned import PinnedPool
+from kvsnap.transfer.plan import Direction, HostPages, PageCopy
 
 SOURCE = SourceInfo("benchmark", torch.__version__, "synthetic", None, "0" * 32)
 CHUNK_BYTES = 64 << 20

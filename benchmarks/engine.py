@@ -36,8 +36,8 @@ import torch
 
 from kvsnap.format import SourceInfo
 from kvsnap.layout.allocate import allocate_cache
-from kvsnap.pinned import PinnedPool
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
+from kvsnap.transfer.pinned import PinnedPool
 
 SOURCE = SourceInfo(engine="benchmark", model_id="synthetic")
 BLOCK = 16

@@ -24,11 +24,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvsnap.pinned import PinnedPool
-from kvsnap.plan import CopyPlanner, Direction, HostPages, PageCopy
 from kvsnap.testing.caches import make_cache
 from kvsnap.transfer import TransferHandler, torch_copy
 from kvsnap.transfer import handler as handler_module
+from kvsnap.transfer.pinned import PinnedPool
+from kvsnap.transfer.plan import CopyPlanner, Direction, HostPages, PageCopy
 
 JOBS = 20
 STEPS = {

@@ -38,9 +38,9 @@ import torch.distributed as dist
 
 from kvsnap import distributed
 from kvsnap.layout.allocate import AllocatedCache, allocate_cache
-from kvsnap.pinned import PinnedPool
 from kvsnap.pipeline import SequenceBlocks
 from kvsnap.snapshot import Snapshot
+from kvsnap.transfer.pinned import PinnedPool
 
 BLOCK = 16
 SHAPES = {"8b": (32, 8, 128), "70b": (80, 8, 128)}

@@ -61,11 +61,11 @@ from kvsnap.bench import (
     set_ratios,
     transfer_cases,
 )
-from kvsnap.pinned import PinnedPool
-from kvsnap.plan import Descriptors, Direction, HostPages, PageCopy
+from kvsnap.bench.calibration import write_calibration
 from kvsnap.testing.caches import SyntheticCache, make_cache
 from kvsnap.transfer import CopyJob, TransferHandler, available_backends, make_backend
-from kvsnap.transfer.base import write_calibration
+from kvsnap.transfer.pinned import PinnedPool
+from kvsnap.transfer.plan import Descriptors, Direction, HostPages, PageCopy
 
 LAYOUTS = ("vllm-nhd", "packed", "mla", "flat-paged")
 BLOCK_COUNTS = (1, 64, 2048, 32768)

@@ -60,9 +60,9 @@ from kvsnap import format as fmt
 from kvsnap.engines.vllm.events import EventLog, read_events
 from kvsnap.engines.vllm.identity import CacheIdentity, store_key_chain
 from kvsnap.engines.vllm.options import ConnectorOptions
+from kvsnap.engines.vllm.prefix_store import PrefixStore, chunk_sequence_id
 from kvsnap.engines.vllm.registration import RegisteredCache, registered_cache
 from kvsnap.engines.vllm.specs import ChunkLoad, KVSnapConnectorMetadata, LoadSpec, SaveSpec
-from kvsnap.engines.vllm.store import PrefixStore, chunk_sequence_id
 from kvsnap.engines.vllm.worker import KVSnapWorker
 from kvsnap.layout import vllm_legacy_layout
 from kvsnap.pipeline import options as staging_defaults

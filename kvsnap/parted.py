@@ -27,7 +27,6 @@ from kvsnap import format as fmt
 from kvsnap.errors import LayoutError, RestoreIncompleteError, SignatureError
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, PartAssignment, head_range, part_layout
-from kvsnap.pinned import PinnedPool
 from kvsnap.pipeline import (
     CaptureResult,
     Pipeline,
@@ -46,6 +45,7 @@ from kvsnap.store.parts import (
     publish_parts_index,
     whole_metadata,
 )
+from kvsnap.transfer.pinned import PinnedPool
 
 __all__ = [
     "PartCapture",

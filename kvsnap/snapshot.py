@@ -2,7 +2,7 @@
 
 It owns no mechanism: capture and restore run on :class:`~kvsnap.pipeline.Pipeline` (the
 staging loop over slots that span tensors), reading and writing go through
-:mod:`kvsnap.store`, and whether a snapshot fits a target is :mod:`kvsnap.compat`'s call.
+:mod:`kvsnap.store`, and whether a snapshot fits a target is :mod:`kvsnap.format.fit`'s call.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from kvsnap.analysis import Comparison, LayerDifference
     from kvsnap.errors import SignatureError
     from kvsnap.layout import CacheLayout
-    from kvsnap.pinned import PinnedPool
     from kvsnap.pipeline import (
         CaptureResult,
         RestoreResult,
@@ -33,6 +32,7 @@ if TYPE_CHECKING:
         StagingOptions,
         TransferOptions,
     )
+    from kvsnap.transfer.pinned import PinnedPool
 
 #: Names this module re-exports from modules that import torch, imported on first use: opening,
 #: inspecting and verifying a snapshot need no torch (the CLI's ``inspect`` and ``verify``
@@ -94,7 +94,7 @@ def capture(
 
     ``transfer`` picks how pages move (:class:`~kvsnap.pipeline.TransferOptions`: the fused
     copy by default, or a named backend, and an SM budget); ``staging`` the host memory
-    (:class:`~kvsnap.pipeline.StagingOptions`, or a :class:`~kvsnap.pinned.PinnedPool` the
+    (:class:`~kvsnap.pipeline.StagingOptions`, or a :class:`~kvsnap.transfer.pinned.PinnedPool` the
     caller keeps; default: kvsnap's process-wide slots, pinned once). ``trace(kind, started,
     finished, nbytes)`` receives a span for each step (setup, slot waits, transfers, checksums,
     writes, commit phases): ``benchmarks/e2e.py --timeline`` shows what it records. Repeated
@@ -139,8 +139,8 @@ def capture(
 
 def staging_options(staging: StagingOptions | PinnedPool | None) -> StagingOptions | None:
     """A caller's pool as :class:`StagingOptions` (anything else unchanged)."""
-    from kvsnap.pinned import PinnedPool
     from kvsnap.pipeline import StagingOptions
+    from kvsnap.transfer.pinned import PinnedPool
 
     return StagingOptions(pool=staging) if isinstance(staging, PinnedPool) else staging
 
@@ -251,8 +251,8 @@ class Snapshot:
         self, geometry: KVGeometry, *, model_fingerprint: str | None = None, force: bool = False
     ) -> None:
         """Refuse (with :class:`IncompatibleSnapshotError`) a target this snapshot does not fit;
-        see :func:`kvsnap.compat.check_fits`."""
-        from kvsnap.compat import check_fits
+        see :func:`kvsnap.format.fit.check_fits`."""
+        from kvsnap.format.fit import check_fits
 
         check_fits(
             self.metadata,

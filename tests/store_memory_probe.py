@@ -17,8 +17,8 @@ import numpy as np
 
 from kvsnap import format as fmt
 from kvsnap.layout import KVGeometry
-from kvsnap.pinned import PinnedPool
 from kvsnap.store import SnapshotReader, SnapshotWriter
+from kvsnap.transfer.pinned import PinnedPool
 
 SLOT_BYTES = 8 << 20
 NUM_SLOTS = 4

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
 from kvsnap.bench import Measurement, derive_calibration
-from kvsnap.cli.app import app
-from kvsnap.plan import Direction
+from kvsnap.bench.calibration import write_calibration
 from kvsnap.transfer import AutoPolicy, available_backends, current_policy, load_policy
-from kvsnap.transfer.base import policy_from_calibration, write_calibration
+from kvsnap.transfer.base import policy_from_calibration
+from kvsnap.transfer.plan import Direction
 
 runner = CliRunner()
 KiB, MiB = 1 << 10, 1 << 20
@@ -118,7 +119,7 @@ def test_a_fresh_process_picks_the_written_calibration_up(quick_run: tuple[dict,
     _, path = quick_run
     probe = (
         "import json, torch\n"
-        "from kvsnap.plan import Direction\n"
+        "from kvsnap.transfer.plan import Direction\n"
         "from kvsnap.transfer import current_policy\n"
         "policy = current_policy()\n"
         "choice = policy.choose(torch.device('cuda', 0), Direction.DEVICE_TO_HOST, 2 << 20,\n"

@@ -12,7 +12,7 @@ from parts_helpers import SOURCE, caches
 
 from kvsnap.errors import RestoreIncompleteError
 from kvsnap.pipeline import Pipeline, SequenceBlocks
-from kvsnap.pipeline.warm import Pipeline as WarmPipeline
+from kvsnap.pipeline.pipeline import Pipeline as WarmPipeline
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store import SnapshotReader
 from kvsnap.testing.caches import random_content, same_bytes

@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
 from kvsnap.cli.app import app
+from typer.testing import CliRunner
 
 REPO = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "interrupt_child.py"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsnap import pinned
-from kvsnap.pinned import PinnedPool
+from kvsnap.transfer import pinned
+from kvsnap.transfer.pinned import PinnedPool
 
 
 class RecordingCudart:

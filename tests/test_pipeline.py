@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvsnap import pinned
 from kvsnap.errors import IncompatibleSnapshotError, RestoreIncompleteError
 from kvsnap.format import SourceInfo
-from kvsnap.pipeline import Pipeline, StagingOptions, fused, page_table, warm
+from kvsnap.pipeline import Pipeline, StagingOptions, fused
+from kvsnap.pipeline import pipeline as pipeline_module
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import SnapshotReader
 from kvsnap.testing.caches import make_cache, random_content, same_bytes
+from kvsnap.transfer import page_table, pinned
 
 SOURCE = SourceInfo(
     engine="test", engine_version="0", model_id="m", model_revision=None, model_fingerprint="f" * 64
@@ -245,7 +246,7 @@ def test_restore_refuses_bad_requests_before_writing_anything(tmp_path):
             snap.restore(swa.layout, {"s0": [0, 1]})
     for cache in targets:
         assert not any(view.view(torch.uint8).any() for view in cache.views.values())
-    assert warm.MAX_SHARED_TABLES >= 1 and sliding
+    assert pipeline_module.MAX_SHARED_TABLES >= 1 and sliding
 
 
 def test_a_slot_of_whole_tensors_is_one_file_write_and_verifies(tmp_path, monkeypatch):

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsnap.layout import flat_paged_layout
-from kvsnap.plan import (
+from kvsnap.testing.caches import make_cache, random_content
+from kvsnap.transfer.plan import (
     CopyPlanner,
     Descriptors,
     Direction,
@@ -24,7 +25,6 @@ from kvsnap.plan import (
     host_page_addresses,
     merge_adjacent,
 )
-from kvsnap.testing.caches import make_cache, random_content
 
 D2H, H2D = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
 

@@ -395,7 +395,7 @@ def _fail_third_fused_copy(monkeypatch):
 def _fail_third_handler_job(monkeypatch):
     FailingCopies.jobs_seen = 0
     monkeypatch.setattr(
-        "kvsnap.pipeline.warm.TransferHandler",
+        "kvsnap.pipeline.pipeline.TransferHandler",
         lambda rank, direction, backend: TransferHandler(
             rank, direction, backend=FailingCopies(rank, direction)
         ),

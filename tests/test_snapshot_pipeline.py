@@ -17,7 +17,6 @@ from test_snapshot import LAYERS, SOURCE, FailingCopies, sequences_for, split_nh
 
 from kvsnap import layout as L
 from kvsnap.errors import SnapshotCorruptError, TransferFailedError
-from kvsnap.pinned import PinnedPool
 from kvsnap.pipeline import StagingOptions, TransferOptions
 from kvsnap.pipeline.fused import FusedMover
 from kvsnap.pipeline.slots import plan_slots
@@ -25,6 +24,7 @@ from kvsnap.pipeline.staging import StagingRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import SnapshotReader, SnapshotWriter, slot_reads
 from kvsnap.transfer import TransferHandler
+from kvsnap.transfer.pinned import PinnedPool
 
 #: Staging of 16 pages of 256 bytes per slot (slots are 4096-aligned); the caches below need
 #: several slots per tensor.
@@ -213,7 +213,7 @@ def test_failures_give_every_slot_back_to_the_callers_pool(
         FailingCopies.jobs_seen = 0
         with monkeypatch.context() as patch:
             patch.setattr(
-                "kvsnap.pipeline.warm.TransferHandler",
+                "kvsnap.pipeline.pipeline.TransferHandler",
                 lambda rank, direction, backend: TransferHandler(
                     rank, direction, backend=FailingCopies(rank, direction)
                 ),

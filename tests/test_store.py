@@ -29,8 +29,8 @@ from store_helpers import (
 
 from kvsnap import format as fmt
 from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
-from kvsnap.pinned import PinnedPool
 from kvsnap.store import SnapshotReader, SnapshotWriter, local_file
+from kvsnap.transfer.pinned import PinnedPool
 
 TESTS = Path(__file__).parent
 

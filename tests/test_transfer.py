@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsnap.layout import CopyRun, head_shard
-from kvsnap.plan import Descriptors, Direction, HostPages, PageCopy
 from kvsnap.testing.caches import (
     HEAD_KINDS,
     TP_KINDS,
@@ -38,6 +37,7 @@ from kvsnap.transfer import (
 from kvsnap.transfer.base import LARGE_FRAGMENT_BYTES, policy_from_calibration
 from kvsnap.transfer.cpu import CpuBackend, copy_descriptors
 from kvsnap.transfer.cuda_batch import resolve_driver
+from kvsnap.transfer.plan import Descriptors, Direction, HostPages, PageCopy
 from kvsnap.transfer.torch_views import fold_runs, nonnegative_runs
 from kvsnap.transfer.triton_copy import split_pieces, tile_shape, word_bytes
 

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvsnap.bench.cases import BATCH_COPY_SHARE, CALIBRATION_LAYOUT, Measurement, MiB
-from kvsnap.plan import Direction
-from kvsnap.transfer.base import CALIBRATION_VERSION, SMALL_FRAGMENT_BACKEND
+from kvsnap.store.publish import publish_bytes
+from kvsnap.transfer.base import (
+    CALIBRATION_VERSION,
+    SMALL_FRAGMENT_BACKEND,
+    calibration_path,
+    forget_policy,
+    policy_from_calibration,
+)
+from kvsnap.transfer.plan import Direction
 
 
 def derive_calibration(results: Sequence[Measurement], device_name: str) -> dict[str, Any]:
@@ -68,3 +77,30 @@ def _largest_job_gbps(
         if m.blocks == largest[m.page_bytes]:
             by_page[m.page_bytes][m.method] = m.gbps
     return by_page
+
+
+def write_calibration(calibration: Mapping[str, Any], path: Path | None = None) -> Path:
+    """Write ``calibration`` where :func:`~kvsnap.transfer.base.load_policy` reads it.
+
+    Args:
+        calibration: the mapping :func:`derive_calibration` returns (or one of the same shape).
+        path: where to write; ``None`` (the default) is
+            :func:`~kvsnap.transfer.base.calibration_path`.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: ``calibration`` is not a valid calibration; nothing is written.
+        OSError: the file could not be published.
+
+    The mapping is validated first (a file this writes always loads), replaces any previous file
+    atomically, and the policy :func:`~kvsnap.transfer.base.current_policy` cached is dropped, so
+    ``auto`` uses the new one from its next job in this process as in any new one.
+    """
+    policy_from_calibration(calibration, source="calibration to write")
+    path = calibration_path() if path is None else Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    publish_bytes(path, (json.dumps(dict(calibration), indent=2) + "\n").encode())
+    forget_policy()
+    return path

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from kvsnap.layout.allocate import AllocatedCache, allocate_cache
-from kvsnap.pinned import PinnedPool
-from kvsnap.plan import Direction, HostPages, PageCopy
 from kvsnap.transfer import available_backends
+from kvsnap.transfer.pinned import PinnedPool
+from kvsnap.transfer.plan import Direction, HostPages, PageCopy
 
 KiB, MiB = 1 << 10, 1 << 20
 #: Canonical page size -> (tokens per block, KV heads, head dim) in bfloat16.
@@ -59,7 +59,7 @@ class Measurement:
     """One method timed on one job in one direction.
 
     ``page_bytes`` is the canonical page size, ``blocks`` the job's block count, ``num_bytes``
-    the job's canonical bytes, ``direction`` a :class:`~kvsnap.plan.Direction` value and
+    the job's canonical bytes, ``direction`` a :class:`~kvsnap.transfer.plan.Direction` value and
     ``method`` ``ceiling`` or ``kvsnap-BACKEND`` (benchmarks add their baselines). ``seconds``
     and ``gbps`` are None when the method failed or was skipped; ``note`` then says why.
     """

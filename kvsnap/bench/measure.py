@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvsnap.bench.cases import SLOW_RUN_SECONDS, Measurement, Timer, TransferCase
-from kvsnap.plan import Direction
 from kvsnap.transfer import TransferHandler
+from kvsnap.transfer.plan import Direction
 
 
 def median_time(timer: Timer, action: Callable[[], object], repeats: int) -> tuple[float, float]:

@@ -29,8 +29,8 @@ from kvsnap.bench.cases import (
     transfer_cases,
 )
 from kvsnap.bench.measure import measure_case
-from kvsnap.plan import Direction
 from kvsnap.transfer import current_policy
+from kvsnap.transfer.plan import Direction
 
 
 @dataclass

@@ -2,17 +2,17 @@
 
 :class:`Pipeline` is what an engine keeps per set of caches; :func:`kvsnap.capture` and
 :meth:`kvsnap.Snapshot.restore` run on the same machinery. Modules, in pipeline order:
-``slots`` (which pages a slot carries), ``page_table`` (the caches' addresses as one table),
-``movers`` (the interface, and the transfer handler's path for named backends), ``fused``
-(one kernel launch, one digest launch and one DMA per slot), ``staging`` (pinned slots and
-device buffers kept per process), ``capture`` and ``restore`` (the loops), ``jobs`` (requests
-and results), ``options``, ``warm`` (the :class:`Pipeline`).
+``slots`` (which pages a slot carries), ``movers`` (the interface, and the transfer handler's
+path for named backends), ``fused`` (one kernel launch, one digest launch and one DMA per
+slot), ``staging`` (pinned slots and device buffers kept per process), ``capture`` and
+``restore`` (the loops), ``jobs`` (requests and results), ``options``, ``pipeline`` (the
+:class:`Pipeline`). The caches' addresses as one table are :mod:`kvsnap.transfer.page_table`.
 """
 
 from kvsnap.pipeline.jobs import CaptureResult, RestoreResult, SequenceBlocks
 from kvsnap.pipeline.options import StagingOptions, TransferOptions
+from kvsnap.pipeline.pipeline import Pipeline
 from kvsnap.pipeline.staging import release_shared_staging
-from kvsnap.pipeline.warm import Pipeline
 
 __all__ = [
     "CaptureResult",

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from kvsnap.pinned import Slot
 from kvsnap.pipeline.movers import SlotMover
 from kvsnap.pipeline.slots import SlotPlan
 from kvsnap.pipeline.staging import StagingRing
 from kvsnap.store import SnapshotWriter, TraceHook, traced
+from kvsnap.transfer.pinned import Slot
 
 
 @dataclass

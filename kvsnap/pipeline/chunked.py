@@ -22,7 +22,7 @@ from kvsnap.pipeline.restore import FailedPages, describe_failure, failed_target
 from kvsnap.store import TraceHook
 
 if TYPE_CHECKING:
-    from kvsnap.pipeline.warm import Pipeline
+    from kvsnap.pipeline.pipeline import Pipeline
     from kvsnap.snapshot import Snapshot
 
 #: A checked restore of one snapshot: the snapshot and ``(snapshot blocks, target blocks)``.

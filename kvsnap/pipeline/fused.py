@@ -19,14 +19,14 @@ import torch
 
 from kvsnap.errors import LayoutError, TransferFailedError
 from kvsnap.layout import CacheLayout, check_tiling
-from kvsnap.pinned import Slot
 from kvsnap.pipeline.movers import SlotMover
-from kvsnap.pipeline.page_table import PageTable
 from kvsnap.pipeline.slots import SlotPlan
 from kvsnap.pipeline.staging import DeviceStaging, device_staging
-from kvsnap.plan import Direction
 from kvsnap.transfer import page_hash
 from kvsnap.transfer.page_copy import kernel_table, launch_kernel, run_on_cpu, unavailable_reason
+from kvsnap.transfer.page_table import PageTable
+from kvsnap.transfer.pinned import Slot
+from kvsnap.transfer.plan import Direction
 from kvsnap.transfer.triton_copy import interpreting
 
 

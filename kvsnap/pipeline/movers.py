@@ -25,10 +25,10 @@ import torch
 
 from kvsnap.errors import TransferFailedError
 from kvsnap.layout import CacheLayout
-from kvsnap.pinned import Slot
 from kvsnap.pipeline.slots import SlotPlan
-from kvsnap.plan import Direction, HostPages, PageCopy
 from kvsnap.transfer import TransferHandler
+from kvsnap.transfer.pinned import Slot
+from kvsnap.transfer.plan import Direction, HostPages, PageCopy
 
 
 class SlotMover(ABC):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvsnap.pinned import PinnedPool
+from kvsnap.transfer.pinned import PinnedPool
 
 #: Host staging slot of small jobs (an engine's per-request prefix) and of large ones.
 SMALL_SLOT_BYTES = 16 << 20
@@ -48,7 +48,7 @@ class StagingOptions:
     By default kvsnap's process-wide staging is used: slots pinned once, on first use, and kept
     for every later call (``SHARED_SLOTS`` of ``SMALL_SLOT_BYTES``, and as many of
     ``LARGE_SLOT_BYTES`` for jobs of ``LARGE_JOB_BYTES`` or more). ``pool`` is a
-    :class:`~kvsnap.pinned.PinnedPool` the caller keeps instead; ``slot_bytes`` and
+    :class:`~kvsnap.transfer.pinned.PinnedPool` the caller keeps instead; ``slot_bytes`` and
     ``num_slots`` ask for a private pool of that shape, made and freed by the call.
 
     ``hot`` (restores on CUDA): whether the snapshot's files may be served from the hot tier

@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 
 from kvsnap.errors import SnapshotCorruptError
-from kvsnap.pinned import Slot
 from kvsnap.pipeline.movers import SlotMover
 from kvsnap.pipeline.slots import SlotPlan
 from kvsnap.pipeline.staging import StagingRing
 from kvsnap.store import SnapshotReader, TraceHook, traced
 from kvsnap.store.hot import HotFile, hot_tier
+from kvsnap.transfer.pinned import Slot
 
 
 class SnapshotPages:

@@ -17,7 +17,6 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from kvsnap.pinned import PinnedPool, Slot
 from kvsnap.pipeline import options as defaults
 from kvsnap.pipeline.options import (
     LARGE_SLOT_BYTES,
@@ -25,6 +24,7 @@ from kvsnap.pipeline.options import (
     SMALL_SLOT_BYTES,
     StagingOptions,
 )
+from kvsnap.transfer.pinned import PinnedPool, Slot
 
 
 class StagingRing:

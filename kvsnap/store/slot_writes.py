@@ -141,8 +141,9 @@ def _contiguous_writes(
                 runs[-1] = (shard, last_offset, last_address, last_bytes + flat.nbytes)
                 continue
         runs.append((shard, offset, address, flat.nbytes))
-    # Not at module level: kvsnap.pinned imports torch, which reading a snapshot does not need.
-    from kvsnap.pinned import host_address_view
+    # Not at module level: kvsnap.transfer.pinned imports torch, which reading a snapshot does
+    # not need.
+    from kvsnap.transfer.pinned import host_address_view
 
     writes = []
     for shard, offset, address, nbytes in runs:

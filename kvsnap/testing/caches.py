@@ -4,8 +4,8 @@ Tests need caches whose bytes they know, laid out the way each engine lays them 
 device and at any tensor-parallel rank. :func:`make_cache` allocates one through the library's
 :func:`kvsnap.layout.allocate.allocate_cache` (engine tensors, their layout, and a *logical view*
 per (layer, part) built with plain torch indexing, never through copy runs, so an independent
-oracle for what :mod:`kvsnap.layout`, :mod:`kvsnap.plan` and the transfer backends compute) and
-adds what tests need on top: writing known content and saying what each view must hold.
+oracle for what :mod:`kvsnap.layout`, :mod:`kvsnap.transfer.plan` and the transfer backends
+compute) and adds what tests need on top: writing known content and saying what each view must hold.
 
 Content is a :class:`KVContent`: the TP=1 canonical pages of every block, as random bytes. A
 rank's cache holds the head slice :func:`kvsnap.layout.head_shard` assigns it, so ranks of one

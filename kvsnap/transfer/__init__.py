@@ -1,9 +1,9 @@
 """Ordered asynchronous copies between an engine's KV cache and host pages.
 
-:class:`TransferHandler` runs jobs (lists of :class:`~kvsnap.plan.PageCopy`) in one direction
-on pooled streams; a :class:`CopyBackend` executes each job: ``cuda-batch`` (the driver's batch
-DMA copy), ``triton`` (a UVA copy kernel), ``torch`` (gather/scatter through staging) or
-``cpu`` (host memory only). ``auto`` picks per job; see :mod:`kvsnap.transfer.base`.
+:class:`TransferHandler` runs jobs (lists of :class:`~kvsnap.transfer.plan.PageCopy`) in one
+direction on pooled streams; a :class:`CopyBackend` executes each job: ``cuda-batch`` (the
+driver's batch DMA copy), ``triton`` (a UVA copy kernel), ``torch`` (gather/scatter through
+staging) or ``cpu`` (host memory only). ``auto`` picks per job; see :mod:`kvsnap.transfer.base`.
 """
 
 from kvsnap.transfer.base import (

@@ -1,10 +1,10 @@
 """The copy-backend interface, the job results, the backend registry and the ``auto`` policy.
 
 A backend executes one job's copies on one stream. Every backend sees the same job: the
-validated :class:`~kvsnap.plan.ResolvedCopy` list (which the ``torch`` backend gathers from) and
-the flat :class:`~kvsnap.plan.Descriptors` built from it (which the pointer backends ``cpu``,
-``triton`` and ``cuda-batch`` execute). Backends never decide ordering or completion; the
-:class:`~kvsnap.transfer.handler.TransferHandler` does.
+validated :class:`~kvsnap.transfer.plan.ResolvedCopy` list (which the ``torch`` backend gathers
+from) and the flat :class:`~kvsnap.transfer.plan.Descriptors` built from it (which the pointer
+backends ``cpu``, ``triton`` and ``cuda-batch`` execute). Backends never decide ordering or
+completion; the :class:`~kvsnap.transfer.handler.TransferHandler` does.
 
 The ``auto`` policy lives here, in one place: :func:`choose_backend` picks a backend per job
 from the transfer direction, the job's mean merged descriptor size and what the machine has.
@@ -29,7 +29,7 @@ import torch
 
 from kvsnap.errors import BackendUnavailable
 from kvsnap.layout import CacheLayout
-from kvsnap.plan import Descriptors, Direction, ResolvedCopy
+from kvsnap.transfer.plan import Descriptors, Direction, ResolvedCopy
 
 # --------------------------------------------------------------------------------------------
 # The auto policy's constants (measured on an H200: DESIGN.md and docs/benchmarks.md)
@@ -317,22 +317,12 @@ def policy_from_calibration(data: Mapping[str, Any], source: str = "calibration"
     return AutoPolicy(large_fragment_bytes=thresholds, small_backend=small, source=source)
 
 
-def write_calibration(calibration: Mapping[str, Any], path: Path | None = None) -> Path:
-    """Write ``calibration`` where :func:`load_policy` reads it; return the path written.
+def forget_policy() -> None:
+    """Drop the policy :func:`current_policy` cached, so the next job reads the calibration again.
 
-    ``path`` defaults to :func:`calibration_path`. The mapping is validated first (a file this
-    writes always loads), replaces any previous file atomically, and the policy
-    :func:`current_policy` cached is dropped, so ``auto`` uses the new one from its next job in
-    this process as in any new one.
+    :func:`kvsnap.bench.calibration.write_calibration` calls it after publishing a new file.
     """
-    policy_from_calibration(calibration, source="calibration to write")
-    path = calibration_path() if path is None else Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    from kvsnap.store.publish import publish_bytes
-
-    publish_bytes(path, (json.dumps(dict(calibration), indent=2) + "\n").encode())
     _cached_policy.cache_clear()
-    return path
 
 
 @lru_cache(maxsize=1)

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from kvsnap.layout import CacheLayout
-from kvsnap.plan import Direction
 from kvsnap.transfer.base import CopyBackend, CopyJob, register_backend
+from kvsnap.transfer.plan import Direction
 
 #: ABI version requested for ``cuMemcpyBatchAsync`` (the 12.8 signature, with ``failIdx``).
 BATCH_ABI_VERSION = 12080

@@ -2,7 +2,7 @@
 
 One :class:`TransferHandler` serves one direction (capture: device to host; restore: host to
 device), the way vLLM's CPU offload worker does. A job is a list of
-:class:`~kvsnap.plan.PageCopy`; :meth:`TransferHandler.submit` validates it whole, then
+:class:`~kvsnap.transfer.plan.PageCopy`; :meth:`TransferHandler.submit` validates it whole, then
 enqueues it on a pooled CUDA stream that first waits for the previous job's end event (so jobs
 run in submission order) and, at device to host, for the compute stream that writes the KV.
 Descriptor backends receive the job in pieces planned copy by copy, so the device copies one
@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from kvsnap.layout import CacheLayout
-from kvsnap.plan import CopyPlanner, Descriptors, Direction, PageCopy, ResolvedCopy
 from kvsnap.transfer.base import (
     CopyBackend,
     CopyJob,
@@ -38,6 +37,7 @@ from kvsnap.transfer.base import (
     make_backend,
     on_stream,
 )
+from kvsnap.transfer.plan import CopyPlanner, Descriptors, Direction, PageCopy, ResolvedCopy
 
 #: Default :attr:`TransferHandler.flush_descriptors`: large enough that launches and driver
 #: calls are amortized (~1-2 ms of copying), small enough that the device starts early.

@@ -1,6 +1,6 @@
 """The fused page copy: every page of a staging slot, whatever its layer or rank, in one launch.
 
-:class:`~kvsnap.pipeline.page_table.PageTable` turns a slot's pages into :class:`GroupCopy`
+:class:`~kvsnap.transfer.page_table.PageTable` turns a slot's pages into :class:`GroupCopy`
 arrays: per fragment group, a base address per page on each side, plus the group's fragment
 offsets. :func:`run_page_copies` executes them:
 
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvsnap.plan import Descriptors, merge_adjacent
 from kvsnap.transfer.cpu import copy_descriptors
+from kvsnap.transfer.plan import Descriptors, merge_adjacent
 from kvsnap.transfer.triton_copy import TRITON_IMPORT_ERROR, kernel_for, tl, triton
 
 if TYPE_CHECKING:
-    from kvsnap.pipeline.page_table import GroupCopy
+    from kvsnap.transfer.page_table import GroupCopy
 
 
 #: Bytes one program moves per step (ROWS x BLOCK words).

@@ -35,8 +35,8 @@ import torch
 
 from kvsnap.dtypes import WORD_DTYPES
 from kvsnap.layout import CacheLayout, CopyRun, PageRef
-from kvsnap.plan import Direction, ResolvedCopy
 from kvsnap.transfer.base import CopyBackend, CopyJob, on_stream, register_backend
+from kvsnap.transfer.plan import Direction, ResolvedCopy
 from kvsnap.transfer.torch_views import (
     RunGroup,
     fold_runs,

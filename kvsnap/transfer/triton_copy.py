@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from kvsnap.layout import CacheLayout
-from kvsnap.plan import Direction
 from kvsnap.transfer.base import CopyBackend, CopyJob, register_backend
+from kvsnap.transfer.plan import Direction
 
 #: Descriptors larger than this are cut into pieces of this size (work-item balance).
 PIECE_BYTES = 128 << 10

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvsnap.pinned import PinnedPool
-from kvsnap.plan import Direction, HostPages, PageCopy
 from kvsnap.testing.caches import SyntheticCache, make_cache, random_content, same_bytes
 from kvsnap.transfer import CopyJob, TransferHandler, available_backends, make_backend
 from kvsnap.transfer.cuda_batch import CudaBatchBackend, resolve_driver
+from kvsnap.transfer.pinned import PinnedPool
+from kvsnap.transfer.plan import Direction, HostPages, PageCopy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -361,7 +361,7 @@ def test_copies_stay_inside_one_host_registration(
     descriptors across the old 1 MiB chunk boundary of a slot copy correctly."""
     if backend not in available_backends(DEVICE):
         pytest.skip(f"{backend} is not available here")
-    monkeypatch.setattr("kvsnap.pinned.MAX_REGISTER_CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr("kvsnap.transfer.pinned.MAX_REGISTER_CHUNK_BYTES", 1 << 20)
     cache = make_cache(
         "flat-paged",
         num_layers=1,

@@ -41,7 +41,7 @@ their public names:
 
 * :mod:`~kvsnap.engines.vllm.layout`: vLLM's registered caches as a ``CacheLayout``
   (:func:`vllm_layout`, :class:`BlockOrder`, :func:`probe_block_order`);
-* :mod:`~kvsnap.engines.vllm.store`: the prefix store (:class:`PrefixStore`,
+* :mod:`~kvsnap.engines.vllm.prefix_store`: the prefix store (:class:`PrefixStore`,
   :class:`StoreMatch`, :class:`ChunkRef`, :func:`store_namespace`);
   :mod:`~kvsnap.engines.vllm.eviction`: a store's entries and LRU pruning
   (:func:`store_entries`, :func:`prune_store`); :mod:`~kvsnap.engines.vllm.chunk_check`: the
@@ -87,6 +87,15 @@ from kvsnap.engines.vllm.layout import (
     vllm_layout,
 )
 from kvsnap.engines.vllm.options import MODES, ConnectorOptions
+from kvsnap.engines.vllm.prefix_store import (
+    ChunkRef,
+    PrefixStore,
+    StoreMatch,
+    check_store_directory,
+    chunk_sequence_id,
+    safe_name,
+    store_namespace,
+)
 from kvsnap.engines.vllm.registration import RegisteredCache, registered_cache
 from kvsnap.engines.vllm.specs import (
     ChunkLoad,
@@ -95,15 +104,6 @@ from kvsnap.engines.vllm.specs import (
     LoadSpec,
     SaveSpec,
     external_request_id,
-)
-from kvsnap.engines.vllm.store import (
-    ChunkRef,
-    PrefixStore,
-    StoreMatch,
-    check_store_directory,
-    chunk_sequence_id,
-    safe_name,
-    store_namespace,
 )
 
 __all__ = [

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap.engines.vllm.store import ChunkRef, chunk_sequence_id, index_path, snapshot_path
+from kvsnap.engines.vllm.prefix_store import ChunkRef, chunk_sequence_id, index_path, snapshot_path
 from kvsnap.errors import KVSnapError, SignatureError
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import Snapshot

@@ -29,10 +29,10 @@ from kvsnap.engines.vllm.engine_config import (
 )
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.options import ConnectorOptions
+from kvsnap.engines.vllm.prefix_store import PrefixStore, check_store_directory, store_namespace
 from kvsnap.engines.vllm.registration import refuse_dropping_caches
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata, KVSnapWorkerMetadata
-from kvsnap.engines.vllm.store import PrefixStore, check_store_directory, store_namespace
 from kvsnap.engines.vllm.worker import KVSnapWorker
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@
 deletes leftover temporary files, abandoned parts and quarantined chunks first, then chunks in
 order of last use, until the store fits a byte bound. A chunk's last use is the later of its
 access and modification times (a parted chunk's: its index's):
-:meth:`~kvsnap.engines.vllm.store.PrefixStore.touch` sets the access time on every hit, and
+:meth:`~kvsnap.engines.vllm.prefix_store.PrefixStore.touch` sets the access time on every hit, and
 the writer's publish sets both. With ``store_capacity_bytes`` the connector commits each chunk
 through :func:`commit_within_capacity` (under the store-wide :func:`capacity_lock`: the store
 is measured by listing it, pruned to make room, then the staged chunk is renamed into place),
@@ -32,7 +32,7 @@ deletes an entry: another engine may have matched the chunk since. So each chunk
 renamed aside (under a temporary name whose lock the pruner holds), its last use read again
 from the renamed file, and it is renamed back when it was used since the listing or within
 ``min_idle_s``; only otherwise deleted. A scheduler's :meth:`PrefixStore.touch
-<kvsnap.engines.vllm.store.PrefixStore.touch>` that finds the chunk gone (renamed aside or
+<kvsnap.engines.vllm.prefix_store.PrefixStore.touch>` that finds the chunk gone (renamed aside or
 deleted) reports a miss.
 
 Nothing here needs vLLM.
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsnap import format as fmt
-from kvsnap.engines.vllm.store import CHUNK_SUFFIX, LEGACY_KEY, part_files
+from kvsnap.engines.vllm.prefix_store import CHUNK_SUFFIX, LEGACY_KEY, part_files
 from kvsnap.store import publish
 from kvsnap.store.hot import hot_tier
 from kvsnap.store.location import INDEX_SUFFIX

@@ -4,7 +4,7 @@ vLLM's own prefix cache keys a block on its parent's hash, its token ids and "ex
 LoRA adapter, the multimodal inputs overlapping the block (their content hashes and where
 their placeholders sit) and, for the first block, the request's ``cache_salt`` (tenant
 isolation). A store that outlives the engine keys on as much, and on what the engine never had
-to, because the store's namespace (:func:`kvsnap.engines.vllm.store.store_namespace`) already
+to, because the store's namespace (:func:`kvsnap.engines.vllm.prefix_store.store_namespace`) already
 separates models, weights, dtypes, block sizes and KV geometries. vLLM's block hashes
 themselves are not reused: their root is seeded per process (``PYTHONHASHSEED``), so they
 differ after a restart; the inputs are.

@@ -24,6 +24,7 @@ from kvsnap.engines.vllm.chunk_check import ChunkChecker
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.identity import identity_of, store_key_chain
 from kvsnap.engines.vllm.options import ConnectorOptions
+from kvsnap.engines.vllm.prefix_store import ChunkRef, PrefixStore, chunk_sequence_id, safe_name
 from kvsnap.engines.vllm.specs import (
     ChunkLoad,
     KVSnapConnectorMetadata,
@@ -32,7 +33,6 @@ from kvsnap.engines.vllm.specs import (
     SaveSpec,
     external_request_id,
 )
-from kvsnap.engines.vllm.store import ChunkRef, PrefixStore, chunk_sequence_id, safe_name
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -44,7 +44,6 @@ import torch
 
 from kvsnap import distributed
 from kvsnap import format as fmt
-from kvsnap.compat import check_fits
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.eviction import (
     StoreEntry,
@@ -53,6 +52,7 @@ from kvsnap.engines.vllm.eviction import (
     staged_path,
 )
 from kvsnap.engines.vllm.options import ConnectorOptions
+from kvsnap.engines.vllm.prefix_store import PrefixStore
 from kvsnap.engines.vllm.registration import RegisteredCache, register_caches
 from kvsnap.engines.vllm.saves import PendingSave, SaveQueue
 from kvsnap.engines.vllm.specs import (
@@ -61,7 +61,6 @@ from kvsnap.engines.vllm.specs import (
     LoadSpec,
     SaveSpec,
 )
-from kvsnap.engines.vllm.store import PrefixStore
 from kvsnap.errors import (
     IncompatibleSnapshotError,
     NotASnapshotError,
@@ -71,6 +70,7 @@ from kvsnap.errors import (
     SnapshotIOError,
     UnsupportedVersionError,
 )
+from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry
 from kvsnap.pipeline import Pipeline
@@ -481,7 +481,7 @@ def _check_fits(
     metadata: fmt.SnapshotMetadata, geometry: KVGeometry, fingerprint: str, path: str
 ) -> None:
     """Refuse a snapshot whose geometry or model fingerprint differs from the engine's (the
-    restore contract's one check, :func:`kvsnap.compat.check_fits`)."""
+    restore contract's one check, :func:`kvsnap.format.fit.check_fits`)."""
     check_fits(metadata, geometry, path=path, model_fingerprint=fingerprint)
 
 

@@ -58,7 +58,7 @@ def bench(
 ) -> None:
     """Measure copies between GPU and host memory per backend; derive auto's calibration."""
     from kvsnap.bench import run_bench
-    from kvsnap.transfer.base import write_calibration
+    from kvsnap.bench.calibration import write_calibration
 
     target = _check_options(device, write, calibration_file)
     if target.type == "cpu" and not as_json:
@@ -119,7 +119,7 @@ def _check_writable(path: Path) -> None:
 
 
 def _direction_label(direction: str, on_gpu: bool) -> str:
-    from kvsnap.plan import Direction
+    from kvsnap.transfer.plan import Direction
 
     device_side = "GPU" if on_gpu else "device"
     if direction == Direction.DEVICE_TO_HOST.value:

@@ -22,8 +22,8 @@ import numpy as np
 
 from kvsnap import format as fmt
 from kvsnap._version import __version__
-from kvsnap.compat import check_fits
 from kvsnap.errors import RestoreIncompleteError
+from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, part_layout
 from kvsnap.pipeline.capture import capture_slots
@@ -41,7 +41,6 @@ from kvsnap.pipeline.jobs import (
 )
 from kvsnap.pipeline.movers import HandlerMover, SlotMover
 from kvsnap.pipeline.options import StagingOptions, TransferOptions
-from kvsnap.pipeline.page_table import PageTable
 from kvsnap.pipeline.restore import (
     FailedPages,
     RestoreSource,
@@ -53,10 +52,11 @@ from kvsnap.pipeline.restore import (
 )
 from kvsnap.pipeline.slots import plan_slots
 from kvsnap.pipeline.staging import staging_ring
-from kvsnap.plan import Direction
 from kvsnap.store import SnapshotWriter, TraceHook, traced
 from kvsnap.store.hot import HotFile, hot_tier
 from kvsnap.transfer import TransferHandler
+from kvsnap.transfer.page_table import PageTable
+from kvsnap.transfer.plan import Direction
 
 if TYPE_CHECKING:
     import torch
@@ -194,7 +194,7 @@ class Pipeline:
         ``snapshot`` is an open :class:`~kvsnap.Snapshot` or a path (opened and closed here).
         ``block_ids`` maps a sequence id to the target's device block ids, one per block of
         that sequence. Everything is checked before the first byte is written (see
-        :func:`kvsnap.compat.check_fits`, and the ids, counts and ranges of the blocks). A page
+        :func:`kvsnap.format.fit.check_fits`, and the ids, counts and ranges of the blocks). A page
         that fails its checksum is never written: the others are, and
         :class:`~kvsnap.errors.RestoreIncompleteError` then lists the target blocks not
         (fully) restored.
@@ -275,7 +275,7 @@ class Pipeline:
     def _checked_capacity(
         self, snapshot: Snapshot, model_fingerprint: str | None, force: bool
     ) -> int:
-        """Refuse a snapshot that does not fit (:func:`kvsnap.compat.check_fits`); the number of
+        """Refuse a snapshot that does not fit (:func:`kvsnap.format.fit.check_fits`); the number of
         blocks every rank's cache has."""
         check_fits(
             snapshot.metadata,

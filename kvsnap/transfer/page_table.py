@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvsnap.layout import CacheLayout, CanonicalPageMapping
-from kvsnap.plan import Direction
+from kvsnap.transfer.plan import Direction
 
 
 @dataclass(frozen=True)
