@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvsnap.errors import LayoutError
+
 if TYPE_CHECKING:
     import torch
 
@@ -76,8 +78,6 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
     for element in KV_DTYPES.values():
         if element.torch == dtype:
             return element.name  # type: ignore[return-value]
-    from kvsnap.errors import LayoutError
-
     raise LayoutError(f"unsupported KV dtype {dtype}; supported: {', '.join(KV_DTYPES)}")
 
 
@@ -86,8 +86,6 @@ def kv_element(name: str) -> ElementType:
     unknown (without importing torch)."""
     element = KV_DTYPES.get(name)
     if element is None:
-        from kvsnap.errors import LayoutError
-
         raise LayoutError(f"unknown KV dtype {name!r}; supported: {', '.join(KV_DTYPES)}")
     return element
 

@@ -202,7 +202,7 @@ def metadata() -> fmt.SnapshotMetadata:
 def test_metadata_round_trips_through_json_and_tensors(metadata: fmt.SnapshotMetadata) -> None:
     text = metadata.to_json()
     assert json.loads(text)["format_version"] == fmt.FORMAT_VERSION
-    rebuilt = fmt.SnapshotMetadata.from_json(text, metadata.metadata_tensors())
+    rebuilt = fmt.parse_metadata_json(text).with_tensors(metadata.metadata_tensors())
     assert rebuilt == metadata
     assert rebuilt.sequences[1].prefix_hashes == metadata.sequences[1].prefix_hashes
     assert metadata.problems() == []
@@ -235,7 +235,9 @@ def test_source_info_defaults_are_written_and_read_back(metadata: fmt.SnapshotMe
     for source in (kvsnap.SourceInfo(), kvsnap.SourceInfo(model_id="x")):
         described = dataclasses.replace(metadata, source=source)
         assert described.problems() == []
-        rebuilt = fmt.SnapshotMetadata.from_json(described.to_json(), described.metadata_tensors())
+        rebuilt = fmt.parse_metadata_json(described.to_json()).with_tensors(
+            described.metadata_tensors()
+        )
         assert rebuilt.source == source
 
 
@@ -592,7 +594,7 @@ def test_geometries_survive_metadata_round_trip() -> None:
             shared_prefix_tokens(np.random.default_rng(6), geometry.block_size),
             extra_blocks=2,
         )
-        assert fmt.SnapshotMetadata.from_json(meta.to_json(), meta.metadata_tensors()) == meta
+        assert fmt.parse_metadata_json(meta.to_json()).with_tensors(meta.metadata_tensors()) == meta
     mla = KVGeometry(num_layers=1, block_size=2, dtype="bfloat16", latent_dim=4)
     assert (
         json.loads(make_metadata(mla, [np.arange(3)]).to_json())["layout"]["encoding"]

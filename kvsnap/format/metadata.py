@@ -244,7 +244,8 @@ class SnapshotMetadata:
     ``num_blocks`` is the length of every layer tensor's block axis; each sequence's
     ``block_ids`` index into it. ``created`` is an ISO-8601 UTC time (:func:`utc_now`) or
     ``None`` for a reproducible snapshot. :meth:`to_json` and :meth:`metadata_tensors` give
-    what a snapshot file stores; :meth:`from_json` rebuilds the object from them.
+    what a snapshot file stores; `kvsnap.format.parse_metadata_json(text).with_tensors(tensors)`
+    rebuilds the object from them.
     """
 
     geometry: KVGeometry
@@ -401,16 +402,3 @@ class SnapshotMetadata:
             except ValueError as error:
                 found.append(str(error))
         return found
-
-    @classmethod
-    def from_json(
-        cls, text: str, tensors: Mapping[str, np.ndarray], *, file: str | None = None
-    ) -> SnapshotMetadata:
-        """Rebuild metadata from its JSON string and its :meth:`metadata_tensors`.
-
-        Raises :class:`UnsupportedVersionError` for a newer format, and
-        :class:`SnapshotCorruptError` (naming ``file``) for anything inconsistent.
-        """
-        from kvsnap.format.parse import parse_metadata_json  # parse builds on this module
-
-        return parse_metadata_json(text, file=file).with_tensors(tensors, file=file)
