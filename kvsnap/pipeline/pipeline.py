@@ -21,19 +21,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap._version import __version__
 from kvsnap.errors import RestoreIncompleteError
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, part_layout
-from kvsnap.pipeline.capture import capture_slots
+from kvsnap.pipeline.capture import capture_metadata, capture_slots
 from kvsnap.pipeline.fused import FusedMover, fused_unavailable
 from kvsnap.pipeline.jobs import (
     CaptureResult,
     RestoreResult,
     SequenceBlocks,
     as_layouts,
-    block_id_array,
     block_pairs,
     common_geometry,
     restore_pairs,
@@ -137,7 +135,7 @@ class Pipeline:
         not the calling thread's stream (KV computed on another thread's stream)."""
         started = time.perf_counter()
         validate_sequences(self.geometry.block_size, sequences)
-        metadata, device_blocks = _capture_metadata(
+        metadata, device_blocks = capture_metadata(
             self.layouts, sequences, source or fmt.SourceInfo(), reproducible, part
         )
         page_bytes = self.geometry.canonical_page_size_bytes
@@ -398,52 +396,6 @@ class _Progress:
             self.done_bytes += num_bytes
             if self.callback is not None:
                 self.callback(self.done_bytes, self.total_bytes)
-
-
-def _capture_metadata(
-    layouts: Sequence[CacheLayout],
-    sequences: Sequence[SequenceBlocks],
-    source: fmt.SourceInfo,
-    reproducible: bool,
-    part: fmt.PartInfo | None = None,
-) -> tuple[fmt.SnapshotMetadata, np.ndarray]:
-    """The snapshot's metadata (of part ``part`` of a parted snapshot, if given), and the
-    device block holding each unique snapshot block.
-
-    Blocks whose prefix hash chains coincide are stored once (their first owner's block).
-    """
-    geometry = layouts[0].geometry
-    token_lists = [np.asarray(sequence.token_ids, dtype=np.int64) for sequence in sequences]
-    block_lists = [block_id_array(sequence.block_ids, "block ids") for sequence in sequences]
-    chains = [fmt.prefix_hash_chain(tokens, geometry.block_size) for tokens in token_lists]
-    dedupe = fmt.dedupe_blocks(chains)
-    device_blocks = np.array(
-        [int(block_lists[index][position]) for index, position in dedupe.owners], dtype=np.int64
-    )
-    records = [
-        fmt.SequenceRecord(
-            id=sequence.id,
-            token_ids=tokens,
-            block_ids=np.asarray(block_ids, dtype=np.int64),
-            prefix_hashes=tuple(chain),
-        )
-        for sequence, tokens, chain, block_ids in zip(
-            sequences, token_lists, chains, dedupe.sequence_block_ids, strict=True
-        )
-    ]
-    metadata = fmt.SnapshotMetadata(
-        geometry=geometry,
-        source=source,
-        sequences=records,
-        num_blocks=len(device_blocks),
-        capture_encoding=layouts[0].encoding,
-        tp_size=layouts[0].tp_size,
-        # A reproducible snapshot must not change bytes with each patch release.
-        kvsnap_version=".".join(__version__.split(".")[:2]) if reproducible else __version__,
-        created=None if reproducible else fmt.utc_now(),
-        part=part,
-    )
-    return metadata, device_blocks
 
 
 _TABLES: OrderedDict[tuple[object, ...], _SharedEntry] = OrderedDict()
