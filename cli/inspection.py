@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -112,18 +111,11 @@ def describe(snap: Snapshot) -> dict[str, Any]:
 def _parts_json(snap: Snapshot) -> dict[str, Any]:
     """``parts`` (a parted snapshot: its part files in head order) or ``part`` (one part file
     opened directly: which heads of the whole model it holds); nothing for other snapshots."""
-    # kvsnap.parted imports torch; opening a parted snapshot imported it, so without it in
-    # sys.modules ``snap`` is no PartedSnapshot.
-    parted = sys.modules.get("kvsnap.parted")
-    if parted is not None and isinstance(snap, parted.PartedSnapshot):
+    if snap.index is not None:
         return {
             "parts": [
-                {
-                    "file": path,
-                    "first_head": record.first_head,
-                    "num_heads": record.num_heads,
-                }
-                for path, record in zip(snap.part_files(), snap.index.parts, strict=True)
+                {"file": part.path, "first_head": part.first_head, "num_heads": part.num_heads}
+                for part in snap.parts
             ]
         }
     part = snap.metadata.part

@@ -2,22 +2,45 @@
 
 Nothing here writes or restores anything; every function reads through the
 :class:`~kvsnap.snapshot.Snapshot` it is given (checksums verified by the reader), and the
-``Snapshot`` methods of the same names delegate here.
+``Snapshot`` methods of the same names delegate here. What they read of it is
+:class:`ReadableSnapshot`, so this module needs nothing of the facade.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from kvsnap import format as fmt
+from kvsnap.layout import KVGeometry
 
-if TYPE_CHECKING:
-    from kvsnap.snapshot import Snapshot
+
+class ReadableSnapshot(Protocol):
+    """What the analysis reads of a snapshot (a :class:`~kvsnap.snapshot.Snapshot` is one):
+    its path, geometry and sequences, and its KV, whole or per sequence."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def geometry(self) -> KVGeometry: ...
+
+    @property
+    def sequences(self) -> list[fmt.SequenceRecord]: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def sequence(self, sequence_id: str) -> fmt.SequenceRecord: ...
+
+    def read_tensor(self, name: str) -> torch.Tensor: ...
+
+    def sequence_kv(self, sequence_id: str, name: str) -> torch.Tensor: ...
+
 
 #: The KV geometry fields two snapshots must share to be compared element by element; the
 #: dtype and the block size may differ (values are compared token by token, in a dtype that
@@ -78,7 +101,9 @@ class Comparison:
         return "\n".join([*self.notes, *problems, *self.layer_lines()])
 
 
-def compare(a: Snapshot, b: Snapshot, *, atol: float = 0.0, rtol: float = 0.0) -> Comparison:
+def compare(
+    a: ReadableSnapshot, b: ReadableSnapshot, *, atol: float = 0.0, rtol: float = 0.0
+) -> Comparison:
     """Compare snapshot ``a``'s KV with reference ``b``.
 
     The layers, KV heads and head size (or MLA latent width) must match (otherwise the only
@@ -107,7 +132,7 @@ def compare(a: Snapshot, b: Snapshot, *, atol: float = 0.0, rtol: float = 0.0) -
     return Comparison(ok, layers, problems, notes)
 
 
-def _geometry_problem(a: Snapshot, b: Snapshot) -> fmt.Problem | None:
+def _geometry_problem(a: ReadableSnapshot, b: ReadableSnapshot) -> fmt.Problem | None:
     differences = [
         f"{name}: {getattr(a.geometry, name)!r} vs {getattr(b.geometry, name)!r}"
         for name in _GEOMETRY_FIELDS
@@ -131,7 +156,7 @@ def comparison_dtype(first: str, second: str) -> torch.dtype:
     return torch.float64 if "float64" in (first, second) else torch.float32
 
 
-def _layout_notes(a: Snapshot, b: Snapshot, atol: float, rtol: float) -> list[str]:
+def _layout_notes(a: ReadableSnapshot, b: ReadableSnapshot, atol: float, rtol: float) -> list[str]:
     """What differs between the two snapshots without preventing the comparison."""
     notes = []
     first, second = a.geometry.dtype, b.geometry.dtype
@@ -158,7 +183,7 @@ SequencePair = tuple[fmt.SequenceRecord, fmt.SequenceRecord]
 
 
 def _pair_sequences(
-    a: Snapshot, b: Snapshot
+    a: ReadableSnapshot, b: ReadableSnapshot
 ) -> tuple[list[SequencePair], list[fmt.Problem], list[str]]:
     """Pair ``a``'s sequences with ``b``'s; list every structural difference once, and notes."""
     mine, theirs = a.sequences, b.sequences
@@ -198,7 +223,7 @@ def _ids(records: Sequence[fmt.SequenceRecord]) -> str:
 
 
 def _sequence_problems(
-    a: Snapshot, one: fmt.SequenceRecord, b: Snapshot, other: fmt.SequenceRecord
+    a: ReadableSnapshot, one: fmt.SequenceRecord, b: ReadableSnapshot, other: fmt.SequenceRecord
 ) -> list[fmt.Problem]:
     name = repr(one.id) if one.id == other.id else f"{one.id!r} / {other.id!r}"
     problems = []
@@ -221,8 +246,8 @@ def _sequence_problems(
 
 
 def _compare_tensor(
-    a: Snapshot,
-    b: Snapshot,
+    a: ReadableSnapshot,
+    b: ReadableSnapshot,
     name: str,
     pairs: Sequence[SequencePair],
     atol: float,
@@ -249,7 +274,7 @@ def _compare_tensor(
     return LayerDifference(name, max_diff, mismatches, first)
 
 
-def valid_tokens_per_block(snapshot: Snapshot) -> np.ndarray:
+def valid_tokens_per_block(snapshot: ReadableSnapshot) -> np.ndarray:
     """How many leading tokens of each snapshot block hold real KV (partial last blocks; a
     block no sequence references counts 0)."""
     valid = np.zeros(snapshot.num_blocks, dtype=np.int64)
@@ -263,7 +288,7 @@ def valid_tokens_per_block(snapshot: Snapshot) -> np.ndarray:
     return valid
 
 
-def tensor_stats(snapshot: Snapshot, name: str) -> dict[str, float | int]:
+def tensor_stats(snapshot: ReadableSnapshot, name: str) -> dict[str, float | int]:
     """absmax, mean, std (population), NaN and Inf counts of tensor ``name`` over the tokens
     that hold real KV; all zero when there is no such token."""
     valid = valid_tokens_per_block(snapshot)
@@ -283,7 +308,7 @@ def tensor_stats(snapshot: Snapshot, name: str) -> dict[str, float | int]:
     }
 
 
-def token_norms(snapshot: Snapshot, sequence_id: str) -> dict[str, np.ndarray]:
+def token_norms(snapshot: ReadableSnapshot, sequence_id: str) -> dict[str, np.ndarray]:
     """Per part (``key``/``value`` or ``latent``), a float32 ``(num_layers, num_tokens)`` array
     of the L2 norm of each token's KV in each layer (``num_tokens`` may be 0)."""
     geometry = snapshot.geometry

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ from kvsnap.parted import capture_part
 from kvsnap.pipeline import (
     CaptureResult,
     Pipeline,
+    ProgressCallback,
     RestoreResult,
     SequenceBlocks,
     StagingOptions,
@@ -82,7 +83,7 @@ def capture(
     staging: StagingOptions | None = None,
     reproducible: bool = False,
     direct_io: bool | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: ProgressCallback | None = None,
     trace: TraceHook | None = None,
     after: torch.cuda.Event | None = None,
     only_if_missing: bool = False,
@@ -307,7 +308,7 @@ def _exists(path: str) -> bool:
     return os.path.exists(path) or os.path.exists(path + INDEX_SUFFIX)
 
 
-def _report_nothing(progress: Callable[[int, int], None] | None) -> None:
+def _report_nothing(progress: ProgressCallback | None) -> None:
     """Tell ``progress`` that this rank has nothing to move (its copies are all done)."""
     if progress is not None:
         progress(0, 0)

@@ -8,16 +8,18 @@ staging loop over slots that span tensors), reading and writing go through
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvsnap import format as fmt
+from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry, torch_dtype
 from kvsnap.store import SnapshotReader, TraceHook
+from kvsnap.store.head_parts import HeadPart, OpenedSnapshot, open_snapshot, whole_snapshot
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from kvsnap.layout import CacheLayout
     from kvsnap.pipeline import (
         CaptureResult,
+        ProgressCallback,
         RestoreResult,
         SequenceBlocks,
         StagingOptions,
@@ -36,11 +39,13 @@ if TYPE_CHECKING:
 
 #: Names this module re-exports from modules that import torch, imported on first use: opening,
 #: inspecting and verifying a snapshot need no torch (the CLI's ``inspect`` and ``verify``
-#: start without it).
+#: start without it). For the same reason the methods that capture, restore or analyse import
+#: :mod:`kvsnap.pipeline`, :mod:`kvsnap.parted` and :mod:`kvsnap.analysis` when called.
 _REEXPORTS = {
     "Comparison": "kvsnap.analysis",
     "LayerDifference": "kvsnap.analysis",
     "CaptureResult": "kvsnap.pipeline",
+    "ProgressCallback": "kvsnap.pipeline",
     "RestoreResult": "kvsnap.pipeline",
     "SequenceBlocks": "kvsnap.pipeline",
 }
@@ -62,9 +67,6 @@ __all__ = [
     "Snapshot",
     "capture",
 ]
-
-ProgressCallback = Callable[[int, int], None]
-"""``progress(done_bytes, total_bytes)``, called as data moves."""
 
 
 def capture(
@@ -112,6 +114,7 @@ def capture(
     """
     from kvsnap.layout import CacheLayout
     from kvsnap.pipeline import Pipeline
+    from kvsnap.pipeline.options import staging_options
 
     common = {"source": source, "reproducible": reproducible, "direct_io": direct_io}
     common["keys"] = keys
@@ -137,22 +140,17 @@ def capture(
     )
 
 
-def staging_options(staging: StagingOptions | PinnedPool | None) -> StagingOptions | None:
-    """A caller's pool as :class:`StagingOptions` (anything else unchanged)."""
-    from kvsnap.pipeline import StagingOptions
-    from kvsnap.transfer.pinned import PinnedPool
-
-    return StagingOptions(pool=staging) if isinstance(staging, PinnedPool) else staging
-
-
 class Snapshot:
     """An open snapshot: its metadata, its sequences, and what can be done with them.
 
     Use :meth:`open`; a ``Snapshot`` is a context manager that closes the file.
     """
 
-    def __init__(self, reader: SnapshotReader, path: str) -> None:
-        self._reader = reader
+    def __init__(self, reader: SnapshotReader | OpenedSnapshot, path: str) -> None:
+        # A reader of one file (or shards) is a snapshot of one part holding every head.
+        self._opened = (
+            reader if isinstance(reader, OpenedSnapshot) else whole_snapshot(reader, path)
+        )
         self.path = path
 
     @classmethod
@@ -167,28 +165,41 @@ class Snapshot:
         :class:`~kvsnap.errors.BadSignatureError` otherwise.
         Raises :class:`~kvsnap.errors.KVSnapError` subclasses for anything that is not a
         readable kvsnap snapshot. A parted snapshot (its index, or the ``NAME.safetensors`` it
-        was written to) opens as a :class:`~kvsnap.parted.PartedSnapshot`: one snapshot of all
-        heads, every part checked against the index.
+        was written to) opens as one snapshot of all heads (:attr:`parts`: one per part file),
+        every part checked against the index.
         """
-        from kvsnap.store.parts import open_parts, parted_index
-
-        index = parted_index(path)
-        if index is not None:
-            from kvsnap.parted import PartedSnapshot  # imports torch: only for parted snapshots
-
-            return PartedSnapshot(open_parts(index, verify=verify, keys=keys), str(path))
-        return cls(SnapshotReader(path, verify=verify, keys=keys), str(path))
+        return cls(open_snapshot(path, verify=verify, keys=keys), str(path))
 
     # -- metadata --------------------------------------------------------------------------
 
     @property
     def metadata(self) -> fmt.SnapshotMetadata:
-        return self._reader.metadata
+        return self._opened.metadata
 
     @property
     def format_version(self) -> int:
         """The format version the snapshot was written in."""
-        return self._reader.format_version
+        return self._opened.format_version
+
+    @property
+    def parts(self) -> tuple[HeadPart, ...]:
+        """The snapshot's head-range parts, in head order: each a reader and the KV heads
+        ``[first_head, first_head + num_heads)`` it holds. A single-file or sharded snapshot
+        is one part holding every head; a parted snapshot one part per file (its reader's
+        metadata is the part's: only its heads). Block reads and checksums of a part go
+        through its ``reader``."""
+        return self._opened.parts
+
+    @property
+    def index(self) -> fmt.PartsIndex | None:
+        """A parted snapshot's index (its parts' files, heads and trailer digests); ``None``
+        for a single-file or sharded snapshot."""
+        return self._opened.index
+
+    def part_files(self) -> list[str]:
+        """The part files, in head order (a single-file or sharded snapshot: the one file or
+        index it was opened through)."""
+        return [part.path for part in self.parts]
 
     @property
     def geometry(self) -> KVGeometry:
@@ -226,34 +237,42 @@ class Snapshot:
 
     def verify(self, progress: ProgressCallback | None = None) -> list[fmt.Problem]:
         """Check the structure and every checksum; an empty list means the snapshot is intact."""
+        # Every part fully, each problem naming its file; a parted index's own checks (heads
+        # tiling, trailer digests, parts agreeing on sequences and geometry) ran at open.
         total = self.kv_bytes
-        callback = None if progress is None else (lambda done: progress(done, total))
-        return self._reader.verify(progress=callback)
+        problems: list[fmt.Problem] = []
+        done = 0
+        for part in self.parts:
+            callback = (
+                None if progress is None else (lambda n, base=done: progress(base + n, total))
+            )
+            problems += part.reader.verify(progress=callback)
+            done += self.num_blocks * part.reader.metadata.geometry.bytes_per_block
+        return problems
 
     def signature_problems(self, keys: KeyRing) -> list[SignatureError]:
         """Why ``keys`` do not vouch for each file of the snapshot: an
         :class:`~kvsnap.errors.UnsignedSnapshotError` or a
         :class:`~kvsnap.errors.BadSignatureError` per file that fails (empty: every file is
         signed by one of the keys over exactly its header and checksum trailer)."""
-        return self._reader.signature_problems(keys)
+        return [problem for part in self.parts for problem in part.reader.signature_problems(keys)]
 
     def signing_key_ids(self) -> list[str | None]:
         """Per file, the hex id of the key that signed it, as written (unchecked; ``None``
         for an unsigned file)."""
-        return self._reader.signing_key_ids()
+        return [key_id for part in self.parts for key_id in part.reader.signing_key_ids()]
 
     @property
     def reader(self) -> SnapshotReader:
         """The underlying reader (block reads, checksums)."""
-        return self._reader
+        # A parted snapshot has one reader per part (``parts``); this is the first part's.
+        return self.parts[0].reader
 
     def check_compatible(
         self, geometry: KVGeometry, *, model_fingerprint: str | None = None, force: bool = False
     ) -> None:
         """Refuse (with :class:`IncompatibleSnapshotError`) a target this snapshot does not fit;
         see :func:`kvsnap.format.fit.check_fits`."""
-        from kvsnap.format.fit import check_fits
-
         check_fits(
             self.metadata,
             geometry,
@@ -266,7 +285,12 @@ class Snapshot:
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """A whole canonical tensor, ``(num_blocks, *canonical_page_shape)``, checksums verified."""
-        return self._reader.read_tensor(name)
+        if len(self.parts) == 1:
+            return self.parts[0].reader.read_tensor(name)
+        import torch
+
+        # Parts hold head ranges: the head axis of the canonical page is the third.
+        return torch.cat([part.reader.read_tensor(name) for part in self.parts], dim=2)
 
     def sequence_kv(self, sequence_id: str, name: str) -> torch.Tensor:
         """One sequence's KV of tensor ``name``.
@@ -276,13 +300,9 @@ class Snapshot:
         import torch
 
         record = self.sequence(sequence_id)
-        page_bytes = self._reader.page_size_bytes(name)
-        pages = np.empty(len(record.block_ids) * page_bytes, dtype=np.uint8)
-        self._reader.read_pages(name, record.block_ids, pages)
-        shape = self.geometry.canonical_page_shape
-        tensor = torch.from_numpy(pages).view(torch_dtype(self.geometry.dtype))
-        tokens = tensor.reshape(len(record.block_ids) * shape[0], *shape[1:])
-        return tokens[: len(record.token_ids)]
+        if len(self.parts) == 1:
+            return _sequence_kv(self.parts[0].reader, record, name)
+        return torch.cat([_sequence_kv(part.reader, record, name) for part in self.parts], dim=1)
 
     def compare(self, other: Snapshot, *, atol: float = 0.0, rtol: float = 0.0) -> Comparison:
         """Compare this snapshot's KV with ``other``: see :func:`kvsnap.analysis.compare`."""
@@ -313,6 +333,7 @@ class Snapshot:
         not restored). ``transfer``, ``staging`` and ``trace`` are as for :func:`capture`.
         """
         from kvsnap.pipeline import Pipeline
+        from kvsnap.pipeline.options import staging_options
 
         return Pipeline(layout, transfer=transfer).restore(
             self,
@@ -347,10 +368,25 @@ class Snapshot:
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
-        self._reader.close()
+        self._opened.close()
 
     def __enter__(self) -> Snapshot:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _sequence_kv(reader: SnapshotReader, record: fmt.SequenceRecord, name: str) -> torch.Tensor:
+    """The KV of tensor ``name`` of the sequence ``record`` from ``reader``'s snapshot (a part
+    of one: its heads), ``(num_tokens, heads, head_dim)`` or ``(num_tokens, latent_dim)``."""
+    import torch
+
+    geometry = reader.metadata.geometry
+    page_bytes = reader.page_size_bytes(name)
+    pages = np.empty(len(record.block_ids) * page_bytes, dtype=np.uint8)
+    reader.read_pages(name, record.block_ids, pages)
+    shape = geometry.canonical_page_shape
+    tensor = torch.from_numpy(pages).view(torch_dtype(geometry.dtype))
+    tokens = tensor.reshape(len(record.block_ids) * shape[0], *shape[1:])
+    return tokens[: len(record.token_ids)]

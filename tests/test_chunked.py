@@ -123,3 +123,43 @@ def test_a_reopened_chunk_reuses_its_checked_block_checksums(
         other.stored_checksums(*pages)
     # Read and checked once per file version: the reopened chunk reused the first reader's.
     assert loads == [str(paths[0]), str(paths[1])]
+
+
+def test_plain_and_parted_chunks_restore_in_one_call(tmp_path: Path) -> None:
+    paths, pages, source = _store_chunks(tmp_path, 2, 4)
+    # The first chunk again, as a plain snapshot of every head.
+    first, count = CHUNKS[0]
+    tokens = np.arange(first * 4, (first + count) * 4)
+    sequence = SequenceBlocks("chunk", tokens, np.arange(first, first + count))
+    paths[0] = tmp_path / "plain0.safetensors"
+    capture([r.layout for r in source], [sequence], paths[0], source=SOURCE)
+    target = caches("vllm-nhd", 2, 4)
+    moved: list[list[str]] = []
+    real = WarmPipeline._move_in
+
+    def recorded(self, moves, *args):  # type: ignore[no-untyped-def]
+        moved.append([Path(move.file).name for move in moves])
+        return real(self, moves, *args)
+
+    destination = np.array([11, 3, 7, 0, 9, 1, 5, 2, 10, 4, 6])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(WarmPipeline, "_move_in", recorded)
+        snapshots = [Snapshot.open(path) for path in paths]
+        jobs, start = [], 0
+        for snapshot, (_, count) in zip(snapshots, CHUNKS, strict=True):
+            jobs.append((snapshot, np.arange(count), destination[start : start + count]))
+            start += count
+        result = Pipeline([rank.layout for rank in target]).restore_chunks(jobs)
+        for snapshot in snapshots:
+            snapshot.close()
+    # The plain chunk moves through the target's own pipeline, each head range of the parted
+    # chunks through the pipeline over its heads: one staging loop each, every chunk's part.
+    assert [len(names) for names in moved] == [1, 2, 2]
+    assert moved[0] == ["plain0.safetensors"]
+    assert all("-part-00001-" in name for name in moved[1])
+    assert all("-part-00002-" in name for name in moved[2])
+    assert result.num_blocks == 11
+    for rank in target:
+        for name, expected in pages.items():
+            restored = rank.logical(name)[torch.as_tensor(destination)]
+            assert same_bytes(restored, expected[:11, :, rank.heads]), name

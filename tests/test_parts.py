@@ -11,6 +11,7 @@ import torch
 from parts_helpers import (
     NUM_BLOCKS,
     SOURCE,
+    TARGETS,
     TP_KINDS,
     caches,
     filled,
@@ -24,7 +25,7 @@ from parts_helpers import (
 from kvsnap import format as fmt
 from kvsnap import layout as L
 from kvsnap.errors import LayoutError, NotASnapshotError, RestoreIncompleteError
-from kvsnap.parted import PartedSnapshot, capture_part
+from kvsnap.parted import capture_part
 from kvsnap.pipeline import Pipeline
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store import SnapshotReader
@@ -81,7 +82,7 @@ def test_tp2_parts_restore_bit_exact_at_tp_1_2_4(tmp_path: Path, kind: str, head
     path = tmp_path / "parted.safetensors"
     content = parted_snapshot(path, kind, heads)
     with Snapshot.open(path) as snap:
-        assert isinstance(snap, PartedSnapshot) and len(snap.parts) == 2
+        assert snap.index is not None and len(snap.parts) == 2
         for tp in (1, 2, 4):
             ranks = caches(kind, tp, heads)
             snap.restore([rank.layout for rank in ranks], restore_map())
@@ -251,6 +252,79 @@ def test_one_rank_makes_one_part_and_unverified_opens_read_the_same(tmp_path: Pa
     path = tmp_path / "one.safetensors"
     capture(ranks[0].layout, sequences(1), path, source=SOURCE, per_rank_parts=True)
     with Snapshot.open(path, verify=False) as snap:
-        assert isinstance(snap, PartedSnapshot) and len(snap.parts) == 1
+        assert snap.index is not None and len(snap.parts) == 1
         assert snap.index.parts[0].num_heads == 8
         assert same_bytes(snap.read_tensor("layers.1.key"), content.pages["layers.1.key"])
+
+
+def test_every_snapshot_is_a_list_of_head_range_parts(tmp_path: Path) -> None:
+    ranks, content = filled("vllm-nhd", 2, 8)
+    layouts = [rank.layout for rank in ranks]
+    plain, parted = tmp_path / "plain.safetensors", tmp_path / "parted.safetensors"
+    capture(layouts, sequences(1), plain, source=SOURCE)
+    capture(layouts, sequences(1), parted, source=SOURCE, per_rank_parts=True)
+    with Snapshot.open(plain) as one, Snapshot.open(parted) as other:
+        # A single file is one part holding every head, read through the one reader.
+        assert one.index is None and one.part_files() == [str(plain)]
+        [whole] = one.parts
+        assert (whole.first_head, whole.num_heads) == (0, 8) and one.reader is whole.reader
+        # A parted snapshot is one part per file; its reader is its first part's, no error.
+        assert [(p.first_head, p.num_heads) for p in other.parts] == [(0, 4), (4, 4)]
+        assert other.reader is other.parts[0].reader
+        assert other.reader.metadata.part == fmt.PartInfo(1, 2, 0, 8)
+        for part in other.parts:
+            heads = slice(part.first_head, part.first_head + part.num_heads)
+            assert same_bytes(
+                part.reader.read_tensor("layers.1.value"),
+                content.pages["layers.1.value"][:NUM_BLOCKS, :, heads],
+            )
+
+
+def test_a_snapshot_made_from_a_reader_restores_as_one_opened(tmp_path: Path) -> None:
+    ranks, content = filled("vllm-hnd", 1, 8)
+    path = tmp_path / "plain.safetensors"
+    capture(ranks[0].layout, sequences(1), path, source=SOURCE)
+    target = caches("vllm-nhd", 2, 8)
+    with Snapshot(SnapshotReader(path), str(path)) as snap:
+        assert [(p.first_head, p.num_heads) for p in snap.parts] == [(0, 8)]
+        snap.restore([rank.layout for rank in target], restore_map())
+    assert restored_exactly(target, content)
+
+
+def test_a_pipeline_restores_a_parted_snapshot_named_by_its_path(tmp_path: Path) -> None:
+    path = tmp_path / "parted.safetensors"
+    content = parted_snapshot(path, "vllm-nhd", 8)
+    target = caches("packed", 4, 8)
+    result = Pipeline([rank.layout for rank in target]).restore(str(path), restore_map())
+    assert result.num_sequences == 2 and result.num_blocks == NUM_BLOCKS
+    assert restored_exactly(target, content)
+
+
+def test_failed_pages_of_every_part_make_one_error(tmp_path: Path) -> None:
+    path = tmp_path / "parted.safetensors"
+    content = parted_snapshot(path, "vllm-nhd", 8)
+    with Snapshot.open(path) as snap:
+        damaged = {}  # part file -> the snapshot block damaged in it
+        for part, block in zip(snap.part_files(), (2, 9), strict=True):
+            with SnapshotReader(part) as reader:
+                _, entry = reader.locate("layers.1.key")
+                page = reader.page_size_bytes("layers.1.key")
+            with open(part, "r+b") as file:
+                file.seek(entry.begin + block * page + 3)
+                byte = file.read(1)
+                file.seek(-1, 1)
+                file.write(bytes([byte[0] ^ 1]))
+            damaged[part] = block
+        (target,) = caches("vllm-nhd", 1, 8)
+        with pytest.raises(RestoreIncompleteError) as caught:
+            snap.restore(target.layout, restore_map())
+    error = caught.value
+    assert error.file == str(path)
+    assert error.failed_block_ids.tolist() == sorted(int(TARGETS[b]) for b in damaged.values())
+    assert all(part in str(error) for part in damaged)
+    assert error.result.num_blocks == NUM_BLOCKS
+    # Every other page was written.
+    good = [b for b in range(NUM_BLOCKS) if b not in damaged.values()]
+    for name in content.geometry.tensor_names():
+        expected = target.expected(content, name, torch.tensor(good))
+        assert same_bytes(target.logical(name)[torch.from_numpy(TARGETS[good])], expected), name

@@ -54,7 +54,7 @@ from kvsnap.bench.measure import (
     median_time,
     set_ratios,
 )
-from kvsnap.bench.run import BenchReport, ProgressCallback, format_bytes, run_bench
+from kvsnap.bench.run import BenchProgressCallback, BenchReport, format_bytes, run_bench
 
 __all__ = [
     "BATCH_COPY_SHARE",
@@ -69,11 +69,11 @@ __all__ = [
     "QUICK_JOB_BYTES_LIMIT",
     "SLOW_RUN_SECONDS",
     "SMALL_JOB_BLOCKS",
+    "BenchProgressCallback",
     "BenchReport",
     "KiB",
     "Measurement",
     "MiB",
-    "ProgressCallback",
     "Timer",
     "TransferCase",
     "check_capture",

@@ -62,14 +62,14 @@ class BenchReport:
 
 
 #: ``on_progress(steps done, total steps, what runs next)``; a step is one case and direction.
-ProgressCallback = Callable[[int, int, str], None]
+BenchProgressCallback = Callable[[int, int, str], None]
 
 
 def run_bench(
     device: str | torch.device = "cuda",
     *,
     quick: bool = False,
-    on_progress: ProgressCallback | None = None,
+    on_progress: BenchProgressCallback | None = None,
 ) -> BenchReport:
     """Measure ``kvsnap bench``'s matrix on ``device`` and derive the ``auto`` calibration.
 

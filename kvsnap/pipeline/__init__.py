@@ -5,18 +5,20 @@
 ``slots`` (which pages a slot carries), ``movers`` (the interface, and the transfer handler's
 path for named backends), ``fused`` (one kernel launch, one digest launch and one DMA per
 slot), ``staging`` (pinned slots and device buffers kept per process), ``capture`` and
-``restore`` (the loops), ``jobs`` (requests and results), ``options``, ``pipeline`` (the
+``restore`` (the loops), ``jobs`` (requests and results), ``part_jobs`` (a restore's
+head-range parts: which pipeline moves which, and what failed), ``options``, ``pipeline`` (the
 :class:`Pipeline`). The caches' addresses as one table are :mod:`kvsnap.transfer.page_table`.
 """
 
 from kvsnap.pipeline.jobs import CaptureResult, RestoreResult, SequenceBlocks
-from kvsnap.pipeline.options import StagingOptions, TransferOptions
+from kvsnap.pipeline.options import ProgressCallback, StagingOptions, TransferOptions
 from kvsnap.pipeline.pipeline import Pipeline
 from kvsnap.pipeline.staging import release_shared_staging
 
 __all__ = [
     "CaptureResult",
     "Pipeline",
+    "ProgressCallback",
     "RestoreResult",
     "SequenceBlocks",
     "StagingOptions",

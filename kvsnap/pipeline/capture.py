@@ -1,4 +1,5 @@
-"""The capture loop: engine cache -> staging slots -> the snapshot writer.
+"""The capture loop: engine cache -> staging slots -> the snapshot writer; and the metadata a
+capture writes.
 
 Every slot is enqueued as soon as one is free, and handed to the writer (which hashes and
 writes it on its own threads) as soon as its copy completes, oldest first: the copies of later
@@ -16,6 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from kvsnap import format as fmt
+from kvsnap._version import __version__
+from kvsnap.layout import CacheLayout
+from kvsnap.pipeline.jobs import SequenceBlocks, block_id_array
 from kvsnap.pipeline.movers import SlotMover
 from kvsnap.pipeline.slots import SlotPlan
 from kvsnap.pipeline.staging import StagingRing
@@ -132,3 +137,49 @@ def _release_when_done(ring: StagingRing, slot: Slot, futures: Sequence[Future[N
 
     for future in futures:
         future.add_done_callback(one_done)
+
+
+def capture_metadata(
+    layouts: Sequence[CacheLayout],
+    sequences: Sequence[SequenceBlocks],
+    source: fmt.SourceInfo,
+    reproducible: bool,
+    part: fmt.PartInfo | None = None,
+) -> tuple[fmt.SnapshotMetadata, np.ndarray]:
+    """The snapshot's metadata (of part ``part`` of a parted snapshot, if given), and the
+    device block holding each unique snapshot block.
+
+    Blocks whose prefix hash chains coincide are stored once (their first owner's block).
+    """
+    geometry = layouts[0].geometry
+    token_lists = [np.asarray(sequence.token_ids, dtype=np.int64) for sequence in sequences]
+    block_lists = [block_id_array(sequence.block_ids, "block ids") for sequence in sequences]
+    chains = [fmt.prefix_hash_chain(tokens, geometry.block_size) for tokens in token_lists]
+    dedupe = fmt.dedupe_blocks(chains)
+    device_blocks = np.array(
+        [int(block_lists[index][position]) for index, position in dedupe.owners], dtype=np.int64
+    )
+    records = [
+        fmt.SequenceRecord(
+            id=sequence.id,
+            token_ids=tokens,
+            block_ids=np.asarray(block_ids, dtype=np.int64),
+            prefix_hashes=tuple(chain),
+        )
+        for sequence, tokens, chain, block_ids in zip(
+            sequences, token_lists, chains, dedupe.sequence_block_ids, strict=True
+        )
+    ]
+    metadata = fmt.SnapshotMetadata(
+        geometry=geometry,
+        source=source,
+        sequences=records,
+        num_blocks=len(device_blocks),
+        capture_encoding=layouts[0].encoding,
+        tp_size=layouts[0].tp_size,
+        # A reproducible snapshot must not change bytes with each patch release.
+        kvsnap_version=".".join(__version__.split(".")[:2]) if reproducible else __version__,
+        created=None if reproducible else fmt.utc_now(),
+        part=part,
+    )
+    return metadata, device_blocks

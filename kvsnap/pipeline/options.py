@@ -1,10 +1,15 @@
-"""The options every capture and restore shares: how to copy, and through which staging."""
+"""The options every capture and restore shares: how to copy, through which staging, and whom
+to tell how far it got."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvsnap.transfer.pinned import PinnedPool
+
+ProgressCallback = Callable[[int, int], None]
+"""``progress(done_bytes, total_bytes)``, called as data moves."""
 
 #: Host staging slot of small jobs (an engine's per-request prefix) and of large ones.
 SMALL_SLOT_BYTES = 16 << 20
@@ -75,3 +80,8 @@ class StagingOptions:
     def private(self) -> bool:
         """Whether the call makes (and frees) a pool of its own."""
         return self.slot_bytes is not None or self.num_slots is not None
+
+
+def staging_options(staging: StagingOptions | PinnedPool | None) -> StagingOptions | None:
+    """A caller's pool as :class:`StagingOptions` (anything else unchanged)."""
+    return StagingOptions(pool=staging) if isinstance(staging, PinnedPool) else staging

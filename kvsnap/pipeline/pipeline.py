@@ -10,7 +10,7 @@ cache of page tables, so a second call is warm without the caller keeping anythi
 
 from __future__ import annotations
 
-import dataclasses
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -21,50 +21,49 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap._version import __version__
-from kvsnap.errors import RestoreIncompleteError
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, part_layout
-from kvsnap.pipeline.capture import capture_slots
+from kvsnap.pipeline.capture import capture_metadata, capture_slots
 from kvsnap.pipeline.fused import FusedMover, fused_unavailable
 from kvsnap.pipeline.jobs import (
     CaptureResult,
     RestoreResult,
     SequenceBlocks,
     as_layouts,
-    block_id_array,
     block_pairs,
     common_geometry,
     restore_pairs,
     validate_sequences,
 )
 from kvsnap.pipeline.movers import HandlerMover, SlotMover
-from kvsnap.pipeline.options import StagingOptions, TransferOptions
+from kvsnap.pipeline.options import ProgressCallback, StagingOptions, TransferOptions
+from kvsnap.pipeline.part_jobs import (
+    Item,
+    PartMove,
+    RestorableSnapshot,
+    incomplete_restore,
+    moves_by_pipeline,
+)
 from kvsnap.pipeline.restore import (
     FailedPages,
     RestoreSource,
     SnapshotPages,
-    describe_failure,
-    failed_target_blocks,
     lease_hot_files,
     restore_slots,
 )
 from kvsnap.pipeline.slots import plan_slots
 from kvsnap.pipeline.staging import staging_ring
 from kvsnap.store import SnapshotWriter, TraceHook, traced
+from kvsnap.store.head_parts import HeadPart, open_snapshot
 from kvsnap.store.hot import HotFile, hot_tier
+from kvsnap.store.reader import SnapshotReader
 from kvsnap.transfer import TransferHandler
 from kvsnap.transfer.page_table import PageTable
 from kvsnap.transfer.plan import Direction
 
 if TYPE_CHECKING:
     import torch
-
-    from kvsnap.snapshot import Snapshot
-
-ProgressCallback = Callable[[int, int], None]
-"""``progress(done_bytes, total_bytes)``, called as data moves."""
 
 #: Page tables kept by the process-wide cache (each a few arrays of addresses, no tensors).
 MAX_SHARED_TABLES = 32
@@ -137,7 +136,7 @@ class Pipeline:
         not the calling thread's stream (KV computed on another thread's stream)."""
         started = time.perf_counter()
         validate_sequences(self.geometry.block_size, sequences)
-        metadata, device_blocks = _capture_metadata(
+        metadata, device_blocks = capture_metadata(
             self.layouts, sequences, source or fmt.SourceInfo(), reproducible, part
         )
         page_bytes = self.geometry.canonical_page_size_bytes
@@ -180,7 +179,7 @@ class Pipeline:
 
     def restore(
         self,
-        snapshot: Snapshot | str | Path,
+        snapshot: RestorableSnapshot | str | Path,
         block_ids: Mapping[str, np.ndarray | Sequence[int]],
         *,
         staging: StagingOptions | None = None,
@@ -199,10 +198,8 @@ class Pipeline:
         :class:`~kvsnap.errors.RestoreIncompleteError` then lists the target blocks not
         (fully) restored.
         """
-        from kvsnap.snapshot import Snapshot
-
-        if not isinstance(snapshot, Snapshot):
-            with Snapshot.open(snapshot) as opened:
+        if isinstance(snapshot, (str, os.PathLike)):
+            with open_snapshot(snapshot) as opened:
                 return self.restore(
                     opened,
                     block_ids,
@@ -215,23 +212,15 @@ class Pipeline:
         started = time.perf_counter()
         capacity = self._checked_capacity(snapshot, model_fingerprint, force)
         snapshot_blocks, target_blocks, num_tokens = restore_pairs(
-            snapshot.sequences, block_ids, capacity, snapshot.path
+            snapshot.metadata.sequences, block_ids, capacity, snapshot.path
         )
-        result = self._restore_pairs(
-            snapshot, (snapshot_blocks, target_blocks), staging, progress, trace
-        )
-        return RestoreResult(
-            num_sequences=len(block_ids),
-            num_tokens=num_tokens,
-            num_blocks=result.num_blocks,
-            num_bytes=result.num_bytes,
-            seconds=time.perf_counter() - started,
-            backend=result.backend,
-        )
+        items = [(snapshot, (snapshot_blocks, target_blocks))]
+        request = (len(block_ids), num_tokens)
+        return self._restore_items(items, staging, progress, trace, started, request)
 
     def restore_blocks(
         self,
-        snapshot: Snapshot,
+        snapshot: RestorableSnapshot,
         snapshot_blocks: np.ndarray | Sequence[int],
         target_blocks: np.ndarray | Sequence[int],
         *,
@@ -247,13 +236,15 @@ class Pipeline:
         ``num_tokens`` of the result are 0: no sequence is named)."""
         started = time.perf_counter()
         capacity = self._checked_capacity(snapshot, model_fingerprint, force)
-        pairs = block_pairs(snapshot_blocks, target_blocks, snapshot.num_blocks, capacity)
-        result = self._restore_pairs(snapshot, pairs, staging, progress, trace)
-        return dataclasses.replace(result, seconds=time.perf_counter() - started)
+        num_blocks = snapshot.metadata.num_blocks
+        pairs = block_pairs(snapshot_blocks, target_blocks, num_blocks, capacity)
+        return self._restore_items([(snapshot, pairs)], staging, progress, trace, started)
 
     def restore_chunks(
         self,
-        chunks: Sequence[tuple[Snapshot, np.ndarray | Sequence[int], np.ndarray | Sequence[int]]],
+        chunks: Sequence[
+            tuple[RestorableSnapshot, np.ndarray | Sequence[int], np.ndarray | Sequence[int]]
+        ],
         *,
         staging: StagingOptions | None = None,
         model_fingerprint: str | None = None,
@@ -268,12 +259,18 @@ class Pipeline:
         :class:`~kvsnap.errors.RestoreIncompleteError` lists the target blocks of every
         snapshot not (fully) restored. Parted snapshots restore part by part, one job per head
         range."""
-        from kvsnap.pipeline.chunked import restore_chunks
-
-        return restore_chunks(self, chunks, staging, model_fingerprint, force, trace)
+        started = time.perf_counter()
+        items: list[Item] = []
+        for snapshot, snapshot_blocks, target_blocks in chunks:
+            capacity = self._checked_capacity(snapshot, model_fingerprint, force)
+            num_blocks = snapshot.metadata.num_blocks
+            items.append(
+                (snapshot, block_pairs(snapshot_blocks, target_blocks, num_blocks, capacity))
+            )
+        return self._restore_items(items, staging, None, trace, started)
 
     def _checked_capacity(
-        self, snapshot: Snapshot, model_fingerprint: str | None, force: bool
+        self, snapshot: RestorableSnapshot, model_fingerprint: str | None, force: bool
     ) -> int:
         """Refuse a snapshot that does not fit (:func:`kvsnap.format.fit.check_fits`); the number of
         blocks every rank's cache has."""
@@ -286,75 +283,91 @@ class Pipeline:
         )
         return min(layout.num_blocks for layout in self.layouts)
 
-    def _restore_pairs(
+    def _restore_items(
         self,
-        snapshot: Snapshot,
-        pairs: tuple[np.ndarray, np.ndarray],
+        items: Sequence[Item],
         staging: StagingOptions | None,
         progress: ProgressCallback | None,
         trace: TraceHook | None,
+        started: float,
+        request: tuple[int, int] = (0, 0),
     ) -> RestoreResult:
-        """Move checked ``(snapshot blocks, target blocks)``; raise
-        :class:`~kvsnap.errors.RestoreIncompleteError` if any page failed its checksum."""
-        from kvsnap.parted import PartedSnapshot, restore_parted
-
-        if isinstance(snapshot, PartedSnapshot):
-            return restore_parted(self, snapshot, pairs, staging, progress, trace)
-        (failed,), moved = self._move_in([(snapshot, pairs)], staging, progress, trace)
-        result = dataclasses.replace(moved, num_blocks=len(pairs[0]))
-        if len(failed.positions):
-            raise RestoreIncompleteError(
-                describe_failure(failed, self.geometry.tensor_names(), pairs[1]),
-                file=snapshot.path,
-                failed_block_ids=failed_target_blocks(failed, pairs[1]),
-                result=result,
-            ) from failed.first_error
+        """Move checked ``items``: every part of every snapshot by the pipeline over the ranks
+        holding its heads, one staging loop per such pipeline. Raise
+        :class:`~kvsnap.errors.RestoreIncompleteError` naming every target block whose pages
+        failed their checksum, in any part. ``request``: the sequences and tokens named (the
+        result's first two fields)."""
+        jobs = moves_by_pipeline(items, self._pipeline_for)
+        total = 0
+        if progress is not None:  # reported from the first slot on: known before any job runs
+            total = sum(
+                moving.geometry.bytes_per_block * len(move.blocks[0])
+                for moving, moves in jobs
+                for move in moves
+            )
+        done = _Progress(progress, total)
+        failures: list[tuple[FailedPages, PartMove]] = []
+        moved_bytes, backend = 0, "none"
+        for moving, moves in jobs:
+            failed, num_bytes, backend = moving._move_in(moves, staging, done.add, trace)
+            moved_bytes += num_bytes
+            failed_moves = zip(failed, moves, strict=True)
+            failures += [(pages, move) for pages, move in failed_moves if len(pages.positions)]
+        num_blocks = sum(len(blocks[0]) for _, blocks in items)
+        seconds = time.perf_counter() - started
+        result = RestoreResult(*request, num_blocks, moved_bytes, seconds, backend)
+        if failures:
+            names = self.geometry.tensor_names()
+            raise incomplete_restore(failures, names, result) from failures[0][0].first_error
         return result
 
-    def _part_pipeline(self, first_head: int, num_heads: int) -> Pipeline | None:
-        """The pipeline moving heads ``[first_head, +num_heads)`` into every rank holding some
-        of them (their :func:`~kvsnap.layout.part_layout`), kept for the next call; ``None``
-        when no rank here holds any."""
-        key = (first_head, num_heads)
+    def _pipeline_for(self, part: HeadPart) -> Pipeline | None:
+        """The pipeline moving ``part`` into every rank here holding some of its heads: this
+        one for a part of every head; for a parted snapshot's part, the pipeline over the
+        ranks' :func:`~kvsnap.layout.part_layout`, kept for the next call (``None`` when no
+        rank here holds any of its heads)."""
+        if part.first_head == 0 and part.num_heads == self.geometry.num_kv_heads:
+            return self
+        key = (part.first_head, part.num_heads)
         if key not in self._part_pipelines:
-            layouts = [part_layout(layout, first_head, num_heads) for layout in self.layouts]
+            layouts = [part_layout(layout, *key) for layout in self.layouts]
             held = [layout for layout in layouts if layout is not None]
             self._part_pipelines[key] = Pipeline(held, transfer=self.transfer) if held else None
         return self._part_pipelines[key]
 
     def _move_in(
         self,
-        items: Sequence[tuple[Snapshot, tuple[np.ndarray, np.ndarray]]],
+        moves: Sequence[PartMove],
         staging: StagingOptions | None,
-        progress: ProgressCallback | None,
+        progress: Callable[[int], None],
         trace: TraceHook | None,
-    ) -> tuple[list[FailedPages], RestoreResult]:
-        """The staging loop of checked restores of ``items`` (single-file snapshots and their
-        ``(snapshot blocks, target blocks)``), as one job: per item the pages that failed, and
-        the bytes and backend (the rest of the result is the caller's)."""
+    ) -> tuple[list[FailedPages], int, str]:
+        """The staging loop of checked restores of ``moves`` (parts whose heads are this
+        pipeline's geometry), as one job: per move the pages that failed, the bytes of the
+        job, and the backend. ``progress`` counts the bytes moved."""
         page_bytes = self.geometry.canonical_page_size_bytes
         names = self.geometry.tensor_names()
-        pages_total = sum(len(blocks[0]) for _, blocks in items) * len(names)
+        pages_total = sum(len(move.blocks[0]) for move in moves) * len(names)
         total_bytes = page_bytes * pages_total
         with traced(trace, "setup.staging"):
             ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes, restore=True)
         mover = self._mover(Direction.HOST_TO_DEVICE)
-        done = _Progress(progress, total_bytes)
         leases: list[HotFile] = []
         try:
             mover.begin()
             sources = []
-            for snapshot, blocks in items:
-                hot = _hot_files(snapshot, mover, staging) if total_bytes else None
+            for move in moves:
+                reader = move.part.reader
+                hot = _hot_files(reader, mover, staging) if total_bytes else None
                 leases += hot or []
                 sources.append(
                     RestoreSource(
-                        SnapshotPages(snapshot.reader, hot),
-                        plan_slots(len(names), len(blocks[0]), page_bytes, ring.slot_bytes),
-                        blocks,
+                        SnapshotPages(reader, hot),
+                        plan_slots(len(names), len(move.blocks[0]), page_bytes, ring.slot_bytes),
+                        move.blocks,
                     )
                 )
-            failed = restore_slots(mover, ring, sources, done.add, trace)
+            failed = restore_slots(mover, ring, sources, progress, trace)
         finally:
             with traced(trace, "teardown"):
                 try:
@@ -366,17 +379,16 @@ class Pipeline:
                     mover.end()
                 finally:
                     ring.finish()
-        return failed, RestoreResult(0, 0, 0, total_bytes, 0.0, mover.backend_name)
+        return failed, total_bytes, mover.backend_name
 
 
 def _hot_files(
-    snapshot: Snapshot, mover: SlotMover, staging: StagingOptions | None
+    reader: SnapshotReader, mover: SlotMover, staging: StagingOptions | None
 ) -> list[HotFile] | None:
-    """``snapshot``'s files leased from the hot tier when this restore can copy straight out
+    """``reader``'s files leased from the hot tier when this restore can copy straight out
     of them (a CUDA mover that takes uploads and checks pages on the device, or a reader that
     checks nothing), and the caller did not turn the tier off (``StagingOptions.hot``)."""
     wish = staging.hot if staging is not None else None
-    reader = snapshot.reader
     if wish is False or not mover.takes_uploads or not (mover.hashes_pages or not reader.verifies):
         return None
     return lease_hot_files(reader, admit=wish is True)
@@ -398,52 +410,6 @@ class _Progress:
             self.done_bytes += num_bytes
             if self.callback is not None:
                 self.callback(self.done_bytes, self.total_bytes)
-
-
-def _capture_metadata(
-    layouts: Sequence[CacheLayout],
-    sequences: Sequence[SequenceBlocks],
-    source: fmt.SourceInfo,
-    reproducible: bool,
-    part: fmt.PartInfo | None = None,
-) -> tuple[fmt.SnapshotMetadata, np.ndarray]:
-    """The snapshot's metadata (of part ``part`` of a parted snapshot, if given), and the
-    device block holding each unique snapshot block.
-
-    Blocks whose prefix hash chains coincide are stored once (their first owner's block).
-    """
-    geometry = layouts[0].geometry
-    token_lists = [np.asarray(sequence.token_ids, dtype=np.int64) for sequence in sequences]
-    block_lists = [block_id_array(sequence.block_ids, "block ids") for sequence in sequences]
-    chains = [fmt.prefix_hash_chain(tokens, geometry.block_size) for tokens in token_lists]
-    dedupe = fmt.dedupe_blocks(chains)
-    device_blocks = np.array(
-        [int(block_lists[index][position]) for index, position in dedupe.owners], dtype=np.int64
-    )
-    records = [
-        fmt.SequenceRecord(
-            id=sequence.id,
-            token_ids=tokens,
-            block_ids=np.asarray(block_ids, dtype=np.int64),
-            prefix_hashes=tuple(chain),
-        )
-        for sequence, tokens, chain, block_ids in zip(
-            sequences, token_lists, chains, dedupe.sequence_block_ids, strict=True
-        )
-    ]
-    metadata = fmt.SnapshotMetadata(
-        geometry=geometry,
-        source=source,
-        sequences=records,
-        num_blocks=len(device_blocks),
-        capture_encoding=layouts[0].encoding,
-        tp_size=layouts[0].tp_size,
-        # A reproducible snapshot must not change bytes with each patch release.
-        kvsnap_version=".".join(__version__.split(".")[:2]) if reproducible else __version__,
-        created=None if reproducible else fmt.utc_now(),
-        part=part,
-    )
-    return metadata, device_blocks
 
 
 _TABLES: OrderedDict[tuple[object, ...], _SharedEntry] = OrderedDict()

@@ -1,0 +1,89 @@
+"""A snapshot as the store opens it: the whole snapshot's metadata and its head-range parts.
+
+A single-file or sharded snapshot is one part holding every head; a parted snapshot
+(docs/format.md, "Parted snapshots") is one part per file its index names, in head order. The
+facade (:class:`kvsnap.Snapshot`) and the restore pipeline both work over this list, so neither
+asks which kind of snapshot it holds: :func:`open_snapshot` is the one place that tells them
+apart.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvsnap import format as fmt
+from kvsnap.format.signing import KeyRing
+from kvsnap.store.parts import open_parts, parted_index, whole_metadata
+from kvsnap.store.reader import SnapshotReader
+
+__all__ = ["HeadPart", "OpenedSnapshot", "open_snapshot", "whole_snapshot"]
+
+
+@dataclass(frozen=True)
+class HeadPart:
+    """One head range of an open snapshot: the reader of its file (or shards) and the global
+    KV heads ``[first_head, first_head + num_heads)`` it holds. The reader's metadata is the
+    part's own (its geometry has ``num_heads`` heads); an MLA snapshot is one part of 0 heads."""
+
+    reader: SnapshotReader
+    first_head: int
+    num_heads: int
+
+    @property
+    def path(self) -> str:
+        """The part's URL: its file, or a sharded snapshot's index."""
+        return self.reader.url
+
+
+@dataclass(frozen=True)
+class OpenedSnapshot:
+    """An open snapshot: ``path`` as the caller named it, the whole snapshot's metadata and
+    format version, and its parts in head order (together they hold every head once).
+    ``index`` is a parted snapshot's index, ``None`` for a single-file or sharded one."""
+
+    path: str
+    metadata: fmt.SnapshotMetadata
+    format_version: int
+    parts: tuple[HeadPart, ...]
+    index: fmt.PartsIndex | None = None
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.reader.close()
+
+    def __enter__(self) -> OpenedSnapshot:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def whole_snapshot(reader: SnapshotReader, path: str) -> OpenedSnapshot:
+    """The snapshot ``reader`` opened (one file, or a sharded one) as one part of every head."""
+    metadata = reader.metadata
+    part = HeadPart(reader, 0, metadata.geometry.num_kv_heads)
+    return OpenedSnapshot(path, metadata, reader.format_version, (part,))
+
+
+def open_snapshot(
+    path: str | os.PathLike[str], *, verify: bool = True, keys: KeyRing | None = None
+) -> OpenedSnapshot:
+    """Open the snapshot at ``path`` (a local path or fsspec URL) as its head-range parts.
+
+    A parted snapshot (its index, or the ``NAME.safetensors`` it was written to) opens through
+    :func:`~kvsnap.store.parts.open_parts`, every part checked against the index; anything else
+    through one :class:`~kvsnap.store.SnapshotReader`. ``verify`` and ``keys`` are the
+    readers' (checksums checked on every read; every file signed by one of the keys).
+    """
+    index_location = parted_index(path)
+    if index_location is None:
+        return whole_snapshot(SnapshotReader(path, verify=verify, keys=keys), str(path))
+    opened = open_parts(index_location, verify=verify, keys=keys)
+    parts = tuple(
+        HeadPart(reader, record.first_head, record.num_heads)
+        for reader, record in zip(opened.readers, opened.index.parts, strict=True)
+    )
+    metadata = whole_metadata(opened.index, opened.readers[0])
+    version = opened.index.metadata.format_version
+    return OpenedSnapshot(str(path), metadata, version, parts, opened.index)
