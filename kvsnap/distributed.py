@@ -32,7 +32,12 @@ import torch
 import torch.distributed as dist
 
 from kvsnap import format as fmt
-from kvsnap.errors import LayoutError, RankFailedError, RestoreIncompleteError
+from kvsnap.errors import (
+    LayoutError,
+    RankFailedError,
+    RestoreIncompleteError,
+    UnknownSequenceError,
+)
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, PageRef, PartAssignment, part_plan
 from kvsnap.parted import capture_part
@@ -160,9 +165,10 @@ def restore(
     pipeline = target if isinstance(target, Pipeline) else Pipeline(target)
     _, world = _check_rank(pipeline.layouts[0], group)
     result: RestoreResult | None = None
-    status: dict[str, Any] = {"error": None, "failed_block_ids": []}
+    status: dict[str, Any] = {"error": None, "failed_block_ids": [], "unknown_sequence": False}
+    unknown: UnknownSequenceError | None = None
     try:
-        with Snapshot.open(path) as snapshot:
+        with Snapshot.open(os.fspath(path)) as snapshot:
             result = pipeline.restore(
                 snapshot,
                 block_ids,
@@ -176,8 +182,15 @@ def restore(
         status["failed_block_ids"] = [int(block) for block in error.failed_block_ids]
     except Exception as error:  # every rank learns of it
         status["error"] = _describe(error)
+        if isinstance(error, UnknownSequenceError):
+            unknown = error
+            status["unknown_sequence"] = True
     statuses = _all_gather(status, group, os.fspath(path), None, world)
     failures = {r: s["error"] for r, s in enumerate(statuses) if s["error"] is not None}
+    if unknown is not None and all(s["unknown_sequence"] for s in statuses):
+        # The caller's mistake, made on every rank alike: raised as a one-process restore raises
+        # it, not as a rank failure (no rank failed at anything it was asked to do).
+        raise unknown
     if failures:
         raise _failed("restore", os.fspath(path), failures)
     failed = sorted({block for s in statuses for block in s["failed_block_ids"]})
@@ -199,7 +212,7 @@ def restore(
 def _check_rank(layout: CacheLayout, group: Any) -> tuple[int, int]:
     """This process's rank and the group's size, checked against the layout's TP rank."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("kvsnap.distributed needs torch.distributed initialised first")
+        raise ValueError("kvsnap.distributed needs torch.distributed initialised first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if (layout.tp_rank, layout.tp_size) != (rank, world):
         raise LayoutError(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvsnap import format as fmt
+from kvsnap.errors import UnknownSequenceError
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry, torch_dtype
 from kvsnap.store import SnapshotReader, TraceHook
@@ -203,8 +204,8 @@ class Snapshot:
         for record in self.sequences:
             if record.id == sequence_id:
                 return record
-        known = ", ".join(record.id for record in self.sequences)
-        raise KeyError(f"no sequence {sequence_id!r} in {self.path} (it has: {known})")
+        known = [record.id for record in self.sequences]
+        raise UnknownSequenceError(sequence_id, known, file=self.path)
 
     @property
     def num_blocks(self) -> int:

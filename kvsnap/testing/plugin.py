@@ -173,7 +173,7 @@ def assert_kv_matches(
     __tracebackhide__ = True
     item = _active_item
     if item is None:
-        raise RuntimeError(
+        raise ValueError(
             "assert_kv_matches must run inside a pytest test with the kvsnap plugin loaded; "
             "outside pytest use kvsnap.testing.golden.check_golden(..., path, update=...)"
         )

@@ -83,7 +83,7 @@ class KVDumpHook(LogitsProcessor):
             self._prompt_length = input_ids.shape[1]
         if input_ids.shape[1] - self._prompt_length == self.step and self.result is None:
             if self.cache is None:
-                raise RuntimeError(
+                raise ValueError(
                     "KVDumpHook saw no cache: use it inside `with hook.attached(model):`"
                 )
             self.result = capture_dynamic_cache(
@@ -123,5 +123,5 @@ def dump_at_step(
     with hook.attached(module):
         output = module.generate(ids, logits_processor=processors, **generate_kwargs)
     if hook.result is None:
-        raise RuntimeError(f"generation ended before step {step}; nothing was dumped")
+        raise ValueError(f"generation ended before step {step}; nothing was dumped")
     return output, hook.result

@@ -29,7 +29,6 @@ from kvsnap.engines.transformers.model import (
     source_info,
 )
 from kvsnap.engines.transformers.paged_cache import PagedCacheAdapter, paged_cache_adapter
-from kvsnap.errors import KVSnapError
 from kvsnap.layout import LayoutError
 from kvsnap.pipeline import TransferOptions
 from kvsnap.snapshot import CaptureResult, SequenceBlocks, Snapshot, capture
@@ -184,13 +183,13 @@ def capture_manager_requests(
     if processor is None or not manager.is_running():
         raise ValueError("capture_manager_requests needs a running manager (live requests)")
     if getattr(processor, "use_async_batching", False):
-        raise KVSnapError(
+        raise ValueError(
             "the manager uses asynchronous batching, whose newest KV may still be in flight at a "
             "pause: set use_async_batching=False in its ContinuousBatchingConfig to capture live "
             "requests"
         )
     if not hasattr(manager, "pause"):
-        raise KVSnapError(
+        raise ValueError(
             f"transformers {transformers.__version__} cannot pause a running manager: capture "
             "from the generation thread with capture_paged_cache instead"
         )
