@@ -30,8 +30,12 @@ _ATTENTION_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 ModelLike = LoadedModel | torch.nn.Module
 
 
-def module_of(model: ModelLike) -> torch.nn.Module:
-    """The transformers model itself: a LoadedModel's ``model``, or ``model``."""
+def module_of(model: ModelLike) -> Any:
+    """The transformers model itself: a LoadedModel's ``model``, or ``model``.
+
+    Typed ``Any``: its ``config`` and ``generate`` are the transformers model's own, which a
+    ``torch.nn.Module`` annotation would type as submodules or tensors.
+    """
     return model.model if isinstance(model, LoadedModel) else model
 
 
