@@ -2,8 +2,8 @@
 
 Every public callable below has a summary line, ``Args:`` naming each parameter (saying its
 default where it has one), ``Returns:``, ``Raises:`` and an ``Example:`` that doctest runs here
-on the CPU, in a fresh directory holding ``prefix.safetensors``: the snapshot the
-``kvsnap.capture`` example writes, which the other examples read. No Sphinx role is left in
+on the CPU, in a fresh directory where the ``kvsnap.capture`` example ran first: the
+``prefix.safetensors`` it writes is what the other examples read. No Sphinx role is left in
 them, since nothing renders one.
 """
 
@@ -16,9 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
 import torch.distributed as dist
 
 import kvsnap
@@ -91,13 +89,19 @@ SECTIONS = ("Args:", "Returns:", "Raises:", "Example:")
 SPHINX_ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj|py:\w+):`")
 
 
-def write_prefix(path: Path) -> None:
-    """``prefix.safetensors`` as the ``kvsnap.capture`` example writes it."""
-    torch.manual_seed(0)
-    kv_caches = [torch.randn(8, 2, 16, 2, 64) for _ in range(2)]
-    layout = kvsnap.vllm_split_layout(kv_caches)
-    prompt = kvsnap.SequenceBlocks("seq-0", np.arange(40), np.array([4, 1, 6]))
-    kvsnap.capture(layout, [prompt], path)
+def _run_example(name: str) -> None:
+    """Run the example of ``PUBLIC[name]`` in the current directory; fail with doctest's report."""
+    [test] = doctest.DocTestFinder(recurse=False).find(PUBLIC[name], name, globs={})
+    assert test.examples, f"{name} has no example"
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    report: list[str] = []
+    try:
+        runner.run(test, out=report.append)
+    finally:
+        test.globs.clear()
+        if dist.is_initialized():  # an example of kvsnap.distributed that failed midway
+            dist.destroy_process_group()
+    assert runner.failures == 0, "".join(report)
 
 
 def _sections(doc: str) -> dict[str, list[str]]:
@@ -167,16 +171,7 @@ def test_the_example_runs_as_written(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    write_prefix(tmp_path / "prefix.safetensors")
-    [test] = doctest.DocTestFinder(recurse=False).find(PUBLIC[name], name, globs={})
-    assert test.examples, f"{name} has no example"
-    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-    runner = doctest.DocTestRunner(optionflags=flags)
-    report: list[str] = []
-    try:
-        runner.run(test, out=report.append)
-    finally:
-        test.globs.clear()
-        if dist.is_initialized():  # an example of kvsnap.distributed that failed midway
-            dist.destroy_process_group()
-    assert runner.failures == 0, "".join(report)
+    if name != "kvsnap.capture":
+        _run_example("kvsnap.capture")  # writes the prefix.safetensors the others read
+        assert (tmp_path / "prefix.safetensors").is_file()
+    _run_example(name)
