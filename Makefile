@@ -44,6 +44,7 @@ vllm-venv: $(VLLM_STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: $(TEST_NEEDS)
 	@echo "Running the CPU test suite$(if $(SKIP_VLLM), without real vLLM (SKIP_VLLM=1),, including real vLLM from .venv-vllm) (about 13 minutes on 2 cores)..."

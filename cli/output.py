@@ -57,7 +57,7 @@ class Settings:
 settings = Settings()
 
 
-class UsageError(Exception):
+class UsageError(ValueError):
     """A user mistake the CLI reports with exit code 2 (bad argument, missing file)."""
 
 

@@ -10,25 +10,76 @@ The public API, in pipeline order::
     pipeline = kvsnap.Pipeline(layout)                     # an engine keeps one per cache set
 
 Names are imported on first use, so ``import kvsnap`` stays cheap for the CLI and for engines
-that only need one module.
+that only need one module; type checkers see them through the ``TYPE_CHECKING`` imports below.
+Every error class kvsnap raises on purpose is importable from here (their rule:
+``kvsnap.errors``). The other public modules are ``kvsnap.distributed``,
+``kvsnap.engines.transformers``, ``kvsnap.engines.vllm`` and ``kvsnap.testing``; everything
+else is internal (README.md, "Public API").
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvsnap._version import __version__
 
+if TYPE_CHECKING:  # what type checkers see of the names below, imported on first use
+    from kvsnap.errors import (
+        BackendUnavailableError,
+        BadSignatureError,
+        CacheCapacityError,
+        IncompatibleSnapshotError,
+        KVSnapError,
+        LayoutError,
+        ModelLoadError,
+        NotASnapshotError,
+        RankFailedError,
+        RestoreIncompleteError,
+        SignatureError,
+        SnapshotCorruptError,
+        SnapshotIOError,
+        TransferFailedError,
+        UnknownSequenceError,
+        UnsignedSnapshotError,
+        UnsupportedVersionError,
+    )
+    from kvsnap.foreign import open_foreign
+    from kvsnap.format import SequenceRecord, SnapshotMetadata, SourceInfo
+    from kvsnap.layout import (
+        CacheLayout,
+        KVGeometry,
+        check_tiling,
+        contiguous_layout,
+        cross_layer_layout,
+        flat_paged_layout,
+        mla_layout,
+        packed_layout,
+        vllm_legacy_layout,
+        vllm_split_layout,
+    )
+    from kvsnap.pipeline import Pipeline, StagingOptions, TransferOptions
+    from kvsnap.snapshot import CaptureResult, RestoreResult, SequenceBlocks, Snapshot, capture
+
+#: Where each public name lives; tests/test_public_api.py checks the block above agrees.
 _EXPORTS = {
     "kvsnap.errors": (
+        "BackendUnavailableError",
+        "BadSignatureError",
+        "CacheCapacityError",
         "IncompatibleSnapshotError",
         "KVSnapError",
+        "LayoutError",
+        "ModelLoadError",
         "NotASnapshotError",
+        "RankFailedError",
         "RestoreIncompleteError",
+        "SignatureError",
         "SnapshotCorruptError",
         "SnapshotIOError",
         "TransferFailedError",
+        "UnknownSequenceError",
+        "UnsignedSnapshotError",
         "UnsupportedVersionError",
     ),
     "kvsnap.foreign": ("open_foreign",),
@@ -36,7 +87,6 @@ _EXPORTS = {
     "kvsnap.layout": (
         "CacheLayout",
         "KVGeometry",
-        "LayoutError",
         "check_tiling",
         "contiguous_layout",
         "cross_layer_layout",
@@ -51,7 +101,49 @@ _EXPORTS = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = ["__version__", *sorted(_MODULE_OF)]
+#: Spelled out, since type checkers read a literal list only.
+__all__ = [
+    "BackendUnavailableError",
+    "BadSignatureError",
+    "CacheCapacityError",
+    "CacheLayout",
+    "CaptureResult",
+    "IncompatibleSnapshotError",
+    "KVGeometry",
+    "KVSnapError",
+    "LayoutError",
+    "ModelLoadError",
+    "NotASnapshotError",
+    "Pipeline",
+    "RankFailedError",
+    "RestoreIncompleteError",
+    "RestoreResult",
+    "SequenceBlocks",
+    "SequenceRecord",
+    "SignatureError",
+    "Snapshot",
+    "SnapshotCorruptError",
+    "SnapshotIOError",
+    "SnapshotMetadata",
+    "SourceInfo",
+    "StagingOptions",
+    "TransferFailedError",
+    "TransferOptions",
+    "UnknownSequenceError",
+    "UnsignedSnapshotError",
+    "UnsupportedVersionError",
+    "__version__",
+    "capture",
+    "check_tiling",
+    "contiguous_layout",
+    "cross_layer_layout",
+    "flat_paged_layout",
+    "mla_layout",
+    "open_foreign",
+    "packed_layout",
+    "vllm_legacy_layout",
+    "vllm_split_layout",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -12,7 +12,7 @@ taken at); its ranks agree on the outcome, so an engine recomputes the same bloc
 Failure of any rank, or of the group itself (a rank killed, a collective timing out), leaves no
 published snapshot: the index is written last, by rank 0, after every rank reported its part
 durable, and the previous snapshot at ``path`` is intact until then. Surviving ranks remove the
-write's parts and raise :class:`~kvsnap.errors.RankFailedError`.
+write's parts and raise ``RankFailedError``.
 
 A group of one rank writes a plain snapshot; so does an MLA model at any TP size (every rank
 holds the whole latent, rank 0 writes it).
@@ -32,7 +32,12 @@ import torch
 import torch.distributed as dist
 
 from kvsnap import format as fmt
-from kvsnap.errors import LayoutError, RankFailedError, RestoreIncompleteError
+from kvsnap.errors import (
+    LayoutError,
+    RankFailedError,
+    RestoreIncompleteError,
+    UnknownSequenceError,
+)
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, PageRef, PartAssignment, part_plan
 from kvsnap.parted import capture_part
@@ -91,21 +96,63 @@ def capture(
 ) -> DistributedCapture:
     """Capture ``sequences`` from every rank of ``group`` into one snapshot at ``path``.
 
-    Call it on every rank of ``group`` (a ``torch.distributed`` process group; default: the
-    world) with that rank's cache ``layout`` (``tp_rank`` = rank in the group, ``tp_size`` =
-    its size) and the same ``sequences`` (the ranks share one block table) and ``path`` (a
-    local or shared filesystem every rank reaches). Each rank holding a distinct head group
-    writes its part beside ``path``, in parallel; rank 0 publishes the index once every part
-    is durable, and every rank returns only then. Raises
-    :class:`~kvsnap.errors.RankFailedError` on every surviving rank when any rank failed or
-    was lost: nothing is published and the previous snapshot at ``path`` is untouched.
+    Call it on every rank of the group with that rank's cache and the same ``sequences`` and
+    ``path``. Each rank holding a distinct head group writes its part beside ``path``, in
+    parallel; rank 0 publishes the index once every part is durable, and every rank returns
+    only then. A group of one rank, or an MLA model, writes a plain snapshot from rank 0.
 
-    ``progress(done, total)`` sees this rank's bytes (called once with ``(0, 0)`` on a rank
-    that writes none); ``after`` is a CUDA event the copies follow (a capture run on another
-    thread than the one that computed the KV). With ``only_if_missing`` rank 0 looks for a
-    snapshot at ``path`` first and, if there is one, no rank writes anything (a content-
-    addressed store's dedup, decided once for all ranks): the result says ``skipped``.
-    ``keys`` signs every rank's file (:class:`~kvsnap.format.KeyRing`).
+    Args:
+        layout: This rank's cache layout: ``tp_rank`` is its rank in the group, ``tp_size``
+            the group's size.
+        sequences: The sequences to capture, the same on every rank (the ranks share one
+            block table).
+        path: Where the snapshot goes, on a local or shared filesystem every rank reaches.
+        group: The ``torch.distributed`` process group. Default ``None``: the world.
+        source: Where the KV came from. Default ``None``: unknown.
+        transfer: How pages move (``TransferOptions``). Default ``None``: the fused copy.
+        staging: Host staging memory (``StagingOptions``). Default ``None``: kvsnap's
+            process-wide slots.
+        reproducible: Record nothing time- or host-dependent. Default ``False``.
+        direct_io: ``True`` requires ``O_DIRECT``, ``False`` never uses it. Default ``None``:
+            where the filesystem accepts it.
+        progress: ``progress(done_bytes, total_bytes)`` of this rank's bytes (called once
+            with ``(0, 0)`` on a rank that writes none). Default ``None``.
+        trace: ``trace(kind, started, finished, nbytes)`` per step. Default ``None``.
+        after: A CUDA event the copies follow (a capture run on another thread than the one
+            that computed the KV). Default ``None``: the calling thread's stream.
+        only_if_missing: Rank 0 looks for a snapshot at ``path`` first and, if there is one,
+            no rank writes anything (a content-addressed store's dedup, decided once for all
+            ranks). Default ``False``.
+        keys: Sign every rank's file with the first key of this ``KeyRing``. Default
+            ``None``: unsigned.
+
+    Returns:
+        A ``DistributedCapture``, the same on every rank but for ``written`` (this rank's
+        own file): the path, the number of parts, blocks and bytes, the seconds taken and
+        whether ``only_if_missing`` skipped the capture.
+
+    Raises:
+        ValueError: ``torch.distributed`` is not initialised.
+        LayoutError: ``layout`` is not this process's rank of the group.
+        RankFailedError: On every surviving rank when any rank failed (its error is in
+            ``failures``) or was lost: nothing is published, and the previous snapshot at
+            ``path`` is untouched.
+
+    Example:
+        Every rank runs this; ``torchrun`` starts one process per rank (here a group of one):
+
+        >>> import os, numpy as np, torch, torch.distributed as dist, kvsnap
+        >>> from kvsnap import distributed
+        >>> rendezvous = "file://" + os.path.abspath("rendezvous")
+        >>> dist.init_process_group("gloo", init_method=rendezvous, rank=0, world_size=1)
+        >>> rank, world = dist.get_rank(), dist.get_world_size()
+        >>> kv_caches = [torch.randn(8, 2, 16, 2, 64) for _ in range(2)]
+        >>> layout = kvsnap.vllm_split_layout(kv_caches, tp_rank=rank, tp_size=world)
+        >>> prompt = kvsnap.SequenceBlocks("seq-0", np.arange(40), np.array([4, 1, 6]))
+        >>> result = distributed.capture(layout, [prompt], "tp.safetensors")
+        >>> result.num_parts, result.num_blocks, result.skipped
+        (0, 3, False)
+        >>> dist.destroy_process_group()
     """
     started = time.perf_counter()
     rank, world = _check_rank(layout, group)
@@ -148,22 +195,59 @@ def restore(
 ) -> RestoreResult:
     """Restore, on every rank of ``group``, that rank's heads of the snapshot at ``path``.
 
-    ``target`` is this rank's cache layout, or the :class:`~kvsnap.pipeline.Pipeline` an
-    engine keeps for it (warm across calls); ``block_ids`` maps sequence ids to the target's
-    block ids, the same on every rank. Each rank reads only the parts holding its heads (a
-    plain snapshot: the pages of its blocks), at any TP size of the snapshot. The ranks then
-    agree: when a page failed its checksum on any rank, every rank raises
-    :class:`~kvsnap.errors.RestoreIncompleteError` naming the union of the failed blocks
-    (everything else was written, on every rank); when a rank failed otherwise (a snapshot that
-    does not fit, an I/O error) or the group was lost, every rank raises
-    :class:`~kvsnap.errors.RankFailedError`.
+    Each rank reads only the parts holding its heads (of a plain snapshot: the pages of its
+    blocks), whatever TP size the snapshot was taken at. The ranks then agree on the outcome,
+    so that an engine recomputes the same blocks everywhere.
+
+    Args:
+        path: The snapshot, on a filesystem every rank reaches.
+        target: This rank's cache layout, or the ``Pipeline`` an engine keeps for it (warm
+            across calls).
+        block_ids: Per sequence id, the target's block ids, the same on every rank.
+        group: The ``torch.distributed`` process group. Default ``None``: the world.
+        staging: Host staging memory (``StagingOptions``). Default ``None``: kvsnap's
+            process-wide slots.
+        model_fingerprint: The target model's fingerprint, checked against the one recorded.
+            Default ``None``: not checked.
+        force: Skip the fingerprint check. Default ``False``.
+        trace: ``trace(kind, started, finished, nbytes)`` per step. Default ``None``.
+
+    Returns:
+        This rank's ``RestoreResult``.
+
+    Raises:
+        ValueError: ``torch.distributed`` is not initialised.
+        LayoutError: The target is not this process's rank of the group.
+        UnknownSequenceError: On every rank, when every rank was asked for a sequence the
+            snapshot does not hold.
+        RestoreIncompleteError: On every rank, when a page failed its checksum on any rank;
+            ``failed_block_ids`` is the union of the failed blocks (everything else was
+            written, on every rank).
+        RankFailedError: On every rank, when a rank failed otherwise (a snapshot that does
+            not fit, an I/O error) or the group was lost.
+
+    Example:
+        Every rank runs this; ``torchrun`` starts one process per rank (here a group of one):
+
+        >>> import os, torch, torch.distributed as dist, kvsnap
+        >>> from kvsnap import distributed
+        >>> rendezvous = "file://" + os.path.abspath("rendezvous")
+        >>> dist.init_process_group("gloo", init_method=rendezvous, rank=0, world_size=1)
+        >>> rank, world = dist.get_rank(), dist.get_world_size()
+        >>> target = [torch.zeros(8, 2, 16, 2, 64) for _ in range(2)]
+        >>> layout = kvsnap.vllm_split_layout(target, tp_rank=rank, tp_size=world)
+        >>> result = distributed.restore("prefix.safetensors", layout, {"seq-0": [0, 1, 2]})
+        >>> result.num_tokens
+        40
+        >>> dist.destroy_process_group()
     """
     pipeline = target if isinstance(target, Pipeline) else Pipeline(target)
     _, world = _check_rank(pipeline.layouts[0], group)
     result: RestoreResult | None = None
-    status: dict[str, Any] = {"error": None, "failed_block_ids": []}
+    status: dict[str, Any] = {"error": None, "failed_block_ids": [], "unknown_sequence": False}
+    unknown: UnknownSequenceError | None = None
     try:
-        with Snapshot.open(path) as snapshot:
+        with Snapshot.open(os.fspath(path)) as snapshot:
             result = pipeline.restore(
                 snapshot,
                 block_ids,
@@ -177,8 +261,15 @@ def restore(
         status["failed_block_ids"] = [int(block) for block in error.failed_block_ids]
     except Exception as error:  # every rank learns of it
         status["error"] = _describe(error)
+        if isinstance(error, UnknownSequenceError):
+            unknown = error
+            status["unknown_sequence"] = True
     statuses = _all_gather(status, group, os.fspath(path), None, world)
     failures = {r: s["error"] for r, s in enumerate(statuses) if s["error"] is not None}
+    if unknown is not None and all(s["unknown_sequence"] for s in statuses):
+        # The caller's mistake, made on every rank alike: raised as a one-process restore raises
+        # it, not as a rank failure (no rank failed at anything it was asked to do).
+        raise unknown
     if failures:
         raise _failed("restore", os.fspath(path), failures)
     failed = sorted({block for s in statuses for block in s["failed_block_ids"]})
@@ -200,7 +291,7 @@ def restore(
 def _check_rank(layout: CacheLayout, group: Any) -> tuple[int, int]:
     """This process's rank and the group's size, checked against the layout's TP rank."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("kvsnap.distributed needs torch.distributed initialised first")
+        raise ValueError("kvsnap.distributed needs torch.distributed initialised first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if (layout.tp_rank, layout.tp_size) != (rank, world):
         raise LayoutError(
@@ -354,7 +445,7 @@ def _first_rank(group: Any) -> int:
 
 
 def _collective(run: Any, path: str, generation: str | None) -> None:
-    """Run one collective; a lost peer or a timeout becomes :class:`RankFailedError` after this
+    """Run one collective; a lost peer or a timeout becomes ``RankFailedError`` after this
     rank removed the write's parts (``generation``), so nothing it wrote survives."""
     try:
         run()

@@ -1,21 +1,40 @@
-"""The errors kvsnap raises on purpose, as one small typed hierarchy.
+"""The errors kvsnap raises on purpose, as one small typed hierarchy, and the rule they follow.
 
-Everything a snapshot file or a restore target can do wrong maps onto one of these, so callers
-(and the CLI's exit codes) can tell "this file is damaged" from "this is not a snapshot" from
-"this snapshot does not fit that cache" without parsing messages::
+The rule: whose problem an error is shows in its type, so a caller (and the CLI's exit codes)
+never parses a message to decide what to do.
+
+* **The caller's mistake** is a ``ValueError``, ``TypeError``, ``KeyError`` or ``IndexError``,
+  or a ``KVSnapError`` that is also one of those (``LayoutError``, ``ModelLoadError``,
+  ``UnknownSequenceError``). Fix the call: repeating it fails the same way.
+* **A bad file** is corruption: ``SnapshotCorruptError`` (``RestoreIncompleteError`` when some
+  pages of a restore failed their checksums), or, before any byte is trusted,
+  ``NotASnapshotError``, ``UnsupportedVersionError`` or a ``SignatureError``.
+* **A valid snapshot that does not fit** the target cache, model or request is
+  ``IncompatibleSnapshotError`` (``CacheCapacityError``, ``UnknownSequenceError``).
+* **The environment failing** is an I/O error (``SnapshotIOError``, the ``OSError`` as its
+  ``__cause__``) or a backend error (``BackendUnavailableError``, ``TransferFailedError``,
+  ``RankFailedError``, or the ``RuntimeError`` torch or CUDA raised). Retrying may help.
+
+Anything else escaping kvsnap is a bug in kvsnap. An unknown sequence id is the one error that
+is two of these at once: a lookup by a wrong id, and a snapshot that cannot serve the request,
+so every API that takes a sequence id raises ``UnknownSequenceError`` for it, which both
+``except KeyError`` and ``except IncompatibleSnapshotError`` catch. Every class here is
+importable from ``kvsnap``::
 
     KVSnapError
     ├── SnapshotCorruptError      a kvsnap snapshot whose bytes or structure are wrong
+    │   └── RestoreIncompleteError  pages that failed their checksums were not restored
     ├── NotASnapshotError         not a kvsnap snapshot at all (garbage, empty, foreign file)
     ├── UnsupportedVersionError   a snapshot format this kvsnap cannot read (too new)
     ├── SignatureError            a file that a key-checking reader must not trust
     │   ├── UnsignedSnapshotError   it carries no signature
     │   └── BadSignatureError       its signature is not one of the keys' over its bytes
     ├── IncompatibleSnapshotError a valid snapshot that does not fit the target
-    │   └── CacheCapacityError    the target cache has too few free blocks
+    │   ├── CacheCapacityError    the target cache has too few free blocks
+    │   └── UnknownSequenceError  no sequence of that id in the snapshot (also a KeyError)
     ├── SnapshotIOError           the operating system or object store failed us
     ├── LayoutError               a cache description kvsnap cannot map (also a ValueError)
-    ├── BackendUnavailable        a copy backend that cannot run here (also a RuntimeError)
+    ├── BackendUnavailableError   a copy backend that cannot run here (also a RuntimeError)
     ├── TransferFailedError       a copy between the cache and staging failed or was refused
     ├── RankFailedError           another TP rank failed or was lost (kvsnap.distributed)
     └── ModelLoadError            a model that cannot be loaded offline (also a ValueError)
@@ -26,6 +45,7 @@ values are available as attributes (``file``, ``tensor``, ``block``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -144,12 +164,40 @@ class CacheCapacityError(IncompatibleSnapshotError):
     """The target cache has too few free blocks for a restore."""
 
 
+class UnknownSequenceError(IncompatibleSnapshotError, KeyError):
+    """A sequence id the snapshot does not hold, given to a restore, a read or a statistic.
+
+    ``sequence_id`` is the id asked for and ``known`` the ids the snapshot holds. It is a
+    ``KeyError`` (a lookup by a wrong id) and an ``IncompatibleSnapshotError`` (a snapshot that
+    cannot serve the request) at once, so that either ``except`` catches it wherever it is
+    raised.
+    """
+
+    def __init__(
+        self, sequence_id: str, known: Iterable[str] = (), *, file: str | None = None
+    ) -> None:
+        self.sequence_id = sequence_id
+        self.known = tuple(known)
+        listed = ", ".join(repr(known_id) for known_id in self.known[:8])
+        if len(self.known) > 8:
+            listed += f", ... ({len(self.known)} in all)"
+        super().__init__(f"no sequence {sequence_id!r} (it has: {listed or 'none'})", file=file)
+
+    def __str__(self) -> str:
+        # KeyError shows its argument as a quoted repr; this message is a sentence like the rest.
+        return Exception.__str__(self)
+
+
 class LayoutError(KVSnapError, ValueError):
     """A cache description that kvsnap cannot map exactly onto the canonical page."""
 
 
-class BackendUnavailable(KVSnapError, RuntimeError):
+class BackendUnavailableError(KVSnapError, RuntimeError):
     """A copy backend that cannot run here (no CUDA, a missing package or driver entry point)."""
+
+
+#: The name this error had before every error class ended in ``Error``; kept for callers.
+BackendUnavailable = BackendUnavailableError
 
 
 class TransferFailedError(KVSnapError):

@@ -1,8 +1,8 @@
-"""The facade users hold: :func:`capture`, and :class:`Snapshot` (open, verify, compare, restore).
+"""The facade users hold: ``capture``, and ``Snapshot`` (open, verify, compare, restore).
 
-It owns no mechanism: capture and restore run on :class:`~kvsnap.pipeline.Pipeline` (the
-staging loop over slots that span tensors), reading and writing go through
-:mod:`kvsnap.store`, and whether a snapshot fits a target is :mod:`kvsnap.format.fit`'s call.
+It owns no mechanism: capture and restore run on ``kvsnap.pipeline.Pipeline`` (the staging
+loop over slots that span tensors), reading and writing go through ``kvsnap.store``, and
+whether a snapshot fits a target is ``kvsnap.format.fit``'s call.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvsnap import format as fmt
+from kvsnap.errors import UnknownSequenceError
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry, torch_dtype
@@ -85,32 +86,71 @@ def capture(
     per_rank_parts: bool = False,
     keys: KeyRing | None = None,
 ) -> CaptureResult:
-    """Write the KV of ``sequences`` from the cache ``layout`` describes to a snapshot at ``path``.
+    """Write the KV of ``sequences`` from the cache ``layout`` describes to a snapshot file.
 
-    ``layout`` may be a list with one layout per TP rank held by this process; each rank then
-    contributes the canonical fragments it is elected for, and the snapshot is the complete
-    TP-free one. Blocks whose prefix hash chains coincide are stored once. ``source`` records
-    where the KV came from (engine, model id, model fingerprint; default: unknown). With
-    ``reproducible`` the metadata holds nothing time- or host-dependent. The snapshot is
-    published atomically: on any error the previous file at ``path`` is untouched.
+    With one layout per TP rank held by this process, each rank contributes the canonical
+    fragments it is elected for, and the snapshot is the complete TP-free one. Blocks whose
+    prefix hash chains coincide are stored once. The snapshot is published atomically: on any
+    error the previous file at ``path`` is untouched. Repeated calls are warm; a caller
+    capturing from the same caches many times may keep a ``Pipeline`` instead.
 
-    ``transfer`` picks how pages move (:class:`~kvsnap.pipeline.TransferOptions`: the fused
-    copy by default, or a named backend, and an SM budget); ``staging`` the host memory
-    (:class:`~kvsnap.pipeline.StagingOptions`, or a :class:`~kvsnap.transfer.pinned.PinnedPool` the
-    caller keeps; default: kvsnap's process-wide slots, pinned once). ``trace(kind, started,
-    finished, nbytes)`` receives a span for each step (setup, slot waits, transfers, checksums,
-    writes, commit phases): ``benchmarks/e2e.py --timeline`` shows what it records. Repeated
-    calls are warm; a caller capturing from the same caches many times may keep a
-    :class:`~kvsnap.pipeline.Pipeline` instead.
+    Args:
+        layout: The engine cache, described by a layout constructor such as
+            ``vllm_split_layout``, or a list with one such layout per TP rank held here.
+        sequences: The sequences to capture: each one's token ids and the device blocks
+            holding their KV (``SequenceBlocks``).
+        path: Where the snapshot goes: a local path or an fsspec URL.
+        source: Where the KV came from (engine, model id, model fingerprint). Default
+            ``None``: unknown, and restores then skip the fingerprint check.
+        transfer: How pages move (``TransferOptions``: a named backend, an SM budget).
+            Default ``None``: the fused page copy.
+        staging: The host memory pages stage through: ``StagingOptions``, or a
+            ``PinnedPool`` the caller keeps. Default ``None``: kvsnap's process-wide slots,
+            pinned once.
+        reproducible: Record nothing time- or host-dependent, so that the same KV always
+            gives the same bytes. Default ``False``.
+        max_shard_bytes: Split the snapshot into shard files of at most this many bytes.
+            Default ``None``: one file.
+        direct_io: ``True`` requires ``O_DIRECT`` writes of the KV, ``False`` never uses
+            them. Default ``None``: ``O_DIRECT`` where the filesystem accepts it.
+        progress: ``progress(done_bytes, total_bytes)``, called as data moves. Default
+            ``None``.
+        trace: ``trace(kind, started, finished, nbytes)``, called with a span for each step
+            (setup, slot waits, transfers, checksums, writes, commit phases;
+            ``benchmarks/e2e.py --timeline`` shows them). Default ``None``.
+        per_rank_parts: With one layout per TP rank, write a parted snapshot
+            (docs/format.md, "Parted snapshots"): one part file per distinct head range,
+            each from the first rank holding it, then the index ``path + ".index.json"``.
+            ``max_shard_bytes`` and ``progress`` do not apply. Default ``False``.
+        keys: Sign every file with the first key of this ``KeyRing``
+            (``kvsnap.store.keys.load_key_ring``): an HMAC-SHA256 over its header and
+            checksum trailer, which ``Snapshot.open`` checks when given the keys. Default
+            ``None``: unsigned.
 
-    With ``per_rank_parts`` (``layout``: one layout per TP rank) the snapshot is parted
-    (docs/format.md, "Parted snapshots"): one part file per distinct head range, each written
-    from the first rank holding it, then the index ``path + ".index.json"``; the result's
-    ``path`` is the index (``max_shard_bytes`` and ``progress`` do not apply).
+    Returns:
+        A ``CaptureResult``: the path written (a parted snapshot's index), the numbers of
+        sequences, tokens, blocks and bytes, the seconds taken and the copy backend used.
 
-    With ``keys`` (:func:`kvsnap.store.keys.load_key_ring`) every file is signed by the first
-    key: an HMAC-SHA256 over its header and checksum trailer (docs/format.md, "Signed
-    snapshots"), which :meth:`Snapshot.open` checks when given the keys.
+    Raises:
+        ValueError: Sequences that break the rules (no tokens, duplicate ids, not exactly
+            ``ceil(tokens / block_size)`` block ids), or ``per_rank_parts`` with
+            ``max_shard_bytes`` or ``progress``.
+        LayoutError: Layouts of TP ranks that do not describe one model's cache.
+        SnapshotIOError: Writing failed (disk full, permission denied, a lost connection).
+        TransferFailedError: A copy out of the cache failed.
+
+    Example:
+        Two layers of a vLLM-style cache on the CPU, 8 blocks of 16 tokens, 2 KV heads of 64
+        dimensions; a 40-token prompt in blocks 4, 1 and 6:
+
+        >>> import numpy as np, torch, kvsnap
+        >>> _ = torch.manual_seed(0)
+        >>> kv_caches = [torch.randn(8, 2, 16, 2, 64) for _ in range(2)]
+        >>> layout = kvsnap.vllm_split_layout(kv_caches)
+        >>> prompt = kvsnap.SequenceBlocks("seq-0", np.arange(40), np.array([4, 1, 6]))
+        >>> result = kvsnap.capture(layout, [prompt], "prefix.safetensors")
+        >>> result.num_sequences, result.num_tokens, result.num_blocks
+        (1, 40, 3)
     """
     from kvsnap.layout import CacheLayout
     from kvsnap.pipeline import Pipeline
@@ -143,7 +183,19 @@ def capture(
 class Snapshot:
     """An open snapshot: its metadata, its sequences, and what can be done with them.
 
-    Use :meth:`open`; a ``Snapshot`` is a context manager that closes the file.
+    Made by ``Snapshot.open``, never directly; a ``Snapshot`` is a context manager that
+    closes its files. ``metadata``, ``geometry``, ``sequences``, ``num_blocks`` and
+    ``kv_bytes`` describe it without reading any KV.
+
+    Example:
+        >>> import kvsnap
+        >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+        ...     print(snap.geometry.describe())
+        ...     print([(record.id, len(record.token_ids)) for record in snap.sequences])
+        ...     print(snap.num_blocks, snap.kv_bytes)
+        2 layers, 2 KV heads x head dim 64, 16 tokens/block, float32
+        [('seq-0', 40)]
+        3 98304
     """
 
     def __init__(self, reader: SnapshotReader | OpenedSnapshot, path: str) -> None:
@@ -157,16 +209,39 @@ class Snapshot:
     def open(
         cls, path: str | Path, *, verify: bool = True, keys: KeyRing | None = None
     ) -> Snapshot:
-        """Open and strictly validate the snapshot header at ``path`` (a local path or fsspec URL).
+        """Open the snapshot at ``path`` and strictly validate its header.
 
-        With ``verify`` (the default) every block read later is checked against its checksum.
-        With ``keys`` (:func:`kvsnap.store.keys.load_key_ring`) every file must be signed by one
-        of them: :class:`~kvsnap.errors.UnsignedSnapshotError` or
-        :class:`~kvsnap.errors.BadSignatureError` otherwise.
-        Raises :class:`~kvsnap.errors.KVSnapError` subclasses for anything that is not a
-        readable kvsnap snapshot. A parted snapshot (its index, or the ``NAME.safetensors`` it
-        was written to) opens as one snapshot of all heads (:attr:`parts`: one per part file),
-        every part checked against the index.
+        A parted snapshot (its index, or the ``NAME.safetensors`` it was written to) opens as
+        one snapshot of all heads (``parts``: one per part file), every part checked against
+        the index. Only the header is read here; KV is read on demand.
+
+        Args:
+            path: A local path or an fsspec URL.
+            verify: Check every block read later against its checksum. Default ``True``.
+            keys: Require every file to be signed by one of these keys
+                (``kvsnap.store.keys.load_key_ring``). Default ``None``: signatures are not
+                checked.
+
+        Returns:
+            The open ``Snapshot``; close it, or use it as a context manager.
+
+        Raises:
+            SnapshotIOError: The file is missing or cannot be read.
+            NotASnapshotError: The file is no kvsnap snapshot (empty, garbage, foreign).
+            UnsupportedVersionError: The snapshot is of a newer format than this kvsnap reads.
+            SnapshotCorruptError: Its header or structure is damaged.
+            UnsignedSnapshotError: ``keys`` were given and a file carries no signature.
+            BadSignatureError: ``keys`` were given and a file's signature is not one of theirs.
+
+        Example:
+            >>> import kvsnap
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     snap.format_version, snap.num_blocks
+            (1, 3)
+            >>> kvsnap.Snapshot.open("no-such.safetensors")
+            Traceback (most recent call last):
+            ...
+            kvsnap.errors.SnapshotIOError: no-such.safetensors: no such file...
         """
         return cls(open_snapshot(path, verify=verify, keys=keys), str(path))
 
@@ -174,6 +249,7 @@ class Snapshot:
 
     @property
     def metadata(self) -> fmt.SnapshotMetadata:
+        """Everything the header records: geometry, source, sequences, blocks, version."""
         return self._opened.metadata
 
     @property
@@ -203,22 +279,48 @@ class Snapshot:
 
     @property
     def geometry(self) -> KVGeometry:
+        """The KV geometry: layers, block size, dtype, KV heads and head size (or MLA latent)."""
         return self.metadata.geometry
 
     @property
     def sequences(self) -> list[fmt.SequenceRecord]:
+        """The sequences, in snapshot order: ids, token ids, snapshot blocks, prefix hashes."""
         return self.metadata.sequences
 
     def sequence(self, sequence_id: str) -> fmt.SequenceRecord:
-        """The sequence named ``sequence_id``; ``KeyError`` naming the known ids otherwise."""
+        """The record of the sequence named ``sequence_id``.
+
+        Args:
+            sequence_id: The id the sequence was captured under.
+
+        Returns:
+            Its ``SequenceRecord``: the id, token ids, snapshot block ids and prefix hashes.
+
+        Raises:
+            UnknownSequenceError: The snapshot holds no such sequence (a ``KeyError``; the
+                message names the ids it holds).
+
+        Example:
+            >>> import kvsnap
+            >>> snap = kvsnap.Snapshot.open("prefix.safetensors")
+            >>> snap.sequence("seq-0").block_ids.tolist()
+            [0, 1, 2]
+            >>> try:
+            ...     snap.sequence("seq-9")
+            ... except KeyError as error:  # an UnknownSequenceError
+            ...     print(error)
+            prefix.safetensors: no sequence 'seq-9' (it has: 'seq-0')
+            >>> snap.close()
+        """
         for record in self.sequences:
             if record.id == sequence_id:
                 return record
-        known = ", ".join(record.id for record in self.sequences)
-        raise KeyError(f"no sequence {sequence_id!r} in {self.path} (it has: {known})")
+        known = [record.id for record in self.sequences]
+        raise UnknownSequenceError(sequence_id, known, file=self.path)
 
     @property
     def num_blocks(self) -> int:
+        """The number of blocks stored (each block once, however many sequences share it)."""
         return self.metadata.num_blocks
 
     @property
@@ -227,7 +329,18 @@ class Snapshot:
         return self.num_blocks * self.geometry.bytes_per_block
 
     def shared_blocks(self) -> dict[str, int]:
-        """Per sequence, how many of its blocks another sequence also uses."""
+        """Per sequence, how many of its blocks another sequence also uses.
+
+        Returns:
+            A dict from sequence id to the number of its blocks shared with another sequence
+            (a common prefix is stored once).
+
+        Example:
+            >>> import kvsnap
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     snap.shared_blocks()
+            {'seq-0': 0}
+        """
         users = np.zeros(self.num_blocks, dtype=np.int64)
         for record in self.sequences:
             np.add.at(users, np.unique(record.block_ids), 1)
@@ -236,7 +349,28 @@ class Snapshot:
     # -- checks ----------------------------------------------------------------------------
 
     def verify(self, progress: ProgressCallback | None = None) -> list[fmt.Problem]:
-        """Check the structure and every checksum; an empty list means the snapshot is intact."""
+        """Check the structure and every checksum, reading the whole snapshot once.
+
+        Beyond checksums it checks that padding is zero, that every sequence's token ids hash
+        to its stored prefix hashes, and that unused blocks carry no hash.
+
+        Args:
+            progress: ``progress(done_bytes, total_bytes)``, called as data is read. Default
+                ``None``.
+
+        Returns:
+            The problems found, each a ``Problem(tensor, block, message)``; an empty list
+            means the snapshot is intact.
+
+        Raises:
+            SnapshotIOError: Reading failed (damage is reported, not raised).
+
+        Example:
+            >>> import kvsnap
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     snap.verify()
+            []
+        """
         # Every part fully, each problem naming its file; a parted index's own checks (heads
         # tiling, trailer digests, parts agreeing on sequences and geometry) ran at open.
         total = self.kv_bytes
@@ -251,28 +385,77 @@ class Snapshot:
         return problems
 
     def signature_problems(self, keys: KeyRing) -> list[SignatureError]:
-        """Why ``keys`` do not vouch for each file of the snapshot: an
-        :class:`~kvsnap.errors.UnsignedSnapshotError` or a
-        :class:`~kvsnap.errors.BadSignatureError` per file that fails (empty: every file is
-        signed by one of the keys over exactly its header and checksum trailer)."""
+        """Why ``keys`` do not vouch for each file of the snapshot, if they do not.
+
+        Args:
+            keys: The keys a file must be signed by (``kvsnap.store.keys.load_key_ring``).
+
+        Returns:
+            One ``UnsignedSnapshotError`` or ``BadSignatureError`` per file that fails; an
+            empty list when every file is signed by one of the keys over exactly its header
+            and checksum trailer.
+
+        Example:
+            >>> import kvsnap
+            >>> from kvsnap.format import KeyRing
+            >>> keys = KeyRing([bytes(range(32))])
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     [type(problem).__name__ for problem in snap.signature_problems(keys)]
+            ['UnsignedSnapshotError']
+        """
         return [problem for part in self.parts for problem in part.reader.signature_problems(keys)]
 
     def signing_key_ids(self) -> list[str | None]:
-        """Per file, the hex id of the key that signed it, as written (unchecked; ``None``
-        for an unsigned file)."""
+        """Per file, the hex id of the key that signed it, as written (not checked).
+
+        Returns:
+            One entry per file: the signing key's hex id, or ``None`` for an unsigned file.
+
+        Example:
+            >>> import kvsnap
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     snap.signing_key_ids()
+            [None]
+        """
         return [key_id for part in self.parts for key_id in part.reader.signing_key_ids()]
 
     @property
     def reader(self) -> SnapshotReader:
-        """The underlying reader (block reads, checksums)."""
-        # A parted snapshot has one reader per part (``parts``); this is the first part's.
+        """The first part's reader (block reads, checksums): internal, for kvsnap's engines.
+
+        A parted snapshot has one reader per part: ``parts`` holds them all.
+        """
         return self.parts[0].reader
 
     def check_compatible(
         self, geometry: KVGeometry, *, model_fingerprint: str | None = None, force: bool = False
     ) -> None:
-        """Refuse (with :class:`IncompatibleSnapshotError`) a target this snapshot does not fit;
-        see :func:`kvsnap.format.fit.check_fits`."""
+        """Refuse a target cache this snapshot does not fit, before anything is written.
+
+        The layers, KV heads, head size (or MLA latent width), dtype, block size and attention
+        types must match (``kvsnap.format.fit.check_fits``).
+
+        Args:
+            geometry: The target cache's geometry (``layout.geometry``).
+            model_fingerprint: The target model's fingerprint; a snapshot recording another
+                one is refused. Default ``None``: not checked.
+            force: Skip the fingerprint check (the geometry is still checked). Default
+                ``False``.
+
+        Raises:
+            IncompatibleSnapshotError: The snapshot does not fit; the message names each
+                differing field, ``snapshot`` and ``target`` describe both sides.
+
+        Example:
+            >>> import torch, kvsnap
+            >>> four_heads = kvsnap.vllm_split_layout([torch.zeros(8, 2, 16, 4, 64)] * 2)
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     snap.check_compatible(snap.geometry)  # fits: nothing happens
+            ...     snap.check_compatible(four_heads.geometry)
+            Traceback (most recent call last):
+            ...
+            kvsnap.errors.IncompatibleSnapshotError: ... (num_kv_heads: snapshot 2, target 4)...
+        """
         check_fits(
             self.metadata,
             geometry,
@@ -284,7 +467,27 @@ class Snapshot:
     # -- data ------------------------------------------------------------------------------
 
     def read_tensor(self, name: str) -> torch.Tensor:
-        """A whole canonical tensor, ``(num_blocks, *canonical_page_shape)``, checksums verified."""
+        """A whole canonical tensor, every block of it, checksums verified.
+
+        Args:
+            name: The tensor, ``layers.{layer}.{part}`` with part ``key``, ``value`` or
+                ``latent`` (MLA).
+
+        Returns:
+            A CPU tensor of the snapshot's dtype, ``(num_blocks, block_size, num_kv_heads,
+            head_dim)`` (``(num_blocks, block_size, latent_dim)`` for MLA).
+
+        Raises:
+            KeyError: No tensor of that name.
+            SnapshotCorruptError: A block failed its checksum (with ``verify``).
+            SnapshotIOError: Reading failed.
+
+        Example:
+            >>> import kvsnap
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     tuple(snap.read_tensor("layers.1.value").shape)
+            (3, 16, 2, 64)
+        """
         if len(self.parts) == 1:
             return self.parts[0].reader.read_tensor(name)
         import torch
@@ -293,9 +496,26 @@ class Snapshot:
         return torch.cat([part.reader.read_tensor(name) for part in self.parts], dim=2)
 
     def sequence_kv(self, sequence_id: str, name: str) -> torch.Tensor:
-        """One sequence's KV of tensor ``name``.
+        """One sequence's KV of tensor ``name``, token by token, checksums verified.
 
-        Shaped ``(num_tokens, heads, head_dim)``, or ``(num_tokens, latent_dim)`` for MLA.
+        Args:
+            sequence_id: The sequence.
+            name: The tensor, ``layers.{layer}.{part}`` (see ``read_tensor``).
+
+        Returns:
+            A CPU tensor ``(num_tokens, num_kv_heads, head_dim)``, or ``(num_tokens,
+            latent_dim)`` for MLA.
+
+        Raises:
+            UnknownSequenceError: No sequence of that id.
+            KeyError: No tensor of that name.
+            SnapshotCorruptError: A block failed its checksum (with ``verify``).
+
+        Example:
+            >>> import kvsnap
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     tuple(snap.sequence_kv("seq-0", "layers.0.key").shape)
+            (40, 2, 64)
         """
         import torch
 
@@ -305,7 +525,31 @@ class Snapshot:
         return torch.cat([_sequence_kv(part.reader, record, name) for part in self.parts], dim=1)
 
     def compare(self, other: Snapshot, *, atol: float = 0.0, rtol: float = 0.0) -> Comparison:
-        """Compare this snapshot's KV with ``other``: see :func:`kvsnap.analysis.compare`."""
+        """Compare this snapshot's KV with a reference snapshot, token by token.
+
+        The layers, KV heads and head size must match; dtype and block size may differ.
+        Sequences are paired by id (by position when no id matches, which a note says); an
+        element mismatches when ``|a - b| > atol + rtol * |b|`` or exactly one is NaN
+        (``kvsnap.analysis.compare``).
+
+        Args:
+            other: The reference snapshot.
+            atol: Absolute tolerance. Default ``0.0``: exact.
+            rtol: Relative tolerance. Default ``0.0``.
+
+        Returns:
+            A ``Comparison``: ``ok``, the structural ``problems``, per tensor the largest
+            difference and mismatch count (``layers``), and ``notes``; ``report()`` prints it.
+
+        Raises:
+            SnapshotCorruptError: A block failed its checksum.
+
+        Example:
+            >>> import kvsnap
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     snap.compare(snap).ok
+            True
+        """
         from kvsnap import analysis
 
         return analysis.compare(self, other, atol=atol, rtol=rtol)
@@ -324,13 +568,46 @@ class Snapshot:
     ) -> RestoreResult:
         """Write the KV of the sequences named in ``block_ids`` into the target cache.
 
-        ``block_ids`` maps a sequence id to the target's device block ids, one per block of that
-        sequence. ``layout`` may list one layout per TP rank held by this process; every rank
-        receives its own heads. Everything is checked before the first byte is written: the
-        geometry (see :meth:`check_compatible`), the sequence ids and the block counts and
-        ranges. Only the blocks of the named sequences are read; a page failing its checksum is
-        never written (:class:`~kvsnap.errors.RestoreIncompleteError` lists the target blocks
-        not restored). ``transfer``, ``staging`` and ``trace`` are as for :func:`capture`.
+        Everything is checked before the first byte is written: the geometry (see
+        ``check_compatible``), the sequence ids, and the block counts and ranges. Only the
+        blocks of the named sequences are read; a page failing its checksum is never written,
+        every other page is.
+
+        Args:
+            layout: The target cache's layout, or one layout per TP rank held by this
+                process (every rank receives its own heads).
+            block_ids: Per sequence id, the target's device block ids, one per block of that
+                sequence.
+            transfer: How pages move, as for ``capture``. Default ``None``: the fused copy.
+            staging: Host staging memory, as for ``capture``. Default ``None``: kvsnap's
+                process-wide slots.
+            model_fingerprint: The target model's fingerprint, checked against the one
+                recorded. Default ``None``: not checked.
+            force: Skip the fingerprint check. Default ``False``.
+            progress: ``progress(done_bytes, total_bytes)``, called as data moves. Default
+                ``None``.
+            trace: Per-step spans, as for ``capture``. Default ``None``.
+
+        Returns:
+            A ``RestoreResult``: the numbers of sequences, tokens, blocks and bytes, the
+            seconds taken and the copy backend used.
+
+        Raises:
+            UnknownSequenceError: A sequence id the snapshot does not hold.
+            IncompatibleSnapshotError: The snapshot does not fit the target, or the block
+                ids do not fit the sequences or the cache.
+            ValueError: Block ids that are not integers.
+            RestoreIncompleteError: Some pages failed their checksums and were not written;
+                ``failed_block_ids`` lists the target blocks to recompute.
+            TransferFailedError: A copy into the cache failed.
+
+        Example:
+            >>> import torch, kvsnap
+            >>> target = [torch.zeros(8, 2, 16, 2, 64) for _ in range(2)]
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     result = snap.restore(kvsnap.vllm_split_layout(target), {"seq-0": [0, 2, 5]})
+            >>> result.num_tokens, result.num_blocks
+            (40, 3)
         """
         from kvsnap.pipeline import Pipeline
         from kvsnap.pipeline.options import staging_options
@@ -348,19 +625,71 @@ class Snapshot:
     # -- statistics ------------------------------------------------------------------------
 
     def valid_tokens_per_block(self) -> np.ndarray:
-        """See :func:`kvsnap.analysis.valid_tokens_per_block`."""
+        """How many leading tokens of each snapshot block hold real KV.
+
+        A sequence's last block may be partial; a block no sequence references counts 0
+        (``kvsnap.analysis.valid_tokens_per_block``).
+
+        Returns:
+            An int64 array, one count per snapshot block.
+
+        Example:
+            >>> import kvsnap
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     snap.valid_tokens_per_block().tolist()
+            [16, 16, 8]
+        """
         from kvsnap import analysis
 
         return analysis.valid_tokens_per_block(self)
 
     def tensor_stats(self, name: str) -> dict[str, float | int]:
-        """See :func:`kvsnap.analysis.tensor_stats`."""
+        """Statistics of one tensor over the tokens that hold real KV.
+
+        Args:
+            name: The tensor, ``layers.{layer}.{part}`` (see ``read_tensor``).
+
+        Returns:
+            ``absmax``, ``mean``, ``std`` (population; of the finite values) and the ``nan``
+            and ``inf`` counts; all zero when no token holds KV
+            (``kvsnap.analysis.tensor_stats``).
+
+        Raises:
+            KeyError: No tensor of that name.
+            SnapshotCorruptError: A block failed its checksum.
+
+        Example:
+            >>> import kvsnap
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     stats = snap.tensor_stats("layers.0.key")
+            >>> sorted(stats), stats["nan"]
+            (['absmax', 'inf', 'mean', 'nan', 'std'], 0)
+        """
         from kvsnap import analysis
 
         return analysis.tensor_stats(self, name)
 
     def token_norms(self, sequence_id: str) -> dict[str, np.ndarray]:
-        """See :func:`kvsnap.analysis.token_norms`."""
+        """The L2 norm of each token's KV in each layer, of one sequence.
+
+        Args:
+            sequence_id: The sequence.
+
+        Returns:
+            Per part (``key`` and ``value``, or ``latent``), a float32 ``(num_layers,
+            num_tokens)`` array (``kvsnap.analysis.token_norms``).
+
+        Raises:
+            UnknownSequenceError: No sequence of that id.
+            SnapshotCorruptError: A block failed its checksum.
+
+        Example:
+            >>> import kvsnap
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     norms = snap.token_norms("seq-0")
+            >>> {part: array.shape for part, array in norms.items()}
+            {'key': (2, 40), 'value': (2, 40)}
+        """
         from kvsnap import analysis
 
         return analysis.token_norms(self, sequence_id)
@@ -368,6 +697,15 @@ class Snapshot:
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Close the snapshot's files (a ``with`` block does this on leaving).
+
+        Closing twice is harmless.
+
+        Example:
+            >>> import kvsnap
+            >>> snap = kvsnap.Snapshot.open("prefix.safetensors")
+            >>> snap.close()
+        """
         self._opened.close()
 
     def __enter__(self) -> Snapshot:

@@ -92,3 +92,25 @@ def test_left_padding_without_positions_shifts_the_kv_as_the_docs_warn() -> None
         ).cache
     assert not torch.allclose(shifted.layers[0].keys[..., -4:, :], alone, atol=1e-4)
     torch.testing.assert_close(aligned.layers[0].keys[..., -4:, :], alone, atol=1e-5, rtol=1e-5)
+
+
+def _section(path: Path, title: str) -> str:
+    text = path.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else None]
+
+
+def test_the_readme_and_the_architecture_name_the_same_public_modules() -> None:
+    import importlib
+
+    table = _section(README, "Public API")
+    public = re.findall(r"^\| `(kvsnap[\w.]*)` \|", table, flags=re.MULTILINE)
+    assert {"kvsnap", "kvsnap.distributed", "kvsnap.engines.transformers"} <= set(public)
+    described = _section(DOCS / "architecture.md", "Public modules")
+    for module in public:
+        importlib.import_module(module)
+        assert f"`{module}`" in described, module
+    # What it calls internal is no public module (but "the rest of" a partly public one).
+    internal = set(re.findall(r"(?<!rest of )`(kvsnap\.\w+)`", table.split("Everything else")[1]))
+    assert internal and not internal & set(public)

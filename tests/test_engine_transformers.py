@@ -323,12 +323,12 @@ def test_dump_at_step_returns_generates_output_and_refuses_unreached_steps(
     )
     assert output[0, len(ids) :].tolist() == hf_greedy(loaded, ids, 6)
     assert result.num_tokens == len(ids)  # step 0: the prompt's prefill
-    with pytest.raises(RuntimeError, match="before step 9"):
+    with pytest.raises(ValueError, match="before step 9"):
         kt.dump_at_step(
             loaded, ids, 9, tmp_path / "late.safetensors", max_new_tokens=4, do_sample=False
         )
     hook = kt.KVDumpHook(tmp_path / "detached.safetensors", step=0)
-    with pytest.raises(RuntimeError, match="attached"), torch.no_grad():
+    with pytest.raises(ValueError, match="attached"), torch.no_grad():
         loaded.model.generate(torch.tensor([ids]), max_new_tokens=2, logits_processor=[hook])
 
 

@@ -49,3 +49,4 @@ def test_the_wheel_installs_the_cli_as_kvsnap_cli_and_no_top_level_cli(tmp_path:
     cli_sources = {path.name for path in (REPO / "cli").glob("*.py")}
     assert {name.split("/")[-1] for name in names if name.startswith("kvsnap/cli/")} == cli_sources
     assert "kvsnap/schema/snapshot-v1.schema.json" in names
+    assert "kvsnap/py.typed" in names

@@ -327,7 +327,7 @@ def test_update_option_is_registered(pytester: pytest.Pytester) -> None:
 
 def test_assert_kv_matches_outside_a_test_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(plugin, "_active_item", None)
-    with pytest.raises(RuntimeError, match="inside a pytest test"):
+    with pytest.raises(ValueError, match="inside a pytest test"):
         assert_kv_matches(_mapping_kv(), "anything")
 
 

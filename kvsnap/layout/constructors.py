@@ -1,9 +1,10 @@
-"""Engine-neutral :class:`~kvsnap.layout.cache.CacheLayout` constructors from real tensors.
+"""Engine-neutral ``CacheLayout`` constructors from real tensors.
 
 vLLM split (NHD or HND physically) and legacy, packed K|V rows, MLA latents, one cross-layer
 tensor, transformers' flat paged cache, and contiguous ``DynamicCache`` tensors. Each reads the
-tensors' shapes and strides and goes through :func:`~kvsnap.layout.mapping.strided_page_runs`,
-so a new layout is a few lines and never a new copy loop.
+tensors' shapes and strides and goes through ``kvsnap.layout.mapping.strided_page_runs``, so a
+new layout is a few lines and never a new copy loop. No constructor copies or keeps anything
+but the tensors' addresses: the layout describes memory the engine owns.
 """
 
 from __future__ import annotations
@@ -37,7 +38,32 @@ def vllm_split_layout(
 
     The shape is the logical one; the physical order may be NHD or HND (vLLM allocates HND
     physically and permutes), and the runs follow the real strides either way.
-    ``num_kv_heads`` is the model's total (default: the local count times ``tp_size``).
+
+    Args:
+        kv_caches: One tensor per layer, K at index 0 and V at index 1 of dimension 1; this
+            rank's heads only.
+        num_kv_heads: The model's total number of KV heads. Default ``None``: the local
+            count times ``tp_size``.
+        tp_rank: This rank in the tensor-parallel group. Default ``0``.
+        tp_size: The tensor-parallel group's size. Default ``1``.
+        attention_types: Per layer ``"full"`` or ``"sliding"``. Default ``None``: all full.
+
+    Returns:
+        The ``CacheLayout`` of the tensors (encoding ``vllm-split-nhd`` or ``-hnd``).
+
+    Raises:
+        LayoutError: The tensors are not of this layout (wrong rank of shape, layers that
+            differ, heads that do not divide among the ranks), or not exactly mappable.
+
+    Example:
+        >>> import torch, kvsnap
+        >>> kv_caches = [torch.zeros(8, 2, 16, 2, 64) for _ in range(2)]  # this rank: 2 of 4
+        >>> layout = kvsnap.vllm_split_layout(kv_caches, num_kv_heads=4, tp_rank=1, tp_size=2)
+        >>> layout.encoding, layout.geometry.num_kv_heads, layout.num_blocks, layout.tp_rank
+        ('vllm-split-nhd', 4, 8, 1)
+        >>> hnd = [torch.zeros(8, 2, 2, 16, 64).transpose(2, 3) for _ in range(2)]
+        >>> kvsnap.vllm_split_layout(hnd).encoding
+        'vllm-split-hnd'
     """
     first = uniform_layers(kv_caches, "(num_blocks, 2, block_size, heads, head_dim)", 5, pair_dim=1)
     num_blocks, _, block_size, local_heads, head_dim = first.shape
@@ -71,6 +97,27 @@ def vllm_legacy_layout(
     """The older vLLM layout: per layer ``(2, num_blocks, block_size, heads, head_dim)``.
 
     K and V are two block-major halves of one tensor; each half is registered as its own tensor.
+
+    Args:
+        kv_caches: One tensor per layer, K then V along dimension 0; this rank's heads only.
+        num_kv_heads: The model's total number of KV heads. Default ``None``: the local
+            count times ``tp_size``.
+        tp_rank: This rank in the tensor-parallel group. Default ``0``.
+        tp_size: The tensor-parallel group's size. Default ``1``.
+        attention_types: Per layer ``"full"`` or ``"sliding"``. Default ``None``: all full.
+
+    Returns:
+        The ``CacheLayout`` of the tensors (encoding ``vllm-legacy``).
+
+    Raises:
+        LayoutError: The tensors are not of this layout (wrong rank of shape, layers that
+            differ, heads that do not divide among the ranks), or not exactly mappable.
+
+    Example:
+        >>> import torch, kvsnap
+        >>> layout = kvsnap.vllm_legacy_layout([torch.zeros(2, 8, 16, 2, 64) for _ in range(2)])
+        >>> layout.encoding, layout.num_blocks, len(layout.tensors)
+        ('vllm-legacy', 8, 4)
     """
     first = uniform_layers(kv_caches, "(2, num_blocks, block_size, heads, head_dim)", 5, pair_dim=0)
     _, num_blocks, block_size, local_heads, head_dim = first.shape
@@ -101,7 +148,30 @@ def packed_layout(
     tp_size: int = 1,
     attention_types: Sequence[str] | None = None,
 ) -> CacheLayout:
-    """The packed layout: per layer ``(num_blocks, heads, block_size, 2 * head_dim)``, K then V."""
+    """The packed layout: per layer ``(num_blocks, heads, block_size, 2 * head_dim)``, K then V.
+
+    Args:
+        kv_caches: One tensor per layer, each row a token's K followed by its V; this rank's
+            heads only.
+        num_kv_heads: The model's total number of KV heads. Default ``None``: the local
+            count times ``tp_size``.
+        tp_rank: This rank in the tensor-parallel group. Default ``0``.
+        tp_size: The tensor-parallel group's size. Default ``1``.
+        attention_types: Per layer ``"full"`` or ``"sliding"``. Default ``None``: all full.
+
+    Returns:
+        The ``CacheLayout`` of the tensors (encoding ``packed``).
+
+    Raises:
+        LayoutError: The tensors are not of this layout (wrong rank of shape, layers that
+            differ, heads that do not divide among the ranks), or not exactly mappable.
+
+    Example:
+        >>> import torch, kvsnap
+        >>> layout = kvsnap.packed_layout([torch.zeros(8, 2, 16, 128) for _ in range(2)])
+        >>> layout.geometry.num_kv_heads, layout.geometry.head_dim
+        (2, 64)
+    """
     first = uniform_layers(kv_caches, "(num_blocks, heads, block_size, 2*head_dim)", 4)
     require(first.shape[3] % 2 == 0, f"the last dimension {first.shape[3]} is not 2*head_dim")
     num_blocks, local_heads, block_size, packed_dim = first.shape
@@ -132,7 +202,28 @@ def mla_layout(
     tp_size: int = 1,
     attention_types: Sequence[str] | None = None,
 ) -> CacheLayout:
-    """MLA: per layer ``(num_blocks, block_size, latent_dim)``, replicated on every TP rank."""
+    """MLA: per layer ``(num_blocks, block_size, latent_dim)``, replicated on every TP rank.
+
+    Every rank holds the whole latent; a capture takes it from one rank only.
+
+    Args:
+        kv_caches: One tensor per layer, the compressed latent (its RoPE part included).
+        tp_rank: This rank in the tensor-parallel group. Default ``0``.
+        tp_size: The tensor-parallel group's size. Default ``1``.
+        attention_types: Per layer attention type. Default ``None``: ``"mla"`` everywhere.
+
+    Returns:
+        The ``CacheLayout`` of the tensors (encoding ``mla``).
+
+    Raises:
+        LayoutError: The tensors are not ``(num_blocks, block_size, latent_dim)`` alike.
+
+    Example:
+        >>> import torch, kvsnap
+        >>> latents = [torch.zeros(8, 16, 576, dtype=torch.bfloat16) for _ in range(2)]
+        >>> kvsnap.mla_layout(latents).describe()
+        'mla: 2 layers, latent 576, 16 tokens/block, bfloat16, 8 blocks'
+    """
     first = uniform_layers(kv_caches, "(num_blocks, block_size, latent_dim)", 3)
     num_blocks, block_size, latent_dim = first.shape
     geometry = KVGeometry(
@@ -158,7 +249,28 @@ def cross_layer_layout(
     tp_size: int = 1,
     attention_types: Sequence[str] | None = None,
 ) -> CacheLayout:
-    """One tensor for all layers: ``(num_blocks, num_layers, 2, block_size, heads, head_dim)``."""
+    """One tensor for all layers: ``(num_blocks, num_layers, 2, block_size, heads, head_dim)``.
+
+    Args:
+        cache: The tensor; this rank's heads only.
+        num_kv_heads: The model's total number of KV heads. Default ``None``: the local
+            count times ``tp_size``.
+        tp_rank: This rank in the tensor-parallel group. Default ``0``.
+        tp_size: The tensor-parallel group's size. Default ``1``.
+        attention_types: Per layer ``"full"`` or ``"sliding"``. Default ``None``: all full.
+
+    Returns:
+        The ``CacheLayout`` of the tensor (encoding ``cross-layer``).
+
+    Raises:
+        LayoutError: The tensors are not of this layout (wrong rank of shape, layers that
+            differ, heads that do not divide among the ranks), or not exactly mappable.
+
+    Example:
+        >>> import torch, kvsnap
+        >>> kvsnap.cross_layer_layout(torch.zeros(8, 2, 2, 16, 2, 64)).describe()
+        'cross-layer: 2 layers, 2 KV heads x head dim 64, 16 tokens/block, float32, 8 blocks'
+    """
     require(
         cache.dim() == 6 and cache.shape[2] == 2,
         "expected (num_blocks, num_layers, 2, block_size, heads, head_dim), "
@@ -187,8 +299,28 @@ def flat_paged_layout(
 ) -> CacheLayout:
     """A flat paged cache: per layer K and V tensors ``(num_blocks * block_size, heads, head_dim)``.
 
-    This is transformers' continuous-batching ``PagedAttentionCache`` storage, where block ``b``
-    is rows ``b*block_size .. (b+1)*block_size``.
+    This is transformers' continuous-batching ``PagedAttentionCache`` storage (5.17), where
+    block ``b`` is rows ``b*block_size .. (b+1)*block_size``.
+
+    Args:
+        key_caches: One key tensor per layer.
+        value_caches: One value tensor per layer, shaped as the keys.
+        block_size: Tokens per block.
+        attention_types: Per layer ``"full"`` or ``"sliding"``. Default ``None``: all full.
+
+    Returns:
+        The ``CacheLayout`` of the tensors (encoding ``flat-paged``).
+
+    Raises:
+        LayoutError: Tensors of other shapes, layers that differ, or rows that are not a
+            whole number of blocks.
+
+    Example:
+        >>> import torch, kvsnap
+        >>> keys = [torch.zeros(128, 2, 64) for _ in range(2)]
+        >>> values = [torch.zeros(128, 2, 64) for _ in range(2)]
+        >>> kvsnap.flat_paged_layout(keys, values, block_size=16).num_blocks
+        8
     """
     require(len(key_caches) == len(value_caches) > 0, "need one key and one value tensor per layer")
     first = key_caches[0]
@@ -226,9 +358,34 @@ def contiguous_layout(
 ) -> CacheLayout:
     """Contiguous per-layer ``(batch, heads, seq, head_dim)`` tensors (``DynamicCache``) as blocks.
 
-    Block ``b`` of the chosen batch row is tokens ``b*block_size .. (b+1)*block_size``; a
-    sequence whose length is not a multiple of ``block_size`` leaves its last block partial,
-    which capture handles by padding (see :mod:`kvsnap.engines.transformers`).
+    Block ``b`` of the chosen batch row is tokens ``b*block_size .. (b+1)*block_size``. The
+    sequence length must be a whole number of blocks: ``kvsnap.engines.transformers`` pads a
+    ``DynamicCache`` into such a buffer before capturing it.
+
+    Args:
+        key_states: One key tensor per layer.
+        value_states: One value tensor per layer, shaped as the keys.
+        block_size: Tokens per block.
+        batch_index: The batch row the layout describes. Default ``0``.
+        attention_types: Per layer ``"full"`` or ``"sliding"``. Default ``None``: all full.
+
+    Returns:
+        The ``CacheLayout`` of that row (encoding ``contiguous-hnd``).
+
+    Raises:
+        LayoutError: Tensors of other shapes, layers that differ, or a sequence length that
+            is not a whole number of blocks.
+
+    Example:
+        >>> import torch, kvsnap
+        >>> keys = [torch.zeros(1, 2, 48, 64) for _ in range(2)]
+        >>> values = [torch.zeros(1, 2, 48, 64) for _ in range(2)]
+        >>> kvsnap.contiguous_layout(keys, values, block_size=16).num_blocks
+        3
+        >>> kvsnap.contiguous_layout([k[:, :, :40] for k in keys], values, block_size=16)
+        Traceback (most recent call last):
+        ...
+        kvsnap.errors.LayoutError: sequence length 40 is not a whole number of 16-token blocks
     """
     require(len(key_states) == len(value_states) > 0, "need one key and one value tensor per layer")
     first = key_states[0]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvsnap.errors import IncompatibleSnapshotError
+from kvsnap.errors import IncompatibleSnapshotError, LayoutError, UnknownSequenceError
 from kvsnap.format import SequenceRecord
 from kvsnap.layout import CacheLayout, KVGeometry
 
@@ -64,11 +64,12 @@ def as_layouts(layout: CacheLayout | Sequence[CacheLayout]) -> list[CacheLayout]
 
 
 def common_geometry(layouts: Sequence[CacheLayout]) -> KVGeometry:
-    """The geometry every rank's layout shares; :class:`IncompatibleSnapshotError` otherwise."""
+    """The geometry every rank's layout shares; ``LayoutError`` (the caller's layouts do not
+    describe one model's cache) otherwise."""
     geometry = layouts[0].geometry
     for layout in layouts[1:]:
         if layout.geometry != geometry:
-            raise IncompatibleSnapshotError(
+            raise LayoutError(
                 f"TP ranks disagree on the KV geometry: {geometry.describe()} vs "
                 f"{layout.geometry.describe()}"
             )
@@ -120,8 +121,9 @@ def restore_pairs(
     """(snapshot block, target block) pairs sorted by snapshot block, and the token count, for
     restoring the sequences named in ``block_ids`` into a cache of ``capacity`` blocks.
 
-    Raises :class:`IncompatibleSnapshotError` for an unknown sequence id, a wrong number of
-    block ids, ids outside the cache, or one target block receiving two snapshot blocks.
+    Raises ``UnknownSequenceError`` for an unknown sequence id, and
+    ``IncompatibleSnapshotError`` for a wrong number of block ids, ids outside the cache, or
+    one target block receiving two snapshot blocks.
     """
     if not block_ids:
         raise ValueError("restore needs at least one sequence")
@@ -131,10 +133,7 @@ def restore_pairs(
     for sequence_id, targets_of_sequence in block_ids.items():
         record = by_id.get(sequence_id)
         if record is None:
-            known = ", ".join(repr(known_id) for known_id in list(by_id)[:8])
-            raise IncompatibleSnapshotError(
-                f"no sequence {sequence_id!r} in {path} (it has: {known})", file=path
-            )
+            raise UnknownSequenceError(sequence_id, by_id, file=path)
         target = block_id_array(targets_of_sequence, f"sequence {sequence_id!r}: target block ids")
         if len(target) != len(record.block_ids):
             raise IncompatibleSnapshotError(

@@ -1,9 +1,9 @@
-"""The :class:`Pipeline`: capture and restore for one set of caches, kept warm between calls.
+"""The ``Pipeline``: capture and restore for one set of caches, kept warm between calls.
 
 An engine calls kvsnap once per request from a long-lived process, so everything that does not
 depend on the request is made once: the page table of the caches (per rank and tensor, the
 addresses and fragment groups the fused copy needs), the pinned host slots and the device
-staging buffer (process-wide, see :mod:`kvsnap.pipeline.staging`), and the compiled kernel.
+staging buffer (process-wide, see ``kvsnap.pipeline.staging``), and the compiled kernel.
 ``kvsnap.capture`` and ``Snapshot.restore`` use the same machinery through a process-wide
 cache of page tables, so a second call is warm without the caller keeping anything.
 """
@@ -72,11 +72,31 @@ MAX_SHARED_TABLES = 32
 class Pipeline:
     """Capture from and restore into the caches ``layout`` describes, warm across calls.
 
-    ``layout`` may list one layout per TP rank held by this process: a capture then takes from
-    each rank the canonical fragments it is elected for, and a restore gives every rank its
-    own heads. ``transfer`` picks how pages move (:class:`TransferOptions`). Keep one per set of
-    caches for as long as the caches live; the plain :func:`kvsnap.capture` and
-    :meth:`kvsnap.Snapshot.restore` make one per call over the same warm state.
+    Keep one per set of caches for as long as the caches live: what does not depend on the
+    request (the caches' page table, the staging slots, the compiled kernel) is made once. The
+    plain ``kvsnap.capture`` and ``kvsnap.Snapshot.restore`` make one per call over the same
+    process-wide warm state.
+
+    Args:
+        layout: The engine cache's layout, or one layout per TP rank held by this process: a
+            capture then takes from each rank the canonical fragments it is elected for, and
+            a restore gives every rank its own heads.
+        transfer: How pages move (``TransferOptions``: a named backend, an SM budget).
+            Default ``None``: the fused page copy.
+
+    Raises:
+        ValueError: An empty list of layouts, or ``TransferOptions`` that contradict
+            themselves.
+        LayoutError: Layouts of TP ranks that do not describe one model's cache.
+
+    Example:
+        >>> import torch, kvsnap
+        >>> target = [torch.zeros(8, 2, 16, 2, 64) for _ in range(2)]
+        >>> pipeline = kvsnap.Pipeline(kvsnap.vllm_split_layout(target))
+        >>> pipeline.geometry.num_kv_heads, pipeline.transfer.backend
+        (2, 'auto')
+        >>> pipeline.restore("prefix.safetensors", {"seq-0": [0, 1, 2]}).num_tokens
+        40
     """
 
     def __init__(
@@ -130,10 +150,50 @@ class Pipeline:
         after: torch.cuda.Event | None = None,
         keys: KeyRing | None = None,
     ) -> CaptureResult:
-        """Write the KV of ``sequences`` to a snapshot at ``path``; see :func:`kvsnap.capture`.
-        ``part``: the file is that part of a parted snapshot, from part layouts (what
-        :func:`kvsnap.parted.capture_part` passes). ``after``: the copies follow this CUDA event,
-        not the calling thread's stream (KV computed on another thread's stream)."""
+        """Write the KV of ``sequences`` from the caches to a snapshot at ``path``.
+
+        As ``kvsnap.capture``, on this pipeline's warm page table and kernel.
+
+        Args:
+            sequences: The sequences to capture: token ids and device blocks of each.
+            path: Where the snapshot goes: a local path or an fsspec URL.
+            source: Where the KV came from. Default ``None``: unknown.
+            part: Write the file as this part of a parted snapshot, from part layouts (what
+                ``kvsnap.parted.capture_part`` passes; not for callers). Default ``None``.
+            staging: Host staging memory (``StagingOptions``). Default ``None``: kvsnap's
+                process-wide slots.
+            reproducible: Record nothing time- or host-dependent. Default ``False``.
+            max_shard_bytes: Split into shard files of at most this many bytes. Default
+                ``None``: one file.
+            direct_io: ``True`` requires ``O_DIRECT``, ``False`` never uses it. Default
+                ``None``: where the filesystem accepts it.
+            progress: ``progress(done_bytes, total_bytes)``, called as data moves. Default
+                ``None``.
+            trace: ``trace(kind, started, finished, nbytes)`` per step. Default ``None``.
+            after: A CUDA event the copies follow instead of the calling thread's stream (KV
+                computed on another thread's stream). Default ``None``.
+            keys: Sign every file with the first key of this ``KeyRing``. Default ``None``:
+                unsigned.
+
+        Returns:
+            A ``CaptureResult``, as ``kvsnap.capture`` returns it.
+
+        Raises:
+            ValueError: Sequences that break the rules (see ``kvsnap.capture``).
+            SnapshotIOError: Writing failed; the previous file at ``path`` is untouched.
+            TransferFailedError: A copy out of the cache failed.
+
+        Example:
+            >>> import numpy as np, torch, kvsnap
+            >>> kv_caches = [torch.randn(8, 2, 16, 2, 64) for _ in range(2)]
+            >>> pipeline = kvsnap.Pipeline(kvsnap.vllm_split_layout(kv_caches))
+            >>> for step in range(3):  # one snapshot per request, the pipeline kept warm
+            ...     blocks = np.array([step, 7])
+            ...     request = kvsnap.SequenceBlocks(f"req-{step}", np.arange(20), blocks)
+            ...     result = pipeline.capture([request], f"req-{step}.safetensors")
+            >>> result.path, result.num_blocks, result.num_tokens
+            ('req-2.safetensors', 2, 20)
+        """
         started = time.perf_counter()
         validate_sequences(self.geometry.block_size, sequences)
         metadata, device_blocks = capture_metadata(
@@ -190,13 +250,47 @@ class Pipeline:
     ) -> RestoreResult:
         """Write the KV of the sequences named in ``block_ids`` into the caches.
 
-        ``snapshot`` is an open :class:`~kvsnap.Snapshot` or a path (opened and closed here).
-        ``block_ids`` maps a sequence id to the target's device block ids, one per block of
-        that sequence. Everything is checked before the first byte is written (see
-        :func:`kvsnap.format.fit.check_fits`, and the ids, counts and ranges of the blocks). A page
-        that fails its checksum is never written: the others are, and
-        :class:`~kvsnap.errors.RestoreIncompleteError` then lists the target blocks not
-        (fully) restored.
+        As ``kvsnap.Snapshot.restore``: everything is checked before the first byte is written
+        (the geometry, see ``kvsnap.format.fit.check_fits``, then the ids, counts and ranges
+        of the blocks), and a page that fails its checksum is never written.
+
+        Args:
+            snapshot: An open ``Snapshot``, or a path (opened and closed here).
+            block_ids: Per sequence id, the target's device block ids, one per block of that
+                sequence.
+            staging: Host staging memory (``StagingOptions``). Default ``None``: kvsnap's
+                process-wide slots.
+            model_fingerprint: The target model's fingerprint, checked against the one
+                recorded. Default ``None``: not checked.
+            force: Skip the fingerprint check. Default ``False``.
+            progress: ``progress(done_bytes, total_bytes)``, called as data moves. Default
+                ``None``.
+            trace: ``trace(kind, started, finished, nbytes)`` per step. Default ``None``.
+
+        Returns:
+            A ``RestoreResult``: sequences, tokens, blocks, bytes, seconds and backend.
+
+        Raises:
+            UnknownSequenceError: A sequence id the snapshot does not hold.
+            IncompatibleSnapshotError: The snapshot does not fit the caches, or the block ids
+                do not fit the sequences or the caches.
+            ValueError: Block ids that are not integers, or no sequence at all.
+            RestoreIncompleteError: Some pages failed their checksums and were not written;
+                ``failed_block_ids`` lists the target blocks not (fully) restored.
+            TransferFailedError: A copy into the cache failed.
+            KVSnapError: ``snapshot`` is a path that does not open (see ``Snapshot.open``).
+
+        Example:
+            >>> import torch, kvsnap
+            >>> target = [torch.zeros(8, 2, 16, 2, 64) for _ in range(2)]
+            >>> pipeline = kvsnap.Pipeline(kvsnap.vllm_split_layout(target))
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     for blocks in ([0, 1, 2], [5, 6, 7]):  # twice: warm the second time
+            ...         result = pipeline.restore(snap, {"seq-0": blocks})
+            >>> result.num_sequences, result.num_tokens, result.num_blocks
+            (1, 40, 3)
+            >>> bool(torch.equal(target[0][[0, 1, 2]], target[0][[5, 6, 7]]))
+            True
         """
         if isinstance(snapshot, (str, os.PathLike)):
             with open_snapshot(snapshot) as opened:
@@ -230,10 +324,46 @@ class Pipeline:
         progress: ProgressCallback | None = None,
         trace: TraceHook | None = None,
     ) -> RestoreResult:
-        """Write snapshot block ``snapshot_blocks[i]`` into target block ``target_blocks[i]``
-        for every ``i``: part of a sequence, as an engine loading only the blocks its own
-        prefix cache lacks does. Checked as :meth:`restore` checks (``num_sequences`` and
-        ``num_tokens`` of the result are 0: no sequence is named)."""
+        """Write snapshot block ``snapshot_blocks[i]`` into target block ``target_blocks[i]``.
+
+        For part of a sequence, as an engine loading only the blocks its own prefix cache
+        lacks does. Checked as ``restore`` checks.
+
+        Args:
+            snapshot: An open ``Snapshot``.
+            snapshot_blocks: Snapshot block ids (``SequenceRecord.block_ids`` name them).
+            target_blocks: The target's device block ids, one per snapshot block.
+            staging: Host staging memory (``StagingOptions``). Default ``None``: kvsnap's
+                process-wide slots.
+            model_fingerprint: The target model's fingerprint, checked against the one
+                recorded. Default ``None``: not checked.
+            force: Skip the fingerprint check. Default ``False``.
+            progress: ``progress(done_bytes, total_bytes)``, called as data moves. Default
+                ``None``.
+            trace: ``trace(kind, started, finished, nbytes)`` per step. Default ``None``.
+
+        Returns:
+            A ``RestoreResult`` whose ``num_sequences`` and ``num_tokens`` are 0 (no sequence
+            is named).
+
+        Raises:
+            IncompatibleSnapshotError: The snapshot does not fit the caches, the two lists
+                differ in length, an id is out of range, or a target block would receive two
+                snapshot blocks.
+            ValueError: Block ids that are not integers.
+            RestoreIncompleteError: Some pages failed their checksums and were not written.
+            TransferFailedError: A copy into the cache failed.
+
+        Example:
+            >>> import torch, kvsnap
+            >>> target = [torch.zeros(8, 2, 16, 2, 64) for _ in range(2)]
+            >>> pipeline = kvsnap.Pipeline(kvsnap.vllm_split_layout(target))
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     tail = snap.sequence("seq-0").block_ids[1:]  # the engine holds block 0
+            ...     result = pipeline.restore_blocks(snap, tail, [6, 7])
+            >>> result.num_blocks, result.num_sequences
+            (2, 0)
+        """
         started = time.perf_counter()
         capacity = self._checked_capacity(snapshot, model_fingerprint, force)
         num_blocks = snapshot.metadata.num_blocks
@@ -251,14 +381,45 @@ class Pipeline:
         force: bool = False,
         trace: TraceHook | None = None,
     ) -> RestoreResult:
-        """:meth:`restore_blocks` of several snapshots, ``(snapshot, snapshot_blocks,
-        target_blocks)`` each, as one job: their pages stream through the staging slots back
-        to back, so the reads of one overlap the moves of the one before (an engine loading a
-        prompt's prefix stored as chunks). Every snapshot is checked before anything is
-        written. A page failing its checksum is never written; the others are, and
-        :class:`~kvsnap.errors.RestoreIncompleteError` lists the target blocks of every
-        snapshot not (fully) restored. Parted snapshots restore part by part, one job per head
-        range."""
+        """``restore_blocks`` of several snapshots as one job.
+
+        Their pages stream through the staging slots back to back, so the reads of one
+        overlap the moves of the one before (an engine loading a prompt's prefix stored as
+        chunks). Every snapshot is checked before anything is written. Parted snapshots
+        restore part by part, one job per head range.
+
+        Args:
+            chunks: ``(snapshot, snapshot_blocks, target_blocks)`` per snapshot, as
+                ``restore_blocks`` takes them.
+            staging: Host staging memory (``StagingOptions``). Default ``None``: kvsnap's
+                process-wide slots.
+            model_fingerprint: The target model's fingerprint, checked against every
+                snapshot's. Default ``None``: not checked.
+            force: Skip the fingerprint check. Default ``False``.
+            trace: ``trace(kind, started, finished, nbytes)`` per step. Default ``None``.
+
+        Returns:
+            One ``RestoreResult`` for all chunks (``num_sequences`` and ``num_tokens`` 0).
+
+        Raises:
+            IncompatibleSnapshotError: A snapshot does not fit, or its block ids do not.
+            ValueError: Block ids that are not integers.
+            RestoreIncompleteError: Some pages failed their checksums and were not written;
+                ``failed_block_ids`` lists the target blocks of every snapshot not (fully)
+                restored, every other page was.
+            TransferFailedError: A copy into the cache failed.
+
+        Example:
+            >>> import torch, kvsnap
+            >>> target = [torch.zeros(8, 2, 16, 2, 64) for _ in range(2)]
+            >>> pipeline = kvsnap.Pipeline(kvsnap.vllm_split_layout(target))
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as first, kvsnap.Snapshot.open(
+            ...     "prefix.safetensors"
+            ... ) as second:
+            ...     result = pipeline.restore_chunks([(first, [0], [3]), (second, [1, 2], [4, 5])])
+            >>> result.num_blocks
+            3
+        """
         started = time.perf_counter()
         items: list[Item] = []
         for snapshot, snapshot_blocks, target_blocks in chunks:

@@ -10,7 +10,26 @@ are imported on first access too, since the plugin needs pytest: ``kvsnap fixtur
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see of the names below, imported on first use
+    from kvsnap.testing.plugin import (
+        GOLDEN_DIRNAME,
+        KVSnapshotChecker,
+        assert_kv_matches,
+        golden_path,
+    )
+    from kvsnap.testing.synthetic import (
+        GENERATOR_VERSION,
+        SyntheticCache,
+        SyntheticSequence,
+        SyntheticSpec,
+        apply_rope,
+        build_cache,
+        generate,
+        make_spec,
+        synthesize,
+    )
 
 _PLUGIN = ("GOLDEN_DIRNAME", "KVSnapshotChecker", "assert_kv_matches", "golden_path")
 _SYNTHETIC = (
@@ -25,7 +44,22 @@ _SYNTHETIC = (
     "synthesize",
 )
 
-__all__ = [*_PLUGIN, *_SYNTHETIC]
+#: Spelled out, since type checkers read a literal list only.
+__all__ = [
+    "GENERATOR_VERSION",
+    "GOLDEN_DIRNAME",
+    "KVSnapshotChecker",
+    "SyntheticCache",
+    "SyntheticSequence",
+    "SyntheticSpec",
+    "apply_rope",
+    "assert_kv_matches",
+    "build_cache",
+    "generate",
+    "golden_path",
+    "make_spec",
+    "synthesize",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 
 Installed with kvsnap (entry point ``pytest11``), so pytest loads it in every session; it stays
 inert unless a test uses it. Importing it imports neither torch nor the rest of kvsnap: the
-comparison machinery (:mod:`kvsnap.testing.golden`) is imported on the first assertion.
+comparison machinery (``kvsnap.testing.golden``) is imported on the first assertion.
 
 A test compares a KV cache with a golden snapshot kept next to the test file::
 
@@ -154,26 +154,57 @@ def assert_kv_matches(
     block_size: int | None = None,
     token_ids: Any = None,
 ) -> None:
-    """Assert that a KV cache matches the golden snapshot ``name`` kept next to the running test.
+    r"""Assert that a KV cache matches the golden snapshot ``name`` kept next to the running test.
 
-    ``cache_or_tensors`` is a transformers ``DynamicCache`` (each batch row one sequence), a
-    kvsnap :class:`~kvsnap.snapshot.Snapshot` (or the path of one), or a mapping
-    ``{"layers.{i}.key": (tokens, heads, head_dim), "layers.{i}.value": ..., }`` (or
-    ``"layers.{i}.latent": (tokens, latent_dim)``) of one sequence. Elements mismatch when
-    ``|actual - golden| > atol + rtol * |golden|`` (or exactly one is NaN); the defaults demand
-    bit-identical values. ``token_ids`` (one row per sequence) are recorded and compared too;
-    without them each sequence gets distinct placeholder ids. ``block_size`` only shapes the
-    golden file (default: the existing golden's, else the snapshot's, else 16).
-
-    Must run inside a pytest test with the kvsnap plugin active (the default once kvsnap is
+    Runs inside a pytest test with the kvsnap plugin active (the default once kvsnap is
     installed): the golden file is ``__kvsnap__/<name>.safetensors`` next to the test file. A
-    mismatch raises ``AssertionError`` with the same report as ``kvsnap verify --against``; a
-    missing golden file is written and fails the test unless ``--kvsnap-update`` was given.
+    missing golden file is written and fails the test, saying so, unless ``--kvsnap-update``
+    was given (which also rewrites golden files that differ).
+
+    Args:
+        cache_or_tensors: A transformers ``DynamicCache`` (each batch row one sequence), a
+            kvsnap ``Snapshot`` (or the path of one), or one sequence as a mapping
+            ``{"layers.{i}.key": (tokens, heads, head_dim), "layers.{i}.value": ...}`` (MLA:
+            ``"layers.{i}.latent": (tokens, latent_dim)``).
+        name: The golden snapshot's name: letters, digits and ``._-[]=+,``.
+        atol: Absolute tolerance: elements mismatch when ``|actual - golden| > atol + rtol *
+            |golden|``, or exactly one is NaN. Default ``0.0``: bit-identical.
+        rtol: Relative tolerance. Default ``0.0``.
+        block_size: Tokens per block of a golden file written now. Default ``None``: the
+            existing golden's, else the snapshot's, else 16.
+        token_ids: One row of token ids per sequence, recorded and compared too. Default
+            ``None``: distinct placeholder ids per sequence.
+
+    Raises:
+        AssertionError: The KV differs from the golden snapshot; the message is the report
+            ``kvsnap verify --against`` prints.
+        ValueError: Called outside a pytest test, or a name that could leave the golden
+            directory.
+
+    Example:
+        A test module using it, run twice by pytest: the first run writes the golden file
+        and fails, saying so; from then on the same KV passes.
+
+        >>> import pathlib, subprocess, sys
+        >>> _ = pathlib.Path("test_kv.py").write_text(
+        ...     "import torch\n"
+        ...     "from kvsnap.testing import assert_kv_matches\n"
+        ...     "def test_kv():\n"
+        ...     "    kv = {f'layers.0.{part}': torch.ones(5, 2, 8) for part in ('key', 'value')}\n"
+        ...     "    assert_kv_matches(kv, 'ones')\n"
+        ... )
+        >>> pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_kv.py"]
+        >>> subprocess.run(pytest, capture_output=True).returncode
+        1
+        >>> sorted(path.name for path in pathlib.Path("__kvsnap__").iterdir())
+        ['ones.safetensors']
+        >>> subprocess.run(pytest, capture_output=True).returncode
+        0
     """
     __tracebackhide__ = True
     item = _active_item
     if item is None:
-        raise RuntimeError(
+        raise ValueError(
             "assert_kv_matches must run inside a pytest test with the kvsnap plugin loaded; "
             "outside pytest use kvsnap.testing.golden.check_golden(..., path, update=...)"
         )
@@ -205,7 +236,7 @@ class KVSnapshotChecker:
         return re.sub(r"[^A-Za-z0-9._\-\[\]=+,]", "_", self._item.name)
 
     def path(self, name: str | None = None) -> Path:
-        """The golden snapshot file for ``name`` (default: :attr:`default_name`)."""
+        """The golden snapshot file for ``name`` (default: ``default_name``)."""
         return golden_path(Path(str(self._item.path)), name or self.default_name)
 
     def assert_matches(
@@ -218,7 +249,7 @@ class KVSnapshotChecker:
         block_size: int | None = None,
         token_ids: Any = None,
     ) -> None:
-        """:func:`assert_kv_matches` for this test; ``name`` defaults to :attr:`default_name`."""
+        """``assert_kv_matches`` for this test; ``name`` defaults to ``default_name``."""
         __tracebackhide__ = True
         _check(
             self._item,

@@ -6,9 +6,9 @@ driver's batch DMA copy), ``triton`` (a UVA copy kernel), ``torch`` (gather/scat
 staging) or ``cpu`` (host memory only). ``auto`` picks per job; see :mod:`kvsnap.transfer.base`.
 """
 
+from kvsnap.errors import BackendUnavailable, BackendUnavailableError
 from kvsnap.transfer.base import (
     AutoPolicy,
-    BackendUnavailable,
     CopyBackend,
     CopyJob,
     TransferResult,
@@ -25,6 +25,7 @@ from kvsnap.transfer.handler import TransferHandler
 __all__ = [
     "AutoPolicy",
     "BackendUnavailable",
+    "BackendUnavailableError",
     "CopyBackend",
     "CopyJob",
     "TransferHandler",

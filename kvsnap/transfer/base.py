@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvsnap.errors import BackendUnavailable
+from kvsnap.errors import BackendUnavailableError
 from kvsnap.layout import CacheLayout
 from kvsnap.transfer.plan import Descriptors, Direction, ResolvedCopy
 
@@ -129,7 +129,7 @@ class CopyBackend(ABC):
     def __init__(self, layout: CacheLayout, direction: Direction, **options: Any) -> None:
         reason = self.probe(layout.device)
         if reason is not None:
-            raise BackendUnavailable(f"backend {self.name!r} is unavailable: {reason}")
+            raise BackendUnavailableError(f"backend {self.name!r} is unavailable: {reason}")
         self.layout = layout
         self.direction = direction
         self.device = layout.device
@@ -204,7 +204,7 @@ def make_backend(
     """Instantiate backend ``name`` for ``layout`` and ``direction``.
 
     ``options`` go to the backend (e.g. ``staging_bytes`` for ``torch``, ``max_programs`` for
-    ``triton``). Raises :class:`BackendUnavailable` when the backend cannot run here and
+    ``triton``). Raises ``BackendUnavailableError`` when the backend cannot run here and
     ``KeyError`` for an unknown name.
     """
     return backend_class(name)(layout, direction, **options)

@@ -3,32 +3,32 @@
 Three ways transformers holds KV, and what this module does with each:
 
 * **``DynamicCache``** (``model(...)``, ``model.generate(...)``): per layer a contiguous
-  ``(batch, kv_heads, seq, head_dim)`` tensor. :func:`capture_dynamic_cache` copies the rows
+  ``(batch, kv_heads, seq, head_dim)`` tensor. ``capture_dynamic_cache`` copies the rows
   once into a zero-padded, block-aligned buffer (a snapshot stores whole blocks) and captures it
-  through :func:`~kvsnap.layout.contiguous_layout`; :func:`restore_dynamic_cache` restores into
+  through ``kvsnap.layout.contiguous_layout``; ``restore_dynamic_cache`` restores into
   such a buffer and hands back a ``DynamicCache`` exactly ``num_tokens`` long.
 * **``PagedAttentionCache``** (continuous batching, ``model.generate_batch`` and
   ``ContinuousBatchingManager``): blocks of ``page_size`` tokens, addressed through per-request
-  block tables. :func:`capture_paged_cache` captures live requests by their block tables,
-  :func:`capture_paged_prefix` captures the complete blocks the cache keeps for prefix sharing,
-  and :func:`restore_paged_cache` allocates blocks through the cache's own allocator, restores
+  block tables. ``capture_paged_cache`` captures live requests by their block tables,
+  ``capture_paged_prefix`` captures the complete blocks the cache keeps for prefix sharing,
+  and ``restore_paged_cache`` allocates blocks through the cache's own allocator, restores
   into them and (by default) registers them as cached prefix blocks, so that the next request
   whose prompt starts with those tokens skips their prefill — exactly how continuous batching
   resumes from its own prefix cache.
-* **inside ``generate``**: :class:`KVDumpHook` is a logits processor that snapshots the cache at
+* **inside ``generate``**: ``KVDumpHook`` is a logits processor that snapshots the cache at
   one generation step and returns the scores untouched, so the output does not change.
 
 transformers 5.17 to 5.24 are supported; the continuous-batching cache changed shape in that
-range, and both are handled (:mod:`~kvsnap.engines.transformers.paged_cache`). Every ``model``
+range, and both are handled (``kvsnap.engines.transformers.paged_cache``). Every ``model``
 parameter takes kvsnap's ``LoadedModel`` or a plain transformers model
-(:mod:`~kvsnap.engines.transformers.model`).
+(``kvsnap.engines.transformers.model``).
 
 The modules: ``model`` (geometry, id and fingerprint of a model), ``generate`` (forward,
 prefill, greedy continuation, ``generate`` from a restored cache), ``dynamic``
 (``DynamicCache``), ``paged_cache`` and ``paged`` (continuous batching), ``dump`` (the hook).
 
 Caches with sliding-window layer groups, and continuous batching with tensor-parallel KV heads,
-are refused with a :class:`~kvsnap.layout.LayoutError` naming the reason: a sliding group keeps
+are refused with a ``kvsnap.layout.LayoutError`` naming the reason: a sliding group keeps
 only the last window of tokens, so a snapshot of it would not describe the sequence.
 """
 

@@ -20,18 +20,38 @@ class KVDumpHook(LogitsProcessor):
     """Snapshot the KV cache of a running ``model.generate(...)`` at one generation step.
 
     A logits processor is called once per step with every token so far, right after the forward
-    pass that filled the cache for them; at step ``step`` (0 is the prompt's prefill, ``s`` is
-    after ``s`` generated tokens) this one captures the cache, one sequence per batch row named
-    ``sequence_ids`` (default ``seq-0``, ...), with the row's tokens so far. It returns the scores
-    unchanged, so generation is not affected.
+    pass that filled the cache for them; at step ``step`` this one captures the cache, one
+    sequence per batch row, with the row's tokens so far. It returns the scores unchanged, so
+    generation is not affected. The cache object is found by a forward pre-hook on the model
+    (``attached``), so it works with the cache ``generate`` creates itself. ``result`` is the
+    ``CaptureResult`` afterwards, or ``None`` if generation stopped before ``step``.
 
-    The cache object is found by a forward pre-hook on the model (``attached``), so it works with
-    the cache ``generate`` creates itself::
+    Args:
+        path: Where the snapshot goes.
+        step: The generation step: 0 is the prompt's prefill, ``s`` is after ``s`` generated
+            tokens.
+        model: The model, recorded as the snapshot's source. Default ``None``: unknown.
+        block_size: Tokens per snapshot block. Default ``16``.
+        sequence_ids: The sequences' names. Default ``None``: ``"seq-0"``, ``"seq-1"``, ...
+        **capture_kwargs: Passed on to ``kvsnap.capture``.
 
-        hook = KVDumpHook("step5.safetensors", step=5, model=loaded)
-        with hook.attached(loaded.model):
-            out = loaded.model.generate(ids, max_new_tokens=20, logits_processor=[hook])
-        hook.result  # the CaptureResult, or None if generation stopped before step 5
+    Raises:
+        ValueError: A negative ``step``; during ``generate``, a hook used outside
+            ``with hook.attached(model):``.
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> import torch
+        >>> ids = torch.tensor([model.encode("Hello")])  # 6 tokens
+        >>> hook = kt.KVDumpHook("step3.safetensors", step=3, model=model)
+        >>> with hook.attached(model), torch.no_grad():
+        ...     output = model.model.generate(
+        ...         ids, max_new_tokens=5, do_sample=False, logits_processor=[hook]
+        ...     )
+        >>> hook.result.num_tokens  # the prompt and 3 generated tokens
+        9
     """
 
     def __init__(
@@ -83,7 +103,7 @@ class KVDumpHook(LogitsProcessor):
             self._prompt_length = input_ids.shape[1]
         if input_ids.shape[1] - self._prompt_length == self.step and self.result is None:
             if self.cache is None:
-                raise RuntimeError(
+                raise ValueError(
                     "KVDumpHook saw no cache: use it inside `with hook.attached(model):`"
                 )
             self.result = capture_dynamic_cache(
@@ -109,10 +129,31 @@ def dump_at_step(
 ) -> tuple[Any, CaptureResult]:
     """Run ``model.generate`` on ``input_ids`` and snapshot its KV cache at ``step``.
 
-    ``model`` is a :class:`~kvsnap.engines.default_model.LoadedModel` or a plain transformers
-    model; ``input_ids`` one sequence or a ``(batch, tokens)`` tensor. Returns ``generate``'s
-    output (unchanged by the dump) and the capture result. Raises ``RuntimeError`` when
-    generation ends before ``step``.
+    Args:
+        model: kvsnap's ``LoadedModel`` or a transformers model.
+        input_ids: One sequence of token ids, or a ``(batch, tokens)`` tensor.
+        step: The generation step to snapshot (0: the prompt's prefill).
+        path: Where the snapshot goes.
+        block_size: Tokens per snapshot block. Default ``16``.
+        **generate_kwargs: Passed on to ``generate`` (``max_new_tokens``, ``do_sample``, a
+            ``logits_processor`` list the hook joins, ...).
+
+    Returns:
+        ``generate``'s output (unchanged by the dump) and the ``CaptureResult``.
+
+    Raises:
+        ValueError: Generation ended before ``step``; nothing was dumped.
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> ids = model.encode("Hello")
+        >>> output, result = kt.dump_at_step(
+        ...     model, ids, 0, "prefill.safetensors", max_new_tokens=4, do_sample=False
+        ... )
+        >>> result.num_tokens  # step 0: the prompt's prefill
+        6
     """
     ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor([list(input_ids)])
     module = module_of(model)
@@ -123,5 +164,5 @@ def dump_at_step(
     with hook.attached(module):
         output = module.generate(ids, logits_processor=processors, **generate_kwargs)
     if hook.result is None:
-        raise RuntimeError(f"generation ended before step {step}; nothing was dumped")
+        raise ValueError(f"generation ended before step {step}; nothing was dumped")
     return output, hook.result

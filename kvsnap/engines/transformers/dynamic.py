@@ -1,10 +1,10 @@
 """``DynamicCache`` capture and restore.
 
 Per layer a ``DynamicCache`` holds a contiguous ``(batch, kv_heads, seq, head_dim)`` tensor.
-:func:`capture_dynamic_cache` copies the rows once into a zero-padded, block-aligned buffer (a
-snapshot stores whole blocks) and captures it through
-:func:`~kvsnap.layout.contiguous_layout`; :func:`restore_dynamic_cache` restores into such a
-buffer and hands back a ``DynamicCache`` exactly ``num_tokens`` long.
+``capture_dynamic_cache`` copies the rows once into a zero-padded, block-aligned buffer (a
+snapshot stores whole blocks) and captures it through ``kvsnap.layout.contiguous_layout``;
+``restore_dynamic_cache`` restores into such a buffer and hands back a ``DynamicCache``
+exactly ``num_tokens`` long.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from kvsnap.snapshot import CaptureResult, SequenceBlocks, Snapshot, capture
 def dynamic_cache_states(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer ``(keys, values)``, each ``(batch, kv_heads, seq, head_dim)``.
 
-    Raises :class:`~kvsnap.layout.LayoutError` for an empty cache, or when a layer holds fewer
-    tokens than the cache has seen (a sliding-window layer past its window).
+    Raises ``LayoutError`` for an empty cache, or when a layer holds fewer tokens than the
+    cache has seen (a sliding-window layer past its window).
     """
     layers = getattr(cache, "layers", None)
     if not layers:
@@ -78,14 +78,42 @@ def capture_dynamic_cache(
     sequence_ids: Sequence[str] | None = None,
     **capture_kwargs: Any,
 ) -> CaptureResult:
-    """Snapshot a ``DynamicCache``: one sequence per batch row, to ``path``.
+    """Snapshot a ``DynamicCache``, one sequence per batch row, to ``path``.
 
-    ``token_ids[i]`` are the tokens of row ``i``; their KV is the row's last ``len(token_ids[i])``
-    positions (shorter rows are left-padded, as ``generate`` pads a batch). ``sequence_ids`` name
-    the sequences (default ``"seq-0"``, ``"seq-1"``, ...). The rows are copied once into a
-    zero-padded buffer ``ceil(tokens / block_size)`` blocks long, which is what is captured; the
-    cache itself is not modified. ``model`` fills the snapshot's source (model id, fingerprint).
-    Remaining keyword arguments go to :func:`kvsnap.snapshot.capture`.
+    The rows are copied once into a zero-padded buffer ``ceil(tokens / block_size)`` blocks
+    long, which is what is captured; the cache itself is not modified.
+
+    Args:
+        cache: The ``DynamicCache`` (or another transformers ``Cache`` of full-attention
+            layers).
+        token_ids: Per batch row, the tokens whose KV it holds: the row's last
+            ``len(token_ids[i])`` positions (shorter rows are left-padded, as ``generate``
+            pads a batch).
+        path: Where the snapshot goes.
+        model: The model whose KV it is (kvsnap's ``LoadedModel`` or a transformers
+            model): it fills the snapshot's source (model id, fingerprint). ``None`` records
+            an unknown source.
+        block_size: Tokens per snapshot block. Default ``16``.
+        sequence_ids: The sequences' names. Default ``None``: ``"seq-0"``, ``"seq-1"``, ...
+        **capture_kwargs: Passed on to ``kvsnap.capture`` (``reproducible``, ``keys``, ...).
+
+    Returns:
+        The ``CaptureResult`` of ``kvsnap.capture``.
+
+    Raises:
+        ValueError: Token id rows that do not match the cache's rows or lengths.
+        LayoutError: An empty cache, or a layer holding fewer tokens than the cache has seen
+            (a sliding window): kvsnap snapshots whole sequences only.
+        SnapshotIOError: Writing failed.
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> [(cache, ids)] = kt.prefill(model, ["kvsnap restores the KV cache exactly."])
+        >>> result = kt.capture_dynamic_cache(cache, [ids], "prompt.safetensors", model=model)
+        >>> result.num_tokens, result.num_blocks
+        (38, 3)
     """
     states = dynamic_cache_states(cache)
     rows = _token_rows(token_ids)
@@ -111,10 +139,34 @@ def capture_dynamic_caches(
     sequence_ids: Sequence[str] | None = None,
     **capture_kwargs: Any,
 ) -> CaptureResult:
-    """Snapshot several batch-1 caches, e.g. what :func:`prefill` returns, as one snapshot.
+    """Snapshot several batch-1 caches, such as ``prefill`` returns, as one snapshot.
 
-    ``items`` pairs each cache with the token ids its KV holds; sequence ``i`` is named
-    ``sequence_ids[i]`` (default ``"seq-i"``). Otherwise as :func:`capture_dynamic_cache`.
+    Args:
+        items: Pairs of a batch-1 cache and the token ids its KV holds.
+        path: Where the snapshot goes.
+        model: The model whose KV it is (kvsnap's ``LoadedModel`` or a transformers
+            model): it fills the snapshot's source (model id, fingerprint). ``None`` records
+            an unknown source.
+        block_size: Tokens per snapshot block. Default ``16``.
+        sequence_ids: The sequences' names. Default ``None``: ``"seq-0"``, ``"seq-1"``, ...
+        **capture_kwargs: Passed on to ``kvsnap.capture``.
+
+    Returns:
+        The ``CaptureResult`` of ``kvsnap.capture``.
+
+    Raises:
+        ValueError: A cache of more than one row, or token ids that do not match it.
+        LayoutError: An empty cache, or a sliding-window layer past its window.
+        SnapshotIOError: Writing failed.
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> pairs = kt.prefill(model, ["first prompt", "the second prompt"])
+        >>> result = kt.capture_dynamic_caches(pairs, "two.safetensors", model=model)
+        >>> result.num_sequences, result.num_tokens
+        (2, 31)
     """
     rows = []
     for cache, tokens in items:
@@ -211,12 +263,40 @@ def restore_dynamic_cache(
 ) -> tuple[DynamicCache, list[int]]:
     """Restore one sequence of a snapshot into a new ``DynamicCache`` (batch 1) on ``device``.
 
-    Returns the cache, holding exactly the sequence's ``num_tokens`` tokens of KV, bit-identical
-    to what was captured, and the sequence's token ids. ``sequence_id`` may be omitted when the
-    snapshot holds one sequence. With ``model``, the snapshot is first checked against it
-    (geometry, and fingerprint unless ``force``) and the cache is built from its config.
-    ``dtype`` casts the restored KV afterwards (lossy when narrower); by default it stays in the
-    snapshot's dtype. ``progress(done_bytes, total_bytes)`` follows the copy.
+    Args:
+        snapshot: An open ``Snapshot``, or the path of one.
+        sequence_id: The sequence. Default ``None``: the snapshot's only one.
+        device: Where the cache lives. Default ``"cpu"``.
+        dtype: Cast the restored KV to this dtype afterwards (lossy when narrower). Default
+            ``None``: the snapshot's dtype.
+        model: Check the snapshot against this model first (geometry, and fingerprint unless
+            ``force``) and build the cache from its config. Default ``None``: no check.
+        force: Skip the fingerprint check. Default ``False``.
+        backend: The copy backend (``TransferOptions.backend``). Default ``"auto"``.
+        progress: ``progress(done_bytes, total_bytes)``, called as data moves. Default
+            ``None``.
+
+    Returns:
+        The cache, holding exactly the sequence's tokens of KV, bit-identical to what was
+        captured, and the sequence's token ids.
+
+    Raises:
+        UnknownSequenceError: No sequence of that id.
+        ValueError: No ``sequence_id`` for a snapshot of several sequences.
+        IncompatibleSnapshotError: The snapshot does not fit ``model``.
+        SnapshotCorruptError: A block failed its checksum.
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> [(cache, ids)] = kt.prefill(model, ["kvsnap restores the KV cache exactly."])
+        >>> _ = kt.capture_dynamic_cache(cache, [ids], "prompt.safetensors", model=model)
+        >>> restored, token_ids = kt.restore_dynamic_cache("prompt.safetensors", model=model)
+        >>> token_ids == ids, restored.get_seq_length()
+        (True, 38)
+        >>> all((a.keys == b.keys).all() for a, b in zip(cache.layers, restored.layers))
+        True
     """
     with open_snapshot(snapshot) as opened:
         record = pick_sequence(opened, sequence_id)

@@ -44,10 +44,26 @@ def prefill(model: LoadedModel, prompts: Sequence[str]) -> list[tuple[DynamicCac
     """Encode and run each prompt on its own, returning its ``DynamicCache`` and token ids.
 
     Each cache holds the KV of every token of its prompt (batch 1), ready for
-    :func:`capture_dynamic_caches` and, after a restore, :func:`continue_generation`.
-    ``model`` is a :class:`~kvsnap.engines.default_model.LoadedModel` (it carries the
-    tokenizer); a plain model is refused with a ``TypeError`` pointing to
-    :func:`prefill_token_ids`, which takes token ids.
+    ``capture_dynamic_caches`` and, after a restore, ``continue_generation``.
+
+    Args:
+        model: kvsnap's ``LoadedModel``, which carries the tokenizer.
+        prompts: The prompts, as text.
+
+    Returns:
+        Per prompt, its cache and its token ids.
+
+    Raises:
+        TypeError: A plain transformers model (no tokenizer): use ``prefill_token_ids``.
+        ValueError: A prompt that encodes to no tokens.
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> [(cache, ids)] = kt.prefill(model, ["Hello"])
+        >>> ids, cache.get_seq_length()
+        ([256, 72, 101, 108, 108, 111], 6)
     """
     if not callable(getattr(model, "encode", None)):
         raise TypeError(
@@ -67,7 +83,26 @@ def prefill(model: LoadedModel, prompts: Sequence[str]) -> list[tuple[DynamicCac
 def prefill_token_ids(
     model: ModelLike, token_id_lists: Sequence[Sequence[int]]
 ) -> list[tuple[DynamicCache, list[int]]]:
-    """Run each token id list on its own (batch 1) and return its ``DynamicCache`` and the ids."""
+    """Run each token id list on its own (batch 1) and return its ``DynamicCache`` and the ids.
+
+    Args:
+        model: kvsnap's ``LoadedModel`` or a transformers model.
+        token_id_lists: One list of token ids per sequence.
+
+    Returns:
+        Per list, a cache holding the KV of every token, and the ids as ints.
+
+    Raises:
+        ValueError: An empty token id list.
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> [(cache, ids)] = kt.prefill_token_ids(model, [[256, 72, 105]])
+        >>> cache.get_seq_length()
+        3
+    """
     results = []
     for token_ids in token_id_lists:
         ids = [int(token) for token in token_ids]
@@ -93,12 +128,36 @@ def continue_generation(
 ) -> list[int]:
     """Greedy-decode ``max_new_tokens`` tokens after ``token_ids``, from a cache holding a prefix.
 
-    ``cache`` (batch 1) holds the KV of ``token_ids[:k]`` for some ``k`` (its length). The tokens
-    it lacks, ``token_ids[k:]``, are run in one forward pass; when it already holds all of them,
+    The tokens the cache lacks are run in one forward pass; when it already holds all of them,
     the last token's KV is dropped and recomputed, because a snapshot stores KV and not the
-    logits that pick the next token. Decoding then proceeds one token at a time; it stops early
-    after ``eos_token_id`` when one is given. Returns the new tokens only. The cache is extended
-    in place.
+    logits that pick the next token. Decoding then proceeds one token at a time. The cache is
+    extended in place.
+
+    Args:
+        model: kvsnap's ``LoadedModel`` or a transformers model.
+        cache: A batch-1 cache holding the KV of ``token_ids[:k]`` for some ``k`` (its
+            length), e.g. from ``restore_dynamic_cache``.
+        token_ids: The whole sequence so far.
+        max_new_tokens: How many tokens to generate.
+        eos_token_id: Stop after generating this token. Default ``None``: never stop early.
+
+    Returns:
+        The new tokens only.
+
+    Raises:
+        ValueError: A negative ``max_new_tokens``, no token ids, or a cache holding more
+            tokens than given.
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> [(cache, ids)] = kt.prefill(model, ["kvsnap restores the KV cache exactly."])
+        >>> _ = kt.capture_dynamic_cache(cache, [ids], "prompt.safetensors", model=model)
+        >>> restored, token_ids = kt.restore_dynamic_cache("prompt.safetensors", model=model)
+        >>> continued = kt.continue_generation(model, restored, token_ids, 8)
+        >>> continued == kt.generate_greedy(model, token_ids, 8)  # as if never interrupted
+        True
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -137,18 +196,41 @@ def _leave_tokens_to_run(cache: Cache, token_ids: Sequence[int], caller: str) ->
 def generate_from_restored(
     model: ModelLike, cache: Cache, token_ids: Sequence[int], **generate_kwargs: Any
 ) -> Any:
-    """transformers' own ``model.generate`` continued from a cache holding a prefix of the tokens.
+    """Transformers' own ``model.generate``, continued from a cache holding a prefix of the tokens.
 
-    ``cache`` (batch 1, e.g. from :func:`~kvsnap.engines.transformers.restore_dynamic_cache`)
-    holds the KV of ``token_ids[:k]``. ``generate`` must be given *all* of ``token_ids`` and a
-    cache holding *fewer* of them: it runs the uncached ones and takes the next token from the
-    last one's logits. Given a cache holding every token, transformers 5.17-5.24 runs the last
-    token a second time and appends its KV twice, and the continuation silently drifts. So when
-    the cache holds all of ``token_ids``, the last token's KV is dropped first (it is recomputed
-    bit for bit). ``generate_kwargs`` go to ``generate`` (``max_new_tokens``, ``do_sample``,
-    ...); an all-ones ``attention_mask`` is passed unless one is given. Returns ``generate``'s
-    output: ``(1, len(token_ids) + new)`` token ids, prompt included, as ``generate`` returns
-    them. The cache is extended in place.
+    ``generate`` must be given *all* of ``token_ids`` and a cache holding *fewer* of them: it
+    runs the uncached ones and takes the next token from the last one's logits. Given a cache
+    holding every token, transformers 5.17-5.24 runs the last token a second time and appends
+    its KV twice, and the continuation silently drifts. So when the cache holds all of
+    ``token_ids``, the last token's KV is dropped first (it is recomputed bit for bit). The
+    cache is extended in place.
+
+    Args:
+        model: kvsnap's ``LoadedModel`` or a transformers model.
+        cache: A batch-1 cache holding the KV of ``token_ids[:k]``, e.g. from
+            ``restore_dynamic_cache``.
+        token_ids: The whole sequence so far.
+        **generate_kwargs: Passed on to ``generate`` (``max_new_tokens``, ``do_sample``, ...);
+            an all-ones ``attention_mask`` is passed unless one is given.
+
+    Returns:
+        ``generate``'s output: ``(1, len(token_ids) + new)`` token ids, prompt included.
+
+    Raises:
+        ValueError: No token ids, or a cache holding more tokens than given.
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> [(cache, ids)] = kt.prefill(model, ["kvsnap restores the KV cache exactly."])
+        >>> _ = kt.capture_dynamic_cache(cache, [ids], "prompt.safetensors", model=model)
+        >>> restored, token_ids = kt.restore_dynamic_cache("prompt.safetensors", model=model)
+        >>> output = kt.generate_from_restored(
+        ...     model, restored, token_ids, max_new_tokens=4, do_sample=False
+        ... )
+        >>> output[0, : len(token_ids)].tolist() == token_ids
+        True
     """
     _leave_tokens_to_run(cache, token_ids, "generate_from_restored")
     module = module_of(model)

@@ -1,11 +1,11 @@
 """The model side: its KV geometry, what a snapshot records about it, and matching the two.
 
-Every ``model`` parameter of :mod:`kvsnap.engines.transformers` takes either kvsnap's
-:class:`~kvsnap.engines.default_model.LoadedModel` or a plain transformers model (any
+Every ``model`` parameter of ``kvsnap.engines.transformers`` takes either kvsnap's
+``kvsnap.engines.default_model.LoadedModel`` or a plain transformers model (any
 ``torch.nn.Module`` with a ``config``, e.g. a ``PreTrainedModel`` built from a config). A
 snapshot records the model's id (the ``LoadedModel``'s, else the config's ``name_or_path``,
 else the model's class name), its revision and its fingerprint (the config and the weights:
-:func:`kvsnap.engines.weights.loaded_model_fingerprint`).
+``kvsnap.engines.weights.loaded_model_fingerprint``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,12 @@ _ATTENTION_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 ModelLike = LoadedModel | torch.nn.Module
 
 
-def module_of(model: ModelLike) -> torch.nn.Module:
-    """The transformers model itself: a LoadedModel's ``model``, or ``model``."""
+def module_of(model: ModelLike) -> Any:
+    """The transformers model itself: a LoadedModel's ``model``, or ``model``.
+
+    Typed ``Any``: its ``config`` and ``generate`` are the transformers model's own, which a
+    ``torch.nn.Module`` annotation would type as submodules or tensors.
+    """
     return model.model if isinstance(model, LoadedModel) else model
 
 
@@ -56,8 +60,24 @@ def geometry_for_model(
 ) -> KVGeometry:
     """The KV geometry of ``model``'s cache: what a snapshot must match to restore into it.
 
-    ``model`` is a :class:`LoadedModel`, a transformers model or its config. ``dtype`` defaults
-    to the model's parameter dtype (required when a bare config is given).
+    Args:
+        model: kvsnap's ``LoadedModel``, a transformers model, or its config.
+        block_size: Tokens per block.
+        dtype: The KV dtype. Default ``None``: the model's parameter dtype (a bare config
+            needs one).
+
+    Returns:
+        The ``KVGeometry``: layers, block size, dtype, KV heads, head size, attention types.
+
+    Raises:
+        ValueError: A bare config without ``dtype``.
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> kt.geometry_for_model(model, block_size=16).describe()
+        '4 layers, 2 KV heads x head dim 32, 16 tokens/block, float32'
     """
     config = _text_config(model)
     if dtype is None:
@@ -80,7 +100,7 @@ def geometry_for_model(
 
 def fingerprint_of(model: ModelLike) -> str:
     """The fingerprint a snapshot of ``model`` records: its config and its weights as they are
-    now (:func:`kvsnap.engines.weights.loaded_model_fingerprint`; remembered per model until a
+    now (``kvsnap.engines.weights.loaded_model_fingerprint``; remembered per model until a
     parameter changes, so a call costs a walk over the parameters)."""
     return loaded_model_fingerprint(module_of(model))
 
@@ -121,10 +141,35 @@ def source_info(model: ModelLike | None) -> SourceInfo:
 def check_snapshot_fits(
     snapshot: Snapshot, model: ModelLike, *, dtype: torch.dtype | None = None, force: bool = False
 ) -> None:
-    """Raise :class:`~kvsnap.errors.IncompatibleSnapshotError` unless ``snapshot`` fits ``model``.
+    """Refuse a snapshot that does not fit ``model``, before anything is restored.
 
-    The KV geometry must match (layers, KV heads, head dim, dtype — ``dtype`` defaults to the
-    model's); the model fingerprint must match too unless ``force``.
+    The KV geometry must match (layers, KV heads, head dim, dtype), and the model fingerprint
+    too unless ``force``.
+
+    Args:
+        snapshot: The open snapshot.
+        model: kvsnap's ``LoadedModel`` or a transformers model.
+        dtype: The KV dtype the target holds. Default ``None``: the model's.
+        force: Skip the fingerprint check. Default ``False``.
+
+    Raises:
+        IncompatibleSnapshotError: The snapshot does not fit; the message names each
+            differing field.
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> [(cache, ids)] = kt.prefill(model, ["kvsnap restores the KV cache exactly."])
+        >>> _ = kt.capture_dynamic_cache(cache, [ids], "prompt.safetensors", model=model)
+        >>> import kvsnap
+        >>> with kvsnap.Snapshot.open("prompt.safetensors") as snap:
+        ...     kt.check_snapshot_fits(snap, model)  # fits: nothing happens
+        >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:  # another model's KV
+        ...     kt.check_snapshot_fits(snap, model)
+        Traceback (most recent call last):
+        ...
+        kvsnap.errors.IncompatibleSnapshotError: ...(num_layers: snapshot 2, target 4; ...
     """
     geometry = geometry_for_model(model, snapshot.geometry.block_size, dtype)
     snapshot.check_compatible(geometry, model_fingerprint=fingerprint_of(model), force=force)

@@ -1,8 +1,8 @@
 """Capture and restore through a continuous-batching cache's block tables and allocator.
 
-:func:`capture_paged_cache` captures live requests by their block tables,
-:func:`capture_paged_prefix` captures the complete blocks the cache keeps for prefix sharing,
-and :func:`restore_paged_cache` allocates blocks through the cache's own allocator, restores
+``capture_paged_cache`` captures live requests by their block tables,
+``capture_paged_prefix`` captures the complete blocks the cache keeps for prefix sharing,
+and ``restore_paged_cache`` allocates blocks through the cache's own allocator, restores
 into them and (by default) registers them as cached prefix blocks, so that the next request
 whose prompt starts with those tokens skips their prefill — exactly how continuous batching
 resumes from its own prefix cache.
@@ -29,7 +29,6 @@ from kvsnap.engines.transformers.model import (
     source_info,
 )
 from kvsnap.engines.transformers.paged_cache import PagedCacheAdapter, paged_cache_adapter
-from kvsnap.errors import KVSnapError
 from kvsnap.layout import LayoutError
 from kvsnap.pipeline import TransferOptions
 from kvsnap.snapshot import CaptureResult, SequenceBlocks, Snapshot, capture
@@ -81,11 +80,49 @@ def capture_paged_cache(
 ) -> CaptureResult:
     """Snapshot live requests of a continuous-batching cache, found through their block tables.
 
-    ``cache`` is a ``PagedAttentionCache`` or a ``ContinuousBatchingManager`` (paused for the
-    capture when running, see :func:`capture_manager_requests`, which also finds the tokens).
-    ``token_ids[request_id]`` are the tokens whose KV the request's blocks hold, in order. Each
-    request becomes a snapshot sequence named by its request id. Remaining keyword arguments go
-    to :func:`kvsnap.snapshot.capture`.
+    Each request becomes a snapshot sequence named by its request id. A running manager is
+    paused for the capture (``capture_manager_requests`` also finds the tokens).
+
+    Args:
+        cache: A ``PagedAttentionCache``, or a ``ContinuousBatchingManager``.
+        request_ids: The requests to capture.
+        token_ids: Per request id, the tokens whose KV its blocks hold, in order.
+        path: Where the snapshot goes.
+        model: The model whose KV it is: it fills the snapshot's source (model id,
+            fingerprint); ``None`` records an unknown source.
+        **capture_kwargs: Passed on to ``kvsnap.capture``.
+
+    Returns:
+        The ``CaptureResult`` of ``kvsnap.capture``.
+
+    Raises:
+        KeyError: A request id that holds no blocks in the cache.
+        ValueError: More tokens than the request's blocks hold, or a manager without a
+            cache yet.
+        LayoutError: A cache kvsnap cannot describe (sliding-window layer groups).
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> [(cache, ids)] = kt.prefill(model, ["kvsnap restores the KV cache exactly."])
+        >>> _ = kt.capture_dynamic_cache(cache, [ids], "prompt.safetensors", model=model)
+        >>> from transformers import GenerationConfig
+        >>> from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        >>> manager = model.model.init_continuous_batching(  # transformers 5.2x; not started
+        ...     generation_config=GenerationConfig(max_new_tokens=8, do_sample=False),
+        ...     continuous_batching_config=ContinuousBatchingConfig(
+        ...         num_blocks=16, max_batch_tokens=64, page_size=16, use_async_batching=False
+        ...     ),
+        ... )
+        >>> held = kt.restore_paged_cache(
+        ...     "prompt.safetensors", manager, request_id="held", as_prefix=False, model=model
+        ... )
+        >>> result = kt.capture_paged_cache(
+        ...     manager, ["held"], {"held": ids}, "held.safetensors", model=model
+        ... )
+        >>> result.num_sequences, result.num_tokens
+        (1, 38)
     """
     with _held_still(cache):
         return _capture_requests(
@@ -121,10 +158,45 @@ def capture_paged_prefix(
     """Snapshot the prefix blocks a continuous-batching cache keeps for these token sequences.
 
     With block sharing on (the default), the cache keeps the complete blocks of finished
-    requests, hashed by their tokens, to reuse them for later prompts. For each
-    ``token_ids[name]`` this captures the longest chain of such blocks (a whole number of blocks,
-    so possibly fewer tokens than given) as sequence ``name``. Raises ``ValueError`` when the
-    cache holds no complete block for a sequence. A running manager is paused meanwhile.
+    requests, hashed by their tokens, to reuse them for later prompts. For each sequence this
+    captures the longest chain of such blocks: a whole number of blocks, so possibly fewer
+    tokens than given. A running manager is paused meanwhile.
+
+    Args:
+        cache: A ``PagedAttentionCache``, or a ``ContinuousBatchingManager``.
+        token_ids: Per sequence name, its tokens.
+        path: Where the snapshot goes.
+        model: The model whose KV it is: it fills the snapshot's source (model id,
+            fingerprint); ``None`` records an unknown source.
+        **capture_kwargs: Passed on to ``kvsnap.capture``.
+
+    Returns:
+        The ``CaptureResult`` of ``kvsnap.capture``.
+
+    Raises:
+        ValueError: The cache holds no complete block of a sequence.
+        LayoutError: A cache kvsnap cannot describe (sliding-window layer groups).
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> [(cache, ids)] = kt.prefill(model, ["kvsnap restores the KV cache exactly."])
+        >>> _ = kt.capture_dynamic_cache(cache, [ids], "prompt.safetensors", model=model)
+        >>> from transformers import GenerationConfig
+        >>> from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        >>> manager = model.model.init_continuous_batching(  # transformers 5.2x; not started
+        ...     generation_config=GenerationConfig(max_new_tokens=8, do_sample=False),
+        ...     continuous_batching_config=ContinuousBatchingConfig(
+        ...         num_blocks=16, max_batch_tokens=64, page_size=16, use_async_batching=False
+        ...     ),
+        ... )
+        >>> _ = kt.restore_paged_cache("prompt.safetensors", manager, model=model)
+        >>> result = kt.capture_paged_prefix(
+        ...     manager, {"prompt": ids}, "cached.safetensors", model=model
+        ... )
+        >>> result.num_tokens  # the two whole blocks of the 38 tokens
+        32
     """
     with _held_still(cache):
         adapter = paged_cache_adapter(cache)
@@ -174,23 +246,63 @@ def capture_manager_requests(
 
     The manager is paused for the capture (``manager.pause()``, transformers 5.2x) and resumes
     afterwards with its requests intact; each request's tokens are found with
-    :func:`live_request_tokens`, so each sequence holds the request's prompt and the tokens
-    generated so far. Refused (:class:`~kvsnap.errors.KVSnapError`) when the manager cannot
-    pause (transformers 5.17: call :func:`capture_paged_cache` from the generation thread
-    instead) and with asynchronous batching, where the newest tokens' KV may still be in
-    flight at a pause.
+    ``live_request_tokens``, so each sequence holds the request's prompt and the tokens
+    generated so far whose KV the cache holds.
+
+    Args:
+        manager: A running ``ContinuousBatchingManager``.
+        request_ids: The live requests to capture.
+        path: Where the snapshot goes.
+        model: The model whose KV it is: it fills the snapshot's source (model id,
+            fingerprint); ``None`` records an unknown source.
+        **capture_kwargs: Passed on to ``kvsnap.capture``.
+
+    Returns:
+        The ``CaptureResult`` of ``kvsnap.capture``.
+
+    Raises:
+        ValueError: A manager that is not running, one batching asynchronously (the newest
+            tokens' KV may still be in flight at a pause), or one that cannot pause
+            (transformers 5.17: call ``capture_paged_cache`` from the generation thread).
+        KeyError: A request that is not active in the manager.
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> ids = model.encode("kvsnap restores the KV cache exactly.")  # 38 tokens
+        >>> from transformers import GenerationConfig
+        >>> from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        >>> manager = model.model.init_continuous_batching(  # transformers 5.2x; not started
+        ...     generation_config=GenerationConfig(max_new_tokens=8, do_sample=False),
+        ...     continuous_batching_config=ContinuousBatchingConfig(
+        ...         num_blocks=16, max_batch_tokens=64, page_size=16, use_async_batching=False
+        ...     ),
+        ... )
+        >>> manager.start()
+        >>> request_id = manager.add_request(ids, max_new_tokens=8, streaming=True)
+        >>> for output in manager.request_id_iter(request_id):
+        ...     if len(output.generated_tokens) == 3:
+        ...         result = kt.capture_manager_requests(
+        ...             manager, [request_id], "live.safetensors", model=model
+        ...         )
+        ...     if output.is_finished():
+        ...         break
+        >>> manager.stop(block=True)
+        >>> len(ids) < result.num_tokens < len(ids) + 8  # the prompt and what was generated
+        True
     """
     processor = manager.batch_processor
     if processor is None or not manager.is_running():
         raise ValueError("capture_manager_requests needs a running manager (live requests)")
     if getattr(processor, "use_async_batching", False):
-        raise KVSnapError(
+        raise ValueError(
             "the manager uses asynchronous batching, whose newest KV may still be in flight at a "
             "pause: set use_async_batching=False in its ContinuousBatchingConfig to capture live "
             "requests"
         )
     if not hasattr(manager, "pause"):
-        raise KVSnapError(
+        raise ValueError(
             f"transformers {transformers.__version__} cannot pause a running manager: capture "
             "from the generation thread with capture_paged_cache instead"
         )
@@ -205,7 +317,7 @@ def capture_manager_requests(
 
 @dataclass(frozen=True)
 class PagedRestore:
-    """What :func:`restore_paged_cache` did.
+    """What ``restore_paged_cache`` did.
 
     ``block_ids`` are the cache blocks holding the sequence (the request's block table when the
     blocks were kept; otherwise the blocks as restored, the complete ones now cached for prefix
@@ -232,22 +344,57 @@ def restore_paged_cache(
 ) -> PagedRestore:
     """Restore one snapshot sequence into a continuous-batching cache, through its own allocator.
 
-    Blocks for the sequence are allocated to ``request_id`` (default: ``"kvsnap-restore-<id>"``)
-    by the cache's allocator, and the snapshot's KV is restored into them. Then:
+    Blocks for the sequence are allocated by the cache's allocator and the snapshot's KV is
+    restored into them. A fresh engine is restored into before it starts (``manager =
+    model.init_continuous_batching(...)``, restore, ``manager.start()``): the manager is warmed
+    up here to create its cache, and starting it keeps the prefix blocks. A running manager is
+    paused for the restore (transformers 5.2x).
 
-    * ``as_prefix=True`` (default): the complete blocks are hashed the way the cache hashes its
-      own and the request is released, so they stay in the cache as prefix blocks. A request
-      whose prompt starts with the sequence's tokens then skips their prefill; this is how a
-      fresh engine resumes from a snapshot. Needs block sharing (``allow_block_sharing``).
-    * ``as_prefix=False``: the blocks stay held by ``request_id`` (for inspection or a later
-      capture); release them with ``cache.free_blocks(request_id)``.
+    Args:
+        snapshot: An open ``Snapshot``, or the path of one.
+        cache: A ``PagedAttentionCache``, or a ``ContinuousBatchingManager``.
+        sequence_id: The sequence. Default ``None``: the snapshot's only one.
+        request_id: The request the blocks are allocated to. Default ``None``:
+            ``"kvsnap-restore-<sequence id>"``.
+        as_prefix: ``True``: hash the complete blocks the way the cache hashes its own and
+            release the request, so that they stay as prefix blocks and a request whose
+            prompt starts with the sequence's tokens skips their prefill (needs
+            ``allow_block_sharing``). ``False``: the blocks stay held by ``request_id``;
+            release them with ``cache.free_blocks(request_id)``. Default ``True``.
+        model: Check the snapshot's fingerprint against this model. Default ``None``: not
+            checked.
+        force: Skip the fingerprint check. Default ``False``.
+        backend: The copy backend (``TransferOptions.backend``). Default ``"auto"``.
 
-    The snapshot must match the cache's geometry (page size, layers, KV heads, head dim, dtype)
-    and, with ``model``, its fingerprint unless ``force``; nothing is allocated otherwise.
-    Accepts a ``ContinuousBatchingManager`` as ``cache``. A fresh engine is restored into before
-    it starts (``manager = model.init_continuous_batching(...)``, restore, ``manager.start()``):
-    the manager is warmed up here to create its cache, and starting it keeps the prefix blocks.
-    A running manager is paused for the restore (transformers 5.2x).
+    Returns:
+        A ``PagedRestore``: the request id, the token ids, the cache blocks holding them and
+        how many leading tokens a new request can take from the prefix cache.
+
+    Raises:
+        IncompatibleSnapshotError: The snapshot does not fit the cache's geometry (page size,
+            layers, KV heads, head dim, dtype) or the model; nothing is allocated.
+        UnknownSequenceError: No sequence of that id.
+        CacheCapacityError: The cache has too few free blocks.
+        LayoutError: ``as_prefix`` with block sharing off, or a cache kvsnap cannot
+            describe.
+
+    Example:
+        >>> from kvsnap.engines import transformers as kt
+        >>> from kvsnap.engines.default_model import load_model
+        >>> model = load_model()  # the built-in tiny Llama; any transformers causal LM works
+        >>> [(cache, ids)] = kt.prefill(model, ["kvsnap restores the KV cache exactly."])
+        >>> _ = kt.capture_dynamic_cache(cache, [ids], "prompt.safetensors", model=model)
+        >>> from transformers import GenerationConfig
+        >>> from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        >>> manager = model.model.init_continuous_batching(  # transformers 5.2x; not started
+        ...     generation_config=GenerationConfig(max_new_tokens=8, do_sample=False),
+        ...     continuous_batching_config=ContinuousBatchingConfig(
+        ...         num_blocks=16, max_batch_tokens=64, page_size=16, use_async_batching=False
+        ...     ),
+        ... )
+        >>> restored = kt.restore_paged_cache("prompt.safetensors", manager, model=model)
+        >>> restored.prefix_tokens  # whole blocks: a request starting so skips 32 tokens
+        32
     """
     with _held_still(cache):
         return _restore_paged(

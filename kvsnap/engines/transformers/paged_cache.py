@@ -1,12 +1,12 @@
 """The continuous-batching ``PagedAttentionCache`` of transformers 5.17 and 5.24, one interface.
 
 * 5.17 keeps one ``(num_blocks * page_size, kv_heads, head_dim)`` tensor per layer for K and V
-  (:func:`~kvsnap.layout.flat_paged_layout`), block ids counting from 0, two trash blocks last;
+  (``kvsnap.layout.flat_paged_layout``), block ids counting from 0, two trash blocks last;
 * 5.24 keeps one flat byte tensor cut into sectors; a full-attention block holds every layer's
   K page then V page, i.e. ``(num_blocks, layers, 2, page_size, kv_heads, head_dim)``
-  (:func:`~kvsnap.layout.cross_layer_layout`), block ids counting the two trash sectors first.
+  (``kvsnap.layout.cross_layer_layout``), block ids counting the two trash sectors first.
 
-:func:`paged_cache_adapter` picks the :class:`PagedCacheAdapter` by the cache's attributes.
+``paged_cache_adapter`` picks the ``PagedCacheAdapter`` by the cache's attributes.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class _PendingRequest:
 class PagedCacheAdapter(ABC):
     """One interface over the continuous-batching cache of transformers 5.17 and 5.24.
 
-    Use :func:`paged_cache_adapter` to get one. Only caches whose layers are all full attention
+    Use ``paged_cache_adapter`` to get one. Only caches whose layers are all full attention
     in one group are accepted; everything kvsnap does with a paged cache goes through here.
     """
 
@@ -45,7 +45,7 @@ class PagedCacheAdapter(ABC):
 
     @abstractmethod
     def layout(self) -> CacheLayout:
-        """The cache's memory as a :class:`CacheLayout` (the real tensors, no copy)."""
+        """The cache's memory as a ``CacheLayout`` (the real tensors, no copy)."""
 
     @abstractmethod
     def block_table(self, request_id: str) -> list[int]:
@@ -231,10 +231,10 @@ class _GroupCacheAdapter(PagedCacheAdapter):
 
 
 def paged_cache_adapter(cache: Any, *, create: bool = False) -> PagedCacheAdapter:
-    """The :class:`PagedCacheAdapter` of a continuous-batching ``PagedAttentionCache`` (5.17, 5.24).
+    """The ``PagedCacheAdapter`` of a continuous-batching ``PagedAttentionCache`` (5.17, 5.24).
 
     Also accepts a ``ContinuousBatchingManager`` (its current cache; with ``create``, a manager
-    without one is warmed up to create it). Raises :class:`~kvsnap.layout.LayoutError` for
+    without one is warmed up to create it). Raises ``kvsnap.layout.LayoutError`` for
     caches kvsnap cannot describe exactly.
     """
     cache = _paged_cache(cache, create=create)
@@ -267,5 +267,5 @@ def _paged_cache(cache_or_manager: Any, *, create: bool = False) -> Any:
 
 
 def paged_cache_layout(cache: Any) -> CacheLayout:
-    """The :class:`CacheLayout` of a continuous-batching cache (see :func:`paged_cache_adapter`)."""
+    """The ``CacheLayout`` of a continuous-batching cache (see ``paged_cache_adapter``)."""
     return paged_cache_adapter(cache).layout()
