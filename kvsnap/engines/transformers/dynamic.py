@@ -10,6 +10,8 @@ buffer and hands back a ``DynamicCache`` exactly ``num_tokens`` long.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,8 @@ from kvsnap.engines.transformers.model import (
     pick_sequence,
     source_info,
 )
-from kvsnap.layout import LayoutError, contiguous_layout, torch_dtype
+from kvsnap.layout import CacheLayout, KVGeometry, LayoutError, contiguous_layout, torch_dtype
+from kvsnap.layout.cache import LayoutTemplate
 from kvsnap.pipeline import TransferOptions
 from kvsnap.snapshot import CaptureResult, SequenceBlocks, Snapshot, capture
 
@@ -227,17 +230,7 @@ def restore_dynamic_cache(
             check_snapshot_fits(opened, model, dtype=check_dtype, force=force)
         num_blocks = len(record.block_ids)
         num_tokens = len(record.token_ids)
-        # Every layer's K and V in one allocation; restore writes every byte of every block.
-        seq_len = num_blocks * geometry.block_size
-        buffer = torch.empty(
-            (2, geometry.num_layers, 1, geometry.num_kv_heads, seq_len, geometry.head_dim),
-            dtype=torch_dtype(geometry.dtype),
-            device=device,
-        )
-        keys, values = list(buffer[0]), list(buffer[1])
-        layout = contiguous_layout(
-            keys, values, block_size=geometry.block_size, attention_types=geometry.attention_types
-        )
+        layout, keys, values = _restore_target(geometry, num_blocks, device)
         opened.restore(
             layout,
             {record.id: np.arange(num_blocks, dtype=np.int64)},
@@ -248,6 +241,49 @@ def restore_dynamic_cache(
     cache = new_dynamic_cache(model)
     _fill_dynamic_cache(cache, keys, values, num_tokens, dtype)
     return cache, token_ids
+
+
+#: Per (geometry, blocks, device): the layout of a restore's buffer, laid over each new buffer.
+_TEMPLATES: OrderedDict[tuple[KVGeometry, int, torch.device], LayoutTemplate] = OrderedDict()
+_TEMPLATES_LOCK = threading.Lock()
+MAX_TEMPLATES = 32
+
+
+def _restore_target(
+    geometry: KVGeometry, num_blocks: int, device: str | torch.device
+) -> tuple[CacheLayout, list[torch.Tensor], list[torch.Tensor]]:
+    """A new buffer of ``num_blocks`` blocks of every layer's K and V on ``device`` (one
+    allocation; the restore writes every byte of every block), its layout, and per layer its
+    ``(1, heads, seq, head_dim)`` keys and values.
+
+    The layout of a buffer of the same shape is built and checked once and laid over each new
+    buffer (:class:`~kvsnap.layout.cache.LayoutTemplate`): a new one differs only by its address,
+    and the pipeline then finds its page table too and rebases it.
+    """
+    seq_len = num_blocks * geometry.block_size
+    buffer = torch.empty(
+        (2, geometry.num_layers, 1, geometry.num_kv_heads, seq_len, geometry.head_dim),
+        dtype=torch_dtype(geometry.dtype),
+        device=device,
+    )
+    keys, values = list(buffer[0]), list(buffer[1])
+    key = (geometry, num_blocks, buffer.device)
+    with _TEMPLATES_LOCK:
+        template = _TEMPLATES.get(key)
+        if template is not None:
+            _TEMPLATES.move_to_end(key)
+    if template is not None:
+        # What contiguous_layout registers: each layer's batch row, K and V alternating.
+        rows = zip(buffer[0, :, 0].unbind(0), buffer[1, :, 0].unbind(0), strict=True)
+        return template.over([row for pair in rows for row in pair]), keys, values
+    layout = contiguous_layout(
+        keys, values, block_size=geometry.block_size, attention_types=geometry.attention_types
+    )
+    with _TEMPLATES_LOCK:
+        _TEMPLATES[key] = LayoutTemplate(layout)
+        while len(_TEMPLATES) > MAX_TEMPLATES:
+            _TEMPLATES.popitem(last=False)
+    return layout, keys, values
 
 
 def _fill_dynamic_cache(
