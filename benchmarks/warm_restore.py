@@ -15,17 +15,27 @@ of benchmarks/pcie_floor.py (vLLM-shaped caches, ``Snapshot.open`` + restore, of
 ``--profile-dir`` writes cProfile reports of hot ``restore_dynamic_cache`` calls (new addresses
 each) and of the 80-layer x 8-rank fixed case. Runs on any kvsnap tree that has
 ``restore_dynamic_cache``: put the tree first on ``PYTHONPATH`` to measure it.
+
+``--host`` needs no GPU: the host's share of a warm ``restore_dynamic_cache`` into CPU memory,
+for a 32-layer model with the 8B model's KV shape (8 KV heads x 128, bf16; hidden size 256,
+so the weights are small but the module tree is the 8B model's), per step (timed by wrapping
+the functions, no profiler), medians of ``--repeat`` calls, new addresses every call.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import io
 import json
 import pstats
+import statistics
+import sys
 import tempfile
-from collections import deque
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -133,6 +143,106 @@ def _write_profile(profiler: cProfile.Profile, out: Path) -> None:
     out.write_text(text.getvalue())
 
 
+class _Steps:
+    """Seconds per call of wrapped functions (module attributes), summed per call."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+        self.calls: list[dict[str, float]] = []
+
+    def wrap(self, owner: object, name: str, label: str) -> None:
+        original = getattr(owner, name, None)
+        if original is None:
+            return  # a step this tree does not have
+
+        def timed(*args: object, **kwargs: object) -> object:
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.current[label] += time.perf_counter() - started
+
+        # A classmethod comes back bound to its class: it stays bound, as a staticmethod.
+        setattr(owner, name, staticmethod(timed) if inspect.ismethod(original) else timed)
+
+    def call(self, run: Callable[[], object]) -> None:
+        self.current = defaultdict(float)
+        started = time.perf_counter()
+        run()
+        self.current["total"] = time.perf_counter() - started
+        self.calls.append(self.current)
+
+    def medians_ms(self) -> dict[str, float]:
+        labels = {label for call in self.calls for label in call}
+        return {
+            label: statistics.median(call.get(label, 0.0) for call in self.calls) * 1e3
+            for label in sorted(labels)
+        }
+
+
+def host_costs(sizes: list[int], repeat: int) -> list[dict]:
+    """The host's share of warm ``restore_dynamic_cache`` calls into CPU memory, per step."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from kvsnap.engines import transformers as kt
+    from kvsnap.engines.transformers import dynamic
+    from kvsnap.pipeline import pipeline
+    from kvsnap.snapshot import Snapshot
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=32,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=1000,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    directory = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    steps = _Steps()
+    steps.wrap(Snapshot, "open", "open")
+    steps.wrap(dynamic, "check_snapshot_fits", "model check")
+    steps.wrap(dynamic, "contiguous_layout", "layout built")
+    steps.wrap(dynamic, "_restore_target", "buffer + layout")
+    steps.wrap(pipeline, "shared_page_table", "page table")
+    steps.wrap(Snapshot, "restore", "Snapshot.restore")
+    steps.wrap(dynamic, "new_dynamic_cache", "DynamicCache")
+    steps.wrap(dynamic, "_fill_dynamic_cache", "DynamicCache")
+    rows = []
+    for tokens in sizes:
+        ids = torch.randint(0, 1000, (1, tokens))
+        with torch.no_grad():
+            cache = DynamicCache(config=config)
+            model(ids, past_key_values=cache, use_cache=True)
+        path = directory / f"host-{tokens}.safetensors"
+        kt.capture_dynamic_cache(cache, [ids[0].tolist()], path, model=model)
+        kept: deque = deque(maxlen=4)
+
+        def restore(at: Path = path, held: deque = kept) -> None:
+            held.append(kt.restore_dynamic_cache(at, model=model)[0])
+
+        for _ in range(5):
+            restore()
+        steps.calls = []
+        for _ in range(repeat):
+            steps.call(restore)
+        restored = kt.dynamic_cache_states(kept[-1])
+        exact = all(
+            torch.equal(a.view(torch.int16), b.view(torch.int16))
+            for pair, again in zip(kt.dynamic_cache_states(cache), restored, strict=True)
+            for a, b in zip(pair, again, strict=True)
+        )
+        row = {"tokens": tokens, "exact": exact, **steps.medians_ms()}
+        rows.append(row)
+        print(f"{tokens} tokens (exact={exact}), medians of {repeat}, ms:")
+        for label, value in row.items():
+            if label not in ("tokens", "exact"):
+                print(f"  {label:<18} {value:8.3f}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json-out", type=Path, default=None)
@@ -140,13 +250,20 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--fixed", action="store_true")
     parser.add_argument("--profile-dir", type=Path, default=None)
+    parser.add_argument("--host", action="store_true", help="host costs only, no GPU")
     args = parser.parse_args()
+    sizes = [int(size) for size in args.sizes.split(",") if size]
+    if args.host:
+        rows = host_costs(sizes, args.repeat)
+        if args.json_out is not None:
+            args.json_out.write_text(json.dumps({"host": rows}, indent=1))
+        sys.exit(0)
     directory = Path(tempfile.mkdtemp(dir="/dev/shm"))
     model = build_model()
     out: dict[str, object] = {"torch": torch.__version__, "prefixes": []}
     columns = ("prefill", "off", "hot", "kept", "pipeline", "pipeline_hot", "floor")
     print(f"{'tokens':>6} " + " ".join(f"{name:>12}" for name in columns), flush=True)
-    for tokens in [int(size) for size in args.sizes.split(",") if size]:
+    for tokens in sizes:
         row = one_prefix(model, tokens, directory, args.repeat)
         out["prefixes"].append(row)  # type: ignore[union-attr]
         cells = " ".join(f"{row[f'{name}_ms']:12.2f}" for name in columns)
