@@ -181,3 +181,34 @@ def test_a_dynamic_restore_of_another_length_gets_its_own_layout(model, tmp_path
     for _ in range(2):
         restored = [kt.restore_dynamic_cache(path, model=model)[0] for path in paths]
         assert all(_same_kv(a, b) for a, b in zip(caches, restored, strict=True))
+
+
+def test_a_restored_cache_is_the_cache_transformers_builds_from_the_same_kv(model, tmp_path):
+    # Layers are handed their KV without transformers' update: the state must be the same.
+    cache, ids = _prefilled(model, BLOCK + 3, seed=5)
+    path = tmp_path / "p.safetensors"
+    kt.capture_dynamic_cache(cache, [ids], path, model=model)
+    first, _ = kt.restore_dynamic_cache(path, model=model)
+    second, _ = kt.restore_dynamic_cache(path, model=model)
+    reference = kt.new_dynamic_cache(model)
+    for index, (keys, values) in enumerate(kt.dynamic_cache_states(first)):
+        reference.update(keys.clone(), values.clone(), index)
+    assert vars(first).keys() == vars(reference).keys()
+    for name, value in vars(reference).items():
+        if name != "layers":
+            assert vars(first)[name] == value, name
+    assert len(first.layers) == len(reference.layers)
+    for mine, theirs, other in zip(first.layers, reference.layers, second.layers, strict=True):
+        assert type(mine) is type(theirs) and mine is not other
+        assert vars(mine).keys() == vars(theirs).keys()
+        for name, value in vars(theirs).items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(vars(mine)[name], value), name
+            else:
+                assert vars(mine)[name] == value, name
+    # The caches are each their own: growing one leaves the other and the next restore alone.
+    keys, values = kt.dynamic_cache_states(first)[0]
+    first.update(keys[:, :, :2].clone(), values[:, :, :2].clone(), 0)
+    assert first.layers[0].keys.shape[-2] == len(ids) + 2
+    assert second.get_seq_length() == len(ids)
+    assert kt.restore_dynamic_cache(path, model=model)[0].get_seq_length() == len(ids)
