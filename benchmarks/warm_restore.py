@@ -19,7 +19,8 @@ each) and of the 80-layer x 8-rank fixed case. Runs on any kvsnap tree that has
 ``--host`` needs no GPU: the host's share of a warm ``restore_dynamic_cache`` into CPU memory,
 for a 32-layer model with the 8B model's KV shape (8 KV heads x 128, bf16; hidden size 256,
 so the weights are small but the module tree is the 8B model's), per step (timed by wrapping
-the functions, no profiler), medians of ``--repeat`` calls, new addresses every call.
+the functions, no profiler), medians of ``--repeat`` calls, new addresses every call; and
+``Snapshot.open`` + restore of 16 tokens into CPU caches of the fixed-cost cases.
 """
 
 from __future__ import annotations
@@ -209,6 +210,7 @@ def host_costs(sizes: list[int], repeat: int) -> list[dict]:
     steps.wrap(pipeline, "shared_page_table", "page table")
     steps.wrap(Snapshot, "restore", "Snapshot.restore")
     steps.wrap(dynamic, "new_dynamic_cache", "DynamicCache")
+    steps.wrap(dynamic, "_empty_cache", "DynamicCache")
     steps.wrap(dynamic, "_fill_dynamic_cache", "DynamicCache")
     rows = []
     for tokens in sizes:
@@ -243,6 +245,57 @@ def host_costs(sizes: list[int], repeat: int) -> list[dict]:
     return rows
 
 
+def host_fixed(repeat: int) -> list[dict]:
+    """``Snapshot.open`` + restore of 16 tokens into CPU caches shaped as benchmarks/engine.py's
+    fixed-cost cases (the same layout objects every call, as an engine passes them), per step."""
+    import numpy as np
+
+    from benchmarks.engine import BLOCK, FIXED_CASES, SOURCE
+    from kvsnap.layout.allocate import allocate_cache
+    from kvsnap.pipeline import pipeline
+    from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
+
+    steps = _Steps()
+    steps.wrap(pipeline, "shared_page_table", "page table")
+    path = Path(tempfile.mkdtemp(dir="/dev/shm")) / "fixed.safetensors"
+    rows = []
+    for label, kind, layers, heads, dim, tp_size in FIXED_CASES:
+        shape = {"latent_dim": dim} if kind == "mla" else {"num_kv_heads": heads, "head_dim": dim}
+        source, target = (
+            [
+                allocate_cache(
+                    kind,
+                    num_layers=layers,
+                    num_blocks=8,
+                    block_size=BLOCK,
+                    tp_rank=rank,
+                    tp_size=tp_size,
+                    dtype=torch.bfloat16,
+                    device="cpu",
+                    **shape,
+                ).layout
+                for rank in range(tp_size)
+            ]
+            for _ in range(2)
+        )
+        blocks = np.arange(1, dtype=np.int64)
+        capture(source, [SequenceBlocks("s", np.arange(BLOCK), blocks)], path, source=SOURCE)
+
+        def restore(t: list = target, b: np.ndarray = blocks) -> None:
+            with Snapshot.open(path) as snap:
+                snap.restore(t, {"s": b})
+
+        for _ in range(3):
+            restore()
+        steps.calls = []
+        for _ in range(repeat):
+            steps.call(restore)
+        row = {"case": label, **steps.medians_ms()}
+        rows.append(row)
+        print(f"  {label:<16} total {row['total']:7.3f} ms, page table {row['page table']:6.3f}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json-out", type=Path, default=None)
@@ -255,8 +308,10 @@ def main() -> None:
     sizes = [int(size) for size in args.sizes.split(",") if size]
     if args.host:
         rows = host_costs(sizes, args.repeat)
+        print(f"fixed-cost cases, 16 tokens into CPU caches, medians of {args.repeat}:")
+        fixed_rows = host_fixed(args.repeat)
         if args.json_out is not None:
-            args.json_out.write_text(json.dumps({"host": rows}, indent=1))
+            args.json_out.write_text(json.dumps({"host": rows, "fixed": fixed_rows}, indent=1))
         sys.exit(0)
     directory = Path(tempfile.mkdtemp(dir="/dev/shm"))
     model = build_model()

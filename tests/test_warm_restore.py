@@ -142,6 +142,23 @@ def test_the_shared_page_table_is_built_once_per_shape_and_rebased(monkeypatch) 
                 np.testing.assert_array_equal(a, b)
 
 
+def test_a_layout_at_a_freed_layouts_id_never_gets_the_old_layouts_table() -> None:
+    # Keys are kept per set of layout objects by id, and Python hands a freed object's id to
+    # the next one: a layout of another shape found under its id must get its own table.
+    old_buffer = _buffer(layers=2, blocks=2)
+    old = _layout_of(old_buffer)
+    pipeline_module.shared_page_table([old], Direction.HOST_TO_DEVICE)
+    stale = pipeline_module._LAYOUT_KEYS[(id(old),)]
+    buffer = _buffer(layers=4, blocks=4)
+    layout = _layout_of(buffer)
+    pipeline_module._LAYOUT_KEYS[(id(layout),)] = stale  # as if ``layout`` took ``old``'s id
+    table = pipeline_module.shared_page_table([layout], Direction.HOST_TO_DEVICE)
+    assert table is not None and table.geometry == layout.geometry
+    for mine, theirs in zip(_copies(table), _copies(PageTable([layout])), strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_warm_dynamic_restores_rebuild_nothing_and_stay_exact(model, tmp_path, monkeypatch):
     cache, ids = _prefilled(model, 3 * BLOCK + 5, seed=1)
     path = tmp_path / "p.safetensors"
