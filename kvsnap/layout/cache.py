@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -149,3 +151,55 @@ def _check_no_canonical_overlap(name: str, mapping: CanonicalPageMapping) -> Non
 @functools.lru_cache(maxsize=256)
 def _writes_a_byte_twice(mapping: CanonicalPageMapping) -> bool:
     return bool(mapping.canonical_page_size_bytes and coverage(mapping).max(initial=0) > 1)
+
+
+class LayoutTemplate:
+    """A checked :class:`CacheLayout` without its tensors, to lay over new tensors of the same
+    shapes, strides, dtype and device (a cache allocated anew per call, as transformers'
+    ``DynamicCache`` is) without building and checking the layout again.
+
+    Holds no tensor, so keeping one keeps no cache alive.
+    """
+
+    def __init__(self, layout: CacheLayout) -> None:
+        # The layout's own object without tensors: copied per use, so no check runs again
+        # (its page references and name map are never modified after construction).
+        self._skeleton = copy.copy(layout)
+        self._skeleton.tensors = []
+        self._tensors = [
+            (t.num_blocks, t.block_stride_bytes, _place(t.tensor)) for t in layout.tensors
+        ]
+
+    def over(self, tensors: Sequence[torch.Tensor]) -> CacheLayout:
+        """The layout with ``tensors[i]`` in place of its tensor ``i``. Raises
+        :class:`LayoutError` when a tensor differs from the one it replaces in shape, strides,
+        dtype, device or offset into its storage, or has a smaller storage: only then do the
+        copy runs, checked once, stay inside it."""
+        if len(tensors) != len(self._tensors):
+            raise LayoutError(f"the layout has {len(self._tensors)} tensors, {len(tensors)} given")
+        moved = []
+        for index, ((num_blocks, stride, place), tensor) in enumerate(
+            zip(self._tensors, tensors, strict=True)
+        ):
+            now = _place(tensor)
+            if now[:-1] != place[:-1] or now[-1] < place[-1]:
+                raise LayoutError(
+                    f"tensor {index} is not laid out as the template's ({now} against {place})"
+                )
+            moved.append(CacheTensor(tensor, num_blocks, stride, tensor.data_ptr()))
+        layout = copy.copy(self._skeleton)
+        layout.tensors = moved
+        return layout
+
+
+def _place(tensor: torch.Tensor) -> tuple[object, ...]:
+    """What a copy run's bounds depend on: shape, strides, dtype, device, the offset into the
+    storage, and last the storage's size."""
+    return (
+        tensor.shape,
+        tensor.stride(),
+        tensor.dtype,
+        tensor.device,
+        tensor.storage_offset(),
+        tensor.untyped_storage().nbytes(),
+    )

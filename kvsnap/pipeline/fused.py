@@ -59,8 +59,7 @@ class FusedMover(SlotMover):
         self.takes_uploads = self._staging is not None and direction is Direction.HOST_TO_DEVICE
         self._constants: torch.Tensor | None = None
         if self.hashes_pages:
-            constants = torch.from_numpy(page_hash.constant_table(page_bytes))
-            self._constants = constants.to(self.device)
+            self._constants = _hash_constants(self.device, page_bytes)
 
     def begin(self, after: torch.cuda.Event | None = None) -> None:
         if self._staging is None:
@@ -209,6 +208,22 @@ class FusedMover(SlotMover):
         if self._staging is not None and self.direction is Direction.HOST_TO_DEVICE:
             # Whatever the caller runs next on its stream sees the restored blocks.
             torch.cuda.current_stream(self.device).wait_stream(self._staging.stream)
+
+
+_CONSTANTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _hash_constants(device: torch.device, page_bytes: int) -> torch.Tensor:
+    """The digest kernel's constants for ``page_bytes`` on ``device``, uploaded once: a mover
+    is made per ``Snapshot.restore`` call, and an upload from pageable memory waits for
+    everything the caller's stream holds (a forward pass, say). Never written: kernels on any
+    stream may read it."""
+    key = (device, page_bytes)
+    constants = _CONSTANTS.get(key)
+    if constants is None:
+        constants = torch.from_numpy(page_hash.constant_table(page_bytes)).to(device)
+        _CONSTANTS[key] = constants
+    return constants
 
 
 def fused_unavailable(layouts: Sequence[CacheLayout], direction: Direction) -> str | None:

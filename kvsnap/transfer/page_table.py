@@ -10,6 +10,7 @@ Python loop over layers, ranks or blocks — and one kernel launch per group cop
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,6 +99,12 @@ class _GroupRows:
         # rank of every tensor, and then the lookup is a plain broadcast.
         self.dense = bool((self.row_of >= 0).all())
 
+    def shifted(self, delta: int) -> _GroupRows:
+        """These rows for caches moved by ``delta`` bytes: only the local bases change."""
+        rows = copy.copy(self)
+        rows.local_base = self.local_base + delta
+        return rows
+
 
 _SPLITS: dict[bytes, list[tuple[int, np.ndarray, np.ndarray, int, int]]] = {}
 
@@ -181,6 +188,14 @@ class PageTable:
                 canonical_start,
                 writers,
             )
+
+    def rebased(self, delta: int) -> PageTable:
+        """This table for the same caches moved ``delta`` bytes as a whole (every tensor of
+        every rank), as transformers allocates a new cache per call: the rows are shifted,
+        nothing is worked out again."""
+        table = copy.copy(self)
+        table._groups = [rows.shifted(delta) for rows in self._groups]
+        return table
 
     @property
     def groups(self) -> list[FragmentGroup]:

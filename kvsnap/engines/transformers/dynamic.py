@@ -9,7 +9,11 @@ exactly ``num_tokens`` long.
 
 from __future__ import annotations
 
+import copy
 import math
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,11 +28,13 @@ from kvsnap.engines.transformers.model import (
     ModelLike,
     attention_types,
     check_snapshot_fits,
+    module_of,
     open_snapshot,
     pick_sequence,
     source_info,
 )
-from kvsnap.layout import LayoutError, contiguous_layout, torch_dtype
+from kvsnap.layout import CacheLayout, KVGeometry, LayoutError, contiguous_layout, torch_dtype
+from kvsnap.layout.cache import LayoutTemplate
 from kvsnap.pipeline import TransferOptions
 from kvsnap.snapshot import CaptureResult, SequenceBlocks, Snapshot, capture
 
@@ -307,17 +313,7 @@ def restore_dynamic_cache(
             check_snapshot_fits(opened, model, dtype=check_dtype, force=force)
         num_blocks = len(record.block_ids)
         num_tokens = len(record.token_ids)
-        # Every layer's K and V in one allocation; restore writes every byte of every block.
-        seq_len = num_blocks * geometry.block_size
-        buffer = torch.empty(
-            (2, geometry.num_layers, 1, geometry.num_kv_heads, seq_len, geometry.head_dim),
-            dtype=torch_dtype(geometry.dtype),
-            device=device,
-        )
-        keys, values = list(buffer[0]), list(buffer[1])
-        layout = contiguous_layout(
-            keys, values, block_size=geometry.block_size, attention_types=geometry.attention_types
-        )
+        layout, buffer = _restore_target(geometry, num_blocks, device)
         opened.restore(
             layout,
             {record.id: np.arange(num_blocks, dtype=np.int64)},
@@ -325,29 +321,111 @@ def restore_dynamic_cache(
             progress=progress,
         )
         token_ids = [int(token) for token in record.token_ids]
-    cache = new_dynamic_cache(model)
-    _fill_dynamic_cache(cache, keys, values, num_tokens, dtype)
+    # Per layer (1, heads, num_tokens, head_dim) views: two unbinds rather than a slice per tensor.
+    restored = buffer[:, :, :, :, :num_tokens]
+    cache = _empty_cache(model)
+    _fill_dynamic_cache(cache, restored[0].unbind(0), restored[1].unbind(0), dtype)
     return cache, token_ids
+
+
+#: Per (geometry, blocks, device): the layout of a restore's buffer, laid over each new buffer.
+_TEMPLATES: OrderedDict[tuple[KVGeometry, int, torch.device], LayoutTemplate] = OrderedDict()
+_TEMPLATES_LOCK = threading.Lock()
+MAX_TEMPLATES = 32
+
+
+def _restore_target(
+    geometry: KVGeometry, num_blocks: int, device: str | torch.device
+) -> tuple[CacheLayout, torch.Tensor]:
+    """The layout of a new ``(2, layers, 1, heads, seq, head_dim)`` buffer of ``num_blocks``
+    blocks of every layer's K and V on ``device`` (one allocation; the restore writes every
+    byte of every block), and the buffer.
+
+    The layout of a buffer of the same shape is built and checked once and laid over each new
+    buffer (:class:`~kvsnap.layout.cache.LayoutTemplate`): a new one differs only by its address,
+    and the pipeline then finds its page table too and rebases it.
+    """
+    seq_len = num_blocks * geometry.block_size
+    buffer = torch.empty(
+        (2, geometry.num_layers, 1, geometry.num_kv_heads, seq_len, geometry.head_dim),
+        dtype=torch_dtype(geometry.dtype),
+        device=device,
+    )
+    key = (geometry, num_blocks, buffer.device)
+    with _TEMPLATES_LOCK:
+        template = _TEMPLATES.get(key)
+        if template is not None:
+            _TEMPLATES.move_to_end(key)
+    if template is not None:
+        # What contiguous_layout registers: each layer's batch row, K and V alternating.
+        rows = zip(buffer[0, :, 0].unbind(0), buffer[1, :, 0].unbind(0), strict=True)
+        return template.over([row for pair in rows for row in pair]), buffer
+    layout = contiguous_layout(
+        list(buffer[0]),
+        list(buffer[1]),
+        block_size=geometry.block_size,
+        attention_types=geometry.attention_types,
+    )
+    with _TEMPLATES_LOCK:
+        _TEMPLATES[key] = LayoutTemplate(layout)
+        while len(_TEMPLATES) > MAX_TEMPLATES:
+            _TEMPLATES.popitem(last=False)
+    return layout, buffer
+
+
+#: Per model config (by identity, held weakly): an empty ``DynamicCache`` built from it when
+#: every layer of it is a plain ``DynamicLayer``, else ``None``.
+_EMPTY_CACHES: dict[int, tuple[weakref.ref, DynamicCache | None]] = {}
+
+
+def _empty_cache(model: ModelLike | None) -> DynamicCache:
+    """:func:`new_dynamic_cache` of ``model``, built once per config and copied per call:
+    building one walks transformers' per-layer config (~0.3 ms for 32 layers). Only caches of
+    plain ``DynamicLayer``s are copied: an empty one holds ``None`` and ``False`` alone."""
+    if model is None:
+        return new_dynamic_cache(None)
+    config = module_of(model).config
+    known = _EMPTY_CACHES.get(id(config))
+    if known is None or known[0]() is not config:
+        empty = new_dynamic_cache(model)
+        plain = all(
+            type(layer) is DynamicLayer and not layer.is_initialized for layer in empty.layers
+        )
+        known = (weakref.ref(config), empty if plain and empty.layers else None)
+        if len(_EMPTY_CACHES) >= MAX_TEMPLATES:
+            _EMPTY_CACHES.clear()
+        _EMPTY_CACHES[id(config)] = known
+    template = known[1]
+    if template is None:
+        return new_dynamic_cache(model)
+    cache = copy.copy(template)
+    cache.layers = [copy.copy(layer) for layer in template.layers]
+    return cache
 
 
 def _fill_dynamic_cache(
     cache: DynamicCache,
     keys: Sequence[torch.Tensor],
     values: Sequence[torch.Tensor],
-    num_tokens: int,
     dtype: torch.dtype | None,
 ) -> None:
-    """Put each layer's first ``num_tokens`` restored positions into an empty ``cache``.
+    """Put each layer's restored ``keys`` and ``values`` into an empty ``cache``.
 
     ``cache.update`` concatenates, i.e. copies every layer's KV once more; a plain
-    ``DynamicLayer`` is just its two tensors, so it is handed the restored views instead (after
-    an empty update has initialized it the cache's own way). Other layer types go through
-    ``update``.
+    ``DynamicLayer`` is just its two tensors, so it is handed the restored views instead, with
+    what its ``lazy_initialization`` sets (tests/test_warm_restore.py compares the two). Other
+    layer types, and layers the cache makes on first update, go through ``update``.
     """
+    layers = cache.layers
     for layer, (layer_keys, layer_values) in enumerate(zip(keys, values, strict=True)):
-        layer_keys, layer_values = layer_keys[:, :, :num_tokens], layer_values[:, :, :num_tokens]
         if dtype is not None:
             layer_keys, layer_values = layer_keys.to(dtype), layer_values.to(dtype)
+        target = layers[layer] if layer < len(layers) else None
+        if type(target) is DynamicLayer and not target.is_initialized:
+            target.device = layer_keys.device
+            target.keys, target.values = layer_keys, layer_values
+            target.is_initialized = True
+            continue
         cache.update(layer_keys[:, :, :0], layer_values[:, :, :0], layer)
         target = cache.layers[layer]
         if type(target) is DynamicLayer:
