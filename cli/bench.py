@@ -82,7 +82,7 @@ def bench(
 def _check_options(device: str, write: bool, calibration_file: Path | None) -> torch.device:
     """The device to measure, once the options are consistent and the calibration writable."""
     from kvsnap.bench import resolve_device
-    from kvsnap.transfer.base import calibration_path
+    from kvsnap.transfer.policy import calibration_path
 
     try:
         target = resolve_device(device)
@@ -191,7 +191,7 @@ def _failures(results: list[Measurement], on_gpu: bool) -> list[str]:
 
 def _print_calibration(report: BenchReport, written: Path | None) -> None:
     from kvsnap.bench import format_bytes
-    from kvsnap.transfer.base import calibration_path
+    from kvsnap.transfer.policy import calibration_path
 
     calibration: dict[str, Any] = report.calibration
     thresholds = calibration["large_fragment_bytes"]

@@ -74,7 +74,7 @@ def check_backend(backend: str, device: str) -> str:
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "auto":
         return backend
-    from kvsnap.transfer.base import unavailable_reason
+    from kvsnap.transfer.backends import unavailable_reason
 
     reason = unavailable_reason(backend, device)
     if reason is not None:

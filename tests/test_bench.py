@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 from kvsnap.bench import Measurement, derive_calibration
 from kvsnap.bench.calibration import write_calibration
 from kvsnap.transfer import AutoPolicy, available_backends, current_policy, load_policy
-from kvsnap.transfer.base import policy_from_calibration
 from kvsnap.transfer.plan import Direction
+from kvsnap.transfer.policy import policy_from_calibration
 
 runner = CliRunner()
 KiB, MiB = 1 << 10, 1 << 20

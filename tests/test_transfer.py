@@ -34,10 +34,10 @@ from kvsnap.transfer import (
     make_backend,
     unavailable_reason,
 )
-from kvsnap.transfer.base import LARGE_FRAGMENT_BYTES, policy_from_calibration
 from kvsnap.transfer.cpu import CpuBackend, copy_descriptors
 from kvsnap.transfer.cuda_batch import resolve_driver
 from kvsnap.transfer.plan import Descriptors, Direction, HostPages, PageCopy
+from kvsnap.transfer.policy import LARGE_FRAGMENT_BYTES, policy_from_calibration
 from kvsnap.transfer.torch_views import fold_runs, nonnegative_runs
 from kvsnap.transfer.triton_copy import split_pieces, tile_shape, word_bytes
 

@@ -10,14 +10,14 @@ from typing import Any
 
 from kvsnap.bench.cases import BATCH_COPY_SHARE, CALIBRATION_LAYOUT, Measurement, MiB
 from kvsnap.store.publish import publish_bytes
-from kvsnap.transfer.base import (
+from kvsnap.transfer.plan import Direction
+from kvsnap.transfer.policy import (
     CALIBRATION_VERSION,
     SMALL_FRAGMENT_BACKEND,
     calibration_path,
     forget_policy,
     policy_from_calibration,
 )
-from kvsnap.transfer.plan import Direction
 
 
 def derive_calibration(results: Sequence[Measurement], device_name: str) -> dict[str, Any]:

@@ -56,7 +56,7 @@ os.register_at_fork(after_in_child=_forget_executors_after_fork)
 def read_threads() -> int:
     """Threads of the shared read pool (:data:`READ_THREADS`, else one per core, at most 16):
     a page-cached file reads ~4 GB/s per thread and xxh3 hashes ~7.6 GB/s per thread
-    (DESIGN.md), so up to 16 keep scaling."""
+    (measured on the H200 host), so up to 16 keep scaling."""
     if READ_THREADS is not None:
         return READ_THREADS
     return max(2, min(16, os.cpu_count() or 1))

@@ -14,7 +14,7 @@ import ctypes
 import numpy as np
 import torch
 
-from kvsnap.transfer.base import CopyBackend, CopyJob, register_backend
+from kvsnap.transfer.base import CopyBackend, CopyJob
 
 #: Descriptors up to this size are copied in vectorized groups of equal size; larger ones one
 #: ``memmove`` each. Measured on a 2-core x86 host: a Python-level memmove costs ~0.5 µs, the
@@ -76,7 +76,6 @@ def copy_descriptors(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> Non
         memmove(d, s, n)
 
 
-@register_backend
 class CpuBackend(CopyBackend):
     """Host-to-host descriptor execution; synchronous, for caches in host memory only."""
 

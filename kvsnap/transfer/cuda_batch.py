@@ -1,7 +1,7 @@
 """The ``cuda-batch`` backend: the driver's ``cuMemcpyBatchAsync``, one call per job.
 
 The whole descriptor table goes to the copy engines in one driver call, which reaches 48-54
-GB/s for descriptors of 64 KiB and more (DESIGN.md) without using any SM. The entry point is
+GB/s for descriptors of 64 KiB and more (H200 prototype) without using any SM. The entry point is
 resolved once, lazily, through ``cuGetProcAddress`` at ABI version 12080 (CUDA 12.8, whose
 signature has the ``failIdx`` out-parameter; CUDA 13 headers name a newer signature without
 it), from ``cuda.bindings`` or, when that package is missing, from ``libcuda`` through ctypes.
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvsnap.layout import CacheLayout
-from kvsnap.transfer.base import CopyBackend, CopyJob, register_backend
+from kvsnap.transfer.base import CopyBackend, CopyJob
 from kvsnap.transfer.plan import Direction
 
 #: ABI version requested for ``cuMemcpyBatchAsync`` (the 12.8 signature, with ``failIdx``).
@@ -176,7 +176,6 @@ def _resolve() -> DriverCopy:
     )
 
 
-@register_backend
 class CudaBatchBackend(CopyBackend):
     """``cuMemcpyBatchAsync`` over the job's descriptors (one ``cuMemcpyAsync`` each as fallback).
 

@@ -28,16 +28,10 @@ import numpy as np
 import torch
 
 from kvsnap.layout import CacheLayout
-from kvsnap.transfer.base import (
-    CopyBackend,
-    CopyJob,
-    TransferResult,
-    available_backends,
-    choose_backend,
-    make_backend,
-    on_stream,
-)
+from kvsnap.transfer.backends import available_backends, make_backend
+from kvsnap.transfer.base import CopyBackend, CopyJob, TransferResult, on_stream
 from kvsnap.transfer.plan import CopyPlanner, Descriptors, Direction, PageCopy, ResolvedCopy
+from kvsnap.transfer.policy import choose_backend
 
 #: Default :attr:`TransferHandler.flush_descriptors`: large enough that launches and driver
 #: calls are amortized (~1-2 ms of copying), small enough that the device starts early.

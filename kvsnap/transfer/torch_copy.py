@@ -35,7 +35,7 @@ import torch
 
 from kvsnap.dtypes import WORD_DTYPES
 from kvsnap.layout import CacheLayout, CopyRun, PageRef
-from kvsnap.transfer.base import CopyBackend, CopyJob, on_stream, register_backend
+from kvsnap.transfer.base import CopyBackend, CopyJob, on_stream
 from kvsnap.transfer.plan import Direction, ResolvedCopy
 from kvsnap.transfer.torch_views import (
     RunGroup,
@@ -149,7 +149,6 @@ class _Batch:
     indices: list[torch.Tensor]
 
 
-@register_backend
 class TorchBackend(CopyBackend):
     """``index_select``/``index_copy_`` over strided views, through two staging buffers.
 

@@ -2,7 +2,7 @@
 
 Page-locked host memory has a device-visible address equal to its host address (unified
 virtual addressing), so one kernel can execute a job's descriptors directly, whatever their
-direction, without the driver's per-descriptor submission cost (DESIGN.md: 50.5-52.5 GB/s for
+direction, without the driver's per-descriptor submission cost (H200: 50.5-52.5 GB/s for
 4-256 KiB copies through such a kernel, against 9 GB/s for 4 KiB DMA). Within kvsnap its rate
 is bounded by the host building one descriptor per fragment (docs/benchmarks.md), and the grid
 size made no difference between 16 and 264 programs; ``auto`` uses it for captures of a
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kvsnap.layout import CacheLayout
-from kvsnap.transfer.base import CopyBackend, CopyJob, register_backend
+from kvsnap.transfer.base import CopyBackend, CopyJob
 from kvsnap.transfer.plan import Direction
 
 #: Descriptors larger than this are cut into pieces of this size (work-item balance).
@@ -167,7 +167,6 @@ def tile_longest(sizes: np.ndarray, rows: int, word: int) -> np.ndarray:
     return padded.reshape(-1, rows).max(axis=1) // word
 
 
-@register_backend
 class TritonBackend(CopyBackend):
     """The UVA copy kernel; options: ``max_programs`` (default 32), ``piece_bytes`` (128 KiB)."""
 
