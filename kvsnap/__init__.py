@@ -21,6 +21,7 @@ from typing import Any
 from kvsnap._version import __version__
 
 _EXPORTS = {
+    "kvsnap.caches": ("clear_caches",),
     "kvsnap.errors": (
         "IncompatibleSnapshotError",
         "KVSnapError",

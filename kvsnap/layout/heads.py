@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from kvsnap.caches import register_cache_clear
 from kvsnap.errors import LayoutError
 from kvsnap.layout.cache import CacheLayout, PageRef
 from kvsnap.layout.geometry import KVGeometry
@@ -141,6 +142,12 @@ def _forget(layout_id: int) -> None:
             del _CACHE[layout_id]
 
 
+@register_cache_clear
+def _forget_every_layout() -> None:
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
 # --------------------------------------------------------------------------------------------
 # The work
 
@@ -186,6 +193,9 @@ def _heads_of(
     return int(heads[0]), int(heads[-1]) + 1
 
 
+register_cache_clear(_heads_of.cache_clear)
+
+
 def _head_range(layout: CacheLayout) -> tuple[int, int]:
     geometry = layout.geometry
     if geometry.is_mla:
@@ -223,6 +233,9 @@ def _part_mapping(
         same = keep & (sizes == size)
         runs += fold_fragments(local[same], moved[same], int(size))
     return CanonicalPageMapping(page_bytes, tuple(runs))
+
+
+register_cache_clear(_part_mapping.cache_clear)
 
 
 def _part_layout(layout: CacheLayout, first_head: int, num_heads: int) -> CacheLayout | None:

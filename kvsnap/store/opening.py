@@ -4,10 +4,9 @@ told from a newer format, shards kept inside their index's directory."""
 from __future__ import annotations
 
 import os
-import threading
-from collections import OrderedDict
 
 from kvsnap import format as fmt
+from kvsnap.caches import BoundedLRU
 from kvsnap.errors import KVSnapError, SnapshotCorruptError, UnsupportedVersionError
 from kvsnap.store.location import Location
 from kvsnap.store.source import Source
@@ -19,22 +18,17 @@ _MAX_TRAILER_PROBE_BYTES = 16 << 20
 #: Headers decoded lately, by their bytes' xxh3-128 and the file size: an engine opening the same
 #: snapshots again and again skips the JSON parse and schema validation. Only headers that
 #: passed every check are kept, and any change to a header's bytes misses the cache.
-_HEADER_CACHE: OrderedDict[tuple[bytes, int], tuple[fmt.DecodedHeader, fmt.FileLayout]] = (
-    OrderedDict()
-)
-_HEADER_CACHE_SIZE = 64
-_HEADER_CACHE_LOCK = threading.Lock()
+_HEADER_CACHE: BoundedLRU[tuple[bytes, int], tuple[fmt.DecodedHeader, fmt.FileLayout]]
+_HEADER_CACHE = BoundedLRU(64)
 
 
 def decoded_header(source: Source, header_bytes: bytes) -> tuple[fmt.DecodedHeader, fmt.FileLayout]:
     """The checked header and file layout of ``source`` (whose first bytes are
     ``header_bytes``); see :func:`kvsnap.format.decode_header`."""
     key = (fmt.digest128(header_bytes), source.size)
-    with _HEADER_CACHE_LOCK:
-        cached = _HEADER_CACHE.get(key)
-        if cached is not None:
-            _HEADER_CACHE.move_to_end(key)
-            return cached
+    cached = _HEADER_CACHE.get(key)
+    if cached is not None:
+        return cached
     try:
         header = fmt.decode_header(header_bytes, source.size, file=source.url)
     except UnsupportedVersionError as error:
@@ -44,10 +38,7 @@ def decoded_header(source: Source, header_bytes: bytes) -> tuple[fmt.DecodedHead
         raise SnapshotCorruptError(
             "header bytes differ from the format's encoding", file=source.url
         )
-    with _HEADER_CACHE_LOCK:
-        _HEADER_CACHE[key] = (header, layout)
-        while len(_HEADER_CACHE) > _HEADER_CACHE_SIZE:
-            _HEADER_CACHE.popitem(last=False)
+    _HEADER_CACHE.put(key, (header, layout))
     return header, layout
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvsnap import format as fmt
+from kvsnap.caches import BoundedLRU
 from kvsnap.errors import SnapshotCorruptError
 from kvsnap.store.completion import Completion
 from kvsnap.store.source import Source
@@ -82,30 +82,19 @@ def shared_executor(
 
 #: Checked block-checksum tables by the digest of their files' trailers, least recently used
 #: first; tables above ``_MAX_CACHED_TABLE_BYTES`` (snapshots of many blocks) are not kept.
-_TABLES: OrderedDict[bytes, np.ndarray] = OrderedDict()
-_TABLES_LOCK = threading.Lock()
-_MAX_CACHED_TABLES = 256
+_TABLES: BoundedLRU[bytes, np.ndarray] = BoundedLRU(256)
 _MAX_CACHED_TABLE_BYTES = 256 << 10
 
 
 def _cached_table(key: bytes | None) -> np.ndarray | None:
-    if key is None:
-        return None
-    with _TABLES_LOCK:
-        table = _TABLES.get(key)
-        if table is not None:
-            _TABLES.move_to_end(key)
-        return table
+    return None if key is None else _TABLES.get(key)
 
 
 def _keep_table(key: bytes | None, table: np.ndarray) -> np.ndarray:
     """``table`` made read-only and, if small enough, kept under ``key``."""
     table.flags.writeable = False
     if key is not None and table.nbytes <= _MAX_CACHED_TABLE_BYTES:
-        with _TABLES_LOCK:
-            _TABLES[key] = table
-            while len(_TABLES) > _MAX_CACHED_TABLES:
-                _TABLES.popitem(last=False)
+        _TABLES.put(key, table)
     return table
 
 

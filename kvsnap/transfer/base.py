@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvsnap.caches import register_cache_clear
 from kvsnap.errors import BackendUnavailable
 from kvsnap.layout import CacheLayout
 from kvsnap.transfer.plan import Descriptors, Direction, ResolvedCopy
@@ -328,6 +329,9 @@ def forget_policy() -> None:
 @lru_cache(maxsize=1)
 def _cached_policy(path: str) -> AutoPolicy:
     return load_policy(Path(path))
+
+
+register_cache_clear(forget_policy)
 
 
 def current_policy() -> AutoPolicy:
