@@ -23,6 +23,7 @@ from kvsnap import format as fmt
 from kvsnap.caches import BoundedLRU
 from kvsnap.errors import SnapshotCorruptError
 from kvsnap.store.completion import Completion
+from kvsnap.store.pools import shared_executor
 from kvsnap.store.source import Source
 from kvsnap.store.tracing import TraceHook, traced
 
@@ -37,21 +38,6 @@ PIECES_PER_SLOT: int | None = 4
 #: Threads of the shared read pool; ``None``: one per core, at most 16.
 READ_THREADS: int | None = None
 
-_EXECUTORS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-_EXECUTOR_LOCK = threading.Lock()
-
-
-def _forget_executors_after_fork() -> None:
-    """A forked child inherits the pools but none of their threads: an inherited pool that
-    believes a worker idle never starts one, and its work would wait forever. The child starts
-    its own pools on first use (and a lock held by another thread at the fork is replaced)."""
-    global _EXECUTOR_LOCK
-    _EXECUTOR_LOCK = threading.Lock()
-    _EXECUTORS.clear()
-
-
-os.register_at_fork(after_in_child=_forget_executors_after_fork)
-
 
 def read_threads() -> int:
     """Threads of the shared read pool (:data:`READ_THREADS`, else one per core, at most 16):
@@ -62,22 +48,10 @@ def read_threads() -> int:
     return max(2, min(16, os.cpu_count() or 1))
 
 
-def shared_executor(
-    role: str = "read", threads: int | None = None
-) -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide pool of ``role`` with ``threads`` workers (default
-    :func:`read_threads`), created on first use and kept: slot reads and their verification
-    (``read``), the writers' hashing (``hash``) and their serial write lanes (``write``). A pool
-    starts its threads only as concurrent work needs them, up to ``threads``."""
-    count = threads or read_threads()
-    key = f"{role}-{count}"
-    with _EXECUTOR_LOCK:
-        executor = _EXECUTORS.get(key)
-        if executor is None:
-            executor = _EXECUTORS[key] = concurrent.futures.ThreadPoolExecutor(
-                count, thread_name_prefix=f"kvsnap-{role}"
-            )
-        return executor
+def read_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The process-wide read pool (:func:`~kvsnap.store.pools.shared_executor`) of
+    :func:`read_threads` threads: slot reads and their verification."""
+    return shared_executor("read", read_threads())
 
 
 #: Checked block-checksum tables by the digest of their files' trailers, least recently used
@@ -246,7 +220,7 @@ def read_slot_async(
 def _run_pieces(read: Callable[[_Piece], None], pieces: list[_Piece], done: Completion) -> None:
     """Each piece on the shared read threads; where a file reads through one handle (fsspec),
     in order on this thread."""
-    executor = shared_executor()
+    executor = read_executor()
     concurrent_ok = all(piece.source.concurrent for piece in pieces)
     for piece in pieces:
         if concurrent_ok:

@@ -15,8 +15,8 @@ from kvsnap.store.lanes import SerialLane
 from kvsnap.store.location import (
     INDEX_SUFFIX,
 )
+from kvsnap.store.pools import shared_executor
 from kvsnap.store.publish import temp_name
-from kvsnap.store.slot_reads import shared_executor
 from kvsnap.store.stream_file import StreamFile
 from kvsnap.store.tracing import traced
 

@@ -25,7 +25,7 @@ from kvsnap.store.completion import Completion
 from kvsnap.store.lanes import SerialLane, TaskGroup
 from kvsnap.store.local_file import LocalFile
 from kvsnap.store.location import INDEX_SUFFIX, io_error, locate, stem_of
-from kvsnap.store.slot_reads import shared_executor
+from kvsnap.store.pools import shared_executor
 from kvsnap.store.slot_writes import SlotWrites
 from kvsnap.store.stream_file import StreamFile
 from kvsnap.store.tracing import TraceHook, traced
