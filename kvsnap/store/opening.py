@@ -1,14 +1,11 @@
-"""What a reader checks as it opens one file: the decoded-header cache, a damaged format version
-told from a newer format, shards kept inside their index's directory."""
+"""What a reader checks as it opens one file: the decoded-header cache, and a damaged format
+version told from a newer format."""
 
 from __future__ import annotations
-
-import os
 
 from kvsnap import format as fmt
 from kvsnap.caches import BoundedLRU
 from kvsnap.errors import KVSnapError, SnapshotCorruptError, UnsupportedVersionError
-from kvsnap.store.location import Location
 from kvsnap.store.source import Source
 
 #: Largest checksum trailer read to tell a damaged format version from a newer format.
@@ -62,16 +59,3 @@ def _version_or_damage(
         "(trailer row 0): a damaged header, not a newer format",
         file=source.url,
     )
-
-
-def check_in_directory(index: Location, shard: Location) -> None:
-    """Refuse a local shard that resolves (through symbolic links) outside the index's
-    directory: an index only ever names files beside it."""
-    if not shard.is_local:
-        return
-    home = os.path.realpath(os.path.dirname(index.path))
-    if os.path.dirname(os.path.realpath(shard.path)) != home:
-        raise SnapshotCorruptError(
-            "is a symbolic link to a file outside the snapshot's directory (refused)",
-            file=shard.url,
-        )

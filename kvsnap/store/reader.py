@@ -22,14 +22,9 @@ from kvsnap.format import SnapshotMetadata, TensorEntry
 from kvsnap.format.signing import KeyRing
 from kvsnap.store import slot_reads, tuning
 from kvsnap.store.completion import Completion
-from kvsnap.store.location import (
-    INDEX_SUFFIX,
-    Location,
-    locate,
-    missing_member,
-    read_small,
-)
-from kvsnap.store.opening import check_in_directory, decoded_header
+from kvsnap.store.location import INDEX_SUFFIX, Location, locate
+from kvsnap.store.opening import decoded_header
+from kvsnap.store.resolve import Form, Resolved, open_retrying
 from kvsnap.store.signatures import signature_problem, signing_key_id
 from kvsnap.store.slot_reads import SlotReading
 from kvsnap.store.source import OpenFile, Source, check_blocks
@@ -38,9 +33,6 @@ from kvsnap.store.verify import ReaderVerification
 
 if TYPE_CHECKING:
     import torch
-
-#: Opens of a snapshot that is being replaced, before a vanished file is an error.
-OPEN_ATTEMPTS = 3
 
 
 class SnapshotReader(ReaderVerification, SlotReading):
@@ -67,6 +59,39 @@ class SnapshotReader(ReaderVerification, SlotReading):
         storage_options: Mapping[str, Any] | None = None,
         keys: KeyRing | None = None,
     ) -> None:
+        location = locate(url, storage_options)
+        self._start(location.url, verify, io_threads, keys)
+        try:
+            open_retrying(location, self._open_members)
+            self._finish_open()
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def opened(
+        cls,
+        resolved: Resolved,
+        *,
+        verify: bool = True,
+        io_threads: int | None = None,
+        keys: KeyRing | None = None,
+    ) -> SnapshotReader:
+        """A reader of the snapshot ``resolved`` describes (single or sharded), opened without
+        resolving it again; a file that vanished meanwhile raises, for the caller's
+        :func:`~kvsnap.store.resolve.open_retrying` to start over."""
+        reader = cls.__new__(cls)
+        reader._start(resolved.location.url, verify, io_threads, keys)
+        try:
+            reader._open_members(resolved)
+            reader._finish_open()
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
+    def _start(self, url: str, verify: bool, io_threads: int | None, keys: KeyRing | None) -> None:
+        self.url = url
         self._verify = verify
         self._keys = keys
         self._threads = io_threads or max(2, min(8, os.cpu_count() or 1))
@@ -76,66 +101,61 @@ class SnapshotReader(ReaderVerification, SlotReading):
         self._table: np.ndarray | None = None
         self._tensor_extents: slot_reads.TensorExtents | None = None
         self._index_digests: tuple[str, ...] | None = None
-        location = locate(url, storage_options)
-        self.url = location.url
-        try:
-            self._open_retrying(location)
-            self._where = {
-                entry.name: (index, entry)
-                for index, open_file in enumerate(self._files)
-                for entry in open_file.layout.entries
-                if not fmt.is_container_tensor(entry.name)
-            }
-            geometry = self._header_metadata.geometry
-            self._names = geometry.tensor_names()
-            self._tensor_index = {name: index for index, name in enumerate(self._names)}
-            self._page_bytes = geometry.canonical_page_size_bytes
-            self._num_blocks = self._header_metadata.num_blocks
-            self.metadata: SnapshotMetadata = self._load_metadata()
-        except BaseException:
-            self.close()
-            raise
+
+    def _finish_open(self) -> None:
+        self._where = {
+            entry.name: (index, entry)
+            for index, open_file in enumerate(self._files)
+            for entry in open_file.layout.entries
+            if not fmt.is_container_tensor(entry.name)
+        }
+        geometry = self._header_metadata.geometry
+        self._names = geometry.tensor_names()
+        self._tensor_index = {name: index for index, name in enumerate(self._names)}
+        self._page_bytes = geometry.canonical_page_size_bytes
+        self._num_blocks = self._header_metadata.num_blocks
+        self.metadata: SnapshotMetadata = self._load_metadata()
 
     # -- opening ---------------------------------------------------------------------------
 
-    def _open_retrying(self, location: Location) -> None:
-        """:meth:`_open`, again from the start (up to :data:`OPEN_ATTEMPTS` times in all) when a
-        file it was about to open vanished: the snapshot was replaced meanwhile, and the
-        replacement's index (or single file) names only files that exist."""
-        for attempt in range(1, OPEN_ATTEMPTS + 1):
-            try:
-                self._open(location)
-                return
-            except SnapshotIOError as error:
-                if not isinstance(error.__cause__, FileNotFoundError):
-                    raise
-                if attempt == OPEN_ATTEMPTS:
-                    index = location.with_suffix(INDEX_SUFFIX)
-                    raise missing_member(error, location, index) from error.__cause__
-                for open_file in self._files:
-                    open_file.source.close()
-                self._files = []
-                self._index_digests = None
-
-    def _open(self, location: Location) -> None:
-        if location.path.endswith(INDEX_SUFFIX):
-            self._open_sharded(location)
-        elif location.exists() or not location.with_suffix(INDEX_SUFFIX).exists():
-            open_file, header = self._open_file(location)
-            if header.metadata.shard is not None:
-                index, count = header.metadata.shard
+    def _open_members(self, resolved: Resolved) -> None:
+        """Open the files of ``resolved``, each once, checking each against the index; on any
+        error close those opened."""
+        try:
+            if resolved.form is Form.PARTED:
+                assert resolved.index_location is not None
                 raise NotASnapshotError(
-                    f"this is shard {index} of {count} of a sharded snapshot: "
-                    f"open its {INDEX_SUFFIX}",
-                    file=location.url,
+                    "is the index of a parted snapshot (one file per head range): open it with "
+                    "kvsnap.Snapshot.open, or open one part file",
+                    file=resolved.index_location.url,
                 )
-            self._files.append(open_file)
-            self._header_metadata = header.metadata
-        else:
-            self._open_sharded(location.with_suffix(INDEX_SUFFIX))
+            if resolved.form is Form.SINGLE:
+                self._open_single(resolved)
+            else:
+                self._open_sharded(resolved)
+        except BaseException:
+            for open_file in self._files:
+                open_file.source.close()
+            self._files = []
+            self._index_digests = None
+            raise
 
-    def _open_file(self, location: Location) -> tuple[OpenFile, fmt.DecodedHeader]:
-        source = Source(location)
+    def _open_single(self, resolved: Resolved) -> None:
+        (location,) = resolved.members
+        open_file, header = self._open_file(location, resolved.directory)
+        self._files.append(open_file)
+        if header.metadata.shard is not None:
+            index, count = header.metadata.shard
+            raise NotASnapshotError(
+                f"this is shard {index} of {count} of a sharded snapshot: open its {INDEX_SUFFIX}",
+                file=location.url,
+            )
+        self._header_metadata = header.metadata
+
+    def _open_file(
+        self, location: Location, directory: str | None
+    ) -> tuple[OpenFile, fmt.DecodedHeader]:
+        source = Source(location, inside=directory)
         try:
             prefix = source.read(0, min(8, source.size))
             length = fmt.header_length(prefix, source.size, file=source.url)
@@ -153,24 +173,16 @@ class SnapshotReader(ReaderVerification, SlotReading):
             raise
         return open_file, header
 
-    def _open_sharded(self, index_location: Location) -> None:
-        raw = read_small(index_location, fmt.MAX_INDEX_BYTES)
-        if fmt.is_parts_index(raw):
-            raise NotASnapshotError(
-                "is the index of a parted snapshot (one file per head range): open it with "
-                "kvsnap.Snapshot.open, or open one part file",
-                file=index_location.url,
-            )
-        index = fmt.decode_index(raw, file=index_location.url)
+    def _open_sharded(self, resolved: Resolved) -> None:
+        index = resolved.index
+        assert isinstance(index, fmt.ShardIndex) and resolved.index_location is not None
         self._header_metadata = index.metadata
         self._index_digests = index.trailer_digests
         specs = fmt.specs_for(index.metadata)
         position = 0
         count = len(index.files)
-        for number, name in enumerate(index.files, start=1):
-            location = index_location.sibling(name)
-            check_in_directory(index_location, location)
-            open_file, header = self._open_file(location)
+        for number, location in enumerate(resolved.members, start=1):
+            open_file, header = self._open_file(location, resolved.directory)
             self._files.append(open_file)
             if header.metadata.shard != (number, count):
                 raise SnapshotCorruptError(
@@ -182,7 +194,7 @@ class SnapshotReader(ReaderVerification, SlotReading):
                 raise SnapshotCorruptError("metadata differs from the index's", file=location.url)
             held = [entry.name for entry in open_file.layout.checksummed()]
             expected = [spec.name for spec in specs[position : position + len(held)]]
-            if held != expected or any(index.weight_map[held_name] != name for held_name in held):
+            if held != expected or any(index.weight_map[name] != location.name for name in held):
                 raise SnapshotCorruptError(
                     "holds other tensors than the index assigns it", file=location.url
                 )
@@ -191,7 +203,8 @@ class SnapshotReader(ReaderVerification, SlotReading):
                 self._check_index_digest(number - 1)
         if position != len(specs):
             raise SnapshotCorruptError(
-                f"the shards hold {position} of {len(specs)} tensors", file=index_location.url
+                f"the shards hold {position} of {len(specs)} tensors",
+                file=resolved.index_location.url,
             )
 
     def _load_trailer(self, open_file: OpenFile) -> None:

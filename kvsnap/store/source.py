@@ -63,7 +63,9 @@ def check_blocks(
 class Source:
     """Random-access reads of one file: ``pread`` for local files, seek+read for fsspec."""
 
-    def __init__(self, location: Location) -> None:
+    def __init__(self, location: Location, *, inside: str | None = None) -> None:
+        """Open ``location``; a local file must resolve into the real directory ``inside``
+        when given (:func:`~kvsnap.store.location.open_regular`)."""
         self.location = location
         self.url = location.url
         self._lock = threading.Lock()
@@ -73,7 +75,7 @@ class Source:
         self._status: os.stat_result | None = None
         try:
             if location.is_local:
-                self._fd, status = open_regular(location)
+                self._fd, status = open_regular(location, inside=inside)
                 self._status = status
                 self.size = status.st_size
                 if tuning.COLD_READS_DIRECT:
