@@ -263,7 +263,31 @@ def test_committed_file_takes_two_stats_and_prefers_the_single_file(
     assert calls.total_stats == 1 + 2 + 2
     # While a single file replaces the sharded form, both exist: the single file is the one.
     os.link(single, sharded)
-    found = committed_file(locate(Path(f"{sharded}.index.json"), None))
+    found = committed_file(locate(sharded, None))
     assert found is not None and found.location.path == str(sharded)
+    # Named by its index, the index is what a reader opens.
+    found = committed_file(locate(Path(f"{sharded}.index.json"), None))
+    assert found is not None and found.indexed
     with SnapshotReader(sharded) as reader:
         assert reader.files == [str(sharded)]
+
+
+def test_the_prefix_store_finds_a_chunk_with_one_stat_or_two(tmp_path: Path, calls: Calls) -> None:
+    """The vLLM prefix store asks the same resolver: a single-file chunk is found with one
+    ``stat``, a parted one with two (no index read), a missing one with two."""
+    from kvsnap.engines.vllm.chunk_check import file_key
+    from kvsnap.engines.vllm.prefix_store import PrefixStore
+
+    store = PrefixStore(tmp_path / "store", "space")
+    single, parted = store.chunk_path("a" * 64), store.chunk_path("b" * 64)
+    store.chunk_directory(single)
+    store.chunk_directory(parted)
+    _single(single)
+    parted_snapshot(parted)
+    calls.reset()
+    assert store.has_chunk(single) and calls.total_stats == 1
+    assert store.has_chunk(parted) and calls.total_stats == 1 + 2
+    assert not store.has_chunk(store.chunk_path("c" * 64)) and calls.total_stats == 1 + 2 + 2
+    assert calls.opens == Counter() and calls.parses == 0
+    index = Path(f"{parted}.index.json").stat()
+    assert file_key(str(parted)) == (index.st_ino, index.st_size, index.st_mtime_ns)

@@ -132,16 +132,19 @@ def snapshot_names(location: Location) -> tuple[Location, Location]:
 
 
 def committed_file(location: Location, *, regular: bool = False) -> Committed | None:
-    """The file that commits the snapshot ``location`` names: the single file when something
-    is there (a regular file with ``regular``), else the index when it is a regular file,
-    else ``None``. At most two ``stat`` calls; a name that cannot be looked at counts as
-    absent."""
+    """The file that commits the snapshot ``location`` names, as :func:`resolve` would find
+    it: for ``NAME.safetensors`` that file when something is there (a regular file with
+    ``regular``), else its index when that is a regular file; for an index name, the index.
+    ``None`` when there is none. At most two ``stat`` calls; a name that cannot be looked at
+    counts as absent."""
     single, index = snapshot_names(location)
-    found = _look(single, indexed=False)
-    if found is not None and (not regular or _is_regular(found)):
-        return found
-    found = _look(index, indexed=True)
-    return found if found is not None and _is_regular(found) else None
+    candidates = (single, index) if location is single else (index,)
+    for candidate in candidates:
+        found = _look(candidate, indexed=candidate is index)
+        named = candidate is location
+        if found is not None and (_is_regular(found) or (named and not regular)):
+            return found
+    return None
 
 
 def _look(location: Location, *, indexed: bool) -> Committed | None:
