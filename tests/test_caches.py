@@ -16,7 +16,7 @@ from kvsnap.format import container
 from kvsnap.layout import cache as layout_cache
 from kvsnap.layout import heads, mapping
 from kvsnap.snapshot import Snapshot
-from kvsnap.store import hot, opening, slot_reads
+from kvsnap.store import checksums, hot, opening
 from kvsnap.store.hot import HotTier
 from kvsnap.transfer import base
 
@@ -96,13 +96,13 @@ def test_clear_caches_empties_every_process_wide_cache(
     ]
     filled = {function.__name__: function.cache_info().currsize for function in lru_functions}
     assert all(filled.values()), filled
-    assert len(opening._HEADER_CACHE) and len(slot_reads._TABLES) and heads._CACHE
+    assert len(opening._HEADER_CACHE) and len(checksums._TABLES) and heads._CACHE
     assert tier.stats().files == 1
 
     kvsnap.clear_caches()
 
     assert [function.cache_info().currsize for function in lru_functions] == [0] * 7
-    assert len(opening._HEADER_CACHE) == 0 and len(slot_reads._TABLES) == 0
+    assert len(opening._HEADER_CACHE) == 0 and len(checksums._TABLES) == 0
     assert heads._CACHE == {} and tier.stats().files == 0
     # Everything is worked out again on the next use, to the same result.
     again = caches("vllm-nhd", 1, 8)

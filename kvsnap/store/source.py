@@ -165,9 +165,9 @@ class Source:
             self._handle = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class OpenFile:
+    """One open file of a snapshot and its checked layout."""
+
     source: Source
     layout: fmt.FileLayout
-    trailer: list[bytes] | None = None
-    row_of: dict[str, int] | None = None
