@@ -21,7 +21,6 @@ from kvsnap.errors import KVSnapError, SnapshotCorruptError
 from kvsnap.format.signing import KeyRing
 from kvsnap.store import overwrite, publish
 from kvsnap.store.location import INDEX_SUFFIX, Location, io_error, locate, stem_of
-from kvsnap.store.publish import temp_name
 from kvsnap.store.reader import SnapshotReader
 from kvsnap.store.resolve import Form, Resolved, open_retrying, resolve
 
@@ -87,14 +86,7 @@ def publish_parts_index(path: str | os.PathLike[str], records: Sequence[fmt.Part
         location, [location.sibling(record.file) for record in records], sharded=True
     )
     try:
-        if index.is_local:
-            publish.publish_bytes(index.path, raw)
-        elif index.object_store:
-            index.fs.pipe_file(index.path, raw)
-        else:
-            temp = index.sibling(temp_name(index.name))
-            temp.fs.pipe_file(temp.path, raw)
-            temp.fs.mv(temp.path, index.path)
+        publish.publish_to(index, raw)
     except OSError as error:
         raise io_error("publishing the parted index", index.url, error) from error
     overwrite.remove_quietly(stale)
