@@ -102,10 +102,11 @@ class Checksums:
                 tensor=fmt.CHECKSUMS_TENSOR,
             )
 
-    def digest(self, name: str) -> bytes | None:
-        """The stored xxh3-128 of tensor ``name`` (its file's trailer row); ``None`` while that
-        trailer is not loaded."""
-        position, _ = self._reader.placement(name)
+    def digest(self, name: str, position: int | None = None) -> bytes | None:
+        """The stored xxh3-128 of tensor ``name`` (a row of the trailer of the file at
+        ``position``, looked up when not given); ``None`` while that trailer is not loaded."""
+        if position is None:
+            position, _ = self._reader.placement(name)
         trailer = self._trailers.get(position)
         if trailer is None:
             return None
@@ -143,7 +144,7 @@ class Checksums:
         kept process-wide by the files' trailers, which commit to these rows."""
         if self._table is None:
             self.ensure_trailers()
-            trailers = [self._trailers[position] for position in sorted(self._trailers)]
+            trailers = [self._trailers[position] for position in range(len(self._trailers))]
             key = fmt.digest128(b"".join(row for trailer in trailers for row in trailer))
             self._table = _TABLES.get(key)
             if self._table is None:

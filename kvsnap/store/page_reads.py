@@ -14,6 +14,7 @@ import numpy as np
 from kvsnap.errors import SnapshotIOError
 from kvsnap.store import tuning
 from kvsnap.store.completion import Completion
+from kvsnap.store.pools import cpu_count
 from kvsnap.store.source import check_blocks
 from kvsnap.store.tracing import TraceHook, traced
 
@@ -26,11 +27,11 @@ Piece = tuple[int, int, int]
 
 class PageReads:
     """Page reads of ``reader``'s layer tensors on up to ``threads`` threads of its own
-    (started on first concurrent use, stopped by :meth:`close`). The reader is reached through
-    its named accessors (``layer``, ``num_blocks``, ``page_bytes``, ``verifies``,
-    ``checksums``)."""
+    (default: CPUs, 2 to 8; started on first concurrent use, stopped by :meth:`close`). The
+    reader is reached through its named accessors (``layer``, ``num_blocks``, ``page_bytes``,
+    ``verifies``, ``checksums``)."""
 
-    def __init__(self, reader: SnapshotReader, threads: int) -> None:
+    def __init__(self, reader: SnapshotReader, threads: int | None) -> None:
         self._reader = reader
         self._threads = threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -90,8 +91,9 @@ class PageReads:
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
+            threads = self._threads or max(2, min(8, cpu_count()))
             self._pool = concurrent.futures.ThreadPoolExecutor(
-                self._threads, thread_name_prefix="kvsnap-read"
+                threads, thread_name_prefix="kvsnap-read"
             )
         return self._pool
 

@@ -97,9 +97,9 @@ class SnapshotReader:
         self.url = url
         self._verify = verify
         self._keys = keys
-        self._page_reads = PageReads(self, io_threads or max(2, min(8, os.cpu_count() or 1)))
+        self._page_reads = PageReads(self, io_threads)
         self._files: list[OpenFile] = []
-        self._checksums = Checksums(self)
+        self._checksums: Checksums  # made as the files open: a sharded one's knows the index
         self._extents: slot_reads.TensorExtents | None = None
 
     def _finish_open(self) -> None:
@@ -289,7 +289,9 @@ class SnapshotReader:
     def extents(self) -> slot_reads.TensorExtents:
         """Where each layer tensor's pages lie, worked out once."""
         if self._extents is None:
-            self._extents = slot_reads.tensor_extents(self)
+            sources = [open_file.source for open_file in self._files]
+            located = [self._where[name] for name in self._names]
+            self._extents = slot_reads.tensor_extents(sources, located, self._page_bytes)
         return self._extents
 
     def _read_checked(self, name: str) -> bytes:
@@ -297,7 +299,7 @@ class SnapshotReader:
         position, entry = self.placement(name)
         source = self._files[position].source
         raw = source.read(entry.begin, entry.nbytes, tensor=name)
-        expected = self._checksums.digest(name) if self._verify else None
+        expected = self._checksums.digest(name, position) if self._verify else None
         if expected is not None and fmt.digest128(raw) != expected:
             raise SnapshotCorruptError(
                 "does not match its xxh3-128 checksum", file=source.url, tensor=name

@@ -84,7 +84,7 @@ class Committed:
     size: int | None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Resolved:
     """What a path holds: the form, the data files (``members``, in order), and for the
     indexed forms the index's location and its parsed, checked content.
@@ -192,14 +192,18 @@ def resolve(location: Location) -> Resolved:
     ``FileNotFoundError`` when neither name is there, and what :func:`read_index` raises for an
     index that is not one.
     """
-    if is_index_name(location.path):
+    if location.path.endswith(INDEX_SUFFIX):
         return _indexed(location, location)
-    try:
-        found = _stat(location, indexed=False)
-    except OSError:
-        found = Committed(location, False, None, None)  # the open says why it cannot be read
-    if found is not None:
-        return Resolved(Form.SINGLE, location, (location,), status=found.status)
+    if location.is_local:
+        try:
+            # On the warm path of every restore: one stat, no object but the answer.
+            return Resolved(Form.SINGLE, location, (location,), status=os.stat(location.path))
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return Resolved(Form.SINGLE, location, (location,))  # the open says why
+    elif _stat(location, indexed=False) is not None:
+        return Resolved(Form.SINGLE, location, (location,))
     try:
         return _indexed(location, location.with_suffix(INDEX_SUFFIX))
     except SnapshotIOError as error:

@@ -12,7 +12,6 @@ so the caller can move every other page and tell exactly which blocks were not r
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,11 +21,12 @@ import numpy as np
 
 from kvsnap import format as fmt
 from kvsnap.store.completion import Completion
-from kvsnap.store.pools import shared_executor
+from kvsnap.store.pools import cpu_count, shared_executor
 from kvsnap.store.source import Source
 from kvsnap.store.tracing import TraceHook, traced
 
 if TYPE_CHECKING:
+    from kvsnap.format import TensorEntry
     from kvsnap.store.reader import SnapshotReader
 
 #: Smallest and largest piece one read thread takes.
@@ -47,7 +47,7 @@ def read_threads() -> int:
     (DESIGN.md), so up to 16 keep scaling."""
     if READ_THREADS is not None:
         return READ_THREADS
-    return max(2, min(16, os.cpu_count() or 1))
+    return max(2, min(16, cpu_count()))
 
 
 def read_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -219,15 +219,16 @@ def _run_pieces(read: Callable[[_Piece], None], pieces: list[_Piece], done: Comp
         done.watch(inline)
 
 
-def tensor_extents(reader: SnapshotReader) -> TensorExtents:
-    """Where each layer tensor of ``reader``'s snapshot lies (its file, its first byte)."""
-    files = reader.open_files
-    located = [reader.placement(name) for name in reader.layer_names]
+def tensor_extents(
+    sources: Sequence[Source], located: Sequence[tuple[int, TensorEntry]], page_bytes: int
+) -> TensorExtents:
+    """Where each layer tensor lies, given per tensor its file (an index into ``sources``) and
+    its entry there."""
     return TensorExtents(
-        [open_file.source for open_file in files],
+        sources,
         np.array([position for position, _ in located], dtype=np.int64),
         np.array([entry.begin for _, entry in located], dtype=np.int64),
-        reader.page_bytes,
+        page_bytes,
     )
 
 

@@ -165,7 +165,7 @@ class Source:
             self._handle = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class OpenFile:
     """One open file of a snapshot and its checked layout."""
 

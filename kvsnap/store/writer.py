@@ -32,7 +32,7 @@ from kvsnap.store import tuning
 from kvsnap.store.completion import Completion
 from kvsnap.store.lanes import TaskGroup
 from kvsnap.store.location import io_error, locate
-from kvsnap.store.pools import shared_executor
+from kvsnap.store.pools import cpu_count, shared_executor
 from kvsnap.store.slot_writes import SlotPiece, all_done, contiguous_writes, hash_batches
 from kvsnap.store.tracing import TraceHook, traced
 from kvsnap.store.write_local import LocalTarget
@@ -133,7 +133,7 @@ class SnapshotWriter:
         self._gate = WriteGate(
             self._location.url, max_inflight_bytes or tuning.DEFAULT_MAX_INFLIGHT_BYTES
         )
-        threads = hash_threads or max(2, min(8, os.cpu_count() or 1))
+        threads = hash_threads or max(2, min(8, cpu_count()))
         # Shared pools: a snapshot creates no thread (three per snapshot cost ~7 ms of a small
         # capture); the target keeps this writer's writes in order, one at a time.
         self._hash_pool = TaskGroup(shared_executor("hash", threads))
