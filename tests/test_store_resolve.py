@@ -291,3 +291,50 @@ def test_the_prefix_store_finds_a_chunk_with_one_stat_or_two(tmp_path: Path, cal
     assert calls.opens == Counter() and calls.parses == 0
     index = Path(f"{parted}.index.json").stat()
     assert file_key(str(parted)) == (index.st_ino, index.st_size, index.st_mtime_ns)
+
+
+@pytest.mark.parametrize("form", ["single", "sharded"])
+def test_opening_through_fsspec_asks_the_filesystem_as_little(
+    monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    """On an fsspec filesystem (one request each on an object store): one lookup finds the
+    form, the index is sized and read once, and each data file is opened once, its size taken
+    from the open file."""
+    import threading
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    url = f"memory://resolve-{form}/snap.safetensors"
+    metadata, pages = _build(9)
+    limit = max(data.nbytes for data in pages.values()) + 100 if form == "sharded" else None
+    info = write(url, metadata, pages, max_shard_bytes=limit)
+    assert locate(url, None).fs is fs  # the filesystem counted below is the one the store uses
+    calls: Counter[str] = Counter()
+    depth = threading.local()
+
+    def counted(kind: str, method):
+        def call(*args, **kwargs):
+            outer = not getattr(depth, "value", 0)
+            depth.value = getattr(depth, "value", 0) + 1
+            try:
+                if outer:  # what the store asks, not what fsspec asks itself meanwhile
+                    calls[kind] += 1
+                return method(*args, **kwargs)
+            finally:
+                depth.value -= 1
+
+        return call
+
+    for name, kind in [("info", "stat"), ("size", "stat"), ("exists", "stat"), ("isfile", "stat")]:
+        monkeypatch.setattr(fs, name, counted(kind, getattr(fs, name)))
+    monkeypatch.setattr(fs, "open", counted("open", fs.open))
+    monkeypatch.setattr(fs, "cat_file", counted("index read", fs.cat_file))
+    opened = open_snapshot(url)
+    assert isinstance(opened, SnapshotReader) and opened.files == list(info.files)
+    if form == "single":
+        assert calls == Counter({"stat": 1, "open": 1})
+    else:  # the lookup missing NAME, and the index's size; then its read and a shard's opens
+        assert calls == Counter({"stat": 2, "index read": 1, "open": len(info.files)})
+    assert _read_everything(opened) > 0
+    fs.rm(f"/resolve-{form}", recursive=True)

@@ -81,8 +81,17 @@ class Source:
                 if tuning.COLD_READS_DIRECT:
                     self._direct_fd = _open_direct_reader(location.path, status)
             else:
-                self.size = int(location.fs.size(location.path))
                 self._handle = location.fs.open(location.path, "rb", cache_type="none")
+                # An open file knows its size (object stores looked it up to open it): asking
+                # the filesystem again would be another request per file.
+                size = getattr(self._handle, "size", None)
+                if not isinstance(size, int):
+                    try:
+                        size = int(location.fs.size(location.path))
+                    except BaseException:
+                        self.close()
+                        raise
+                self.size = size
         except FileNotFoundError as error:
             raise SnapshotIOError("no such file", file=self.url) from error
         except IsADirectoryError as error:
