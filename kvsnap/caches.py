@@ -58,7 +58,7 @@ def _resolve(
 class BoundedLRU(Generic[_K, _V]):
     """A dictionary of at most ``max_entries`` entries that drops the least recently used one
     when full; every method is safe to call from several threads. Registered with
-    :func:`clear_caches` when made."""
+    :func:`clear_caches` when made. Values are never ``None`` (:meth:`get`'s miss)."""
 
     def __init__(self, max_entries: int) -> None:
         if max_entries < 1:

@@ -25,9 +25,9 @@ import enum
 import errno
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from kvsnap import format as fmt
 from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotIOError
@@ -36,7 +36,6 @@ from kvsnap.store.location import (
     SAFETENSORS_SUFFIX,
     Location,
     io_error,
-    locate,
     missing_member,
     open_regular,
     real_directory,
@@ -53,7 +52,6 @@ __all__ = [
     "open_retrying",
     "read_index",
     "resolve",
-    "resolve_path",
     "snapshot_names",
     "snapshot_stem",
 ]
@@ -210,13 +208,6 @@ def resolve(location: Location) -> Resolved:
         if isinstance(error.__cause__, FileNotFoundError):
             raise SnapshotIOError("no such file", file=location.url) from error.__cause__
         raise
-
-
-def resolve_path(
-    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
-) -> Resolved:
-    """:func:`resolve` of a local path or fsspec URL."""
-    return resolve(locate(path, storage_options))
 
 
 def _indexed(location: Location, index_location: Location) -> Resolved:
