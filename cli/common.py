@@ -8,6 +8,7 @@ checked here, before any work is done, so that a mistake costs nothing.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -89,11 +90,14 @@ def snapshot_location(location: str) -> str:
     """
     if is_url(location):
         return location
-    path = Path(location)
-    if path.is_dir():
-        raise UsageError(f"{location}: is a directory, not a snapshot file")
-    if not path.exists() and not Path(f"{location}.index.json").is_file():
+    from kvsnap.store.location import locate
+    from kvsnap.store.resolve import committed_file
+
+    found = committed_file(locate(location, None))
+    if found is None:
         raise UsageError(f"{location}: no such file")
+    if found.status is not None and stat.S_ISDIR(found.status.st_mode):
+        raise UsageError(f"{location}: is a directory, not a snapshot file")
     return location
 
 

@@ -38,7 +38,9 @@ def is_foreign(location: str) -> bool:
 def _looks_like_kvsnap(path: Path) -> bool:
     """A kvsnap index by name, or a file laid out as safetensors (a length that fits the
     file, then JSON)."""
-    if path.name.endswith(".index.json"):
+    from kvsnap.store.resolve import is_index_name
+
+    if is_index_name(path.name):
         return True
     if not path.is_file():
         return False

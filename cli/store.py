@@ -121,11 +121,9 @@ _SHOWN_KEY_DIGITS = 16
 def _entry_name(path: str) -> str:
     """An entry's file name without the suffix every chunk file shares, a store key shortened
     to its first :data:`_SHOWN_KEY_DIGITS` digits."""
-    name = Path(path).name
-    for suffix in (".safetensors.index.json", ".safetensors"):
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-            break
+    from kvsnap.store.resolve import snapshot_stem
+
+    name = snapshot_stem(Path(path).name)
     if _STORE_KEY.fullmatch(name):
         return name[:_SHOWN_KEY_DIGITS] + "…"
     return name

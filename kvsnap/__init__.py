@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from kvsnap._version import __version__
 
 if TYPE_CHECKING:  # what type checkers see of the names below, imported on first use
+    from kvsnap.caches import clear_caches
     from kvsnap.errors import (
         BackendUnavailableError,
         BadSignatureError,
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # what type checkers see of the names below, imported on firs
 
 #: Where each public name lives; tests/test_public_api.py checks the block above agrees.
 _EXPORTS = {
+    "kvsnap.caches": ("clear_caches",),
     "kvsnap.errors": (
         "BackendUnavailableError",
         "BadSignatureError",
@@ -135,6 +137,7 @@ __all__ = [
     "__version__",
     "capture",
     "check_tiling",
+    "clear_caches",
     "contiguous_layout",
     "cross_layer_layout",
     "flat_paged_layout",

@@ -52,8 +52,9 @@ from kvsnap.pipeline import (
 )
 from kvsnap.snapshot import Snapshot
 from kvsnap.store import TraceHook
-from kvsnap.store.location import INDEX_SUFFIX
+from kvsnap.store.location import locate
 from kvsnap.store.parts import discard_parts, publish_parts_index
+from kvsnap.store.resolve import committed_file
 
 __all__ = ["DistributedCapture", "capture", "restore"]
 
@@ -396,7 +397,7 @@ def _capture_plain(
 def _exists(path: str) -> bool:
     """Whether a snapshot is published at ``path``: the single file, or the index of a sharded
     or parted one."""
-    return os.path.exists(path) or os.path.exists(path + INDEX_SUFFIX)
+    return committed_file(locate(path, None)) is not None
 
 
 def _report_nothing(progress: ProgressCallback | None) -> None:

@@ -70,7 +70,7 @@ def main() -> None:
         atexit.register(_slowed(lambda: None, exiting, seconds))
     if slowed.startswith("write"):
         target = write_local.LocalTarget
-        target._write_local_data = _slowed(target._write_local_data, marker_path, seconds)  # type: ignore[method-assign]
+        target.write_data = _slowed(target.write_data, marker_path, seconds)  # type: ignore[method-assign]
     else:
         synthetic.build_cache = _slowed(synthetic.build_cache, marker_path, seconds)
     if mode == "library":

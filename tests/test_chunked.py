@@ -10,11 +10,13 @@ import pytest
 import torch
 from parts_helpers import SOURCE, caches
 
+from kvsnap import format as fmt
 from kvsnap.errors import RestoreIncompleteError
 from kvsnap.pipeline import Pipeline, SequenceBlocks
 from kvsnap.pipeline.pipeline import Pipeline as WarmPipeline
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store import SnapshotReader
+from kvsnap.store.source import Source
 from kvsnap.testing.caches import random_content, same_bytes
 
 #: Three chunks of a prompt: (first device block, number of blocks) of the source cache.
@@ -108,13 +110,14 @@ def test_a_reopened_chunk_reuses_its_checked_block_checksums(
 ) -> None:
     paths, _, _ = _store_chunks(tmp_path, 1, 4)
     loads = []
-    real = SnapshotReader._load_all_rows
+    real = Source.read
 
-    def counted(self):  # type: ignore[no-untyped-def]
-        loads.append(self.url)
-        return real(self)
+    def counted(self, offset, size, *, tensor=None):  # type: ignore[no-untyped-def]
+        if tensor == fmt.BLOCK_CHECKSUMS_TENSOR:
+            loads.append(self.url)
+        return real(self, offset, size, tensor=tensor)
 
-    monkeypatch.setattr(SnapshotReader, "_load_all_rows", counted)
+    monkeypatch.setattr(Source, "read", counted)
     pages = (np.array([0, 3, 2]), np.array([1, 3, 0]))
     with SnapshotReader(paths[0]) as first:
         expected = first.stored_checksums(*pages)

@@ -156,7 +156,7 @@ def test_an_abort_waiting_on_a_stuck_write_gives_way_to_a_third_interrupt(
     stuck, release, returned = threading.Event(), threading.Event(), threading.Event()
     real = local_file._pwrite_all
     writer = SnapshotWriter(tmp_path / "stuck.safetensors", metadata, direct_io=False)
-    held = {file.fd for file in writer._local_files}
+    held = {file.fd for file in writer._target.files}
 
     def stuck_write(fd: int, view: memoryview, offset: int) -> None:
         if fd in held:

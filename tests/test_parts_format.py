@@ -7,12 +7,12 @@ import dataclasses
 import json
 import shutil
 import struct
-from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 from parts_helpers import SOURCE, filled, parted_snapshot, sequences
 
+import kvsnap
 from kvsnap import format as fmt
 from kvsnap.errors import (
     NotASnapshotError,
@@ -22,7 +22,6 @@ from kvsnap.errors import (
 )
 from kvsnap.format import parse
 from kvsnap.snapshot import Snapshot, capture
-from kvsnap.store import opening
 
 INDEX = ".index.json"
 
@@ -87,7 +86,7 @@ def test_a_kvsnap_reading_only_version_1_asks_for_an_upgrade(
     with Snapshot.open(parted) as snap:
         part_file = snap.part_files()[0]
     monkeypatch.setattr(parse, "SUPPORTED_VERSIONS", (1,))
-    monkeypatch.setattr(opening, "_HEADER_CACHE", OrderedDict())  # decode the header again
+    kvsnap.clear_caches()  # decode the header again
     with pytest.raises(UnsupportedVersionError, match=r"format version 2 .*upgrade kvsnap"):
         Snapshot.open(part_file)
     with pytest.raises(UnsupportedVersionError, match="upgrade kvsnap"):

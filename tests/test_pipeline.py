@@ -13,8 +13,7 @@ import torch
 
 from kvsnap.errors import IncompatibleSnapshotError, RestoreIncompleteError
 from kvsnap.format import SourceInfo
-from kvsnap.pipeline import Pipeline, StagingOptions, fused
-from kvsnap.pipeline import pipeline as pipeline_module
+from kvsnap.pipeline import Pipeline, StagingOptions, fused, shared_tables
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import SnapshotReader
 from kvsnap.testing.caches import make_cache, random_content, same_bytes
@@ -246,7 +245,7 @@ def test_restore_refuses_bad_requests_before_writing_anything(tmp_path):
             snap.restore(swa.layout, {"s0": [0, 1]})
     for cache in targets:
         assert not any(view.view(torch.uint8).any() for view in cache.views.values())
-    assert pipeline_module.MAX_SHARED_TABLES >= 1 and sliding
+    assert shared_tables.MAX_SHARED_TABLES >= 1 and sliding
 
 
 def test_a_slot_of_whole_tensors_is_one_file_write_and_verifies(tmp_path, monkeypatch):

@@ -21,7 +21,8 @@ def test_every_documented_name_imports_from_its_module():
 
 
 def test_the_api_fits_one_screen_and_unknown_names_fail_clearly():
-    assert len(kvsnap.__all__) <= 40
+    # 17 of them are the error classes, every one importable from kvsnap (the error rule).
+    assert len(kvsnap.__all__) <= 45
     assert {"capture", "Snapshot", "Pipeline", "TransferOptions", "KVSnapError"} <= set(
         kvsnap.__all__
     )

@@ -163,7 +163,7 @@ def test_an_abort_removes_the_file_at_once_waits_for_its_pending_write_and_spare
         real(fd, view, offset)
 
     writer = SnapshotWriter(path, metadata, direct_io=False)
-    held_fds = {file.fd for file in writer._local_files}
+    held_fds = {file.fd for file in writer._target.files}
     monkeypatch.setattr(local_file, "_pwrite_all", slow_for_one_writer)
     writer.write_pages("layers.0.key", pages["layers.0.key"])
     assert blocked.wait(10)

@@ -20,7 +20,7 @@ from kvsnap.engines.transformers import dynamic
 from kvsnap.errors import LayoutError
 from kvsnap.layout import contiguous_layout
 from kvsnap.layout.cache import LayoutTemplate
-from kvsnap.pipeline import pipeline as pipeline_module
+from kvsnap.pipeline import shared_tables
 from kvsnap.transfer.page_table import PageTable
 from kvsnap.transfer.plan import Direction
 
@@ -124,13 +124,12 @@ def test_the_shared_page_table_is_built_once_per_shape_and_rebased(monkeypatch) 
     monkeypatch.setattr(PageTable, "__init__", counted)
     buffers = [_buffer(layers=5) for _ in range(3)]
     tables = [
-        pipeline_module.shared_page_table([_layout_of(b)], Direction.HOST_TO_DEVICE)
-        for b in buffers
+        shared_tables.shared_page_table([_layout_of(b)], Direction.HOST_TO_DEVICE) for b in buffers
     ]
     assert built == [1], "one table for three buffers of one shape"
     # Keys and values in separate allocations: not the first buffer's layout moved as a whole.
     keys, values = _buffer(layers=5)[0], _buffer(layers=5)[1]
-    pipeline_module.shared_page_table(
+    shared_tables.shared_page_table(
         [contiguous_layout(list(keys), list(values), block_size=BLOCK)], Direction.HOST_TO_DEVICE
     )
     assert built == [1, 1]
@@ -147,12 +146,12 @@ def test_a_layout_at_a_freed_layouts_id_never_gets_the_old_layouts_table() -> No
     # the next one: a layout of another shape found under its id must get its own table.
     old_buffer = _buffer(layers=2, blocks=2)
     old = _layout_of(old_buffer)
-    pipeline_module.shared_page_table([old], Direction.HOST_TO_DEVICE)
-    stale = pipeline_module._LAYOUT_KEYS[(id(old),)]
+    shared_tables.shared_page_table([old], Direction.HOST_TO_DEVICE)
+    stale = shared_tables._LAYOUT_KEYS[(id(old),)]
     buffer = _buffer(layers=4, blocks=4)
     layout = _layout_of(buffer)
-    pipeline_module._LAYOUT_KEYS[(id(layout),)] = stale  # as if ``layout`` took ``old``'s id
-    table = pipeline_module.shared_page_table([layout], Direction.HOST_TO_DEVICE)
+    shared_tables._LAYOUT_KEYS[(id(layout),)] = stale  # as if ``layout`` took ``old``'s id
+    table = shared_tables.shared_page_table([layout], Direction.HOST_TO_DEVICE)
     assert table is not None and table.geometry == layout.geometry
     for mine, theirs in zip(_copies(table), _copies(PageTable([layout])), strict=True):
         for a, b in zip(mine, theirs, strict=True):

@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvsnap.caches import register_cache_clear
 from kvsnap.dtypes import KV_DTYPES, SAFETENSORS_TYPES
 from kvsnap.format.constants import (
     BLOCK_CHECKSUMS_TENSOR,
@@ -183,6 +184,9 @@ def _packing(specs: tuple[TensorSpec, ...], signed: bool = False) -> _Packing:
     return _Packing(specs, signed)
 
 
+register_cache_clear(_packing.cache_clear)
+
+
 def _pack(packing: _Packing, kvsnap_json: str) -> FileLayout:
     metadata = dump_json({"__metadata__": {"format": "pt", METADATA_KEY: kvsnap_json}})
     body = f"{metadata[:-1]},{packing.entries_json}}}".encode("ascii")
@@ -235,6 +239,9 @@ def _planned(
     """The packings of a snapshot's files: pure in its arguments, so computed once each."""
     groups = split_shards(snapshot_specs(geometry, num_blocks, shapes), max_shard_bytes)
     return tuple(_packing(tuple(group), signed) for group in groups)
+
+
+register_cache_clear(_planned.cache_clear)
 
 
 def plan_files(metadata: SnapshotMetadata, max_shard_bytes: int | None = None) -> list[FileLayout]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvsnap.caches import register_cache_clear
 from kvsnap.errors import LayoutError
 from kvsnap.layout.geometry import KVGeometry, canonical_name
 from kvsnap.layout.mapping import CanonicalPageMapping, coverage
@@ -151,6 +152,9 @@ def _check_no_canonical_overlap(name: str, mapping: CanonicalPageMapping) -> Non
 @functools.lru_cache(maxsize=256)
 def _writes_a_byte_twice(mapping: CanonicalPageMapping) -> bool:
     return bool(mapping.canonical_page_size_bytes and coverage(mapping).max(initial=0) > 1)
+
+
+register_cache_clear(_writes_a_byte_twice.cache_clear)
 
 
 class LayoutTemplate:

@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from kvsnap.caches import register_cache_clear
 from kvsnap.errors import LayoutError
 from kvsnap.layout.cache import CacheLayout, PageRef
 from kvsnap.layout.geometry import KVGeometry
@@ -113,7 +114,9 @@ def part_layout(layout: CacheLayout, first_head: int, num_heads: int) -> CacheLa
 
 
 _CACHE: dict[int, tuple[weakref.ref[CacheLayout], dict[tuple[object, ...], object]]] = {}
-_CACHE_LOCK = threading.Lock()
+# Reentrant: a weak reference made under it may run a collection whose callback (_forget)
+# takes it again on the same thread.
+_CACHE_LOCK = threading.RLock()
 
 
 def _cached(layout: CacheLayout, key: tuple[object, ...], compute: Callable[[], _T]) -> _T:
@@ -139,6 +142,12 @@ def _forget(layout_id: int) -> None:
         entry = _CACHE.get(layout_id)
         if entry is not None and entry[0]() is None:
             del _CACHE[layout_id]
+
+
+@register_cache_clear
+def _forget_every_layout() -> None:
+    with _CACHE_LOCK:
+        _CACHE.clear()
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,6 +195,9 @@ def _heads_of(
     return int(heads[0]), int(heads[-1]) + 1
 
 
+register_cache_clear(_heads_of.cache_clear)
+
+
 def _head_range(layout: CacheLayout) -> tuple[int, int]:
     geometry = layout.geometry
     if geometry.is_mla:
@@ -223,6 +235,9 @@ def _part_mapping(
         same = keep & (sizes == size)
         runs += fold_fragments(local[same], moved[same], int(size))
     return CanonicalPageMapping(page_bytes, tuple(runs))
+
+
+register_cache_clear(_part_mapping.cache_clear)
 
 
 def _part_layout(layout: CacheLayout, first_head: int, num_heads: int) -> CacheLayout | None:

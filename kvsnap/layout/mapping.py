@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvsnap.caches import register_cache_clear
 from kvsnap.errors import LayoutError
 
 if TYPE_CHECKING:
@@ -169,6 +170,9 @@ def strided_page_runs(
     local = offset_bytes + (tokens * token_stride + heads * head_stride) * element_size
     canonical = (tokens * num_total_heads + first_head + heads) * fragment
     return fold_fragments(local.ravel(), canonical.ravel(), fragment)
+
+
+register_cache_clear(strided_page_runs.cache_clear)
 
 
 def fold_fragments(

@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,9 +22,9 @@ import numpy as np
 from kvsnap import format as fmt
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
-from kvsnap.layout import CacheLayout, PageRef, part_layout
+from kvsnap.layout import CacheLayout, part_layout
 from kvsnap.pipeline.capture import capture_metadata, capture_slots
-from kvsnap.pipeline.fused import FusedMover, fused_unavailable
+from kvsnap.pipeline.fused import FusedMover
 from kvsnap.pipeline.jobs import (
     CaptureResult,
     RestoreResult,
@@ -53,6 +51,7 @@ from kvsnap.pipeline.restore import (
     lease_hot_files,
     restore_slots,
 )
+from kvsnap.pipeline.shared_tables import shared_page_table
 from kvsnap.pipeline.slots import plan_slots
 from kvsnap.pipeline.staging import staging_ring
 from kvsnap.store import SnapshotWriter, TraceHook, traced
@@ -60,14 +59,10 @@ from kvsnap.store.head_parts import HeadPart, open_snapshot
 from kvsnap.store.hot import HotFile, hot_tier
 from kvsnap.store.reader import SnapshotReader
 from kvsnap.transfer import TransferHandler
-from kvsnap.transfer.page_table import PageTable
 from kvsnap.transfer.plan import Direction
 
 if TYPE_CHECKING:
     import torch
-
-#: Page tables kept by the process-wide cache (each a few arrays of addresses, no tensors).
-MAX_SHARED_TABLES = 32
 
 
 class Pipeline:
@@ -572,107 +567,3 @@ class _Progress:
             self.done_bytes += num_bytes
             if self.callback is not None:
                 self.callback(self.done_bytes, self.total_bytes)
-
-
-_TABLES: OrderedDict[tuple[object, ...], _SharedEntry] = OrderedDict()
-_TABLES_LOCK = threading.Lock()
-#: Per set of layout objects, their table key (see :func:`_tables_key`); per list of page
-#: references, its part of the key. Both bounded like ``_SPLITS`` in the page table.
-_LAYOUT_KEYS: dict[tuple[int, ...], tuple[list[weakref.ref], tuple[object, ...], int]] = {}
-_REFS_KEYS: dict[int, tuple[list[PageRef], tuple[object, ...]]] = {}
-_MAX_KEYS = 256
-
-
-def layout_key(layout: CacheLayout, base: int = 0) -> tuple[object, ...]:
-    """Everything a page table depends on: addresses (as offsets from ``base``), strides, block
-    counts and copy runs."""
-    return (
-        layout.encoding,
-        layout.tp_rank,
-        layout.tp_size,
-        layout.geometry,
-        str(layout.device),
-        tuple((t.data_ptr - base, t.num_blocks, t.block_stride_bytes) for t in layout.tensors),
-        _refs_key(layout.refs),
-    )
-
-
-def _refs_key(refs: list[PageRef]) -> tuple[object, ...]:
-    """The copy runs part of :func:`layout_key`, worked out once per list: layouts rebased onto
-    a new cache (:class:`~kvsnap.layout.cache.LayoutTemplate`) share their template's list."""
-    known = _REFS_KEYS.get(id(refs))
-    if known is not None and known[0] is refs:
-        return known[1]
-    key = tuple((ref.tensor_index, ref.layer, ref.part, ref.mapping.digest) for ref in refs)
-    if len(_REFS_KEYS) >= _MAX_KEYS:
-        _REFS_KEYS.clear()
-    _REFS_KEYS[id(refs)] = (refs, key)
-    return key
-
-
-def _tables_key(layouts: Sequence[CacheLayout]) -> tuple[tuple[object, ...], int]:
-    """The key of ``layouts``' page table with every address relative to the first tensor's,
-    and that tensor's address. Caches that differ only by where they lie as a whole (a
-    ``DynamicCache`` allocated anew per restore) share one key, so one table, rebased. Kept
-    per set of layout objects: an engine passes the same layouts on every call."""
-    ids = tuple(map(id, layouts))
-    known = _LAYOUT_KEYS.get(ids)
-    if known is not None and all(map(_refers_to, known[0], layouts)):
-        return known[1], known[2]
-    base = layouts[0].tensors[0].data_ptr
-    key = tuple(layout_key(layout, base) for layout in layouts)
-    if len(_LAYOUT_KEYS) >= _MAX_KEYS:
-        _LAYOUT_KEYS.clear()
-    _LAYOUT_KEYS[ids] = ([weakref.ref(layout) for layout in layouts], key, base)
-    return key, base
-
-
-def _refers_to(reference: weakref.ref, layout: CacheLayout) -> bool:
-    return reference() is layout
-
-
-def shared_page_table(layouts: Sequence[CacheLayout], direction: Direction) -> PageTable | None:
-    """The process-wide page table of ``layouts``, or ``None`` where the fused copy cannot
-    serve them in ``direction`` (:func:`~kvsnap.pipeline.movers.fused_unavailable`). Both are
-    worked out once per layout shape (the tiling check of many ranks takes milliseconds);
-    caches moved as a whole get the table rebased onto their address. The least recently
-    used shapes past ``MAX_SHARED_TABLES`` are dropped."""
-    key, base = _tables_key(layouts)
-    with _TABLES_LOCK:
-        entry = _TABLES.get(key)
-        if entry is not None:
-            _TABLES.move_to_end(key)
-    if entry is None:
-        entry = _SharedEntry(layouts, base)
-        with _TABLES_LOCK:
-            _TABLES[key] = entry
-            while len(_TABLES) > MAX_SHARED_TABLES:
-                _TABLES.popitem(last=False)
-    return entry.table_for(direction, base)
-
-
-class _SharedEntry:
-    """One layout shape's page table (built at ``base``) and, per direction, whether the fused
-    copy serves it.
-
-    Everything is worked out at once, so the cache never holds the caches' tensors.
-    """
-
-    def __init__(self, layouts: Sequence[CacheLayout], base: int) -> None:
-        self._usable = {
-            direction: fused_unavailable(layouts, direction) is None for direction in Direction
-        }
-        self._table = PageTable(layouts) if any(self._usable.values()) else None
-        self._base = base
-        #: The last rebased table and its base: a caller alternating between two caches
-        #: rebases each time, one reusing a cache rebases once.
-        self._last: tuple[int, PageTable | None] = (base, self._table)
-
-    def table_for(self, direction: Direction, base: int) -> PageTable | None:
-        if not self._usable[direction] or self._table is None:
-            return None
-        last_base, table = self._last
-        if last_base != base:
-            table = self._table.rebased(base - self._base)
-            self._last = (base, table)
-        return table

@@ -31,12 +31,22 @@ for the commit's phases; without one the pipeline only pays a ``None`` check per
 
 The package, one module per job:
 
+- :mod:`~kvsnap.store.resolve`: which of the three forms (single file, sharded, parted) a path
+  holds, with at most two stats and one read of the index, and the one retry when a
+  replacement removed a file; :mod:`~kvsnap.store.head_parts`: :func:`open_snapshot`, any
+  form opened in one step as its head-range parts (`HeadPart`, `OpenedSnapshot`);
 - :mod:`~kvsnap.store.writer`: :class:`SnapshotWriter` (public API, hashing beside writing),
-  with its two targets :mod:`~kvsnap.store.write_local` and :mod:`~kvsnap.store.write_stream`;
-- :mod:`~kvsnap.store.reader`: :class:`SnapshotReader`; :mod:`~kvsnap.store.opening` what it
-  checks as it opens a file; :mod:`~kvsnap.store.verify` its full verification;
-  :mod:`~kvsnap.store.slot_reads` many tensors' pages read into one staging slot;
+  holding one target chosen once, :mod:`~kvsnap.store.write_local` or
+  :mod:`~kvsnap.store.write_stream`; :mod:`~kvsnap.store.write_plan` the files' plan, the
+  digests that complete them and the target interface; :mod:`~kvsnap.store.slot_writes` many
+  tensors' pages per call;
+- :mod:`~kvsnap.store.reader`: :class:`SnapshotReader`, composed of
+  :mod:`~kvsnap.store.checksums` (trailers and block-checksum rows),
+  :mod:`~kvsnap.store.page_reads` (one tensor's pages), :mod:`~kvsnap.store.slot_reads` (many
+  tensors' pages into one staging slot) and :mod:`~kvsnap.store.verify` (the full check);
+  :mod:`~kvsnap.store.opening` what it checks as it opens a file;
   :mod:`~kvsnap.store.source` random-access reads of one file;
+- :mod:`~kvsnap.store.pools`: the process-wide thread pools;
 - :mod:`~kvsnap.store.local_file`, :mod:`~kvsnap.store.stream_file`: one output file, local or
   through fsspec;
 - :mod:`~kvsnap.store.publish`: temporary names, atomic publish (:func:`publish_bytes`) and
@@ -52,6 +62,7 @@ The package, one module per job:
 
 from __future__ import annotations
 
+from kvsnap.store.head_parts import HeadPart, OpenedSnapshot, open_snapshot
 from kvsnap.store.hot import HotStats, configure_hot_tier, hot_tier
 from kvsnap.store.publish import publish_bytes
 from kvsnap.store.reader import SnapshotReader
@@ -61,13 +72,16 @@ from kvsnap.store.writer import SnapshotInfo, SnapshotWriter
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
+    "HeadPart",
     "HotStats",
+    "OpenedSnapshot",
     "SnapshotInfo",
     "SnapshotReader",
     "SnapshotWriter",
     "TraceHook",
     "configure_hot_tier",
     "hot_tier",
+    "open_snapshot",
     "publish_bytes",
     "traced",
 ]

@@ -3,19 +3,23 @@
 A single-file or sharded snapshot is one part holding every head; a parted snapshot
 (docs/format.md, "Parted snapshots") is one part per file its index names, in head order. The
 facade (:class:`kvsnap.Snapshot`) and the restore pipeline both work over this list, so neither
-asks which kind of snapshot it holds: :func:`open_snapshot` is the one place that tells them
-apart.
+asks which kind of snapshot it holds: `open_snapshot`, on the one resolver
+(`kvsnap.store.resolve`), is the one place that tells them apart.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvsnap import format as fmt
 from kvsnap.format.signing import KeyRing
-from kvsnap.store.parts import open_parts, parted_index, whole_metadata
+from kvsnap.store.location import locate
+from kvsnap.store.parts import opened_parts, whole_metadata
 from kvsnap.store.reader import SnapshotReader
+from kvsnap.store.resolve import Form, Resolved, open_retrying
 
 __all__ = ["HeadPart", "OpenedSnapshot", "open_snapshot", "whole_snapshot"]
 
@@ -67,23 +71,34 @@ def whole_snapshot(reader: SnapshotReader, path: str) -> OpenedSnapshot:
 
 
 def open_snapshot(
-    path: str | os.PathLike[str], *, verify: bool = True, keys: KeyRing | None = None
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    keys: KeyRing | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> OpenedSnapshot:
     """Open the snapshot at ``path`` (a local path or fsspec URL) as its head-range parts.
 
-    A parted snapshot (its index, or the ``NAME.safetensors`` it was written to) opens through
-    :func:`~kvsnap.store.parts.open_parts`, every part checked against the index; anything else
-    through one :class:`~kvsnap.store.SnapshotReader`. ``verify`` and ``keys`` are the
-    readers' (checksums checked on every read; every file signed by one of the keys).
+    ``path`` names ``NAME.safetensors`` or its index. The path is resolved once
+    (`kvsnap.store.resolve.resolve`: at most two stats and one read of the index); a single or
+    sharded snapshot opens as one `SnapshotReader`, a parted one as every part's reader, each
+    part checked against the index; every data file is opened once. When a replacement removed
+    a file meanwhile, it starts over (`kvsnap.store.resolve.open_retrying`). ``verify`` and
+    ``keys`` are the readers' (checksums checked on every read; every file signed by one of
+    the keys).
     """
-    index_location = parted_index(path)
-    if index_location is None:
-        return whole_snapshot(SnapshotReader(path, verify=verify, keys=keys), str(path))
-    opened = open_parts(index_location, verify=verify, keys=keys)
-    parts = tuple(
-        HeadPart(reader, record.first_head, record.num_heads)
-        for reader, record in zip(opened.readers, opened.index.parts, strict=True)
-    )
-    metadata = whole_metadata(opened.index, opened.readers[0])
-    version = opened.index.metadata.format_version
-    return OpenedSnapshot(str(path), metadata, version, parts, opened.index)
+
+    def attempt(resolved: Resolved) -> OpenedSnapshot:
+        if resolved.form is not Form.PARTED:
+            reader = SnapshotReader.opened(resolved, verify=verify, keys=keys)
+            return whole_snapshot(reader, str(path))
+        opened = opened_parts(resolved, verify=verify, keys=keys)
+        parts = tuple(
+            HeadPart(reader, record.first_head, record.num_heads)
+            for reader, record in zip(opened.readers, opened.index.parts, strict=True)
+        )
+        metadata = whole_metadata(opened.index, opened.readers[0])
+        version = opened.index.metadata.format_version
+        return OpenedSnapshot(str(path), metadata, version, parts, opened.index)
+
+    return open_retrying(locate(path, storage_options), attempt)

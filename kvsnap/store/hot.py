@@ -38,6 +38,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvsnap.caches import register_cache_clear
 from kvsnap.store.residency import resident
 
 if TYPE_CHECKING:
@@ -353,6 +354,16 @@ def hot_tier() -> HotTier:
         if _TIER is None:
             _TIER = HotTier()
         return _TIER
+
+
+@register_cache_clear
+def _clear_hot_tier() -> None:
+    """Unmap the process-wide tier's idle files and forget its hit counts (a tier not made
+    yet stays unmade: making one asks CUDA)."""
+    with _TIER_LOCK:
+        tier = _TIER
+    if tier is not None:
+        tier.clear()
 
 
 def configure_hot_tier(hot_bytes: int = HOT_BYTES, register_after: int = REGISTER_AFTER) -> HotTier:

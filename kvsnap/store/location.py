@@ -116,17 +116,41 @@ def missing_member(error: SnapshotIOError, *named: Location) -> KVSnapError:
     )
 
 
-def open_regular(location: Location) -> tuple[int, os.stat_result]:
+def open_regular(
+    location: Location,
+    *,
+    keep_atime: bool = False,
+    inside: str | None = None,
+    follow: bool = True,
+) -> tuple[int, os.stat_result]:
     """Open the local file ``location`` for reading, refusing anything but a regular file.
 
     The open never blocks (``O_NONBLOCK``: a named pipe with no writer would block a plain open
     forever); the type is checked on the open descriptor (``fstat``), so the file checked is
-    the file read. Returns the blocking descriptor and its ``stat``. Raises
-    :class:`NotASnapshotError` for a FIFO, device, socket or directory; ``OSError`` otherwise.
+    the file read. ``inside``: the real directory the file must resolve into (through
+    symbolic links), checked on the descriptor too, before its type and before any read.
+    ``keep_atime`` opens with ``O_NOATIME`` where this process may (it owns the file); without
+    ``follow`` a symbolic link is refused (``OSError`` ``ELOOP``). Returns
+    the blocking descriptor and its ``stat``. Raises :class:`NotASnapshotError` for a FIFO,
+    device, socket or directory, :class:`SnapshotCorruptError` for a file outside ``inside``;
+    ``OSError`` otherwise.
     """
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(location.path, flags)
+    if not follow:
+        flags |= os.O_NOFOLLOW
+    if keep_atime and hasattr(os, "O_NOATIME"):
+        try:
+            fd = os.open(location.path, flags | os.O_NOATIME)
+        except PermissionError:  # O_NOATIME needs the file's owner: open it the plain way
+            fd = os.open(location.path, flags)
+    else:
+        fd = os.open(location.path, flags)
     try:
+        if inside is not None and real_directory(fd, location.path) != inside:
+            raise SnapshotCorruptError(
+                "is a symbolic link to a file outside the snapshot's directory (refused)",
+                file=location.url,
+            )
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode):
             kind = "a directory" if stat.S_ISDIR(status.st_mode) else "a pipe, device or socket"
@@ -138,23 +162,13 @@ def open_regular(location: Location) -> tuple[int, os.stat_result]:
     return fd, status
 
 
-def read_small(location: Location, limit: int) -> bytes:
-    """A whole small file (an index), refusing files larger than ``limit`` and anything but a
-    regular file (:func:`open_regular`)."""
+def real_directory(fd: int, path: str) -> str:
+    """The real directory (symbolic links resolved) of the file open as ``fd`` at ``path``.
+
+    Asked of the descriptor (``/proc/self/fd``), so it is the directory of the very file opened
+    and costs no ``lstat`` per path component; where there is no ``/proc``, of the path.
+    """
     try:
-        if location.is_local:
-            fd, status = open_regular(location)
-            with os.fdopen(fd, "rb") as handle:
-                if status.st_size > limit:
-                    raise NotASnapshotError(
-                        f"{status.st_size} bytes is too large for an index", file=location.url
-                    )
-                return handle.read(limit + 1)
-        size = location.fs.size(location.path)
-        if size is not None and size > limit:
-            raise NotASnapshotError(f"{size} bytes is too large for an index", file=location.url)
-        return bytes(location.fs.cat_file(location.path))
-    except FileNotFoundError as error:
-        raise SnapshotIOError("no such file", file=location.url) from error
-    except OSError as error:
-        raise io_error("reading", location.url, error) from error
+        return os.path.dirname(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return os.path.dirname(os.path.realpath(path))

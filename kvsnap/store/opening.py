@@ -1,15 +1,11 @@
-"""What a reader checks as it opens one file: the decoded-header cache, a damaged format version
-told from a newer format, shards kept inside their index's directory."""
+"""What a reader checks as it opens one file: the decoded-header cache, and a damaged format
+version told from a newer format."""
 
 from __future__ import annotations
 
-import os
-import threading
-from collections import OrderedDict
-
 from kvsnap import format as fmt
+from kvsnap.caches import BoundedLRU
 from kvsnap.errors import KVSnapError, SnapshotCorruptError, UnsupportedVersionError
-from kvsnap.store.location import Location
 from kvsnap.store.source import Source
 
 #: Largest checksum trailer read to tell a damaged format version from a newer format.
@@ -19,22 +15,17 @@ _MAX_TRAILER_PROBE_BYTES = 16 << 20
 #: Headers decoded lately, by their bytes' xxh3-128 and the file size: an engine opening the same
 #: snapshots again and again skips the JSON parse and schema validation. Only headers that
 #: passed every check are kept, and any change to a header's bytes misses the cache.
-_HEADER_CACHE: OrderedDict[tuple[bytes, int], tuple[fmt.DecodedHeader, fmt.FileLayout]] = (
-    OrderedDict()
-)
-_HEADER_CACHE_SIZE = 64
-_HEADER_CACHE_LOCK = threading.Lock()
+_HEADER_CACHE: BoundedLRU[tuple[bytes, int], tuple[fmt.DecodedHeader, fmt.FileLayout]]
+_HEADER_CACHE = BoundedLRU(64)
 
 
 def decoded_header(source: Source, header_bytes: bytes) -> tuple[fmt.DecodedHeader, fmt.FileLayout]:
     """The checked header and file layout of ``source`` (whose first bytes are
     ``header_bytes``); see :func:`kvsnap.format.decode_header`."""
     key = (fmt.digest128(header_bytes), source.size)
-    with _HEADER_CACHE_LOCK:
-        cached = _HEADER_CACHE.get(key)
-        if cached is not None:
-            _HEADER_CACHE.move_to_end(key)
-            return cached
+    cached = _HEADER_CACHE.get(key)
+    if cached is not None:
+        return cached
     try:
         header = fmt.decode_header(header_bytes, source.size, file=source.url)
     except UnsupportedVersionError as error:
@@ -44,10 +35,7 @@ def decoded_header(source: Source, header_bytes: bytes) -> tuple[fmt.DecodedHead
         raise SnapshotCorruptError(
             "header bytes differ from the format's encoding", file=source.url
         )
-    with _HEADER_CACHE_LOCK:
-        _HEADER_CACHE[key] = (header, layout)
-        while len(_HEADER_CACHE) > _HEADER_CACHE_SIZE:
-            _HEADER_CACHE.popitem(last=False)
+    _HEADER_CACHE.put(key, (header, layout))
     return header, layout
 
 
@@ -71,16 +59,3 @@ def _version_or_damage(
         "(trailer row 0): a damaged header, not a newer format",
         file=source.url,
     )
-
-
-def check_in_directory(index: Location, shard: Location) -> None:
-    """Refuse a local shard that resolves (through symbolic links) outside the index's
-    directory: an index only ever names files beside it."""
-    if not shard.is_local:
-        return
-    home = os.path.realpath(os.path.dirname(index.path))
-    if os.path.dirname(os.path.realpath(shard.path)) != home:
-        raise SnapshotCorruptError(
-            "is a symbolic link to a file outside the snapshot's directory (refused)",
-            file=shard.url,
-        )

@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 
 from kvsnap import format as fmt
 from kvsnap.errors import KVSnapError
-from kvsnap.store.location import INDEX_SUFFIX, Location, read_small, stem_of
+from kvsnap.store.location import INDEX_SUFFIX, Location, stem_of
+from kvsnap.store.resolve import index_members, snapshot_names
 
 
 def owns_name(location: Location) -> Callable[[str], bool]:
@@ -28,36 +29,24 @@ def owns_name(location: Location) -> Callable[[str], bool]:
     return lambda name: name in own or fmt.is_shard_of(stem, name) or fmt.is_part_of(stem, name)
 
 
-def indexed_files(index: Location) -> tuple[str, ...]:
-    """The data files the index at ``index`` names (shards or parts), in order; ``()`` when
-    there is no readable index there (an unreadable index names nothing we could know to be
-    ours)."""
-    with contextlib.suppress(KVSnapError):
-        if index.exists():
-            raw = read_small(index, fmt.MAX_INDEX_BYTES)
-            if fmt.is_parts_index(raw):
-                return tuple(part.file for part in fmt.decode_parts_index(raw).parts)
-            return fmt.decode_index(raw, file=index.url).files
-    return ()
-
-
 def stale_files(location: Location, new_files: Sequence[Location], sharded: bool) -> list[Location]:
     """Files of the snapshot at ``location`` that its new form (``new_files``: one file, or
     shards or parts published by an index, ``sharded``) does not replace: the other form's
     index or single file, and the shards or parts the previous index names that are this
     snapshot's by name and not among ``new_files``. In the order to delete them: a superseded
-    index first, so readers stop finding old shards or parts."""
+    index first, so readers stop finding old shards or parts. One read of the old index (an
+    unreadable one names nothing we could know to be ours), and for an indexed form one
+    ``stat`` of the single file."""
     stale: list[Location] = []
-    index = location.with_suffix(INDEX_SUFFIX)
+    single, index = snapshot_names(location)
     owns = owns_name(location)
     new_names = {file.name for file in new_files}
-    if not sharded and index.exists():
+    named = index_members(index)
+    if not sharded and named is not None:
         stale.append(index)
-    stale += [
-        index.sibling(name) for name in indexed_files(index) if owns(name) and name not in new_names
-    ]
-    if sharded and location.exists():
-        stale.append(location)
+    stale += [index.sibling(name) for name in named or () if owns(name) and name not in new_names]
+    if sharded and single.exists():
+        stale.append(single)
     return stale
 
 

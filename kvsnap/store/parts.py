@@ -17,28 +17,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvsnap import format as fmt
-from kvsnap.errors import KVSnapError, SnapshotCorruptError, SnapshotIOError
+from kvsnap.errors import KVSnapError, SnapshotCorruptError
 from kvsnap.format.signing import KeyRing
 from kvsnap.store import overwrite, publish
-from kvsnap.store.location import (
-    INDEX_SUFFIX,
-    Location,
-    io_error,
-    locate,
-    missing_member,
-    read_small,
-    stem_of,
-)
-from kvsnap.store.opening import check_in_directory
-from kvsnap.store.publish import temp_name
-from kvsnap.store.reader import OPEN_ATTEMPTS, SnapshotReader
+from kvsnap.store.location import INDEX_SUFFIX, Location, io_error, locate, stem_of
+from kvsnap.store.reader import SnapshotReader
+from kvsnap.store.resolve import Resolved
 
 __all__ = [
     "OpenedParts",
     "discard_parts",
-    "open_parts",
+    "opened_parts",
     "part_path",
-    "parted_index",
     "parts_index_bytes",
     "publish_parts_index",
     "whole_metadata",
@@ -67,7 +57,7 @@ def parts_index_bytes(path: str | os.PathLike[str], records: Sequence[fmt.PartRe
     foreign = [record.file for record in records if not fmt.is_part_of(stem, record.file)]
     if foreign:
         raise ValueError(f"{foreign[0]!r} is not a part file name of {location.name}")
-    with SnapshotReader(location.sibling(records[0].file).url) as first:
+    with SnapshotReader.opened(Resolved.single(location.sibling(records[0].file))) as first:
         part = first.metadata.part
         if part is None:
             raise ValueError(f"{records[0].file} is not a part of a parted snapshot")
@@ -94,14 +84,7 @@ def publish_parts_index(path: str | os.PathLike[str], records: Sequence[fmt.Part
         location, [location.sibling(record.file) for record in records], sharded=True
     )
     try:
-        if index.is_local:
-            publish.publish_bytes(index.path, raw)
-        elif index.object_store:
-            index.fs.pipe_file(index.path, raw)
-        else:
-            temp = index.sibling(temp_name(index.name))
-            temp.fs.pipe_file(temp.path, raw)
-            temp.fs.mv(temp.path, index.path)
+        publish.publish_to(index, raw)
     except OSError as error:
         raise io_error("publishing the parted index", index.url, error) from error
     overwrite.remove_quietly(stale)
@@ -140,24 +123,6 @@ def discard_parts(path: str | os.PathLike[str], generation: str) -> list[str]:
     return removed
 
 
-def parted_index(path: str | os.PathLike[str]) -> Location | None:
-    """The index location when ``path`` names a parted snapshot: its ``.index.json``, or the
-    ``NAME.safetensors`` it was written to when only the index exists there. ``None`` for
-    anything else (a plain or sharded snapshot, or nothing: its reader says what)."""
-    location = locate(path, None)
-    if location.path.endswith(INDEX_SUFFIX):
-        index = location
-    elif location.exists():
-        return None
-    else:
-        index = location.with_suffix(INDEX_SUFFIX)
-    try:
-        raw = read_small(index, fmt.MAX_INDEX_BYTES)
-    except KVSnapError:
-        return None
-    return index if fmt.is_parts_index(raw) else None
-
-
 @dataclass
 class OpenedParts:
     """A parted snapshot opened: its index and one reader per part, in head order."""
@@ -166,38 +131,41 @@ class OpenedParts:
     readers: list[SnapshotReader]
     url: str
 
+    def close(self) -> None:
+        """Close every part's reader."""
+        for reader in self.readers:
+            reader.close()
 
-def open_parts(
-    index_location: Location, *, verify: bool = True, keys: KeyRing | None = None
+
+def opened_parts(
+    resolved: Resolved, *, verify: bool = True, keys: KeyRing | None = None
 ) -> OpenedParts:
-    """Open the parted snapshot whose index is at ``index_location`` and every part it names,
-    checking each part against the index (:func:`_check_part`) and, with ``keys``, its
-    signature. A part that vanished while opening (the snapshot was replaced) starts the open
-    over, up to ``OPEN_ATTEMPTS`` times."""
-    for attempt in range(1, OPEN_ATTEMPTS + 1):
-        raw = read_small(index_location, fmt.MAX_INDEX_BYTES)
-        index = fmt.decode_parts_index(raw, file=index_location.url)
-        try:
-            readers = _open_once(index_location, index, verify=verify, keys=keys)
-        except SnapshotIOError as error:
-            if not isinstance(error.__cause__, FileNotFoundError):
-                raise
-            if attempt == OPEN_ATTEMPTS:
-                raise missing_member(error, index_location) from error.__cause__
-            continue
-        return OpenedParts(index, readers, index_location.url)
-    raise AssertionError("unreachable: the last attempt returns or raises")
+    """The parted snapshot ``resolved`` describes, every part opened and checked once (no
+    retry: a part that vanished raises, for the caller's
+    :func:`~kvsnap.store.resolve.open_retrying`)."""
+    index, index_location = resolved.index, resolved.index_location
+    assert isinstance(index, fmt.PartsIndex) and index_location is not None
+    readers = _open_once(index_location, index, verify=verify, keys=keys, home=resolved.directory)
+    return OpenedParts(index, readers, index_location.url)
 
 
 def _open_once(
-    index_location: Location, index: fmt.PartsIndex, *, verify: bool, keys: KeyRing | None = None
+    index_location: Location,
+    index: fmt.PartsIndex,
+    *,
+    verify: bool,
+    keys: KeyRing | None = None,
+    home: str | None = None,
 ) -> list[SnapshotReader]:
+    """A reader per part of ``index``, each checked against it; ``home``: the index's real
+    directory, which every part must resolve into (worked out here when not given)."""
+    if home is None and index_location.is_local:
+        home = os.path.realpath(os.path.dirname(index_location.path))
     readers: list[SnapshotReader] = []
     try:
         for number, record in enumerate(index.parts, start=1):
-            location = index_location.sibling(record.file)
-            check_in_directory(index_location, location)
-            reader = SnapshotReader(location.url, verify=verify, keys=keys)
+            part = Resolved.single(index_location.sibling(record.file), home)
+            reader = SnapshotReader.opened(part, verify=verify, keys=keys)
             readers.append(reader)
             _check_part(index, number, record, reader)
             if number > 1 and reader.metadata.sequences != readers[0].metadata.sequences:

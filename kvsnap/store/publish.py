@@ -3,7 +3,8 @@
 Every file kvsnap publishes locally (a snapshot, a shard, an index, a calibration file) is
 written to a temporary name next to its final path, ``fsync``ed, renamed over the final path
 and the directory ``fsync``ed: a crash leaves the old file or the new complete one, never a
-mix. :func:`publish_bytes` does all of it for data held in memory; :func:`create_temp`,
+mix. :func:`publish_bytes` does all of it for data held in memory (:func:`publish_to` for a
+small file anywhere, local or fsspec); :func:`create_temp`,
 :func:`replace_and_sync` let a streaming writer do the same in steps.
 
 Temporary names are ``.{final name}.kvsnap-tmp-{pid}-{16 hex digits}`` (shortened, see
@@ -25,6 +26,8 @@ import stat
 from collections.abc import Callable
 
 import xxhash
+
+from kvsnap.store.location import Location
 
 #: Marker between the final name and the writer's pid and token in a temporary name.
 TEMP_MARKER = ".kvsnap-tmp-"
@@ -158,6 +161,21 @@ def publish_bytes(path: str | os.PathLike[str], data: bytes | memoryview) -> Non
         raise
     finally:
         os.close(fd)
+
+
+def publish_to(location: Location, data: bytes) -> None:
+    """Atomically replace the small file ``location`` (an index) with ``data``: through
+    :func:`publish_bytes` for a local file, in one put on an object store (an upload appears
+    only when complete), through a temporary name and a move on other fsspec filesystems.
+    Raises ``OSError``."""
+    if location.is_local:
+        publish_bytes(location.path, data)
+    elif location.object_store:
+        location.fs.pipe_file(location.path, data)
+    else:
+        temp = location.sibling(temp_name(location.name))
+        temp.fs.pipe_file(temp.path, data)
+        temp.fs.mv(temp.path, location.path)
 
 
 def _is_ours(temp: str, owns: Callable[[str], bool], owner: str) -> bool:

@@ -1,4 +1,12 @@
-"""The snapshot reader: strict header checks, coalesced verified reads, queued reads."""
+"""The snapshot reader: strict header checks, coalesced verified reads, queued reads.
+
+:class:`SnapshotReader` opens the files (one resolution, one open each) and owns them; the
+jobs around them are objects and functions of their own that reach the reader through its
+named accessors: :class:`~kvsnap.store.checksums.Checksums` (trailers, block-checksum rows),
+:class:`~kvsnap.store.page_reads.PageReads` (one tensor's pages), :mod:`~kvsnap.store.
+slot_reads` (many tensors' pages per staging slot) and :mod:`~kvsnap.store.verify` (the full
+check).
+"""
 
 from __future__ import annotations
 
@@ -12,38 +20,25 @@ import xxhash
 
 from kvsnap import format as fmt
 from kvsnap.dtypes import SAFETENSORS_TYPES
-from kvsnap.errors import (
-    NotASnapshotError,
-    SignatureError,
-    SnapshotCorruptError,
-    SnapshotIOError,
-)
-from kvsnap.format import SnapshotMetadata, TensorEntry
+from kvsnap.errors import NotASnapshotError, SignatureError, SnapshotCorruptError
+from kvsnap.format import Problem, SnapshotMetadata, TensorEntry
 from kvsnap.format.signing import KeyRing
-from kvsnap.store import slot_reads, tuning
-from kvsnap.store.completion import Completion
-from kvsnap.store.location import (
-    INDEX_SUFFIX,
-    Location,
-    locate,
-    missing_member,
-    read_small,
-)
-from kvsnap.store.opening import check_in_directory, decoded_header
+from kvsnap.store import slot_reads
+from kvsnap.store.checksums import Checksums
+from kvsnap.store.location import INDEX_SUFFIX, Location, locate
+from kvsnap.store.opening import decoded_header
+from kvsnap.store.page_reads import PageReads
+from kvsnap.store.resolve import Form, Resolved, open_retrying
 from kvsnap.store.signatures import signature_problem, signing_key_id
-from kvsnap.store.slot_reads import SlotReading
-from kvsnap.store.source import OpenFile, Source, check_blocks
-from kvsnap.store.tracing import TraceHook, traced
-from kvsnap.store.verify import ReaderVerification
+from kvsnap.store.source import OpenFile, Source
+from kvsnap.store.tracing import TraceHook
+from kvsnap.store.verify import verify_snapshot
 
 if TYPE_CHECKING:
     import torch
 
-#: Opens of a snapshot that is being replaced, before a vanished file is an error.
-OPEN_ATTEMPTS = 3
 
-
-class SnapshotReader(ReaderVerification, SlotReading):
+class SnapshotReader:
     """Reads a snapshot (single file or sharded index) from a local path or fsspec URL.
 
     The constructor validates every header strictly before allocating anything (header size
@@ -67,75 +62,101 @@ class SnapshotReader(ReaderVerification, SlotReading):
         storage_options: Mapping[str, Any] | None = None,
         keys: KeyRing | None = None,
     ) -> None:
-        self._verify = verify
-        self._keys = keys
-        self._threads = io_threads or max(2, min(8, os.cpu_count() or 1))
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._files: list[OpenFile] = []
-        self._rows: dict[int, np.ndarray] = {}
-        self._table: np.ndarray | None = None
-        self._tensor_extents: slot_reads.TensorExtents | None = None
-        self._index_digests: tuple[str, ...] | None = None
         location = locate(url, storage_options)
-        self.url = location.url
+        self._start(location.url, verify, io_threads, keys)
         try:
-            self._open_retrying(location)
-            self._where = {
-                entry.name: (index, entry)
-                for index, open_file in enumerate(self._files)
-                for entry in open_file.layout.entries
-                if not fmt.is_container_tensor(entry.name)
-            }
-            geometry = self._header_metadata.geometry
-            self._names = geometry.tensor_names()
-            self._tensor_index = {name: index for index, name in enumerate(self._names)}
-            self._page_bytes = geometry.canonical_page_size_bytes
-            self._num_blocks = self._header_metadata.num_blocks
-            self.metadata: SnapshotMetadata = self._load_metadata()
+            open_retrying(location, self._open_members)
+            self._finish_open()
         except BaseException:
             self.close()
             raise
 
+    @classmethod
+    def opened(
+        cls,
+        resolved: Resolved,
+        *,
+        verify: bool = True,
+        io_threads: int | None = None,
+        keys: KeyRing | None = None,
+    ) -> SnapshotReader:
+        """A reader of the snapshot ``resolved`` describes (single or sharded), opened without
+        resolving it again; a file that vanished meanwhile raises, for the caller's
+        :func:`~kvsnap.store.resolve.open_retrying` to start over."""
+        reader = cls.__new__(cls)
+        reader._start(resolved.location.url, verify, io_threads, keys)
+        try:
+            reader._open_members(resolved)
+            reader._finish_open()
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
+    def _start(self, url: str, verify: bool, io_threads: int | None, keys: KeyRing | None) -> None:
+        self.url = url
+        self._verify = verify
+        self._keys = keys
+        self._page_reads = PageReads(self, io_threads)
+        self._files: list[OpenFile] = []
+        self._checksums: Checksums  # made as the files open: a sharded one's knows the index
+        self._extents: slot_reads.TensorExtents | None = None
+
+    def _finish_open(self) -> None:
+        self._where = {
+            entry.name: (index, entry)
+            for index, open_file in enumerate(self._files)
+            for entry in open_file.layout.entries
+            if not fmt.is_container_tensor(entry.name)
+        }
+        geometry = self._header_metadata.geometry
+        self._names = tuple(geometry.tensor_names())
+        self._tensor_index = {name: index for index, name in enumerate(self._names)}
+        self._page_bytes = geometry.canonical_page_size_bytes
+        self._num_blocks = self._header_metadata.num_blocks
+        self.metadata: SnapshotMetadata = self._load_metadata()
+
     # -- opening ---------------------------------------------------------------------------
 
-    def _open_retrying(self, location: Location) -> None:
-        """:meth:`_open`, again from the start (up to :data:`OPEN_ATTEMPTS` times in all) when a
-        file it was about to open vanished: the snapshot was replaced meanwhile, and the
-        replacement's index (or single file) names only files that exist."""
-        for attempt in range(1, OPEN_ATTEMPTS + 1):
-            try:
-                self._open(location)
-                return
-            except SnapshotIOError as error:
-                if not isinstance(error.__cause__, FileNotFoundError):
-                    raise
-                if attempt == OPEN_ATTEMPTS:
-                    index = location.with_suffix(INDEX_SUFFIX)
-                    raise missing_member(error, location, index) from error.__cause__
-                for open_file in self._files:
-                    open_file.source.close()
-                self._files = []
-                self._index_digests = None
-
-    def _open(self, location: Location) -> None:
-        if location.path.endswith(INDEX_SUFFIX):
-            self._open_sharded(location)
-        elif location.exists() or not location.with_suffix(INDEX_SUFFIX).exists():
-            open_file, header = self._open_file(location)
-            if header.metadata.shard is not None:
-                index, count = header.metadata.shard
+    def _open_members(self, resolved: Resolved) -> None:
+        """Open the files of ``resolved``, each once, checking each against the index; on any
+        error close those opened."""
+        try:
+            if resolved.form is Form.PARTED:
+                assert resolved.index_location is not None
                 raise NotASnapshotError(
-                    f"this is shard {index} of {count} of a sharded snapshot: "
-                    f"open its {INDEX_SUFFIX}",
-                    file=location.url,
+                    "is the index of a parted snapshot (one file per head range): open it with "
+                    "kvsnap.Snapshot.open, or open one part file",
+                    file=resolved.index_location.url,
                 )
-            self._files.append(open_file)
-            self._header_metadata = header.metadata
-        else:
-            self._open_sharded(location.with_suffix(INDEX_SUFFIX))
+            if resolved.form is Form.SINGLE:
+                self._checksums = Checksums(self)
+                self._open_single(resolved)
+            else:
+                assert isinstance(resolved.index, fmt.ShardIndex)
+                self._checksums = Checksums(self, resolved.index.trailer_digests)
+                self._open_sharded(resolved)
+        except BaseException:
+            for open_file in self._files:
+                open_file.source.close()
+            self._files = []
+            raise
 
-    def _open_file(self, location: Location) -> tuple[OpenFile, fmt.DecodedHeader]:
-        source = Source(location)
+    def _open_single(self, resolved: Resolved) -> None:
+        (location,) = resolved.members
+        header = self._open_file(location, resolved.directory)
+        if header.metadata.shard is not None:
+            index, count = header.metadata.shard
+            raise NotASnapshotError(
+                f"this is shard {index} of {count} of a sharded snapshot: open its {INDEX_SUFFIX}",
+                file=location.url,
+            )
+        self._header_metadata = header.metadata
+
+    def _open_file(self, location: Location, directory: str | None) -> fmt.DecodedHeader:
+        """Open ``location`` (inside ``directory``), check its header and, with keys, its
+        signature; append it to the files and, verifying, load its trailer. Its header."""
+        source = Source(location, inside=directory)
         try:
             prefix = source.read(0, min(8, source.size))
             length = fmt.header_length(prefix, source.size, file=source.url)
@@ -146,32 +167,23 @@ class SnapshotReader(ReaderVerification, SlotReading):
                 problem = signature_problem(open_file, self._keys)
                 if problem is not None:
                     raise problem
-            if self._verify:
-                self._load_trailer(open_file)
         except BaseException:
             source.close()
             raise
-        return open_file, header
+        self._files.append(open_file)
+        if self._verify:
+            self._checksums.load_trailer(len(self._files) - 1)
+        return header
 
-    def _open_sharded(self, index_location: Location) -> None:
-        raw = read_small(index_location, fmt.MAX_INDEX_BYTES)
-        if fmt.is_parts_index(raw):
-            raise NotASnapshotError(
-                "is the index of a parted snapshot (one file per head range): open it with "
-                "kvsnap.Snapshot.open, or open one part file",
-                file=index_location.url,
-            )
-        index = fmt.decode_index(raw, file=index_location.url)
+    def _open_sharded(self, resolved: Resolved) -> None:
+        index = resolved.index
+        assert isinstance(index, fmt.ShardIndex) and resolved.index_location is not None
         self._header_metadata = index.metadata
-        self._index_digests = index.trailer_digests
         specs = fmt.specs_for(index.metadata)
         position = 0
         count = len(index.files)
-        for number, name in enumerate(index.files, start=1):
-            location = index_location.sibling(name)
-            check_in_directory(index_location, location)
-            open_file, header = self._open_file(location)
-            self._files.append(open_file)
+        for number, location in enumerate(resolved.members, start=1):
+            header = self._open_file(location, resolved.directory)
             if header.metadata.shard != (number, count):
                 raise SnapshotCorruptError(
                     f"claims to be shard {header.metadata.shard}, "
@@ -180,46 +192,19 @@ class SnapshotReader(ReaderVerification, SlotReading):
                 )
             if header.metadata.unsharded_document() != index.metadata.document:
                 raise SnapshotCorruptError("metadata differs from the index's", file=location.url)
-            held = [entry.name for entry in open_file.layout.checksummed()]
+            held = [entry.name for entry in self._files[-1].layout.checksummed()]
             expected = [spec.name for spec in specs[position : position + len(held)]]
-            if held != expected or any(index.weight_map[held_name] != name for held_name in held):
+            if held != expected or any(index.weight_map[name] != location.name for name in held):
                 raise SnapshotCorruptError(
                     "holds other tensors than the index assigns it", file=location.url
                 )
             position += len(held)
             if self._verify:
-                self._check_index_digest(number - 1)
+                self._checksums.check_index_digest(number - 1)
         if position != len(specs):
             raise SnapshotCorruptError(
-                f"the shards hold {position} of {len(specs)} tensors", file=index_location.url
-            )
-
-    def _load_trailer(self, open_file: OpenFile) -> None:
-        layout = open_file.layout
-        entry = layout.by_name[fmt.CHECKSUMS_TENSOR]
-        raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.CHECKSUMS_TENSOR)
-        digests = fmt.decode_trailer(raw, file=open_file.source.url)
-        if digests[0] != fmt.digest128(layout.header):
-            # The trailer checked out, so the header bytes are what changed.
-            raise SnapshotCorruptError(
-                "header does not match its checksum (trailer row 0)", file=open_file.source.url
-            )
-        open_file.trailer = digests
-        open_file.row_of = {
-            item.name: row for row, item in enumerate(layout.checksummed(), start=1)
-        }
-
-    def _check_index_digest(self, shard: int) -> None:
-        assert self._index_digests is not None
-        open_file = self._files[shard]
-        entry = open_file.layout.by_name[fmt.CHECKSUMS_TENSOR]
-        raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.CHECKSUMS_TENSOR)
-        if xxhash.xxh3_128_hexdigest(raw) != self._index_digests[shard]:
-            raise SnapshotCorruptError(
-                "shard does not match the index (a shard of another snapshot, or a partly "
-                "published overwrite)",
-                file=open_file.source.url,
-                tensor=fmt.CHECKSUMS_TENSOR,
+                f"the shards hold {position} of {len(specs)} tensors",
+                file=resolved.index_location.url,
             )
 
     def _load_metadata(self) -> SnapshotMetadata:
@@ -251,97 +236,75 @@ class SnapshotReader(ReaderVerification, SlotReading):
         """Per file, the hex id of the key that signed it, unchecked (``None``: unsigned)."""
         return [signing_key_id(open_file) for open_file in self._files]
 
-    # -- helpers ---------------------------------------------------------------------------
+    # -- what the store's modules reach the reader through ------------------------------------
 
-    def _locate_tensor(self, name: str) -> tuple[OpenFile, TensorEntry]:
+    @property
+    def open_files(self) -> Sequence[OpenFile]:
+        """The open data files, in order (one, or the shards)."""
+        return self._files
+
+    @property
+    def checksums(self) -> Checksums:
+        """The snapshot's stored checksums (:class:`~kvsnap.store.checksums.Checksums`)."""
+        return self._checksums
+
+    @property
+    def page_reads(self) -> PageReads:
+        """The reader's page reads and its threads (:class:`~kvsnap.store.page_reads.
+        PageReads`)."""
+        return self._page_reads
+
+    def placement(self, name: str) -> tuple[int, TensorEntry]:
+        """Which of :attr:`open_files` holds tensor ``name``, and its entry there."""
         try:
-            index, entry = self._where[name]
+            return self._where[name]
         except KeyError:
             raise KeyError(f"no tensor {name!r} in {self.url}") from None
-        return self._files[index], entry
 
-    def _expected_digest(self, open_file: OpenFile, name: str) -> bytes | None:
-        if open_file.trailer is None or open_file.row_of is None:
-            return None
-        return open_file.trailer[open_file.row_of[name]]
-
-    def _read_checked(self, name: str) -> bytes:
-        """A whole non-layer tensor's bytes, checked against the trailer when verifying."""
-        open_file, entry = self._locate_tensor(name)
-        raw = open_file.source.read(entry.begin, entry.nbytes, tensor=name)
-        expected = self._expected_digest(open_file, name) if self._verify else None
-        if expected is not None and fmt.digest128(raw) != expected:
-            raise SnapshotCorruptError(
-                "does not match its xxh3-128 checksum", file=open_file.source.url, tensor=name
-            )
-        return raw
-
-    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                self._threads, thread_name_prefix="kvsnap-read"
-            )
-        return self._pool
-
-    def _ensure_trailers(self) -> None:
-        for open_file in self._files:
-            if open_file.trailer is None:
-                self._load_trailer(open_file)
-
-    def _block_checksum_row(self, tensor: int) -> np.ndarray:
-        """Stored xxh3-64 of every block of layer tensor ``tensor``, checked against the trailer."""
-        row = self._rows.get(tensor)
-        if row is not None:
-            return row
-        self._ensure_trailers()
-        open_file, entry = self._locate_tensor(fmt.BLOCK_CHECKSUMS_TENSOR)
-        num_blocks = self._num_blocks
-        raw = open_file.source.read(
-            entry.begin + tensor * num_blocks * 8, num_blocks * 8, tensor=fmt.BLOCK_CHECKSUMS_TENSOR
-        )
-        row = np.frombuffer(raw, dtype="<u8")
-        name = self._names[tensor]
-        layer_file, _ = self._locate_tensor(name)
-        if fmt.layer_tensor_digest(row) != self._expected_digest(layer_file, name):
-            raise SnapshotCorruptError(
-                f"the stored block checksums of {name} do not match their xxh3-128 checksum",
-                file=open_file.source.url,
-                tensor=fmt.BLOCK_CHECKSUMS_TENSOR,
-            )
-        self._rows[tensor] = row
-        return row
-
-    def _layer(self, name: str) -> tuple[int, OpenFile, TensorEntry]:
+    def layer(self, name: str) -> tuple[int, OpenFile, TensorEntry]:
+        """Layer tensor ``name``'s number (its index in :attr:`layer_names`), file and entry."""
         tensor = self._tensor_index.get(name)
         if tensor is None:
             raise KeyError(
                 f"{name!r} is not a layer tensor of {self.url} (they are {self._names[0]}, ...)"
             )
-        open_file, entry = self._locate_tensor(name)
-        return tensor, open_file, entry
+        position, entry = self.placement(name)
+        return tensor, self._files[position], entry
 
-    def _pieces(self, block_ids: np.ndarray) -> list[tuple[int, int, int]]:
-        """Coalesced reads ``(first_block, num_blocks, output_page)``: runs of consecutive ids,
-        cut at about tuning.SUBCHUNK_BYTES so threads share large runs."""
-        if not len(block_ids):
-            return []
-        breaks = np.flatnonzero(np.diff(block_ids) != 1) + 1
-        starts = np.concatenate(([0], breaks))
-        stops = np.concatenate((breaks, [len(block_ids)]))
-        per = max(1, tuning.SUBCHUNK_BYTES // self._page_bytes)
-        pieces = []
-        for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
-            for position in range(start, stop, per):
-                count = min(per, stop - position)
-                pieces.append((int(block_ids[position]), count, position))
-        return pieces
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """Layer tensor names, in file order."""
+        return self._names
 
-    def _run(
-        self, work: Callable[[Any], Any], items: Sequence[Any], concurrent_ok: bool, nbytes: int
-    ) -> list[Any]:
-        if concurrent_ok and len(items) > 1 and nbytes > tuning.SUBCHUNK_BYTES:
-            return list(self._executor().map(work, items))
-        return [work(item) for item in items]
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of every layer tensor."""
+        return self._num_blocks
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of a layer tensor (one canonical page)."""
+        return self._page_bytes
+
+    def extents(self) -> slot_reads.TensorExtents:
+        """Where each layer tensor's pages lie, worked out once."""
+        if self._extents is None:
+            sources = [open_file.source for open_file in self._files]
+            located = [self._where[name] for name in self._names]
+            self._extents = slot_reads.tensor_extents(sources, located, self._page_bytes)
+        return self._extents
+
+    def _read_checked(self, name: str) -> bytes:
+        """A whole non-layer tensor's bytes, checked against the trailer when verifying."""
+        position, entry = self.placement(name)
+        source = self._files[position].source
+        raw = source.read(entry.begin, entry.nbytes, tensor=name)
+        expected = self._checksums.digest(name, position) if self._verify else None
+        if expected is not None and fmt.digest128(raw) != expected:
+            raise SnapshotCorruptError(
+                "does not match its xxh3-128 checksum", file=source.url, tensor=name
+            )
+        return raw
 
     # -- public API ------------------------------------------------------------------------
 
@@ -367,23 +330,44 @@ class SnapshotReader(ReaderVerification, SlotReading):
 
     def locate(self, name: str) -> tuple[str, TensorEntry]:
         """The file holding tensor ``name`` and its entry (absolute file offsets)."""
-        open_file, entry = self._locate_tensor(name)
-        return open_file.source.url, entry
+        position, entry = self.placement(name)
+        return self._files[position].source.url, entry
 
     def page_size_bytes(self, name: str) -> int:
         """Bytes of one block of layer tensor ``name``."""
-        self._layer(name)
+        self.layer(name)
         return self._page_bytes
 
     def tensor_names(self) -> list[str]:
         """Layer tensor names, in file order."""
         return list(self._names)
 
+    @property
+    def verifies(self) -> bool:
+        """Whether this reader checks what it reads against the stored checksums."""
+        return self._verify
+
     def block_checksums(self, name: str) -> np.ndarray:
         """The stored xxh3-64 of every block of layer tensor ``name`` (checked against the
         trailer; :class:`SnapshotCorruptError` if they do not match it)."""
-        tensor, _, _ = self._layer(name)
-        return self._block_checksum_row(tensor)
+        tensor, _, _ = self.layer(name)
+        return self._checksums.row(tensor)
+
+    def stored_checksums(self, page_tensors: np.ndarray, page_blocks: np.ndarray) -> np.ndarray:
+        """The stored xxh3-64 of page ``i`` (block ``page_blocks[i]`` of tensor
+        ``page_tensors[i]``), as uint64; :class:`SnapshotCorruptError` if the stored
+        checksums themselves are damaged."""
+        return self._checksums.table()[page_tensors, page_blocks]
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> list[Problem]:
+        """Check every checksum and the structure; ``[]`` means the snapshot is intact.
+
+        Reads the whole snapshot once, in bounded pieces. Reports a header or index that does
+        not match its checksum, each corrupt tensor, the first corrupt blocks of each layer
+        tensor by index, non-zero padding, and sequences whose token ids do not hash to the
+        stored prefix hashes. ``progress`` receives the KV (layer) bytes checked so far.
+        """
+        return verify_snapshot(self, progress)
 
     def read_pages(self, name: str, block_ids: np.ndarray | Sequence[int], out: np.ndarray) -> None:
         """Read blocks ``block_ids`` of layer tensor ``name``, in that order, into ``out``.
@@ -393,14 +377,7 @@ class SnapshotReader(ReaderVerification, SlotReading):
         read as one range and only the blocks asked for are read. With ``verify`` every block
         is checked against its xxh3-64 (:class:`SnapshotCorruptError` naming the block).
         """
-        read_piece, pieces, concurrent_ok = self._piece_reader(name, block_ids, out, None)
-        nbytes = sum(count for _, count, _ in pieces) * self._page_bytes
-        # Small reads stay on the calling thread: a handoff costs more than it saves.
-        if concurrent_ok and len(pieces) > 1 and nbytes > tuning.SUBCHUNK_BYTES:
-            self._submit_pieces(read_piece, pieces).result()
-        else:
-            for piece in pieces:
-                read_piece(piece)
+        self._page_reads.read(name, block_ids, out)
 
     def read_pages_async(
         self,
@@ -418,67 +395,55 @@ class SnapshotReader(ReaderVerification, SlotReading):
         it consumes the previous buffer. ``trace`` receives a ``read`` and a ``verify`` span
         per piece.
         """
-        read_piece, pieces, _ = self._piece_reader(name, block_ids, out, trace)
-        return self._submit_pieces(read_piece, pieces)
+        return self._page_reads.read_async(name, block_ids, out, trace)
 
-    def _submit_pieces(
-        self, read_piece: Callable[[tuple[int, int, int]], None], pieces: list[tuple[int, int, int]]
-    ) -> concurrent.futures.Future[None]:
-        done = Completion(
-            len(pieces),
-            cancelled=lambda: SnapshotIOError("skipped after an earlier failure", file=self.url),
-        )
-        executor = self._executor()
-        for piece in pieces:
-            done.watch(executor.submit(read_piece, piece))
-        return done.future
-
-    def _piece_reader(
+    def read_slot_async(
         self,
-        name: str,
-        block_ids: np.ndarray | Sequence[int],
+        page_tensors: np.ndarray,
+        page_blocks: np.ndarray,
+        page_offsets: np.ndarray,
         out: np.ndarray,
-        trace: TraceHook | None,
-    ) -> tuple[Callable[[tuple[int, int, int]], None], list[tuple[int, int, int]], bool]:
-        """Check a read of ``block_ids`` into ``out``; the function that reads (and verifies)
-        one piece, the pieces, and whether pieces may run concurrently."""
-        tensor, open_file, entry = self._layer(name)
-        ids = np.asarray(block_ids)
-        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-            raise ValueError("block_ids must be a one-dimensional integer array")
-        ids = ids.astype(np.int64, copy=False)
-        num_blocks = self._num_blocks
-        if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
-            raise IndexError(
-                f"{name}: block ids must lie in [0, {num_blocks}), got {ids.min()}..{ids.max()}"
-            )
-        if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or not out.flags.c_contiguous:
-            raise TypeError("out must be a C-contiguous uint8 numpy array")
-        page = self._page_bytes
-        needed = len(ids) * page
-        if out.nbytes < needed:
-            raise ValueError(f"out holds {out.nbytes} bytes, {len(ids)} pages need {needed}")
-        flat = out.reshape(-1)
-        row = self._block_checksum_row(tensor) if self._verify else None
-        source = open_file.source
+        *,
+        verify: bool = True,
+        trace: TraceHook | None = None,
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Read many tensors' pages into one buffer; see :func:`kvsnap.store.slot_reads.
+        read_slot_async` (the future gives the pages that failed their checksum). ``verify``
+        False skips the checksums here (a caller that checks the pages itself, on the device,
+        against :meth:`stored_checksums`); a reader opened without verification never checks.
 
-        def read_piece(piece: tuple[int, int, int]) -> None:
-            block, count, position = piece
-            view = flat[position * page : (position + count) * page]
-            with traced(trace, "read", view.nbytes):
-                source.read_into(entry.begin + block * page, memoryview(view), tensor=name)
-            if row is not None:
-                with traced(trace, "verify", view.nbytes):
-                    check_blocks(view, page, row, block, source.url, name)
+        ``page_tensors`` index :meth:`tensor_names`; the arrays must be int64 and in range
+        (``IndexError`` otherwise), ``out`` large enough (``ValueError``).
+        """
+        return slot_reads.read_reader_slot(
+            self, page_tensors, page_blocks, page_offsets, out, verify=verify, trace=trace
+        )
 
-        return read_piece, self._pieces(ids), source.concurrent
+    def page_runs(
+        self, page_tensors: np.ndarray, page_blocks: np.ndarray, page_offsets: np.ndarray
+    ) -> slot_reads.PageRuns:
+        """Where a slot's pages lie in this snapshot's files (see :func:`kvsnap.store.
+        slot_reads.page_runs`); a run's file indexes :meth:`local_files`."""
+        return slot_reads.page_runs(self.extents(), page_tensors, page_blocks, page_offsets)
+
+    def local_files(self) -> list[tuple[str, int, os.stat_result]] | None:
+        """Per file of the snapshot (the order :meth:`page_runs` uses): its path, the open
+        descriptor this reader checked it through, and that descriptor's ``fstat``; ``None``
+        unless every file is local."""
+        files = []
+        for open_file in self._files:
+            entry = open_file.source.local_file()
+            if entry is None:
+                return None
+            files.append(entry)
+        return files
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """A whole tensor (layer, sequence or ``kvsnap.*``) with its dtype and shape, verified
         when the reader verifies."""
         import torch  # not at module level: verifying and inspecting a snapshot need no torch
 
-        _, entry = self._locate_tensor(name)
+        _, entry = self.placement(name)
         dtype = SAFETENSORS_TYPES[entry.dtype].torch
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=dtype)
@@ -493,9 +458,7 @@ class SnapshotReader(ReaderVerification, SlotReading):
         """Close every file and stop the reader's threads."""
         for open_file in self._files:
             open_file.source.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._page_reads.close()
 
     def __enter__(self) -> SnapshotReader:
         return self

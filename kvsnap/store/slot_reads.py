@@ -12,19 +12,22 @@ so the caller can move every other page and tell exactly which blocks were not r
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap.errors import SnapshotCorruptError
 from kvsnap.store.completion import Completion
+from kvsnap.store.pools import cpu_count, shared_executor
 from kvsnap.store.source import Source
 from kvsnap.store.tracing import TraceHook, traced
+
+if TYPE_CHECKING:
+    from kvsnap.format import TensorEntry
+    from kvsnap.store.reader import SnapshotReader
 
 #: Smallest and largest piece one read thread takes.
 MIN_PIECE_BYTES = 256 << 10
@@ -37,21 +40,6 @@ PIECES_PER_SLOT: int | None = 4
 #: Threads of the shared read pool; ``None``: one per core, at most 16.
 READ_THREADS: int | None = None
 
-_EXECUTORS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-_EXECUTOR_LOCK = threading.Lock()
-
-
-def _forget_executors_after_fork() -> None:
-    """A forked child inherits the pools but none of their threads: an inherited pool that
-    believes a worker idle never starts one, and its work would wait forever. The child starts
-    its own pools on first use (and a lock held by another thread at the fork is replaced)."""
-    global _EXECUTOR_LOCK
-    _EXECUTOR_LOCK = threading.Lock()
-    _EXECUTORS.clear()
-
-
-os.register_at_fork(after_in_child=_forget_executors_after_fork)
-
 
 def read_threads() -> int:
     """Threads of the shared read pool (:data:`READ_THREADS`, else one per core, at most 16):
@@ -59,54 +47,13 @@ def read_threads() -> int:
     (measured on the H200 host), so up to 16 keep scaling."""
     if READ_THREADS is not None:
         return READ_THREADS
-    return max(2, min(16, os.cpu_count() or 1))
+    return max(2, min(16, cpu_count()))
 
 
-def shared_executor(
-    role: str = "read", threads: int | None = None
-) -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide pool of ``role`` with ``threads`` workers (default
-    :func:`read_threads`), created on first use and kept: slot reads and their verification
-    (``read``), the writers' hashing (``hash``) and their serial write lanes (``write``). A pool
-    starts its threads only as concurrent work needs them, up to ``threads``."""
-    count = threads or read_threads()
-    key = f"{role}-{count}"
-    with _EXECUTOR_LOCK:
-        executor = _EXECUTORS.get(key)
-        if executor is None:
-            executor = _EXECUTORS[key] = concurrent.futures.ThreadPoolExecutor(
-                count, thread_name_prefix=f"kvsnap-{role}"
-            )
-        return executor
-
-
-#: Checked block-checksum tables by the digest of their files' trailers, least recently used
-#: first; tables above ``_MAX_CACHED_TABLE_BYTES`` (snapshots of many blocks) are not kept.
-_TABLES: OrderedDict[bytes, np.ndarray] = OrderedDict()
-_TABLES_LOCK = threading.Lock()
-_MAX_CACHED_TABLES = 256
-_MAX_CACHED_TABLE_BYTES = 256 << 10
-
-
-def _cached_table(key: bytes | None) -> np.ndarray | None:
-    if key is None:
-        return None
-    with _TABLES_LOCK:
-        table = _TABLES.get(key)
-        if table is not None:
-            _TABLES.move_to_end(key)
-        return table
-
-
-def _keep_table(key: bytes | None, table: np.ndarray) -> np.ndarray:
-    """``table`` made read-only and, if small enough, kept under ``key``."""
-    table.flags.writeable = False
-    if key is not None and table.nbytes <= _MAX_CACHED_TABLE_BYTES:
-        with _TABLES_LOCK:
-            _TABLES[key] = table
-            while len(_TABLES) > _MAX_CACHED_TABLES:
-                _TABLES.popitem(last=False)
-    return table
+def read_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The process-wide read pool (:func:`~kvsnap.store.pools.shared_executor`) of
+    :func:`read_threads` threads: slot reads and their verification."""
+    return shared_executor("read", read_threads())
 
 
 @dataclass(frozen=True)
@@ -257,7 +204,7 @@ def read_slot_async(
 def _run_pieces(read: Callable[[_Piece], None], pieces: list[_Piece], done: Completion) -> None:
     """Each piece on the shared read threads; where a file reads through one handle (fsspec),
     in order on this thread."""
-    executor = shared_executor()
+    executor = read_executor()
     concurrent_ok = all(piece.source.concurrent for piece in pieces)
     for piece in pieces:
         if concurrent_ok:
@@ -272,117 +219,44 @@ def _run_pieces(read: Callable[[_Piece], None], pieces: list[_Piece], done: Comp
         done.watch(inline)
 
 
-class SlotReading:
-    """The slot-at-a-time half of :class:`~kvsnap.store.reader.SnapshotReader` (a mixin):
-    reads of many tensors' pages in one call, and the block-checksum table they check."""
+def tensor_extents(
+    sources: Sequence[Source], located: Sequence[tuple[int, TensorEntry]], page_bytes: int
+) -> TensorExtents:
+    """Where each layer tensor lies, given per tensor its file (an index into ``sources``) and
+    its entry there."""
+    return TensorExtents(
+        sources,
+        np.array([position for position, _ in located], dtype=np.int64),
+        np.array([entry.begin for _, entry in located], dtype=np.int64),
+        page_bytes,
+    )
 
-    def read_slot_async(
-        self,
-        page_tensors: np.ndarray,
-        page_blocks: np.ndarray,
-        page_offsets: np.ndarray,
-        out: np.ndarray,
-        *,
-        verify: bool = True,
-        trace: TraceHook | None = None,
-    ) -> concurrent.futures.Future[np.ndarray]:
-        """Read many tensors' pages into one buffer; see :func:`kvsnap.store.
-        read_slot_async` (the future gives the pages that failed their checksum). ``verify``
-        False skips the checksums here (a caller that checks the pages itself, on the device,
-        against :meth:`stored_checksums`); a reader opened without verification never checks.
 
-        ``page_tensors`` index :meth:`tensor_names`; the arrays must be int64 and in range
-        (``IndexError`` otherwise), ``out`` large enough (``ValueError``).
-        """
-        num_tensors, num_blocks = len(self._names), self._num_blocks
-        if len(page_tensors) and (
-            page_tensors.min() < 0
-            or page_tensors.max() >= num_tensors
-            or page_blocks.min() < 0
-            or page_blocks.max() >= num_blocks
-        ):
-            raise IndexError(f"pages outside {num_tensors} tensors of {num_blocks} blocks")
-        if len(page_offsets) and page_offsets.max() + self._page_bytes > out.nbytes:
-            raise ValueError(f"out holds {out.nbytes} bytes, the pages reach further")
-        checksums = self._block_checksum_table() if self._verify and verify else None
-        return read_slot_async(
-            self._extents(), checksums, page_tensors, page_blocks, page_offsets, out, trace
-        )
-
-    def page_runs(
-        self, page_tensors: np.ndarray, page_blocks: np.ndarray, page_offsets: np.ndarray
-    ) -> PageRuns:
-        """Where a slot's pages lie in this snapshot's files (see :func:`page_runs`); a run's
-        file indexes :meth:`local_files`."""
-        return page_runs(self._extents(), page_tensors, page_blocks, page_offsets)
-
-    def local_files(self) -> list[tuple[str, int, os.stat_result]] | None:
-        """Per file of the snapshot (the order :meth:`page_runs` uses): its path, the open
-        descriptor this reader checked it through, and that descriptor's ``fstat``; ``None``
-        unless every file is local."""
-        files = []
-        for open_file in self._files:
-            entry = open_file.source.local_file()
-            if entry is None:
-                return None
-            files.append(entry)
-        return files
-
-    def _extents(self) -> TensorExtents:
-        if self._tensor_extents is None:
-            sources = [open_file.source for open_file in self._files]
-            located = [self._where[name] for name in self._names]
-            self._tensor_extents = TensorExtents(
-                sources,
-                np.array([index for index, _ in located], dtype=np.int64),
-                np.array([entry.begin for _, entry in located], dtype=np.int64),
-                self._page_bytes,
-            )
-        return self._tensor_extents
-
-    def _block_checksum_table(self) -> np.ndarray:
-        """Every layer tensor's stored block checksums, ``(tensors, blocks)``, read at once.
-
-        Kept process-wide by the files' trailers, which commit to these rows: an engine that
-        opens the same stored prefix again skips the read and the row checks."""
-        if self._table is None:
-            self._ensure_trailers()
-            trailers = [open_file.trailer for open_file in self._files]
-            key = None
-            if all(trailer is not None for trailer in trailers):
-                key = fmt.digest128(b"".join(row for trailer in trailers for row in trailer))
-            self._table = _cached_table(key)
-            if self._table is None:
-                self._load_all_rows()
-                table = np.stack([self._rows[index] for index in range(len(self._names))])
-                self._table = _keep_table(key, table)
-        return self._table
-
-    def _load_all_rows(self) -> None:
-        """Read the whole block-checksum tensor in one read and check each tensor's row
-        against the trailer (one read, not one per tensor: a restore touches every tensor)."""
-        self._ensure_trailers()
-        open_file, entry = self._locate_tensor(fmt.BLOCK_CHECKSUMS_TENSOR)
-        raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.BLOCK_CHECKSUMS_TENSOR)
-        table = np.frombuffer(raw, dtype="<u8").reshape(len(self._names), self._num_blocks)
-        for tensor, name in enumerate(self._names):
-            row = table[tensor]
-            layer_file, _ = self._locate_tensor(name)
-            if fmt.layer_tensor_digest(row) != self._expected_digest(layer_file, name):
-                raise SnapshotCorruptError(
-                    f"the stored block checksums of {name} do not match their xxh3-128 checksum",
-                    file=open_file.source.url,
-                    tensor=fmt.BLOCK_CHECKSUMS_TENSOR,
-                )
-            self._rows[tensor] = row
-
-    @property
-    def verifies(self) -> bool:
-        """Whether this reader checks what it reads against the stored checksums."""
-        return self._verify
-
-    def stored_checksums(self, page_tensors: np.ndarray, page_blocks: np.ndarray) -> np.ndarray:
-        """The stored xxh3-64 of page ``i`` (block ``page_blocks[i]`` of tensor
-        ``page_tensors[i]``), as uint64; :class:`SnapshotCorruptError` if the stored
-        checksums themselves are damaged."""
-        return self._block_checksum_table()[page_tensors, page_blocks]
+def read_reader_slot(
+    reader: SnapshotReader,
+    page_tensors: np.ndarray,
+    page_blocks: np.ndarray,
+    page_offsets: np.ndarray,
+    out: np.ndarray,
+    *,
+    verify: bool,
+    trace: TraceHook | None,
+) -> concurrent.futures.Future[np.ndarray]:
+    """:meth:`SnapshotReader.read_slot_async <kvsnap.store.reader.SnapshotReader.
+    read_slot_async>`: the pages checked to lie in ``reader``'s snapshot and ``out``, then
+    :func:`read_slot_async` with the reader's checked checksum table (when it and the caller
+    verify)."""
+    num_tensors, num_blocks = len(reader.layer_names), reader.num_blocks
+    if len(page_tensors) and (
+        page_tensors.min() < 0
+        or page_tensors.max() >= num_tensors
+        or page_blocks.min() < 0
+        or page_blocks.max() >= num_blocks
+    ):
+        raise IndexError(f"pages outside {num_tensors} tensors of {num_blocks} blocks")
+    if len(page_offsets) and page_offsets.max() + reader.page_bytes > out.nbytes:
+        raise ValueError(f"out holds {out.nbytes} bytes, the pages reach further")
+    checksums = reader.checksums.table() if reader.verifies and verify else None
+    return read_slot_async(
+        reader.extents(), checksums, page_tensors, page_blocks, page_offsets, out, trace
+    )

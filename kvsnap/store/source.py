@@ -63,7 +63,9 @@ def check_blocks(
 class Source:
     """Random-access reads of one file: ``pread`` for local files, seek+read for fsspec."""
 
-    def __init__(self, location: Location) -> None:
+    def __init__(self, location: Location, *, inside: str | None = None) -> None:
+        """Open ``location``; a local file must resolve into the real directory ``inside``
+        when given (:func:`~kvsnap.store.location.open_regular`)."""
         self.location = location
         self.url = location.url
         self._lock = threading.Lock()
@@ -73,14 +75,23 @@ class Source:
         self._status: os.stat_result | None = None
         try:
             if location.is_local:
-                self._fd, status = open_regular(location)
+                self._fd, status = open_regular(location, inside=inside)
                 self._status = status
                 self.size = status.st_size
                 if tuning.COLD_READS_DIRECT:
                     self._direct_fd = _open_direct_reader(location.path, status)
             else:
-                self.size = int(location.fs.size(location.path))
                 self._handle = location.fs.open(location.path, "rb", cache_type="none")
+                # An open file knows its size (object stores looked it up to open it): asking
+                # the filesystem again would be another request per file.
+                size = getattr(self._handle, "size", None)
+                if not isinstance(size, int):
+                    try:
+                        size = int(location.fs.size(location.path))
+                    except BaseException:
+                        self.close()
+                        raise
+                self.size = size
         except FileNotFoundError as error:
             raise SnapshotIOError("no such file", file=self.url) from error
         except IsADirectoryError as error:
@@ -163,9 +174,9 @@ class Source:
             self._handle = None
 
 
-@dataclass
+@dataclass(slots=True)
 class OpenFile:
+    """One open file of a snapshot and its checked layout."""
+
     source: Source
     layout: fmt.FileLayout
-    trailer: list[bytes] | None = None
-    row_of: dict[str, int] | None = None

@@ -10,36 +10,50 @@ import numpy as np
 from kvsnap import format as fmt
 from kvsnap.errors import SnapshotIOError
 from kvsnap.format import TensorEntry
-from kvsnap.store import overwrite, tuning
+from kvsnap.store import overwrite, publish, tuning
 from kvsnap.store.lanes import SerialLane
-from kvsnap.store.location import (
-    INDEX_SUFFIX,
-)
-from kvsnap.store.publish import temp_name
-from kvsnap.store.slot_reads import shared_executor
+from kvsnap.store.pools import shared_executor
 from kvsnap.store.stream_file import StreamFile
-from kvsnap.store.tracing import traced
+from kvsnap.store.tracing import TraceHook, traced
+from kvsnap.store.write_plan import WriteGate, WritePlan, WriteTarget
+
+#: One thing to write, in file order: (kind, file, entry); kind is one of header, static,
+#: layer, blocksums, trailer.
+_Item = tuple[str, int, TensorEntry | None]
 
 
-class StreamTarget:
-    """The fsspec half of :class:`~kvsnap.store.writer.SnapshotWriter` (a mixin)."""
+class StreamTarget(WriteTarget):
+    """fsspec files (``memory://``, ``s3://``, ...), written front to back: everything goes
+    through one ordered lane on the process-wide write pool, header and metadata tensors as
+    the data reaches them, checksums and trailer once the data before them is hashed. Object
+    stores publish each file when its upload completes; other filesystems get a temporary
+    name and a move."""
 
-    def _start_stream(self, direct_io: bool | None) -> None:
-        """Start the ordered lane and queue everything up to the first layer tensor."""
-        if direct_io:
-            raise SnapshotIOError("O_DIRECT needs a local file", file=self._location.url)
-        self.fallback_reason = f"not a local file ({self._location.url})"
+    merges_tensors = False
+
+    def __init__(self, plan: WritePlan, gate: WriteGate, trace: TraceHook | None) -> None:
+        self._plan = plan
+        self._gate = gate
+        self._trace = trace
+        self._streams: list[StreamFile | None] = [None] * len(plan.layouts)
         # Its own lane on the shared write pool: ordered, one item at a time, no new thread.
         self._lane = SerialLane(shared_executor("write", tuning.WRITE_POOL_THREADS))
+        self._hash_futures: list[list[concurrent.futures.Future[None]]] = [[] for _ in plan.layouts]
         self._items = self._stream_items()
         self._cursor = 0
-        self._advance(self._names[0] if self._current == 0 else None)
 
-    def _stream_items(self) -> list[tuple[str, int, TensorEntry | None]]:
-        """Everything to write, in file order: (kind, shard, entry); kind is one of header,
-        static, layer, blocksums, trailer."""
-        items: list[tuple[str, int, TensorEntry | None]] = []
-        for shard, layout in enumerate(self._layouts):
+    def start(self, direct_io: bool | None) -> None:
+        """Queue everything up to the first layer tensor."""
+        if direct_io:
+            raise SnapshotIOError("O_DIRECT needs a local file", file=self._plan.location.url)
+        self.fallback_reason = f"not a local file ({self._plan.location.url})"
+        plan = self._plan
+        self._advance(plan.names[0] if plan.num_blocks else None)
+
+    def _stream_items(self) -> list[_Item]:
+        """Everything to write, in file order."""
+        items: list[_Item] = []
+        for shard, layout in enumerate(self._plan.layouts):
             items.append(("header", shard, None))
             for entry in layout.entries:
                 if fmt.is_layer_tensor(entry.name):
@@ -57,7 +71,6 @@ class StreamTarget:
 
     def _advance(self, stop_at: str | None) -> None:
         """Queue, in order, everything before layer tensor ``stop_at`` (``None``: to the end)."""
-        assert self._lane is not None
         while self._cursor < len(self._items):
             kind, shard, entry = self._items[self._cursor]
             if kind == "layer":
@@ -68,67 +81,86 @@ class StreamTarget:
                     raise RuntimeError(f"internal error: {entry.name} was never written")
                 self._cursor += 1  # an empty tensor (no blocks) has nothing to write
                 continue
-            self._lane.submit(self._guarded_lane(kind, shard, entry))
+            self._lane.submit(self._lane_item(kind, shard, entry))
             self._cursor += 1
 
-    def _guarded_lane(self, kind: str, shard: int, entry: TensorEntry | None) -> Callable[[], None]:
+    def _lane_item(self, kind: str, shard: int, entry: TensorEntry | None) -> Callable[[], None]:
         def run() -> None:
-            if self._error is not None:
+            if self._gate.error is not None:
                 return
             try:
-                self._lane_item(kind, shard, entry)
+                self._write_item(kind, shard, entry)
             except BaseException as error:
-                self._fail(error)
+                self._gate.fail(error)
 
         return run
 
-    def _lane_item(self, kind: str, shard: int, entry: TensorEntry | None) -> None:
-        layout = self._layouts[shard]
+    def _write_item(self, kind: str, shard: int, entry: TensorEntry | None) -> None:
+        plan = self._plan
+        layout = plan.layouts[shard]
         if kind == "header":
-            self._stream_files[shard] = StreamFile(self._finals[shard])
+            self._streams[shard] = StreamFile(plan.finals[shard])
             self._stream_write(shard, 0, memoryview(layout.header))
             return
         assert entry is not None
         if kind == "static":
-            static = self._static_bytes(entry)
+            static = plan.static_bytes(entry)
             assert static is not None
             self._stream_write(shard, entry.begin, memoryview(static))
         elif kind == "blocksums":
             concurrent.futures.wait([f for futures in self._hash_futures for f in futures])
-            self._raise_error()
-            self._stream_write(
-                shard, entry.begin, memoryview(self._digests.astype("<u8").tobytes())
-            )
+            self._gate.raise_error()
+            self._stream_write(shard, entry.begin, memoryview(plan.block_checksums()))
         elif kind == "trailer":
             concurrent.futures.wait(self._hash_futures[shard])
-            self._raise_error()
-            self._stream_write(shard, entry.begin, memoryview(self._trailer(shard)))
+            self._gate.raise_error()
+            self._stream_write(shard, entry.begin, memoryview(plan.trailer(shard)))
             signature = layout.by_name.get(fmt.SIGNATURE_TENSOR)
             if signature is not None:
-                self._stream_write(shard, signature.begin, memoryview(self._signature(shard)))
-            stream = self._stream_files[shard]
+                self._stream_write(shard, signature.begin, memoryview(plan.signature(shard)))
+            stream = self._streams[shard]
             assert stream is not None
             stream.close()
 
     def _stream_write(self, shard: int, offset: int, view: memoryview | np.ndarray) -> None:
-        stream = self._stream_files[shard]
+        stream = self._streams[shard]
         assert stream is not None
         with traced(self._trace, "write", len(memoryview(view))):
             stream.write(offset, memoryview(view))
 
-    def _publish_stream(self) -> None:
-        stale = overwrite.stale_files(self._location, self._finals, self._sharded)
-        for stream in self._stream_files:
+    def write(self, shard: int, offset: int, view: np.ndarray) -> concurrent.futures.Future[None]:
+        return self._lane.submit(self._gate.guarded(self._stream_write, shard, offset, view))
+
+    def hashed(self, shard: int, future: concurrent.futures.Future[None]) -> None:
+        # The checksums and the trailer wait for the hashing of what precedes them.
+        self._hash_futures[shard].append(future)
+
+    def tensor_done(self, next_name: str | None) -> None:
+        self._cursor += 1  # past this tensor's item
+        if next_name is not None:
+            self._advance(next_name)
+
+    def finish(self, drain: Callable[[], None]) -> None:
+        # Every data write is on the lane already: queue the rest behind it and wait.
+        self._advance(None)
+        self._lane.submit(lambda: None).result()
+        self._gate.raise_error()
+
+    def publish(self) -> None:
+        plan = self._plan
+        stale = overwrite.stale_files(plan.location, plan.finals, plan.sharded)
+        for stream in self._streams:
             assert stream is not None
             stream.publish()
-        if self._sharded:
-            index = self._location.with_suffix(INDEX_SUFFIX)
-            data = self._index_bytes()
-            if index.object_store:
-                index.fs.pipe_file(index.path, data)
-            else:
-                temp = index.sibling(temp_name(index.name))
-                temp.fs.pipe_file(temp.path, data)
-                temp.fs.mv(temp.path, index.path)
-        self._stream_files = [None] * len(self._layouts)
+        if plan.sharded:
+            publish.publish_to(plan.index_location, plan.index_bytes())
+        self._streams = [None] * len(plan.layouts)
         overwrite.remove_quietly(stale)
+
+    def shutdown(self, cancel: bool) -> None:
+        self._lane.shutdown(wait=True, cancel_futures=cancel)
+
+    def discard(self) -> None:
+        for stream in self._streams:
+            if stream is not None:
+                stream.discard()

@@ -1,4 +1,12 @@
-"""The streaming snapshot writer: hashing beside writing, bounded memory, atomic publish."""
+"""The streaming snapshot writer: hashing beside writing, bounded memory, atomic publish.
+
+:class:`SnapshotWriter` takes the caller's pages, hashes them on the process-wide hashing pool
+and hands them to its one :class:`~kvsnap.store.write_plan.WriteTarget`, chosen once: local
+files (:mod:`~kvsnap.store.write_local`) or an fsspec stream (:mod:`~kvsnap.store.
+write_stream`). The plan of the files and the digests that complete them are a
+:class:`~kvsnap.store.write_plan.WritePlan`; the bound on bytes in flight and the first error a
+:class:`~kvsnap.store.write_plan.WriteGate`.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,19 +25,18 @@ import numpy as np
 import xxhash
 
 from kvsnap import format as fmt
-from kvsnap.errors import KVSnapError, SnapshotIOError
-from kvsnap.format import SnapshotMetadata, TensorEntry
+from kvsnap.errors import SnapshotIOError
+from kvsnap.format import SnapshotMetadata
 from kvsnap.format.signing import KeyRing
 from kvsnap.store import tuning
 from kvsnap.store.completion import Completion
-from kvsnap.store.lanes import SerialLane, TaskGroup
-from kvsnap.store.local_file import LocalFile
-from kvsnap.store.location import INDEX_SUFFIX, io_error, locate, stem_of
-from kvsnap.store.slot_reads import shared_executor
-from kvsnap.store.slot_writes import SlotWrites
-from kvsnap.store.stream_file import StreamFile
+from kvsnap.store.lanes import TaskGroup
+from kvsnap.store.location import io_error, locate
+from kvsnap.store.pools import cpu_count, shared_executor
+from kvsnap.store.slot_writes import SlotPiece, all_done, contiguous_writes, hash_batches
 from kvsnap.store.tracing import TraceHook, traced
 from kvsnap.store.write_local import LocalTarget
+from kvsnap.store.write_plan import WriteGate, WritePlan, WriteTarget
 from kvsnap.store.write_stream import StreamTarget
 
 
@@ -55,7 +62,7 @@ class SnapshotInfo:
     trailers: tuple[str, ...] = ()
 
 
-class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
+class SnapshotWriter:
     """Streams one snapshot to ``url``: a local path or an fsspec URL.
 
     Feed every layer tensor in :meth:`tensor_order`, each as consecutive blocks
@@ -110,21 +117,30 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
             metadata = dataclasses.replace(metadata, signature=fmt.SIGNATURE_ALGORITHM)
         elif metadata.signature is not None:
             raise ValueError("the metadata says the snapshot is signed, but no keys were given")
-        self._keys = keys
         self.metadata = metadata
-        self.fallback_reason: str | None = None
-        #: Whether the local files' blocks were reserved up front (see ``preallocate``).
-        self.preallocated = False
         #: What :meth:`commit` published (also set when the context manager commits).
         self.info: SnapshotInfo | None = None
         self._location = locate(url, storage_options)
-        self._plan(metadata, max_shard_bytes)
-        self._start_pipeline(hash_threads, progress, max_inflight_bytes)
+        self._plan = WritePlan(self._location, metadata, max_shard_bytes, keys)
+        self._page_bytes = self._plan.page_bytes
+        self._num_blocks = self._plan.num_blocks
+        self._names = self._plan.names
+        self._blocks_written = [0] * len(self._names)
+        self._current = 0 if self._num_blocks else len(self._names)
+        self._progress = progress
+        self._progress_lock = threading.Lock()
+        self._layer_bytes_done = 0
+        self._gate = WriteGate(
+            self._location.url, max_inflight_bytes or tuning.DEFAULT_MAX_INFLIGHT_BYTES
+        )
+        threads = hash_threads or max(2, min(8, cpu_count()))
+        # Shared pools: a snapshot creates no thread (three per snapshot cost ~7 ms of a small
+        # capture); the target keeps this writer's writes in order, one at a time.
+        self._hash_pool = TaskGroup(shared_executor("hash", threads))
+        target_kind = LocalTarget if self._location.is_local else StreamTarget
+        self._target: WriteTarget = target_kind(self._plan, self._gate, trace)
         try:
-            if self._location.is_local:
-                self._start_local(direct_io)
-            else:
-                self._start_stream(direct_io)
+            self._target.start(direct_io)
         except BaseException as error:
             self._state = "open"
             self.abort()
@@ -133,72 +149,17 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
             raise
         self._state = "open"
 
-    def _plan(self, metadata: SnapshotMetadata, max_shard_bytes: int | None) -> None:
-        """Every file's layout and final location, where each tensor goes, and the bytes known
-        before any data (metadata tensors)."""
-        self._layouts = fmt.plan_files(metadata, max_shard_bytes)
-        self._sharded = len(self._layouts) > 1
-        if self._sharded and metadata.part is not None:
-            raise ValueError("a part of a parted snapshot is one file: it cannot be sharded")
-        if self._sharded:
-            stem = stem_of(self._location)
-            count = len(self._layouts)
-            # New names on every write: the old index's shards stay intact until it is replaced.
-            generation = fmt.new_generation()
-            self._finals = [
-                self._location.sibling(fmt.shard_file_name(stem, index + 1, count, generation))
-                for index in range(count)
-            ]
-        else:
-            self._finals = [self._location]
-        geometry = metadata.geometry
-        self._page_bytes = geometry.canonical_page_size_bytes
-        self._names = geometry.tensor_names()
-        self._tensor_index = {name: index for index, name in enumerate(self._names)}
-        self._placement: dict[str, tuple[int, TensorEntry]] = {}
-        for shard, layout in enumerate(self._layouts):
-            for entry in layout.entries:
-                self._placement[entry.name] = (shard, entry)
-        # Metadata tensors are little-endian int64 / uint8 already (see metadata_tensors).
-        self._static = {
-            name: np.ascontiguousarray(array).view(np.uint8).reshape(-1)
-            for name, array in metadata.metadata_tensors().items()
-        }
-
-    def _start_pipeline(
-        self,
-        hash_threads: int | None,
-        progress: Callable[[int], None] | None,
-        max_inflight_bytes: int | None,
-    ) -> None:
-        """The digests, counters, in-flight bound and worker threads of the data path."""
-        num_blocks = self._num_blocks = self.metadata.num_blocks
-        self._digests = np.zeros((len(self._names), num_blocks), dtype=np.uint64)
-        self._blocks_written = [0] * len(self._names)
-        self._current = 0 if num_blocks else len(self._names)
-        self._progress = progress
-        self._max_inflight = max_inflight_bytes or tuning.DEFAULT_MAX_INFLIGHT_BYTES
-        self._inflight = 0
-        self._cond = threading.Condition()
-        self._error: BaseException | None = None
-        self._layer_bytes_done = 0
-        self._trailer_bytes: dict[int, bytes] = {}
-        self._direct_bytes = 0
-        self._buffered_bytes = 0
-        self._unaligned_buffers = False
-        threads = hash_threads or max(2, min(8, os.cpu_count() or 1))
-        # Shared pools: a snapshot creates no thread (three per snapshot cost ~7 ms of a small
-        # capture); the lane keeps this writer's writes in order, one at a time.
-        self._hash_pool = TaskGroup(shared_executor("hash", threads))
-        self._writes = SerialLane(shared_executor("write", tuning.WRITE_POOL_THREADS))
-        self._hash_futures: list[list[concurrent.futures.Future[None]]] = [
-            [] for _ in self._layouts
-        ]
-        self._local_files: list[LocalFile] = []
-        self._stream_files: list[StreamFile | None] = [None] * len(self._layouts)
-        self._lane: SerialLane | None = None
-
     # -- public API ----------------------------------------------------------------------
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why O_DIRECT did not carry (all) layer data (``None``: it did)."""
+        return self._target.fallback_reason
+
+    @property
+    def preallocated(self) -> bool:
+        """Whether the local files' blocks were reserved up front."""
+        return self._target.preallocated
 
     def tensor_order(self) -> list[str]:
         """Layer tensor names in the order :meth:`write_pages` must receive them."""
@@ -221,17 +182,17 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         tensor, flat = self._checked_pages(name, pages)
         count = flat.nbytes // self._page_bytes
         first = self._blocks_written[tensor]
-        shard, entry = self._placement[name]
+        shard, entry = self._plan.placement[name]
         if count == 0:
             empty: concurrent.futures.Future[None] = concurrent.futures.Future()
             empty.set_result(None)
             return empty
-        self._admit(flat.nbytes)
+        self._gate.admit(flat.nbytes)
         hash_parts = self._split(first, count, tuning.SUBCHUNK_BYTES)
         write_parts = self._split(first, count, tuning.WRITE_CHUNK_BYTES)
         done = Completion(
             len(hash_parts) + len(write_parts),
-            on_done=lambda: self._release(flat.nbytes),
+            on_done=lambda: self._gate.release(flat.nbytes),
             cancelled=lambda: SnapshotIOError("the writer was aborted", file=self._location.url),
         )
         # The file write does not need the checksums: hashing and writing read the same buffer
@@ -239,8 +200,7 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         for block, blocks in hash_parts:
             view = self._pages_view(flat, first, block, blocks)
             hashed = self._submit_hash(self._hash, tensor, block, view)
-            if self._lane is not None:
-                self._hash_futures[shard].append(hashed)
+            self._target.hashed(shard, hashed)
             done.watch(hashed)
         for block, blocks in write_parts:
             view = self._pages_view(flat, first, block, blocks)
@@ -248,20 +208,73 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         self._blocks_written[tensor] += count
         if self._blocks_written[tensor] == self._num_blocks:
             self._current += 1
-            if self._lane is not None:
-                self._cursor += 1  # past this tensor's item
-                if self._current < len(self._names):
-                    self._advance(self._names[self._current])
+            following = self._current < len(self._names)
+            self._target.tensor_done(self._names[self._current] if following else None)
         return done.future
+
+    def write_slot(
+        self,
+        segments: Sequence[tuple[str, np.ndarray]],
+        digests: np.ndarray | None = None,
+    ) -> concurrent.futures.Future[None]:
+        """:meth:`write_pages` of several tensors' pages at once, in order.
+
+        Each ``(name, pages)`` continues its tensor as :meth:`write_pages` would. The slot is
+        hashed in a few tasks of about ``SUBCHUNK_BYTES`` whatever the number of tensors in it,
+        and the pages that follow each other in the file and in memory (a slot holding whole
+        tensors, back to back) go to the file as one write: a call's cost does not grow with
+        the number of tensors it spans. The future completes once every page may be reused.
+        ``digests``, the pages' xxh3-64 in order (computed where the pages were, on the
+        device), replaces the hashing.
+        """
+        if not self._target.merges_tensors:
+            return all_done([self.write_pages(name, pages) for name, pages in segments])
+        pieces = self._slot_pieces(segments)
+        total = sum(piece[2].nbytes for piece in pieces)
+        self._gate.admit(total)
+        batches = hash_batches(pieces, tuning.SUBCHUNK_BYTES) if digests is None else []
+        if digests is not None:
+            self._store_digests(pieces, digests)
+        writes = contiguous_writes(pieces, tuning.WRITE_CHUNK_BYTES)
+
+        def release() -> None:
+            # Until here ``pieces`` keeps the caller's arrays alive under the merged views.
+            self._gate.release(total)
+            pieces.clear()
+
+        done = Completion(
+            len(batches) + len(writes),
+            on_done=release,
+            cancelled=lambda: SnapshotIOError("the writer was aborted", file=self._location.url),
+        )
+        for batch in batches:
+            done.watch(self._submit_hash(self._hash_batch, batch))
+        for shard, offset, view in writes:
+            done.watch(self._submit_write(shard, offset, view))
+        return done.future
+
+    def _slot_pieces(self, segments: Sequence[tuple[str, np.ndarray]]) -> list[SlotPiece]:
+        """Each segment checked and counted as written: its tensor, first block, pages, file
+        and file offset."""
+        pieces = []
+        for name, pages in segments:
+            tensor, flat = self._checked_pages(name, pages)
+            first = self._blocks_written[tensor]
+            shard, entry = self._plan.placement[name]
+            pieces.append((tensor, first, flat, shard, entry.begin + first * self._page_bytes))
+            self._blocks_written[tensor] += flat.nbytes // self._page_bytes
+            if self._blocks_written[tensor] == self._num_blocks:
+                self._current += 1
+        return pieces
 
     def _checked_pages(self, name: str, pages: np.ndarray) -> tuple[int, np.ndarray]:
         """``write_pages``' arguments checked: the tensor's index and the pages, flat."""
         self._check_open()
-        if name not in self._tensor_index:
+        if name not in self._plan.tensor_index:
             raise ValueError(
                 f"{name!r} is not a layer tensor of this snapshot (see tensor_order())"
             )
-        tensor = self._tensor_index[name]
+        tensor = self._plan.tensor_index[name]
         if tensor != self._current:
             expected = (
                 self._names[self._current]
@@ -305,15 +318,8 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
             raise ValueError("cannot commit an incomplete snapshot: " + ", ".join(missing[:4]))
         self._state = "committing"
         try:
-            if self._lane is not None:
-                self._advance(None)
-                self._lane.submit(lambda: None).result()
-                self._raise_error()
-                self._publish_stream()
-            else:
-                self._finish_local()
-                with traced(self._trace, "commit.publish"):
-                    self._publish_local()
+            self._target.finish(self._gate.drain)
+            self._target.publish()
         except BaseException as error:
             self._state = "open"
             self.abort()
@@ -322,26 +328,27 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
             raise
         self._state = "committed"
         self._shutdown_threads()
-        if self.fallback_reason is None and self._buffered_bytes:
-            # O_DIRECT was on, but some layer bytes could not use it.
-            self.fallback_reason = self._partial_direct_reason()
-        files = tuple(location.url for location in self._finals)
-        path = self._location.with_suffix(INDEX_SUFFIX).url if self._sharded else self._location.url
-        self.info = SnapshotInfo(
-            path=path,
-            files=files,
-            num_bytes=sum(layout.file_size for layout in self._layouts),
+        self.info = self._info()
+        return self.info
+
+    def _info(self) -> SnapshotInfo:
+        plan = self._plan
+        if self._target.fallback_reason is None:
+            # O_DIRECT was on, but some layer bytes may not have used it.
+            self._target.fallback_reason = self._target.partial_direct_reason()
+        return SnapshotInfo(
+            path=plan.index_location.url if plan.sharded else self._location.url,
+            files=tuple(location.url for location in plan.finals),
+            num_bytes=sum(layout.file_size for layout in plan.layouts),
             kv_bytes=self._num_blocks * self.metadata.geometry.bytes_per_block,
             num_blocks=self._num_blocks,
-            direct_io=self._direct_bytes > 0,
-            fallback_reason=self.fallback_reason,
+            direct_io=self._target.direct_bytes > 0,
+            fallback_reason=self._target.fallback_reason,
             seconds=time.perf_counter() - self._started,
             trailers=tuple(
-                xxhash.xxh3_128_hexdigest(self._trailer(shard))
-                for shard in range(len(self._layouts))
+                xxhash.xxh3_128_hexdigest(plan.trailer(shard)) for shard in range(len(plan.layouts))
             ),
         )
-        return self.info
 
     def abort(self) -> None:
         """Stop, remove the local temporary files, wait for this writer's running work, and
@@ -356,15 +363,10 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         if self._state in ("committed", "aborted", "starting"):
             return
         self._state = "aborted"
-        self._fail(SnapshotIOError("the writer was aborted", file=self._location.url))
-        for file in self._local_files:
-            file.unlink_temp()
+        self._gate.fail(SnapshotIOError("the writer was aborted", file=self._location.url))
+        self._target.unlink_temporaries()
         interrupted = _uninterrupted(lambda: self._shutdown_threads(cancel=True))
-        for file in self._local_files:
-            file.discard()
-        for stream in self._stream_files:
-            if stream is not None:
-                stream.discard()
+        self._target.discard()
         if interrupted is not None:
             raise interrupted
 
@@ -388,37 +390,7 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
     def _check_open(self) -> None:
         if self._state != "open":
             raise RuntimeError(f"the snapshot writer is {self._state}")
-        self._raise_error()
-
-    def _raise_error(self) -> None:
-        error = self._error
-        if error is not None:
-            if isinstance(error, KVSnapError):
-                raise error
-            raise io_error("writing the snapshot", self._location.url, error) from error
-
-    def _fail(self, error: BaseException) -> None:
-        with self._cond:
-            if self._error is None:
-                self._error = error
-            self._cond.notify_all()
-
-    def _admit(self, nbytes: int) -> None:
-        with self._cond:
-            # One buffer larger than the bound is still admitted when nothing else is in flight.
-            while (
-                self._inflight
-                and self._inflight + nbytes > self._max_inflight
-                and self._error is None
-            ):
-                self._cond.wait()
-            self._inflight += nbytes
-        self._raise_error()
-
-    def _release(self, nbytes: int) -> None:
-        with self._cond:
-            self._inflight -= nbytes
-            self._cond.notify_all()
+        self._gate.raise_error()
 
     def _split(self, first: int, count: int, unit_bytes: int) -> list[tuple[int, int]]:
         """Pieces ``(first_block, num_blocks)`` of about ``unit_bytes``; when pages are not
@@ -431,7 +403,7 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
         ]
 
     def _report(self, nbytes: int) -> None:
-        with self._cond:
+        with self._progress_lock:
             self._layer_bytes_done += nbytes
             if self._progress is not None:
                 self._progress(self._layer_bytes_done)
@@ -439,86 +411,48 @@ class SnapshotWriter(SlotWrites, LocalTarget, StreamTarget):
     def _hash(self, tensor: int, block: int, view: np.ndarray) -> None:
         with traced(self._trace, "hash", view.nbytes):
             digests = fmt.block_digests(view, self._page_bytes)
-        self._digests[tensor, block : block + len(digests)] = digests
+        self._plan.digests[tensor, block : block + len(digests)] = digests
+
+    def _hash_batch(self, batch: Sequence[tuple[int, int, np.ndarray]]) -> None:
+        for tensor, block, view in batch:
+            self._hash(tensor, block, view)
+
+    def _store_digests(self, pieces: Sequence[SlotPiece], digests: np.ndarray) -> None:
+        """Record digests computed elsewhere, page by page in the order of ``pieces``."""
+        page = 0
+        for tensor, first, flat, _, _ in pieces:
+            count = flat.nbytes // self._page_bytes
+            self._plan.digests[tensor, first : first + count] = digests[page : page + count]
+            page += count
+        if page != len(digests):
+            raise ValueError(f"{len(digests)} digests for {page} pages")
 
     def _pages_view(self, flat: np.ndarray, first: int, block: int, count: int) -> np.ndarray:
         """Blocks ``block .. block+count`` of a buffer whose first page is block ``first``."""
         page = self._page_bytes
         return flat[(block - first) * page : (block - first + count) * page]
 
-    def _guarded(self, work: Callable[..., None], *args: Any) -> Callable[[], None]:
-        """``work(*args)`` for a worker thread: skipped after an earlier failure, and its own
-        failure stops the writer."""
-
-        def run() -> None:
-            if self._error is not None:
-                raise SnapshotIOError(
-                    "the writer stopped after an earlier error", file=self._location.url
-                )
-            try:
-                work(*args)
-            except BaseException as error:
-                self._fail(error)
-                raise
-
-        return run
+    def _submit_hash(
+        self, work: Callable[..., None], *args: Any
+    ) -> concurrent.futures.Future[None]:
+        """Queue a hashing task on the shared hashing pool."""
+        return self._hash_pool.submit(self._gate.guarded(work, *args))
 
     def _submit_write(
         self, shard: int, offset: int, view: np.ndarray
     ) -> concurrent.futures.Future[None]:
-        """Queue ``view`` for the file at ``offset``: on the local write thread(s), or in order on
-        the stream lane. Progress counts the bytes once written."""
-        if self._lane is None:
-            future = self._writes.submit(
-                self._guarded(self._write_local_data, self._local_files[shard], offset, view)
-            )
-        else:
-            future = self._lane.submit(self._guarded(self._stream_write, shard, offset, view))
+        """Queue ``view`` for file ``shard`` at ``offset`` on the target. Progress counts the
+        bytes once written."""
+        future = self._target.write(shard, offset, view)
         nbytes = view.nbytes
         future.add_done_callback(lambda f: f.cancelled() or f.exception() or self._report(nbytes))
         return future
-
-    # -- shared --------------------------------------------------------------------------
-
-    def _trailer(self, shard: int) -> bytes:
-        # Computed once all data is written (commit), then reused by the index and the info.
-        cached = self._trailer_bytes.get(shard)
-        if cached is not None:
-            return cached
-        layout = self._layouts[shard]
-        digests = [fmt.digest128(layout.header)]
-        for entry in layout.checksummed():
-            if fmt.is_layer_tensor(entry.name):
-                digests.append(
-                    fmt.layer_tensor_digest(self._digests[self._tensor_index[entry.name]])
-                )
-            elif entry.name == fmt.BLOCK_CHECKSUMS_TENSOR:
-                digests.append(fmt.digest128(self._digests.astype("<u8").tobytes()))
-            else:
-                static = self._static_bytes(entry)
-                assert static is not None
-                digests.append(fmt.digest128(static))
-        self._trailer_bytes[shard] = fmt.encode_trailer(digests)
-        return self._trailer_bytes[shard]
-
-    def _signature(self, shard: int) -> bytes:
-        """File ``shard``'s signature over its header and trailer (a signing writer only)."""
-        assert self._keys is not None
-        return self._keys.sign(self._layouts[shard].header, self._trailer(shard))
-
-    def _index_bytes(self) -> bytes:
-        trailers = [self._trailer(shard) for shard in range(len(self._layouts))]
-        return fmt.encode_index(
-            self.metadata, [f.name for f in self._finals], self._layouts, trailers
-        )
 
     def _shutdown_threads(self, cancel: bool = False) -> None:
         """Wait for this writer's hashing and writes on the shared pools to end (``cancel``:
         cancel those not started first); the pools keep running for other writers."""
         self._hash_pool.shutdown(wait=True, cancel_futures=cancel)
-        self._writes.shutdown(wait=True, cancel_futures=cancel)
-        if self._lane is not None:
-            self._lane.shutdown(wait=True, cancel_futures=cancel)
+        self._target.shutdown(cancel)
 
 
 #: ``KeyboardInterrupt``s an abort's wait absorbs before it lets the next one through.

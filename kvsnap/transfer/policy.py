@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvsnap.caches import register_cache_clear
 from kvsnap.transfer.backends import available_backends
 from kvsnap.transfer.plan import Direction
 
@@ -157,6 +158,9 @@ def forget_policy() -> None:
     :func:`kvsnap.bench.calibration.write_calibration` calls it after publishing a new file.
     """
     _cached_policy.cache_clear()
+
+
+register_cache_clear(forget_policy)
 
 
 @lru_cache(maxsize=1)

@@ -17,17 +17,18 @@ Nothing here needs vLLM.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap.engines.vllm.prefix_store import ChunkRef, chunk_sequence_id, index_path, snapshot_path
+from kvsnap.engines.vllm.prefix_store import ChunkRef, chunk_sequence_id, snapshot_path
 from kvsnap.errors import KVSnapError, SignatureError
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import Snapshot
+from kvsnap.store.location import locate
+from kvsnap.store.resolve import committed_file
 
 #: What identifies one version of a file: inode, size, modification time.
 FileKey = tuple[int, int, int]
@@ -35,14 +36,12 @@ FileKey = tuple[int, int, int]
 
 def file_key(path: str) -> FileKey | None:
     """The identity now of the file committing the chunk at ``path`` (``HASH.safetensors``):
-    the single file's, or a parted chunk's index's (``None``: there is neither)."""
-    for candidate in (snapshot_path(path), index_path(path)):
-        try:
-            status = os.stat(candidate)
-        except OSError:
-            continue  # not this form (or gone)
-        return status.st_ino, status.st_size, status.st_mtime_ns
-    return None
+    the single file's, or a parted chunk's index's (``None``: there is neither). At most two
+    ``stat`` calls (:func:`kvsnap.store.resolve.committed_file`)."""
+    found = committed_file(locate(snapshot_path(path), None))
+    if found is None or found.status is None:
+        return None
+    return found.status.st_ino, found.status.st_size, found.status.st_mtime_ns
 
 
 class ChunkChecker:

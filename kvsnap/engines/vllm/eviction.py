@@ -53,10 +53,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsnap import format as fmt
-from kvsnap.engines.vllm.prefix_store import CHUNK_SUFFIX, LEGACY_KEY, part_files
+from kvsnap.engines.vllm.prefix_store import CHUNK_SUFFIX, LEGACY_KEY, committed_file, part_files
 from kvsnap.store import publish
 from kvsnap.store.hot import hot_tier
 from kvsnap.store.location import INDEX_SUFFIX
+from kvsnap.store.resolve import snapshot_stem
 
 #: Seconds after its last modification from which a part named by no index is garbage.
 ORPHAN_GRACE_S = 600.0
@@ -229,7 +230,7 @@ def _marked_legacy(entry: StoreEntry | None) -> StoreEntry | None:
     name is an old 32-digit store key."""
     if entry is None or entry.quarantined or entry.orphan:
         return entry
-    stem = entry.path.name.removesuffix(INDEX_SUFFIX).removesuffix(CHUNK_SUFFIX)
+    stem = snapshot_stem(entry.path.name)
     return dataclasses.replace(entry, legacy=True) if LEGACY_KEY.fullmatch(stem) else entry
 
 
@@ -492,4 +493,4 @@ def prune_locked(
 
 def committed_file_exists(path: Path) -> bool:
     """Whether the chunk ``path`` is stored, as a single file or a parted chunk's index."""
-    return path.is_file() or Path(str(path) + INDEX_SUFFIX).is_file()
+    return committed_file(path) is not None

@@ -39,7 +39,9 @@ from typing import Any
 from kvsnap import format as fmt
 from kvsnap.engines.vllm.identity import KEY_PATTERN
 from kvsnap.errors import KVSnapError
-from kvsnap.store.location import INDEX_SUFFIX
+from kvsnap.store import resolve
+from kvsnap.store.location import Location
+from kvsnap.store.resolve import Committed, snapshot_names
 
 #: Suffix of every chunk file.
 CHUNK_SUFFIX = ".safetensors"
@@ -59,15 +61,25 @@ def safe_name(text: str) -> str:
 def index_path(path: str | os.PathLike[str]) -> Path:
     """The parted-snapshot index of the chunk (or snapshot) ``path``: ``path + ".index.json"``,
     or ``path`` itself when it names an index already."""
-    text = os.fspath(path)
-    return Path(text if text.endswith(INDEX_SUFFIX) else text + INDEX_SUFFIX)
+    return _names(path)[1]
 
 
 def snapshot_path(path: str | os.PathLike[str]) -> Path:
     """The ``NAME.safetensors`` path of the chunk (or snapshot) ``path``, whether ``path``
     names that file or its index."""
+    return _names(path)[0]
+
+
+def _names(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     text = os.fspath(path)
-    return Path(text[: -len(INDEX_SUFFIX)] if text.endswith(INDEX_SUFFIX) else text)
+    single, index = snapshot_names(Location(text, text))
+    return Path(single.path), Path(index.path)
+
+
+def _committing(path: str | os.PathLike[str], *, regular: bool) -> Committed | None:
+    """:func:`kvsnap.store.resolve.committed_file` of the chunk ``path`` names (either name)."""
+    text = os.fspath(snapshot_path(path))
+    return resolve.committed_file(Location(text, text), regular=regular)
 
 
 def committed_file(path: str | os.PathLike[str]) -> Path | None:
@@ -78,11 +90,8 @@ def committed_file(path: str | os.PathLike[str]) -> Path | None:
     Both exist only for a moment while one form replaces the other; the single file is what
     :meth:`kvsnap.Snapshot.open` opens then, so it is the one returned.
     """
-    single = snapshot_path(path)
-    if single.is_file():
-        return single
-    index = index_path(single)
-    return index if index.is_file() else None
+    found = _committing(path, regular=True)
+    return None if found is None else Path(found.location.path)
 
 
 def part_files(index: str | os.PathLike[str]) -> list[Path]:
@@ -93,31 +102,14 @@ def part_files(index: str | os.PathLike[str]) -> list[Path]:
     moving its access time where the OS allows (``O_NOATIME``): listing a store must not make
     every parted chunk look just used to LRU eviction."""
     index = Path(index)
-    raw = _read_keeping_atime(index, fmt.MAX_INDEX_BYTES)
-    if raw is None or not fmt.is_parts_index(raw):
-        return []
     try:
-        records = fmt.decode_parts_index(raw, file=str(index)).parts
+        parsed = resolve.read_index(Location(str(index), str(index)), keep_atime=True)
     except (KVSnapError, ValueError):
         return []
-    stem = snapshot_path(index).name[: -len(CHUNK_SUFFIX)]
-    return [index.parent / part.file for part in records if fmt.is_part_of(stem, part.file)]
-
-
-def _read_keeping_atime(path: Path, limit: int) -> bytes | None:
-    """The bytes of the file ``path`` (``None``: gone, unreadable or over ``limit`` bytes),
-    read with ``O_NOATIME`` when this process may (it owns the file); otherwise plainly."""
-    flags = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
-    try:
-        try:
-            descriptor = os.open(path, flags)
-        except PermissionError:  # O_NOATIME needs the file's owner: read it the plain way
-            descriptor = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    with os.fdopen(descriptor, "rb") as file:
-        raw = file.read(limit + 1)
-    return raw if len(raw) <= limit else None
+    if not isinstance(parsed, fmt.PartsIndex):
+        return []
+    stem = resolve.snapshot_stem(index.name)
+    return [index.parent / part.file for part in parsed.parts if fmt.is_part_of(stem, part.file)]
 
 
 def chunk_sequence_id(first_block: int, parent: str | None, key: str) -> str:
@@ -251,15 +243,15 @@ class PrefixStore:
         quarantined, or set aside by a pruner this instant), which the caller treats as a
         miss. A pruner re-reads the last use after setting a chunk aside, so a chunk touched
         before that is put back (:mod:`kvsnap.engines.vllm.eviction`)."""
-        for candidate in (snapshot_path(path), index_path(path)):
+        for _ in range(2):  # again when the file found went since its stat
+            found = _committing(path, regular=False)
+            if found is None:
+                return False  # gone (evicted, quarantined)
+            assert found.status is not None
             try:
-                modified = os.stat(candidate).st_mtime_ns
-            except OSError:
-                continue  # not this form, or gone (evicted, quarantined)
-            try:
-                os.utime(candidate, ns=(time.time_ns(), modified))
+                os.utime(found.location.path, ns=(time.time_ns(), found.status.st_mtime_ns))
             except FileNotFoundError:
-                continue  # gone since the stat
+                continue
             except OSError as error:
                 if error.errno not in _CANNOT_WRITE:
                     raise
@@ -292,7 +284,7 @@ class PrefixStore:
         make_directories(self.quarantined, self.root)
         moment = time.time_ns()
         stem = single.name[: -len(CHUNK_SUFFIX)]
-        if not Path(path).name.endswith(INDEX_SUFFIX):
+        if not resolve.is_index_name(Path(path).name):
             target = self.quarantined / f"{stem}.{moment}{CHUNK_SUFFIX}"
             with contextlib.suppress(FileNotFoundError):  # no single file: parted, or gone
                 os.replace(single, target)
