@@ -46,7 +46,8 @@ for page_bytes in map(int, sys.argv[1:]):
 
 
 def test_the_device_kernel_hashes_like_xxhash():
-    # The GPU kernel, run on host memory by Triton's interpreter (tests/gpu runs it compiled).
+    # The GPU kernel, run on host memory by Triton's interpreter (compiled on the GPU:
+    # tests/pipeline/test_pipeline_gpu.py).
     # The interpreter must be chosen before Triton is imported: a fresh process.
     sizes = ["248", "256", "1024", "1032", "2048", "4096", "18432", "32768"]
     done = subprocess.run(

@@ -17,7 +17,6 @@ import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from store_helpers import GEOMETRIES, SOURCE, make_metadata, shared_prefix_tokens
 
 from kvsnap import format as fmt
 from kvsnap.errors import (
@@ -28,6 +27,7 @@ from kvsnap.errors import (
     UnsupportedVersionError,
 )
 from kvsnap.layout import KVGeometry
+from tests.support.store_helpers import GEOMETRIES, SOURCE, make_metadata, shared_prefix_tokens
 
 # --------------------------------------------------------------------------------------------
 # Prefix hash chains
@@ -240,7 +240,7 @@ def test_source_info_defaults_are_written_and_read_back(metadata: fmt.SnapshotMe
 
 
 def test_docs_publish_the_schema_the_package_uses() -> None:
-    doc = (Path(__file__).parents[1] / "docs" / "format.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "format.md").read_text()
     blocks = re.findall(r"```json\n(.*?)\n```", doc, flags=re.S)
     assert fmt.metadata_schema() in [json.loads(block) for block in blocks if '"$schema"' in block]
 

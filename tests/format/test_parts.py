@@ -11,7 +11,6 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pytest
-from parts_helpers import SOURCE, filled, parted_snapshot, sequences
 
 from kvsnap import format as fmt
 from kvsnap.errors import (
@@ -23,6 +22,7 @@ from kvsnap.errors import (
 from kvsnap.format import parse
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store import opening
+from tests.support.parts_helpers import SOURCE, filled, parted_snapshot, sequences
 
 INDEX = ".index.json"
 

@@ -19,7 +19,12 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from store_helpers import (
+
+from kvsnap import format as fmt
+from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
+from kvsnap.store import SnapshotReader, SnapshotWriter, local_file
+from kvsnap.transfer.pinned import PinnedPool
+from tests.support.store_helpers import (
     GEOMETRIES,
     make_metadata,
     random_pages,
@@ -27,12 +32,7 @@ from store_helpers import (
     write_snapshot,
 )
 
-from kvsnap import format as fmt
-from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
-from kvsnap.store import SnapshotReader, SnapshotWriter, local_file
-from kvsnap.transfer.pinned import PinnedPool
-
-TESTS = Path(__file__).parent
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 
 def build(
@@ -676,7 +676,7 @@ def _probe(tmp_path: Path, total_mib: int) -> dict[str, float]:
     result = subprocess.run(
         [
             sys.executable,
-            str(TESTS / "store_memory_probe.py"),
+            str(SUPPORT / "store_memory_probe.py"),
             str(tmp_path / "big.safetensors"),
             str(total_mib),
         ],

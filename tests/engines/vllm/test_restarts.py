@@ -48,14 +48,13 @@ from kvsnap.engines.vllm import (
     vllm_layout,
 )
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-from tests.vllm.engines import (
+from tests.support.vllm_engines import (
     HELPERS,
     PYTHON,
     ROOT,
     EngineRun,
     finish_engine,
     launch_engine,
-    needs_vllm,
     run_engine,
 )
 
@@ -63,7 +62,7 @@ BLOCK = 32
 CHUNK_BLOCKS = 2
 SHARING = ("S1", "S2", "S3", "S4")
 
-pytestmark = needs_vllm
+pytestmark = pytest.mark.vllm
 
 
 def _prompts() -> dict[str, list[int]]:
@@ -224,7 +223,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
     tmp = tmp_path_factory.mktemp("vllm")
     model = tmp / "model"
     subprocess.run(
-        [str(PYTHON), str(HELPERS / "make_model.py"), str(model)], check=True, capture_output=True
+        [str(PYTHON), str(HELPERS / "vllm_make_model.py"), str(model)],
+        check=True,
+        capture_output=True,
     )
     prompts = _prompts()
     persist = {"path": str(tmp / "store"), "mode": "persist+dump", "chunk_blocks": CHUNK_BLOCKS}
