@@ -22,7 +22,7 @@ import pytest
 from kvsnap import format as fmt
 from kvsnap.errors import SnapshotCorruptError, SnapshotIOError
 from kvsnap.store import SnapshotReader, SnapshotWriter, local_file, tuning, write_local
-from tests.store.test_writer import build, page_of, temp_files
+from tests.support.store_helpers import build, page_of, temp_files
 
 WAIT_S = 10
 

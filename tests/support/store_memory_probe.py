@@ -2,7 +2,7 @@
 
 Run as ``python tests/support/store_memory_probe.py PATH TOTAL_MIB``; prints one JSON object:
 the resident-set high-water mark before the work (after imports and the staging pool) and
-after it, and the seconds each phase took. ``tests/store/test_writer.py`` runs it in a
+after it, and the seconds each phase took. ``tests/store/test_reader.py`` runs it in a
 subprocess so the measurement covers nothing but this snapshot.
 """
 
