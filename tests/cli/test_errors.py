@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 from kvsnap.cli.app import app
-from store_helpers import SOURCE, write_snapshot
 from typer.testing import CliRunner
 
 from kvsnap import format as fmt
 from kvsnap.layout import KVGeometry
 from kvsnap.snapshot import Snapshot
+from tests.support.store_helpers import SOURCE, write_snapshot
 
 runner = CliRunner()
 

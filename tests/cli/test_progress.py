@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 #: Terminal control sequences (colours, cursor moves) between the words rich draws.
 _CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

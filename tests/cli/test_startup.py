@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from kvsnap.engines.vllm.eviction import ORPHAN_GRACE_S
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 #: Libraries that take a second or more to import, none of which these commands need.
 HEAVY_LIBRARIES = ("torch", "transformers", "triton", "matplotlib")
 #: kvsnap's own modules that import them.

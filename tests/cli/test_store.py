@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from kvsnap.engines.vllm import CacheIdentity, PrefixStore, store_key_chain
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 #: What a real namespace looks like: the model fingerprint, the KV dtype, the block size, the
 #: KV geometry's digest.
 NAMESPACE = "03a56889058c2d76-bfloat16-b16-g1fffbbac"

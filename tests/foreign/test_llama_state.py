@@ -29,7 +29,7 @@ from kvsnap.errors import (
 from kvsnap.foreign import convert_to_snapshot, open_foreign
 from kvsnap.snapshot import Snapshot
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures" / "foreign" / "llama-state"
 PROMPT = json.loads((FIXTURES / "prompt.json").read_text())
 FILES = ("seq-flash.bin", "seq-noflash.bin", "session.bin")

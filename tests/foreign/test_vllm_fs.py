@@ -23,7 +23,7 @@ from kvsnap.foreign import convert_to_snapshot, open_foreign, recognise
 from kvsnap.foreign.vllm_fs import namespace_digest, namespace_name, prefix_hashes
 from kvsnap.snapshot import Snapshot
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures" / "foreign" / "vllm-fs"
 PROMPT = json.loads((FIXTURES / "prompt.json").read_text())
 BLOCK = 32
@@ -282,10 +282,7 @@ def test_cli_hostile_inputs(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not (ROOT / ".venv-vllm" / ".installed").exists(),
-    reason="real vLLM is not installed: run scripts/setup_vllm_venv.sh",
-)
+@pytest.mark.vllm
 def test_real_vllm_writes_what_the_fixtures_hold(tmp_path: Path) -> None:
     """Four real engine runs (fs tier and dump, TP 1 and 2) written afresh by the script that
     wrote the fixtures: the same namespace and file names, and each conversion equal to its

@@ -34,7 +34,7 @@ from kvsnap.testing.synthetic import (
     synthesize,
 )
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 MANIFESTS = sorted(FIXTURES.glob("v*/manifest.json"))
 
 

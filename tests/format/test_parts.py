@@ -10,7 +10,6 @@ import struct
 from pathlib import Path
 
 import pytest
-from parts_helpers import SOURCE, filled, parted_snapshot, sequences
 
 import kvsnap
 from kvsnap import format as fmt
@@ -22,6 +21,7 @@ from kvsnap.errors import (
 )
 from kvsnap.format import parse
 from kvsnap.snapshot import Snapshot, capture
+from tests.support.parts_helpers import SOURCE, filled, parted_snapshot, sequences
 
 INDEX = ".index.json"
 

@@ -12,12 +12,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from store_helpers import GEOMETRIES, SOURCE, make_metadata, random_pages, write_snapshot
 
 from kvsnap import format as fmt
 from kvsnap.format import schema
 from kvsnap.layout import KVGeometry
 from kvsnap.store import SnapshotReader
+from tests.support.store_helpers import (
+    GEOMETRIES,
+    SOURCE,
+    make_metadata,
+    random_pages,
+    write_snapshot,
+)
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from parts_helpers import SOURCE, caches
 
 from kvsnap import format as fmt
 from kvsnap.errors import RestoreIncompleteError
@@ -18,6 +17,7 @@ from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store import SnapshotReader
 from kvsnap.store.source import Source
 from kvsnap.testing.caches import random_content, same_bytes
+from tests.support.parts_helpers import SOURCE, caches
 
 #: Three chunks of a prompt: (first device block, number of blocks) of the source cache.
 CHUNKS = [(0, 4), (4, 4), (8, 3)]

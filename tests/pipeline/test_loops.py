@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_snapshot import LAYERS, SOURCE, FailingCopies, sequences_for, split_nhd
 
 from kvsnap import layout as L
 from kvsnap.errors import SnapshotCorruptError, TransferFailedError
@@ -25,6 +24,7 @@ from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import SnapshotReader, SnapshotWriter, slot_reads
 from kvsnap.transfer import TransferHandler
 from kvsnap.transfer.pinned import PinnedPool
+from tests.snapshot.test_snapshot import LAYERS, SOURCE, FailingCopies, sequences_for, split_nhd
 
 #: Staging of 16 pages of 256 bytes per slot (slots are 4096-aligned); the caches below need
 #: several slots per tensor.

@@ -5,14 +5,14 @@ of KV still being written by the caller's stream, and many warm calls reusing on
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the CPU tests' helpers
-from test_pipeline import (
+from kvsnap.errors import RestoreIncompleteError
+from kvsnap.pipeline import Pipeline, StagingOptions
+from kvsnap.snapshot import Snapshot, capture
+from kvsnap.testing.caches import same_bytes
+from tests.pipeline.test_pipeline import (
     LAYOUTS,
     SOURCE,
     _assert_restored,
@@ -21,15 +21,7 @@ from test_pipeline import (
     _sequences,
 )
 
-from kvsnap.errors import RestoreIncompleteError
-from kvsnap.pipeline import Pipeline, StagingOptions
-from kvsnap.snapshot import Snapshot, capture
-from kvsnap.testing.caches import same_bytes
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize(("kind", "tp_size", "heads"), LAYOUTS)

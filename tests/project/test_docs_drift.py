@@ -13,7 +13,7 @@ import torch
 from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 README = DOCS.parent / "README.md"
 runner = CliRunner()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import tomllib
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _listed_packages() -> set[str]:

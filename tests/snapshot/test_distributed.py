@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from distributed_child import Case, run_rank
 
 import kvsnap
 from kvsnap.store import SnapshotReader
 from kvsnap.testing.caches import same_bytes
+from tests.support.distributed_child import Case, run_rank
 
 #: Seconds the parent waits for a group of ranks before it calls the run hung.
 JOIN_TIMEOUT_S = 120
@@ -190,14 +190,13 @@ def test_mla_and_single_rank_groups_write_one_plain_snapshot(
 
 
 def test_connector_worker_at_tp2_saves_parted_chunks_a_tp1_worker_loads(tmp_path: Path) -> None:
-    from distributed_child import (
+    from kvsnap.engines.vllm import ChunkLoad, KVSnapConnectorMetadata, LoadSpec
+    from tests.support.distributed_child import (
         WORKER_BLOCK,
         WORKER_HEAD_DIM,
         worker_cells,
         worker_for,
     )
-
-    from kvsnap.engines.vllm import ChunkLoad, KVSnapConnectorMetadata, LoadSpec
 
     store = tmp_path / "store"
     blocks = [9, 2, 14, 5, 7]  # five blocks: chunks of 2, 2 and 1

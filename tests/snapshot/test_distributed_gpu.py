@@ -3,21 +3,18 @@ are enough (ranks share GPU 0 otherwise), the fused copy and the device checksum
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the CPU tests' helpers
-from distributed_child import Case
-from test_distributed import _run
-
 import kvsnap
 from kvsnap.testing.caches import same_bytes
+from tests.snapshot.test_distributed import _run
+from tests.support.distributed_child import Case
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 CASE = {
     "device": "cuda",

@@ -8,7 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from parts_helpers import (
+
+from kvsnap import format as fmt
+from kvsnap import layout as L
+from kvsnap.errors import LayoutError, NotASnapshotError, RestoreIncompleteError
+from kvsnap.parted import capture_part
+from kvsnap.pipeline import Pipeline
+from kvsnap.snapshot import Snapshot, capture
+from kvsnap.store import SnapshotReader
+from kvsnap.testing.caches import make_cache, same_bytes
+from tests.support.parts_helpers import (
     NUM_BLOCKS,
     SOURCE,
     TARGETS,
@@ -21,15 +30,6 @@ from parts_helpers import (
     restored_exactly,
     sequences,
 )
-
-from kvsnap import format as fmt
-from kvsnap import layout as L
-from kvsnap.errors import LayoutError, NotASnapshotError, RestoreIncompleteError
-from kvsnap.parted import capture_part
-from kvsnap.pipeline import Pipeline
-from kvsnap.snapshot import Snapshot, capture
-from kvsnap.store import SnapshotReader
-from kvsnap.testing.caches import make_cache, same_bytes
 
 
 def test_part_plan_gives_each_head_group_one_writer() -> None:

@@ -3,15 +3,15 @@ through the fused path and restored at TP 1, 2 and 4, bit-exact, warm on the sec
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the CPU tests' helpers
-from parts_helpers import (
+from kvsnap.pipeline import Pipeline
+from kvsnap.snapshot import Snapshot, capture
+from tests.support.parts_helpers import (
     NUM_BLOCKS,
     SOURCE,
     TARGETS,
@@ -23,13 +23,7 @@ from parts_helpers import (
     sequences,
 )
 
-from kvsnap.pipeline import Pipeline
-from kvsnap.snapshot import Snapshot, capture
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("heads", [8, 2])

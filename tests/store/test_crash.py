@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from store_crash_child import snapshot_data, write_and_maybe_die
-from store_helpers import write_snapshot
 
 from kvsnap import format as fmt
 from kvsnap.errors import KVSnapError
 from kvsnap.store import SnapshotReader
+from tests.support.store_crash_child import snapshot_data, write_and_maybe_die
+from tests.support.store_helpers import write_snapshot
 
 OLD_SEED = 1000
 
@@ -32,7 +32,7 @@ def forkserver() -> multiprocessing.context.ForkServerContext:
     is cheap only when pytest is already imported.
     """
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["pytest", "kvsnap.store", "store_crash_child"])
+    context.set_forkserver_preload(["pytest", "kvsnap.store", "tests.support.store_crash_child"])
     return context
 
 

@@ -18,13 +18,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from store_helpers import (
-    GEOMETRIES,
-    make_metadata,
-    random_pages,
-    shared_prefix_tokens,
-    write_snapshot,
-)
 
 from kvsnap import format as fmt
 from kvsnap.errors import (
@@ -34,8 +27,15 @@ from kvsnap.errors import (
     UnsupportedVersionError,
 )
 from kvsnap.store import SnapshotReader, SnapshotWriter, publish
+from tests.support.store_helpers import (
+    GEOMETRIES,
+    make_metadata,
+    random_pages,
+    shared_prefix_tokens,
+    write_snapshot,
+)
 
-TESTS = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build(seed: int, name: str = "bf16") -> tuple[fmt.SnapshotMetadata, dict[str, np.ndarray]]:
@@ -226,14 +226,14 @@ def test_v1_shard_names_without_a_generation_are_still_read(tmp_path: Path) -> N
 _WRITE_AND_DIE = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from store_crash_child import write_and_maybe_die
+from tests.support.store_crash_child import write_and_maybe_die
 write_and_maybe_die(sys.argv[2], "bf16", 7, ("bytes", 1))
 """
 
 
 def kill_a_writer(path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-c", _WRITE_AND_DIE, str(TESTS), str(path)],
+        [sys.executable, "-c", _WRITE_AND_DIE, str(ROOT), str(path)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,7 +1,7 @@
 """The hot tier's bookkeeping on real files (no CUDA needed): the ``hot_bytes`` bound, least
 recently used eviction, registration on the N-th hit, and invalidation when a file is replaced,
 truncated or deleted; and the store's reads never going through O_DIRECT for a page-cached
-range. The registration itself and restores from registered files: tests/gpu/test_hot_gpu.py.
+range. The registration itself and restores from registered files: tests/store/test_hot_gpu.py.
 """
 
 from __future__ import annotations

@@ -5,25 +5,19 @@ page still checked on the device, and ``hot_bytes`` held while many files come a
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the CPU tests' helpers
-from test_pipeline import SOURCE, _assert_restored, _caches, _flip_byte, _sequences
-
 from kvsnap.errors import RestoreIncompleteError
 from kvsnap.pipeline import Pipeline
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store.hot import configure_hot_tier, hot_tier
+from tests.pipeline.test_pipeline import SOURCE, _assert_restored, _caches, _flip_byte, _sequences
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = pytest.mark.gpu
 
 USED = [[3, 7, 1, 9, 10, 33]]
 TARGET = [0, 2, 4, 5, 6, 39]

@@ -1,8 +1,8 @@
 """Ctrl-C: a real SIGINT sent to a real child process stops a write, keeps the previous file
 byte for byte, leaves no temporary file, and (CLI) says so in one line with exit code 130.
 
-The child (``interrupt_child.py``) writes to slow storage (each layer-data write takes a while
-longer), so the signal lands while the snapshot is being written every time.
+The child (``tests/support/interrupt_child.py``) writes to slow storage (each layer-data write
+takes a while longer), so the signal lands while the snapshot is being written every time.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
-REPO = Path(__file__).resolve().parent.parent
-CHILD = Path(__file__).resolve().parent / "interrupt_child.py"
+REPO = Path(__file__).resolve().parents[2]
+CHILD = Path(__file__).resolve().parents[1] / "support" / "interrupt_child.py"
 #: Generous bound on a child's whole life: a hang fails the test instead of blocking the suite.
 CHILD_TIMEOUT_S = 120
 #: What ``kvsnap fixture`` writes here: 64 MiB of KV, four 16 MiB staging slots to write.
@@ -145,9 +145,14 @@ def test_an_abort_waiting_on_a_stuck_write_gives_way_to_a_third_interrupt(
     import threading
 
     import numpy as np
-    from store_helpers import GEOMETRIES, make_metadata, random_pages, shared_prefix_tokens
 
     from kvsnap.store import SnapshotWriter, local_file
+    from tests.support.store_helpers import (
+        GEOMETRIES,
+        make_metadata,
+        random_pages,
+        shared_prefix_tokens,
+    )
 
     rng = np.random.default_rng(5)
     spec = GEOMETRIES["bf16"]

@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from parts_helpers import SOURCE, filled, sequences
 
 import kvsnap.parted
 import kvsnap.store.parts
@@ -19,6 +18,7 @@ from kvsnap.parted import capture_part
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store.parts import discard_parts, publish_parts_index
 from kvsnap.testing.caches import same_bytes
+from tests.support.parts_helpers import SOURCE, filled, sequences
 
 SHARD_BYTES = 4096  # small enough to shard the test snapshots
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_store import build, page_of, temp_files
 
 from kvsnap import format as fmt
 from kvsnap.errors import SnapshotCorruptError, SnapshotIOError
 from kvsnap.store import SnapshotReader, SnapshotWriter, local_file, tuning, write_local
+from tests.support.store_helpers import build, page_of, temp_files
 
 WAIT_S = 10
 

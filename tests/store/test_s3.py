@@ -10,15 +10,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from store_helpers import (
+
+from kvsnap.store import SnapshotReader, SnapshotWriter, tuning
+from tests.support.store_helpers import (
     GEOMETRIES,
     make_metadata,
     random_pages,
     shared_prefix_tokens,
     write_snapshot,
 )
-
-from kvsnap.store import SnapshotReader, SnapshotWriter, tuning
 
 moto_server = pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")

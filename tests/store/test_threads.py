@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from store_helpers import GEOMETRIES, SOURCE, make_metadata, random_pages
 
 from kvsnap import format as fmt
 from kvsnap.pipeline import Pipeline
@@ -22,6 +21,7 @@ from kvsnap.snapshot import SequenceBlocks
 from kvsnap.store import SnapshotReader, SnapshotWriter, local_file
 from kvsnap.store.lanes import SerialLane, TaskGroup
 from kvsnap.testing.caches import make_cache, random_content
+from tests.support.store_helpers import GEOMETRIES, SOURCE, make_metadata, random_pages
 
 
 @pytest.fixture

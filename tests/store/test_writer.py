@@ -1,55 +1,33 @@
-"""The streaming writer and the reader: round trips, O_DIRECT, atomic publish, damaged files."""
+"""The streaming writer: round trips that the reader and safetensors read back byte for byte,
+O_DIRECT, the atomic publish, and failures that keep the old snapshot."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
-import struct
-import subprocess
-import sys
 import threading
 import time
-import tracemalloc
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from store_helpers import (
-    GEOMETRIES,
-    make_metadata,
-    random_pages,
-    shared_prefix_tokens,
-    write_snapshot,
-)
+from safetensors.torch import load_file
 
 from kvsnap import format as fmt
-from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
+from kvsnap.errors import NotASnapshotError, SnapshotCorruptError, SnapshotIOError
 from kvsnap.store import SnapshotReader, SnapshotWriter, local_file
 from kvsnap.transfer.pinned import PinnedPool
-
-TESTS = Path(__file__).parent
-
-
-def build(
-    name: str, seed: int, **options: Any
-) -> tuple[fmt.SnapshotMetadata, dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    geometry = GEOMETRIES[name]
-    metadata = make_metadata(geometry, shared_prefix_tokens(rng, geometry.block_size), **options)
-    return metadata, random_pages(rng, metadata)
-
-
-def page_of(pages: np.ndarray, page_bytes: int, block: int) -> bytes:
-    return pages[block * page_bytes : (block + 1) * page_bytes].tobytes()
-
-
-def temp_files(directory: Path) -> list[str]:
-    return sorted(name for name in os.listdir(directory) if ".kvsnap-tmp-" in name)
+from tests.support.store_helpers import (
+    GEOMETRIES,
+    build,
+    make_metadata,
+    page_of,
+    temp_files,
+    write_snapshot,
+)
 
 
 def direct_io_works(directory: Path) -> bool:
@@ -307,14 +285,6 @@ def test_unaligned_pages_report_a_partial_fallback(tmp_path: Path) -> None:
 # Atomic publish and failures
 
 
-@pytest.fixture
-def old_snapshot(tmp_path: Path) -> tuple[Path, bytes]:
-    metadata, pages = build("bf16", seed=20)
-    path = tmp_path / "snap.safetensors"
-    write_snapshot(path, metadata, pages)
-    return path, path.read_bytes()
-
-
 def test_an_exception_while_writing_keeps_the_old_snapshot(
     old_snapshot: tuple[Path, bytes],
 ) -> None:
@@ -446,264 +416,3 @@ def test_inflight_bytes_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     writer.commit()
     with SnapshotReader(tmp_path / "snap.safetensors") as reader:
         assert reader.verify() == []
-
-
-# --------------------------------------------------------------------------------------------
-# Reading
-
-
-def test_subset_reads_touch_only_those_ranges(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    metadata, pages = build("f16-32k", seed=27)
-    page = metadata.geometry.canonical_page_size_bytes
-    path = tmp_path / "snap.safetensors"
-    write_snapshot(path, metadata, pages)
-    (layout,) = fmt.plan_files(metadata)
-    entry = layout.by_name["layers.1.value"]
-    reads: list[tuple[int, int]] = []
-    real = os.preadv
-
-    def recording(fd: int, buffers: list[memoryview], offset: int) -> int:
-        reads.append((offset, sum(len(b) for b in buffers)))
-        return real(fd, buffers, offset)
-
-    with SnapshotReader(path) as reader:
-        monkeypatch.setattr(os, "preadv", recording)
-        ids = np.array([5, 6, 7, 2, 9])
-        out = np.empty(len(ids) * page, dtype=np.uint8)
-        reader.read_pages("layers.1.value", ids, out)
-    data_reads = sorted(r for r in reads if entry.begin <= r[0] < entry.end)
-    assert data_reads == [(entry.begin + b * page, n * page) for b, n in ((2, 1), (5, 3), (9, 1))]
-    other = [r for r in reads if not entry.begin <= r[0] < entry.end]
-    checksums = layout.by_name[fmt.BLOCK_CHECKSUMS_TENSOR]
-    assert other == [(checksums.begin + 3 * metadata.num_blocks * 8, metadata.num_blocks * 8)]
-    assert out.tobytes() == b"".join(
-        page_of(pages["layers.1.value"], page, b) for b in ids.tolist()
-    )
-
-
-def test_reader_rejects_misuse(old_snapshot: tuple[Path, bytes]) -> None:
-    path, _ = old_snapshot
-    with SnapshotReader(path) as reader:
-        page = reader.page_size_bytes("layers.0.key")
-        with pytest.raises(KeyError):
-            reader.page_size_bytes("sequences.0.token_ids")
-        with pytest.raises(ValueError, match="need"):
-            reader.read_pages("layers.0.key", [0, 1], np.empty(page, dtype=np.uint8))
-        with pytest.raises(IndexError):
-            reader.read_pages(
-                "layers.0.key", [reader.metadata.num_blocks], np.empty(page, dtype=np.uint8)
-            )
-        with pytest.raises(TypeError):
-            reader.read_pages("layers.0.key", [0], np.empty(page, dtype=np.float32))
-        reader.read_pages("layers.0.key", [], np.empty(0, dtype=np.uint8))
-
-
-def test_unreadable_targets_raise_typed_errors(tmp_path: Path) -> None:
-    with pytest.raises(SnapshotIOError, match="no such file"):
-        SnapshotReader(tmp_path / "missing.safetensors")
-    with pytest.raises(NotASnapshotError, match="regular file"):
-        SnapshotReader(tmp_path)
-    (tmp_path / "empty.safetensors").write_bytes(b"")
-    with pytest.raises(NotASnapshotError, match="too short"):
-        SnapshotReader(tmp_path / "empty.safetensors")
-    save_file({"weight": torch.zeros(3)}, tmp_path / "model.safetensors")
-    with pytest.raises(NotASnapshotError, match="without kvsnap metadata"):
-        SnapshotReader(tmp_path / "model.safetensors")
-    rng = np.random.default_rng(28)
-    for size in [1, 7, 8, 9, 100, 4096, 100_000, *rng.integers(10, 50_000, 30).tolist()]:
-        junk = tmp_path / "junk.bin"
-        junk.write_bytes(rng.bytes(size))
-        with pytest.raises(KVSnapError):
-            SnapshotReader(junk)
-
-
-def test_truncated_and_extended_files_are_refused(old_snapshot: tuple[Path, bytes]) -> None:
-    path, data = old_snapshot
-    rng = np.random.default_rng(29)
-    cut = path.parent / "cut.safetensors"
-    (layout,) = fmt.plan_files(SnapshotReader(path).metadata)
-    edges = [0, 7, 8, 9, layout.data_start - 1, layout.data_start, len(data) - 1]
-    for length in [*edges, *rng.integers(0, len(data), 150).tolist()]:
-        cut.write_bytes(data[:length])
-        with pytest.raises(KVSnapError) as caught:
-            SnapshotReader(cut)
-        assert isinstance(caught.value, NotASnapshotError if length < 8 else SnapshotCorruptError)
-        assert str(cut) in str(caught.value)
-    cut.write_bytes(data + b"\0" * 16)
-    with pytest.raises(SnapshotCorruptError, match="trailing data"):
-        SnapshotReader(cut)
-
-
-def test_a_header_claiming_terabytes_allocates_nothing(old_snapshot: tuple[Path, bytes]) -> None:
-    path, data = old_snapshot
-    for claim, error in ((1 << 40, NotASnapshotError), (90_000_000, SnapshotCorruptError)):
-        path.write_bytes(struct.pack("<Q", claim) + data[8:])
-        tracemalloc.start()
-        try:
-            with pytest.raises(error):
-                SnapshotReader(path)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
-        assert peak < 1 << 20
-
-
-def test_verify_finds_tokens_that_do_not_match_their_prefix_hashes(
-    old_snapshot: tuple[Path, bytes],
-) -> None:
-    """Checksums guard the bytes; verify also re-derives the hash chains from the token ids."""
-    path, data = old_snapshot
-    metadata = SnapshotReader(path).metadata
-    (layout,) = fmt.plan_files(metadata)
-    raw = bytearray(data)
-    entry = layout.by_name["sequences.0.token_ids"]
-    raw[entry.begin] ^= 0x01  # change a token id, then fix every checksum that covers it
-    trailer_entry = layout.by_name[fmt.CHECKSUMS_TENSOR]
-    digests = fmt.decode_trailer(bytes(raw[trailer_entry.begin : trailer_entry.end]))
-    row = 1 + [e.name for e in layout.checksummed()].index(entry.name)
-    digests[row] = fmt.digest128(bytes(raw[entry.begin : entry.end]))
-    raw[trailer_entry.begin : trailer_entry.end] = fmt.encode_trailer(digests)
-    path.write_bytes(bytes(raw))
-    with SnapshotReader(path) as reader:
-        problems = reader.verify()
-    assert [p.tensor for p in problems] == ["sequences.0.token_ids"]
-    assert "hash" in problems[0].message
-
-
-# --------------------------------------------------------------------------------------------
-# Single-byte flips: every one is detected and named
-
-
-def _region(layout: fmt.FileLayout, position: int) -> tuple[str | None, int | None]:
-    """(tensor, block) a file offset belongs to; (None, None) for the header."""
-    if position < layout.data_start:
-        return None, None
-    for entry in layout.entries:
-        if entry.begin <= position < entry.end:
-            if fmt.is_layer_tensor(entry.name):
-                page = entry.nbytes // entry.shape[0]
-                return entry.name, (position - entry.begin) // page
-            return entry.name, None
-    raise AssertionError(position)
-
-
-def _region_kind(tensor: str | None) -> str:
-    if tensor is None:
-        return "header"
-    if fmt.is_layer_tensor(tensor):
-        return "layers"
-    if tensor.startswith(fmt.PADDING_PREFIX):
-        return "padding"
-    if tensor.startswith("sequences."):
-        return "sequences." + tensor.rsplit(".", 1)[1]
-    return tensor
-
-
-@pytest.mark.parametrize(("name", "seed"), [("bf16", 30), ("mla-f8", 31), ("f32-odd", 32)])
-def test_every_single_byte_flip_is_detected_and_named(tmp_path: Path, name: str, seed: int) -> None:
-    """340 flips per geometry, 1020 in all: header (JSON and its space padding), KV pages,
-    sequences, block hashes, padding, block checksums, trailer. None goes unnoticed; KV flips
-    are named by tensor and block, everything else by tensor (or the file, for the header)."""
-    metadata, pages = build(name, seed=seed, extra_blocks=1)
-    page = metadata.geometry.canonical_page_size_bytes
-    path = tmp_path / "snap.safetensors"
-    write_snapshot(path, metadata, pages)
-    original = path.read_bytes()
-    (layout,) = fmt.plan_files(metadata)
-    assert layout.file_size == len(original)
-    rng = np.random.default_rng(seed)
-    layers = [e for e in layout.entries if fmt.is_layer_tensor(e.name)]
-    others = [e for e in layout.entries if not fmt.is_layer_tensor(e.name)]
-    positions = [int(p) for p in rng.integers(0, layout.data_start, 110)]
-    # KV pages weighted by size; every other tensor equally often, however small.
-    weights = np.array([e.nbytes for e in layers], dtype=float)
-    for index in rng.choice(len(layers), size=115, p=weights / weights.sum()).tolist():
-        positions.append(int(rng.integers(layers[index].begin, layers[index].end)))
-    for index in rng.integers(0, len(others), size=115).tolist():
-        positions.append(int(rng.integers(others[index].begin, others[index].end)))
-    flipped_path = tmp_path / "flipped.safetensors"
-    seen_regions: set[str] = set()
-    for position in positions:
-        flipped = bytearray(original)
-        flipped[position] ^= 1 << int(rng.integers(0, 8))
-        flipped_path.write_bytes(bytes(flipped))
-        tensor, block = _region(layout, position)
-        seen_regions.add(_region_kind(tensor))
-        try:
-            reader = SnapshotReader(flipped_path)
-        except KVSnapError as error:
-            # Refused at open: the header, the trailer or a metadata tensor, named precisely.
-            assert str(flipped_path) in str(error)
-            if tensor is not None:
-                assert error.tensor == tensor
-                assert tensor.startswith(
-                    ("sequences.", fmt.BLOCK_HASHES_TENSOR, fmt.CHECKSUMS_TENSOR)
-                )
-            continue
-        with reader:
-            problems = reader.verify()
-            assert problems, f"flip at {position} ({tensor}, block {block}) went unnoticed"
-            named = {(p.tensor, p.block) for p in problems}
-            if tensor is not None and fmt.is_layer_tensor(tensor):
-                assert (tensor, block) in named
-                with pytest.raises(SnapshotCorruptError) as caught:
-                    reader.read_pages(tensor, [block], np.empty(page, dtype=np.uint8))
-                assert (caught.value.tensor, caught.value.block) == (tensor, block)
-                other = (block + 1) % metadata.num_blocks
-                reader.read_pages(tensor, [other], np.empty(page, dtype=np.uint8))
-            else:
-                assert tensor in {t for t, _ in named}, (tensor, problems)
-    assert len(positions) == 340
-    assert seen_regions == {
-        "header",
-        "layers",
-        "sequences.token_ids",
-        "sequences.block_ids",
-        fmt.BLOCK_HASHES_TENSOR,
-        fmt.BLOCK_CHECKSUMS_TENSOR,
-        fmt.CHECKSUMS_TENSOR,
-        "padding",
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# Memory: a snapshot far larger than the staging and in-flight bounds
-
-
-def _probe(tmp_path: Path, total_mib: int) -> dict[str, float]:
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(TESTS / "store_memory_probe.py"),
-            str(tmp_path / "big.safetensors"),
-            str(total_mib),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return json.loads(result.stdout)
-
-
-#: Peak RSS the probe may add over its baseline: 4 x 8 MiB staging slots are in the baseline;
-#: the bound covers the reader's verify pieces, xxhash/numpy temporaries and allocator slack.
-PEAK_RSS_BOUND_MIB = 96
-
-
-def test_peak_memory_is_bounded_for_a_512_mib_snapshot(tmp_path: Path) -> None:
-    result = _probe(tmp_path, 512)
-    added_mib = (result["peak_kib"] - result["baseline_kib"]) / 1024
-    assert result["snapshot_bytes"] > 512 << 20
-    assert added_mib < PEAK_RSS_BOUND_MIB, result
-
-
-@pytest.mark.slow
-def test_peak_memory_is_bounded_for_a_4_gib_snapshot(tmp_path: Path) -> None:
-    result = _probe(tmp_path, 4096)
-    added_mib = (result["peak_kib"] - result["baseline_kib"]) / 1024
-    assert result["snapshot_bytes"] > 4 << 30
-    assert added_mib < PEAK_RSS_BOUND_MIB, result

@@ -1,6 +1,6 @@
 """Child process of the Ctrl-C tests: runs the CLI or a library capture on slow storage.
 
-``python interrupt_child.py MODE MARKER DELAY SLOWED [ARGS...]``
+``python tests/support/interrupt_child.py MODE MARKER DELAY SLOWED [ARGS...]``
 
 ``SLOWED`` names what is slow: ``write`` (every layer-data write of the snapshot writer takes
 ``DELAY`` seconds more, as on slow or remote storage) or ``synthesize`` (the synthetic KV takes

@@ -13,16 +13,16 @@ import signal
 from typing import Any
 
 import numpy as np
-from store_helpers import (
+
+from kvsnap import format as fmt
+from kvsnap.store import local_file, publish
+from tests.support.store_helpers import (
     GEOMETRIES,
     make_metadata,
     random_pages,
     shared_prefix_tokens,
     write_snapshot,
 )
-
-from kvsnap import format as fmt
-from kvsnap.store import local_file, publish
 
 
 def snapshot_data(

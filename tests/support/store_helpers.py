@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -118,3 +121,23 @@ def write_snapshot(
                 block += count
     assert writer.info is not None
     return writer.info
+
+
+def build(
+    name: str, seed: int, **options: Any
+) -> tuple[fmt.SnapshotMetadata, dict[str, np.ndarray]]:
+    """Metadata of random sequences in ``GEOMETRIES[name]`` and random KV pages for them."""
+    rng = np.random.default_rng(seed)
+    geometry = GEOMETRIES[name]
+    metadata = make_metadata(geometry, shared_prefix_tokens(rng, geometry.block_size), **options)
+    return metadata, random_pages(rng, metadata)
+
+
+def page_of(pages: np.ndarray, page_bytes: int, block: int) -> bytes:
+    """The bytes of page ``block`` of one tensor's pages."""
+    return pages[block * page_bytes : (block + 1) * page_bytes].tobytes()
+
+
+def temp_files(directory: Path) -> list[str]:
+    """The writers' temporary files in ``directory``."""
+    return sorted(name for name in os.listdir(directory) if ".kvsnap-tmp-" in name)

@@ -1,9 +1,9 @@
 """Write, read back and verify a snapshot far larger than the staging memory; report peak RSS.
 
-Run as ``python tests/store_memory_probe.py PATH TOTAL_MIB``; prints one JSON object:
+Run as ``python tests/support/store_memory_probe.py PATH TOTAL_MIB``; prints one JSON object:
 the resident-set high-water mark before the work (after imports and the staging pool) and
-after it, and the seconds each phase took. ``tests/test_store.py`` runs it in a subprocess so
-the measurement covers nothing but this snapshot.
+after it, and the seconds each phase took. ``tests/store/test_reader.py`` runs it in a
+subprocess so the measurement covers nothing but this snapshot.
 """
 
 from __future__ import annotations

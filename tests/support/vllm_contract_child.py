@@ -1,6 +1,6 @@
 """Drive KVSnapConnector the way vLLM's own connector tests do, and report what happened.
 
-Usage: ``python contract_child.py JOB.json`` with the vLLM virtualenv's Python (kvsnap
+Usage: ``python vllm_contract_child.py JOB.json`` with the vLLM virtualenv's Python (kvsnap
 importable). A real vLLM v1 ``Scheduler`` or ``AsyncScheduler`` (``"scheduler"``: ``sync`` or
 ``async``) schedules the job's prompts; its connector is KVSnapConnector's scheduler role,
 built by vLLM from the ``KVTransferConfig``. The worker role (a second ``KVSnapConnector``) is

@@ -1,8 +1,9 @@
 """Running real vLLM engines (the CPU build, in ``.venv-vllm``) from the test suite.
 
-Each engine runs ``run_engine.py`` in a subprocess with ``.venv-vllm/bin/python`` and this tree's
-kvsnap first on the path; a test names its prompts by label and gets back, per label, the
-generated tokens, vLLM's cached-token count and the connector's events.
+Each engine runs ``vllm_run_engine.py`` in a subprocess with ``.venv-vllm/bin/python`` and this
+tree's kvsnap first on the path; a test names its prompts by label and gets back, per label, the
+generated tokens, vLLM's cached-token count and the connector's events. Tests that use it are
+marked ``vllm``: ``tests/conftest.py`` skips them where ``.venv-vllm`` is missing.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from kvsnap.engines.vllm import external_request_id, read_events
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,12 +22,6 @@ VENV = ROOT / ".venv-vllm"
 PYTHON = VENV / "bin" / "python"
 HELPERS = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 300
-
-#: Skips a module when ``scripts/setup_vllm_venv.sh`` has not built ``.venv-vllm``.
-needs_vllm = pytest.mark.skipif(
-    not (VENV / ".installed").exists(),
-    reason=f"real vLLM is not installed: run scripts/setup_vllm_venv.sh to create {VENV}",
-)
 
 
 @dataclass
@@ -68,7 +61,7 @@ def write_job(
     prompts: dict[str, list[int]],
     **options: Any,
 ) -> tuple[Path, dict[str, Any]]:
-    """Write the job file of one engine (``run_engine.py`` says what it holds): ``labels``
+    """Write the job file of one engine (``vllm_run_engine.py`` says what it holds): ``labels``
     name its prompts in request order. Options: ``connector`` (the connector's extra config;
     none: no connector), ``tp``, ``policy`` (``kv_load_failure_policy``), ``enable_lora``,
     ``no_persist`` (labels kept out of the store) and ``extras`` (label -> more request
@@ -100,7 +93,7 @@ def start_engine(job_path: Path, log: Path) -> subprocess.Popen[bytes]:
     # The engine imports kvsnap from this tree (whatever the venv's editable install points at).
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [str(PYTHON), str(HELPERS / "run_engine.py"), str(job_path)],
+        [str(PYTHON), str(HELPERS / "vllm_run_engine.py"), str(job_path)],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         env=env,

@@ -1,6 +1,6 @@
 """Save a small random-weight Llama (bf16) that vLLM's CPU backend can serve.
 
-Usage: ``python make_model.py DIR [SEED [WINDOW]]`` (``WINDOW``: a Mistral of the same size
+Usage: ``python vllm_make_model.py DIR [SEED [WINDOW]]`` (``WINDOW``: a Mistral of the same size
 whose every layer uses a sliding window of that many tokens). Two KV heads of head size 32 (a
 size the CPU attention backend supports) so that tensor parallelism over 2 ranks splits the
 heads; a large init range so greedy decoding of random weights does not collapse onto one token.

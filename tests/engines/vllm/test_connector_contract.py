@@ -1,11 +1,11 @@
 """KVSnapConnector against vLLM's own scheduler, the way vLLM tests its connectors.
 
-``contract_child.py`` runs, with the vLLM virtualenv's Python, a real v1 ``Scheduler`` or
-``AsyncScheduler`` whose connector is KVSnapConnector, a fake model runner that drives the
-worker role as vLLM's does, and a fake model whose KV depends on the blocks before it (KV
-computed on top of a wrong block is wrong). Every loaded block and, at the end, every stored
-chunk is compared bit-exact with the KV the fake model computes from a clean start. This file
-skips without ``.venv-vllm`` (``scripts/setup_vllm_venv.sh``).
+``tests/support/vllm_contract_child.py`` runs, with the vLLM virtualenv's Python, a real v1
+``Scheduler`` or ``AsyncScheduler`` whose connector is KVSnapConnector, a fake model runner that
+drives the worker role as vLLM's does, and a fake model whose KV depends on the blocks before it
+(KV computed on top of a wrong block is wrong). Every loaded block and, at the end, every stored
+chunk is compared bit-exact with the KV the fake model computes from a clean start. Marked
+``vllm``: skips without ``.venv-vllm`` (``scripts/setup_vllm_venv.sh``).
 
 The scenario, per scheduler kind: engine 0 (sync) stores prompts P (three chunks) and Q
 (sharing P's first chunk). Before engine 1 starts, one byte of KV data of P's second chunk is
@@ -26,29 +26,26 @@ from typing import Any
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-VENV = ROOT / ".venv-vllm"
-PYTHON = VENV / "bin" / "python"
-HERE = Path(__file__).resolve().parent
-BLOCK = 16  # contract_child.BLOCK
+from tests.support.vllm_engines import HELPERS, PYTHON, ROOT
 
-pytestmark = pytest.mark.skipif(
-    not (VENV / ".installed").exists(),
-    reason=f"real vLLM is not installed: run scripts/setup_vllm_venv.sh to create {VENV}",
-)
+BLOCK = 16  # vllm_contract_child.BLOCK
+
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("model")
     subprocess.run(
-        [str(PYTHON), str(HERE / "make_model.py"), str(directory)], check=True, capture_output=True
+        [str(PYTHON), str(HELPERS / "vllm_make_model.py"), str(directory)],
+        check=True,
+        capture_output=True,
     )
     return directory
 
 
 def run_child(job: dict[str, Any], directory: Path) -> dict[str, Any]:
-    """Run ``contract_child.py`` on ``job``; its report."""
+    """Run ``vllm_contract_child.py`` on ``job``; its report."""
     job = {
         "store": str(directory / "store"),
         "event_log": str(directory / "events.jsonl"),
@@ -59,7 +56,7 @@ def run_child(job: dict[str, Any], directory: Path) -> dict[str, Any]:
     path.write_text(json.dumps(job))
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING"}
     done = subprocess.run(
-        [str(PYTHON), str(HERE / "contract_child.py"), str(path)],
+        [str(PYTHON), str(HELPERS / "vllm_contract_child.py"), str(path)],
         capture_output=True,
         text=True,
         env=environment,
@@ -144,7 +141,7 @@ def test_sliding_window_models_are_refused_at_start(tmp_path: Path) -> None:
     connector refuses it when the engine starts, in one line naming why."""
     model = tmp_path / "sliding"
     subprocess.run(
-        [str(PYTHON), str(HERE / "make_model.py"), str(model), "0", str(2 * BLOCK)],
+        [str(PYTHON), str(HELPERS / "vllm_make_model.py"), str(model), "0", str(2 * BLOCK)],
         check=True,
         capture_output=True,
     )
@@ -157,7 +154,7 @@ def test_sliding_window_models_are_refused_at_start(tmp_path: Path) -> None:
     }
     (tmp_path / "job.json").write_text(json.dumps(job))
     done = subprocess.run(
-        [str(PYTHON), str(HERE / "run_engine.py"), str(tmp_path / "job.json")],
+        [str(PYTHON), str(HELPERS / "vllm_run_engine.py"), str(tmp_path / "job.json")],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},

@@ -245,7 +245,7 @@ def test_dead_writers_temp_files_are_counted_and_pruned(tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, "-c", _DEAD_WRITER, final],
         check=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
     )
     live_fd, live = publish.create_temp(final)
     try:

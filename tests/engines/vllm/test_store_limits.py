@@ -28,7 +28,7 @@ from kvsnap.engines.vllm import (
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.snapshot import Snapshot
 from kvsnap.store import local_file
-from tests.vllm import test_worker_saves as saves
+from tests.engines.vllm import test_worker_saves as saves
 
 #: Room for a few of the test's chunks (each a few KiB: a 4 KiB header and small pages).
 SMALL_DISK = "40k"

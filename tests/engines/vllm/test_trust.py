@@ -1,8 +1,9 @@
 """A store engines can trust, against real vLLM (CPU): identity, weights, signing, permissions.
 
-Every engine runs in a subprocess with ``.venv-vllm``'s Python (``tests/vllm/engines.py``); the
-module skips without it. One random-weight Llama, two LoRA adapters on its key and value
-projections, a signing key, and one store (chunks of 2 blocks of 32 tokens):
+Every engine runs in a subprocess with ``.venv-vllm``'s Python
+(``tests/support/vllm_engines.py``); the module skips without it. One random-weight Llama, two
+LoRA adapters on its key and value projections, a signing key, and one store (chunks of 2 blocks
+of 32 tokens):
 
 * R, no connector (LoRA on): every prompt's reference tokens.
 * S, signing: stores X under adapter ``a``, W under ``cache_salt`` ``s1``, P plainly and Q.
@@ -33,17 +34,16 @@ from kvsnap.engines.vllm import read_events
 from kvsnap.snapshot import Snapshot
 from kvsnap.store import SnapshotWriter
 from kvsnap.store.keys import new_key_text
-from tests.vllm.engines import (
+from tests.support.vllm_engines import (
     HELPERS,
     PYTHON,
     EngineRun,
     finish_engine,
     launch_engine,
-    needs_vllm,
     run_engine,
 )
 
-pytestmark = needs_vllm
+pytestmark = pytest.mark.vllm
 
 BLOCK = 32
 CHUNK_BLOCKS = 2
@@ -144,7 +144,7 @@ def _chunks(store: Path) -> list[Path]:
 def trust(tmp_path_factory: pytest.TempPathFactory) -> Trust:
     tmp = tmp_path_factory.mktemp("vllm-trust")
     model, tuned, adapters = tmp / "model", tmp / "tuned", tmp / "adapters"
-    subprocess.run([str(PYTHON), str(HELPERS / "make_model.py"), str(model)], check=True)
+    subprocess.run([str(PYTHON), str(HELPERS / "vllm_make_model.py"), str(model)], check=True)
     _fine_tune(model, tuned)
     for seed, name in enumerate(ADAPTERS, start=1):
         _write_adapter(adapters / name, model, seed)

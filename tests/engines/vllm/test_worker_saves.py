@@ -44,7 +44,7 @@ from kvsnap.engines.vllm.worker import KVSnapWorker
 from kvsnap.pipeline import Pipeline, TransferOptions
 from kvsnap.snapshot import SequenceBlocks, Snapshot
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BLOCK, HEADS, HEAD_DIM, LAYERS, BLOCKS = 4, 2, 8, 2, 16
 CHUNK_BLOCKS = 2
 FINGERPRINT = "ab" * 16

@@ -14,9 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from parts_helpers import parted_snapshot
-from store_helpers import GEOMETRIES, make_metadata, random_pages, shared_prefix_tokens
-from store_helpers import write_snapshot as write
 
 from kvsnap import format as fmt
 from kvsnap.errors import NotASnapshotError, SnapshotIOError
@@ -25,6 +22,14 @@ from kvsnap.store import SnapshotReader
 from kvsnap.store.head_parts import OpenedSnapshot, open_snapshot
 from kvsnap.store.location import locate
 from kvsnap.store.resolve import Form, committed_file, resolve
+from tests.support.parts_helpers import parted_snapshot
+from tests.support.store_helpers import (
+    GEOMETRIES,
+    make_metadata,
+    random_pages,
+    shared_prefix_tokens,
+)
+from tests.support.store_helpers import write_snapshot as write
 
 
 @dataclass

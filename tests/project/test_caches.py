@@ -8,7 +8,6 @@ import threading
 from pathlib import Path
 
 import pytest
-from parts_helpers import TARGETS, caches, parted_snapshot, restore_map, restored_exactly
 
 import kvsnap
 from kvsnap.caches import BoundedLRU, register_cache_clear
@@ -19,6 +18,13 @@ from kvsnap.snapshot import Snapshot
 from kvsnap.store import checksums, hot, opening
 from kvsnap.store.hot import HotTier
 from kvsnap.transfer import policy
+from tests.support.parts_helpers import (
+    TARGETS,
+    caches,
+    parted_snapshot,
+    restore_map,
+    restored_exactly,
+)
 
 
 def test_the_least_recently_used_entry_goes_first_and_the_bound_holds() -> None:
