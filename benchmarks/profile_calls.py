@@ -1,6 +1,7 @@
 """Where one warm call's time goes: trace spans and the top Python functions.
 
-``python -m benchmarks.profile_calls`` (CUDA) profiles warm captures and restores of short
+``python -m benchmarks.profile_calls`` (CUDA; ``--device cpu`` for caches in host memory, the
+host's share alone) profiles warm captures and restores of short
 prefixes (32 layers x 8 heads; 80 layers x 8 TP ranks x 1 head held in one process) and of a
 2,048-token ``DynamicCache`` shaped like an 8B model's, to a memory-backed file. For each it
 prints the median call, the summed trace spans per kind and cProfile's top functions.
@@ -29,6 +30,11 @@ from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 SOURCE = SourceInfo(engine="benchmark", model_id="synthetic")
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        _synchronize()
+
+
 def profile(label: str, call: Callable[[Callable | None], object], repeat: int, top: int) -> None:
     for _ in range(3):
         call(None)
@@ -40,11 +46,11 @@ def profile(label: str, call: Callable[[Callable | None], object], repeat: int, 
     times = []
     profiler = cProfile.Profile()
     for _ in range(repeat):
-        torch.cuda.synchronize()
+        _synchronize()
         started = time.perf_counter()
         profiler.enable()
         call(trace)
-        torch.cuda.synchronize()
+        _synchronize()
         profiler.disable()
         times.append(time.perf_counter() - started)
     print(f"\n##### {label}: median {statistics.median(times) * 1e3:.2f} ms (profiled)")
@@ -54,7 +60,7 @@ def profile(label: str, call: Callable[[Callable | None], object], repeat: int, 
     stats.sort_stats("tottime").print_stats(top)
 
 
-def layouts(kind: str, layers: int, tp_size: int) -> list:
+def layouts(kind: str, layers: int, tp_size: int, device: str) -> list:
     return [
         allocate_cache(
             kind,
@@ -66,7 +72,7 @@ def layouts(kind: str, layers: int, tp_size: int) -> list:
             tp_rank=rank,
             tp_size=tp_size,
             dtype=torch.bfloat16,
-            device="cuda",
+            device=device,
             fill="empty",
         ).layout
         for rank in range(tp_size)
@@ -77,11 +83,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(dir="/dev/shm"))
     path = directory / "p.safetensors"
     for label, layers, tp_size, tokens in (("32L x 8H", 32, 1, 128), ("80L x 8TP", 80, 8, 16)):
-        source, target = layouts("vllm-nhd", layers, tp_size), layouts("vllm-nhd", layers, tp_size)
+        source = layouts("vllm-nhd", layers, tp_size, args.device)
+        target = layouts("vllm-nhd", layers, tp_size, args.device)
         blocks = np.arange(tokens // 16)
         sequence = [SequenceBlocks("s", np.arange(tokens), blocks)]
         profile(
@@ -98,7 +106,9 @@ def main() -> None:
         profile(f"restore {label} {tokens}", restore, args.repeat, args.top)
     # A DynamicCache of 2,048 tokens: 32 layers of (1, 8, T, 128) bf16, head-major.
     tokens = 2048
-    keys = [torch.randn(1, 8, tokens, 128, device="cuda", dtype=torch.bfloat16) for _ in range(32)]
+    keys = [
+        torch.randn(1, 8, tokens, 128, device=args.device, dtype=torch.bfloat16) for _ in range(32)
+    ]
     values = [torch.randn_like(key) for key in keys]
     layout = contiguous_layout(keys, values, block_size=16)
     sequence = [SequenceBlocks("s", np.arange(tokens), np.arange(tokens // 16))]
