@@ -62,7 +62,7 @@ if TYPE_CHECKING:  # what type checkers see of the names below, imported on firs
     from kvsnap.pipeline import Pipeline, StagingOptions, TransferOptions
     from kvsnap.snapshot import CaptureResult, RestoreResult, SequenceBlocks, Snapshot, capture
 
-#: Where each public name lives; tests/test_public_api.py checks the block above agrees.
+#: Where each public name lives; tests/project/test_public_api.py checks the block above agrees.
 _EXPORTS = {
     "kvsnap.caches": ("clear_caches",),
     "kvsnap.errors": (

@@ -39,7 +39,7 @@ from kvsnap.errors import (
     UnknownSequenceError,
 )
 from kvsnap.format.signing import KeyRing
-from kvsnap.layout import CacheLayout, PageRef, PartAssignment, part_plan
+from kvsnap.layout import CacheLayout, PageRef, PartAssignment, part_assignments
 from kvsnap.parted import capture_part
 from kvsnap.pipeline import (
     CaptureResult,
@@ -169,7 +169,7 @@ def capture(
         "after": after,
         "keys": keys,
     }
-    plan = part_plan(layout.geometry, world) if world > 1 else []
+    assignments = part_assignments(layout.geometry, world) if world > 1 else []
     start = None
     if rank == 0:
         start = {"generation": fmt.new_generation(), "skip": only_if_missing and _exists(path)}
@@ -177,10 +177,10 @@ def capture(
     if start["skip"]:
         _report_nothing(progress)
         return DistributedCapture(path, 0, 0, 0, time.perf_counter() - started, None, True)
-    if not plan:  # one rank, or an MLA latent every rank holds: a plain snapshot from rank 0
+    if not assignments:  # one rank, or an MLA latent every rank holds: a plain snapshot from rank 0
         return _capture_plain(layout, sequences, path, group, options, started)
     generation = start["generation"]
-    return _capture_parts(layout, sequences, path, plan, generation, group, options, started)
+    return _capture_parts(layout, sequences, path, assignments, generation, group, options, started)
 
 
 def restore(
@@ -306,16 +306,16 @@ def _capture_parts(
     layout: CacheLayout,
     sequences: Sequence[SequenceBlocks],
     path: str,
-    plan: list[PartAssignment],
+    assignments: list[PartAssignment],
     generation: str,
     group: Any,
     options: dict[str, Any],
     started: float,
 ) -> DistributedCapture:
-    """Write this rank's part (if the plan gives it one), exchange the statuses, and have rank
-    0 publish the index; on any failure every rank discards the write's parts and raises."""
+    """Write this rank's part (if the assignments give it one), exchange the statuses, and have
+    rank 0 publish the index; on any failure every rank discards the write's parts and raises."""
     rank, world = layout.tp_rank, layout.tp_size
-    mine = next((part for part in plan if part.writer_rank == rank), None)
+    mine = next((part for part in assignments if part.writer_rank == rank), None)
     written = None
     status: dict[str, Any] = {"error": None, "record": None, "num_bytes": 0, "num_blocks": 0}
     try:
@@ -325,7 +325,7 @@ def _capture_parts(
                 sequences,
                 path,
                 part=mine,
-                count=len(plan),
+                count=len(assignments),
                 generation=generation,
                 **options,
             )
@@ -351,7 +351,7 @@ def _capture_parts(
         raise _failed("capture", path, failures)
     return DistributedCapture(
         path=path,
-        num_parts=len(plan),
+        num_parts=len(assignments),
         num_blocks=max(s["num_blocks"] for s in statuses),
         num_bytes=sum(s["num_bytes"] for s in statuses),
         seconds=time.perf_counter() - started,

@@ -81,8 +81,8 @@ def capture_part(
     ``part``), published atomically under its new name; nothing else at ``path`` changes
     until :func:`~kvsnap.store.parts.publish_parts_index` publishes the index. Every rank of
     one write passes the same ``generation`` (:func:`kvsnap.format.new_generation`, made once
-    and shared), ``count`` (``len(part_plan(...))``) and ``sequences``. ``part`` comes from
-    :func:`kvsnap.layout.part_plan`; ``layout`` must hold those heads (a superset is fine).
+    and shared), ``count`` (``len(part_assignments(...))``) and ``sequences``. ``part`` comes from
+    :func:`kvsnap.layout.part_assignments`; ``layout`` must hold those heads (a superset is fine).
     Warm across calls: the part layout is cached per layout object, the page table per
     process. ``progress`` and ``after`` are :meth:`kvsnap.pipeline.Pipeline.capture`'s (the
     part's bytes; a CUDA event the copies follow). ``LayoutError`` when the rank holds none of

@@ -156,8 +156,12 @@ def capture(
     from kvsnap.pipeline import Pipeline
     from kvsnap.pipeline.options import staging_options
 
-    common = {"source": source, "reproducible": reproducible, "direct_io": direct_io}
-    common["keys"] = keys
+    common: dict[str, Any] = {
+        "source": source,
+        "reproducible": reproducible,
+        "direct_io": direct_io,
+        "keys": keys,
+    }
     if per_rank_parts:
         from kvsnap.parted import capture_parts
 

@@ -229,7 +229,7 @@ def split_shards(
 
 
 @functools.lru_cache(maxsize=256)
-def _planned(
+def _cached_file_layouts(
     geometry: KVGeometry,
     num_blocks: int,
     shapes: tuple[tuple[int, int], ...],
@@ -241,10 +241,12 @@ def _planned(
     return tuple(_packing(tuple(group), signed) for group in groups)
 
 
-register_cache_clear(_planned.cache_clear)
+register_cache_clear(_cached_file_layouts.cache_clear)
 
 
-def plan_files(metadata: SnapshotMetadata, max_shard_bytes: int | None = None) -> list[FileLayout]:
+def file_layouts(
+    metadata: SnapshotMetadata, max_shard_bytes: int | None = None
+) -> list[FileLayout]:
     """The exact layout of every file of a snapshot: one, or one per shard.
 
     Everything but the headers' metadata JSON depends only on the geometry, the block count,
@@ -252,7 +254,7 @@ def plan_files(metadata: SnapshotMetadata, max_shard_bytes: int | None = None) -
     """
     shapes = tuple((record.num_tokens, len(record.block_ids)) for record in metadata.sequences)
     signed = metadata.signature is not None
-    packings = _planned(
+    packings = _cached_file_layouts(
         metadata.geometry, int(metadata.num_blocks), shapes, max_shard_bytes, signed
     )
     if len(packings) == 1:

@@ -12,7 +12,7 @@ path; instead this package describes each cache once:
   bytes onto canonical page bytes), :func:`strided_page_runs`, TP head assignment and writer
   election (:func:`head_shard`), :func:`check_tiling`.
 * :mod:`~kvsnap.layout.heads`: head ranges of parted snapshots (:func:`part_layout`,
-  :func:`part_plan`, :func:`head_range`).
+  :func:`part_assignments`, :func:`head_range`).
 * :mod:`~kvsnap.layout.cache`: :class:`CacheTensor`, :class:`PageRef`, :class:`CacheLayout`.
 * :mod:`~kvsnap.layout.constructors`: a :class:`CacheLayout` from the real tensors of each
   engine layout (built with :mod:`~kvsnap.layout.builder`).
@@ -63,9 +63,9 @@ if TYPE_CHECKING:  # what type checkers see of the names below, imported on firs
     from kvsnap.layout.heads import (
         PartAssignment,
         head_range,
+        part_assignments,
         part_geometry,
         part_layout,
-        part_plan,
     )
 
 #: Names whose modules import torch, imported on first use: the geometry and the page mapping
@@ -87,7 +87,7 @@ _LAZY = {
         "head_range",
         "part_geometry",
         "part_layout",
-        "part_plan",
+        "part_assignments",
     ),
 }
 _MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
@@ -128,9 +128,9 @@ __all__ = [
     "head_shard",
     "mla_layout",
     "packed_layout",
+    "part_assignments",
     "part_geometry",
     "part_layout",
-    "part_plan",
     "strided_page_runs",
     "torch_dtype",
     "vllm_legacy_layout",

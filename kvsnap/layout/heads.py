@@ -5,7 +5,7 @@ A parted snapshot (docs/format.md, "Parted snapshots") stores each head range
 ``(block_size, num_heads, head_dim)``. :func:`part_layout` describes a rank's cache in that part
 geometry: its copy runs restricted to the heads of the range and re-addressed onto the part's
 canonical page, so the ordinary capture and restore machinery moves exactly those heads.
-:func:`part_plan` says which TP rank writes which part.
+:func:`part_assignments` says which TP rank writes which part.
 
 Both :func:`head_range` and :func:`part_layout` are cached: an engine calls them per request,
 and the second call for the same layout object is a dictionary lookup. The re-addressed copy
@@ -33,7 +33,7 @@ from kvsnap.layout.mapping import CanonicalPageMapping, CopyRun, fold_fragments,
 
 _T = TypeVar("_T")
 
-__all__ = ["PartAssignment", "head_range", "part_geometry", "part_layout", "part_plan"]
+__all__ = ["PartAssignment", "head_range", "part_assignments", "part_geometry", "part_layout"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class PartAssignment:
     writer_rank: int
 
 
-def part_plan(geometry: KVGeometry, tp_size: int) -> list[PartAssignment]:
+def part_assignments(geometry: KVGeometry, tp_size: int) -> list[PartAssignment]:
     """Which TP rank writes which part when every rank writes its own heads.
 
     One part per distinct head group of :func:`~kvsnap.layout.mapping.head_shard`: with

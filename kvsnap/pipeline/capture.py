@@ -22,7 +22,7 @@ from kvsnap._version import __version__
 from kvsnap.layout import CacheLayout
 from kvsnap.pipeline.jobs import SequenceBlocks, block_id_array
 from kvsnap.pipeline.movers import SlotMover
-from kvsnap.pipeline.slots import SlotPlan
+from kvsnap.pipeline.slots import SlotLoad
 from kvsnap.pipeline.staging import StagingRing
 from kvsnap.store import SnapshotWriter, TraceHook, traced
 from kvsnap.transfer.pinned import Slot
@@ -30,7 +30,7 @@ from kvsnap.transfer.pinned import Slot
 
 @dataclass
 class _InFlight:
-    plan: SlotPlan
+    load: SlotLoad
     slot: Slot
     ticket: Any
 
@@ -39,15 +39,15 @@ def capture_slots(
     mover: SlotMover,
     ring: StagingRing,
     writer: SnapshotWriter,
-    plans: Iterable[SlotPlan],
+    loads: Iterable[SlotLoad],
     device_blocks: np.ndarray,
     progress: Callable[[int], None],
     trace: TraceHook | None,
 ) -> None:
-    """Copy every slot of ``plans`` from the cache and feed it to ``writer`` in order.
+    """Copy every slot of ``loads`` from the cache and feed it to ``writer`` in order.
 
-    Page ``i`` of a plan is block ``device_blocks[plan.page_positions[i]]`` of tensor
-    ``plan.page_tensors[i]``; its snapshot block is its position. Slots the writer still holds
+    Page ``i`` of a load is block ``device_blocks[load.page_positions[i]]`` of tensor
+    ``load.page_tensors[i]``; its snapshot block is its position. Slots the writer still holds
     return to ``ring`` when their writes complete; on an error every slot this call holds is
     given back once no copy uses it.
     """
@@ -55,29 +55,29 @@ def capture_slots(
     names = writer.tensor_order()
     inflight: deque[_InFlight] = deque()
     try:
-        for plan in plans:
+        for load in loads:
             slot = ring.try_acquire()
             while slot is None:
                 if inflight:
                     item = inflight.popleft()
                     _hand_over(mover, ring, writer, item, names, page_bytes, trace)
-                    progress(item.plan.num_bytes(page_bytes))
+                    progress(item.load.num_bytes(page_bytes))
                     slot = ring.try_acquire()
                 else:
                     with traced(trace, "staging.wait"):
                         slot = ring.acquire()
             try:
-                with traced(trace, "transfer.submit", plan.num_bytes(page_bytes)):
-                    positions = plan.page_positions
-                    ticket = mover.submit(plan, slot, device_blocks[positions], positions)
+                with traced(trace, "transfer.submit", load.num_bytes(page_bytes)):
+                    positions = load.page_positions
+                    ticket = mover.submit(load, slot, device_blocks[positions], positions)
             except BaseException:
                 ring.release(slot)
                 raise
-            inflight.append(_InFlight(plan, slot, ticket))
+            inflight.append(_InFlight(load, slot, ticket))
         while inflight:
             item = inflight.popleft()
             _hand_over(mover, ring, writer, item, names, page_bytes, trace)
-            progress(item.plan.num_bytes(page_bytes))
+            progress(item.load.num_bytes(page_bytes))
     finally:
         for item in inflight:
             # Not handed over: give the slot back once its copy is done with it.
@@ -99,7 +99,7 @@ def _hand_over(
     """Wait for ``item``'s copy and queue its pages on the writer; the slot goes back to the
     ring once every write of it has completed."""
     try:
-        with traced(trace, "transfer.wait", item.plan.num_bytes(page_bytes)):
+        with traced(trace, "transfer.wait", item.load.num_bytes(page_bytes)):
             mover.wait(item.ticket)
     except BaseException:
         ring.release(item.slot)
@@ -110,11 +110,11 @@ def _hand_over(
             names[segment.tensor],
             data[segment.offset : segment.offset + segment.num_pages * page_bytes],
         )
-        for segment in item.plan.segments
+        for segment in item.load.segments
     ]
     written: list[Future[None]] = []
     try:
-        with traced(trace, "writer.enqueue", item.plan.num_bytes(page_bytes)):
+        with traced(trace, "writer.enqueue", item.load.num_bytes(page_bytes)):
             written.append(writer.write_slot(segments, mover.digests(item.ticket)))
     finally:
         _release_when_done(ring, item.slot, written)

@@ -20,7 +20,7 @@ import torch
 from kvsnap.errors import LayoutError, TransferFailedError
 from kvsnap.layout import CacheLayout, check_tiling
 from kvsnap.pipeline.movers import SlotMover
-from kvsnap.pipeline.slots import SlotPlan
+from kvsnap.pipeline.slots import SlotLoad
 from kvsnap.pipeline.staging import DeviceStaging, device_staging
 from kvsnap.transfer import page_hash
 from kvsnap.transfer.page_copy import kernel_table, launch_kernel, run_on_cpu, unavailable_reason
@@ -75,7 +75,7 @@ class FusedMover(SlotMover):
 
     def submit(
         self,
-        plan: SlotPlan,
+        load: SlotLoad,
         slot: Slot,
         device_blocks: np.ndarray,
         snapshot_blocks: np.ndarray,
@@ -86,22 +86,22 @@ class FusedMover(SlotMover):
             raise ValueError("this mover copies from its staging slot only")
         try:
             if self._staging is None:
-                self._copy_on_host(plan, slot, device_blocks, snapshot_blocks)
+                self._copy_on_host(load, slot, device_blocks, snapshot_blocks)
                 return FusedTicket(None, None)
             return self._enqueue_on_device(
-                plan, slot, device_blocks, snapshot_blocks, expected, uploads
+                load, slot, device_blocks, snapshot_blocks, expected, uploads
             )
         except (RuntimeError, OSError, ValueError) as error:
             raise TransferFailedError(f"the fused page copy failed: {error}") from error
 
     def _copy_on_host(
-        self, plan: SlotPlan, slot: Slot, device_blocks: np.ndarray, snapshot_blocks: np.ndarray
+        self, load: SlotLoad, slot: Slot, device_blocks: np.ndarray, snapshot_blocks: np.ndarray
     ) -> None:
         """A cache in host memory: copy straight between it and the slot, now. Under
         ``TRITON_INTERPRET=1`` the kernel itself runs (how the CPU tests check it)."""
-        staging_addresses = slot.data_ptr + plan.page_offsets
+        staging_addresses = slot.data_ptr + load.page_offsets
         copies = self.table.copies(
-            self.direction, plan.page_tensors, device_blocks, staging_addresses, snapshot_blocks
+            self.direction, load.page_tensors, device_blocks, staging_addresses, snapshot_blocks
         )
         if interpreting():
             table = torch.from_numpy(kernel_table(copies))
@@ -111,7 +111,7 @@ class FusedMover(SlotMover):
 
     def _enqueue_on_device(
         self,
-        plan: SlotPlan,
+        load: SlotLoad,
         slot: Slot,
         device_blocks: np.ndarray,
         snapshot_blocks: np.ndarray,
@@ -120,19 +120,19 @@ class FusedMover(SlotMover):
     ) -> FusedTicket:
         assert self._staging is not None
         page_bytes = self.table.page_size_bytes
-        num_pages = plan.num_pages
+        num_pages = load.num_pages
         num_bytes = num_pages * page_bytes
         checked = expected is not None and self.hashes_pages
         with self._staging.use(num_bytes) as buffer:
             copies = self.table.copies(
                 self.direction,
-                plan.page_tensors,
+                load.page_tensors,
                 device_blocks,
-                buffer.data_ptr() + plan.page_offsets,
+                buffer.data_ptr() + load.page_offsets,
                 snapshot_blocks,
             )
             copy_table = kernel_table(copies)
-            parts = [copy_table, plan.page_offsets]
+            parts = [copy_table, load.page_offsets]
             if checked:
                 parts.append(np.asarray(expected).view(np.int64))
             # Up from pinned memory of this slot's own (free whenever the slot is: a slot is

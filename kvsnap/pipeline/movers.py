@@ -25,7 +25,7 @@ import torch
 
 from kvsnap.errors import TransferFailedError
 from kvsnap.layout import CacheLayout
-from kvsnap.pipeline.slots import SlotPlan
+from kvsnap.pipeline.slots import SlotLoad
 from kvsnap.transfer import TransferHandler
 from kvsnap.transfer.pinned import Slot
 from kvsnap.transfer.plan import Direction, HostPages, PageCopy
@@ -52,16 +52,16 @@ class SlotMover(ABC):
     @abstractmethod
     def submit(
         self,
-        plan: SlotPlan,
+        load: SlotLoad,
         slot: Slot,
         device_blocks: np.ndarray,
         snapshot_blocks: np.ndarray,
         expected: np.ndarray | None = None,
         uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> Any:
-        """Enqueue the copies of ``plan``'s pages: page ``i`` is device block
+        """Enqueue the copies of ``load``'s pages: page ``i`` is device block
         ``device_blocks[i]`` (snapshot block ``snapshot_blocks[i]``), at
-        ``plan.page_offsets[i]`` in ``slot``. ``expected`` (restores, movers that hash pages
+        ``load.page_offsets[i]`` in ``slot``. ``expected`` (restores, movers that hash pages
         only) holds each page's stored xxh3-64. ``uploads`` (restores, movers with
         :attr:`takes_uploads` only): the slot's bytes are not in ``slot`` but in these registered
         host tensors, each going to its offset in the slot. Returns a ticket for :meth:`wait`."""
@@ -102,7 +102,7 @@ class HandlerMover(SlotMover):
 
     def submit(
         self,
-        plan: SlotPlan,
+        load: SlotLoad,
         slot: Slot,
         device_blocks: np.ndarray,
         snapshot_blocks: np.ndarray,
@@ -117,10 +117,10 @@ class HandlerMover(SlotMover):
             self._page_bytes,
             self._page_bytes,
         )
-        chunks = plan.page_offsets // self._page_bytes
+        chunks = load.page_offsets // self._page_bytes
         copies = []
-        for tensor in np.unique(plan.page_tensors).tolist():
-            pages = np.flatnonzero(plan.page_tensors == tensor)
+        for tensor in np.unique(load.page_tensors).tolist():
+            pages = np.flatnonzero(load.page_tensors == tensor)
             copies.append(
                 PageCopy(
                     name=self._names[tensor],

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -52,7 +52,7 @@ from kvsnap.pipeline.restore import (
     restore_slots,
 )
 from kvsnap.pipeline.shared_tables import shared_page_table
-from kvsnap.pipeline.slots import plan_slots
+from kvsnap.pipeline.slots import slot_loads
 from kvsnap.pipeline.staging import staging_ring
 from kvsnap.store import SnapshotWriter, TraceHook, traced
 from kvsnap.store.head_parts import HeadPart, open_snapshot
@@ -202,15 +202,19 @@ class Pipeline:
             ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes)
         mover = self._mover(Direction.DEVICE_TO_HOST)
         done = _Progress(progress, total_bytes)
-        options = {"direct_io": direct_io, "max_shard_bytes": max_shard_bytes, "trace": trace}
-        options["keys"] = keys
+        options: dict[str, Any] = {
+            "direct_io": direct_io,
+            "max_shard_bytes": max_shard_bytes,
+            "trace": trace,
+            "keys": keys,
+        }
         try:
             with traced(trace, "setup.writer"):
                 writer = SnapshotWriter(path, metadata, **options)
             try:
                 mover.begin(after)
-                plans = plan_slots(len(names), len(device_blocks), page_bytes, ring.slot_bytes)
-                capture_slots(mover, ring, writer, plans, device_blocks, done.add, trace)
+                loads = slot_loads(len(names), len(device_blocks), page_bytes, ring.slot_bytes)
+                capture_slots(mover, ring, writer, loads, device_blocks, done.add, trace)
                 info = writer.commit()
             except BaseException:
                 writer.abort()
@@ -520,7 +524,7 @@ class Pipeline:
                 sources.append(
                     RestoreSource(
                         SnapshotPages(reader, hot),
-                        plan_slots(len(names), len(move.blocks[0]), page_bytes, ring.slot_bytes),
+                        slot_loads(len(names), len(move.blocks[0]), page_bytes, ring.slot_bytes),
                         move.blocks,
                     )
                 )

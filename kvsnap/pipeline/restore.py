@@ -19,7 +19,7 @@ import numpy as np
 
 from kvsnap.errors import SnapshotCorruptError
 from kvsnap.pipeline.movers import SlotMover
-from kvsnap.pipeline.slots import SlotPlan
+from kvsnap.pipeline.slots import SlotLoad
 from kvsnap.pipeline.staging import StagingRing
 from kvsnap.store import SnapshotReader, TraceHook, traced
 from kvsnap.store.hot import HotFile, hot_tier
@@ -40,13 +40,13 @@ class SnapshotPages:
         self.page_size_bytes = reader.metadata.geometry.canonical_page_size_bytes
         self.hot = hot
 
-    def uploads(self, plan: SlotPlan, snapshot_blocks: np.ndarray) -> list[tuple[Any, int]]:
-        """``plan``'s pages as host→device copies out of the hot files' mappings: per run of
+    def uploads(self, load: SlotLoad, snapshot_blocks: np.ndarray) -> list[tuple[Any, int]]:
+        """``load``'s pages as host→device copies out of the hot files' mappings: per run of
         pages consecutive in a file and in the slot, the mapped bytes and their offset in the
         slot (one run per slot when the slot's pages follow each other in the file)."""
         assert self.hot is not None
         runs = self.reader.page_runs(
-            plan.page_tensors, snapshot_blocks[plan.page_positions], plan.page_offsets
+            load.page_tensors, snapshot_blocks[load.page_positions], load.page_offsets
         )
         lengths = (runs.stops - runs.starts) * self.page_size_bytes
         uploads = []
@@ -64,27 +64,27 @@ class SnapshotPages:
 
     def read_async(
         self,
-        plan: SlotPlan,
+        load: SlotLoad,
         snapshot_blocks: np.ndarray,
         out: np.ndarray,
         trace: TraceHook | None,
         *,
         verify: bool = True,
     ) -> Future[np.ndarray]:
-        """Read (and, with ``verify``, check) ``plan``'s pages into ``out``; the future gives
+        """Read (and, with ``verify``, check) ``load``'s pages into ``out``; the future gives
         the pages that failed their checksum."""
         return self.reader.read_slot_async(
-            plan.page_tensors,
-            snapshot_blocks[plan.page_positions],
-            plan.page_offsets,
+            load.page_tensors,
+            snapshot_blocks[load.page_positions],
+            load.page_offsets,
             out,
             verify=verify,
             trace=trace,
         )
 
-    def stored(self, plan: SlotPlan, snapshot_blocks: np.ndarray) -> np.ndarray:
-        """The stored xxh3-64 of ``plan``'s pages."""
-        return self.reader.stored_checksums(plan.page_tensors, snapshot_blocks[plan.page_positions])
+    def stored(self, load: SlotLoad, snapshot_blocks: np.ndarray) -> np.ndarray:
+        """The stored xxh3-64 of ``load``'s pages."""
+        return self.reader.stored_checksums(load.page_tensors, snapshot_blocks[load.page_positions])
 
 
 def lease_hot_files(reader: SnapshotReader, *, admit: bool) -> list[HotFile] | None:
@@ -120,16 +120,16 @@ class FailedPages:
 @dataclass(frozen=True)
 class RestoreSource:
     """One snapshot of a restore job: its pages, the slots they fill, and ``blocks`` =
-    ``(snapshot_blocks, target_blocks)``: page ``i`` of a plan is snapshot block
+    ``(snapshot_blocks, target_blocks)``: page ``i`` of a load is snapshot block
     ``snapshot_blocks[p]`` going to device block ``target_blocks[p]``, ``p`` its position."""
 
     pages: SnapshotPages
-    plans: Iterable[SlotPlan]
+    loads: Iterable[SlotLoad]
     blocks: tuple[np.ndarray, np.ndarray]
 
 
 #: A read in flight: whose it is, what it reads, the slot it reads into, and its future.
-_Reading = tuple["_RestoreRun", SlotPlan, Slot, Future[np.ndarray]]
+_Reading = tuple["_RestoreRun", SlotLoad, Slot, Future[np.ndarray]]
 
 
 def restore_slots(
@@ -150,8 +150,8 @@ def restore_slots(
     """
     runs = [_RestoreRun(mover, ring, s.pages, s.blocks, progress, trace) for s in sources]
     completed: queue.SimpleQueue[_Reading] = queue.SimpleQueue()
-    remaining = _Plans(
-        (run, plan) for run, s in zip(runs, sources, strict=True) for plan in s.plans
+    remaining = _PendingLoads(
+        (run, load) for run, s in zip(runs, sources, strict=True) for load in s.loads
     )
     reading = 0
     try:
@@ -159,9 +159,9 @@ def restore_slots(
             reading += _fill_free_slots(ring, runs, remaining, completed, blocking=reading == 0)
             if reading == 0:
                 break
-            run, plan, slot, read = completed.get()
+            run, load, slot, read = completed.get()
             reading -= 1
-            run.move(plan, slot, read)
+            run.move(load, slot, read)
     finally:
         while reading:
             # A read still in flight must finish before its slot is reused.
@@ -178,15 +178,15 @@ def restore_slots(
 def _fill_free_slots(
     ring: StagingRing,
     runs: Sequence[_RestoreRun],
-    remaining: _Plans,
+    remaining: _PendingLoads,
     completed: queue.SimpleQueue[_Reading],
     *,
     blocking: bool,
 ) -> int:
-    """Queue the next plans' reads in every free slot: how many were started. Waits for a
+    """Queue the next loads' reads in every free slot: how many were started. Waits for a
     slot only when ``blocking`` (nothing of ours in flight): a pool shared with another
     restore must not leave both waiting for each other's slots. No slot is taken once every
-    plan is started: taking one waits for its last copy, often the one just enqueued."""
+    load is started: taking one waits for its last copy, often the one just enqueued."""
     started = 0
     while not any(run.error is not None for run in runs) and remaining.peek() is not None:
         if blocking and not started:
@@ -196,31 +196,31 @@ def _fill_free_slots(
             slot = ring.try_acquire()
         if slot is None:
             break
-        run, plan = remaining.take()
+        run, load = remaining.take()
         try:
-            read = run.read(plan, slot)
+            read = run.read(load, slot)
         except BaseException:
             ring.release(slot)
             raise
         # The read thread that completes it only queues it: this thread moves every slot.
-        read.add_done_callback(lambda done, r=run, p=plan, s=slot: completed.put((r, p, s, done)))
+        read.add_done_callback(lambda done, r=run, p=load, s=slot: completed.put((r, p, s, done)))
         started += 1
     return started
 
 
-class _Plans:
-    """The plans of a restore in order, the next one visible before it is taken."""
+class _PendingLoads:
+    """The loads of a restore in order, the next one visible before it is taken."""
 
-    def __init__(self, plans: Iterator[tuple[_RestoreRun, SlotPlan]]) -> None:
-        self._plans = plans
-        self._next: tuple[_RestoreRun, SlotPlan] | None = None
+    def __init__(self, loads: Iterator[tuple[_RestoreRun, SlotLoad]]) -> None:
+        self._loads = loads
+        self._next: tuple[_RestoreRun, SlotLoad] | None = None
 
-    def peek(self) -> tuple[_RestoreRun, SlotPlan] | None:
+    def peek(self) -> tuple[_RestoreRun, SlotLoad] | None:
         if self._next is None:
-            self._next = next(self._plans, None)
+            self._next = next(self._loads, None)
         return self._next
 
-    def take(self) -> tuple[_RestoreRun, SlotPlan]:
+    def take(self) -> tuple[_RestoreRun, SlotLoad]:
         item = self.peek()
         assert item is not None
         self._next = None
@@ -249,39 +249,39 @@ class _RestoreRun:
             and mover.takes_uploads
             and (self.on_device or not pages.reader.verifies)
         )
-        self.checked: list[tuple[SlotPlan, Any]] = []
+        self.checked: list[tuple[SlotLoad, Any]] = []
         self.failed_tensors: list[np.ndarray] = []
         self.failed_positions: list[np.ndarray] = []
         self.first_error: list[SnapshotCorruptError] = []
         self.error: BaseException | None = None
 
-    def read(self, plan: SlotPlan, slot: Slot) -> Future[np.ndarray]:
-        """Queue ``plan``'s read into ``slot`` (checksums on the read threads unless the
+    def read(self, load: SlotLoad, slot: Slot) -> Future[np.ndarray]:
+        """Queue ``load``'s read into ``slot`` (checksums on the read threads unless the
         device checks them). From hot files nothing is read: the slot only orders the move."""
         if self.hot:
             nothing: Future[np.ndarray] = Future()
             nothing.set_result(np.empty(0, dtype=np.int64))
             return nothing
         return self.pages.read_async(
-            plan, self.snapshot_blocks, slot.as_numpy(), self.trace, verify=not self.on_device
+            load, self.snapshot_blocks, slot.as_numpy(), self.trace, verify=not self.on_device
         )
 
-    def move(self, plan: SlotPlan, slot: Slot, read: Future[np.ndarray]) -> None:
+    def move(self, load: SlotLoad, slot: Slot, read: Future[np.ndarray]) -> None:
         """Move the slot's pages (unless an earlier slot failed) and give it back, with the
         copy's event where the copy may still run."""
         event = None
         try:
             if self.error is None:
-                event = self._move(plan, slot, read)
-                self.progress(plan.num_bytes(self.pages.page_size_bytes))
+                event = self._move(load, slot, read)
+                self.progress(load.num_bytes(self.pages.page_size_bytes))
         except BaseException as error:
             self.error = error
         self.ring.release(slot, after=event)
 
-    def _move(self, plan: SlotPlan, slot: Slot, read: Future[np.ndarray]) -> Any:
-        """Move ``plan``'s verified pages out of ``slot``: the copy's event, or ``None`` when
+    def _move(self, load: SlotLoad, slot: Slot, read: Future[np.ndarray]) -> Any:
+        """Move ``load``'s verified pages out of ``slot``: the copy's event, or ``None`` when
         the copy is already done."""
-        moving = self._verified(plan, read)
+        moving = self._verified(load, read)
         positions = moving.page_positions
         expected = self.pages.stored(moving, self.snapshot_blocks) if self.on_device else None
         nbytes = moving.num_bytes(self.pages.page_size_bytes)
@@ -303,16 +303,16 @@ class _RestoreRun:
                 self.mover.wait(ticket)
         return event
 
-    def _verified(self, plan: SlotPlan, read: Future[np.ndarray]) -> SlotPlan:
-        """``plan`` without the pages its read found corrupt (noted as failed); errors other
+    def _verified(self, load: SlotLoad, read: Future[np.ndarray]) -> SlotLoad:
+        """``load`` without the pages its read found corrupt (noted as failed); errors other
         than a checksum mismatch (the file vanished, the disk failed) propagate."""
         bad = read.result()
         if not len(bad):
-            return plan
-        self._fail(plan, bad, "xxh3-64 does not match the stored checksum")
-        keep = np.ones(plan.num_pages, dtype=bool)
+            return load
+        self._fail(load, bad, "xxh3-64 does not match the stored checksum")
+        keep = np.ones(load.num_pages, dtype=bool)
         keep[bad] = False
-        return plan.subset(keep)
+        return load.subset(keep)
 
     def raise_error(self) -> None:
         if self.error is not None:
@@ -320,24 +320,24 @@ class _RestoreRun:
 
     def collect_device_checks(self) -> None:
         """Wait for the device-verified slots and note the pages their kernels refused."""
-        for plan, ticket in self.checked:
+        for load, ticket in self.checked:
             self.mover.wait(ticket)
             bad = self.mover.failed_pages(ticket)
             if len(bad):
-                self._fail(plan, bad, "xxh3-64 does not match the stored checksum (device)")
+                self._fail(load, bad, "xxh3-64 does not match the stored checksum (device)")
         self.checked = []
 
-    def _fail(self, plan: SlotPlan, bad: np.ndarray, message: str) -> None:
-        self.failed_tensors.append(plan.page_tensors[bad])
-        self.failed_positions.append(plan.page_positions[bad])
+    def _fail(self, load: SlotLoad, bad: np.ndarray, message: str) -> None:
+        self.failed_tensors.append(load.page_tensors[bad])
+        self.failed_positions.append(load.page_positions[bad])
         if not self.first_error:
             page = int(bad[0])
             self.first_error.append(
                 SnapshotCorruptError(
                     message,
                     file=self.pages.reader.url,
-                    tensor=self.pages.names[int(plan.page_tensors[page])],
-                    block=int(self.snapshot_blocks[plan.page_positions[page]]),
+                    tensor=self.pages.names[int(load.page_tensors[page])],
+                    block=int(self.snapshot_blocks[load.page_positions[page]]),
                 )
             )
 

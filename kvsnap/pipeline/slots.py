@@ -1,4 +1,4 @@
-"""Slot plans: which pages of which tensors one staging slot carries, in file order.
+"""Slot loads: which pages of which tensors one staging slot carries, in file order.
 
 A snapshot stores each layer tensor's blocks back to back, tensor after tensor. A slot takes
 the next pages in that order until it is full, so one slot can hold the tail of one tensor,
@@ -30,7 +30,7 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class SlotPlan:
+class SlotLoad:
     """One slot's segments and, per page, its tensor, its position in the block list and its
     byte offset in the slot (the arrays the copy kernels take)."""
 
@@ -46,17 +46,17 @@ class SlotPlan:
     def num_bytes(self, page_size_bytes: int) -> int:
         return self.num_pages * page_size_bytes
 
-    def subset(self, keep: np.ndarray) -> SlotPlan:
+    def subset(self, keep: np.ndarray) -> SlotLoad:
         """The pages where ``keep`` is true, at their offsets in the slot (segments dropped:
         only a read uses them, and it has happened)."""
-        return SlotPlan(
+        return SlotLoad(
             (), self.page_tensors[keep], self.page_positions[keep], self.page_offsets[keep]
         )
 
 
-def plan_slots(
+def slot_loads(
     num_tensors: int, num_blocks: int, page_size_bytes: int, slot_bytes: int
-) -> Iterator[SlotPlan]:
+) -> Iterator[SlotLoad]:
     """Slots covering ``num_blocks`` pages of each of ``num_tensors`` tensors, in file order.
 
     Each slot holds at most ``slot_bytes // page_size_bytes`` pages (at least one).
@@ -83,4 +83,4 @@ def plan_slots(
             )
             position = stop
             tensor += 1
-        yield SlotPlan(tuple(segments), tensors, positions, offsets)
+        yield SlotLoad(tuple(segments), tensors, positions, offsets)

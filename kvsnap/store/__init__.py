@@ -9,7 +9,7 @@ sequential stream beat parallel writers), into blocks reserved when the file was
 returned future completes when the buffer may be reused. The bytes in flight are bounded
 (``max_inflight_bytes``), so host memory stays flat whatever the snapshot size.
 
-The file layout is fixed before the first byte (:func:`kvsnap.format.plan_files`), so the
+The file layout is fixed before the first byte (:func:`kvsnap.format.file_layouts`), so the
 header is written first and never rewritten: the data-dependent checksums live in the last two
 tensors. That makes a snapshot a pure front-to-back stream, which is what object stores need.
 
@@ -37,7 +37,7 @@ The package, one module per job:
   form opened in one step as its head-range parts (`HeadPart`, `OpenedSnapshot`);
 - :mod:`~kvsnap.store.writer`: :class:`SnapshotWriter` (public API, hashing beside writing),
   holding one target chosen once, :mod:`~kvsnap.store.write_local` or
-  :mod:`~kvsnap.store.write_stream`; :mod:`~kvsnap.store.write_plan` the files' plan, the
+  :mod:`~kvsnap.store.write_stream`; :mod:`~kvsnap.store.snapshot_files` the files' layouts, the
   digests that complete them and the target interface; :mod:`~kvsnap.store.slot_writes` many
   tensors' pages per call;
 - :mod:`~kvsnap.store.reader`: :class:`SnapshotReader`, composed of

@@ -17,8 +17,8 @@ from kvsnap.store.lanes import SerialLane
 from kvsnap.store.local_file import LocalFile, memory_backed, preallocate
 from kvsnap.store.location import io_error, stem_of
 from kvsnap.store.pools import shared_executor
+from kvsnap.store.snapshot_files import SnapshotFiles, WriteGate, WriteTarget
 from kvsnap.store.tracing import TraceHook, traced
-from kvsnap.store.write_plan import WriteGate, WritePlan, WriteTarget
 
 
 class LocalTarget(WriteTarget):
@@ -27,8 +27,10 @@ class LocalTarget(WriteTarget):
     aligned), in order and one write at a time on a lane of the process-wide write pool;
     fsynced, renamed into place, the directory fsynced."""
 
-    def __init__(self, plan: WritePlan, gate: WriteGate, trace: TraceHook | None) -> None:
-        self._plan = plan
+    def __init__(
+        self, snapshot_files: SnapshotFiles, gate: WriteGate, trace: TraceHook | None
+    ) -> None:
+        self._snapshot_files = snapshot_files
         self._gate = gate
         self._trace = trace
         #: The files being written, in order (until published or discarded).
@@ -42,16 +44,18 @@ class LocalTarget(WriteTarget):
     # -- start ---------------------------------------------------------------------------
 
     def start(self, direct_io: bool | None) -> None:
-        location = self._plan.location
+        location = self._snapshot_files.location
         directory = os.path.dirname(location.path)
         # Leftovers of killed writers of this snapshot (their lock is free); never a live one's.
         stem = stem_of(location)
         publish.remove_dead_temps(directory, overwrite.owns_name(location), stem)
         self._check_free_space(directory)
-        for final in self._plan.finals:
+        for final in self._snapshot_files.finals:
             self.files.append(LocalFile(final, owner=stem))
         memory = memory_backed(directory)
-        for index, (file, layout) in enumerate(zip(self.files, self._plan.layouts, strict=True)):
+        for index, (file, layout) in enumerate(
+            zip(self.files, self._snapshot_files.layouts, strict=True)
+        ):
             if direct_io is False or (direct_io is None and memory):
                 # On tmpfs the page cache is the file: O_DIRECT saves no copy there.
                 self.fallback_reason = (
@@ -72,7 +76,7 @@ class LocalTarget(WriteTarget):
             else:
                 file.write(0, memoryview(layout.header))
             for entry in layout.entries:
-                static = self._plan.static_bytes(entry)
+                static = self._snapshot_files.static_bytes(entry)
                 if static is not None:
                     file.write(entry.begin, memoryview(static))
         # Blocks are reserved for an O_DIRECT stream to a disk only: that is what the
@@ -81,11 +85,11 @@ class LocalTarget(WriteTarget):
         # capture to /dev/shm on the H200 host).
         self.preallocated = not memory and all(
             file.direct_fd is not None and preallocate(file.fd, layout.file_size)
-            for file, layout in zip(self.files, self._plan.layouts, strict=True)
+            for file, layout in zip(self.files, self._snapshot_files.layouts, strict=True)
         )
 
     def _check_free_space(self, directory: str) -> None:
-        needed = sum(layout.file_size for layout in self._plan.layouts)
+        needed = sum(layout.file_size for layout in self._snapshot_files.layouts)
         try:
             stats = os.statvfs(directory)
         except OSError as error:
@@ -95,7 +99,7 @@ class LocalTarget(WriteTarget):
             # Raised from an ENOSPC so that callers tell a full disk from other failures.
             raise SnapshotIOError(
                 f"the snapshot needs {needed} bytes, {directory} has {free} free",
-                file=self._plan.location.url,
+                file=self._snapshot_files.location.url,
             ) from OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     # -- data ----------------------------------------------------------------------------
@@ -142,7 +146,7 @@ class LocalTarget(WriteTarget):
             return None
         total = self.direct_bytes + self._buffered_bytes
         why = []
-        page = self._plan.page_bytes
+        page = self._snapshot_files.page_bytes
         if page % fmt.DATA_ALIGNMENT:
             why.append(f"pages of {page} bytes are not multiples of {fmt.DATA_ALIGNMENT}")
         if self._unaligned_buffers:
@@ -156,31 +160,35 @@ class LocalTarget(WriteTarget):
         with traced(self._trace, "commit.drain"):
             drain()
         self._gate.raise_error()
-        plan = self._plan
+        snapshot_files = self._snapshot_files
         with traced(self._trace, "commit.checksums"):
-            for shard, (file, layout) in enumerate(zip(self.files, plan.layouts, strict=True)):
+            for shard, (file, layout) in enumerate(
+                zip(self.files, snapshot_files.layouts, strict=True)
+            ):
                 for entry in layout.entries:
                     if entry.name == fmt.BLOCK_CHECKSUMS_TENSOR:
-                        file.write(entry.begin, memoryview(plan.block_checksums()))
+                        file.write(entry.begin, memoryview(snapshot_files.block_checksums()))
                 trailer = layout.by_name[fmt.CHECKSUMS_TENSOR]
-                file.write(trailer.begin, memoryview(plan.trailer(shard)))
+                file.write(trailer.begin, memoryview(snapshot_files.trailer(shard)))
                 signature = layout.by_name.get(fmt.SIGNATURE_TENSOR)
                 if signature is not None:
-                    file.write(signature.begin, memoryview(plan.signature(shard)))
+                    file.write(signature.begin, memoryview(snapshot_files.signature(shard)))
         with traced(self._trace, "commit.fsync"):
             for file in self.files:
                 file.sync()
 
     def publish(self) -> None:
-        plan = self._plan
+        snapshot_files = self._snapshot_files
         with traced(self._trace, "commit.publish"):
-            stale = overwrite.stale_files(plan.location, plan.finals, plan.sharded)
+            stale = overwrite.stale_files(
+                snapshot_files.location, snapshot_files.finals, snapshot_files.sharded
+            )
             for file in self.files:
                 file.publish()
-            publish.fsync_directory(os.path.dirname(plan.location.path))
+            publish.fsync_directory(os.path.dirname(snapshot_files.location.path))
             self.files = []
-            if plan.sharded:
-                publish.publish_to(plan.index_location, plan.index_bytes())
+            if snapshot_files.sharded:
+                publish.publish_to(snapshot_files.index_location, snapshot_files.index_bytes())
             overwrite.remove_quietly(stale)
 
     # -- abort ---------------------------------------------------------------------------

@@ -13,9 +13,9 @@ from kvsnap.format import TensorEntry
 from kvsnap.store import overwrite, publish, tuning
 from kvsnap.store.lanes import SerialLane
 from kvsnap.store.pools import shared_executor
+from kvsnap.store.snapshot_files import SnapshotFiles, WriteGate, WriteTarget
 from kvsnap.store.stream_file import StreamFile
 from kvsnap.store.tracing import TraceHook, traced
-from kvsnap.store.write_plan import WriteGate, WritePlan, WriteTarget
 
 #: One thing to write, in file order: (kind, file, entry); kind is one of header, static,
 #: layer, blocksums, trailer.
@@ -31,29 +31,35 @@ class StreamTarget(WriteTarget):
 
     merges_tensors = False
 
-    def __init__(self, plan: WritePlan, gate: WriteGate, trace: TraceHook | None) -> None:
-        self._plan = plan
+    def __init__(
+        self, snapshot_files: SnapshotFiles, gate: WriteGate, trace: TraceHook | None
+    ) -> None:
+        self._snapshot_files = snapshot_files
         self._gate = gate
         self._trace = trace
-        self._streams: list[StreamFile | None] = [None] * len(plan.layouts)
+        self._streams: list[StreamFile | None] = [None] * len(snapshot_files.layouts)
         # Its own lane on the shared write pool: ordered, one item at a time, no new thread.
         self._lane = SerialLane(shared_executor("write", tuning.WRITE_POOL_THREADS))
-        self._hash_futures: list[list[concurrent.futures.Future[None]]] = [[] for _ in plan.layouts]
+        self._hash_futures: list[list[concurrent.futures.Future[None]]] = [
+            [] for _ in snapshot_files.layouts
+        ]
         self._items = self._stream_items()
         self._cursor = 0
 
     def start(self, direct_io: bool | None) -> None:
         """Queue everything up to the first layer tensor."""
         if direct_io:
-            raise SnapshotIOError("O_DIRECT needs a local file", file=self._plan.location.url)
-        self.fallback_reason = f"not a local file ({self._plan.location.url})"
-        plan = self._plan
-        self._advance(plan.names[0] if plan.num_blocks else None)
+            raise SnapshotIOError(
+                "O_DIRECT needs a local file", file=self._snapshot_files.location.url
+            )
+        self.fallback_reason = f"not a local file ({self._snapshot_files.location.url})"
+        snapshot_files = self._snapshot_files
+        self._advance(snapshot_files.names[0] if snapshot_files.num_blocks else None)
 
     def _stream_items(self) -> list[_Item]:
         """Everything to write, in file order."""
         items: list[_Item] = []
-        for shard, layout in enumerate(self._plan.layouts):
+        for shard, layout in enumerate(self._snapshot_files.layouts):
             items.append(("header", shard, None))
             for entry in layout.entries:
                 if fmt.is_layer_tensor(entry.name):
@@ -96,28 +102,30 @@ class StreamTarget(WriteTarget):
         return run
 
     def _write_item(self, kind: str, shard: int, entry: TensorEntry | None) -> None:
-        plan = self._plan
-        layout = plan.layouts[shard]
+        snapshot_files = self._snapshot_files
+        layout = snapshot_files.layouts[shard]
         if kind == "header":
-            self._streams[shard] = StreamFile(plan.finals[shard])
+            self._streams[shard] = StreamFile(snapshot_files.finals[shard])
             self._stream_write(shard, 0, memoryview(layout.header))
             return
         assert entry is not None
         if kind == "static":
-            static = plan.static_bytes(entry)
+            static = snapshot_files.static_bytes(entry)
             assert static is not None
             self._stream_write(shard, entry.begin, memoryview(static))
         elif kind == "blocksums":
             concurrent.futures.wait([f for futures in self._hash_futures for f in futures])
             self._gate.raise_error()
-            self._stream_write(shard, entry.begin, memoryview(plan.block_checksums()))
+            self._stream_write(shard, entry.begin, memoryview(snapshot_files.block_checksums()))
         elif kind == "trailer":
             concurrent.futures.wait(self._hash_futures[shard])
             self._gate.raise_error()
-            self._stream_write(shard, entry.begin, memoryview(plan.trailer(shard)))
+            self._stream_write(shard, entry.begin, memoryview(snapshot_files.trailer(shard)))
             signature = layout.by_name.get(fmt.SIGNATURE_TENSOR)
             if signature is not None:
-                self._stream_write(shard, signature.begin, memoryview(plan.signature(shard)))
+                self._stream_write(
+                    shard, signature.begin, memoryview(snapshot_files.signature(shard))
+                )
             stream = self._streams[shard]
             assert stream is not None
             stream.close()
@@ -147,14 +155,16 @@ class StreamTarget(WriteTarget):
         self._gate.raise_error()
 
     def publish(self) -> None:
-        plan = self._plan
-        stale = overwrite.stale_files(plan.location, plan.finals, plan.sharded)
+        snapshot_files = self._snapshot_files
+        stale = overwrite.stale_files(
+            snapshot_files.location, snapshot_files.finals, snapshot_files.sharded
+        )
         for stream in self._streams:
             assert stream is not None
             stream.publish()
-        if plan.sharded:
-            publish.publish_to(plan.index_location, plan.index_bytes())
-        self._streams = [None] * len(plan.layouts)
+        if snapshot_files.sharded:
+            publish.publish_to(snapshot_files.index_location, snapshot_files.index_bytes())
+        self._streams = [None] * len(snapshot_files.layouts)
         overwrite.remove_quietly(stale)
 
     def shutdown(self, cancel: bool) -> None:

@@ -1,11 +1,11 @@
 """The streaming snapshot writer: hashing beside writing, bounded memory, atomic publish.
 
 :class:`SnapshotWriter` takes the caller's pages, hashes them on the process-wide hashing pool
-and hands them to its one :class:`~kvsnap.store.write_plan.WriteTarget`, chosen once: local
+and hands them to its one :class:`~kvsnap.store.snapshot_files.WriteTarget`, chosen once: local
 files (:mod:`~kvsnap.store.write_local`) or an fsspec stream (:mod:`~kvsnap.store.
-write_stream`). The plan of the files and the digests that complete them are a
-:class:`~kvsnap.store.write_plan.WritePlan`; the bound on bytes in flight and the first error a
-:class:`~kvsnap.store.write_plan.WriteGate`.
+write_stream`). The layouts of the files and the digests that complete them are a
+:class:`~kvsnap.store.snapshot_files.SnapshotFiles`; the bound on bytes in flight and the first
+error a :class:`~kvsnap.store.snapshot_files.WriteGate`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from kvsnap.store.lanes import TaskGroup
 from kvsnap.store.location import io_error, locate
 from kvsnap.store.pools import cpu_count, shared_executor
 from kvsnap.store.slot_writes import SlotPiece, all_done, contiguous_writes, hash_batches
+from kvsnap.store.snapshot_files import SnapshotFiles, WriteGate, WriteTarget
 from kvsnap.store.tracing import TraceHook, traced
 from kvsnap.store.write_local import LocalTarget
-from kvsnap.store.write_plan import WriteGate, WritePlan, WriteTarget
 from kvsnap.store.write_stream import StreamTarget
 
 
@@ -121,10 +121,10 @@ class SnapshotWriter:
         #: What :meth:`commit` published (also set when the context manager commits).
         self.info: SnapshotInfo | None = None
         self._location = locate(url, storage_options)
-        self._plan = WritePlan(self._location, metadata, max_shard_bytes, keys)
-        self._page_bytes = self._plan.page_bytes
-        self._num_blocks = self._plan.num_blocks
-        self._names = self._plan.names
+        self._snapshot_files = SnapshotFiles(self._location, metadata, max_shard_bytes, keys)
+        self._page_bytes = self._snapshot_files.page_bytes
+        self._num_blocks = self._snapshot_files.num_blocks
+        self._names = self._snapshot_files.names
         self._blocks_written = [0] * len(self._names)
         self._current = 0 if self._num_blocks else len(self._names)
         self._progress = progress
@@ -138,7 +138,7 @@ class SnapshotWriter:
         # capture); the target keeps this writer's writes in order, one at a time.
         self._hash_pool = TaskGroup(shared_executor("hash", threads))
         target_kind = LocalTarget if self._location.is_local else StreamTarget
-        self._target: WriteTarget = target_kind(self._plan, self._gate, trace)
+        self._target: WriteTarget = target_kind(self._snapshot_files, self._gate, trace)
         try:
             self._target.start(direct_io)
         except BaseException as error:
@@ -182,7 +182,7 @@ class SnapshotWriter:
         tensor, flat = self._checked_pages(name, pages)
         count = flat.nbytes // self._page_bytes
         first = self._blocks_written[tensor]
-        shard, entry = self._plan.placement[name]
+        shard, entry = self._snapshot_files.placement[name]
         if count == 0:
             empty: concurrent.futures.Future[None] = concurrent.futures.Future()
             empty.set_result(None)
@@ -260,7 +260,7 @@ class SnapshotWriter:
         for name, pages in segments:
             tensor, flat = self._checked_pages(name, pages)
             first = self._blocks_written[tensor]
-            shard, entry = self._plan.placement[name]
+            shard, entry = self._snapshot_files.placement[name]
             pieces.append((tensor, first, flat, shard, entry.begin + first * self._page_bytes))
             self._blocks_written[tensor] += flat.nbytes // self._page_bytes
             if self._blocks_written[tensor] == self._num_blocks:
@@ -270,11 +270,11 @@ class SnapshotWriter:
     def _checked_pages(self, name: str, pages: np.ndarray) -> tuple[int, np.ndarray]:
         """``write_pages``' arguments checked: the tensor's index and the pages, flat."""
         self._check_open()
-        if name not in self._plan.tensor_index:
+        if name not in self._snapshot_files.tensor_index:
             raise ValueError(
                 f"{name!r} is not a layer tensor of this snapshot (see tensor_order())"
             )
-        tensor = self._plan.tensor_index[name]
+        tensor = self._snapshot_files.tensor_index[name]
         if tensor != self._current:
             expected = (
                 self._names[self._current]
@@ -332,21 +332,24 @@ class SnapshotWriter:
         return self.info
 
     def _info(self) -> SnapshotInfo:
-        plan = self._plan
+        snapshot_files = self._snapshot_files
         if self._target.fallback_reason is None:
             # O_DIRECT was on, but some layer bytes may not have used it.
             self._target.fallback_reason = self._target.partial_direct_reason()
         return SnapshotInfo(
-            path=plan.index_location.url if plan.sharded else self._location.url,
-            files=tuple(location.url for location in plan.finals),
-            num_bytes=sum(layout.file_size for layout in plan.layouts),
+            path=snapshot_files.index_location.url
+            if snapshot_files.sharded
+            else self._location.url,
+            files=tuple(location.url for location in snapshot_files.finals),
+            num_bytes=sum(layout.file_size for layout in snapshot_files.layouts),
             kv_bytes=self._num_blocks * self.metadata.geometry.bytes_per_block,
             num_blocks=self._num_blocks,
             direct_io=self._target.direct_bytes > 0,
             fallback_reason=self._target.fallback_reason,
             seconds=time.perf_counter() - self._started,
             trailers=tuple(
-                xxhash.xxh3_128_hexdigest(plan.trailer(shard)) for shard in range(len(plan.layouts))
+                xxhash.xxh3_128_hexdigest(snapshot_files.trailer(shard))
+                for shard in range(len(snapshot_files.layouts))
             ),
         )
 
@@ -411,7 +414,7 @@ class SnapshotWriter:
     def _hash(self, tensor: int, block: int, view: np.ndarray) -> None:
         with traced(self._trace, "hash", view.nbytes):
             digests = fmt.block_digests(view, self._page_bytes)
-        self._plan.digests[tensor, block : block + len(digests)] = digests
+        self._snapshot_files.digests[tensor, block : block + len(digests)] = digests
 
     def _hash_batch(self, batch: Sequence[tuple[int, int, np.ndarray]]) -> None:
         for tensor, block, view in batch:
@@ -422,7 +425,9 @@ class SnapshotWriter:
         page = 0
         for tensor, first, flat, _, _ in pieces:
             count = flat.nbytes // self._page_bytes
-            self._plan.digests[tensor, first : first + count] = digests[page : page + count]
+            self._snapshot_files.digests[tensor, first : first + count] = digests[
+                page : page + count
+            ]
             page += count
         if page != len(digests):
             raise ValueError(f"{len(digests)} digests for {page} pages")

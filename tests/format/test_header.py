@@ -34,7 +34,7 @@ def test_layout_aligns_data_and_layers_and_tiles_the_file(name: str) -> None:
     meta = make_metadata(
         geometry, shared_prefix_tokens(np.random.default_rng(4), geometry.block_size)
     )
-    (layout,) = fmt.plan_files(meta)
+    (layout,) = fmt.file_layouts(meta)
     assert layout.data_start % fmt.DATA_ALIGNMENT == 0
     position = layout.data_start
     for entry in layout.entries:
@@ -59,7 +59,7 @@ def test_layout_aligns_data_and_layers_and_tiles_the_file(name: str) -> None:
 def test_sharding_keeps_file_order_and_bounds(metadata: fmt.SnapshotMetadata) -> None:
     specs = fmt.specs_for(metadata)
     limit = max(spec.nbytes for spec in specs if fmt.is_layer_tensor(spec.name)) + 1
-    layouts = fmt.plan_files(metadata, limit)
+    layouts = fmt.file_layouts(metadata, limit)
     assert len(layouts) > 2
     held = [entry.name for layout in layouts for entry in layout.checksummed()]
     assert held == [spec.name for spec in specs]
@@ -69,9 +69,9 @@ def test_sharding_keeps_file_order_and_bounds(metadata: fmt.SnapshotMetadata) ->
             or len(layout.checksummed()) == 1
         )
         assert json.loads(layout.kvsnap_json)["shard"] == {"index": index, "count": len(layouts)}
-    assert len(fmt.plan_files(metadata, 10**12)) == 1
+    assert len(fmt.file_layouts(metadata, 10**12)) == 1
     with pytest.raises(ValueError):
-        fmt.plan_files(metadata, 0)
+        fmt.file_layouts(metadata, 0)
 
 
 def test_header_length_limits() -> None:
@@ -101,7 +101,7 @@ def _decode_and_check(header: bytes, file_size: int) -> None:
 
 
 def _valid_header(metadata: fmt.SnapshotMetadata) -> tuple[dict[str, Any], int]:
-    (layout,) = fmt.plan_files(metadata)
+    (layout,) = fmt.file_layouts(metadata)
     return json.loads(layout.header[8:]), layout.file_size - layout.data_start
 
 
@@ -236,7 +236,7 @@ def test_markup_bearing_ids_round_trip_through_a_file_header(ids: list[str], mod
         record.id = new_id
     metadata.source = fmt.SourceInfo(engine="e[/]", model_id=model_id)
     assert metadata.problems() == []
-    (layout,) = fmt.plan_files(metadata)
+    (layout,) = fmt.file_layouts(metadata)
     decoded = fmt.decode_header(layout.header, layout.file_size, file="a[/x]/snap[v2]")
     rebuilt = decoded.metadata.with_tensors(metadata.metadata_tensors())
     assert rebuilt == metadata

@@ -159,7 +159,7 @@ def test_file_plans_are_reused_per_shape_and_match_a_fresh_packing() -> None:
     second, _ = build(GEOMETRIES["f16-32k"], seed=5)
     second.sequences[0].id = "another-id"
     for max_shard_bytes in (None, first.num_blocks * first.geometry.canonical_page_size_bytes):
-        plans = [fmt.plan_files(metadata, max_shard_bytes) for metadata in (first, second)]
+        plans = [fmt.file_layouts(metadata, max_shard_bytes) for metadata in (first, second)]
         assert len(plans[0]) == len(plans[1]) and (len(plans[0]) > 1) == bool(max_shard_bytes)
         for one, other in zip(*plans, strict=True):
             assert one.entries is other.entries  # placed once, not per capture

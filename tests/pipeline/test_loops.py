@@ -18,7 +18,7 @@ from kvsnap import layout as L
 from kvsnap.errors import SnapshotCorruptError, TransferFailedError
 from kvsnap.pipeline import StagingOptions, TransferOptions
 from kvsnap.pipeline.fused import FusedMover
-from kvsnap.pipeline.slots import plan_slots
+from kvsnap.pipeline.slots import slot_loads
 from kvsnap.pipeline.staging import StagingRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import SnapshotReader, SnapshotWriter, slot_reads
@@ -58,7 +58,7 @@ def record_calls(monkeypatch: pytest.MonkeyPatch, log: list[str], owner: type, m
 
 
 def _slots(num_blocks: int, num_slots_bytes: int) -> list:
-    return list(plan_slots(2 * LAYERS, num_blocks, 256, num_slots_bytes))
+    return list(slot_loads(2 * LAYERS, num_blocks, 256, num_slots_bytes))
 
 
 def test_capture_keeps_every_slot_copying_and_hands_each_over_in_order(

@@ -93,7 +93,7 @@ def test_clear_caches_empties_every_process_wide_cache(
         tier.release(leased)
     lru_functions = [
         container._packing,
-        container._planned,
+        container._cached_file_layouts,
         mapping.strided_page_runs,
         layout_cache._writes_a_byte_twice,
         heads._heads_of,

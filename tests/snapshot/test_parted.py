@@ -33,19 +33,22 @@ from tests.support.parts_helpers import (
 
 
 def test_part_plan_gives_each_head_group_one_writer() -> None:
-    plan = L.part_plan(geometry(8), 2)
+    plan = L.part_assignments(geometry(8), 2)
     assert [(p.index, p.first_head, p.num_heads, p.writer_rank) for p in plan] == [
         (1, 0, 4, 0),
         (2, 4, 4, 1),
     ]
     # More ranks than heads: the first rank of each replication group writes its head.
-    plan = L.part_plan(geometry(2), 8)
+    plan = L.part_assignments(geometry(2), 8)
     assert [(p.first_head, p.num_heads, p.writer_rank) for p in plan] == [(0, 1, 0), (1, 1, 4)]
-    assert len(L.part_plan(geometry(8), 1)) == 1 and L.part_plan(geometry(8), 1)[0].num_heads == 8
+    assert (
+        len(L.part_assignments(geometry(8), 1)) == 1
+        and L.part_assignments(geometry(8), 1)[0].num_heads == 8
+    )
     mla = L.KVGeometry(num_layers=2, block_size=4, dtype="float16", latent_dim=16)
-    assert L.part_plan(mla, 4) == []
+    assert L.part_assignments(mla, 4) == []
     with pytest.raises(LayoutError, match="evenly"):
-        L.part_plan(geometry(8), 3)
+        L.part_assignments(geometry(8), 3)
 
 
 @pytest.mark.parametrize("kind", TP_KINDS)
@@ -99,7 +102,7 @@ def test_tp1_only_layouts_restore_parts_and_capture_a_superset(tmp_path: Path, k
     assert restored_exactly(target, content)
     # The TP=1 cache holds every head: its part layouts capture any head range.
     again = tmp_path / "again.safetensors"
-    plan = L.part_plan(geometry(8), 4)
+    plan = L.part_assignments(geometry(8), 4)
     generation = fmt.new_generation()
     restored_seqs = [
         seq.__class__(seq.id, seq.token_ids, restore_map()[seq.id]) for seq in sequences(1)

@@ -319,7 +319,7 @@ def test_an_index_of_20000_shards_decodes(tmp_path: Path) -> None:
 def _bloated_header(entries: int) -> tuple[bytes, int]:
     """A valid snapshot's header with ``entries`` extra zero-size tensors added."""
     metadata, _ = build(35)
-    (layout,) = fmt.plan_files(metadata)
+    (layout,) = fmt.file_layouts(metadata)
     body = layout.header[8:].rstrip(b" ")
     extra = b"".join(
         b',"x%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}' % index

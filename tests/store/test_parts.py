@@ -118,7 +118,7 @@ def test_discard_parts_removes_one_generation_only(tmp_path: Path) -> None:
     old = _write(path, "parted", seed=1)
     before = _files(tmp_path)
     layouts, _ = _layouts(seed=2)
-    plan = L.part_plan(layouts[0].geometry, 2)
+    plan = L.part_assignments(layouts[0].geometry, 2)
     generation = fmt.new_generation()
     written = [
         capture_part(
@@ -142,7 +142,7 @@ def test_discard_parts_removes_one_generation_only(tmp_path: Path) -> None:
 def test_the_index_publish_checks_its_parts(tmp_path: Path) -> None:
     path = tmp_path / "snap.safetensors"
     layouts, content = _layouts(seed=1)
-    plan = L.part_plan(layouts[0].geometry, 2)
+    plan = L.part_assignments(layouts[0].geometry, 2)
     generation = fmt.new_generation()
     records = [
         capture_part(

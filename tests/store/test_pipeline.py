@@ -28,7 +28,7 @@ WAIT_S = 10
 
 
 def layer_ranges(metadata: fmt.SnapshotMetadata) -> dict[str, tuple[int, int]]:
-    (layout,) = fmt.plan_files(metadata)
+    (layout,) = fmt.file_layouts(metadata)
     return {e.name: (e.begin, e.end) for e in layout.entries if fmt.is_layer_tensor(e.name)}
 
 
@@ -230,7 +230,7 @@ def test_a_written_buffer_is_not_kept_alive_by_the_writer(
 
 def test_local_files_are_reserved_at_their_final_size(tmp_path: Path) -> None:
     metadata, pages = build("f16-32k", seed=45)
-    (layout,) = fmt.plan_files(metadata)
+    (layout,) = fmt.file_layouts(metadata)
     if local_file._FALLOCATE is None:
         pytest.skip("no fallocate in this C library")
     writer = SnapshotWriter(tmp_path / "snap.safetensors", metadata)

@@ -35,7 +35,7 @@ def test_subset_reads_touch_only_those_ranges(
     page = metadata.geometry.canonical_page_size_bytes
     path = tmp_path / "snap.safetensors"
     write_snapshot(path, metadata, pages)
-    (layout,) = fmt.plan_files(metadata)
+    (layout,) = fmt.file_layouts(metadata)
     entry = layout.by_name["layers.1.value"]
     reads: list[tuple[int, int]] = []
     real = os.preadv
@@ -99,7 +99,7 @@ def test_truncated_and_extended_files_are_refused(old_snapshot: tuple[Path, byte
     path, data = old_snapshot
     rng = np.random.default_rng(29)
     cut = path.parent / "cut.safetensors"
-    (layout,) = fmt.plan_files(SnapshotReader(path).metadata)
+    (layout,) = fmt.file_layouts(SnapshotReader(path).metadata)
     edges = [0, 7, 8, 9, layout.data_start - 1, layout.data_start, len(data) - 1]
     for length in [*edges, *rng.integers(0, len(data), 150).tolist()]:
         cut.write_bytes(data[:length])
@@ -132,7 +132,7 @@ def test_verify_finds_tokens_that_do_not_match_their_prefix_hashes(
     """Checksums guard the bytes; verify also re-derives the hash chains from the token ids."""
     path, data = old_snapshot
     metadata = SnapshotReader(path).metadata
-    (layout,) = fmt.plan_files(metadata)
+    (layout,) = fmt.file_layouts(metadata)
     raw = bytearray(data)
     entry = layout.by_name["sequences.0.token_ids"]
     raw[entry.begin] ^= 0x01  # change a token id, then fix every checksum that covers it
@@ -187,7 +187,7 @@ def test_every_single_byte_flip_is_detected_and_named(tmp_path: Path, name: str,
     path = tmp_path / "snap.safetensors"
     write_snapshot(path, metadata, pages)
     original = path.read_bytes()
-    (layout,) = fmt.plan_files(metadata)
+    (layout,) = fmt.file_layouts(metadata)
     assert layout.file_size == len(original)
     rng = np.random.default_rng(seed)
     layers = [e for e in layout.entries if fmt.is_layer_tensor(e.name)]

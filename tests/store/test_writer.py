@@ -92,7 +92,7 @@ def test_round_trip_every_byte_and_safetensors_agrees(tmp_path: Path, name: str)
     )
 
     # Any safetensors reader gets the same typed tensors.
-    (layout,) = fmt.plan_files(metadata)
+    (layout,) = fmt.file_layouts(metadata)
     with safe_open(path, "pt") as opened:
         assert set(opened.keys()) == {entry.name for entry in layout.entries}
         assert json.loads(opened.metadata()["kvsnap"])["num_blocks"] == metadata.num_blocks
@@ -314,7 +314,7 @@ def test_a_failing_disk_write_aborts_cleanly(
 ) -> None:
     path, old = old_snapshot
     metadata, pages = build("bf16", seed=23)
-    (layout,) = fmt.plan_files(metadata)
+    (layout,) = fmt.file_layouts(metadata)
     target = layout.by_name["layers.1.key"]
     real = local_file._pwrite_all
 
@@ -384,7 +384,7 @@ def test_inflight_bytes_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     """write_pages blocks once max_inflight_bytes are held; progress resumes as writes finish."""
     metadata, pages = build("f16-32k", seed=26)
     page = metadata.geometry.canonical_page_size_bytes
-    (layout,) = fmt.plan_files(metadata)
+    (layout,) = fmt.file_layouts(metadata)
     data = [(e.begin, e.end) for e in layout.entries if fmt.is_layer_tensor(e.name)]
     gate = threading.Event()
     real = local_file._pwrite_all

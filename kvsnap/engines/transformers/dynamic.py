@@ -413,8 +413,9 @@ def _fill_dynamic_cache(
 
     ``cache.update`` concatenates, i.e. copies every layer's KV once more; a plain
     ``DynamicLayer`` is just its two tensors, so it is handed the restored views instead, with
-    what its ``lazy_initialization`` sets (tests/test_warm_restore.py compares the two). Other
-    layer types, and layers the cache makes on first update, go through ``update``.
+    what its ``lazy_initialization`` sets (tests/engines/transformers/test_warm_restore.py
+    compares the two). Other layer types, and layers the cache makes on first update, go
+    through ``update``.
     """
     layers = cache.layers
     for layer, (layer_keys, layer_values) in enumerate(zip(keys, values, strict=True)):

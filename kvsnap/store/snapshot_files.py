@@ -1,6 +1,6 @@
 """What one snapshot write is made of, shared by :class:`~kvsnap.store.writer.SnapshotWriter`
-and the target it writes to: the plan of its files and the digests that complete them
-(:class:`WritePlan`), the bound on the caller's bytes in flight and the write's first error
+and the target it writes to: the snapshot_files of its files and the digests that complete them
+(:class:`SnapshotFiles`), the bound on the caller's bytes in flight and the write's first error
 (:class:`WriteGate`), and the interface of a target (:class:`WriteTarget`: local files,
 :mod:`~kvsnap.store.write_local`, or an fsspec stream, :mod:`~kvsnap.store.write_stream`).
 """
@@ -22,7 +22,7 @@ from kvsnap.format.signing import KeyRing
 from kvsnap.store.location import INDEX_SUFFIX, Location, io_error, stem_of
 
 
-class WritePlan:
+class SnapshotFiles:
     """Every file of one snapshot: its layout (fixed before the first byte) and final location,
     where each tensor goes, the bytes known before any data, and, once the data is hashed, the
     checksums, trailers, signatures and index that complete them.
@@ -40,7 +40,7 @@ class WritePlan:
     ) -> None:
         self.location = location
         self.metadata = metadata
-        self.layouts = fmt.plan_files(metadata, max_shard_bytes)
+        self.layouts = fmt.file_layouts(metadata, max_shard_bytes)
         if self.sharded and metadata.part is not None:
             raise ValueError("a part of a parted snapshot is one file: it cannot be sharded")
         self.finals = self._final_locations()
