@@ -197,7 +197,7 @@ def resolve(location: Location) -> Resolved:
             # On the warm path of every restore: one stat, no object but the answer.
             return Resolved(Form.SINGLE, location, (location,), status=os.stat(location.path))
         except FileNotFoundError:
-            pass
+            pass  # no single file under that name: a sharded or parted index, below
         except OSError:
             return Resolved(Form.SINGLE, location, (location,))  # the open says why
     elif _stat(location, indexed=False) is not None:
