@@ -16,6 +16,9 @@ of benchmarks/pcie_floor.py (vLLM-shaped caches, ``Snapshot.open`` + restore, of
 each) and of the 80-layer x 8-rank fixed case. Runs on any kvsnap tree that has
 ``restore_dynamic_cache``: put the tree first on ``PYTHONPATH`` to measure it.
 
+``--steps`` adds the host's time per step of hot ``restore_dynamic_cache`` calls (functions
+wrapped with ``time.perf_counter``, no profiler).
+
 ``--host`` needs no GPU: the host's share of a warm ``restore_dynamic_cache`` into CPU memory,
 for a 32-layer model with the 8B model's KV shape (8 KV heads x 128, bf16; hidden size 256,
 so the weights are small but the module tree is the 8B model's), per step (timed by wrapping
@@ -245,6 +248,54 @@ def host_costs(sizes: list[int], repeat: int) -> list[dict]:
     return rows
 
 
+def device_steps(model, sizes: list[int], directory: Path, repeat: int) -> list[dict]:
+    """The host's time per step of hot ``restore_dynamic_cache`` calls on CUDA (new addresses
+    each call), medians of ``repeat``: where a call's time goes besides the device's copies
+    (``collect`` is the wait for the device's page checks, the end of the device's work)."""
+    from kvsnap.engines import transformers as kt
+    from kvsnap.engines.transformers import dynamic
+    from kvsnap.pipeline import Pipeline, fused, pipeline, restore
+    from kvsnap.snapshot import Snapshot
+
+    steps = _Steps()
+    steps.wrap(Snapshot, "open", "open")
+    steps.wrap(dynamic, "check_snapshot_fits", "model check")
+    steps.wrap(dynamic, "_restore_target", "buffer + layout")
+    steps.wrap(Pipeline, "restore", "Pipeline.restore")
+    steps.wrap(pipeline, "shared_page_table", "page table")
+    steps.wrap(pipeline, "staging_ring", "staging ring")
+    steps.wrap(pipeline, "_hot_files", "hot lease")
+    steps.wrap(pipeline, "restore_slots", "restore_slots")
+    steps.wrap(restore._RestoreRun, "collect_device_checks", "collect (waits)")
+    steps.wrap(fused.FusedMover, "submit", "submit")
+    steps.wrap(dynamic, "_empty_cache", "DynamicCache")
+    steps.wrap(dynamic, "_fill_dynamic_cache", "DynamicCache")
+    rows = []
+    configure_hot_tier(8 << 30, register_after=1)
+    for tokens in sizes:
+        ids = torch.randint(0, 128000, (1, tokens), device="cuda")
+        path = directory / f"steps-{tokens}.safetensors"
+        kt.capture_dynamic_cache(prefill(model, ids), [ids[0].tolist()], path, model=model)
+        kept: deque = deque(maxlen=4)
+
+        def restore_call(at: Path = path, held: deque = kept) -> None:
+            held.append(kt.restore_dynamic_cache(at, device="cuda", model=model)[0])
+            torch.cuda.synchronize()
+
+        for _ in range(5):
+            restore_call()
+        steps.calls = []
+        for _ in range(repeat):
+            steps.call(restore_call)
+        row = {"tokens": tokens, **steps.medians_ms()}
+        rows.append(row)
+        print(f"hot restore_dynamic_cache, {tokens} tokens, host ms per step (median):")
+        print("  " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k != "tokens"))
+        path.unlink()
+    configure_hot_tier(0)
+    return rows
+
+
 def host_fixed(repeat: int) -> list[dict]:
     """``Snapshot.open`` + restore of 16 tokens into CPU caches shaped as benchmarks/engine.py's
     fixed-cost cases (the same layout objects every call, as an engine passes them), per step."""
@@ -304,6 +355,9 @@ def main() -> None:
     parser.add_argument("--fixed", action="store_true")
     parser.add_argument("--profile-dir", type=Path, default=None)
     parser.add_argument("--host", action="store_true", help="host costs only, no GPU")
+    parser.add_argument(
+        "--steps", action="store_true", help="also the host's time per step of hot calls"
+    )
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",") if size]
     if args.host:
@@ -324,6 +378,8 @@ def main() -> None:
         cells = " ".join(f"{row[f'{name}_ms']:12.2f}" for name in columns)
         checks = all(value for key, value in row.items() if key.endswith("_exact"))
         print(f"{tokens:>6} {cells}  exact={checks}", flush=True)
+    if args.steps:
+        out["steps"] = device_steps(model, sizes, directory, args.repeat)
     if args.profile_dir is not None:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
         profile_dynamic(model, 2048, directory, args.profile_dir)

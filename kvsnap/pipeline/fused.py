@@ -11,8 +11,10 @@ memory the copies run at once on the host (the host then hashes, as the store do
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,6 +22,7 @@ import torch
 from kvsnap.errors import LayoutError, TransferFailedError
 from kvsnap.layout import CacheLayout, check_tiling
 from kvsnap.pipeline.movers import SlotMover
+from kvsnap.pipeline.options import MIN_UPLOAD_CHUNK_BYTES, UPLOAD_CHUNKS_PER_SLOT
 from kvsnap.pipeline.slots import SlotLoad
 from kvsnap.pipeline.staging import DeviceStaging, device_staging
 from kvsnap.transfer import page_hash
@@ -119,59 +122,141 @@ class FusedMover(SlotMover):
         uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> FusedTicket:
         assert self._staging is not None
-        page_bytes = self.table.page_size_bytes
-        num_pages = load.num_pages
-        num_bytes = num_pages * page_bytes
-        checked = expected is not None and self.hashes_pages
-        with self._staging.use(num_bytes) as buffer:
-            copies = self.table.copies(
-                self.direction,
-                load.page_tensors,
-                device_blocks,
-                buffer.data_ptr() + load.page_offsets,
-                snapshot_blocks,
-            )
-            copy_table = kernel_table(copies)
-            parts = [copy_table, load.page_offsets]
-            if checked:
-                parts.append(np.asarray(expected).view(np.int64))
-            # Up from pinned memory of this slot's own (free whenever the slot is: a slot is
-            # reused only after its last copy completed); from pageable memory the upload
-            # would wait for the stream, that is for the previous slot's copies.
-            host_table = self._staging.pinned(("table", slot.data_ptr), np.concatenate(parts))
-            device_table = host_table.to(self.device, non_blocking=True)
-            offsets = device_table[len(copy_table) : len(copy_table) + num_pages]
-            host, device = slot.tensor[:num_bytes], buffer[:num_bytes]
-            results: torch.Tensor | None = None
+        with self._staging.use(slot_extent(load, self.table.page_size_bytes)) as buffer:
             if self.direction is Direction.DEVICE_TO_HOST:
-                launch_kernel(copies, device_table, self.device, self.sm_budget)
-                if self.hashes_pages:
-                    # Read by the capture right after this slot's event, before it is reused.
-                    results = self._staging.pinned(("digests", slot.data_ptr), None, num_pages)
-                    results.copy_(self._digests(buffer, offsets), non_blocking=True)
-                host.copy_(device, non_blocking=True)
+                results = self._enqueue_capture(load, slot, device_blocks, snapshot_blocks, buffer)
             else:
-                if uploads is None:
-                    device.copy_(host, non_blocking=True)
-                for mapped, offset in uploads or ():
-                    # Straight out of the registered page cache: one DMA per run of pages.
-                    buffer[offset : offset + mapped.numel()].copy_(mapped, non_blocking=True)
-                page_ok = None
-                if checked:
-                    stored = device_table[len(copy_table) + num_pages :]
-                    # Kept on the device (one flag a page) until the restore collects them.
-                    results = page_ok = (self._digests(buffer, offsets) == stored).to(torch.int64)
-                launch_kernel(copies, device_table, self.device, self.sm_budget, page_ok)
+                results = self._enqueue_restore(
+                    load, slot, device_blocks, snapshot_blocks, expected, uploads, buffer
+                )
             done = torch.cuda.Event()
             done.record(self._staging.stream)
         return FusedTicket(done, results)
 
-    def _digests(self, buffer: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Enqueue the xxh3-64 of the pages at ``offsets`` in ``buffer`` (int64 bit patterns)."""
+    def _device_table(
+        self,
+        load: SlotLoad,
+        slot: Slot,
+        device_blocks: np.ndarray,
+        snapshot_blocks: np.ndarray,
+        buffer: torch.Tensor,
+        expected: np.ndarray | None,
+    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """The slot's copies, and on the device their kernel table followed by the pages'
+        offsets in the buffer in 8-byte words (and ``expected``, the stored digests)."""
+        assert self._staging is not None
+        copies = self.table.copies(
+            self.direction,
+            load.page_tensors,
+            device_blocks,
+            buffer.data_ptr() + load.page_offsets,
+            snapshot_blocks,
+        )
+        copy_table = kernel_table(copies)
+        # Hashed pages are a multiple of 8 bytes long (page_hash.supports), so whole words.
+        parts = [copy_table, load.page_offsets // 8]
+        if expected is not None:
+            parts.append(np.asarray(expected).view(np.int64))
+        # Up from pinned memory of this slot's own (free whenever the slot is: a slot is
+        # reused only after its last copy completed); from pageable memory the upload
+        # would wait for the stream, that is for the previous slot's copies.
+        host_table = self._staging.pinned(("table", slot.data_ptr), np.concatenate(parts))
+        device_table = host_table.to(self.device, non_blocking=True)
+        return copies, device_table, device_table[len(copy_table) :]
+
+    def _enqueue_capture(
+        self,
+        load: SlotLoad,
+        slot: Slot,
+        device_blocks: np.ndarray,
+        snapshot_blocks: np.ndarray,
+        buffer: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Gather, hash and bring down one slot: the pages' digests, in pinned memory."""
+        assert self._staging is not None
+        num_pages = load.num_pages
+        num_bytes = slot_extent(load, self.table.page_size_bytes)
+        copies, device_table, tail = self._device_table(
+            load, slot, device_blocks, snapshot_blocks, buffer, None
+        )
+        launch_kernel(copies, device_table, self.device, self.sm_budget)
+        results = None
+        if self.hashes_pages:
+            # Read by the capture right after this slot's event, before it is reused.
+            results = self._staging.pinned(("digests", slot.data_ptr), None, num_pages)
+            results.copy_(self._digests(buffer, tail[:num_pages]), non_blocking=True)
+        slot.tensor[:num_bytes].copy_(buffer[:num_bytes], non_blocking=True)
+        return results
+
+    def _enqueue_restore(
+        self,
+        load: SlotLoad,
+        slot: Slot,
+        device_blocks: np.ndarray,
+        snapshot_blocks: np.ndarray,
+        expected: np.ndarray | None,
+        uploads: Sequence[tuple[torch.Tensor, int]] | None,
+        buffer: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Bring one slot up, hash and scatter it: a flag per page (1 written, 0 refused), on
+        the device, when the pages are checked.
+
+        The slot goes up in pieces on the upload stream, each hashed as soon as it has
+        arrived while the next ones are still on the bus. The copy table goes up right behind
+        the first piece: it is built while that piece is on the bus, and on the copy engine's
+        queue it must not wait behind the whole slot."""
+        assert self._staging is not None
+        page_bytes = self.table.page_size_bytes
+        checked = expected is not None and self.hashes_pages
+        if uploads is None:
+            uploads = [(slot.tensor[: slot_extent(load, page_bytes)], 0)]
+        chunks = upload_chunks(load.page_offsets, page_bytes)
+        upload_stream = self._staging.upload_stream
+        if self._staging.free is not None:
+            upload_stream.wait_event(self._staging.free)
+        arrived = []
+        with torch.cuda.stream(upload_stream):
+            for index, (_, _, low, high) in enumerate(chunks):
+                _upload_range(buffer, uploads, low, high)
+                if index == 0:
+                    copies, device_table, tail = self._device_table(
+                        load,
+                        slot,
+                        device_blocks,
+                        snapshot_blocks,
+                        buffer,
+                        expected if checked else None,
+                    )
+                    device_table.record_stream(self._staging.stream)
+                event = torch.cuda.Event()
+                event.record(upload_stream)
+                arrived.append(event)
+        stream = self._staging.stream
+        page_ok = None
+        if checked:
+            num_pages = load.num_pages
+            words, stored = tail[:num_pages], tail[num_pages:]
+            digests = torch.empty(num_pages, dtype=torch.int64, device=self.device)
+            for (first, stop, _, _), event in zip(chunks, arrived, strict=True):
+                stream.wait_event(event)
+                self._digests(buffer, words[first:stop], digests[first:stop])
+            # Kept on the device (one flag a page) until the restore collects them.
+            page_ok = (digests == stored).to(torch.int64)
+        else:
+            stream.wait_event(arrived[-1])  # one stream: the last piece follows the others
+        launch_kernel(copies, device_table, self.device, self.sm_budget, page_ok)
+        return page_ok
+
+    def _digests(
+        self, buffer: torch.Tensor, words: torch.Tensor, digests: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Enqueue the xxh3-64 of the pages at ``words`` (8-byte words) in ``buffer`` (int64
+        bit patterns) into ``digests`` (a new tensor by default)."""
         assert self._constants is not None
-        digests = torch.empty(len(offsets), dtype=torch.int64, device=self.device)
-        page_hash.launch_page_digests(
-            buffer, offsets, self.table.page_size_bytes, self._constants, digests
+        if digests is None:
+            digests = torch.empty(len(words), dtype=torch.int64, device=self.device)
+        page_hash.launch_page_digests_at_words(
+            buffer, words, self.table.page_size_bytes, self._constants, digests
         )
         return digests
 
@@ -204,10 +289,67 @@ class FusedMover(SlotMover):
             return np.empty(0, dtype=np.int64)
         return np.flatnonzero(ticket.results.cpu().numpy() == 0)
 
+    def failed_pages_of(self, tickets: Sequence[FusedTicket]) -> list[np.ndarray]:
+        """The flags of every slot in one copy to the host (one wait, not one per slot)."""
+        flags = [t.results for t in tickets if t.results is not None]
+        if self.direction is not Direction.HOST_TO_DEVICE or len(flags) < 2:
+            return super().failed_pages_of(tickets)
+        assert self._staging is not None
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(self._staging.stream):
+                # Enqueued behind every slot's kernels: the copy to the host waits for them all.
+                joined = torch.cat(flags).cpu().numpy()
+        except RuntimeError as error:
+            raise TransferFailedError(f"the fused page copy failed: {error}") from error
+        failed, start = [], 0
+        for ticket in tickets:
+            count = 0 if ticket.results is None else len(ticket.results)
+            failed.append(np.flatnonzero(joined[start : start + count] == 0))
+            start += count
+        return failed
+
     def end(self) -> None:
         if self._staging is not None and self.direction is Direction.HOST_TO_DEVICE:
             # Whatever the caller runs next on its stream sees the restored blocks.
             torch.cuda.current_stream(self.device).wait_stream(self._staging.stream)
+
+
+def _upload_range(
+    buffer: torch.Tensor, uploads: Sequence[tuple[torch.Tensor, int]], low: int, high: int
+) -> None:
+    """Enqueue, on the current stream, the bytes ``[low, high)`` of a slot whose host bytes
+    are ``uploads`` (each at its offset in the slot) into the same bytes of ``buffer``."""
+    for source, offset in uploads:
+        start, stop = max(low, offset), min(high, offset + source.numel())
+        if start < stop:
+            buffer[start:stop].copy_(source[start - offset : stop - offset], non_blocking=True)
+
+
+def slot_extent(load: SlotLoad, page_size_bytes: int) -> int:
+    """The bytes of a slot up to the end of ``load``'s last page (pages a host check refused
+    leave gaps: a load's pages keep their offsets)."""
+    return int(load.page_offsets[-1]) + page_size_bytes if load.num_pages else 0
+
+
+def upload_chunks(
+    page_offsets: np.ndarray, page_size_bytes: int
+) -> list[tuple[int, int, int, int]]:
+    """A slot's pages (at ``page_offsets``, increasing) cut into up to
+    ``UPLOAD_CHUNKS_PER_SLOT`` runs of whole pages of at least ``MIN_UPLOAD_CHUNK_BYTES``:
+    per run its first and stop page and its bytes ``[low, high)`` in the slot."""
+    num_pages = len(page_offsets)
+    if num_pages == 0:
+        return [(0, 0, 0, 0)]
+    end = int(page_offsets[-1]) + page_size_bytes
+    chunk_bytes = max(-(-end // UPLOAD_CHUNKS_PER_SLOT), MIN_UPLOAD_CHUNK_BYTES)
+    # A chunk ends at the first page starting at or past its share of the slot's bytes.
+    bounds = np.searchsorted(page_offsets, np.arange(chunk_bytes, end, chunk_bytes))
+    edges = [0, *(int(bound) for bound in np.unique(bounds) if 0 < bound < num_pages), num_pages]
+    chunks = []
+    for first, stop in itertools.pairwise(edges):
+        low = int(page_offsets[first])
+        chunks.append((first, stop, low, int(page_offsets[stop - 1]) + page_size_bytes))
+    return chunks
 
 
 _CONSTANTS: dict[tuple[torch.device, int], torch.Tensor] = {}

@@ -82,6 +82,12 @@ class SlotMover(ABC):
         """A finished restore slot's pages that differed from ``expected`` (not written)."""
         return np.empty(0, dtype=np.int64)
 
+    def failed_pages_of(self, tickets: Sequence[Any]) -> list[np.ndarray]:
+        """:meth:`failed_pages` of each of ``tickets``, waiting for them first."""
+        for ticket in tickets:
+            self.wait(ticket)
+        return [self.failed_pages(ticket) for ticket in tickets]
+
     def end(self) -> None:  # noqa: B027 - most movers need nothing at the end of a call
         """Called at the end of each capture or restore, also after a failure."""
 

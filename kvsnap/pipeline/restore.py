@@ -320,9 +320,8 @@ class _RestoreRun:
 
     def collect_device_checks(self) -> None:
         """Wait for the device-verified slots and note the pages their kernels refused."""
-        for load, ticket in self.checked:
-            self.mover.wait(ticket)
-            bad = self.mover.failed_pages(ticket)
+        failed = self.mover.failed_pages_of([ticket for _, ticket in self.checked])
+        for (load, _), bad in zip(self.checked, failed, strict=True):
             if len(bad):
                 self._fail(load, bad, "xxh3-64 does not match the stored checksum (device)")
         self.checked = []

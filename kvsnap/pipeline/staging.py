@@ -5,7 +5,9 @@ capture and restore after that (:func:`shared_ring`). A slot given back while a 
 read or write it carries that copy's CUDA event; whoever takes it next waits for the event
 first, so a restore returns as soon as its copies are enqueued. On CUDA a device buffer per
 device (:class:`DeviceStaging`, at most one slot large) holds the canonical pages between the
-fused page kernel and the DMA over PCIe; one stream per device orders every use of it.
+fused page kernel and the DMA over PCIe; one stream per device orders every use of it, and a
+second one carries restores' uploads into it, so that a slot's pages go up while the pages
+before them are hashed (:attr:`DeviceStaging.free` says when the buffer may be written again).
 """
 
 from __future__ import annotations
@@ -51,13 +53,26 @@ class StagingRing:
         return slot
 
     def acquire(self) -> Slot:
-        """A free slot whose last copy has completed (waits for both)."""
-        return self._ready(self.pool.acquire())
+        """A free slot whose last copy has completed (waits for both): the slot given back
+        first, whose copy is the first to complete."""
+        return self._ready(self.pool.acquire(oldest=True))
 
     def try_acquire(self) -> Slot | None:
-        """A free slot without waiting for one to be given back (None if there is none)."""
-        slot = self.pool.try_acquire()
-        return None if slot is None else self._ready(slot)
+        """A free slot whose last copy has completed, without waiting for either (``None`` if
+        there is none). Never the slot of a copy still running: a caller with work in flight
+        is better off moving it than waiting here for the copy it just enqueued."""
+        return self.pool.try_acquire_where(self._copy_done)
+
+    def _copy_done(self, index: int) -> bool:
+        """Whether the last copy of slot ``index`` has completed (forgotten once it has)."""
+        with self._lock:
+            event = self._pending.get(index)
+            if event is None:
+                return True
+            if not event.query():
+                return False
+            del self._pending[index]
+            return True
 
     def release(self, slot: Slot, after: torch.cuda.Event | None = None) -> None:
         """Give ``slot`` back; ``after`` is the event of a copy still using it."""
@@ -136,15 +151,23 @@ def staging_ring(
 
 
 class DeviceStaging:
-    """One device's staging buffer and the stream that orders every use of it.
+    """One device's staging buffer and the streams that use it.
 
     :meth:`use` holds a lock while a slot's copies are enqueued, so two threads never
-    interleave their copies through the buffer.
+    interleave their copies through the buffer. Kernels and captures' copies run on
+    :attr:`stream`; restores' uploads run on :attr:`upload_stream`, after :attr:`free`; every
+    kernel that reads an upload waits for it, and the end of every use joins the uploads into
+    :attr:`stream`.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self.upload_stream = torch.cuda.Stream(device)
+        #: Recorded on :attr:`stream` after the last work that reads or writes the buffer: an
+        #: upload into it waits for this, not for whatever the stream waits on (the caller's
+        #: forward pass, before a restore writes the cache).
+        self.free: torch.cuda.Event | None = None
         self._buffer: torch.Tensor | None = None
         self._pinned: dict[tuple[str, int], torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -155,6 +178,8 @@ class DeviceStaging:
         with self._lock:
             if self._buffer is None or self._buffer.numel() < num_bytes:
                 # Grown only to the largest slot used: at most LARGE_SLOT_BYTES of GPU memory.
+                # The old buffer may still be read or written on either stream.
+                self.stream.wait_stream(self.upload_stream)
                 with torch.cuda.stream(self.stream):
                     self._buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
             # Any thread may move a slot (restores move a slot on the read thread that
@@ -166,6 +191,11 @@ class DeviceStaging:
                     yield self._buffer
                 finally:
                     torch.cuda.set_stream(previous)
+                    # Joined even where the kernels reading the uploads were never enqueued
+                    # (an error): nothing after this on the stream may overlap an upload.
+                    self.stream.wait_stream(self.upload_stream)
+                    self.free = torch.cuda.Event()
+                    self.free.record(self.stream)
 
     def pinned(
         self, key: tuple[str, int], values: np.ndarray | None, size: int = 0

@@ -180,12 +180,24 @@ def launch_page_digests(
     """Enqueue the xxh3-64 of ``len(page_offsets)`` pages of ``buffer`` (uint8, pages at
     ``page_offsets`` bytes, 8-byte aligned) into ``digests`` (int64 bit patterns), on the
     current stream. ``constants`` is :func:`constant_table` on the buffer's device."""
+    launch_page_digests_at_words(buffer, page_offsets // 8, page_bytes, constants, digests)
+
+
+def launch_page_digests_at_words(
+    buffer: torch.Tensor,
+    page_words: torch.Tensor,
+    page_bytes: int,
+    constants: torch.Tensor,
+    digests: torch.Tensor,
+) -> None:
+    """:func:`launch_page_digests` with the pages' offsets given in 8-byte words (one kernel
+    launch fewer, for callers that upload the offsets anyway)."""
     if not supports(page_bytes):
         raise ValueError(f"pages of {page_bytes} bytes are hashed on the host")
-    count = len(page_offsets)
+    count = len(page_words)
     if count == 0:
         return
     words = buffer.view(torch.int64)
     kernel_for(_page_digest_kernel)[(count,)](
-        words, page_offsets // 8, constants, digests, PAGE_BYTES=page_bytes
+        words, page_words, constants, digests, PAGE_BYTES=page_bytes
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -144,14 +144,33 @@ class PinnedPool:
             tensor=self._memory[start : start + self.slot_bytes],
         )
 
-    def acquire(self, timeout: float | None = None) -> Slot:
-        """Take a free slot, waiting up to ``timeout`` seconds (forever when ``None``)."""
+    def acquire(self, timeout: float | None = None, *, oldest: bool = False) -> Slot:
+        """Take a free slot, waiting up to ``timeout`` seconds (forever when ``None``): the one
+        given back last (its memory is the likeliest to be pinned and cached already), or with
+        ``oldest`` the one given back first."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._free or self._closed, timeout):
                 raise TimeoutError(f"no staging slot freed within {timeout} s")
             if self._closed:
                 raise RuntimeError("PinnedPool is closed")
-            index = self._free.pop()
+            index = self._free.pop(0 if oldest else -1)
+        return self._slot_or_release(index)
+
+    def try_acquire_where(self, accept: Callable[[int], bool]) -> Slot | None:
+        """Take, without waiting, the free slot given back last among those whose index
+        ``accept`` takes (``None`` if there is none)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("PinnedPool is closed")
+            for position in range(len(self._free) - 1, -1, -1):
+                if accept(self._free[position]):
+                    index = self._free.pop(position)
+                    break
+            else:
+                return None
+        return self._slot_or_release(index)
+
+    def _slot_or_release(self, index: int) -> Slot:
         # Outside the lock: a first-use registration must not hold up release() elsewhere.
         try:
             return self.slot(index)

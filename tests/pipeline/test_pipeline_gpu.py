@@ -172,3 +172,91 @@ def test_chosen_blocks_restore_on_the_gpu(tmp_path):
         Pipeline([targets[0].layout]).restore_blocks(snap, [3, 2], [11, 10])
     torch.cuda.synchronize()
     _assert_restored(targets, content, [6, 8], [10, 11])
+
+
+@pytest.mark.parametrize("hot", [False, True])
+def test_a_corrupt_page_in_a_late_piece_of_a_slot_is_not_written(tmp_path, hot):
+    # 4 MiB slots go up in pieces of 2 MiB, each hashed once it has arrived: a page refused in
+    # the slot's second piece, with the pages before and after it (the first piece, other
+    # slots) written, straight from the registered file or through the pinned slot.
+    from kvsnap.store.hot import configure_hot_tier
+
+    geometry = {"layers": 8, "heads": 8, "head_dim": 64, "blocks": 256, "device": "cuda"}
+    sources, content = _caches("vllm-nhd", **geometry)  # 16 KiB pages, 32 MiB: 8 slots
+    blocks = list(range(0, 256, 2))
+    path = tmp_path / "snap.safetensors"
+    capture([sources[0].layout], _sequences([blocks]), path, source=SOURCE)
+    _flip_byte(path, "layers.7.value", len(blocks) - 3)
+    path.read_bytes()  # in the page cache: the hot tier registers only resident files
+    targets, _ = _caches("vllm-nhd", **geometry, seed=8, fill=False)
+    configure_hot_tier(1 << 30 if hot else 0, register_after=1)
+    try:
+        staging = StagingOptions(slot_bytes=4 << 20, num_slots=2, hot=hot)
+        kinds: list[str] = []
+        with Snapshot.open(path) as snap, pytest.raises(RestoreIncompleteError) as caught:
+            snap.restore(
+                targets[0].layout,
+                {"s0": blocks},
+                staging=staging,
+                trace=lambda kind, *_: kinds.append(kind),
+            )
+    finally:
+        configure_hot_tier()
+    assert ("read" not in kinds) == hot
+    refused = blocks[len(blocks) - 3]
+    assert caught.value.failed_block_ids.tolist() == [refused]
+    torch.cuda.synchronize()
+    target = targets[0]
+    assert not target.logical("layers.7.value")[refused].view(torch.uint8).any()
+    for name in target.views:
+        kept = [b for b in blocks if (name, b) != ("layers.7.value", refused)]
+        want = target.expected(content, name, torch.tensor(kept))
+        assert same_bytes(want, target.logical(name)[kept]), name
+
+
+def test_a_restore_lands_after_what_the_callers_stream_still_writes(tmp_path):
+    # The pages go up on their own stream without waiting for the caller, but the scatter
+    # into the cache must follow the caller's pending writes to the same blocks.
+    sources, content = _caches("vllm-nhd", layers=8, heads=8, blocks=128, device="cuda")
+    path = tmp_path / "snap.safetensors"
+    capture([sources[0].layout], _sequences([list(range(128))]), path, source=SOURCE)
+    targets, _ = _caches(
+        "vllm-nhd", layers=8, heads=8, blocks=128, seed=3, fill=False, device="cuda"
+    )
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side), Snapshot.open(path) as snap:
+        torch.cuda._sleep(50_000_000)  # the engine's step is still running ...
+        for view in targets[0].views.values():
+            view.fill_(7)  # ... and writes these blocks after it
+        snap.restore([targets[0].layout], {"s0": list(range(128))})
+    torch.cuda.synchronize()
+    _assert_restored(targets, content, list(range(128)), list(range(128)))
+
+
+def test_the_ring_never_hands_out_a_slot_whose_copy_still_runs():
+    # A restore taking the slot it just gave back would wait for the copy it just enqueued:
+    # the device would idle between slots while the host enqueues the next one.
+    from kvsnap.pipeline.staging import StagingRing
+    from kvsnap.transfer.pinned import PinnedPool
+
+    ring = StagingRing(PinnedPool(4096, 2, lazy=True), owned=True)
+    try:
+        busy, idle = ring.acquire(), ring.acquire()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1_000_000_000)  # about half a second of a copy still running
+            still_running = torch.cuda.Event()
+            still_running.record(stream)
+        ring.release(idle)
+        ring.release(busy, after=still_running)  # given back last, but its copy runs
+        taken = ring.try_acquire()
+        assert taken is not None and taken.index == idle.index
+        assert not still_running.query()  # taking it waited for nothing
+        assert ring.try_acquire() is None  # the only free slot's copy still runs
+        assert not still_running.query()
+        again = ring.acquire()  # nothing else in flight: wait for the copy
+        assert again.index == busy.index and still_running.query()
+        ring.release(again)
+        ring.release(taken)
+    finally:
+        ring.finish()

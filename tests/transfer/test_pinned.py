@@ -106,3 +106,26 @@ def test_try_acquire_never_waits(cudart: RecordingCudart) -> None:
         pool.release(first)
         again = pool.try_acquire()
         assert again is not None and again.index == first.index
+
+
+def test_slots_are_taken_newest_or_oldest_given_back_first(cudart: RecordingCudart) -> None:
+    with PinnedPool(4096, 4, pin=False) as pool:
+        slots = [pool.acquire() for _ in range(4)]
+        for index in (2, 0, 3, 1):
+            pool.release(slots[index])
+        assert pool.acquire().index == 1  # the one given back last: likeliest to be warm
+        assert pool.acquire(oldest=True).index == 2  # ... or the first, whose copy ends first
+        pool.release(slots[1])
+        pool.release(slots[2])  # free, newest last: 0, 3, 1, 2
+
+
+def test_try_acquire_where_takes_the_newest_slot_it_accepts(cudart: RecordingCudart) -> None:
+    with PinnedPool(4096, 4, pin=False) as pool:
+        slots = [pool.acquire() for _ in range(4)]
+        for index in (3, 1, 0):
+            pool.release(slots[index])
+        taken = pool.try_acquire_where(lambda index: index != 0)
+        assert taken is not None and taken.index == 1
+        assert pool.try_acquire_where(lambda index: index == 2) is None  # not free
+        assert pool.try_acquire_where(lambda index: False) is None
+        assert pool.num_free == 2  # nothing taken by the refusals
