@@ -244,11 +244,13 @@ def test_cpu_page_fragments_copy_matches_slicing(
     source = rng.integers(0, 256, slots * size + 16, dtype=np.uint8)
     destination = np.zeros(slots * size + 16, dtype=np.uint8)
     # Fragment j of page i: source slot i * n + j, destination slot where a permutation sends
-    # it; as bases plus offsets, pages are the outer order on the source side only.
+    # it; as bases plus offsets, pages are the outer order on the source side only. Offsets
+    # are relative to the first fragment, as a page table keeps them: some are negative.
     fragment_slots = rng.permutation(num_fragments)
     page_slots = rng.permutation(num_pages)
-    src_bases = source.ctypes.data + shift + np.arange(num_pages) * num_fragments * size
-    src_offsets = fragment_slots * size
+    first = fragment_slots[0] * size
+    src_bases = source.ctypes.data + shift + np.arange(num_pages) * num_fragments * size + first
+    src_offsets = fragment_slots * size - first
     dst_bases = destination.ctypes.data + 8 - shift + page_slots * size
     dst_offsets = np.arange(num_fragments) * num_pages * size
     expected = destination.copy()
