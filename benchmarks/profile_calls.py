@@ -101,8 +101,10 @@ def per_byte(directory: Path, mib: int, repeat: int) -> None:
     ceilings; every case once per round, ``repeat`` rounds, so drift in the machine's load
     reaches every case alike. Prints the medians."""
     cases: dict[str, tuple[Callable[[], object], int]] = {}
+    checks: dict[str, Callable[[], bool]] = {}
     for label, layers, tp_size in PER_BYTE_SHAPES:
-        cases.update(per_byte_cases(directory, label, layers, tp_size, mib))
+        shape_cases, checks[label] = per_byte_cases(directory, label, layers, tp_size, mib)
+        cases.update(shape_cases)
     nbytes = next(iter(cases.values()))[1]
     source_bytes = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     copy = np.ones_like(source_bytes)
@@ -134,12 +136,15 @@ def per_byte(directory: Path, mib: int, repeat: int) -> None:
     for kind in ("capture", "restore"):
         many, few = (per_byte_of[f"{kind} {label}"] for label, _, _ in PER_BYTE_SHAPES[::-1])
         print(f"{kind}: 1,280 tensors cost {many / few:.2f}x per byte of 64 tensors")
+    for label, check in checks.items():
+        print(f"restored bit-exact, {label}: {check()}")
 
 
 def per_byte_cases(
     directory: Path, label: str, layers: int, tp_size: int, mib: int
-) -> dict[str, tuple[Callable[[], object], int]]:
-    """The capture, restore and ``pread`` of one shape, with the bytes each moves."""
+) -> tuple[dict[str, tuple[Callable[[], object], int]], Callable[[], bool]]:
+    """The capture, restore and ``pread`` of one shape, with the bytes each moves, and a check
+    that the target cache holds the source's bytes (after a restore)."""
     block_bytes = layers * 2 * PAGE_BYTES  # K and V of every layer, one block of 16 tokens
     num_blocks = max(1, (mib << 20) // block_bytes)
     source = per_byte_layouts(layers, tp_size, num_blocks, random=True)
@@ -158,11 +163,21 @@ def per_byte_cases(
 
     run_capture()
     into = np.ones(path.stat().st_size, dtype=np.uint8)  # touched: no page faults timed
-    return {
+    cases = {
         f"capture {label}": (run_capture, nbytes),
         f"restore {label}": (run_restore, nbytes),
         f"pread of its file, {label}": (lambda: pread(path, into), nbytes),
     }
+    return cases, lambda: same_caches(source, target)
+
+
+def same_caches(source: list, target: list) -> bool:
+    """Whether every tensor of the ``target`` layouts holds the bytes of ``source``'s."""
+    return all(
+        torch.equal(a.tensor.view(torch.int16), b.tensor.view(torch.int16))
+        for left, right in zip(source, target, strict=True)
+        for a, b in zip(left.tensors, right.tensors, strict=True)
+    )
 
 
 def write_file(temporary: Path, path: Path, data: np.ndarray, chunk: int = 16 << 20) -> None:
