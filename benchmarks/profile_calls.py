@@ -43,7 +43,7 @@ SOURCE = SourceInfo(engine="benchmark", model_id="synthetic")
 
 def _synchronize() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        _synchronize()
+        torch.cuda.synchronize()
 
 
 def profile(label: str, call: Callable[[Callable | None], object], repeat: int, top: int) -> None:
@@ -239,10 +239,16 @@ def main() -> None:
     parser.add_argument("--per-byte", action="store_true", help="per-byte cost in CPU caches")
     parser.add_argument("--per-byte-mib", type=int, default=256)
     args = parser.parse_args()
-    directory = Path(tempfile.mkdtemp(dir="/dev/shm"))
-    if args.per_byte:
-        per_byte(directory, args.per_byte_mib, args.repeat)
-        return
+    # The files live in memory: removed at the end, also after a failure or ^C.
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as name:
+        if args.per_byte:
+            per_byte(Path(name), args.per_byte_mib, args.repeat)
+        else:
+            profile_calls(Path(name), args)
+
+
+def profile_calls(directory: Path, args: argparse.Namespace) -> None:
+    """Profile the warm calls of the module's docstring, with files in ``directory``."""
     path = directory / "p.safetensors"
     for label, layers, tp_size, tokens in (("32L x 8H", 32, 1, 128), ("80L x 8TP", 80, 8, 16)):
         source = layouts("vllm-nhd", layers, tp_size, args.device)
