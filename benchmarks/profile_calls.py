@@ -11,8 +11,9 @@ cache is many small tensors. It captures and restores (``Snapshot.open`` + ``res
 number of bytes (``--per-byte-mib``, default 256) for 32 layers x 8 heads (64 K/V tensors of
 32 KiB pages) and 80 layers x 8 TP ranks x 1 head held in one process (1,280 K/V tensors, each
 page a rank's 16 fragments of 256 bytes), side by side with the ceilings: one copy of a
-contiguous buffer of the same bytes, one thread's ``pread`` of the snapshot file, and the
-host's xxh3-64 of every page. Prints medians in ns per byte and GB/s, wall and CPU time (all
+contiguous buffer of the same bytes, one thread's ``pread`` of the snapshot file, a write of
+a new file renamed over the last, and the host's xxh3-64 of every page; every case once per
+round (``--repeat`` rounds). Prints medians in ns per byte and GB/s, wall and CPU time (all
 threads), the ratio of the two shapes, and whether the restores were bit-exact.
 """
 
