@@ -9,8 +9,10 @@ offsets. :func:`run_page_copies` executes them:
   the DMA between that buffer and pinned host memory is one contiguous copy per slot, at the
   PCIe ceiling. The kernel computes every fragment's two addresses from the page bases and the
   group's offsets, so the host never builds per-fragment descriptors;
-* on CPU (caches in host memory: CPU engines, the test suite), the same arrays become
-  descriptors with two numpy broadcasts, copied in vectorized groups (:mod:`kvsnap.transfer.cpu`).
+* on CPU (caches in host memory: CPU engines, the test suite), a group of small fragments is
+  copied from the same arrays in vectorized batches of pages (one gather and one scatter of
+  fragment-sized elements, :func:`~kvsnap.transfer.cpu.copy_page_fragments`); whole pages
+  become descriptors, merged where consecutive blocks continue each other.
 
 The kernel is compiled once per process and fragment shape (Triton caches it); tiles are
 ``ROWS`` fragments x ``BLOCK`` words, so 256-byte head slices share a step while a whole
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvsnap.transfer.cpu import copy_descriptors
+from kvsnap.transfer.cpu import VECTORIZED_MAX_BYTES, copy_descriptors, copy_page_fragments
 from kvsnap.transfer.plan import Descriptors, merge_adjacent
 from kvsnap.transfer.triton_copy import TRITON_IMPORT_ERROR, kernel_for, tl, triton
 
@@ -123,6 +125,17 @@ def run_on_cpu(copies: Sequence[GroupCopy]) -> None:
     """Execute ``copies`` between host addresses, synchronously."""
     for copy in copies:
         group = copy.group
+        if group.num_fragments > 1 and group.fragment_bytes <= VECTORIZED_MAX_BYTES:
+            # Many small fragments a page (a rank's head slice of each token): copied in
+            # vectorized batches of pages, never unrolled into one descriptor per fragment.
+            copy_page_fragments(
+                copy.src_bases,
+                copy.src_offsets,
+                copy.dst_bases,
+                copy.dst_offsets,
+                group.fragment_bytes,
+            )
+            continue
         src = (copy.src_bases[:, None] + copy.src_offsets[None, :]).reshape(-1)
         dst = (copy.dst_bases[:, None] + copy.dst_offsets[None, :]).reshape(-1)
         sizes = np.full(len(src), group.fragment_bytes, dtype=np.int64)

@@ -19,11 +19,12 @@ from kvsnap.transfer import (
     AutoPolicy,
     CopyJob,
     available_backends,
+    cpu,
     load_policy,
     make_backend,
     unavailable_reason,
 )
-from kvsnap.transfer.cpu import CpuBackend, copy_descriptors
+from kvsnap.transfer.cpu import CpuBackend, copy_descriptors, copy_page_fragments
 from kvsnap.transfer.plan import Descriptors, Direction
 from kvsnap.transfer.policy import LARGE_FRAGMENT_BYTES, policy_from_calibration
 from kvsnap.transfer.torch_views import fold_runs, nonnegative_runs
@@ -216,6 +217,54 @@ def test_cpu_descriptor_copy_matches_slicing(sizes: list[int], shift: int, seed:
     copy_descriptors(
         source.ctypes.data + src_offsets, destination.ctypes.data + dst_offsets, sizes_array
     )
+    assert np.array_equal(destination, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(1, 600),
+    num_fragments=st.integers(1, 9),
+    num_pages=st.integers(1, 30),
+    shift=st.integers(0, 7),
+    batch_bytes=st.sampled_from([1, 700, 1 << 20]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_cpu_page_fragments_copy_matches_slicing(
+    size: int,
+    num_fragments: int,
+    num_pages: int,
+    shift: int,
+    batch_bytes: int,
+    seed: int,
+) -> None:
+    """Every page's fragments land where slicing puts them: odd sizes and addresses, pages
+    and fragments in any order on either side, batches that split the pages unevenly."""
+    rng = np.random.default_rng(seed)
+    slots = num_pages * num_fragments
+    source = rng.integers(0, 256, slots * size + 16, dtype=np.uint8)
+    destination = np.zeros(slots * size + 16, dtype=np.uint8)
+    # Fragment j of page i: source slot i * n + j, destination slot where a permutation sends
+    # it; as bases plus offsets, pages are the outer order on the source side only. Offsets
+    # are relative to the first fragment, as a page table keeps them: some are negative.
+    fragment_slots = rng.permutation(num_fragments)
+    page_slots = rng.permutation(num_pages)
+    first = fragment_slots[0] * size
+    src_bases = source.ctypes.data + shift + np.arange(num_pages) * num_fragments * size + first
+    src_offsets = fragment_slots * size - first
+    dst_bases = destination.ctypes.data + 8 - shift + page_slots * size
+    dst_offsets = np.arange(num_fragments) * num_pages * size
+    expected = destination.copy()
+    for page in range(num_pages):
+        for fragment in range(num_fragments):
+            s = src_bases[page] + src_offsets[fragment] - source.ctypes.data
+            d = dst_bases[page] + dst_offsets[fragment] - destination.ctypes.data
+            expected[d : d + size] = source[s : s + size]
+    previous = cpu.BATCH_BYTES
+    cpu.BATCH_BYTES = batch_bytes
+    try:
+        copy_page_fragments(src_bases, src_offsets, dst_bases, dst_offsets, size)
+    finally:
+        cpu.BATCH_BYTES = previous
     assert np.array_equal(destination, expected)
 
 
