@@ -21,6 +21,14 @@ measures a 2,048-token prefix on a disk: a cold restore (page cache dropped) rea
 and read through the page cache, the next restore after each (page-cached, or not), and a hot
 restore from the disk's page cache. With ``--fixed`` it times warm restores of 16 and 128
 tokens (open included) of benchmarks/engine.py's fixed-cost cases with the hot tier off and on.
+
+With ``--capture 128,2048,8192`` it times captures to the memory-backed directory instead
+(issue 26, item 4), per prefix of the same shape, the calls of each kind interleaved round by
+round: ``Pipeline.capture`` by DMA into the new file's registered mapping (the default there),
+the same forced through pinned staging and ``pwrite`` (today's path), a raw ``pwrite`` of the
+file's bytes from pinned memory into a new file on the same filesystem (64 MiB writes, fsync,
+the file created and removed each time), and the pinned device->host copy of the KV bytes (the
+floor). The two captures must give the same file, and the DMA one restores bit-exact.
 """
 
 from __future__ import annotations
@@ -348,6 +356,113 @@ def profile(model, tokens: int, directory: Path, out: Path) -> None:
     path.unlink()
 
 
+def capture_to_memory(tokens: int, directory: Path, repeat: int) -> dict:
+    """Captures of one prefix to ``directory`` (memory-backed) by DMA and by today's path, a
+    raw write of the same bytes, and the pinned D2H floor, interleaved; medians in ms."""
+    from benchmarks.engine import SOURCE
+    from kvsnap.layout.allocate import allocate_cache
+    from kvsnap.pipeline import Pipeline
+    from kvsnap.snapshot import SequenceBlocks, Snapshot
+
+    blocks = tokens // 16
+    shape = {"num_layers": 32, "num_blocks": blocks, "block_size": 16, "num_kv_heads": 8}
+    source, target = (
+        allocate_cache("vllm-nhd", **shape, head_dim=128, dtype=torch.bfloat16, device="cuda")
+        for _ in range(2)
+    )
+    for tensor in source.layout.tensors:
+        tensor.tensor.view(torch.uint8).random_()
+    ids = np.arange(blocks, dtype=np.int64)
+    sequence = SequenceBlocks("s", np.arange(tokens), ids)
+    pipeline = Pipeline(source.layout)
+    paths = {name: directory / f"capture-{name}-{tokens}.safetensors" for name in ("dma", "write")}
+    spans: dict[str, float] = {}
+
+    def trace(kind: str, started: float, finished: float, nbytes: int) -> None:
+        spans[kind] = spans.get(kind, 0.0) + (finished - started) * 1e3
+
+    def capture_by(name: str, traced: bool = False) -> object:
+        previous = tuning.MAPPED_WRITE_MIN_BYTES
+        if name == "write":
+            tuning.MAPPED_WRITE_MIN_BYTES = 1 << 62  # forced through pinned staging
+        try:
+            return pipeline.capture(
+                [sequence],
+                paths[name],
+                source=SOURCE,
+                reproducible=True,
+                trace=trace if traced else None,
+            )
+        finally:
+            tuning.MAPPED_WRITE_MIN_BYTES = previous
+
+    results = {name: capture_by(name) for name in paths}
+    row: dict[str, float | int | bool | str | None] = {"tokens": tokens}
+    row["kv_bytes"] = sum(t.tensor.numel() * t.tensor.element_size() for t in source.layout.tensors)
+    row["file_bytes"] = paths["dma"].stat().st_size
+    row["data_path"] = results["dma"].data_path
+    row["dma_refused"] = results["dma"].dma_refused
+    row["same_file"] = paths["dma"].read_bytes() == paths["write"].read_bytes()
+    with Snapshot.open(paths["dma"]) as snap:
+        snap.restore(target.layout, {"s": ids})
+    torch.cuda.synchronize()
+    row["dma_exact"] = all(
+        torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8))
+        for a, b in zip(source.layout.tensors, target.layout.tensors, strict=True)
+    )
+    raw_write = _raw_write(directory / f"raw-{tokens}.bin", int(row["file_bytes"]))
+    pinned = torch.empty(int(row["kv_bytes"]), dtype=torch.uint8, pin_memory=True)
+    device = torch.empty_like(pinned, device="cuda").random_(0, 255)
+    timings: dict[str, list[float]] = {"dma": [], "write": [], "raw_write": [], "floor": []}
+    runs = {
+        "dma": lambda: capture_by("dma"),
+        "write": lambda: capture_by("write"),
+        "raw_write": raw_write,
+        "floor": lambda: pinned.copy_(device, non_blocking=True),
+    }
+    for round_ in range(repeat + 1):
+        for name, run in runs.items():
+            if name in paths and paths[name].exists():
+                paths[name].unlink()  # a new file each time, as the raw write makes
+            elapsed = _once_ms(run)
+            if round_:  # the first round warms up
+                timings[name].append(elapsed)
+    for name, values in timings.items():
+        row[f"{name}_ms"] = statistics.median(values)
+    row["raw_over_dma"] = row["raw_write_ms"] / row["dma_ms"]
+    row["raw_over_write"] = row["raw_write_ms"] / row["write_ms"]
+    row["write_over_dma"] = row["write_ms"] / row["dma_ms"]
+    row["floor_over_dma"] = row["floor_ms"] / row["dma_ms"]
+    for name in ("dma", "write"):
+        spans.clear()
+        paths[name].unlink()
+        capture_by(name, traced=True)
+        row[f"{name}_spans_ms"] = {kind: round(ms, 3) for kind, ms in sorted(spans.items())}
+        paths[name].unlink()
+    return row
+
+
+def _raw_write(path: Path, num_bytes: int) -> Callable[[], None]:
+    """A raw write of ``num_bytes`` from pinned memory into a new file at ``path``: created,
+    written in 64 MiB ``pwrite``s, fsynced, closed and removed again."""
+    source = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    source.random_(0, 255)
+    view = memoryview(source.numpy())
+    chunk = 64 << 20
+
+    def run() -> None:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            for offset in range(0, num_bytes, chunk):
+                os.pwrite(fd, view[offset : offset + chunk], offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            path.unlink()
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json-out", type=Path, default=None)
@@ -359,12 +474,28 @@ def main() -> None:
     parser.add_argument("--profile-engine", default="", help="prefix lengths, e.g. 2048")
     parser.add_argument("--profile-dir", type=Path, default=Path("."))
     parser.add_argument("--repeat", type=int, default=30, help="timed calls per fixed-cost case")
+    parser.add_argument(
+        "--capture", default="", help="prefix lengths to time captures of, e.g. 128,2048,8192"
+    )
+    parser.add_argument("--capture-repeat", type=int, default=9, help="timed rounds per size")
     args = parser.parse_args()
     kvikio = _kvikio()
     out: dict[str, object] = {
         "torch": torch.__version__,
         "kvikio": getattr(kvikio, "__version__", None),
     }
+    captures = []
+    for tokens in [int(size) for size in args.capture.split(",") if size]:
+        row = capture_to_memory(tokens, args.shm_dir, args.capture_repeat)
+        captures.append(row)
+        print(json.dumps(row), flush=True)
+    out["captures"] = captures
+    if not args.sizes and not args.profile and not args.profile_engine:
+        # Captures only: no model to build.
+        if args.json_out is not None:
+            args.json_out.parent.mkdir(parents=True, exist_ok=True)
+            args.json_out.write_text(json.dumps(out, indent=1))
+        return
     model = build_model()
     for tokens in [int(size) for size in args.profile.split(",") if size]:
         profile(model, tokens, args.shm_dir, args.profile_dir)

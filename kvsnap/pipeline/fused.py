@@ -57,6 +57,9 @@ class FusedMover(SlotMover):
         self.hashes_pages = self._staging is not None and page_hash.supports(page_bytes)
         # Restores on CUDA may upload straight from registered host memory (the hot tier).
         self.takes_uploads = self._staging is not None and direction is Direction.HOST_TO_DEVICE
+        # Captures on CUDA may copy straight into a registered, mapped snapshot file; the
+        # digests then come from the device only (the host never reads the mapping).
+        self.takes_downloads = self.hashes_pages and direction is Direction.DEVICE_TO_HOST
         self._constants: torch.Tensor | None = None
         if self.hashes_pages:
             self._constants = _hash_constants(self.device, page_bytes)
@@ -81,15 +84,18 @@ class FusedMover(SlotMover):
         snapshot_blocks: np.ndarray,
         expected: np.ndarray | None = None,
         uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
+        downloads: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> FusedTicket:
         if uploads is not None and not self.takes_uploads:
             raise ValueError("this mover copies from its staging slot only")
+        if downloads is not None and not self.takes_downloads:
+            raise ValueError("this mover copies into its staging slot only")
         try:
             if self._staging is None:
                 self._copy_on_host(load, slot, device_blocks, snapshot_blocks)
                 return FusedTicket(None, None)
             return self._enqueue_on_device(
-                load, slot, device_blocks, snapshot_blocks, expected, uploads
+                load, slot, device_blocks, snapshot_blocks, expected, uploads, downloads
             )
         except (RuntimeError, OSError, ValueError) as error:
             raise TransferFailedError(f"the fused page copy failed: {error}") from error
@@ -117,6 +123,7 @@ class FusedMover(SlotMover):
         snapshot_blocks: np.ndarray,
         expected: np.ndarray | None,
         uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
+        downloads: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> FusedTicket:
         assert self._staging is not None
         page_bytes = self.table.page_size_bytes
@@ -149,7 +156,11 @@ class FusedMover(SlotMover):
                     # Read by the capture right after this slot's event, before it is reused.
                     results = self._staging.pinned(("digests", slot.data_ptr), None, num_pages)
                     results.copy_(self._digests(buffer, offsets), non_blocking=True)
-                host.copy_(device, non_blocking=True)
+                if downloads is None:
+                    host.copy_(device, non_blocking=True)
+                for mapped, offset in downloads or ():
+                    # Straight into the registered snapshot file: one DMA per run of pages.
+                    mapped.copy_(buffer[offset : offset + mapped.numel()], non_blocking=True)
             else:
                 if uploads is None:
                     device.copy_(host, non_blocking=True)

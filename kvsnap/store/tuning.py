@@ -26,3 +26,9 @@ MAX_PROBLEMS_PER_TENSOR = 16
 #: 152. True keeps cold ranges off the page cache: for files read once that should not
 #: displace what it holds.
 COLD_READS_DIRECT = False
+#: Fewest layer bytes for which a capture from a CUDA cache into a memory-backed file maps the
+#: file, registers it with CUDA and has the device copy the pages straight into it
+#: (``store/mapped_file.py``); a smaller capture goes through pinned staging and ``pwrite``.
+#: Registering costs a fixed ~0.1 ms plus faulting every page in; docs/benchmarks.md (issue
+#: 26, "Captures into memory-backed files by DMA") has the sizes it was chosen from.
+MAPPED_WRITE_MIN_BYTES = 4 << 20
