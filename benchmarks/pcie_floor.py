@@ -29,7 +29,9 @@ size; ``default_path`` says which path the size gets by default), the same force
 pinned staging and ``pwrite`` (today's path), a raw ``pwrite`` of the
 file's bytes from pinned memory into a new file on the same filesystem (64 MiB writes, fsync,
 the file created and removed each time), and the pinned device->host copy of the KV bytes (the
-floor). The two captures must give the same file, and the DMA one restores bit-exact.
+floor). The two captures must give the same file, and the DMA one restores bit-exact. With
+``--populate-sweep 1,4,8,16`` it also times DMA captures of 2,048 tokens with that many threads
+faulting the new file's pages in (``tuning.POPULATE_THREADS``).
 """
 
 from __future__ import annotations
@@ -446,6 +448,43 @@ def capture_to_memory(tokens: int, directory: Path, repeat: int) -> dict:
     return row
 
 
+def populate_sweep(tokens: int, directory: Path, repeat: int, counts: list[int]) -> dict:
+    """DMA captures of one prefix with ``tuning.POPULATE_THREADS`` at each of ``counts``
+    (medians in ms, interleaved round by round), and what the machine's tmpfs offers."""
+    from benchmarks.engine import SOURCE
+    from kvsnap.layout.allocate import allocate_cache
+    from kvsnap.pipeline import Pipeline
+    from kvsnap.snapshot import SequenceBlocks
+
+    blocks = tokens // 16
+    shape = {"num_layers": 32, "num_blocks": blocks, "block_size": 16, "num_kv_heads": 8}
+    source = allocate_cache("vllm-nhd", **shape, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    pipeline = Pipeline(source.layout)
+    sequence = SequenceBlocks("s", np.arange(tokens), np.arange(blocks, dtype=np.int64))
+    path = directory / f"sweep-{tokens}.safetensors"
+    previous = (tuning.POPULATE_THREADS, tuning.MAPPED_WRITE_MIN_BYTES)
+    timings: dict[int, list[float]] = {count: [] for count in counts}
+    try:
+        tuning.MAPPED_WRITE_MIN_BYTES = 0
+        for round_ in range(repeat + 1):
+            for count in counts:
+                tuning.POPULATE_THREADS = count
+                path.unlink(missing_ok=True)
+                elapsed = _once_ms(lambda: pipeline.capture([sequence], path, source=SOURCE))
+                if round_:
+                    timings[count].append(elapsed)
+    finally:
+        tuning.POPULATE_THREADS, tuning.MAPPED_WRITE_MIN_BYTES = previous
+        path.unlink(missing_ok=True)
+    row: dict[str, object] = {"tokens": tokens}
+    row.update({f"dma_ms_{count}_threads": statistics.median(timings[count]) for count in counts})
+    thp = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    row["shmem_thp"] = thp.read_text().strip() if thp.exists() else None
+    mounts = Path("/proc/mounts").read_text().splitlines()
+    row["mount"] = next((line for line in mounts if f" {directory} " in f" {line} "), None)
+    return row
+
+
 def _raw_write(path: Path, num_bytes: int) -> Callable[[], None]:
     """A raw write of ``num_bytes`` from pinned memory into a new file at ``path``: created,
     written in 64 MiB ``pwrite``s, fsynced, closed and removed again."""
@@ -482,6 +521,9 @@ def main() -> None:
         "--capture", default="", help="prefix lengths to time captures of, e.g. 128,2048,8192"
     )
     parser.add_argument("--capture-repeat", type=int, default=9, help="timed rounds per size")
+    parser.add_argument(
+        "--populate-sweep", default="", help="populating threads to time at 2,048 tokens, e.g. 1,8"
+    )
     args = parser.parse_args()
     kvikio = _kvikio()
     out: dict[str, object] = {
@@ -494,6 +536,10 @@ def main() -> None:
         captures.append(row)
         print(json.dumps(row), flush=True)
     out["captures"] = captures
+    if args.populate_sweep:
+        counts = [int(count) for count in args.populate_sweep.split(",")]
+        out["populate_sweep"] = populate_sweep(2048, args.shm_dir, args.capture_repeat, counts)
+        print(json.dumps(out["populate_sweep"]), flush=True)
     if not args.sizes and not args.profile and not args.profile_engine:
         # Captures only: no model to build.
         if args.json_out is not None:

@@ -32,3 +32,7 @@ COLD_READS_DIRECT = False
 #: Registering costs a fixed ~0.1 ms plus faulting every page in; docs/benchmarks.md (issue
 #: 26, "Captures into memory-backed files by DMA") has the sizes it was chosen from.
 MAPPED_WRITE_MIN_BYTES = 4 << 20
+#: Threads (at most: never more than the CPUs) that fault a mapped file's pages in before it
+#: is registered (``store/mapped_file.py``): allocating and zeroing tmpfs pages runs at about
+#: 2 GB/s on one thread.
+POPULATE_THREADS = 8

@@ -18,7 +18,7 @@ from kvsnap.store.lanes import SerialLane
 from kvsnap.store.local_file import LocalFile, memory_backed, preallocate
 from kvsnap.store.location import io_error, stem_of
 from kvsnap.store.mapped_file import MappedFile
-from kvsnap.store.pools import shared_executor
+from kvsnap.store.pools import cpu_count, shared_executor
 from kvsnap.store.snapshot_files import SnapshotFiles, WriteGate, WriteTarget
 from kvsnap.store.tracing import TraceHook, traced
 
@@ -113,13 +113,21 @@ class LocalTarget(WriteTarget):
         reason = self._mapping_refusal(register)
         if reason is not None:
             return reason
+        threads = min(tuning.POPULATE_THREADS, cpu_count())
+        executor = shared_executor("populate", threads) if threads > 1 else None
         for file, layout in zip(self.files, self._snapshot_files.layouts, strict=True):
             assert file.fd is not None
             try:
-                self._mapped_files.append(MappedFile(file.fd, layout.file_size, register=register))
+                mapped = MappedFile(file.fd, layout.file_size)
+                self._mapped_files.append(mapped)
+                with traced(self._trace, "setup.map.populate", layout.file_size):
+                    mapped.populate(executor, threads)
+                if register:
+                    with traced(self._trace, "setup.map.register", layout.file_size):
+                        mapped.register()
             except (OSError, ValueError) as error:
-                # No pinnable memory, the filesystem full while registering faults the pages
-                # in: the data is written as usual (and a full filesystem fails that write).
+                # The filesystem full, no pinnable memory: the data is written as usual (and
+                # a full filesystem fails that write with ENOSPC).
                 self._unmap()
                 return f"mapping the file failed ({error})"
         self.mapped = True

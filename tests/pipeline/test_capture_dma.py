@@ -21,10 +21,11 @@ from tests.support.store_helpers import stored_and_actual_digests, temp_files
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("mapped_from_any_size")]
 
-USED = [[3, 7, 1, 9], [3, 7, 10, 33, 20, 21]]
-SOURCE_BLOCKS = [3, 7, 1, 9, 10, 33, 20, 21]
-TARGET_BLOCKS = {"s0": [0, 2, 4, 5], "s1": [0, 2, 6, 39, 11, 12]}
-RESTORED_AT = [0, 2, 4, 5, 6, 39, 11, 12]
+#: Two sequences sharing their first two blocks (stored once), as tests/pipeline restores them.
+USED = [[3, 7, 1], [3, 7, 9, 10, 33]]
+SOURCE_BLOCKS = [3, 7, 1, 9, 10, 33]
+TARGET_BLOCKS = {"s0": [0, 2, 4], "s1": [0, 2, 5, 6, 39]}
+RESTORED_AT = [0, 2, 4, 5, 6, 39]
 #: Small slots: many slots per capture, most spanning several tensors.
 SMALL_SLOTS = StagingOptions(slot_bytes=48 << 10, num_slots=3)
 

@@ -22,6 +22,8 @@ from kvsnap.errors import SignatureError
 from kvsnap.format.signing import KeyRing
 from kvsnap.store import SnapshotReader, SnapshotWriter, tuning
 from kvsnap.store.host_registration import cuda_unavailable_reason
+from kvsnap.store.mapped_file import POPULATE_CHUNK_BYTES, MappedFile
+from kvsnap.store.pools import shared_executor
 from tests.support.store_helpers import (
     build,
     stored_and_actual_digests,
@@ -120,6 +122,25 @@ def test_mapping_is_refused_where_it_does_not_pay(
 def _write_all(writer: SnapshotWriter, pages: dict[str, np.ndarray]) -> None:
     for name in writer.tensor_order():
         writer.write_pages(name, pages[name])
+
+
+def test_populate_brings_every_page_of_the_file_into_being(shm_dir: Path) -> None:
+    """After ``populate`` the tmpfs holds every page (registering only pins them then), on
+    one thread and on several."""
+    for threads in (1, 3):
+        path = shm_dir / f"populated-{threads}"
+        size = 3 * POPULATE_CHUNK_BYTES + 12345
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            mapped = MappedFile(fd, size)
+            assert os.fstat(fd).st_blocks == 0  # sized, not allocated
+            executor = shared_executor("populate", threads) if threads > 1 else None
+            assert mapped.populate(executor, threads)
+            assert os.fstat(fd).st_blocks * 512 >= size
+            mapped.close()
+        finally:
+            os.close(fd)
+        assert path.stat().st_size == size and path.read_bytes() == bytes(size)
 
 
 def test_placed_pages_follow_the_tensor_order(shm_dir: Path) -> None:
