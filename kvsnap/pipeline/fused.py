@@ -2,7 +2,8 @@
 
 On CUDA a slot goes through the device staging buffer: at capture one page-copy kernel gathers
 the slot's pages there, the page-digest kernel hashes them, and one DMA each brings the pages
-and their digests to pinned memory; at restore one DMA brings the pages up, the digest kernel
+and their digests to pinned memory (the pages, given ``downloads``, straight into a registered
+snapshot file instead); at restore one DMA brings the pages up, the digest kernel
 hashes them, and the page-copy kernel scatters only the pages whose digest matches the stored
 one, so a corrupt page never reaches the cache and the host hashes nothing. Everything is
 enqueued on the staging stream; the slot's event marks its completion. On a cache in host

@@ -1,4 +1,5 @@
-"""The writer's local-file target: reservation, O_DIRECT, checksums, fsync, rename."""
+"""The writer's local-file target: reservation, O_DIRECT, checksums, fsync, rename; on a
+memory-backed filesystem, the files mapped for the caller's device to place the data in."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ class LocalTarget(WriteTarget):
     """Local files: each written under a locked temporary name beside its final path, layer
     data at its final offset (through O_DIRECT where the filesystem takes it and buffers are
     aligned), in order and one write at a time on a lane of the process-wide write pool;
-    fsynced, renamed into place, the directory fsynced."""
+    fsynced, renamed into place, the directory fsynced. Or, after :meth:`map_data`, placed in
+    the mapped, registered file by the caller's device copies (memory-backed files only)."""
 
     def __init__(
         self, snapshot_files: SnapshotFiles, gate: WriteGate, trace: TraceHook | None

@@ -374,7 +374,15 @@ class SnapshotWriter:
         Raises ``ValueError`` when a layer tensor is incomplete and
         :class:`SnapshotIOError` when writing failed; either way nothing is published.
         """
-        self._check_open()
+        if self._state != "open":
+            raise RuntimeError(f"the snapshot writer is {self._state}")
+        try:
+            # A write that failed after the last page was handed over surfaces here: the
+            # writer aborts (no temporary file stays behind until it is collected).
+            self._gate.raise_error()
+        except BaseException:
+            self.abort()
+            raise
         missing = [
             f"{name} ({written}/{self._num_blocks} blocks)"
             for name, written in zip(self._names, self._blocks_written, strict=True)
