@@ -359,92 +359,115 @@ def profile(model, tokens: int, directory: Path, out: Path) -> None:
     path.unlink()
 
 
-def capture_to_memory(tokens: int, directory: Path, repeat: int) -> dict:
-    """Captures of one prefix to ``directory`` (memory-backed) by DMA and by today's path, a
-    raw write of the same bytes, and the pinned D2H floor, interleaved; medians in ms."""
-    from benchmarks.engine import SOURCE
-    from kvsnap.layout.allocate import allocate_cache
-    from kvsnap.pipeline import Pipeline
-    from kvsnap.snapshot import SequenceBlocks, Snapshot
+class _CaptureCase:
+    """One prefix of the 8B shape in a vLLM NHD cache of random bits, captured by a kept
+    ``Pipeline`` to ``directory`` by DMA (``"dma"``) or through pinned staging (``"write"``),
+    each path forced whatever the size (the sizes under the bound show what it costs)."""
 
-    blocks = tokens // 16
-    shape = {"num_layers": 32, "num_blocks": blocks, "block_size": 16, "num_kv_heads": 8}
-    source, target = (
-        allocate_cache("vllm-nhd", **shape, head_dim=128, dtype=torch.bfloat16, device="cuda")
-        for _ in range(2)
-    )
-    for tensor in source.layout.tensors:
-        tensor.tensor.view(torch.uint8).random_()
-    ids = np.arange(blocks, dtype=np.int64)
-    sequence = SequenceBlocks("s", np.arange(tokens), ids)
-    pipeline = Pipeline(source.layout)
-    paths = {name: directory / f"capture-{name}-{tokens}.safetensors" for name in ("dma", "write")}
-    spans: dict[str, float] = {}
+    def __init__(self, tokens: int, directory: Path) -> None:
+        from kvsnap.layout.allocate import allocate_cache
+        from kvsnap.pipeline import Pipeline
+        from kvsnap.snapshot import SequenceBlocks
 
-    def trace(kind: str, started: float, finished: float, nbytes: int) -> None:
-        spans[kind] = spans.get(kind, 0.0) + (finished - started) * 1e3
+        blocks = tokens // 16
+        shape = {"num_layers": 32, "num_blocks": blocks, "block_size": 16, "num_kv_heads": 8}
+        self.source, self.target = (
+            allocate_cache("vllm-nhd", **shape, head_dim=128, dtype=torch.bfloat16, device="cuda")
+            for _ in range(2)
+        )
+        for tensor in self.source.layout.tensors:
+            tensor.tensor.view(torch.uint8).random_()
+        self.ids = np.arange(blocks, dtype=np.int64)
+        self.sequence = SequenceBlocks("s", np.arange(tokens), self.ids)
+        self.pipeline = Pipeline(self.source.layout)
+        self.paths = {
+            name: directory / f"capture-{name}-{tokens}.safetensors" for name in ("dma", "write")
+        }
+        self.kv_bytes = sum(
+            t.tensor.numel() * t.tensor.element_size() for t in self.source.layout.tensors
+        )
 
-    def capture_by(name: str, traced: bool = False) -> object:
+    def capture(self, name: str, trace: Callable[..., None] | None = None) -> object:
+        from benchmarks.engine import SOURCE
+
         previous = tuning.MAPPED_WRITE_MIN_BYTES
-        # Each path forced, whatever the size (the sizes under the bound show what it costs).
         tuning.MAPPED_WRITE_MIN_BYTES = 1 << 62 if name == "write" else 0
         try:
-            return pipeline.capture(
-                [sequence],
-                paths[name],
-                source=SOURCE,
-                reproducible=True,
-                trace=trace if traced else None,
+            return self.pipeline.capture(
+                [self.sequence], self.paths[name], source=SOURCE, reproducible=True, trace=trace
             )
         finally:
             tuning.MAPPED_WRITE_MIN_BYTES = previous
 
-    results = {name: capture_by(name) for name in paths}
-    row: dict[str, float | int | bool | str | None] = {"tokens": tokens}
-    row["default_path"] = (
-        "dma" if blocks * 32 * 2 * 16 * 8 * 128 * 2 >= tuning.MAPPED_WRITE_MIN_BYTES else "write"
-    )
-    row["kv_bytes"] = sum(t.tensor.numel() * t.tensor.element_size() for t in source.layout.tensors)
-    row["file_bytes"] = paths["dma"].stat().st_size
-    row["data_path"] = results["dma"].data_path
-    row["dma_refused"] = results["dma"].dma_refused
-    row["same_file"] = paths["dma"].read_bytes() == paths["write"].read_bytes()
-    with Snapshot.open(paths["dma"]) as snap:
-        snap.restore(target.layout, {"s": ids})
-    torch.cuda.synchronize()
-    row["dma_exact"] = all(
-        torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8))
-        for a, b in zip(source.layout.tensors, target.layout.tensors, strict=True)
-    )
+    def checked(self) -> dict[str, object]:
+        """Both paths once: the path the DMA capture took, whether both gave the same file,
+        and whether the DMA file restores bit-exact."""
+        from kvsnap.snapshot import Snapshot
+
+        result = self.capture("dma")
+        self.capture("write")
+        dma, staged = self.paths["dma"], self.paths["write"]
+        with Snapshot.open(dma) as snap:
+            snap.restore(self.target.layout, {"s": self.ids})
+        torch.cuda.synchronize()
+        pairs = zip(self.source.layout.tensors, self.target.layout.tensors, strict=True)
+        return {
+            "file_bytes": dma.stat().st_size,
+            "data_path": result.data_path,
+            "dma_refused": result.dma_refused,
+            "same_file": dma.read_bytes() == staged.read_bytes(),
+            "dma_exact": all(
+                torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8))
+                for a, b in pairs
+            ),
+        }
+
+    def spans(self, name: str) -> dict[str, float]:
+        """One traced capture by ``name``: the summed ms of each kind of span."""
+        spans: dict[str, float] = {}
+
+        def trace(kind: str, started: float, finished: float, nbytes: int) -> None:
+            spans[kind] = spans.get(kind, 0.0) + (finished - started) * 1e3
+
+        self.paths[name].unlink(missing_ok=True)
+        self.capture(name, trace)
+        self.paths[name].unlink()
+        return {kind: round(ms, 3) for kind, ms in sorted(spans.items())}
+
+
+def capture_to_memory(tokens: int, directory: Path, repeat: int) -> dict:
+    """Captures of one prefix to ``directory`` (memory-backed) by DMA and by today's path, a
+    raw write of the same bytes, and the pinned D2H floor, interleaved; medians in ms."""
+    case = _CaptureCase(tokens, directory)
+    row: dict[str, object] = {"tokens": tokens}
+    row["default_path"] = "dma" if case.kv_bytes >= tuning.MAPPED_WRITE_MIN_BYTES else "write"
+    row["kv_bytes"] = case.kv_bytes
+    row.update(case.checked())
     raw_write = _raw_write(directory / f"raw-{tokens}.bin", int(row["file_bytes"]))
-    pinned = torch.empty(int(row["kv_bytes"]), dtype=torch.uint8, pin_memory=True)
+    pinned = torch.empty(case.kv_bytes, dtype=torch.uint8, pin_memory=True)
     device = torch.empty_like(pinned, device="cuda").random_(0, 255)
-    timings: dict[str, list[float]] = {"dma": [], "write": [], "raw_write": [], "floor": []}
     runs = {
-        "dma": lambda: capture_by("dma"),
-        "write": lambda: capture_by("write"),
+        "dma": lambda: case.capture("dma"),
+        "write": lambda: case.capture("write"),
         "raw_write": raw_write,
         "floor": lambda: pinned.copy_(device, non_blocking=True),
     }
+    timings: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(repeat + 1):
         for name, run in runs.items():
-            if name in paths and paths[name].exists():
-                paths[name].unlink()  # a new file each time, as the raw write makes
+            if name in case.paths:
+                case.paths[name].unlink(missing_ok=True)  # a new file each time, as raw writes
             elapsed = _once_ms(run)
             if round_:  # the first round warms up
                 timings[name].append(elapsed)
-    for name, values in timings.items():
-        row[f"{name}_ms"] = statistics.median(values)
-    row["raw_over_dma"] = row["raw_write_ms"] / row["dma_ms"]
-    row["raw_over_write"] = row["raw_write_ms"] / row["write_ms"]
-    row["write_over_dma"] = row["write_ms"] / row["dma_ms"]
-    row["floor_over_dma"] = row["floor_ms"] / row["dma_ms"]
+    medians = {name: statistics.median(values) for name, values in timings.items()}
+    row.update({f"{name}_ms": value for name, value in medians.items()})
+    row["raw_over_dma"] = medians["raw_write"] / medians["dma"]
+    row["raw_over_write"] = medians["raw_write"] / medians["write"]
+    row["write_over_dma"] = medians["write"] / medians["dma"]
+    row["floor_over_dma"] = medians["floor"] / medians["dma"]
     for name in ("dma", "write"):
-        spans.clear()
-        paths[name].unlink()
-        capture_by(name, traced=True)
-        row[f"{name}_spans_ms"] = {kind: round(ms, 3) for kind, ms in sorted(spans.items())}
-        paths[name].unlink()
+        row[f"{name}_spans_ms"] = case.spans(name)
     return row
 
 
