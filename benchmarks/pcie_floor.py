@@ -21,6 +21,17 @@ measures a 2,048-token prefix on a disk: a cold restore (page cache dropped) rea
 and read through the page cache, the next restore after each (page-cached, or not), and a hot
 restore from the disk's page cache. With ``--fixed`` it times warm restores of 16 and 128
 tokens (open included) of benchmarks/engine.py's fixed-cost cases with the hot tier off and on.
+
+With ``--capture 128,2048,8192`` it times captures to the memory-backed directory instead
+(issue 26, item 4), per prefix of the same shape, the calls of each kind interleaved round by
+round: ``Pipeline.capture`` by DMA into the new file's registered mapping (forced at every
+size; ``default_path`` says which path the size gets by default), the same forced through
+pinned staging and ``pwrite`` (today's path), a raw ``pwrite`` of the
+file's bytes from pinned memory into a new file on the same filesystem (64 MiB writes, fsync,
+the file created and removed each time), and the pinned device->host copy of the KV bytes (the
+floor). The two captures must give the same file, and the DMA one restores bit-exact. With
+``--populate-sweep 1,4,8,16`` it also times DMA captures of 2,048 tokens with that many threads
+faulting the new file's pages in (``tuning.POPULATE_THREADS``).
 """
 
 from __future__ import annotations
@@ -348,6 +359,176 @@ def profile(model, tokens: int, directory: Path, out: Path) -> None:
     path.unlink()
 
 
+class _CaptureCase:
+    """One prefix of the 8B shape in a vLLM NHD cache of random bits, captured by a kept
+    ``Pipeline`` to ``directory`` by DMA (``"dma"``) or through pinned staging (``"write"``),
+    each path forced whatever the size (the sizes under the bound show what it costs)."""
+
+    def __init__(self, tokens: int, directory: Path) -> None:
+        from kvsnap.layout.allocate import allocate_cache
+        from kvsnap.pipeline import Pipeline
+        from kvsnap.snapshot import SequenceBlocks
+
+        blocks = tokens // 16
+        shape = {"num_layers": 32, "num_blocks": blocks, "block_size": 16, "num_kv_heads": 8}
+        self.source, self.target = (
+            allocate_cache("vllm-nhd", **shape, head_dim=128, dtype=torch.bfloat16, device="cuda")
+            for _ in range(2)
+        )
+        for tensor in self.source.layout.tensors:
+            tensor.tensor.view(torch.uint8).random_()
+        self.ids = np.arange(blocks, dtype=np.int64)
+        self.sequence = SequenceBlocks("s", np.arange(tokens), self.ids)
+        self.pipeline = Pipeline(self.source.layout)
+        self.paths = {
+            name: directory / f"capture-{name}-{tokens}.safetensors" for name in ("dma", "write")
+        }
+        self.kv_bytes = sum(
+            t.tensor.numel() * t.tensor.element_size() for t in self.source.layout.tensors
+        )
+
+    def capture(self, name: str, trace: Callable[..., None] | None = None) -> object:
+        from benchmarks.engine import SOURCE
+
+        previous = tuning.MAPPED_WRITE_MIN_BYTES
+        tuning.MAPPED_WRITE_MIN_BYTES = 1 << 62 if name == "write" else 0
+        try:
+            return self.pipeline.capture(
+                [self.sequence], self.paths[name], source=SOURCE, reproducible=True, trace=trace
+            )
+        finally:
+            tuning.MAPPED_WRITE_MIN_BYTES = previous
+
+    def checked(self) -> dict[str, object]:
+        """Both paths once: the path the DMA capture took, whether both gave the same file,
+        and whether the DMA file restores bit-exact."""
+        from kvsnap.snapshot import Snapshot
+
+        result = self.capture("dma")
+        self.capture("write")
+        dma, staged = self.paths["dma"], self.paths["write"]
+        with Snapshot.open(dma) as snap:
+            snap.restore(self.target.layout, {"s": self.ids})
+        torch.cuda.synchronize()
+        pairs = zip(self.source.layout.tensors, self.target.layout.tensors, strict=True)
+        return {
+            "file_bytes": dma.stat().st_size,
+            "data_path": result.data_path,
+            "dma_refused": result.dma_refused,
+            "same_file": dma.read_bytes() == staged.read_bytes(),
+            "dma_exact": all(
+                torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8))
+                for a, b in pairs
+            ),
+        }
+
+    def spans(self, name: str) -> dict[str, float]:
+        """One traced capture by ``name``: the summed ms of each kind of span."""
+        spans: dict[str, float] = {}
+
+        def trace(kind: str, started: float, finished: float, nbytes: int) -> None:
+            spans[kind] = spans.get(kind, 0.0) + (finished - started) * 1e3
+
+        self.paths[name].unlink(missing_ok=True)
+        self.capture(name, trace)
+        self.paths[name].unlink()
+        return {kind: round(ms, 3) for kind, ms in sorted(spans.items())}
+
+
+def capture_to_memory(tokens: int, directory: Path, repeat: int) -> dict:
+    """Captures of one prefix to ``directory`` (memory-backed) by DMA and by today's path, a
+    raw write of the same bytes, and the pinned D2H floor, interleaved; medians in ms."""
+    case = _CaptureCase(tokens, directory)
+    row: dict[str, object] = {"tokens": tokens}
+    row["default_path"] = "dma" if case.kv_bytes >= tuning.MAPPED_WRITE_MIN_BYTES else "write"
+    row["kv_bytes"] = case.kv_bytes
+    row.update(case.checked())
+    raw_write = _raw_write(directory / f"raw-{tokens}.bin", int(row["file_bytes"]))
+    pinned = torch.empty(case.kv_bytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty_like(pinned, device="cuda").random_(0, 255)
+    runs = {
+        "dma": lambda: case.capture("dma"),
+        "write": lambda: case.capture("write"),
+        "raw_write": raw_write,
+        "floor": lambda: pinned.copy_(device, non_blocking=True),
+    }
+    timings: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(repeat + 1):
+        for name, run in runs.items():
+            if name in case.paths:
+                case.paths[name].unlink(missing_ok=True)  # a new file each time, as raw writes
+            elapsed = _once_ms(run)
+            if round_:  # the first round warms up
+                timings[name].append(elapsed)
+    medians = {name: statistics.median(values) for name, values in timings.items()}
+    row.update({f"{name}_ms": value for name, value in medians.items()})
+    row["raw_over_dma"] = medians["raw_write"] / medians["dma"]
+    row["raw_over_write"] = medians["raw_write"] / medians["write"]
+    row["write_over_dma"] = medians["write"] / medians["dma"]
+    row["floor_over_dma"] = medians["floor"] / medians["dma"]
+    for name in ("dma", "write"):
+        row[f"{name}_spans_ms"] = case.spans(name)
+    return row
+
+
+def populate_sweep(tokens: int, directory: Path, repeat: int, counts: list[int]) -> dict:
+    """DMA captures of one prefix with ``tuning.POPULATE_THREADS`` at each of ``counts``
+    (medians in ms, interleaved round by round), and what the machine's tmpfs offers."""
+    from benchmarks.engine import SOURCE
+    from kvsnap.layout.allocate import allocate_cache
+    from kvsnap.pipeline import Pipeline
+    from kvsnap.snapshot import SequenceBlocks
+
+    blocks = tokens // 16
+    shape = {"num_layers": 32, "num_blocks": blocks, "block_size": 16, "num_kv_heads": 8}
+    source = allocate_cache("vllm-nhd", **shape, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    pipeline = Pipeline(source.layout)
+    sequence = SequenceBlocks("s", np.arange(tokens), np.arange(blocks, dtype=np.int64))
+    path = directory / f"sweep-{tokens}.safetensors"
+    previous = (tuning.POPULATE_THREADS, tuning.MAPPED_WRITE_MIN_BYTES)
+    timings: dict[int, list[float]] = {count: [] for count in counts}
+    try:
+        tuning.MAPPED_WRITE_MIN_BYTES = 0
+        for round_ in range(repeat + 1):
+            for count in counts:
+                tuning.POPULATE_THREADS = count
+                path.unlink(missing_ok=True)
+                elapsed = _once_ms(lambda: pipeline.capture([sequence], path, source=SOURCE))
+                if round_:
+                    timings[count].append(elapsed)
+    finally:
+        tuning.POPULATE_THREADS, tuning.MAPPED_WRITE_MIN_BYTES = previous
+        path.unlink(missing_ok=True)
+    row: dict[str, object] = {"tokens": tokens}
+    row.update({f"dma_ms_{count}_threads": statistics.median(timings[count]) for count in counts})
+    thp = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    row["shmem_thp"] = thp.read_text().strip() if thp.exists() else None
+    mounts = Path("/proc/mounts").read_text().splitlines()
+    row["mount"] = next((line for line in mounts if f" {directory} " in f" {line} "), None)
+    return row
+
+
+def _raw_write(path: Path, num_bytes: int) -> Callable[[], None]:
+    """A raw write of ``num_bytes`` from pinned memory into a new file at ``path``: created,
+    written in 64 MiB ``pwrite``s, fsynced, closed and removed again."""
+    source = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    source.random_(0, 255)
+    view = memoryview(source.numpy())
+    chunk = 64 << 20
+
+    def run() -> None:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            for offset in range(0, num_bytes, chunk):
+                os.pwrite(fd, view[offset : offset + chunk], offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            path.unlink()
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json-out", type=Path, default=None)
@@ -359,12 +540,35 @@ def main() -> None:
     parser.add_argument("--profile-engine", default="", help="prefix lengths, e.g. 2048")
     parser.add_argument("--profile-dir", type=Path, default=Path("."))
     parser.add_argument("--repeat", type=int, default=30, help="timed calls per fixed-cost case")
+    parser.add_argument(
+        "--capture", default="", help="prefix lengths to time captures of, e.g. 128,2048,8192"
+    )
+    parser.add_argument("--capture-repeat", type=int, default=9, help="timed rounds per size")
+    parser.add_argument(
+        "--populate-sweep", default="", help="populating threads to time at 2,048 tokens, e.g. 1,8"
+    )
     args = parser.parse_args()
     kvikio = _kvikio()
     out: dict[str, object] = {
         "torch": torch.__version__,
         "kvikio": getattr(kvikio, "__version__", None),
     }
+    captures = []
+    for tokens in [int(size) for size in args.capture.split(",") if size]:
+        row = capture_to_memory(tokens, args.shm_dir, args.capture_repeat)
+        captures.append(row)
+        print(json.dumps(row), flush=True)
+    out["captures"] = captures
+    if args.populate_sweep:
+        counts = [int(count) for count in args.populate_sweep.split(",")]
+        out["populate_sweep"] = populate_sweep(2048, args.shm_dir, args.capture_repeat, counts)
+        print(json.dumps(out["populate_sweep"]), flush=True)
+    if not args.sizes and not args.profile and not args.profile_engine:
+        # Captures only: no model to build.
+        if args.json_out is not None:
+            args.json_out.parent.mkdir(parents=True, exist_ok=True)
+            args.json_out.write_text(json.dumps(out, indent=1))
+        return
     model = build_model()
     for tokens in [int(size) for size in args.profile.split(",") if size]:
         profile(model, tokens, args.shm_dir, args.profile_dir)

@@ -12,6 +12,10 @@ tests (``tests/<layer>/`` mirrors ``kvsnap/``), and helpers in ``tests/support/`
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -59,3 +63,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             vllm = _vllm_installed() if vllm is None else vllm
             if not vllm:
                 item.add_marker(skip_vllm)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A fresh directory on a memory-backed filesystem (/dev/shm), removed afterwards."""
+    from kvsnap.store.local_file import memory_backed
+
+    if not os.path.isdir("/dev/shm") or not memory_backed("/dev/shm"):
+        pytest.skip("no memory-backed /dev/shm here")
+    directory = Path(tempfile.mkdtemp(prefix="kvsnap-test-", dir="/dev/shm"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def mapped_from_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Map every snapshot written to a memory-backed file, however small (the production
+    bound, ``tuning.MAPPED_WRITE_MIN_BYTES``, is some MiB)."""
+    from kvsnap.store import tuning
+
+    monkeypatch.setattr(tuning, "MAPPED_WRITE_MIN_BYTES", 0)

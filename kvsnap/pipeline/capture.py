@@ -3,7 +3,10 @@ capture writes.
 
 Every slot is enqueued as soon as one is free, and handed to the writer (which hashes and
 writes it on its own threads) as soon as its copy completes, oldest first: the copies of later
-slots overlap the wait for earlier ones, and nothing waits per tensor.
+slots overlap the wait for earlier ones, and nothing waits per tensor. When the writer mapped
+its files for the device (a memory-backed target, :meth:`SnapshotWriter.map_for_device`), the
+device copies each slot's runs of pages straight to their final offsets in the files instead
+of into the slot, and the writer is told which pages are in place, with their digests.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvsnap import format as fmt
 from kvsnap._version import __version__
@@ -33,6 +37,23 @@ class _InFlight:
     load: SlotLoad
     slot: Slot
     ticket: Any
+    #: Whether the copy put the pages in the writer's mapped files (else in ``slot``).
+    placed: bool = False
+
+
+def map_for_device(
+    mover: SlotMover, writer: SnapshotWriter
+) -> tuple[list[torch.Tensor] | None, str | None]:
+    """The writer's files mapped and registered for ``mover``'s copies, as uint8 tensors over
+    whole files, when this capture can place its pages straight in them (a mover that copies
+    and hashes on a CUDA device, a target the writer maps: see
+    :meth:`SnapshotWriter.map_for_device`); else ``None`` and why not."""
+    if not mover.takes_downloads:
+        return None, "the pages are not copied and hashed on a CUDA device"
+    reason = writer.map_for_device()
+    if reason is not None:
+        return None, reason
+    return [torch.from_numpy(array) for array in writer.mapped_files()], None
 
 
 def capture_slots(
@@ -43,13 +64,16 @@ def capture_slots(
     device_blocks: np.ndarray,
     progress: Callable[[int], None],
     trace: TraceHook | None,
+    mapped_files: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """Copy every slot of ``loads`` from the cache and feed it to ``writer`` in order.
 
     Page ``i`` of a load is block ``device_blocks[load.page_positions[i]]`` of tensor
     ``load.page_tensors[i]``; its snapshot block is its position. Slots the writer still holds
     return to ``ring`` when their writes complete; on an error every slot this call holds is
-    given back once no copy uses it.
+    given back once no copy uses it (so no copy into ``mapped_files`` is running either).
+    ``mapped_files``: the writer's files, mapped and registered (the mover
+    ``takes_downloads``): the pages go there, not through the slots.
     """
     page_bytes = writer.page_size_bytes
     names = writer.tensor_order()
@@ -69,11 +93,18 @@ def capture_slots(
             try:
                 with traced(trace, "transfer.submit", load.num_bytes(page_bytes)):
                     positions = load.page_positions
-                    ticket = mover.submit(load, slot, device_blocks[positions], positions)
+                    downloads = (
+                        None
+                        if mapped_files is None
+                        else _file_runs(writer, names, load, mapped_files, page_bytes)
+                    )
+                    ticket = mover.submit(
+                        load, slot, device_blocks[positions], positions, downloads=downloads
+                    )
             except BaseException:
                 ring.release(slot)
                 raise
-            inflight.append(_InFlight(load, slot, ticket))
+            inflight.append(_InFlight(load, slot, ticket, downloads is not None))
         while inflight:
             item = inflight.popleft()
             _hand_over(mover, ring, writer, item, names, page_bytes, trace)
@@ -104,6 +135,15 @@ def _hand_over(
     except BaseException:
         ring.release(item.slot)
         raise
+    if item.placed:
+        # The pages are in the files already: only their digests go to the writer.
+        ring.release(item.slot)
+        digests = mover.digests(item.ticket)
+        assert digests is not None  # a mover that takes downloads hashes pages
+        placed = [(names[segment.tensor], segment.num_pages) for segment in item.load.segments]
+        with traced(trace, "writer.placed", item.load.num_bytes(page_bytes)):
+            writer.placed_slot(placed, digests)
+        return
     data = item.slot.as_numpy()
     segments = [
         (
@@ -118,6 +158,36 @@ def _hand_over(
             written.append(writer.write_slot(segments, mover.digests(item.ticket)))
     finally:
         _release_when_done(ring, item.slot, written)
+
+
+def _file_runs(
+    writer: SnapshotWriter,
+    names: Sequence[str],
+    load: SlotLoad,
+    mapped_files: Sequence[torch.Tensor],
+    page_bytes: int,
+) -> list[tuple[torch.Tensor, int]]:
+    """Where ``load``'s pages go in the mapped files: per run of pages that follow each other
+    in the slot and in one file (a slot of whole tensors, back to back, is one run), the file
+    range it fills and its offset in the slot."""
+    runs: list[tuple[int, int, int, int]] = []  # file, file offset, slot offset, bytes
+    for segment in load.segments:
+        shard, offset = writer.page_placement(names[segment.tensor], segment.start)
+        nbytes = segment.num_pages * page_bytes
+        if runs:
+            last_shard, last_offset, last_slot, last_bytes = runs[-1]
+            if (
+                last_shard == shard
+                and last_offset + last_bytes == offset
+                and last_slot + last_bytes == segment.offset
+            ):
+                runs[-1] = (shard, last_offset, last_slot, last_bytes + nbytes)
+                continue
+        runs.append((shard, offset, segment.offset, nbytes))
+    return [
+        (mapped_files[shard][offset : offset + nbytes], slot_offset)
+        for shard, offset, slot_offset, nbytes in runs
+    ]
 
 
 def _release_when_done(ring: StagingRing, slot: Slot, futures: Sequence[Future[None]]) -> None:

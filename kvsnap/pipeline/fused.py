@@ -2,7 +2,8 @@
 
 On CUDA a slot goes through the device staging buffer: at capture one page-copy kernel gathers
 the slot's pages there, the page-digest kernel hashes them, and one DMA each brings the pages
-and their digests to pinned memory; at restore one DMA brings the pages up, the digest kernel
+and their digests to pinned memory (the pages, given ``downloads``, straight into a registered
+snapshot file instead); at restore one DMA brings the pages up, the digest kernel
 hashes them, and the page-copy kernel scatters only the pages whose digest matches the stored
 one, so a corrupt page never reaches the cache and the host hashes nothing. Everything is
 enqueued on the staging stream; the slot's event marks its completion. On a cache in host
@@ -60,6 +61,9 @@ class FusedMover(SlotMover):
         self.hashes_pages = self._staging is not None and page_hash.supports(page_bytes)
         # Restores on CUDA may upload straight from registered host memory (the hot tier).
         self.takes_uploads = self._staging is not None and direction is Direction.HOST_TO_DEVICE
+        # Captures on CUDA may copy straight into a registered, mapped snapshot file; the
+        # digests then come from the device only (the host never reads the mapping).
+        self.takes_downloads = self.hashes_pages and direction is Direction.DEVICE_TO_HOST
         self._constants: torch.Tensor | None = None
         if self.hashes_pages:
             self._constants = _hash_constants(self.device, page_bytes)
@@ -84,15 +88,18 @@ class FusedMover(SlotMover):
         snapshot_blocks: np.ndarray,
         expected: np.ndarray | None = None,
         uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
+        downloads: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> FusedTicket:
         if uploads is not None and not self.takes_uploads:
             raise ValueError("this mover copies from its staging slot only")
+        if downloads is not None and not self.takes_downloads:
+            raise ValueError("this mover copies into its staging slot only")
         try:
             if self._staging is None:
                 self._copy_on_host(load, slot, device_blocks, snapshot_blocks)
                 return FusedTicket(None, None)
             return self._enqueue_on_device(
-                load, slot, device_blocks, snapshot_blocks, expected, uploads
+                load, slot, device_blocks, snapshot_blocks, expected, uploads, downloads
             )
         except (RuntimeError, OSError, ValueError) as error:
             raise TransferFailedError(f"the fused page copy failed: {error}") from error
@@ -120,11 +127,14 @@ class FusedMover(SlotMover):
         snapshot_blocks: np.ndarray,
         expected: np.ndarray | None,
         uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
+        downloads: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> FusedTicket:
         assert self._staging is not None
         with self._staging.use(slot_extent(load, self.table.page_size_bytes)) as buffer:
             if self.direction is Direction.DEVICE_TO_HOST:
-                results = self._enqueue_capture(load, slot, device_blocks, snapshot_blocks, buffer)
+                results = self._enqueue_capture(
+                    load, slot, device_blocks, snapshot_blocks, buffer, downloads
+                )
             else:
                 results = self._enqueue_restore(
                     load, slot, device_blocks, snapshot_blocks, expected, uploads, buffer
@@ -171,8 +181,11 @@ class FusedMover(SlotMover):
         device_blocks: np.ndarray,
         snapshot_blocks: np.ndarray,
         buffer: torch.Tensor,
+        downloads: Sequence[tuple[torch.Tensor, int]] | None,
     ) -> torch.Tensor | None:
-        """Gather, hash and bring down one slot: the pages' digests, in pinned memory."""
+        """Gather, hash and bring down one slot (into the slot, or with ``downloads`` straight
+        into the registered snapshot file, one DMA per run of pages): the pages' digests, in
+        pinned memory."""
         assert self._staging is not None
         num_pages = load.num_pages
         num_bytes = slot_extent(load, self.table.page_size_bytes)
@@ -185,7 +198,10 @@ class FusedMover(SlotMover):
             # Read by the capture right after this slot's event, before it is reused.
             results = self._staging.pinned(("digests", slot.data_ptr), None, num_pages)
             results.copy_(self._digests(buffer, tail[:num_pages]), non_blocking=True)
-        slot.tensor[:num_bytes].copy_(buffer[:num_bytes], non_blocking=True)
+        if downloads is None:
+            slot.tensor[:num_bytes].copy_(buffer[:num_bytes], non_blocking=True)
+        for mapped, offset in downloads or ():
+            mapped.copy_(buffer[offset : offset + mapped.numel()], non_blocking=True)
         return results
 
     def _enqueue_restore(

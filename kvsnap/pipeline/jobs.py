@@ -41,6 +41,12 @@ class CaptureResult:
     #: xxh3-128 (hex) of the file's checksum trailer when the capture wrote one file (a plain
     #: snapshot or one part of a parted snapshot: what the parted index records), else None.
     trailer_digest: str | None = None
+    #: How the pages reached the file: ``"dma"``, copied by the device straight into the
+    #: file's registered mapping (a CUDA cache captured to a memory-backed file), or
+    #: ``"write"``, through pinned staging and ``pwrite``.
+    data_path: str = "write"
+    #: Why the pages were not copied straight into the file (``None`` when they were).
+    dma_refused: str | None = None
 
 
 @dataclass(frozen=True)

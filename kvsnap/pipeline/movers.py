@@ -41,6 +41,9 @@ class SlotMover(ABC):
     #: Whether a restore may hand ``submit`` the slot's bytes as ``uploads`` (registered host
     #: memory the device copies from) instead of the slot's own.
     takes_uploads: bool = False
+    #: Whether a capture may hand ``submit`` registered host memory to copy the slot's pages
+    #: into (``downloads``: a mapped snapshot file) instead of the slot.
+    takes_downloads: bool = False
 
     def begin(self, after: torch.cuda.Event | None = None) -> None:
         """Called at the start of each capture or restore. ``after``: a CUDA event that the
@@ -58,13 +61,17 @@ class SlotMover(ABC):
         snapshot_blocks: np.ndarray,
         expected: np.ndarray | None = None,
         uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
+        downloads: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> Any:
         """Enqueue the copies of ``load``'s pages: page ``i`` is device block
         ``device_blocks[i]`` (snapshot block ``snapshot_blocks[i]``), at
         ``load.page_offsets[i]`` in ``slot``. ``expected`` (restores, movers that hash pages
         only) holds each page's stored xxh3-64. ``uploads`` (restores, movers with
         :attr:`takes_uploads` only): the slot's bytes are not in ``slot`` but in these registered
-        host tensors, each going to its offset in the slot. Returns a ticket for :meth:`wait`."""
+        host tensors, each going to its offset in the slot. ``downloads`` (captures, movers with
+        :attr:`takes_downloads` only): the pages go not to ``slot`` but into these registered
+        host tensors, each taking the slot's bytes from its offset. Returns a ticket for
+        :meth:`wait`."""
 
     @abstractmethod
     def wait(self, ticket: Any) -> None:
@@ -114,9 +121,10 @@ class HandlerMover(SlotMover):
         snapshot_blocks: np.ndarray,
         expected: np.ndarray | None = None,
         uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
+        downloads: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> list[tuple[TransferHandler, int]]:
-        if uploads is not None:
-            raise ValueError("a transfer handler copies from its staging slot only")
+        if uploads is not None or downloads is not None:
+            raise ValueError("a transfer handler copies through its staging slot only")
         host = HostPages(
             slot.data_ptr,
             slot.size_bytes // self._page_bytes,

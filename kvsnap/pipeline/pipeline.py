@@ -23,7 +23,7 @@ from kvsnap import format as fmt
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, part_layout
-from kvsnap.pipeline.capture import capture_metadata, capture_slots
+from kvsnap.pipeline.capture import capture_metadata, capture_slots, map_for_device
 from kvsnap.pipeline.fused import FusedMover
 from kvsnap.pipeline.jobs import (
     CaptureResult,
@@ -212,9 +212,12 @@ class Pipeline:
             with traced(trace, "setup.writer"):
                 writer = SnapshotWriter(path, metadata, **options)
             try:
+                mapped, dma_refused = map_for_device(mover, writer)
                 mover.begin(after)
                 loads = slot_loads(len(names), len(device_blocks), page_bytes, ring.slot_bytes)
-                capture_slots(mover, ring, writer, loads, device_blocks, done.add, trace)
+                capture_slots(mover, ring, writer, loads, device_blocks, done.add, trace, mapped)
+                # The last views of the mappings: the commit unmaps them.
+                mapped = None
                 info = writer.commit()
             except BaseException:
                 writer.abort()
@@ -235,6 +238,8 @@ class Pipeline:
             backend=mover.backend_name,
             direct_io_fallback=writer.fallback_reason,
             trailer_digest=info.trailers[0] if len(info.trailers) == 1 else None,
+            data_path="dma" if info.mapped else "write",
+            dma_refused=dma_refused,
         )
 
     def restore(

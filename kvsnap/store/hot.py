@@ -39,6 +39,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvsnap.caches import register_cache_clear
+from kvsnap.store.host_registration import (
+    PORTABLE,
+    READ_ONLY,
+    register_host_range,
+    unregister_host_range,
+)
 from kvsnap.store.residency import resident
 
 if TYPE_CHECKING:
@@ -51,9 +57,9 @@ HOT_BYTES = 4 << 30
 REGISTER_AFTER = 2
 #: Files whose hits are counted before they are registered (least recently seen dropped).
 MAX_COUNTED_FILES = 4096
-#: ``cudaHostRegisterPortable | cudaHostRegisterReadOnly``: usable from every device's context;
-#: the driver maps the pages read-only (the mapping itself is ``PROT_READ``).
-_REGISTER_FLAGS = 1 | 8
+#: Usable from every device's context; the driver maps the pages read-only (the mapping itself
+#: is ``PROT_READ``).
+_REGISTER_FLAGS = PORTABLE | READ_ONLY
 
 #: What identifies one version of a file: device, inode, size, mtime and ctime in nanoseconds.
 FileKey = tuple[int, int, int, int, int]
@@ -105,12 +111,7 @@ class HotFile:
 
     def _register(self) -> None:
         assert self.host is not None
-        # Whole pages: the mapping covers the file's last page entirely.
-        length = -(-self.size // mmap.PAGESIZE) * mmap.PAGESIZE
-        import torch
-
-        status = torch.cuda.cudart().cudaHostRegister(self.address, length, _REGISTER_FLAGS)
-        code = int(getattr(status, "value", status))
+        code = register_host_range(self.address, self.size, _REGISTER_FLAGS)
         if code != 0:
             self.close()
             raise OSError(f"cudaHostRegister of {self.path} failed with CUDA error {code}")
@@ -123,9 +124,7 @@ class HotFile:
             self.last_use.synchronize()
             self.last_use = None
         if self.registered:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self.address)
+            unregister_host_range(self.address)
             self.registered = False
         self.host = None
         mapping, self._mapping = self._mapping, None

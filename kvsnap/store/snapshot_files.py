@@ -206,6 +206,9 @@ class WriteTarget(ABC):
     #: Whether the pages of several tensors that follow each other in a file may go as one
     #: write (a stream takes each tensor's pages in turn).
     merges_tensors: bool = True
+    #: Whether the layer data is placed in the mapped files by the caller's device copies
+    #: (:meth:`map_data`) instead of written.
+    mapped: bool = False
 
     @abstractmethod
     def start(self, direct_io: bool | None) -> None:
@@ -214,6 +217,16 @@ class WriteTarget(ABC):
     @abstractmethod
     def write(self, shard: int, offset: int, view: np.ndarray) -> concurrent.futures.Future[None]:
         """Queue ``view`` for file ``shard`` at ``offset``; the future completes once written."""
+
+    def map_data(self, register: bool) -> str | None:
+        """Map the files for the caller's device to place the layer data in (see
+        :meth:`~kvsnap.store.writer.SnapshotWriter.map_for_device`); ``None`` once mapped,
+        else why not (the data is then written as before)."""
+        return "the snapshot goes to a stream, not to local files"
+
+    def mapped_arrays(self) -> list[np.ndarray]:
+        """Each mapped file as a uint8 array, in file order (after :meth:`map_data`)."""
+        raise RuntimeError("the files are not mapped")
 
     def hashed(self, shard: int, future: concurrent.futures.Future[None]) -> None:  # noqa: B027
         """A hashing task of pages of file ``shard`` was queued (``future``)."""

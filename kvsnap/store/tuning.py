@@ -26,3 +26,16 @@ MAX_PROBLEMS_PER_TENSOR = 16
 #: 152. True keeps cold ranges off the page cache: for files read once that should not
 #: displace what it holds.
 COLD_READS_DIRECT = False
+#: Fewest layer bytes for which a capture from a CUDA cache into a memory-backed file maps the
+#: file, registers it with CUDA and has the device copy the pages straight into it
+#: (``store/mapped_file.py``); a smaller capture goes through pinned staging and ``pwrite``.
+#: Measured side by side on the H200 machine (docs/benchmarks.md, issue 26, "Captures into
+#: memory-backed files by DMA"): the DMA path lost up to 64 tokens of the 8B shape (8 MiB:
+#: 6.0 against 5.5 ms), tied at 128 (16 MiB: 9.3 against 9.25) and won from 512 (64 MiB: 27
+#: against 32 ms); each mapped file costs about 1 ms to set up and take down.
+MAPPED_WRITE_MIN_BYTES = 32 << 20
+#: Threads (at most: never more than the CPUs) that fault a mapped file's pages in before it
+#: is registered (``store/mapped_file.py``). On the H200 machine a DMA capture of 268 MB took
+#: 160 ms with 1 thread, 99 with 4, 103 with 8 and 102 with 16: allocating and zeroing tmpfs
+#: pages stops scaling at about 5 GB/s.
+POPULATE_THREADS = 4

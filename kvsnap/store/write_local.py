@@ -1,4 +1,5 @@
-"""The writer's local-file target: reservation, O_DIRECT, checksums, fsync, rename."""
+"""The writer's local-file target: reservation, O_DIRECT, checksums, fsync, rename; on a
+memory-backed filesystem, the files mapped for the caller's device to place the data in."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import numpy as np
 from kvsnap import format as fmt
 from kvsnap.errors import SnapshotIOError
 from kvsnap.store import overwrite, publish, tuning
+from kvsnap.store.host_registration import cuda_unavailable_reason
 from kvsnap.store.lanes import SerialLane
 from kvsnap.store.local_file import LocalFile, memory_backed, preallocate
 from kvsnap.store.location import io_error, stem_of
-from kvsnap.store.pools import shared_executor
+from kvsnap.store.mapped_file import MappedFile
+from kvsnap.store.pools import cpu_count, shared_executor
 from kvsnap.store.snapshot_files import SnapshotFiles, WriteGate, WriteTarget
 from kvsnap.store.tracing import TraceHook, traced
 
@@ -25,7 +28,8 @@ class LocalTarget(WriteTarget):
     """Local files: each written under a locked temporary name beside its final path, layer
     data at its final offset (through O_DIRECT where the filesystem takes it and buffers are
     aligned), in order and one write at a time on a lane of the process-wide write pool;
-    fsynced, renamed into place, the directory fsynced."""
+    fsynced, renamed into place, the directory fsynced. Or, after :meth:`map_data`, placed in
+    the mapped, registered file by the caller's device copies (memory-backed files only)."""
 
     def __init__(
         self, snapshot_files: SnapshotFiles, gate: WriteGate, trace: TraceHook | None
@@ -40,6 +44,9 @@ class LocalTarget(WriteTarget):
         self._counts_lock = threading.Lock()
         self._buffered_bytes = 0
         self._unaligned_buffers = False
+        self._memory_backed = False
+        #: Each file mapped for the device's copies, in file order (empty: written by pwrite).
+        self._mapped_files: list[MappedFile] = []
 
     # -- start ---------------------------------------------------------------------------
 
@@ -52,7 +59,7 @@ class LocalTarget(WriteTarget):
         self._check_free_space(directory)
         for final in self._snapshot_files.finals:
             self.files.append(LocalFile(final, owner=stem))
-        memory = memory_backed(directory)
+        memory = self._memory_backed = memory_backed(directory)
         for index, (file, layout) in enumerate(
             zip(self.files, self._snapshot_files.layouts, strict=True)
         ):
@@ -101,6 +108,61 @@ class LocalTarget(WriteTarget):
                 f"the snapshot needs {needed} bytes, {directory} has {free} free",
                 file=self._snapshot_files.location.url,
             ) from OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    # -- mapped data ---------------------------------------------------------------------
+
+    def map_data(self, register: bool) -> str | None:
+        reason = self._mapping_refusal(register)
+        if reason is not None:
+            return reason
+        threads = min(tuning.POPULATE_THREADS, cpu_count())
+        executor = shared_executor("populate", threads) if threads > 1 else None
+        for file, layout in zip(self.files, self._snapshot_files.layouts, strict=True):
+            assert file.fd is not None
+            try:
+                mapped = MappedFile(file.fd, layout.file_size)
+                self._mapped_files.append(mapped)
+                with traced(self._trace, "setup.map.populate", layout.file_size):
+                    mapped.populate(executor, threads)
+                if register:
+                    with traced(self._trace, "setup.map.register", layout.file_size):
+                        mapped.register()
+            except (OSError, ValueError) as error:
+                # The filesystem full, no pinnable memory: the data is written as usual (and
+                # a full filesystem fails that write with ENOSPC).
+                self._unmap()
+                return f"mapping the file failed ({error})"
+        self.mapped = True
+        return None
+
+    def _mapping_refusal(self, register: bool) -> str | None:
+        """Why this snapshot's data should not go by mapping (``None``: it should)."""
+        if not self._memory_backed:
+            # On a disk the mapping would only move the page cache's copy: O_DIRECT writes
+            # from pinned memory are the faster path there.
+            return "not a memory-backed file"
+        snapshot_files = self._snapshot_files
+        layer_bytes = len(snapshot_files.names) * snapshot_files.num_blocks
+        layer_bytes *= snapshot_files.page_bytes
+        if layer_bytes < tuning.MAPPED_WRITE_MIN_BYTES:
+            return (
+                f"{layer_bytes} layer bytes, under the {tuning.MAPPED_WRITE_MIN_BYTES} for "
+                "which registering the file pays"
+            )
+        return cuda_unavailable_reason() if register else None
+
+    def mapped_arrays(self) -> list[np.ndarray]:
+        if not self.mapped:
+            raise RuntimeError("the files are not mapped")
+        arrays = [mapped.array for mapped in self._mapped_files]
+        assert all(array is not None for array in arrays)
+        return arrays  # type: ignore[return-value]
+
+    def _unmap(self) -> None:
+        """Unregister and unmap every mapped file (the caller's copies into them are done)."""
+        mapped_files, self._mapped_files = self._mapped_files, []
+        for mapped in mapped_files:
+            mapped.close()
 
     # -- data ----------------------------------------------------------------------------
 
@@ -160,6 +222,9 @@ class LocalTarget(WriteTarget):
         with traced(self._trace, "commit.drain"):
             drain()
         self._gate.raise_error()
+        if self._mapped_files:
+            with traced(self._trace, "commit.unmap"):
+                self._unmap()
         snapshot_files = self._snapshot_files
         with traced(self._trace, "commit.checksums"):
             for shard, (file, layout) in enumerate(
@@ -201,5 +266,6 @@ class LocalTarget(WriteTarget):
         self._writes.shutdown(wait=True, cancel_futures=cancel)
 
     def discard(self) -> None:
+        self._unmap()
         for file in self.files:
             file.discard()

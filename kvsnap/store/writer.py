@@ -60,6 +60,9 @@ class SnapshotInfo:
     #: xxh3-128 (hex) of each file's checksum trailer, in ``files`` order: what an index
     #: records to bind itself to exactly these files.
     trailers: tuple[str, ...] = ()
+    #: Whether the layer data was placed in the mapped files by the caller's device copies
+    #: (:meth:`SnapshotWriter.map_for_device`) rather than written.
+    mapped: bool = False
 
 
 class SnapshotWriter:
@@ -253,6 +256,62 @@ class SnapshotWriter:
             done.watch(self._submit_write(shard, offset, view))
         return done.future
 
+    def map_for_device(self, *, register: bool = True) -> str | None:
+        """Have the caller's device place the layer data in the files instead of writing it.
+
+        Where the files are local, memory-backed (tmpfs, ramfs) and the layer data at least
+        ``tuning.MAPPED_WRITE_MIN_BYTES``, each temporary file is sized to its final length,
+        mapped read-write shared and (``register``) registered with CUDA; the caller then
+        copies every page to where :meth:`page_placement` says in :meth:`mapped_files` and
+        reports it with :meth:`placed_slot` (with its digests: the host never reads the
+        mapping). Commit unregisters and unmaps, then writes the checksums, trailer and
+        signature, fsyncs and publishes as always. Call before any page. Returns ``None`` once
+        mapped, else why not; the writer then takes pages as before. ``register=False``
+        (tests only) maps without CUDA, for copies made by the host.
+        """
+        self._check_open()
+        if any(self._blocks_written):
+            raise RuntimeError("map_for_device must come before the first page")
+        with traced(self._trace, "setup.map"):
+            return self._target.map_data(register)
+
+    def mapped_files(self) -> list[np.ndarray]:
+        """After :meth:`map_for_device`: each file of the snapshot as a uint8 array over its
+        mapping, in file order, for the device's copies."""
+        return self._target.mapped_arrays()
+
+    def page_placement(self, name: str, block: int) -> tuple[int, int]:
+        """The file (index into :meth:`mapped_files`) and byte offset of block ``block`` of
+        layer tensor ``name``; the tensor's later blocks follow it."""
+        shard, entry = self._snapshot_files.placement[name]
+        return shard, entry.begin + block * self._page_bytes
+
+    def placed_slot(self, segments: Sequence[tuple[str, int]], digests: np.ndarray) -> None:
+        """Count pages the caller placed in the mapped files as written.
+
+        Each ``(name, num_pages)`` continues its tensor as :meth:`write_slot`'s segments do;
+        ``digests`` are the pages' xxh3-64 in order, computed where the pages were. The
+        caller's copies must be complete (commit reads nothing back).
+        """
+        self._check_open()
+        if not self._target.mapped:
+            raise RuntimeError("placed_slot needs the files mapped (map_for_device)")
+        total = sum(num_pages for _, num_pages in segments)
+        if total != len(digests):
+            raise ValueError(f"{len(digests)} digests for {total} pages")
+        pieces: list[tuple[int, int, int]] = []
+        for name, num_pages in segments:
+            tensor = self._checked_next(name, num_pages)
+            pieces.append((tensor, self._blocks_written[tensor], num_pages))
+            self._count_written(tensor, num_pages)
+        page = 0
+        for tensor, first, count in pieces:
+            self._snapshot_files.digests[tensor, first : first + count] = digests[
+                page : page + count
+            ]
+            page += count
+        self._report(page * self._page_bytes)
+
     def _slot_pieces(self, segments: Sequence[tuple[str, np.ndarray]]) -> list[SlotPiece]:
         """Each segment checked and counted as written: its tensor, first block, pages, file
         and file offset."""
@@ -262,14 +321,32 @@ class SnapshotWriter:
             first = self._blocks_written[tensor]
             shard, entry = self._snapshot_files.placement[name]
             pieces.append((tensor, first, flat, shard, entry.begin + first * self._page_bytes))
-            self._blocks_written[tensor] += flat.nbytes // self._page_bytes
-            if self._blocks_written[tensor] == self._num_blocks:
-                self._current += 1
+            self._count_written(tensor, flat.nbytes // self._page_bytes)
         return pieces
+
+    def _count_written(self, tensor: int, count: int) -> None:
+        """``count`` more pages of ``tensor`` are handed over; a full tensor moves the order on."""
+        self._blocks_written[tensor] += count
+        if self._blocks_written[tensor] == self._num_blocks:
+            self._current += 1
 
     def _checked_pages(self, name: str, pages: np.ndarray) -> tuple[int, np.ndarray]:
         """``write_pages``' arguments checked: the tensor's index and the pages, flat."""
         self._check_open()
+        if (
+            not isinstance(pages, np.ndarray)
+            or pages.dtype != np.uint8
+            or not pages.flags.c_contiguous
+        ):
+            raise TypeError("pages must be a C-contiguous uint8 numpy array")
+        flat = pages.reshape(-1)
+        if flat.nbytes % self._page_bytes:
+            raise ValueError(f"{flat.nbytes} bytes are not whole pages of {self._page_bytes} bytes")
+        return self._checked_next(name, flat.nbytes // self._page_bytes), flat
+
+    def _checked_next(self, name: str, count: int) -> int:
+        """The index of tensor ``name``, checked to be the one due and to have room for
+        ``count`` more pages."""
         if name not in self._snapshot_files.tensor_index:
             raise ValueError(
                 f"{name!r} is not a layer tensor of this snapshot (see tensor_order())"
@@ -284,22 +361,12 @@ class SnapshotWriter:
             raise ValueError(
                 f"write_pages got {name}, expected {expected}: tensors go in tensor_order()"
             )
-        if (
-            not isinstance(pages, np.ndarray)
-            or pages.dtype != np.uint8
-            or not pages.flags.c_contiguous
-        ):
-            raise TypeError("pages must be a C-contiguous uint8 numpy array")
-        flat = pages.reshape(-1)
-        if flat.nbytes % self._page_bytes:
-            raise ValueError(f"{flat.nbytes} bytes are not whole pages of {self._page_bytes} bytes")
-        count = flat.nbytes // self._page_bytes
         first = self._blocks_written[tensor]
         if first + count > self._num_blocks:
             raise ValueError(
                 f"{name}: {first} blocks written, {count} more exceed the {self._num_blocks} blocks"
             )
-        return tensor, flat
+        return tensor
 
     def commit(self) -> SnapshotInfo:
         """Finish and publish: checksums, fsync, atomic rename, directory fsync.
@@ -307,7 +374,15 @@ class SnapshotWriter:
         Raises ``ValueError`` when a layer tensor is incomplete and
         :class:`SnapshotIOError` when writing failed; either way nothing is published.
         """
-        self._check_open()
+        if self._state != "open":
+            raise RuntimeError(f"the snapshot writer is {self._state}")
+        try:
+            # A write that failed after the last page was handed over surfaces here: the
+            # writer aborts (no temporary file stays behind until it is collected).
+            self._gate.raise_error()
+        except BaseException:
+            self.abort()
+            raise
         missing = [
             f"{name} ({written}/{self._num_blocks} blocks)"
             for name, written in zip(self._names, self._blocks_written, strict=True)
@@ -351,6 +426,7 @@ class SnapshotWriter:
                 xxhash.xxh3_128_hexdigest(snapshot_files.trailer(shard))
                 for shard in range(len(snapshot_files.layouts))
             ),
+            mapped=self._target.mapped,
         )
 
     def abort(self) -> None:

@@ -3,6 +3,7 @@ O_DIRECT, the atomic publish, and failures that keep the old snapshot."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import os
@@ -335,6 +336,32 @@ def test_a_failing_disk_write_aborts_cleanly(
     assert isinstance(caught.value.__cause__, OSError) and str(path) in str(caught.value)
     writer.abort()
     assert path.read_bytes() == old and temp_files(path.parent) == []
+
+
+def test_a_write_failing_after_the_last_page_aborts_at_commit(
+    old_snapshot: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last write fails on the writer's thread after every page was handed over: the
+    commit (here the context manager's) raises it and removes the temporary file at once."""
+    path, old = old_snapshot
+    metadata, pages = build("bf16", seed=25)
+    (layout,) = fmt.file_layouts(metadata)
+    names = metadata.geometry.tensor_names()
+    target = layout.by_name[names[-1]]
+    real = local_file._pwrite_all
+
+    def disk_full(fd: int, view: memoryview, offset: int) -> None:
+        if target.begin <= offset < target.end:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, view, offset)
+
+    monkeypatch.setattr(local_file, "_pwrite_all", disk_full)
+    with pytest.raises(SnapshotIOError, match="No space"):
+        with SnapshotWriter(path, metadata, direct_io=False) as writer:
+            futures = [writer.write_pages(name, pages[name]) for name in names]
+            concurrent.futures.wait(futures)
+    assert temp_files(path.parent) == []
+    assert path.read_bytes() == old
 
 
 def test_not_enough_free_space_is_refused_before_writing(

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from kvsnap import format as fmt
 from kvsnap.layout import KVGeometry
-from kvsnap.store import SnapshotInfo, SnapshotWriter
+from kvsnap.store import SnapshotInfo, SnapshotReader, SnapshotWriter
 
 SOURCE = fmt.SourceInfo(
     engine="test-engine",
@@ -141,3 +142,52 @@ def page_of(pages: np.ndarray, page_bytes: int, block: int) -> bytes:
 def temp_files(directory: Path) -> list[str]:
     """The writers' temporary files in ``directory``."""
     return sorted(name for name in os.listdir(directory) if ".kvsnap-tmp-" in name)
+
+
+def write_mapped(
+    path: object,
+    metadata: fmt.SnapshotMetadata,
+    pages: dict[str, np.ndarray],
+    *,
+    after_tensor: Any = None,
+    **writer_options: object,
+) -> SnapshotInfo:
+    """Write ``pages`` as a capture from a CUDA cache into a memory-backed file does, with the
+    host in the device's place: the files mapped (not registered), every tensor's pages copied
+    to where ``page_placement`` says and reported with their xxh3-64 (``placed_slot``).
+    ``after_tensor(index)`` runs after each tensor is placed."""
+    page = metadata.geometry.canonical_page_size_bytes
+    with SnapshotWriter(path, metadata, **writer_options) as writer:  # type: ignore[arg-type]
+        refused = writer.map_for_device(register=False)
+        assert refused is None, refused
+        files = writer.mapped_files()
+        for index, name in enumerate(writer.tensor_order()):
+            shard, offset = writer.page_placement(name, 0)
+            data = pages[name]
+            files[shard][offset : offset + data.nbytes] = data
+            writer.placed_slot([(name, data.nbytes // page)], fmt.block_digests(data, page))
+            if after_tensor is not None:
+                after_tensor(index)
+        del files
+    assert writer.info is not None
+    return writer.info
+
+
+def stored_and_actual_digests(path: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """Per layer tensor, the xxh3-64 the file stores for its pages (checked against the
+    trailer on the way) and the xxh3-64 of the pages' bytes as they are in the file."""
+    data = path.read_bytes()
+    stored, actual = [], []
+    with SnapshotReader(path) as reader:
+        page = reader.metadata.geometry.canonical_page_size_bytes
+        for name in reader.layer_names:
+            _, _, entry = reader.layer(name)
+            body = data[entry.begin : entry.end]
+            stored.append(reader.block_checksums(name).tolist())
+            actual.append(
+                [
+                    xxhash.xxh3_64_intdigest(body[start : start + page])
+                    for start in range(0, len(body), page)
+                ]
+            )
+    return stored, actual

@@ -1,0 +1,162 @@
+"""Captures of CUDA caches into memory-backed files by DMA (skipped without CUDA): the device
+copies every page straight into the new file's registered mapping, and the file is the one
+the pinned-staging path writes, byte for byte; its checksums are the pages' xxh3-64, a signed
+capture verifies with its key, and an interrupted capture leaves the old file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvsnap.errors import SignatureError
+from kvsnap.format.signing import KeyRing
+from kvsnap.pipeline import Pipeline, StagingOptions
+from kvsnap.snapshot import Snapshot, capture
+from kvsnap.store import tuning
+from tests.pipeline.test_pipeline import SOURCE, _assert_restored, _caches, _sequences
+from tests.support.store_helpers import stored_and_actual_digests, temp_files
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("mapped_from_any_size")]
+
+#: Two sequences sharing their first two blocks (stored once), as tests/pipeline restores them.
+USED = [[3, 7, 1], [3, 7, 9, 10, 33]]
+SOURCE_BLOCKS = [3, 7, 1, 9, 10, 33]
+TARGET_BLOCKS = {"s0": [0, 2, 4], "s1": [0, 2, 5, 6, 39]}
+RESTORED_AT = [0, 2, 4, 5, 6, 39]
+#: Small slots: many slots per capture, most spanning several tensors.
+SMALL_SLOTS = StagingOptions(slot_bytes=48 << 10, num_slots=3)
+
+
+def _traced_capture(layouts, path: Path, **options) -> tuple[object, list[str]]:
+    kinds: list[str] = []
+    result = capture(
+        layouts,
+        _sequences(USED),
+        path,
+        source=SOURCE,
+        reproducible=True,
+        trace=lambda kind, *_: kinds.append(kind),
+        **options,
+    )
+    return result, kinds
+
+
+@pytest.mark.parametrize(
+    ("kind", "tp_size", "staging"),
+    [("vllm-nhd", 1, None), ("vllm-hnd", 2, SMALL_SLOTS), ("packed", 1, SMALL_SLOTS)],
+)
+def test_a_dma_capture_is_the_staged_capture_byte_for_byte(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str, tp_size: int, staging
+) -> None:
+    sources, content = _caches(
+        kind, layers=4, heads=8, head_dim=64, tp_size=tp_size, blocks=40, device="cuda"
+    )
+    layouts = [cache.layout for cache in sources]
+    by_dma, staged = shm_dir / "dma.safetensors", shm_dir / "staged.safetensors"
+    result, kinds = _traced_capture(layouts, by_dma, staging=staging)
+    assert result.data_path == "dma" and result.dma_refused is None
+    assert "setup.map" in kinds and "writer.placed" in kinds
+    assert "write" not in kinds and "hash" not in kinds  # no pwrite, no host hashing
+    monkeypatch.setattr(tuning, "MAPPED_WRITE_MIN_BYTES", 1 << 62)
+    forced, kinds = _traced_capture(layouts, staged, staging=staging)
+    assert forced.data_path == "write" and "write" in kinds
+    assert by_dma.read_bytes() == staged.read_bytes()
+    assert temp_files(shm_dir) == []
+    stored, actual = stored_and_actual_digests(by_dma)
+    assert stored == actual
+    targets, _ = _caches(
+        kind,
+        layers=4,
+        heads=8,
+        head_dim=64,
+        tp_size=tp_size,
+        blocks=40,
+        seed=3,
+        fill=False,
+        device="cuda",
+    )
+    with Snapshot.open(by_dma) as snap:
+        assert snap.verify() == []
+        snap.restore([cache.layout for cache in targets], TARGET_BLOCKS)
+    torch.cuda.synchronize()
+    _assert_restored(targets, content, SOURCE_BLOCKS, RESTORED_AT)
+
+
+def test_a_signed_dma_capture_verifies_with_its_key(shm_dir: Path) -> None:
+    sources, _ = _caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
+    keys = KeyRing([b"a secret of thirty-two bytes...."])
+    path = shm_dir / "signed.safetensors"
+    result, _ = _traced_capture([sources[0].layout], path, keys=keys)
+    assert result.data_path == "dma"
+    with Snapshot.open(path, keys=keys) as snap:
+        assert snap.verify() == []
+    with pytest.raises(SignatureError):
+        Snapshot.open(path, keys=KeyRing([b"another secret of thirty-two byte"]))
+    stored, actual = stored_and_actual_digests(path)
+    assert stored == actual
+
+
+def test_a_pipeline_kept_warm_captures_by_dma_each_time(shm_dir: Path) -> None:
+    sources, _ = _caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
+    pipeline = Pipeline([sources[0].layout])
+    for step in range(3):
+        path = shm_dir / f"req-{step}.safetensors"
+        result = pipeline.capture(_sequences(USED), path, source=SOURCE, staging=SMALL_SLOTS)
+        assert result.data_path == "dma"
+        with Snapshot.open(path) as snap:
+            assert snap.verify() == []
+    assert temp_files(shm_dir) == []
+
+
+def test_a_disk_or_a_small_capture_keeps_the_staged_path(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvsnap.store.local_file import memory_backed
+
+    sources, _ = _caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
+    layouts = [sources[0].layout]
+    if not memory_backed(str(tmp_path)):
+        result, _ = _traced_capture(layouts, tmp_path / "disk.safetensors")
+        assert result.data_path == "write" and result.dma_refused == "not a memory-backed file"
+    monkeypatch.setattr(tuning, "MAPPED_WRITE_MIN_BYTES", 1 << 30)
+    result, _ = _traced_capture(layouts, shm_dir / "small.safetensors")
+    assert result.data_path == "write" and "under the" in str(result.dma_refused)
+    cpu_sources, _ = _caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40)
+    monkeypatch.setattr(tuning, "MAPPED_WRITE_MIN_BYTES", 0)
+    result, _ = _traced_capture([cpu_sources[0].layout], shm_dir / "cpu.safetensors")
+    assert result.data_path == "write" and "CUDA device" in str(result.dma_refused)
+
+
+def test_an_interrupted_dma_capture_leaves_the_old_file(shm_dir: Path) -> None:
+    sources, _ = _caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
+    layouts = [sources[0].layout]
+    path = shm_dir / "snap.safetensors"
+    capture(layouts, _sequences([[1, 2]]), path, source=SOURCE)
+    before = path.read_bytes()
+    calls = []
+
+    def interrupt(done: int, total: int) -> None:
+        calls.append(done)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        capture(
+            layouts,
+            _sequences(USED),
+            path,
+            source=SOURCE,
+            staging=SMALL_SLOTS,
+            progress=interrupt,
+        )
+    assert path.read_bytes() == before
+    assert temp_files(shm_dir) == []
+    # The device's copies into the aborted file's mapping all ended before it was unmapped:
+    # the next capture runs normally.
+    result, _ = _traced_capture(layouts, path)
+    assert result.data_path == "dma"
+    with Snapshot.open(path) as snap:
+        assert snap.verify() == []
