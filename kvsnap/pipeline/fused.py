@@ -217,36 +217,20 @@ class FusedMover(SlotMover):
         """Bring one slot up, hash and scatter it: a flag per page (1 written, 0 refused), on
         the device, when the pages are checked.
 
-        The slot goes up in pieces on the upload stream, each hashed as soon as it has
-        arrived while the next ones are still on the bus. The copy table goes up right behind
-        the first piece: it is built while that piece is on the bus, and on the copy engine's
-        queue it must not wait behind the whole slot."""
+        The slot goes up in pieces on the upload stream, enqueued before anything else, so
+        the bus is busy while this thread builds the copy table; each piece is hashed once it
+        has arrived and the copy table has (see docs/architecture.md on what the order of the
+        copy engine's queue costs here)."""
         assert self._staging is not None
         page_bytes = self.table.page_size_bytes
-        checked = expected is not None and self.hashes_pages
+        chunks = upload_chunks(load.page_offsets, page_bytes)
         if uploads is None:
             uploads = [(slot.tensor[: slot_extent(load, page_bytes)], 0)]
-        chunks = upload_chunks(load.page_offsets, page_bytes)
-        upload_stream = self._staging.upload_stream
-        if self._staging.free is not None:
-            upload_stream.wait_event(self._staging.free)
-        arrived = []
-        with torch.cuda.stream(upload_stream):
-            for index, (_, _, low, high) in enumerate(chunks):
-                _upload_range(buffer, uploads, low, high)
-                if index == 0:
-                    copies, device_table, tail = self._device_table(
-                        load,
-                        slot,
-                        device_blocks,
-                        snapshot_blocks,
-                        buffer,
-                        expected if checked else None,
-                    )
-                    device_table.record_stream(self._staging.stream)
-                event = torch.cuda.Event()
-                event.record(upload_stream)
-                arrived.append(event)
+        arrived = self._upload(buffer, uploads, chunks)
+        checked = expected is not None and self.hashes_pages
+        copies, device_table, tail = self._device_table(
+            load, slot, device_blocks, snapshot_blocks, buffer, expected if checked else None
+        )
         stream = self._staging.stream
         page_ok = None
         if checked:
@@ -262,6 +246,28 @@ class FusedMover(SlotMover):
             stream.wait_event(arrived[-1])  # one stream: the last piece follows the others
         launch_kernel(copies, device_table, self.device, self.sm_budget, page_ok)
         return page_ok
+
+    def _upload(
+        self,
+        buffer: torch.Tensor,
+        uploads: Sequence[tuple[torch.Tensor, int]],
+        chunks: Sequence[tuple[int, int, int, int]],
+    ) -> list[torch.cuda.Event]:
+        """Enqueue the host bytes of ``uploads`` (each at its offset in the slot) into
+        ``buffer`` on the upload stream, piece by piece, once the buffer is free: one event
+        per chunk, recorded once the chunk's bytes have arrived."""
+        assert self._staging is not None
+        stream = self._staging.upload_stream
+        if self._staging.free is not None:
+            stream.wait_event(self._staging.free)
+        arrived = []
+        with torch.cuda.stream(stream):
+            for _, _, low, high in chunks:
+                _upload_range(buffer, uploads, low, high)
+                event = torch.cuda.Event()
+                event.record(stream)
+                arrived.append(event)
+        return arrived
 
     def _digests(
         self, buffer: torch.Tensor, words: torch.Tensor, digests: torch.Tensor | None = None
