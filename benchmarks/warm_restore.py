@@ -184,13 +184,28 @@ class _Steps:
         }
 
 
+def _dynamic_cache_steps() -> _Steps:
+    """Steps timing what every ``restore_dynamic_cache`` call does around the restore."""
+    from kvsnap.engines.transformers import dynamic
+    from kvsnap.pipeline import pipeline
+    from kvsnap.snapshot import Snapshot
+
+    steps = _Steps()
+    steps.wrap(Snapshot, "open", "open")
+    steps.wrap(dynamic, "check_snapshot_fits", "model check")
+    steps.wrap(dynamic, "_restore_target", "buffer + layout")
+    steps.wrap(pipeline, "shared_page_table", "page table")
+    steps.wrap(dynamic, "_empty_cache", "DynamicCache")
+    steps.wrap(dynamic, "_fill_dynamic_cache", "DynamicCache")
+    return steps
+
+
 def host_costs(sizes: list[int], repeat: int) -> list[dict]:
     """The host's share of warm ``restore_dynamic_cache`` calls into CPU memory, per step."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
     from kvsnap.engines import transformers as kt
     from kvsnap.engines.transformers import dynamic
-    from kvsnap.pipeline import pipeline
     from kvsnap.snapshot import Snapshot
 
     torch.manual_seed(0)
@@ -205,16 +220,10 @@ def host_costs(sizes: list[int], repeat: int) -> list[dict]:
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     directory = Path(tempfile.mkdtemp(dir="/dev/shm"))
-    steps = _Steps()
-    steps.wrap(Snapshot, "open", "open")
-    steps.wrap(dynamic, "check_snapshot_fits", "model check")
+    steps = _dynamic_cache_steps()
     steps.wrap(dynamic, "contiguous_layout", "layout built")
-    steps.wrap(dynamic, "_restore_target", "buffer + layout")
-    steps.wrap(pipeline, "shared_page_table", "page table")
     steps.wrap(Snapshot, "restore", "Snapshot.restore")
     steps.wrap(dynamic, "new_dynamic_cache", "DynamicCache")
-    steps.wrap(dynamic, "_empty_cache", "DynamicCache")
-    steps.wrap(dynamic, "_fill_dynamic_cache", "DynamicCache")
     rows = []
     for tokens in sizes:
         ids = torch.randint(0, 1000, (1, tokens))
@@ -253,23 +262,15 @@ def device_steps(model, sizes: list[int], directory: Path, repeat: int) -> list[
     each call), medians of ``repeat``: where a call's time goes besides the device's copies
     (``collect`` is the wait for the device's page checks, the end of the device's work)."""
     from kvsnap.engines import transformers as kt
-    from kvsnap.engines.transformers import dynamic
     from kvsnap.pipeline import Pipeline, fused, pipeline, restore
-    from kvsnap.snapshot import Snapshot
 
-    steps = _Steps()
-    steps.wrap(Snapshot, "open", "open")
-    steps.wrap(dynamic, "check_snapshot_fits", "model check")
-    steps.wrap(dynamic, "_restore_target", "buffer + layout")
+    steps = _dynamic_cache_steps()
     steps.wrap(Pipeline, "restore", "Pipeline.restore")
-    steps.wrap(pipeline, "shared_page_table", "page table")
     steps.wrap(pipeline, "staging_ring", "staging ring")
     steps.wrap(pipeline, "_hot_files", "hot lease")
     steps.wrap(pipeline, "restore_slots", "restore_slots")
     steps.wrap(restore._RestoreRun, "collect_device_checks", "collect (waits)")
     steps.wrap(fused.FusedMover, "submit", "submit")
-    steps.wrap(dynamic, "_empty_cache", "DynamicCache")
-    steps.wrap(dynamic, "_fill_dynamic_cache", "DynamicCache")
     rows = []
     configure_hot_tier(8 << 30, register_after=1)
     for tokens in sizes:
