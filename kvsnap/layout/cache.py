@@ -78,6 +78,7 @@ class CacheLayout:
     tp_rank: int = 0
     tp_size: int = 1
     _by_name: dict[str, PageRef] = field(init=False, repr=False)
+    _num_blocks: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -101,11 +102,13 @@ class CacheLayout:
                 f"layout does not match its geometry: missing {sorted(missing)[:4]}, "
                 f"unexpected {sorted(extra)[:4]}"
             )
+        # Asked on every restore; a layout's tensors are fixed once it is checked.
+        self._num_blocks = min(tensor.num_blocks for tensor in self.tensors)
 
     @property
     def num_blocks(self) -> int:
         """Blocks addressable in every registered tensor."""
-        return min(tensor.num_blocks for tensor in self.tensors)
+        return self._num_blocks
 
     @property
     def device(self) -> torch.device:

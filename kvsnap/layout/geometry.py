@@ -11,6 +11,7 @@ exported (``DTYPES``, ``SAFETENSORS_DTYPES``, ``dtype_name``, ``torch_dtype``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -107,9 +108,7 @@ class KVGeometry:
 
     def tensor_names(self) -> list[str]:
         """Canonical tensor names in snapshot order: ``layers.{i}.{part}``."""
-        return [
-            canonical_name(layer, part) for layer in range(self.num_layers) for part in self.parts
-        ]
+        return list(_tensor_names(self.num_layers, self.parts))
 
     def describe(self) -> str:
         if self.is_mla:
@@ -117,6 +116,12 @@ class KVGeometry:
         else:
             heads = f"{self.num_kv_heads} KV heads x head dim {self.head_dim}"
         return f"{self.num_layers} layers, {heads}, {self.block_size} tokens/block, {self.dtype}"
+
+
+@functools.lru_cache(maxsize=64)
+def _tensor_names(num_layers: int, parts: tuple[str, ...]) -> tuple[str, ...]:
+    # Asked several times by every capture and restore: built once per shape.
+    return tuple(canonical_name(layer, part) for layer in range(num_layers) for part in parts)
 
 
 def canonical_name(layer: int, part: str) -> str:

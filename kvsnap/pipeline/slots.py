@@ -8,6 +8,7 @@ single slot, and every slot is one kernel launch and one DMA whatever the number
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,10 +32,9 @@ class Segment:
 
 @dataclass(frozen=True)
 class SlotLoad:
-    """One slot's segments and, per page, its tensor, its position in the block list and its
-    byte offset in the slot (the arrays the copy kernels take)."""
+    """One slot's pages: per page its tensor, its position in the block list and its byte
+    offset in the slot (the arrays the copy kernels take)."""
 
-    segments: tuple[Segment, ...]
     page_tensors: np.ndarray
     page_positions: np.ndarray
     page_offsets: np.ndarray
@@ -46,12 +46,30 @@ class SlotLoad:
     def num_bytes(self, page_size_bytes: int) -> int:
         return self.num_pages * page_size_bytes
 
-    def subset(self, keep: np.ndarray) -> SlotLoad:
-        """The pages where ``keep`` is true, at their offsets in the slot (segments dropped:
-        only a read uses them, and it has happened)."""
-        return SlotLoad(
-            (), self.page_tensors[keep], self.page_positions[keep], self.page_offsets[keep]
+    @functools.cached_property
+    def segments(self) -> tuple[Segment, ...]:
+        """The slot's runs of pages of one tensor at consecutive positions, in slot order
+        (what a capture writes as one piece; built on first use, restores never ask)."""
+        if not self.num_pages:
+            return ()
+        tensors, positions = self.page_tensors, self.page_positions
+        breaks = (np.diff(tensors) != 0) | (np.diff(positions) != 1)
+        starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+        stops = np.concatenate((starts[1:], [self.num_pages]))
+        return tuple(
+            Segment(tensor, start, stop, offset)
+            for tensor, start, stop, offset in zip(
+                tensors[starts].tolist(),
+                positions[starts].tolist(),
+                (positions[stops - 1] + 1).tolist(),
+                self.page_offsets[starts].tolist(),
+                strict=True,
+            )
         )
+
+    def subset(self, keep: np.ndarray) -> SlotLoad:
+        """The pages where ``keep`` is true, at their offsets in the slot."""
+        return SlotLoad(self.page_tensors[keep], self.page_positions[keep], self.page_offsets[keep])
 
 
 def slot_loads(
@@ -67,20 +85,4 @@ def slot_loads(
         last = min(total_pages, first + pages_per_slot)
         flat = np.arange(first, last, dtype=np.int64)
         tensors, positions = np.divmod(flat, num_blocks)
-        offsets = (flat - first) * page_size_bytes
-        segments = []
-        tensor = first // num_blocks
-        position = first
-        while position < last:
-            stop = min(last, (tensor + 1) * num_blocks)
-            segments.append(
-                Segment(
-                    tensor=tensor,
-                    start=position - tensor * num_blocks,
-                    stop=stop - tensor * num_blocks,
-                    offset=(position - first) * page_size_bytes,
-                )
-            )
-            position = stop
-            tensor += 1
-        yield SlotLoad(tuple(segments), tensors, positions, offsets)
+        yield SlotLoad(tensors, positions, (flat - first) * page_size_bytes)
