@@ -97,7 +97,13 @@ class FileLayout:
 
     def checksummed(self) -> list[TensorEntry]:
         """Entries with a trailer row, in row order (after the header's row 0)."""
-        return [entry for entry in self.entries if not is_container_tensor(entry.name)]
+        return list(self.layer_entries)
+
+    @functools.cached_property
+    def layer_entries(self) -> tuple[TensorEntry, ...]:
+        """The snapshot's tensors in this file, in file order (without padding, trailer and
+        signature); kept with the layout, which readers share per file version."""
+        return tuple(entry for entry in self.entries if not is_container_tensor(entry.name))
 
 
 def snapshot_specs(

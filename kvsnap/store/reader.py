@@ -106,8 +106,7 @@ class SnapshotReader:
         self._where = {
             entry.name: (index, entry)
             for index, open_file in enumerate(self._files)
-            for entry in open_file.layout.entries
-            if not fmt.is_container_tensor(entry.name)
+            for entry in open_file.layout.layer_entries
         }
         geometry = self._header_metadata.geometry
         self._names = tuple(geometry.tensor_names())
