@@ -16,7 +16,7 @@ from kvsnap.format.signing import KeyRing
 from kvsnap.pipeline import Pipeline, StagingOptions
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store import tuning
-from tests.pipeline.test_pipeline import SOURCE, _assert_restored, _caches, _sequences
+from tests.support.pipeline_caches import SOURCE, _assert_restored, _caches, _sequences
 from tests.support.store_helpers import stored_and_actual_digests, temp_files
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("mapped_from_any_size")]

@@ -7,83 +7,23 @@ independent of the copy runs) and real snapshot files.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from kvsnap.errors import IncompatibleSnapshotError, RestoreIncompleteError
-from kvsnap.format import SourceInfo
 from kvsnap.pipeline import Pipeline, StagingOptions, fused, shared_tables
-from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-from kvsnap.store import SnapshotReader
-from kvsnap.testing.caches import make_cache, random_content, same_bytes
+from kvsnap.snapshot import Snapshot, capture
+from kvsnap.testing.caches import make_cache, same_bytes
 from kvsnap.transfer import page_copy, page_table, pinned
-
-SOURCE = SourceInfo(
-    engine="test", engine_version="0", model_id="m", model_revision=None, model_fingerprint="f" * 64
+from tests.support.pipeline_caches import (
+    BLOCK,
+    LAYOUTS,
+    SOURCE,
+    _assert_restored,
+    _caches,
+    _flip_byte,
+    _sequences,
 )
-BLOCK = 4
-
-
-def _caches(
-    kind, *, layers=2, heads=4, tp_size=1, blocks=12, seed=0, fill=True, device="cpu", head_dim=8
-):
-    geometry_args = (
-        {"latent_dim": 24} if kind == "mla" else {"num_kv_heads": heads, "head_dim": head_dim}
-    )
-    caches = [
-        make_cache(
-            kind,
-            num_layers=layers,
-            num_blocks=blocks,
-            block_size=BLOCK,
-            tp_rank=rank,
-            tp_size=tp_size,
-            device=device,
-            **geometry_args,
-        )
-        for rank in range(tp_size)
-    ]
-    content = random_content(caches[0].layout.geometry, blocks, torch.Generator().manual_seed(seed))
-    if fill:
-        for cache in caches:
-            cache.fill(content)
-    return caches, content
-
-
-def _sequences(blocks_used: list[list[int]]) -> list[SequenceBlocks]:
-    # One token stream: sequences agreeing on their first block ids share those blocks' tokens,
-    # so their prefix hash chains coincide and the snapshot stores the blocks once.
-    stream = np.random.default_rng(5).integers(0, 1000, 4096)
-    return [
-        SequenceBlocks(f"s{index}", stream[: BLOCK * len(block_ids) - 1], np.array(block_ids))
-        for index, block_ids in enumerate(blocks_used)
-    ]
-
-
-def _assert_restored(targets, content, source_blocks, target_blocks) -> None:
-    for cache in targets:
-        for name in cache.views:
-            want = cache.expected(content, name, torch.tensor(source_blocks))
-            got = cache.logical(name)[torch.tensor(target_blocks)]
-            assert same_bytes(want, got), (cache.kind, name)
-
-
-LAYOUTS = [
-    ("vllm-nhd", 1, 4),
-    ("vllm-hnd", 1, 4),
-    ("vllm-legacy", 1, 4),
-    ("packed", 1, 4),
-    ("cross-layer", 1, 4),
-    ("flat-paged", 1, 4),
-    ("contiguous", 1, 4),
-    ("mla", 1, 0),
-    ("vllm-nhd", 2, 4),
-    ("vllm-hnd", 4, 4),
-    ("packed", 2, 4),
-    ("vllm-nhd", 4, 2),  # more ranks than heads: replicated heads, one elected writer per block
-    ("mla", 2, 0),  # the latent on every rank
-]
 
 
 @pytest.mark.parametrize(("kind", "tp_size", "heads"), LAYOUTS)
@@ -206,17 +146,6 @@ def test_a_kept_pipeline_serves_many_calls(tmp_path):
         source_pipeline.capture(_sequences([[step, step + 4]]), path, source=SOURCE)
         target_pipeline.restore(path, {"s0": [10, step]})
         _assert_restored(targets, content, [step, step + 4], [10, step])
-
-
-def _flip_byte(path, name: str, block: int, offset: int = 5) -> None:
-    with SnapshotReader(path) as reader:
-        _, entry = reader.locate(name)
-        page = reader.page_size_bytes(name)
-    with open(path, "r+b") as handle:
-        handle.seek(entry.begin + block * page + offset)
-        byte = handle.read(1)
-        handle.seek(entry.begin + block * page + offset)
-        handle.write(bytes([byte[0] ^ 0x40]))
 
 
 @pytest.mark.parametrize("slot_pages", [1, 3, 1000])

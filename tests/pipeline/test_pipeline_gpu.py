@@ -12,7 +12,7 @@ from kvsnap.errors import RestoreIncompleteError
 from kvsnap.pipeline import Pipeline, StagingOptions
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.testing.caches import same_bytes
-from tests.pipeline.test_pipeline import (
+from tests.support.pipeline_caches import (
     LAYOUTS,
     SOURCE,
     _assert_restored,

@@ -8,8 +8,6 @@ kills a rank in the middle of a capture to show that the previous snapshot survi
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
 from pathlib import Path
 from typing import Any
@@ -21,31 +19,7 @@ import torch
 import kvsnap
 from kvsnap.store import SnapshotReader
 from kvsnap.testing.caches import same_bytes
-from tests.support.distributed_child import Case, run_rank
-
-#: Seconds the parent waits for a group of ranks before it calls the run hung.
-JOIN_TIMEOUT_S = 120
-
-
-def _run(tmp: Path, role: str, world: int, path: Path, **job: Any) -> list[dict[str, Any]]:
-    """Run ``world`` ranks of ``role``; their reports, rank by rank (``None`` for a dead rank)."""
-    out = tmp / f"{role}-{world}-{os.urandom(4).hex()}"
-    out.mkdir()
-    job = {"role": role, "path": str(path), "out": str(out), "rendezvous": str(out / "rdv"), **job}
-    context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=run_rank, args=(rank, world, job)) for rank in range(world)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(JOIN_TIMEOUT_S)
-        if process.is_alive():
-            process.kill()
-            raise AssertionError(f"a rank of {role} hung")
-    reports = []
-    for rank in range(world):
-        report = out / f"rank{rank}.json"
-        reports.append(json.loads(report.read_text()) if report.exists() else None)
-    return reports
+from tests.support.distributed_child import Case, _run
 
 
 def _published_files(path: Path) -> list[str]:

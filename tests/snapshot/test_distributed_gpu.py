@@ -11,8 +11,7 @@ import torch
 
 import kvsnap
 from kvsnap.testing.caches import same_bytes
-from tests.snapshot.test_distributed import _run
-from tests.support.distributed_child import Case
+from tests.support.distributed_child import Case, _run
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ from kvsnap.errors import RestoreIncompleteError
 from kvsnap.pipeline import Pipeline
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store.hot import configure_hot_tier, hot_tier
-from tests.pipeline.test_pipeline import SOURCE, _assert_restored, _caches, _flip_byte, _sequences
+from tests.support.pipeline_caches import SOURCE, _assert_restored, _caches, _flip_byte, _sequences
 
 pytestmark = pytest.mark.gpu
 
