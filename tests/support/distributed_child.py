@@ -1,4 +1,5 @@
-"""Child processes of the distributed tests: one TP rank each, joined by a gloo group.
+"""Child processes of the distributed tests: one TP rank each, joined by a gloo group, and
+``run_ranks``, which the parent test calls to start a group of them and collect their reports.
 
 Every rank builds the same model content from one seed (the TP=1 canonical pages, random bytes)
 and allocates its own rank's cache of it, the way a TP engine holds its heads; the parent
@@ -152,7 +153,7 @@ def run_rank(rank: int, world: int, job: dict[str, Any]) -> None:
 JOIN_TIMEOUT_S = 120
 
 
-def _run(tmp: Path, role: str, world: int, path: Path, **job: Any) -> list[dict[str, Any]]:
+def run_ranks(tmp: Path, role: str, world: int, path: Path, **job: Any) -> list[dict[str, Any]]:
     """Run ``world`` ranks of ``role``; their reports, rank by rank (``None`` for a dead rank)."""
     out = tmp / f"{role}-{world}-{os.urandom(4).hex()}"
     out.mkdir()

@@ -15,6 +15,7 @@ from kvsnap.format import SourceInfo
 from kvsnap.snapshot import SequenceBlocks
 from kvsnap.transfer.cpu import CpuBackend
 
+#: The source every snapshot of these caches names.
 SOURCE = SourceInfo(
     engine="test",
     engine_version="0",
@@ -22,7 +23,10 @@ SOURCE = SourceInfo(
     model_revision=None,
     model_fingerprint="f" * 32,
 )
+#: The geometry of every cache built here: layers, KV heads over all ranks, head size, block.
 LAYERS, HEADS, HEAD_DIM, BLOCK = 3, 4, 8, 4
+#: A logical view: ``view(layer, part)`` is a (num_blocks, block, local_heads, head_dim) tensor.
+LogicalView = Callable[[int, str], torch.Tensor]
 
 
 def random_tensor(
@@ -38,7 +42,10 @@ def random_tensor(
 
 # Each factory: (num_blocks, tp_rank, tp_size, generator) -> (layout, logical_view)
 # where logical_view(layer, part) is a (num_blocks, block, local_heads, head_dim) tensor view.
-def split_nhd(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
+def split_nhd(
+    num_blocks: int, rank: int, tp: int, gen: torch.Generator
+) -> tuple[L.CacheLayout, LogicalView]:
+    """vLLM's split K/V cache, NHD (token-major) pages, for rank ``rank`` of ``tp``."""
     caches = [
         random_tensor((num_blocks, 2, BLOCK, HEADS // tp, HEAD_DIM), torch.bfloat16, gen)
         for _ in range(LAYERS)
@@ -47,7 +54,10 @@ def split_nhd(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
     return layout, lambda layer, part: caches[layer][:, L.KV_PARTS.index(part)]
 
 
-def split_hnd(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
+def split_hnd(
+    num_blocks: int, rank: int, tp: int, gen: torch.Generator
+) -> tuple[L.CacheLayout, LogicalView]:
+    """vLLM's split K/V cache, HND (head-major) pages, for rank ``rank`` of ``tp``."""
     physical = [
         random_tensor((num_blocks, 2, HEADS // tp, BLOCK, HEAD_DIM), torch.bfloat16, gen)
         for _ in range(LAYERS)
@@ -57,7 +67,10 @@ def split_hnd(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
     return layout, lambda layer, part: caches[layer][:, L.KV_PARTS.index(part)]
 
 
-def packed(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
+def packed(
+    num_blocks: int, rank: int, tp: int, gen: torch.Generator
+) -> tuple[L.CacheLayout, LogicalView]:
+    """K and V packed along head_dim in one tensor per layer, for rank ``rank`` of ``tp``."""
     caches = [
         random_tensor((num_blocks, HEADS // tp, BLOCK, 2 * HEAD_DIM), torch.bfloat16, gen)
         for _ in range(LAYERS)
@@ -71,7 +84,10 @@ def packed(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
     return layout, view
 
 
-def flat_paged(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
+def flat_paged(
+    num_blocks: int, rank: int, tp: int, gen: torch.Generator
+) -> tuple[L.CacheLayout, LogicalView]:
+    """Flat paged K and V tensors (a token per row), TP=1 only."""
     assert tp == 1
     keys = [
         random_tensor((num_blocks * BLOCK, HEADS, HEAD_DIM), torch.bfloat16, gen)
@@ -90,7 +106,10 @@ def flat_paged(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
     return layout, view
 
 
-def contiguous(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
+def contiguous(
+    num_blocks: int, rank: int, tp: int, gen: torch.Generator
+) -> tuple[L.CacheLayout, LogicalView]:
+    """A contiguous DynamicCache-style K and V per layer cut into blocks, TP=1 only."""
     assert tp == 1
     keys = [
         random_tensor((1, HEADS, num_blocks * BLOCK, HEAD_DIM), torch.bfloat16, gen)
@@ -109,7 +128,8 @@ def contiguous(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
     return layout, view
 
 
-FACTORIES: dict[str, Callable] = {
+#: The layout factories by name.
+FACTORIES: dict[str, Callable[..., tuple[L.CacheLayout, LogicalView]]] = {
     "split-nhd": split_nhd,
     "split-hnd": split_hnd,
     "packed": packed,
