@@ -16,7 +16,7 @@ from kvsnap.format.signing import KeyRing
 from kvsnap.pipeline import Pipeline, StagingOptions
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store import tuning
-from tests.pipeline.test_pipeline import SOURCE, _assert_restored, _caches, _sequences
+from tests.support.pipeline_caches import SOURCE, assert_restored, caches, sequences
 from tests.support.store_helpers import stored_and_actual_digests, temp_files
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("mapped_from_any_size")]
@@ -34,7 +34,7 @@ def _traced_capture(layouts, path: Path, **options) -> tuple[object, list[str]]:
     kinds: list[str] = []
     result = capture(
         layouts,
-        _sequences(USED),
+        sequences(USED),
         path,
         source=SOURCE,
         reproducible=True,
@@ -51,7 +51,7 @@ def _traced_capture(layouts, path: Path, **options) -> tuple[object, list[str]]:
 def test_a_dma_capture_is_the_staged_capture_byte_for_byte(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str, tp_size: int, staging
 ) -> None:
-    sources, content = _caches(
+    sources, content = caches(
         kind, layers=4, heads=8, head_dim=64, tp_size=tp_size, blocks=40, device="cuda"
     )
     layouts = [cache.layout for cache in sources]
@@ -67,7 +67,7 @@ def test_a_dma_capture_is_the_staged_capture_byte_for_byte(
     assert temp_files(shm_dir) == []
     stored, actual = stored_and_actual_digests(by_dma)
     assert stored == actual
-    targets, _ = _caches(
+    targets, _ = caches(
         kind,
         layers=4,
         heads=8,
@@ -82,11 +82,11 @@ def test_a_dma_capture_is_the_staged_capture_byte_for_byte(
         assert snap.verify() == []
         snap.restore([cache.layout for cache in targets], TARGET_BLOCKS)
     torch.cuda.synchronize()
-    _assert_restored(targets, content, SOURCE_BLOCKS, RESTORED_AT)
+    assert_restored(targets, content, SOURCE_BLOCKS, RESTORED_AT)
 
 
 def test_a_signed_dma_capture_verifies_with_its_key(shm_dir: Path) -> None:
-    sources, _ = _caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
+    sources, _ = caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
     keys = KeyRing([b"a secret of thirty-two bytes...."])
     path = shm_dir / "signed.safetensors"
     result, _ = _traced_capture([sources[0].layout], path, keys=keys)
@@ -100,11 +100,11 @@ def test_a_signed_dma_capture_verifies_with_its_key(shm_dir: Path) -> None:
 
 
 def test_a_pipeline_kept_warm_captures_by_dma_each_time(shm_dir: Path) -> None:
-    sources, _ = _caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
+    sources, _ = caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
     pipeline = Pipeline([sources[0].layout])
     for step in range(3):
         path = shm_dir / f"req-{step}.safetensors"
-        result = pipeline.capture(_sequences(USED), path, source=SOURCE, staging=SMALL_SLOTS)
+        result = pipeline.capture(sequences(USED), path, source=SOURCE, staging=SMALL_SLOTS)
         assert result.data_path == "dma"
         with Snapshot.open(path) as snap:
             assert snap.verify() == []
@@ -116,7 +116,7 @@ def test_a_disk_or_a_small_capture_keeps_the_staged_path(
 ) -> None:
     from kvsnap.store.local_file import memory_backed
 
-    sources, _ = _caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
+    sources, _ = caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
     layouts = [sources[0].layout]
     if not memory_backed(str(tmp_path)):
         result, _ = _traced_capture(layouts, tmp_path / "disk.safetensors")
@@ -124,17 +124,17 @@ def test_a_disk_or_a_small_capture_keeps_the_staged_path(
     monkeypatch.setattr(tuning, "MAPPED_WRITE_MIN_BYTES", 1 << 30)
     result, _ = _traced_capture(layouts, shm_dir / "small.safetensors")
     assert result.data_path == "write" and "under the" in str(result.dma_refused)
-    cpu_sources, _ = _caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40)
+    cpu_sources, _ = caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40)
     monkeypatch.setattr(tuning, "MAPPED_WRITE_MIN_BYTES", 0)
     result, _ = _traced_capture([cpu_sources[0].layout], shm_dir / "cpu.safetensors")
     assert result.data_path == "write" and "CUDA device" in str(result.dma_refused)
 
 
 def test_an_interrupted_dma_capture_leaves_the_old_file(shm_dir: Path) -> None:
-    sources, _ = _caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
+    sources, _ = caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
     layouts = [sources[0].layout]
     path = shm_dir / "snap.safetensors"
-    capture(layouts, _sequences([[1, 2]]), path, source=SOURCE)
+    capture(layouts, sequences([[1, 2]]), path, source=SOURCE)
     before = path.read_bytes()
     calls = []
 
@@ -146,7 +146,7 @@ def test_an_interrupted_dma_capture_leaves_the_old_file(shm_dir: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         capture(
             layouts,
-            _sequences(USED),
+            sequences(USED),
             path,
             source=SOURCE,
             staging=SMALL_SLOTS,

@@ -24,7 +24,7 @@ from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import SnapshotReader, SnapshotWriter, slot_reads
 from kvsnap.transfer import TransferHandler
 from kvsnap.transfer.pinned import PinnedPool
-from tests.snapshot.test_snapshot import LAYERS, SOURCE, FailingCopies, sequences_for, split_nhd
+from tests.support.snapshot_layouts import LAYERS, SOURCE, FailingCopies, sequences_for, split_nhd
 
 #: Staging of 16 pages of 256 bytes per slot (slots are 4096-aligned); the caches below need
 #: several slots per tensor.

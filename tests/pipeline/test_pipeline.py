@@ -7,102 +7,42 @@ independent of the copy runs) and real snapshot files.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from kvsnap.errors import IncompatibleSnapshotError, RestoreIncompleteError
-from kvsnap.format import SourceInfo
 from kvsnap.pipeline import Pipeline, StagingOptions, fused, shared_tables
-from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-from kvsnap.store import SnapshotReader
-from kvsnap.testing.caches import make_cache, random_content, same_bytes
+from kvsnap.snapshot import Snapshot, capture
+from kvsnap.testing.caches import make_cache, same_bytes
 from kvsnap.transfer import page_copy, page_table, pinned
-
-SOURCE = SourceInfo(
-    engine="test", engine_version="0", model_id="m", model_revision=None, model_fingerprint="f" * 64
+from tests.support.pipeline_caches import (
+    BLOCK,
+    LAYOUTS,
+    SOURCE,
+    assert_restored,
+    caches,
+    flip_byte,
+    sequences,
 )
-BLOCK = 4
-
-
-def _caches(
-    kind, *, layers=2, heads=4, tp_size=1, blocks=12, seed=0, fill=True, device="cpu", head_dim=8
-):
-    geometry_args = (
-        {"latent_dim": 24} if kind == "mla" else {"num_kv_heads": heads, "head_dim": head_dim}
-    )
-    caches = [
-        make_cache(
-            kind,
-            num_layers=layers,
-            num_blocks=blocks,
-            block_size=BLOCK,
-            tp_rank=rank,
-            tp_size=tp_size,
-            device=device,
-            **geometry_args,
-        )
-        for rank in range(tp_size)
-    ]
-    content = random_content(caches[0].layout.geometry, blocks, torch.Generator().manual_seed(seed))
-    if fill:
-        for cache in caches:
-            cache.fill(content)
-    return caches, content
-
-
-def _sequences(blocks_used: list[list[int]]) -> list[SequenceBlocks]:
-    # One token stream: sequences agreeing on their first block ids share those blocks' tokens,
-    # so their prefix hash chains coincide and the snapshot stores the blocks once.
-    stream = np.random.default_rng(5).integers(0, 1000, 4096)
-    return [
-        SequenceBlocks(f"s{index}", stream[: BLOCK * len(block_ids) - 1], np.array(block_ids))
-        for index, block_ids in enumerate(blocks_used)
-    ]
-
-
-def _assert_restored(targets, content, source_blocks, target_blocks) -> None:
-    for cache in targets:
-        for name in cache.views:
-            want = cache.expected(content, name, torch.tensor(source_blocks))
-            got = cache.logical(name)[torch.tensor(target_blocks)]
-            assert same_bytes(want, got), (cache.kind, name)
-
-
-LAYOUTS = [
-    ("vllm-nhd", 1, 4),
-    ("vllm-hnd", 1, 4),
-    ("vllm-legacy", 1, 4),
-    ("packed", 1, 4),
-    ("cross-layer", 1, 4),
-    ("flat-paged", 1, 4),
-    ("contiguous", 1, 4),
-    ("mla", 1, 0),
-    ("vllm-nhd", 2, 4),
-    ("vllm-hnd", 4, 4),
-    ("packed", 2, 4),
-    ("vllm-nhd", 4, 2),  # more ranks than heads: replicated heads, one elected writer per block
-    ("mla", 2, 0),  # the latent on every rank
-]
 
 
 @pytest.mark.parametrize(("kind", "tp_size", "heads"), LAYOUTS)
 def test_every_layout_round_trips_through_the_fused_copy(tmp_path, kind, tp_size, heads):
-    sources, content = _caches(kind, heads=heads, tp_size=tp_size)
+    sources, content = caches(kind, heads=heads, tp_size=tp_size)
     used = [[3, 7, 1], [3, 7, 9, 10]]  # a shared prefix block, and partial last blocks
     path = tmp_path / "snap.safetensors"
-    result = capture([c.layout for c in sources], _sequences(used), path, source=SOURCE)
+    result = capture([c.layout for c in sources], sequences(used), path, source=SOURCE)
     assert result.backend == "fused"
-    targets, _ = _caches(kind, heads=heads, tp_size=tp_size, seed=1, fill=False)
+    targets, _ = caches(kind, heads=heads, tp_size=tp_size, seed=1, fill=False)
     other = "mla" if kind == "mla" else "vllm-hnd"
-    targets += _caches(other, heads=heads, seed=2, fill=False)[0]
+    targets += caches(other, heads=heads, seed=2, fill=False)[0]
     with Snapshot.open(path) as snap:
         for group in (targets[:tp_size], targets[tp_size:]):
             restored = snap.restore(
                 [c.layout for c in group], {"s0": [0, 2, 4], "s1": [0, 2, 5, 6]}
             )
             assert restored.backend == "fused"
-    _assert_restored(targets, content, [3, 7, 1, 9, 10], [0, 2, 4, 5, 6])
+    assert_restored(targets, content, [3, 7, 1, 9, 10], [0, 2, 4, 5, 6])
 
 
 @pytest.mark.parametrize(
@@ -118,14 +58,14 @@ def test_the_kernel_itself_round_trips_under_the_triton_interpreter(
     real = fused.launch_kernel
     monkeypatch.setattr(fused, "launch_kernel", lambda *a: launches.append(1) or real(*a))
     monkeypatch.setattr(fused, "run_on_cpu", None)  # the numpy path must not run
-    sources, content = _caches(kind, heads=heads, tp_size=tp_size, blocks=6)
+    sources, content = caches(kind, heads=heads, tp_size=tp_size, blocks=6)
     path = tmp_path / "snap.safetensors"
-    capture([c.layout for c in sources], _sequences([[5, 0]]), path, source=SOURCE)
-    targets, _ = _caches(kind, heads=heads, tp_size=tp_size, seed=3, blocks=6, fill=False)
+    capture([c.layout for c in sources], sequences([[5, 0]]), path, source=SOURCE)
+    targets, _ = caches(kind, heads=heads, tp_size=tp_size, seed=3, blocks=6, fill=False)
     with Snapshot.open(path) as snap:
         snap.restore([c.layout for c in targets], {"s0": [1, 4]})
     assert launches == [1, 1]
-    _assert_restored(targets, content, [5, 0], [1, 4])
+    assert_restored(targets, content, [5, 0], [1, 4])
 
 
 def test_one_copy_per_slot_whatever_the_number_of_layers_and_ranks(tmp_path, monkeypatch):
@@ -136,17 +76,15 @@ def test_one_copy_per_slot_whatever_the_number_of_layers_and_ranks(tmp_path, mon
     )
     for layers, tp_size in ((2, 1), (24, 4)):
         groups_per_call.clear()
-        sources, content = _caches("vllm-nhd", layers=layers, heads=4, tp_size=tp_size)
+        sources, content = caches("vllm-nhd", layers=layers, heads=4, tp_size=tp_size)
         path = tmp_path / f"{layers}-{tp_size}.safetensors"
-        capture([c.layout for c in sources], _sequences([[2, 6]]), path, source=SOURCE)
-        targets, _ = _caches(
-            "vllm-nhd", layers=layers, heads=4, tp_size=tp_size, seed=4, fill=False
-        )
+        capture([c.layout for c in sources], sequences([[2, 6]]), path, source=SOURCE)
+        targets, _ = caches("vllm-nhd", layers=layers, heads=4, tp_size=tp_size, seed=4, fill=False)
         with Snapshot.open(path) as snap:
             snap.restore([c.layout for c in targets], {"s0": [8, 3]})
         # One copy each way, of one fragment group: every layer, K/V and rank together.
         assert groups_per_call == [1, 1], (layers, tp_size)
-        _assert_restored(targets, content, [2, 6], [8, 3])
+        assert_restored(targets, content, [2, 6], [8, 3])
 
 
 def test_head_slices_of_many_ranks_are_copied_without_a_descriptor_per_fragment(
@@ -162,18 +100,18 @@ def test_head_slices_of_many_ranks_are_copied_without_a_descriptor_per_fragment(
         "copy_descriptors",
         lambda src, dst, sizes: descriptors.append(len(sizes)) or real(src, dst, sizes),
     )
-    sources, content = _caches("vllm-nhd", layers=5, heads=4, tp_size=4, blocks=12)
+    sources, content = caches("vllm-nhd", layers=5, heads=4, tp_size=4, blocks=12)
     path = tmp_path / "heads.safetensors"
-    capture([c.layout for c in sources], _sequences([[2, 6, 7, 11]]), path, source=SOURCE)
-    targets, _ = _caches("vllm-nhd", layers=5, heads=4, tp_size=4, seed=4, fill=False)
+    capture([c.layout for c in sources], sequences([[2, 6, 7, 11]]), path, source=SOURCE)
+    targets, _ = caches("vllm-nhd", layers=5, heads=4, tp_size=4, seed=4, fill=False)
     with Snapshot.open(path) as snap:
         snap.restore([c.layout for c in targets], {"s0": [8, 3, 0, 5]})
     assert descriptors == []
-    _assert_restored(targets, content, [2, 6, 7, 11], [8, 3, 0, 5])
+    assert_restored(targets, content, [2, 6, 7, 11], [8, 3, 0, 5])
 
 
 def test_a_second_call_reuses_the_page_table_and_the_pinned_staging(tmp_path, monkeypatch):
-    sources, _ = _caches("vllm-nhd", layers=3)
+    sources, _ = caches("vllm-nhd", layers=3)
     layouts = [c.layout for c in sources]
     tables, pools = [], []
     real_table, real_pool = page_table.PageTable.__init__, pinned.PinnedPool.__init__
@@ -186,10 +124,10 @@ def test_a_second_call_reuses_the_page_table_and_the_pinned_staging(tmp_path, mo
         lambda self, *a, **k: pools.append(1) or real_pool(self, *a, **k),
     )
     path = tmp_path / "snap.safetensors"
-    capture(layouts, _sequences([[1, 2]]), path, source=SOURCE)
+    capture(layouts, sequences([[1, 2]]), path, source=SOURCE)
     first = (len(tables), len(pools))
     for _ in range(3):
-        capture(layouts, _sequences([[1, 2]]), path, source=SOURCE)
+        capture(layouts, sequences([[1, 2]]), path, source=SOURCE)
         with Snapshot.open(path) as snap:
             snap.restore(layouts, {"s0": [4, 5]})
     assert (len(tables), len(pools)) == first  # nothing built or pinned again
@@ -197,35 +135,24 @@ def test_a_second_call_reuses_the_page_table_and_the_pinned_staging(tmp_path, mo
 
 
 def test_a_kept_pipeline_serves_many_calls(tmp_path):
-    sources, content = _caches("vllm-hnd", layers=3, tp_size=2)
-    targets, _ = _caches("vllm-nhd", layers=3, seed=9, fill=False)
+    sources, content = caches("vllm-hnd", layers=3, tp_size=2)
+    targets, _ = caches("vllm-nhd", layers=3, seed=9, fill=False)
     source_pipeline = Pipeline([c.layout for c in sources])
     target_pipeline = Pipeline([c.layout for c in targets])
     for step in range(3):
         path = tmp_path / f"{step}.safetensors"
-        source_pipeline.capture(_sequences([[step, step + 4]]), path, source=SOURCE)
+        source_pipeline.capture(sequences([[step, step + 4]]), path, source=SOURCE)
         target_pipeline.restore(path, {"s0": [10, step]})
-        _assert_restored(targets, content, [step, step + 4], [10, step])
-
-
-def _flip_byte(path, name: str, block: int, offset: int = 5) -> None:
-    with SnapshotReader(path) as reader:
-        _, entry = reader.locate(name)
-        page = reader.page_size_bytes(name)
-    with open(path, "r+b") as handle:
-        handle.seek(entry.begin + block * page + offset)
-        byte = handle.read(1)
-        handle.seek(entry.begin + block * page + offset)
-        handle.write(bytes([byte[0] ^ 0x40]))
+        assert_restored(targets, content, [step, step + 4], [10, step])
 
 
 @pytest.mark.parametrize("slot_pages", [1, 3, 1000])
 def test_a_page_failing_its_checksum_never_reaches_the_cache(tmp_path, slot_pages):
-    sources, content = _caches("vllm-nhd", layers=3)
+    sources, content = caches("vllm-nhd", layers=3)
     path = tmp_path / "snap.safetensors"
-    capture([sources[0].layout], _sequences([[4, 5, 6, 7]]), path, source=SOURCE)
-    _flip_byte(path, "layers.1.value", 2)  # snapshot block 2 = device block 6 of the source
-    targets, _ = _caches("vllm-nhd", layers=3, seed=6, fill=False)
+    capture([sources[0].layout], sequences([[4, 5, 6, 7]]), path, source=SOURCE)
+    flip_byte(path, "layers.1.value", 2)  # snapshot block 2 = device block 6 of the source
+    targets, _ = caches("vllm-nhd", layers=3, seed=6, fill=False)
     target = targets[0]
     page = target.layout.geometry.canonical_page_size_bytes
     staging = StagingOptions(slot_bytes=max(4096, slot_pages * page), num_slots=2)
@@ -244,12 +171,12 @@ def test_a_page_failing_its_checksum_never_reaches_the_cache(tmp_path, slot_page
 
 
 def test_restore_refuses_bad_requests_before_writing_anything(tmp_path):
-    sources, _ = _caches("vllm-nhd")
+    sources, _ = caches("vllm-nhd")
     path = tmp_path / "snap.safetensors"
-    capture([sources[0].layout], _sequences([[1, 2]]), path, source=SOURCE)
-    targets, _ = _caches("vllm-nhd", seed=2, fill=False)
+    capture([sources[0].layout], sequences([[1, 2]]), path, source=SOURCE)
+    targets, _ = caches("vllm-nhd", seed=2, fill=False)
     layout = targets[0].layout
-    sliding, _ = _caches("vllm-nhd", seed=2, fill=False)
+    sliding, _ = caches("vllm-nhd", seed=2, fill=False)
     with Snapshot.open(path) as snap:
         with pytest.raises(IncompatibleSnapshotError, match="no sequence 'nope'"):
             snap.restore(layout, {"nope": [0, 1]})
@@ -283,24 +210,24 @@ def test_a_slot_of_whole_tensors_is_one_file_write_and_verifies(tmp_path, monkey
 
     monkeypatch.setattr(SnapshotWriter, "_submit_write", recorded)
     # 4 tokens x 8 heads x 64 x fp16: 4096-byte pages, so the tensors lie back to back.
-    sources, content = _caches("vllm-nhd", layers=6, heads=8, blocks=16, head_dim=64)
+    sources, content = caches("vllm-nhd", layers=6, heads=8, blocks=16, head_dim=64)
     path = tmp_path / "snap.safetensors"
-    result = capture([sources[0].layout], _sequences([[1, 2, 3, 4]]), path, source=SOURCE)
+    result = capture([sources[0].layout], sequences([[1, 2, 3, 4]]), path, source=SOURCE)
     assert writes == [result.num_blocks * 12 * sources[0].layout.geometry.canonical_page_size_bytes]
     with Snapshot.open(path) as snap:
         assert snap.verify() == []
-    targets, _ = _caches("vllm-nhd", layers=6, heads=8, blocks=16, seed=8, fill=False, head_dim=64)
+    targets, _ = caches("vllm-nhd", layers=6, heads=8, blocks=16, seed=8, fill=False, head_dim=64)
     with Snapshot.open(path) as snap:
         snap.restore([targets[0].layout], {"s0": [5, 6, 7, 8]})
-    _assert_restored(targets, content, [1, 2, 3, 4], [5, 6, 7, 8])
+    assert_restored(targets, content, [1, 2, 3, 4], [5, 6, 7, 8])
 
 
 def test_a_pipeline_restores_chosen_blocks_of_a_snapshot(tmp_path):
     # What an engine whose own prefix cache already holds a chunk's first blocks does.
-    sources, content = _caches("vllm-hnd", layers=3, blocks=16)
+    sources, content = caches("vllm-hnd", layers=3, blocks=16)
     path = tmp_path / "snap.safetensors"
-    capture([sources[0].layout], _sequences([[2, 4, 6, 8]]), path, source=SOURCE)
-    targets, _ = _caches("vllm-nhd", layers=3, blocks=16, seed=4, fill=False)
+    capture([sources[0].layout], sequences([[2, 4, 6, 8]]), path, source=SOURCE)
+    targets, _ = caches("vllm-nhd", layers=3, blocks=16, seed=4, fill=False)
     pipeline = Pipeline([targets[0].layout])
     with Snapshot.open(path) as snap:
         result = pipeline.restore_blocks(snap, [3, 2], [11, 10])  # snapshot blocks 2 and 3 only
@@ -309,7 +236,7 @@ def test_a_pipeline_restores_chosen_blocks_of_a_snapshot(tmp_path):
             pipeline.restore_blocks(snap, [4], [0])
         with pytest.raises(IncompatibleSnapshotError, match="two different snapshot blocks"):
             pipeline.restore_blocks(snap, [0, 1], [5, 5])
-    _assert_restored(targets, content, [6, 8], [10, 11])
+    assert_restored(targets, content, [6, 8], [10, 11])
     untouched = [block for block in range(16) if block not in (10, 11)]
     for view in targets[0].views.values():
         assert not view[torch.tensor(untouched)].view(torch.uint8).any()

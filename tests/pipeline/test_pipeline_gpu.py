@@ -12,13 +12,13 @@ from kvsnap.errors import RestoreIncompleteError
 from kvsnap.pipeline import Pipeline, StagingOptions
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.testing.caches import same_bytes
-from tests.pipeline.test_pipeline import (
+from tests.support.pipeline_caches import (
     LAYOUTS,
     SOURCE,
-    _assert_restored,
-    _caches,
-    _flip_byte,
-    _sequences,
+    assert_restored,
+    caches,
+    flip_byte,
+    sequences,
 )
 
 pytestmark = pytest.mark.gpu
@@ -26,44 +26,44 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize(("kind", "tp_size", "heads"), LAYOUTS)
 def test_every_layout_round_trips_on_the_gpu(tmp_path, kind, tp_size, heads):
-    sources, content = _caches(kind, heads=heads, tp_size=tp_size, device="cuda", blocks=40)
+    sources, content = caches(kind, heads=heads, tp_size=tp_size, device="cuda", blocks=40)
     used = [[3, 7, 1], [3, 7, 9, 10, 33]]
     path = tmp_path / "snap.safetensors"
-    result = capture([c.layout for c in sources], _sequences(used), path, source=SOURCE)
+    result = capture([c.layout for c in sources], sequences(used), path, source=SOURCE)
     assert result.backend == "fused"
-    targets, _ = _caches(
+    targets, _ = caches(
         kind, heads=heads, tp_size=tp_size, seed=1, fill=False, device="cuda", blocks=40
     )
     other = "mla" if kind == "mla" else "vllm-hnd"
-    targets += _caches(other, heads=heads, seed=2, fill=False, device="cuda", blocks=40)[0]
+    targets += caches(other, heads=heads, seed=2, fill=False, device="cuda", blocks=40)[0]
     with Snapshot.open(path) as snap:
         for group in (targets[:tp_size], targets[tp_size:]):
             block_ids = {"s0": [0, 2, 4], "s1": [0, 2, 5, 6, 39]}
             assert snap.restore([c.layout for c in group], block_ids).backend == "fused"
-    _assert_restored(targets, content, [3, 7, 1, 9, 10, 33], [0, 2, 4, 5, 6, 39])
+    assert_restored(targets, content, [3, 7, 1, 9, 10, 33], [0, 2, 4, 5, 6, 39])
 
 
 def test_many_slots_in_flight_restore_bit_exact(tmp_path):
     # Small private slots: dozens of slots, each kernel + DMA on the staging stream while the
     # next slots are read.
-    sources, content = _caches("vllm-nhd", layers=4, heads=8, blocks=300, device="cuda")
+    sources, content = caches("vllm-nhd", layers=4, heads=8, blocks=300, device="cuda")
     blocks = list(range(0, 300, 2))
     path = tmp_path / "snap.safetensors"
     staging = StagingOptions(slot_bytes=64 << 10, num_slots=3)
-    capture([sources[0].layout], _sequences([blocks]), path, source=SOURCE, staging=staging)
-    targets, _ = _caches(
+    capture([sources[0].layout], sequences([blocks]), path, source=SOURCE, staging=staging)
+    targets, _ = caches(
         "vllm-hnd", layers=4, heads=8, blocks=300, seed=7, fill=False, device="cuda"
     )
     with Snapshot.open(path) as snap:
         snap.restore([targets[0].layout], {"s0": blocks[::-1]}, staging=staging)
-    _assert_restored(targets, content, blocks, blocks[::-1])
+    assert_restored(targets, content, blocks, blocks[::-1])
 
 
 def test_restored_blocks_are_ready_for_the_callers_stream(tmp_path):
-    sources, content = _caches("vllm-nhd", layers=8, heads=8, blocks=256, device="cuda")
+    sources, content = caches("vllm-nhd", layers=8, heads=8, blocks=256, device="cuda")
     path = tmp_path / "snap.safetensors"
-    capture([sources[0].layout], _sequences([list(range(256))]), path, source=SOURCE)
-    targets, _ = _caches(
+    capture([sources[0].layout], sequences([list(range(256))]), path, source=SOURCE)
+    targets, _ = caches(
         "vllm-nhd", layers=8, heads=8, blocks=256, seed=3, fill=False, device="cuda"
     )
     side = torch.cuda.Stream()
@@ -77,45 +77,43 @@ def test_restored_blocks_are_ready_for_the_callers_stream(tmp_path):
 
 
 def test_a_capture_waits_for_kv_the_callers_stream_is_still_writing(tmp_path):
-    sources, content = _caches("vllm-nhd", layers=4, heads=8, blocks=64, device="cuda", fill=False)
+    sources, content = caches("vllm-nhd", layers=4, heads=8, blocks=64, device="cuda", fill=False)
     cache = sources[0]
     side = torch.cuda.Stream()
     path = tmp_path / "snap.safetensors"
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # the "model" is still running
         cache.fill(content)  # ... and writes the KV after that
-        capture([cache.layout], _sequences([list(range(64))]), path, source=SOURCE)
-    targets, _ = _caches(
-        "vllm-nhd", layers=4, heads=8, blocks=64, seed=4, fill=False, device="cuda"
-    )
+        capture([cache.layout], sequences([list(range(64))]), path, source=SOURCE)
+    targets, _ = caches("vllm-nhd", layers=4, heads=8, blocks=64, seed=4, fill=False, device="cuda")
     with Snapshot.open(path) as snap:
         snap.restore([targets[0].layout], {"s0": list(range(64))})
-    _assert_restored(targets, content, list(range(64)), list(range(64)))
+    assert_restored(targets, content, list(range(64)), list(range(64)))
 
 
 def test_a_kept_pipeline_restores_many_requests_exactly(tmp_path):
-    sources, content = _caches("vllm-nhd", layers=32, heads=8, blocks=128, device="cuda")
+    sources, content = caches("vllm-nhd", layers=32, heads=8, blocks=128, device="cuda")
     source = Pipeline([sources[0].layout])
-    targets, _ = _caches(
+    targets, _ = caches(
         "vllm-nhd", layers=32, heads=8, blocks=128, seed=5, fill=False, device="cuda"
     )
     target = Pipeline([targets[0].layout])
     for step in range(20):
         blocks = [(step * 7 + i) % 128 for i in range(8)]
         path = tmp_path / f"{step % 2}.safetensors"
-        source.capture(_sequences([blocks]), path, source=SOURCE)
+        source.capture(sequences([blocks]), path, source=SOURCE)
         placed = [(b + 64) % 128 for b in blocks]
         target.restore(path, {"s0": placed})
         torch.cuda.synchronize()
-        _assert_restored(targets, content, blocks, placed)
+        assert_restored(targets, content, blocks, placed)
 
 
 def test_a_corrupt_page_is_not_written_on_the_gpu(tmp_path):
-    sources, content = _caches("vllm-nhd", layers=3, device="cuda")
+    sources, content = caches("vllm-nhd", layers=3, device="cuda")
     path = tmp_path / "snap.safetensors"
-    capture([sources[0].layout], _sequences([[4, 5, 6, 7]]), path, source=SOURCE)
-    _flip_byte(path, "layers.2.key", 1)
-    targets, _ = _caches("vllm-nhd", layers=3, seed=6, fill=False, device="cuda")
+    capture([sources[0].layout], sequences([[4, 5, 6, 7]]), path, source=SOURCE)
+    flip_byte(path, "layers.2.key", 1)
+    targets, _ = caches("vllm-nhd", layers=3, seed=6, fill=False, device="cuda")
     with Snapshot.open(path) as snap, pytest.raises(RestoreIncompleteError) as caught:
         snap.restore(targets[0].layout, {"s0": [0, 1, 2, 3]})
     assert caught.value.failed_block_ids.tolist() == [1]
@@ -156,22 +154,22 @@ def test_the_page_digest_kernel_matches_xxhash_on_the_gpu(page_bytes):
 def test_a_capture_on_the_gpu_stores_the_digests_the_host_computes(tmp_path):
     # The capture's checksums come from the device kernel; a full verify recomputes them all
     # on the host with python-xxhash.
-    sources, _ = _caches("vllm-hnd", layers=4, heads=8, blocks=64, device="cuda", head_dim=64)
+    sources, _ = caches("vllm-hnd", layers=4, heads=8, blocks=64, device="cuda", head_dim=64)
     path = tmp_path / "snap.safetensors"
-    capture([sources[0].layout], _sequences([list(range(0, 64, 3))]), path, source=SOURCE)
+    capture([sources[0].layout], sequences([list(range(0, 64, 3))]), path, source=SOURCE)
     with Snapshot.open(path) as snap:
         assert snap.verify() == []
 
 
 def test_chosen_blocks_restore_on_the_gpu(tmp_path):
-    sources, content = _caches("vllm-hnd", layers=3, blocks=16, device="cuda")
+    sources, content = caches("vllm-hnd", layers=3, blocks=16, device="cuda")
     path = tmp_path / "snap.safetensors"
-    capture([sources[0].layout], _sequences([[2, 4, 6, 8]]), path, source=SOURCE)
-    targets, _ = _caches("vllm-nhd", layers=3, blocks=16, seed=4, fill=False, device="cuda")
+    capture([sources[0].layout], sequences([[2, 4, 6, 8]]), path, source=SOURCE)
+    targets, _ = caches("vllm-nhd", layers=3, blocks=16, seed=4, fill=False, device="cuda")
     with Snapshot.open(path) as snap:
         Pipeline([targets[0].layout]).restore_blocks(snap, [3, 2], [11, 10])
     torch.cuda.synchronize()
-    _assert_restored(targets, content, [6, 8], [10, 11])
+    assert_restored(targets, content, [6, 8], [10, 11])
 
 
 @pytest.mark.parametrize("hot", [False, True])
@@ -182,13 +180,13 @@ def test_a_corrupt_page_in_a_late_piece_of_a_slot_is_not_written(tmp_path, hot):
     from kvsnap.store.hot import configure_hot_tier
 
     geometry = {"layers": 8, "heads": 8, "head_dim": 64, "blocks": 256, "device": "cuda"}
-    sources, content = _caches("vllm-nhd", **geometry)  # 16 KiB pages, 32 MiB: 8 slots
+    sources, content = caches("vllm-nhd", **geometry)  # 16 KiB pages, 32 MiB: 8 slots
     blocks = list(range(0, 256, 2))
     path = tmp_path / "snap.safetensors"
-    capture([sources[0].layout], _sequences([blocks]), path, source=SOURCE)
-    _flip_byte(path, "layers.7.value", len(blocks) - 3)
+    capture([sources[0].layout], sequences([blocks]), path, source=SOURCE)
+    flip_byte(path, "layers.7.value", len(blocks) - 3)
     path.read_bytes()  # in the page cache: the hot tier registers only resident files
-    targets, _ = _caches("vllm-nhd", **geometry, seed=8, fill=False)
+    targets, _ = caches("vllm-nhd", **geometry, seed=8, fill=False)
     configure_hot_tier(1 << 30 if hot else 0, register_after=1)
     try:
         staging = StagingOptions(slot_bytes=4 << 20, num_slots=2, hot=hot)
@@ -217,10 +215,10 @@ def test_a_corrupt_page_in_a_late_piece_of_a_slot_is_not_written(tmp_path, hot):
 def test_a_restore_lands_after_what_the_callers_stream_still_writes(tmp_path):
     # The pages go up on their own stream without waiting for the caller, but the scatter
     # into the cache must follow the caller's pending writes to the same blocks.
-    sources, content = _caches("vllm-nhd", layers=8, heads=8, blocks=128, device="cuda")
+    sources, content = caches("vllm-nhd", layers=8, heads=8, blocks=128, device="cuda")
     path = tmp_path / "snap.safetensors"
-    capture([sources[0].layout], _sequences([list(range(128))]), path, source=SOURCE)
-    targets, _ = _caches(
+    capture([sources[0].layout], sequences([list(range(128))]), path, source=SOURCE)
+    targets, _ = caches(
         "vllm-nhd", layers=8, heads=8, blocks=128, seed=3, fill=False, device="cuda"
     )
     side = torch.cuda.Stream()
@@ -230,7 +228,7 @@ def test_a_restore_lands_after_what_the_callers_stream_still_writes(tmp_path):
             view.fill_(7)  # ... and writes these blocks after it
         snap.restore([targets[0].layout], {"s0": list(range(128))})
     torch.cuda.synchronize()
-    _assert_restored(targets, content, list(range(128)), list(range(128)))
+    assert_restored(targets, content, list(range(128)), list(range(128)))
 
 
 def test_the_ring_never_hands_out_a_slot_whose_copy_still_runs():

@@ -8,8 +8,6 @@ kills a rank in the middle of a capture to show that the previous snapshot survi
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
 from pathlib import Path
 from typing import Any
@@ -21,31 +19,7 @@ import torch
 import kvsnap
 from kvsnap.store import SnapshotReader
 from kvsnap.testing.caches import same_bytes
-from tests.support.distributed_child import Case, run_rank
-
-#: Seconds the parent waits for a group of ranks before it calls the run hung.
-JOIN_TIMEOUT_S = 120
-
-
-def _run(tmp: Path, role: str, world: int, path: Path, **job: Any) -> list[dict[str, Any]]:
-    """Run ``world`` ranks of ``role``; their reports, rank by rank (``None`` for a dead rank)."""
-    out = tmp / f"{role}-{world}-{os.urandom(4).hex()}"
-    out.mkdir()
-    job = {"role": role, "path": str(path), "out": str(out), "rendezvous": str(out / "rdv"), **job}
-    context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=run_rank, args=(rank, world, job)) for rank in range(world)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(JOIN_TIMEOUT_S)
-        if process.is_alive():
-            process.kill()
-            raise AssertionError(f"a rank of {role} hung")
-    reports = []
-    for rank in range(world):
-        report = out / f"rank{rank}.json"
-        reports.append(json.loads(report.read_text()) if report.exists() else None)
-    return reports
+from tests.support.distributed_child import Case, run_ranks
 
 
 def _published_files(path: Path) -> list[str]:
@@ -57,7 +31,7 @@ def tp2_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("tp2")
     path = tmp / "snap" / "prefix.safetensors"
     path.parent.mkdir()
-    reports = _run(tmp, "capture", 2, path)
+    reports = run_ranks(tmp, "capture", 2, path)
     assert [report.get("error") for report in reports] == [None, None], reports
     # Each rank wrote its own part: the two halves of the KV bytes.
     assert [report["num_parts"] for report in reports] == [2, 2]
@@ -108,7 +82,7 @@ def test_tp2_capture_restores_at_tp1_in_one_process(tp2_snapshot: Path) -> None:
 def test_tp2_capture_restores_at_tp1_and_tp2_across_processes(
     tp2_snapshot: Path, tmp_path: Path, world: int
 ) -> None:
-    reports = _run(tmp_path, "restore", world, tp2_snapshot)
+    reports = run_ranks(tmp_path, "restore", world, tp2_snapshot)
     for report in reports:
         assert report.get("error") is None, report
         assert report["mismatched"] == [], report
@@ -128,7 +102,7 @@ def test_ranks_agree_on_blocks_a_damaged_part_failed(tp2_snapshot: Path, tmp_pat
         byte = file.read(1)
         file.seek(-1, os.SEEK_CUR)
         file.write(bytes([byte[0] ^ 0xFF]))
-    rank0, rank1 = _run(tmp_path, "restore", 2, copy)
+    rank0, rank1 = run_ranks(tmp_path, "restore", 2, copy)
     # Rank 0's heads are all in part 1: every page of it is restored ...
     assert rank0["mismatched"] == []
     # ... and rank 1 could not restore one block; both ranks report it, for both to recompute.
@@ -142,11 +116,11 @@ def test_a_rank_killed_mid_capture_leaves_the_previous_snapshot(
 ) -> None:
     path = tmp_path / "snap" / "prefix.safetensors"
     path.parent.mkdir()
-    old = _run(tmp_path, "capture", 2, path, case={"seed": 5})
+    old = run_ranks(tmp_path, "capture", 2, path, case={"seed": 5})
     assert [report.get("error") for report in old] == [None, None]
     before = {name: (path.parent / name).read_bytes() for name in _published_files(path)}
 
-    reports = _run(tmp_path, "capture", 2, path, case={"seed": 6}, die_on_rank=1)
+    reports = run_ranks(tmp_path, "capture", 2, path, case={"seed": 6}, die_on_rank=1)
     assert reports[1] is None  # killed
     assert "RankFailedError" in reports[0]["error"], reports[0]
     # The old snapshot is exactly as it was, and still reads as the seed-5 content.
@@ -170,7 +144,7 @@ def test_mla_and_single_rank_groups_write_one_plain_snapshot(
 ) -> None:
     path = tmp_path / "snap" / "plain.safetensors"
     path.parent.mkdir()
-    reports = _run(tmp_path, "capture", world, path, case=case)
+    reports = run_ranks(tmp_path, "capture", world, path, case=case)
     assert [report.get("error") for report in reports] == [None] * world, reports
     assert [report["num_parts"] for report in reports] == [0] * world
     # Rank 0 wrote every block (an MLA rank elected for half of them alone would not).
@@ -185,7 +159,7 @@ def test_mla_and_single_rank_groups_write_one_plain_snapshot(
             for name, pages in spec.content().pages.items():
                 stored = snapshot.read_tensor(name)[blocks]
                 assert same_bytes(stored, pages[torch.as_tensor(inverse[sequence.block_ids])])
-    restored = _run(tmp_path, "restore", 2, path, case=case)
+    restored = run_ranks(tmp_path, "restore", 2, path, case=case)
     assert [(r["error"], r["mismatched"]) for r in restored] == [(None, [])] * 2
 
 
@@ -200,7 +174,7 @@ def test_connector_worker_at_tp2_saves_parted_chunks_a_tp1_worker_loads(tmp_path
 
     store = tmp_path / "store"
     blocks = [9, 2, 14, 5, 7]  # five blocks: chunks of 2, 2 and 1
-    reports = _run(tmp_path, "worker-save", 2, store, blocks=blocks)
+    reports = run_ranks(tmp_path, "worker-save", 2, store, blocks=blocks)
     assert [report.get("error") for report in reports] == [None, None], reports
     assert [report["finished"] for report in reports] == [["r1"], ["r1"]]
     paths = reports[0]["paths"]

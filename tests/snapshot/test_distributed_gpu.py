@@ -11,8 +11,7 @@ import torch
 
 import kvsnap
 from kvsnap.testing.caches import same_bytes
-from tests.snapshot.test_distributed import _run
-from tests.support.distributed_child import Case
+from tests.support.distributed_child import Case, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +29,7 @@ CASE = {
 def test_tp_capture_on_gpus_restores_at_every_tp_size(tmp_path: Path, world: int) -> None:
     path = tmp_path / "snap" / "gpu.safetensors"
     path.parent.mkdir()
-    reports = _run(tmp_path, "capture", world, path, case=CASE)
+    reports = run_ranks(tmp_path, "capture", world, path, case=CASE)
     assert [report.get("error") for report in reports] == [None] * world, reports
     assert [report["num_parts"] for report in reports] == [world] * world
     case = Case(**CASE)
@@ -43,5 +42,5 @@ def test_tp_capture_on_gpus_restores_at_every_tp_size(tmp_path: Path, world: int
             expected = pages[torch.as_tensor(inverse[sequence.block_ids])]
             assert same_bytes(snapshot.read_tensor(name)[blocks], expected), name
     for restore_world in (1, 2, 4):
-        restored = _run(tmp_path, "restore", restore_world, path, case=CASE)
+        restored = run_ranks(tmp_path, "restore", restore_world, path, case=CASE)
         assert [(r["error"], r["mismatched"]) for r in restored] == [(None, [])] * restore_world

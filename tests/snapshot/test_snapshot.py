@@ -7,7 +7,6 @@ bit for bit, and everything a restore refuses must be refused before a byte is w
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -16,128 +15,23 @@ import torch
 
 from kvsnap import layout as L
 from kvsnap.errors import IncompatibleSnapshotError, TransferFailedError
-from kvsnap.format import SourceInfo
 from kvsnap.pipeline import StagingOptions, TransferOptions
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.transfer import TransferHandler
-from kvsnap.transfer.cpu import CpuBackend
 from kvsnap.transfer.page_copy import run_on_cpu
-
-SOURCE = SourceInfo(
-    engine="test",
-    engine_version="0",
-    model_id="random",
-    model_revision=None,
-    model_fingerprint="f" * 32,
+from tests.support.snapshot_layouts import (
+    BLOCK,
+    FACTORIES,
+    HEAD_DIM,
+    HEADS,
+    LAYERS,
+    SOURCE,
+    FailingCopies,
+    packed,
+    sequences_for,
+    split_hnd,
+    split_nhd,
 )
-LAYERS, HEADS, HEAD_DIM, BLOCK = 3, 4, 8, 4
-
-
-def random_tensor(
-    shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator
-) -> torch.Tensor:
-    """Random bytes seen as ``dtype`` (NaN and Inf patterns included: bytes must survive)."""
-    element = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(
-        0, 256, (math.prod(shape) * element,), dtype=torch.uint8, generator=generator
-    )
-    return raw.view(dtype).reshape(shape)
-
-
-# Each factory: (num_blocks, tp_rank, tp_size, generator) -> (layout, logical_view)
-# where logical_view(layer, part) is a (num_blocks, block, local_heads, head_dim) tensor view.
-def split_nhd(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
-    caches = [
-        random_tensor((num_blocks, 2, BLOCK, HEADS // tp, HEAD_DIM), torch.bfloat16, gen)
-        for _ in range(LAYERS)
-    ]
-    layout = L.vllm_split_layout(caches, num_kv_heads=HEADS, tp_rank=rank, tp_size=tp)
-    return layout, lambda layer, part: caches[layer][:, L.KV_PARTS.index(part)]
-
-
-def split_hnd(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
-    physical = [
-        random_tensor((num_blocks, 2, HEADS // tp, BLOCK, HEAD_DIM), torch.bfloat16, gen)
-        for _ in range(LAYERS)
-    ]
-    caches = [tensor.transpose(2, 3) for tensor in physical]
-    layout = L.vllm_split_layout(caches, num_kv_heads=HEADS, tp_rank=rank, tp_size=tp)
-    return layout, lambda layer, part: caches[layer][:, L.KV_PARTS.index(part)]
-
-
-def packed(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
-    caches = [
-        random_tensor((num_blocks, HEADS // tp, BLOCK, 2 * HEAD_DIM), torch.bfloat16, gen)
-        for _ in range(LAYERS)
-    ]
-    layout = L.packed_layout(caches, num_kv_heads=HEADS, tp_rank=rank, tp_size=tp)
-
-    def view(layer: int, part: str) -> torch.Tensor:
-        half = slice(0, HEAD_DIM) if part == L.KEY else slice(HEAD_DIM, 2 * HEAD_DIM)
-        return caches[layer][..., half].transpose(1, 2)
-
-    return layout, view
-
-
-def flat_paged(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
-    assert tp == 1
-    keys = [
-        random_tensor((num_blocks * BLOCK, HEADS, HEAD_DIM), torch.bfloat16, gen)
-        for _ in range(LAYERS)
-    ]
-    values = [
-        random_tensor((num_blocks * BLOCK, HEADS, HEAD_DIM), torch.bfloat16, gen)
-        for _ in range(LAYERS)
-    ]
-    layout = L.flat_paged_layout(keys, values, block_size=BLOCK)
-
-    def view(layer: int, part: str) -> torch.Tensor:
-        tensor = keys[layer] if part == L.KEY else values[layer]
-        return tensor.view(num_blocks, BLOCK, HEADS, HEAD_DIM)
-
-    return layout, view
-
-
-def contiguous(num_blocks: int, rank: int, tp: int, gen: torch.Generator):
-    assert tp == 1
-    keys = [
-        random_tensor((1, HEADS, num_blocks * BLOCK, HEAD_DIM), torch.bfloat16, gen)
-        for _ in range(LAYERS)
-    ]
-    values = [
-        random_tensor((1, HEADS, num_blocks * BLOCK, HEAD_DIM), torch.bfloat16, gen)
-        for _ in range(LAYERS)
-    ]
-    layout = L.contiguous_layout(keys, values, block_size=BLOCK)
-
-    def view(layer: int, part: str) -> torch.Tensor:
-        tensor = keys[layer] if part == L.KEY else values[layer]
-        return tensor[0].transpose(0, 1).reshape(num_blocks, BLOCK, HEADS, HEAD_DIM)
-
-    return layout, view
-
-
-FACTORIES: dict[str, Callable] = {
-    "split-nhd": split_nhd,
-    "split-hnd": split_hnd,
-    "packed": packed,
-    "flat-paged": flat_paged,
-    "contiguous": contiguous,
-}
-
-
-def sequences_for(
-    num_blocks: int, lengths: list[int], rng: np.random.Generator
-) -> list[SequenceBlocks]:
-    """Sequences over distinct random device blocks."""
-    needed = [math.ceil(length / BLOCK) for length in lengths]
-    blocks = rng.permutation(num_blocks)[: sum(needed)]
-    sequences, start = [], 0
-    for index, (length, count) in enumerate(zip(lengths, needed, strict=True)):
-        tokens = rng.integers(0, 50_000, size=length)
-        sequences.append(SequenceBlocks(f"seq-{index}", tokens, blocks[start : start + count]))
-        start += count
-    return sequences
 
 
 @pytest.mark.parametrize("source_name", list(FACTORIES))
@@ -363,18 +257,6 @@ def test_statistics_cover_only_real_tokens(tmp_path):
         norms = snap.token_norms("s")
     assert norms["key"].shape == (LAYERS, 6)
     assert norms["value"][0, 0] == pytest.approx(math.sqrt(HEADS * HEAD_DIM))
-
-
-class FailingCopies(CpuBackend):
-    """A real CPU backend whose third job fails, as a device copy error would."""
-
-    jobs_seen = 0
-
-    def execute(self, job):
-        FailingCopies.jobs_seen += 1
-        if FailingCopies.jobs_seen == 3:
-            raise OSError("injected copy failure")
-        super().execute(job)
 
 
 def _fail_third_fused_copy(monkeypatch):

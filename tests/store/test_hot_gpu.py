@@ -15,7 +15,7 @@ from kvsnap.errors import RestoreIncompleteError
 from kvsnap.pipeline import Pipeline
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store.hot import configure_hot_tier, hot_tier
-from tests.pipeline.test_pipeline import SOURCE, _assert_restored, _caches, _flip_byte, _sequences
+from tests.support.pipeline_caches import SOURCE, assert_restored, caches, flip_byte, sequences
 
 pytestmark = pytest.mark.gpu
 
@@ -36,14 +36,14 @@ def _snapshot(path: Path, seed: int):
     """A snapshot of a 4-layer cache (pages of 8 heads x 64: hashed on the device), read once
     so that the page cache holds it (it was written with O_DIRECT), as a first load leaves it:
     the hot tier registers only files the page cache holds."""
-    sources, content = _caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, seed=seed)
-    capture([c.layout for c in sources], _sequences(USED), path, source=SOURCE)
+    sources, content = caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, seed=seed)
+    capture([c.layout for c in sources], sequences(USED), path, source=SOURCE)
     path.read_bytes()
     return content
 
 
 def _target():
-    targets, _ = _caches(
+    targets, _ = caches(
         "vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, seed=9, fill=False, device="cuda"
     )
     return targets
@@ -76,11 +76,11 @@ def test_a_registered_file_is_copied_without_a_read_and_restores_bit_exact(tmp_p
     )
     entry = next(iter(hot_tier()._files.values()))
     assert entry.registered and entry.host is not None and entry.host.is_pinned()
-    _assert_restored(targets, content, USED[0], TARGET)
+    assert_restored(targets, content, USED[0], TARGET)
     fresh = _target()
     assert "read" not in _restore(fresh, path)
     assert hot_tier().stats().hits == 1
-    _assert_restored(fresh, content, USED[0], TARGET)
+    assert_restored(fresh, content, USED[0], TARGET)
 
 
 def test_a_file_replaced_while_registered_is_never_served_stale(tmp_path, tier):
@@ -89,13 +89,13 @@ def test_a_file_replaced_while_registered_is_never_served_stale(tmp_path, tier):
     first = _snapshot(path, seed=0)
     targets = _target()
     _restore(targets, path)
-    _assert_restored(targets, first, USED[0], TARGET)
+    assert_restored(targets, first, USED[0], TARGET)
     assert hot_tier().stats().files == 1
     second = _snapshot(path, seed=1)  # published by rename over the registered file
     targets = _target()
     kinds = _restore(targets, path)
     assert "read" not in kinds  # the new version, registered anew
-    _assert_restored(targets, second, USED[0], TARGET)
+    assert_restored(targets, second, USED[0], TARGET)
     stats = hot_tier().stats()
     assert (stats.files, stats.invalidations, stats.registered_bytes) == (
         1,
@@ -114,14 +114,14 @@ def test_a_byte_flipped_in_a_registered_page_is_caught_on_the_device(tmp_path, t
         pipeline.restore(snap, {"s0": TARGET})  # registers the file this reader opened
         # In place, under the registration: the mapped page cache now holds the flipped byte,
         # and this open snapshot's file is still the registered version.
-        _flip_byte(path, "layers.2.value", 1)
+        flip_byte(path, "layers.2.value", 1)
         with pytest.raises(RestoreIncompleteError) as caught:
             pipeline.restore(snap, {"s0": TARGET})
     assert hot_tier().stats().hits == 1
     # Snapshot block 1 holds the sequence's second block, restored into target block 2.
     assert caught.value.failed_block_ids.tolist() == [TARGET[1]]
     others = [i for i in range(len(TARGET)) if i != 1]
-    _assert_restored(targets, content, [USED[0][i] for i in others], [TARGET[i] for i in others])
+    assert_restored(targets, content, [USED[0][i] for i in others], [TARGET[i] for i in others])
 
 
 def test_hot_bytes_is_held_under_churn(tmp_path, tier):
@@ -133,7 +133,7 @@ def test_hot_bytes_is_held_under_churn(tmp_path, tier):
     for index in rng.integers(0, len(paths), 24).tolist():
         targets = _target()
         _restore(targets, paths[index])
-        _assert_restored(targets, contents[index], USED[0], TARGET)
+        assert_restored(targets, contents[index], USED[0], TARGET)
         stats = hot_tier().stats()
         assert stats.registered_bytes <= stats.hot_bytes
         assert stats.files <= 2

@@ -1,4 +1,5 @@
-"""Child processes of the distributed tests: one TP rank each, joined by a gloo group.
+"""Child processes of the distributed tests: one TP rank each, joined by a gloo group, and
+``run_ranks``, which the parent test calls to start a group of them and collect their reports.
 
 Every rank builds the same model content from one seed (the TP=1 canonical pages, random bytes)
 and allocates its own rank's cache of it, the way a TP engine holds its heads; the parent
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing
 import os
 import signal
 from dataclasses import dataclass
@@ -145,6 +147,31 @@ def run_rank(rank: int, world: int, job: dict[str, Any]) -> None:
         report["error"] = f"{type(error).__name__}: {error}"
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+
+
+#: Seconds the parent waits for a group of ranks before it calls the run hung.
+JOIN_TIMEOUT_S = 120
+
+
+def run_ranks(tmp: Path, role: str, world: int, path: Path, **job: Any) -> list[dict[str, Any]]:
+    """Run ``world`` ranks of ``role``; their reports, rank by rank (``None`` for a dead rank)."""
+    out = tmp / f"{role}-{world}-{os.urandom(4).hex()}"
+    out.mkdir()
+    job = {"role": role, "path": str(path), "out": str(out), "rendezvous": str(out / "rdv"), **job}
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=run_rank, args=(rank, world, job)) for rank in range(world)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(JOIN_TIMEOUT_S)
+        if process.is_alive():
+            process.kill()
+            raise AssertionError(f"a rank of {role} hung")
+    reports = []
+    for rank in range(world):
+        report = out / f"rank{rank}.json"
+        reports.append(json.loads(report.read_text()) if report.exists() else None)
+    return reports
 
 
 def _capture(case: Case, rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
