@@ -21,7 +21,8 @@ LARGE_RESTORE_JOB_BYTES = 128 << 20
 #: Slots of each size kvsnap keeps pinned per process at most (pinned on first use).
 SHARED_SLOTS = 8
 #: A restore slot goes up to the device in this many pieces (each at least
-#: ``MIN_UPLOAD_CHUNK_BYTES``), each hashed while the next one is still on the bus.
+#: ``MIN_UPLOAD_CHUNK_BYTES``), each hashed once it has arrived. Today the copy table still
+#: goes up behind the whole slot, so no piece is hashed earlier (docs/architecture.md).
 UPLOAD_CHUNKS_PER_SLOT = 4
 MIN_UPLOAD_CHUNK_BYTES = 2 << 20
 
