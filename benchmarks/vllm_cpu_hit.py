@@ -132,6 +132,11 @@ def run_child(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # One OpenMP thread, not bound: with a thread bound to each core, any other process on a
+    # shared machine stalls every barrier of the forward pass for a scheduler tick (each op
+    # took 4 ms on the 2-core VM while another job ran).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     llm = _engine(job)
     warm, timed = job["warmup"], job["prompts"]
     for prompt in warm:
@@ -156,7 +161,9 @@ def run_child(job_path: str) -> None:
         profiler.disable()
         profiler.dump_stats(job["profile"])
     llm.llm_engine.engine_core.shutdown()  # drains the connector's queued writes
-    Path(job["output"]).write_text(json.dumps(rows))
+    import kvsnap
+
+    Path(job["output"]).write_text(json.dumps({"rows": rows, "kvsnap": kvsnap.__file__}))
 
 
 # -- the parent: every configuration, one process each ------------------------------------------
@@ -166,20 +173,35 @@ def _run(job: dict[str, Any], work: Path, name: str, pythonpath: Path) -> list[d
     job = {**job, "output": str(work / f"{name}.out.json")}
     job_path = work / f"{name}.job.json"
     job_path.write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    env = {**os.environ, "PYTHONPATH": str(pythonpath), "LD_PRELOAD": _openmp_preload()}
     log = work / f"{name}.log"
     with log.open("wb") as handle:
         code = subprocess.call(
-            [sys.executable, "-m", "benchmarks.vllm_cpu_hit", "--child", str(job_path)],
+            # Run as a script (not ``-m``): the tree's kvsnap then comes first on the path, not
+            # this checkout's.
+            [sys.executable, str(Path(__file__).resolve()), "--child", str(job_path)],
             stdout=handle,
             stderr=subprocess.STDOUT,
             env=env,
-            cwd=str(ROOT),
+            cwd=str(work),
         )
     if code != 0:
         tail = log.read_text(errors="replace")[-4000:]
         raise SystemExit(f"{name} failed (exit {code}); log tail:\n{tail}")
-    return json.loads(Path(job["output"]).read_text())
+    result = json.loads(Path(job["output"]).read_text())
+    if job.get("store") is not None and not result["kvsnap"].startswith(str(pythonpath)):
+        raise SystemExit(f"{name} imported kvsnap from {result['kvsnap']}, not {pythonpath}")
+    return result["rows"]
+
+
+def _openmp_preload() -> str:
+    """``LD_PRELOAD`` with torch's libgomp, as vLLM sets it for an engine process it starts
+    (its CPU threads bind properly only then); here the engine runs in the child itself."""
+    import torch
+
+    libraries = sorted(Path(torch.__file__).parent.joinpath("lib").glob("libgomp*.so*"))
+    preload = [os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD") else []
+    return ":".join(preload + [str(path) for path in libraries[:1]])
 
 
 def _ms(values: list[float]) -> float:
