@@ -103,6 +103,7 @@ def _engine(job: dict[str, Any]) -> Any:
             kv_connector_module_path="kvsnap.engines.vllm",
             kv_role="kv_both",
             kv_connector_extra_config={"path": job["store"], "event_log": job["events"]},
+            kv_load_failure_policy=job["policy"],
         )
     return LLM(
         model=job["model"],
@@ -246,6 +247,7 @@ def measure_model(args: argparse.Namespace, num_layers: int, work: Path) -> dict
     base = {
         "model": str(model),
         "tokens": args.tokens,
+        "policy": args.policy,
         "warmup": prompts[: args.warmup],
         "prompts": prompts[args.warmup :],
     }
@@ -310,6 +312,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1536)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--policy",
+        choices=("fail", "recompute"),
+        default="fail",
+        help="kv_load_failure_policy (vLLM's default: fail, which turns verify_before_load on)",
+    )
     parser.add_argument("--shm-dir", default="/dev/shm/kvsnap-vllm-cpu-hit")
     parser.add_argument("--disk-dir", help="also a store in this directory (on a disk)")
     parser.add_argument("--tree", type=_tree, action="append", dest="trees")
