@@ -125,15 +125,20 @@ def _engine(job: dict[str, Any]) -> Any:
     )
 
 
-def _generate(llm: Any, prompt: list[int]) -> tuple[float, int, int]:
-    """One request: its wall time (s), its one generated token, vLLM's cached-token count."""
+def _generate(llm: Any, prompt: list[int]) -> dict[str, Any]:
+    """One request: its wall time and the process's CPU time (s), its one generated token,
+    vLLM's cached-token count."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    elapsed = time.perf_counter() - started
-    return elapsed, output.outputs[0].token_ids[0], output.num_cached_tokens or 0
+    return {
+        "seconds": time.perf_counter() - started,
+        "cpu_seconds": time.process_time() - cpu_started,
+        "token": output.outputs[0].token_ids[0],
+        "cached": output.num_cached_tokens or 0,
+    }
 
 
 def run_child(job_path: str) -> None:
@@ -141,11 +146,6 @@ def run_child(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # One OpenMP thread, not bound: with a thread bound to each core, any other process on a
-    # shared machine stalls every barrier of the forward pass for a scheduler tick (each op
-    # took 4 ms on the 2-core VM while another job ran).
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     llm = _engine(job)
     warm, timed = job["warmup"], job["prompts"]
     for prompt in warm:
@@ -160,11 +160,9 @@ def run_child(job_path: str) -> None:
         profiler = cProfile.Profile()
         profiler.enable()
     for prompt in timed:
-        seconds, token, cached = _generate(llm, prompt)
-        row = {"seconds": seconds, "token": token, "cached": cached}
+        row = _generate(llm, prompt)
         if job["kind"] in ("vllm", "kvsnap"):
-            again, token_again, cached_again = _generate(llm, prompt)
-            row.update(hit_seconds=again, hit_token=token_again, hit_cached=cached_again)
+            row["again"] = _generate(llm, prompt)
         rows.append(row)
     if profiler is not None:
         profiler.disable()
@@ -179,10 +177,22 @@ def run_child(job_path: str) -> None:
 
 
 def _run(job: dict[str, Any], work: Path, name: str, pythonpath: Path) -> list[dict[str, Any]]:
+    """Run one engine's job in a child process importing kvsnap from ``pythonpath``.
+
+    The child gets one OpenMP thread, not bound (unless the caller's environment says
+    otherwise; OpenMP reads it as the process starts): with a thread bound to each core, any
+    other process on a shared machine stalls every barrier of the forward pass for a scheduler
+    tick (each op took 4 ms on the 2-core VM while another job ran)."""
     job = {**job, "output": str(work / f"{name}.out.json")}
     job_path = work / f"{name}.job.json"
     job_path.write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(pythonpath), "LD_PRELOAD": _openmp_preload()}
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        **os.environ,
+        "PYTHONPATH": str(pythonpath),
+        "LD_PRELOAD": _openmp_preload(),
+    }
     log = work / f"{name}.log"
     with log.open("wb") as handle:
         code = subprocess.call(
@@ -215,6 +225,31 @@ def _openmp_preload() -> str:
 
 def _ms(values: list[float]) -> float:
     return round(statistics.median(values) * 1e3, 2)
+
+
+def _timings(name: str, rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Median wall and CPU time (ms) of ``rows``, as ``NAME_ms`` and ``NAME_cpu_ms``."""
+    return {
+        f"{name}_ms": _ms([row["seconds"] for row in rows]),
+        f"{name}_cpu_ms": _ms([row["cpu_seconds"] for row in rows]),
+    }
+
+
+def _paired(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians over the pairs (a kvsnap hit, the vLLM hit right after it in the same engine)
+    of the ratio and the difference, in wall and in CPU time."""
+    result = {}
+    for clock, suffix in (("seconds", ""), ("cpu_seconds", "_cpu")):
+        ratios = [row[clock] / row["again"][clock] for row in rows]
+        result[f"ratio{suffix}"] = round(statistics.median(ratios), 2)
+        result[f"extra{suffix}_ms"] = _ms([row[clock] - row["again"][clock] for row in rows])
+    return result
+
+
+def _is_hit(row: dict[str, Any], expected_token: int, loadable: int) -> bool:
+    """Whether a request generated ``expected_token`` (the recompute's) with ``loadable``
+    tokens not computed (vLLM's ``num_cached_tokens``)."""
+    return row["token"] == expected_token and row["cached"] == loadable
 
 
 def _loaded_tokens(events_path: Path) -> list[int]:
@@ -265,10 +300,9 @@ def measure_model(args: argparse.Namespace, num_layers: int, work: Path) -> dict
     result: dict[str, Any] = {
         "layers": num_layers,
         "kv_mb": round(2 * num_layers * KV_HEADS * HEAD_DIM * 2 * args.tokens / 1e6, 2),
-        "recompute_ms": _ms([row["seconds"] for row in plain]),
-        "vllm_hit_ms": _ms([row["hit_seconds"] for row in plain]),
-        "vllm_hit_exact": [row["hit_token"] for row in plain] == expected,
-        "vllm_hit_cached": min(row["hit_cached"] for row in plain) == loadable,
+        **_timings("recompute", plain),
+        **_timings("vllm_hit", [row["again"] for row in plain]),
+        "vllm_hit_checked": all(_is_hit(row["again"], row["token"], loadable) for row in plain),
         "kvsnap": {},
     }
     stores = {"shm": Path(args.shm_dir)}
@@ -279,20 +313,15 @@ def measure_model(args: argparse.Namespace, num_layers: int, work: Path) -> dict
             label = f"{num_layers}l.{tree_name}.{medium}"
             profile = Path(args.profile_dir) / f"{label}.prof" if args.profile_dir else None
             rows, loads = _kvsnap_hit(base, work, label, directory / label, tree, profile)
-            hit_ms = _ms([row["seconds"] for row in rows])
-            beside = [row["hit_seconds"] for row in rows]
             result["kvsnap"][f"{tree_name}/{medium}"] = {
-                "hit_ms": hit_ms,
-                "vllm_hit_beside_ms": _ms(beside),
-                "ratio": round(
-                    statistics.median(row["seconds"] / row["hit_seconds"] for row in rows), 2
+                **_timings("hit", rows),
+                **_timings("vllm_hit_beside", [row["again"] for row in rows]),
+                **_paired(rows),
+                "checked": loads[args.warmup :] == [loadable] * args.requests
+                and all(
+                    _is_hit(row, want, loadable) and _is_hit(row["again"], want, loadable)
+                    for row, want in zip(rows, expected, strict=True)
                 ),
-                "extra_ms": _ms([row["seconds"] - row["hit_seconds"] for row in rows]),
-                "exact": [row["token"] for row in rows] == expected
-                and [row["hit_token"] for row in rows] == expected,
-                "loaded_every_request": loads[args.warmup :] == [loadable] * args.requests,
-                "cached": min(row["cached"] for row in rows) == loadable
-                and min(row["hit_cached"] for row in rows) == loadable,
             }
     return result
 
@@ -305,6 +334,7 @@ def _tree(text: str) -> tuple[str, Path]:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
+    """The results as a markdown table: wall ms, then CPU ms in parentheses."""
     print(
         "| model | KV | recompute | vLLM hit (own engine) | tree/store | kvsnap hit "
         "| vLLM hit beside it | kvsnap / vLLM | + ms | checks |"
@@ -312,13 +342,15 @@ def print_table(results: list[dict[str, Any]]) -> None:
     print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
     for result in results:
         for name, hit in result["kvsnap"].items():
-            checks = all(
-                (hit["exact"], hit["loaded_every_request"], hit["cached"], result["vllm_hit_exact"])
-            )
+            checks = hit["checked"] and result["vllm_hit_checked"]
             print(
-                f"| {result['layers']} layers | {result['kv_mb']} MB | {result['recompute_ms']} "
-                f"| {result['vllm_hit_ms']} | {name} | {hit['hit_ms']} "
-                f"| {hit['vllm_hit_beside_ms']} | {hit['ratio']}x | {hit['extra_ms']} "
+                f"| {result['layers']} layers | {result['kv_mb']} MB "
+                f"| {result['recompute_ms']} ({result['recompute_cpu_ms']}) "
+                f"| {result['vllm_hit_ms']} ({result['vllm_hit_cpu_ms']}) | {name} "
+                f"| {hit['hit_ms']} ({hit['hit_cpu_ms']}) "
+                f"| {hit['vllm_hit_beside_ms']} ({hit['vllm_hit_beside_cpu_ms']}) "
+                f"| {hit['ratio']}x ({hit['ratio_cpu']}x) "
+                f"| {hit['extra_ms']} ({hit['extra_cpu_ms']}) "
                 f"| {'ok' if checks else 'FAILED'} |"
             )
 
