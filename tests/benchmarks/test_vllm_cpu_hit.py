@@ -12,7 +12,8 @@ import pytest
 
 from tests.support.vllm_engines import PYTHON, ROOT
 
-pytestmark = pytest.mark.vllm
+# About a minute (three engines): a heavier variant, with --run-slow.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_short_run_times_only_real_hits(tmp_path: Path) -> None:
