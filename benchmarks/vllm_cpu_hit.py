@@ -9,8 +9,11 @@ Models: Llama-shaped, built from a config with random weights (bf16, saved as sa
 temporary directory; no download): 3 and 12 layers, hidden 128, 2 KV heads of 32 (the shape of
 the test suite's model, so 1,536 tokens hold 1.2 MB and 4.7 MB of KV). Every engine runs in a
 process of its own (vLLM 0.32, CPU backend, ``block_size=32``, ``enforce_eager``, prefix
-caching on, engine core in the calling process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so that
-nothing of a request hides in another process and ``--profile-dir`` sees all of it).
+caching on, a 128 MiB KV cache, engine core in the calling process:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so that nothing of a request hides in another process and
+``--profile-dir`` sees all of it; one unbound OpenMP thread, see :func:`_run`). The kvsnap
+engines use ``kv_load_failure_policy`` ``--policy`` (default ``fail``, vLLM's own default,
+which turns the connector's ``verify_before_load`` on).
 
 Every request is a different random prompt of ``--tokens`` (1,536) token ids, generating one
 token (``max_tokens=1``, greedy), so its time is the prefill (or the hit) plus the one step
@@ -30,7 +33,8 @@ time, after ``--warmup`` untimed requests of the same kind. Per model, medians o
   again in that engine: **vLLM hit beside it** (its own prefix cache, the connector consulted
   and finding nothing to load).
 
-Reported: per-request medians (ms) and, from the pairs of one engine (a kvsnap hit and the
+Reported: per-request medians (ms) of the wall time and of the process's CPU time (which a
+busy machine inflates less) and, from the pairs of one engine (a kvsnap hit and the
 vLLM hit right after it, so that a shared machine's load drifting between processes does not
 bias them), the median of the per-request ratio kvsnap / vLLM hit and of the difference in
 ms. ``--tree NAME=PATH`` (repeatable) runs the kvsnap engines with ``PYTHONPATH=PATH`` (e.g. a
