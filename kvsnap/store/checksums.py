@@ -123,6 +123,16 @@ class Checksums:
         )
         return np.frombuffer(raw, dtype="<u8")
 
+    def stored_rows(self, first: int, count: int) -> np.ndarray:
+        """The stored block checksums of layer tensors ``first .. first + count`` as read,
+        unchecked, ``(count, blocks)``: one read."""
+        open_file, entry = self._block_checksums()
+        row_bytes = self._reader.num_blocks * 8
+        raw = open_file.source.read(
+            entry.begin + first * row_bytes, count * row_bytes, tensor=fmt.BLOCK_CHECKSUMS_TENSOR
+        )
+        return np.frombuffer(raw, dtype="<u8").reshape(count, self._reader.num_blocks)
+
     def row_trusted(self, tensor: int, row: np.ndarray) -> bool | None:
         """Whether ``row`` matches layer tensor ``tensor``'s digest in the trailer; ``None``
         when that trailer is not loaded (nothing to check it against)."""

@@ -283,3 +283,46 @@ def test_peak_memory_is_bounded_for_a_4_gib_snapshot(tmp_path: Path) -> None:
     added_mib = (result["peak_kib"] - result["baseline_kib"]) / 1024
     assert result["snapshot_bytes"] > 4 << 30
     assert added_mib < PEAK_RSS_BOUND_MIB, result
+
+
+@pytest.mark.parametrize("name", ["bf16", "f16-32k"])
+def test_verify_reads_layer_tensors_that_follow_each_other_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """A prefix chunk is dozens of small layer tensors: verify reads the tensors that follow
+    each other in the file (alignment padding apart) with one read, and their checksum rows
+    with one more, not one each per tensor, and still names a flipped page by tensor and
+    block."""
+    metadata, pages = build(name, seed=33)
+    path = tmp_path / "snap.safetensors"
+    write_snapshot(path, metadata, pages)
+    (layout,) = fmt.file_layouts(metadata)
+    layers = [entry for entry in layout.entries if fmt.is_layer_tensor(entry.name)]
+    runs = 1  # tensors of these small files lie at most the alignment padding apart
+    assert len(layers) > 2
+    reads: list[int] = []
+    real = os.preadv
+
+    def recording(fd: int, buffers: list[memoryview], offset: int) -> int:
+        reads.append(offset)
+        return real(fd, buffers, offset)
+
+    with SnapshotReader(path) as reader:
+        monkeypatch.setattr(os, "preadv", recording)
+        assert reader.verify() == []
+        monkeypatch.setattr(os, "preadv", real)
+    low, high = layers[0].begin, layers[-1].end
+    padding = {e.begin for e in layout.entries if e.name.startswith(fmt.PADDING_PREFIX)}
+    data_reads = [offset for offset in reads if low <= offset < high and offset not in padding]
+    assert data_reads == [low] * runs
+    checksums = layout.by_name[fmt.BLOCK_CHECKSUMS_TENSOR]
+    # The rows for the run, and the whole table the open reads for itself: not one per tensor.
+    assert len([o for o in reads if checksums.begin <= o < checksums.end]) <= runs + 1
+    page = metadata.geometry.canonical_page_size_bytes
+    target = layers[len(layers) // 2]
+    data = bytearray(path.read_bytes())
+    data[target.begin + 2 * page + 1] ^= 0x10
+    path.write_bytes(bytes(data))
+    with SnapshotReader(path) as reader:
+        problems = reader.verify()
+    assert [(problem.tensor, problem.block) for problem in problems] == [(target.name, 2)]

