@@ -29,6 +29,25 @@ def _forget_executors_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_executors_after_fork)
 
 
+def _stop_workers_at_exit() -> None:
+    """Tell every pool's workers to stop once their queued work is done, before the
+    interpreter joins its threads.
+
+    ``concurrent.futures`` wakes only the workers it registered, and it registers a worker
+    after starting it: a Ctrl-C that lands in between (the main thread submitting the work
+    that starts a worker, as a capture does when its first write begins) leaves a worker no
+    one wakes, and the process hangs at exit. Shutting the pool down wakes every worker of
+    its queue, registered or not."""
+    with _EXECUTOR_LOCK:
+        executors = list(_EXECUTORS.values())
+    for executor in executors:
+        executor.shutdown(wait=False)
+
+
+# Runs before the interpreter joins non-daemon threads (a plain ``atexit`` hook runs after).
+threading._register_atexit(_stop_workers_at_exit)  # type: ignore[attr-defined]
+
+
 @functools.cache
 def cpu_count() -> int:
     """The cores of this machine, asked once: ``os.cpu_count`` reads ``/sys`` (about 12 us a

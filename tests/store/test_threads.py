@@ -7,6 +7,8 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -226,3 +228,32 @@ def test_streamed_snapshots_start_no_thread(started_threads: list[str]) -> None:
     assert started_threads == []
     with SnapshotReader(urls[-1]) as reader:
         assert reader.verify() == []
+
+
+# What a Ctrl-C between a pool starting a worker and registering it leaves behind (CPython's
+# ``ThreadPoolExecutor._adjust_thread_count``): a live worker that ``concurrent.futures`` does
+# not know of, so its exit hook never wakes it. The process must still exit.
+_ORPHANED_WORKER = """
+import concurrent.futures.thread as pool_threads
+from kvsnap.store.pools import shared_executor
+
+pools = [shared_executor("write", 2), shared_executor("read", 3)]
+for executor in pools:
+    for _ in range(6):
+        executor.submit(sum, range(1000)).result()
+    for worker in list(executor._threads):
+        pool_threads._threads_queues.pop(worker, None)
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_exits_when_a_ctrl_c_orphaned_a_pool_worker() -> None:
+    child = subprocess.run(
+        [sys.executable, "-c", _ORPHANED_WORKER],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "exiting"
