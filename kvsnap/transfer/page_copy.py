@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from kvsnap.transfer.cpu import VECTORIZED_MAX_BYTES, copy_descriptors, copy_page_fragments
-from kvsnap.transfer.plan import Descriptors, merge_adjacent
+from kvsnap.transfer.plan import Descriptors, Direction, merge_adjacent
+from kvsnap.transfer.strided import copy_strided_pages
 from kvsnap.transfer.triton_copy import TRITON_IMPORT_ERROR, kernel_for, tl, triton
 
 if TYPE_CHECKING:
@@ -125,7 +126,14 @@ def run_on_cpu(copies: Sequence[GroupCopy]) -> None:
     """Execute ``copies`` between host addresses, synchronously."""
     for copy in copies:
         group = copy.group
-        if group.num_fragments > 1 and group.fragment_bytes <= VECTORIZED_MAX_BYTES:
+        small = group.num_fragments > 1 and group.fragment_bytes <= VECTORIZED_MAX_BYTES
+        if small and group.strided is not None:
+            # A transpose of the canonical page (a dim-major key block): whole pages as
+            # strided arrays, no index per fragment.
+            local_is_src = copy.direction is Direction.DEVICE_TO_HOST
+            copy_strided_pages(group.strided, copy.src_bases, copy.dst_bases, local_is_src)
+            continue
+        if small:
             # Many small fragments a page (a rank's head slice of each token): copied in
             # vectorized batches of pages, never unrolled into one descriptor per fragment.
             copy_page_fragments(
