@@ -9,10 +9,14 @@ offsets. :func:`run_page_copies` executes them:
   the DMA between that buffer and pinned host memory is one contiguous copy per slot, at the
   PCIe ceiling. The kernel computes every fragment's two addresses from the page bases and the
   group's offsets, so the host never builds per-fragment descriptors;
-* on CPU (caches in host memory: CPU engines, the test suite), a group of small fragments is
-  copied from the same arrays in vectorized batches of pages (one gather and one scatter of
-  fragment-sized elements, :func:`~kvsnap.transfer.cpu.copy_page_fragments`); whole pages
-  become descriptors, merged where consecutive blocks continue each other.
+* on CPU (caches in host memory: CPU engines, the test suite), a group whose page is a
+  transpose of the canonical page (a dim-major key block, a head-major cache: the table found
+  its :class:`~kvsnap.transfer.strided.StridedPattern`) is copied as strided numpy views of
+  whole pages (:func:`~kvsnap.transfer.strided.copy_strided_pages`); another group of small
+  fragments (a TP rank's head slice) from the same arrays in vectorized batches of pages (one
+  gather and one scatter of fragment-sized elements,
+  :func:`~kvsnap.transfer.cpu.copy_page_fragments`); whole pages become descriptors, merged
+  where consecutive blocks continue each other.
 
 The kernel is compiled once per process and fragment shape (Triton caches it); tiles are
 ``ROWS`` fragments x ``BLOCK`` words, so 256-byte head slices share a step while a whole
