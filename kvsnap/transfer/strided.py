@@ -170,7 +170,7 @@ def _pages_view(
     below = sum(min(0, extent) for extent in extents)
     above = sum(max(0, extent) for extent in extents)
     low, high = first + below, last + above + pattern.fragment_bytes
-    buffer = (ctypes.c_uint8 * (high - low)).from_address(low)
+    buffer = memoryview((ctypes.c_uint8 * (high - low)).from_address(low))
     view = np.ndarray(
         ((last - first) // word + 1, *pattern.shape),
         dtype=_fragment_dtype(pattern.fragment_bytes),
