@@ -41,6 +41,19 @@ ms. ``--tree NAME=PATH`` (repeatable) runs the kvsnap engines with ``PYTHONPATH=
 worktree of another commit) side by side in one run; the default is this tree.
 ``--profile-dir`` writes a cProfile of each kvsnap hit engine's timed requests there. Prints a
 table and writes JSON to ``--json-out``.
+
+``--copy-alone`` asks the question inside a hit on its own, without vLLM: what the CPU copy of
+one prompt's pages between staging and the cache costs. Per model, the 1,504 tokens' pages (47
+blocks per K/V tensor; 3 layers: 282 pages, 12 layers: 1,128) move between a staging buffer
+and the CPU backend's cache laid out as vLLM's vec kernel keeps it (keys dim-major, values
+token-major inside each head's plane of a block; blocks picked at random from the 128 MiB
+cache), through this tree's page table and ``run_on_cpu``: **strided**, the groups as the table
+built them (a transpose recognized); **gather**, the same copies with the pattern dropped (one
+gather and one scatter of fragment-sized elements, what the CPU path did before); **numpy**,
+the same bytes by numpy assignments of transposed views per layer (the ceiling kvsnap's
+generic path aims at); **memcpy**, one copy of as many contiguous bytes. Medians of
+``--copy-repeat`` runs, each direction; every variant's cache and staging bytes are checked
+equal.
 """
 
 from __future__ import annotations
@@ -330,6 +343,142 @@ def measure_model(args: argparse.Namespace, num_layers: int, work: Path) -> dict
     return result
 
 
+def _dim_major_cache(num_layers: int, num_blocks: int, seed: int) -> list[Any]:
+    """Per layer a ``[blocks, heads, tokens, 2 * head_dim]`` bf16 cache of random bits."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+    return [
+        torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
+        for _ in range(num_layers)
+    ]
+
+
+def _copy_variants(caches: list[Any], blocks: Any, staging: Any) -> dict[str, Any]:
+    """Each copy variant of :func:`copy_alone` as ``direction -> callable``, by name."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    from kvsnap.engines.vllm import BlockOrder, vllm_layout
+    from kvsnap.transfer.page_copy import run_on_cpu
+    from kvsnap.transfer.page_table import PageTable
+    from kvsnap.transfer.plan import Direction
+
+    t, h, d = np.indices((BLOCK_SIZE, KV_HEADS, HEAD_DIM))
+    plane = h * 2 * BLOCK_SIZE * HEAD_DIM
+    order = BlockOrder(
+        key=plane + d * BLOCK_SIZE + t, value=plane + BLOCK_SIZE * HEAD_DIM + t * HEAD_DIM + d
+    )
+    layout = vllm_layout(
+        [cache.view(torch.bfloat16) for cache in caches],
+        backend="CPU_ATTN",
+        kv_cache_layout="LBHNC",
+        head_size=HEAD_DIM,
+        num_kv_heads=KV_HEADS,
+        block_order=order,
+    )
+    table = PageTable([layout])
+    tensors = np.repeat(np.arange(2 * len(caches)), len(blocks))
+    device_blocks = np.tile(blocks, 2 * len(caches))
+    page_bytes = staging[0].nbytes
+    addresses = staging.ctypes.data + np.arange(len(tensors), dtype=np.int64) * page_bytes
+    copies = {
+        direction: table.copies(direction, tensors, device_blocks, addresses)
+        for direction in (Direction.HOST_TO_DEVICE, Direction.DEVICE_TO_HOST)
+    }
+    gathers = {
+        direction: [
+            dataclasses.replace(copy, group=dataclasses.replace(copy.group, strided=None))
+            for copy in group_copies
+        ]
+        for direction, group_copies in copies.items()
+    }
+    # Staging pages per (layer, part, block) as [tokens, heads, dims]; the cache's planes.
+    pages = staging.reshape(len(caches), 2, len(blocks), BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    planes = [cache.numpy().reshape(-1, KV_HEADS, 2, BLOCK_SIZE * HEAD_DIM) for cache in caches]
+
+    def numpy_copy(direction: Any) -> None:
+        for layer, plane_view in enumerate(planes):
+            keys = plane_view[:, :, 0].reshape(-1, KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+            values = plane_view[:, :, 1].reshape(-1, KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+            key_pages = pages[layer, 0].transpose(0, 2, 3, 1)
+            value_pages = pages[layer, 1].transpose(0, 2, 1, 3)
+            if direction is Direction.HOST_TO_DEVICE:
+                keys[blocks], values[blocks] = key_pages, value_pages
+            else:
+                key_pages[...], value_pages[...] = keys[blocks], values[blocks]
+
+    contiguous = np.empty_like(staging)
+    return {
+        "strided": lambda direction: run_on_cpu(copies[direction]),
+        "gather": lambda direction: run_on_cpu(gathers[direction]),
+        "numpy": numpy_copy,
+        "memcpy": lambda direction: np.copyto(contiguous, staging),
+    }
+
+
+def copy_alone(num_layers: int, tokens: int, repeat: int) -> dict[str, Any]:
+    """The CPU copy of one prompt's pages alone (see the module docstring): medians in ms per
+    variant and direction, and whether every variant moved the same bytes."""
+    import numpy as np
+
+    from kvsnap.transfer.plan import Direction
+
+    block_bytes = KV_HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 2
+    num_blocks = KV_CACHE_BYTES // (num_layers * block_bytes)
+    pages_per_tensor = (tokens - 1) // BLOCK_SIZE
+    rng = np.random.default_rng(num_layers)
+    blocks = rng.choice(num_blocks, pages_per_tensor, replace=False)
+    caches = _dim_major_cache(num_layers, num_blocks, seed=num_layers)
+    page_elements = BLOCK_SIZE * KV_HEADS * HEAD_DIM
+    staging = rng.integers(-(2**15), 2**15, (2 * num_layers * pages_per_tensor, page_elements))
+    staging = staging.astype(np.int16)
+    variants = _copy_variants(caches, blocks, staging)
+    result: dict[str, Any] = {"layers": num_layers, "pages": len(staging), "ms": {}}
+    initial_caches, initial_pages = [cache.clone() for cache in caches], staging.copy()
+    outcomes: dict[str, list[bytes]] = {"restore": [], "capture": []}
+    for label, direction in (
+        ("restore", Direction.HOST_TO_DEVICE),
+        ("capture", Direction.DEVICE_TO_HOST),
+    ):
+        for name, run in variants.items():
+            # Every variant starts from the same bytes, so each one's result is its own.
+            for cache, initial in zip(caches, initial_caches, strict=True):
+                cache.copy_(initial)
+            staging[:] = initial_pages if label == "restore" else 0
+            times = []
+            for _ in range(repeat):
+                started = time.perf_counter()
+                run(direction)
+                times.append(time.perf_counter() - started)
+            result["ms"][f"{label}/{name}"] = round(statistics.median(times) * 1e3, 3)
+            if name != "memcpy":
+                moved = staging if label == "capture" else [c.numpy()[blocks] for c in caches]
+                outcomes[label].append(np.stack(moved).tobytes())
+    result["same_bytes"] = all(len(set(kinds)) == 1 for kinds in outcomes.values())
+    return result
+
+
+def print_copy_table(results: list[dict[str, Any]]) -> None:
+    """:func:`copy_alone`'s results as a markdown table (ms)."""
+    names = ("strided", "gather", "numpy", "memcpy")
+    print(
+        "| model | pages | direction | " + " | ".join(names) + " | gather / strided | same bytes |"
+    )
+    print("| --- | ---: | --- |" + " ---: |" * (len(names) + 1) + " --- |")
+    for result in results:
+        for label in ("restore", "capture"):
+            ms = [result["ms"][f"{label}/{name}"] for name in names]
+            print(
+                f"| {result['layers']} layers | {result['pages']} | {label} | "
+                + " | ".join(str(value) for value in ms)
+                + f" | {ms[1] / ms[0]:.1f}x | {result['same_bytes']} |"
+            )
+
+
 def _tree(text: str) -> tuple[str, Path]:
     name, _, path = text.partition("=")
     if not path:
@@ -377,9 +526,17 @@ def main() -> None:
     parser.add_argument("--tree", type=_tree, action="append", dest="trees")
     parser.add_argument("--profile-dir", help="write a cProfile of each kvsnap hit engine")
     parser.add_argument("--json-out", default="out/vllm_cpu_hit.json")
+    parser.add_argument("--copy-alone", action="store_true", help="time the CPU copy alone")
+    parser.add_argument("--copy-repeat", type=int, default=15)
     args = parser.parse_args()
     if args.child:
         run_child(args.child)
+        return
+    if args.copy_alone:
+        results = [copy_alone(layers, args.tokens, args.copy_repeat) for layers in args.layers]
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
+        print_copy_table(results)
         return
     args.trees = args.trees or [("this", ROOT)]
     if args.profile_dir:

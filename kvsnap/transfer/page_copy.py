@@ -9,10 +9,14 @@ offsets. :func:`run_page_copies` executes them:
   the DMA between that buffer and pinned host memory is one contiguous copy per slot, at the
   PCIe ceiling. The kernel computes every fragment's two addresses from the page bases and the
   group's offsets, so the host never builds per-fragment descriptors;
-* on CPU (caches in host memory: CPU engines, the test suite), a group of small fragments is
-  copied from the same arrays in vectorized batches of pages (one gather and one scatter of
-  fragment-sized elements, :func:`~kvsnap.transfer.cpu.copy_page_fragments`); whole pages
-  become descriptors, merged where consecutive blocks continue each other.
+* on CPU (caches in host memory: CPU engines, the test suite), a group whose page is a
+  transpose of the canonical page (a dim-major key block, a head-major cache: the table found
+  its :class:`~kvsnap.transfer.strided.StridedPattern`) is copied as strided numpy views of
+  whole pages (:func:`~kvsnap.transfer.strided.copy_strided_pages`); another group of small
+  fragments (a TP rank's head slice) from the same arrays in vectorized batches of pages (one
+  gather and one scatter of fragment-sized elements,
+  :func:`~kvsnap.transfer.cpu.copy_page_fragments`); whole pages become descriptors, merged
+  where consecutive blocks continue each other.
 
 The kernel is compiled once per process and fragment shape (Triton caches it); tiles are
 ``ROWS`` fragments x ``BLOCK`` words, so 256-byte head slices share a step while a whole
@@ -28,7 +32,8 @@ import numpy as np
 import torch
 
 from kvsnap.transfer.cpu import VECTORIZED_MAX_BYTES, copy_descriptors, copy_page_fragments
-from kvsnap.transfer.plan import Descriptors, merge_adjacent
+from kvsnap.transfer.plan import Descriptors, Direction, merge_adjacent
+from kvsnap.transfer.strided import copy_strided_pages
 from kvsnap.transfer.triton_copy import TRITON_IMPORT_ERROR, kernel_for, tl, triton
 
 if TYPE_CHECKING:
@@ -125,7 +130,14 @@ def run_on_cpu(copies: Sequence[GroupCopy]) -> None:
     """Execute ``copies`` between host addresses, synchronously."""
     for copy in copies:
         group = copy.group
-        if group.num_fragments > 1 and group.fragment_bytes <= VECTORIZED_MAX_BYTES:
+        small = group.num_fragments > 1 and group.fragment_bytes <= VECTORIZED_MAX_BYTES
+        if small and group.strided is not None:
+            # A transpose of the canonical page (a dim-major key block): whole pages as
+            # strided arrays, no index per fragment.
+            local_is_src = copy.direction is Direction.DEVICE_TO_HOST
+            copy_strided_pages(group.strided, copy.src_bases, copy.dst_bases, local_is_src)
+            continue
+        if small:
             # Many small fragments a page (a rank's head slice of each token): copied in
             # vectorized batches of pages, never unrolled into one descriptor per fragment.
             copy_page_fragments(

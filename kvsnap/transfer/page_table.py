@@ -18,16 +18,20 @@ import numpy as np
 
 from kvsnap.layout import CacheLayout, CanonicalPageMapping
 from kvsnap.transfer.plan import Direction
+from kvsnap.transfer.strided import StridedPattern, find_strided_pattern
 
 
 @dataclass(frozen=True)
 class FragmentGroup:
     """Fragments of ``fragment_bytes`` each, at ``local_offsets`` from a row's local base and
-    ``canonical_offsets`` from its canonical base (both start at 0)."""
+    ``canonical_offsets`` from its canonical base (both start at 0). ``strided``: the page as
+    a strided array on both sides, where it is one (a transpose of the canonical page; looked
+    for in tables of host-memory caches only, whose copies use it)."""
 
     fragment_bytes: int
     local_offsets: np.ndarray
     canonical_offsets: np.ndarray
+    strided: StridedPattern | None = None
 
     @property
     def num_fragments(self) -> int:
@@ -178,7 +182,10 @@ class PageTable:
             key = (size, relative_local.tobytes(), relative_canonical.tobytes())
             rows = groups.get(key)
             if rows is None:
-                group = FragmentGroup(size, relative_local, relative_canonical)
+                strided = None
+                if self.device.type == "cpu":
+                    strided = find_strided_pattern(size, relative_local, relative_canonical)
+                group = FragmentGroup(size, relative_local, relative_canonical, strided)
                 rows = groups[key] = _GroupRows(group, len(self.names), num_ranks)
             rows.add(
                 tensor,

