@@ -2,7 +2,7 @@
 
 :class:`~kvsnap.transfer.page_table.PageTable` turns a slot's pages into :class:`GroupCopy`
 arrays: per fragment group, a base address per page on each side, plus the group's fragment
-offsets. :func:`run_page_copies` executes them:
+offsets. :func:`launch_kernel` and :func:`run_on_cpu` execute them:
 
 * on CUDA, one Triton kernel launch per group (a layout has one or two groups, whatever its
   number of layers and TP ranks held) copies between the cache and a device staging buffer;
