@@ -12,6 +12,7 @@ the store without torch.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 #: ``cudaHostRegisterPortable``: the registration holds in every device's context.
@@ -52,3 +53,14 @@ def unregister_host_range(address: int) -> None:
     import torch
 
     torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def release_mapping(mapping: mmap.mmap | None, address: int, registered: bool) -> None:
+    """Unregister ``mapping`` (at ``address``) when ``registered``, then unmap it: now, or,
+    where a view of it is still alive somewhere, when the last view is collected. The caller
+    has waited for every copy that used the range."""
+    if registered:
+        unregister_host_range(address)
+    if mapping is not None:
+        with contextlib.suppress(BufferError):
+            mapping.close()

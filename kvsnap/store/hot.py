@@ -29,7 +29,6 @@ registered and :meth:`HotTier.lookup` serves nothing: the CPU path reads with ``
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import threading
@@ -43,7 +42,7 @@ from kvsnap.store.host_registration import (
     PORTABLE,
     READ_ONLY,
     register_host_range,
-    unregister_host_range,
+    release_mapping,
 )
 from kvsnap.store.residency import resident
 
@@ -123,15 +122,10 @@ class HotFile:
         if self.last_use is not None:
             self.last_use.synchronize()
             self.last_use = None
-        if self.registered:
-            unregister_host_range(self.address)
-            self.registered = False
         self.host = None
         mapping, self._mapping = self._mapping, None
-        if mapping is not None:
-            # A view still alive somewhere keeps the mapping: it is unmapped when collected.
-            with contextlib.suppress(BufferError):
-                mapping.close()
+        registered, self.registered = self.registered, False
+        release_mapping(mapping, self.address, registered)
 
 
 class HotTier:

@@ -21,7 +21,6 @@ unregistered.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import ctypes
 import errno
 import mmap
@@ -33,7 +32,7 @@ from kvsnap.store.host_registration import (
     MAPPED,
     PORTABLE,
     register_host_range,
-    unregister_host_range,
+    release_mapping,
 )
 
 #: Reachable from every device's context and mapped into the device's address space; not
@@ -124,11 +123,7 @@ class MappedFile:
         """Unregister and unmap; safe to call repeatedly. The caller has waited for every
         copy into the mapping. A view of ``array`` still alive elsewhere keeps the mapping
         until it is collected (never used again: the file is written by descriptor from here)."""
-        if self.registered:
-            unregister_host_range(self.address)
-            self.registered = False
         self.array = None
         mapping, self._mapping = self._mapping, None
-        if mapping is not None:
-            with contextlib.suppress(BufferError):
-                mapping.close()
+        registered, self.registered = self.registered, False
+        release_mapping(mapping, self.address, registered)
