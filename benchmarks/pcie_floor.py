@@ -37,8 +37,11 @@ faulting the new file's pages in (``tuning.POPULATE_THREADS``).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import shutil
 import statistics
 import time
@@ -59,6 +62,30 @@ from benchmarks.engine import (
 )
 from kvsnap.store import tuning
 from kvsnap.store.hot import configure_hot_tier, hot_tier
+
+
+def profiled_calls(run: Callable[[], object], warmup: int, repeat: int) -> cProfile.Profile:
+    """cProfile of ``repeat`` calls of ``run`` on CUDA, after ``warmup`` calls and with the
+    device idle at both ends (the profile then holds what the calls cost the host)."""
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(repeat):
+        run()
+    torch.cuda.synchronize()
+    profiler.disable()
+    return profiler
+
+
+def profile_report(profiler: cProfile.Profile, top_own: int = 30, top_cumulative: int = 45) -> str:
+    """The functions with most time of their own, then most time in all, as pstats prints them."""
+    text = io.StringIO()
+    if top_own:
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top_own)
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top_cumulative)
+    return text.getvalue()
 
 
 def _kvikio() -> object | None:
@@ -205,10 +232,6 @@ def engine_path(tokens: int, directory: Path, profile_out: Path | None = None) -
 
 
 def _profile_engine(pipeline, path: Path, ids: np.ndarray, out: Path) -> None:
-    import cProfile
-    import io
-    import pstats
-
     from kvsnap.snapshot import Snapshot
 
     spans: dict[str, float] = {}
@@ -220,19 +243,13 @@ def _profile_engine(pipeline, path: Path, ids: np.ndarray, out: Path) -> None:
         with Snapshot.open(path) as snap:
             pipeline.restore(snap, {"s": ids}, trace=trace)
 
-    profiler = cProfile.Profile()
-    torch.cuda.synchronize()
     started = time.perf_counter()
-    profiler.enable()
-    for _ in range(10):
-        restore()
-    torch.cuda.synchronize()
-    profiler.disable()
+    profiler = profiled_calls(restore, warmup=0, repeat=10)
     text = io.StringIO()
     text.write(f"10 hot restores in {(time.perf_counter() - started) * 1e3:.1f} ms (profiled)\n")
     for kind, total in sorted(spans.items(), key=lambda item: -item[1]):
         text.write(f"{kind:>24}: {total / 10:8.3f} ms per restore\n")
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
+    text.write(profile_report(profiler, top_own=0))
     out.write_text(text.getvalue())
 
 
@@ -316,10 +333,6 @@ def profile(model, tokens: int, directory: Path, out: Path) -> None:
     """Where a hot ``restore_dynamic_cache`` of ``tokens`` spends its time: the host's calls
     (cProfile, 10 restores) and the device's kernels and copies (torch.profiler, 3 restores),
     written to ``out/profile-TOKENS-{host,device}.txt``."""
-    import cProfile
-    import io
-    import pstats
-
     from kvsnap.engines import transformers as kt
 
     ids = torch.randint(0, 128000, (1, tokens), device="cuda")
@@ -330,19 +343,8 @@ def profile(model, tokens: int, directory: Path, out: Path) -> None:
     def restore():
         return kt.restore_dynamic_cache(path, device="cuda", model=model)[0]
 
-    for _ in range(3):
-        restore()
-    torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(10):
-        restore()
-    torch.cuda.synchronize()
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
-    (out / f"profile-{tokens}-host.txt").write_text(text.getvalue())
+    profiler = profiled_calls(restore, warmup=3, repeat=10)
+    (out / f"profile-{tokens}-host.txt").write_text(profile_report(profiler, 40, 40))
     try:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as device_profile

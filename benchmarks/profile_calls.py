@@ -72,12 +72,22 @@ def profile(label: str, call: Callable[[Callable | None], object], repeat: int, 
     stats.sort_stats("tottime").print_stats(top)
 
 
-def layouts(kind: str, layers: int, tp_size: int, device: str) -> list:
-    return [
+def layouts(
+    kind: str,
+    layers: int,
+    tp_size: int,
+    device: str,
+    *,
+    num_blocks: int = 256,
+    random: bool = False,
+) -> list:
+    """One cache of ``kind`` per TP rank (8 KV heads x 128 in all, bf16); ``random``: filled
+    with random bytes (host memory only; else left as allocated)."""
+    caches = [
         allocate_cache(
             kind,
             num_layers=layers,
-            num_blocks=256,
+            num_blocks=num_blocks,
             block_size=16,
             num_kv_heads=8,
             head_dim=128,
@@ -86,9 +96,15 @@ def layouts(kind: str, layers: int, tp_size: int, device: str) -> list:
             dtype=torch.bfloat16,
             device=device,
             fill="empty",
-        ).layout
+        )
         for rank in range(tp_size)
     ]
+    if random:
+        generator = torch.Generator().manual_seed(0)
+        for cache in caches:
+            for tensor in cache.tensors:
+                tensor.view(torch.int16).random_(generator=generator)
+    return [cache.layout for cache in caches]
 
 
 #: The per-byte shapes: label, layers, TP ranks held in the process (8 KV heads in all).
@@ -157,8 +173,8 @@ def per_byte_cases(
     that the target cache holds the source's bytes (after a restore)."""
     block_bytes = layers * 2 * PAGE_BYTES  # K and V of every layer, one block of 16 tokens
     num_blocks = max(1, (mib << 20) // block_bytes)
-    source = per_byte_layouts(layers, tp_size, num_blocks, random=True)
-    target = per_byte_layouts(layers, tp_size, num_blocks, random=False)
+    source = layouts("vllm-nhd", layers, tp_size, "cpu", num_blocks=num_blocks, random=True)
+    target = layouts("vllm-nhd", layers, tp_size, "cpu", num_blocks=num_blocks)
     blocks = np.arange(num_blocks)
     sequence = [SequenceBlocks("s", np.arange(num_blocks * 16), blocks)]
     path = directory / f"per-byte-{layers}-{tp_size}.safetensors"
@@ -201,33 +217,6 @@ def write_file(temporary: Path, path: Path, data: np.ndarray, chunk: int = 16 <<
     finally:
         os.close(descriptor)
     os.replace(temporary, path)
-
-
-def per_byte_layouts(layers: int, tp_size: int, num_blocks: int, random: bool) -> list:
-    """One vLLM-shaped cache in host memory per TP rank (8 KV heads in all); ``random``: filled
-    with random bytes (else left as allocated)."""
-    caches = [
-        allocate_cache(
-            "vllm-nhd",
-            num_layers=layers,
-            num_blocks=num_blocks,
-            block_size=16,
-            num_kv_heads=8,
-            head_dim=128,
-            tp_rank=rank,
-            tp_size=tp_size,
-            dtype=torch.bfloat16,
-            device="cpu",
-            fill="empty",
-        )
-        for rank in range(tp_size)
-    ]
-    if random:
-        generator = torch.Generator().manual_seed(0)
-        for cache in caches:
-            for tensor in cache.tensors:
-                tensor.view(torch.int16).random_(generator=generator)
-    return [cache.layout for cache in caches]
 
 
 def pread(path: Path, into: np.ndarray, chunk: int = 16 << 20) -> None:

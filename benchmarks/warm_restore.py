@@ -29,11 +29,8 @@ the functions, no profiler), medians of ``--repeat`` calls, new addresses every 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import inspect
-import io
 import json
-import pstats
 import statistics
 import sys
 import tempfile
@@ -45,7 +42,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine import build_model, kv_tensors, median_ms, prefill
-from benchmarks.pcie_floor import _exact, _raw_copies, engine_path, fixed
+from benchmarks.pcie_floor import (
+    _exact,
+    _raw_copies,
+    engine_path,
+    fixed,
+    profile_report,
+    profiled_calls,
+)
 from kvsnap.store.hot import configure_hot_tier
 
 
@@ -95,16 +99,12 @@ def profile_dynamic(model, tokens: int, directory: Path, out: Path) -> None:
     kt.capture_dynamic_cache(prefill(model, ids), [ids[0].tolist()], path, model=model)
     configure_hot_tier(8 << 30, register_after=1)
     kept: deque = deque(maxlen=4)
-    for _ in range(4):
+
+    def restore() -> None:
         kept.append(kt.restore_dynamic_cache(path, device="cuda", model=model)[0])
-    torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(10):
-        kept.append(kt.restore_dynamic_cache(path, device="cuda", model=model)[0])
-    torch.cuda.synchronize()
-    profiler.disable()
-    _write_profile(profiler, out / f"profile-dyn-{tokens}.txt")
+
+    profiler = profiled_calls(restore, warmup=4, repeat=10)
+    (out / f"profile-dyn-{tokens}.txt").write_text(profile_report(profiler))
     configure_hot_tier(0)
     path.unlink()
 
@@ -126,25 +126,10 @@ def profile_fixed(directory: Path, out: Path) -> None:
         with Snapshot.open(path) as snap:
             snap.restore(target, {"s": blocks[::-1].copy()})
 
-    for _ in range(4):
-        restore()
-    torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(20):
-        restore()
-    torch.cuda.synchronize()
-    profiler.disable()
-    _write_profile(profiler, out / "profile-fixed-80x8.txt")
+    profiler = profiled_calls(restore, warmup=4, repeat=20)
+    (out / "profile-fixed-80x8.txt").write_text(profile_report(profiler))
     configure_hot_tier(0)
     path.unlink()
-
-
-def _write_profile(profiler: cProfile.Profile, out: Path) -> None:
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
-    out.write_text(text.getvalue())
 
 
 class _Steps:
