@@ -13,7 +13,8 @@ never parses a message to decide what to do.
   ``IncompatibleSnapshotError`` (``CacheCapacityError``, ``UnknownSequenceError``).
 * **The environment failing** is an I/O error (``SnapshotIOError``, the ``OSError`` as its
   ``__cause__``) or a backend error (``BackendUnavailableError``, ``TransferFailedError``,
-  ``RankFailedError``, or the ``RuntimeError`` torch or CUDA raised). Retrying may help.
+  ``RankFailedError``, or the ``RuntimeError`` torch or CUDA raised). Retrying may help. A
+  write the process stopped because it is shutting down is ``SaveAbandonedError``.
 
 Anything else escaping kvsnap is a bug in kvsnap. An unknown sequence id is the one error that
 is two of these at once: a lookup by a wrong id, and a snapshot that cannot serve the request,
@@ -37,6 +38,7 @@ importable from ``kvsnap``::
     ├── BackendUnavailableError   a copy backend that cannot run here (also a RuntimeError)
     ├── TransferFailedError       a copy between the cache and staging failed or was refused
     ├── RankFailedError           another TP rank failed or was lost (kvsnap.distributed)
+    ├── SaveAbandonedError        a queued save stopped unpublished because its process is exiting
     └── ModelLoadError            a model that cannot be loaded offline (also a ValueError)
 
 Messages name the file, the tensor and the block wherever they are known, and the same
@@ -218,6 +220,13 @@ class RankFailedError(KVSnapError):
     ) -> None:
         super().__init__(message, file=file)
         self.failures = dict(failures or {})
+
+
+class SaveAbandonedError(KVSnapError):
+    """A queued save that its process stopped before publishing it, because the process is
+    shutting down and the time it had to finish its saves ran out (the vLLM connector's
+    bounded shutdown). Nothing of it is published and its temporary file is removed; the KV it
+    would have held is saved again the next time an engine computes it."""
 
 
 class ModelLoadError(KVSnapError, ValueError):

@@ -39,6 +39,7 @@ from kvsnap.errors import (
     NotASnapshotError,
     RankFailedError,
     RestoreIncompleteError,
+    SaveAbandonedError,
     SignatureError,
     SnapshotCorruptError,
     SnapshotIOError,
@@ -60,7 +61,13 @@ BAD_FILE = {
     BadSignatureError,
 }
 DOES_NOT_FIT = {IncompatibleSnapshotError, CacheCapacityError, UnknownSequenceError}
-ENVIRONMENT = {SnapshotIOError, BackendUnavailableError, TransferFailedError, RankFailedError}
+ENVIRONMENT = {
+    SnapshotIOError,
+    BackendUnavailableError,
+    TransferFailedError,
+    RankFailedError,
+    SaveAbandonedError,
+}
 CALLER_TYPES = (ValueError, TypeError, KeyError, IndexError)
 
 HEADS, HEAD_DIM, BLOCK, BLOCKS, LAYERS = 4, 8, 16, 8, 2

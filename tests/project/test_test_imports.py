@@ -16,13 +16,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 
-#: Imports of a test module not yet moved, by importer (its path from the repository root), each
-#: with the test module it imports. tests/engines/vllm is being reworked on another branch: its
-#: shared helpers move to tests/support there, and the entry goes (the test below insists).
-NOT_YET_MOVED = {
-    "tests/engines/vllm/test_store_limits.py": {"tests.engines.vllm.test_worker_saves"},
-}
-
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(REPO).with_suffix("").parts
@@ -76,18 +69,11 @@ def test_no_module_under_tests_imports_a_test_module() -> None:
         f"{path.relative_to(REPO)}:{','.join(map(str, sorted(lines)))} imports {imported}"
         for path in MODULES.values()
         for imported, lines in sorted(_imports_in(path).items())
-        if imported not in NOT_YET_MOVED.get(str(path.relative_to(REPO)), set())
     ]
     assert not offences, (
         "test modules imported as libraries (move the helpers to tests/support/):\n"
         + "\n".join(offences)
     )
-
-
-def test_every_import_not_yet_moved_is_still_there() -> None:
-    # An entry outliving its import would let the same import come back unnoticed.
-    for importer, imported in NOT_YET_MOVED.items():
-        assert set(_imports_in(REPO / importer)) >= imported, importer
 
 
 #: Each form of import of ``tests/pipeline/test_pipeline.py``, as a module of tests/pipeline would

@@ -32,8 +32,14 @@ KNOWN_OPTIONS = frozenset(
         "verify_before_load",
         "key_file",
         "shared_store",
+        "shutdown_drain_s",
     }
 )
+
+#: The environment variable that sets how long vLLM waits for its workers to exit once it
+#: told them to (vLLM's default: 5 s); the default bound of a worker's drain at shutdown.
+VLLM_WORKER_WINDOW_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+VLLM_WORKER_WINDOW_DEFAULT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,10 @@ class ConnectorOptions:
     * ``shared_store``: ``false`` (default) refuses a store directory that other users may
       write or that another user owns; ``true`` accepts it (a deliberate multi-user store),
       and then requires a key.
+    * ``shutdown_drain_s``: how long a worker's shutdown waits for the saves still queued
+      (default: none, vLLM's own window for its workers, ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``,
+      5 s unless set); the saves left after it are abandoned (``save_abandoned``), never
+      half-published.
     """
 
     path: str
@@ -87,6 +97,7 @@ class ConnectorOptions:
     verify_before_load: bool | None = None  # None: auto
     key_file: tuple[str, ...] = ()
     shared_store: bool = False
+    shutdown_drain_s: float | None = None  # None: vLLM's window for its workers
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorOptions:
@@ -122,10 +133,15 @@ class ConnectorOptions:
                 if extra.get("store_capacity_bytes") is None
                 else _integer(extra, "store_capacity_bytes", 0, minimum=0)
             ),
-            store_min_idle_s=_seconds(extra.get("store_min_idle_s", 10.0)),
+            store_min_idle_s=_seconds("store_min_idle_s", extra.get("store_min_idle_s", 10.0)),
             verify_before_load=_auto_flag(extra.get("verify_before_load", "auto")),
             key_file=_paths(extra.get("key_file")),
             shared_store=_flag(extra, "shared_store"),
+            shutdown_drain_s=(
+                None
+                if extra.get("shutdown_drain_s") is None
+                else _seconds("shutdown_drain_s", extra["shutdown_drain_s"])
+            ),
         )
 
     def verifies_before_load(self, kv_load_failure_policy: str) -> bool:
@@ -141,6 +157,17 @@ class ConnectorOptions:
         if self.key_file:
             return load_key_ring(self.key_file)
         return key_ring_from_environment()
+
+    def drain_bound_s(self, environment: Mapping[str, str]) -> float:
+        """Seconds a worker's shutdown waits for its queued saves: ``shutdown_drain_s``, else
+        the window vLLM gives its workers to exit (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` in
+        ``environment``, 5 s when unset or not a number)."""
+        if self.shutdown_drain_s is not None:
+            return self.shutdown_drain_s
+        try:
+            return max(float(environment[VLLM_WORKER_WINDOW_ENV]), 0.0)
+        except (KeyError, ValueError):
+            return VLLM_WORKER_WINDOW_DEFAULT_S
 
     @property
     def persist(self) -> bool:
@@ -176,16 +203,14 @@ def _integer(extra: Mapping[str, Any], key: str, default: int, *, minimum: int) 
     return value
 
 
-def _seconds(raw: Any) -> float:
-    """``store_min_idle_s`` as a non-negative number of seconds."""
+def _seconds(key: str, raw: Any) -> float:
+    """The option ``key`` as a non-negative number of seconds."""
     try:
         value = float(raw)
     except (TypeError, ValueError):
-        raise ValueError(
-            f"KVSnapConnector: store_min_idle_s must be a number, got {raw!r}"
-        ) from None
-    if value < 0:
-        raise ValueError(f"KVSnapConnector: store_min_idle_s must be >= 0, got {value}")
+        raise ValueError(f"KVSnapConnector: {key} must be a number, got {raw!r}") from None
+    if not value >= 0:  # NaN too
+        raise ValueError(f"KVSnapConnector: {key} must be >= 0, got {value}")
     return value
 
 

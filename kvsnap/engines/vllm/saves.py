@@ -10,6 +10,11 @@ requests, once they have finished and all their copies are done, for the worker'
 ``get_finished``. A preempted request (its blocks freed without ``request_finished``) is
 waited for before the next forward pass can overwrite them (:meth:`SaveQueue.wait_copied`).
 
+At shutdown (:meth:`SaveQueue.shutdown`) the queue waits for its saves up to a bound; once it
+passes, :attr:`SaveQueue.abandoning` is set and the runs still to come stop unpublished
+(``SaveAbandonedError``, logged as ``save_abandoned``), so a shutdown takes at most the bound
+plus what the save then in progress needs to reach its next staging slot or its publish.
+
 Nothing here needs vLLM or CUDA.
 """
 
@@ -17,13 +22,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.specs import SaveSpec
+from kvsnap.errors import RankFailedError, SaveAbandonedError
 
 
 @dataclass(eq=False)
@@ -36,6 +44,18 @@ class PendingSave:
 
 #: A save's work, run on the queue's thread: copy ``save``'s blocks, write its snapshot.
 SaveRun = Callable[[PendingSave], None]
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """What a :meth:`SaveQueue.shutdown` found and did."""
+
+    #: Saves of the steps still queued or running when the shutdown began.
+    pending: int
+    #: Of those, the saves that stopped unpublished once the bound had passed.
+    abandoned: int
+    #: Seconds the shutdown took, the save in progress at the bound included.
+    seconds: float
 
 
 class SaveQueue:
@@ -54,6 +74,10 @@ class SaveQueue:
         self._copies: dict[str, list[threading.Event]] = {}
         #: Requests vLLM finished whose blocks this queue still holds (reported once copied).
         self._finishing: set[str] = set()
+        #: Set once a shutdown's bound has passed: the runs still to come stop unpublished.
+        self.abandoning = threading.Event()
+        #: Saves that ended as ``save_abandoned`` (counted on the queue's thread).
+        self._abandoned = 0
 
     def submit(self, saves: Sequence[PendingSave], run: SaveRun) -> None:
         """Run ``run(save)`` for each of ``saves``, in order, on the queue's thread.
@@ -81,15 +105,25 @@ class SaveQueue:
             try:
                 run(save)
             except Exception as error:  # one save's failure is logged; the others still run
+                abandoned = self._was_abandoned(error)
+                self._abandoned += abandoned
                 self.events.emit(
-                    "save_failed",
-                    logging.ERROR,
+                    "save_abandoned" if abandoned else "save_failed",
+                    logging.WARNING if abandoned else logging.ERROR,
                     request=save.spec.request_id,
                     path=save.spec.path,
                     error=f"{type(error).__name__}: {error}",
                 )
             finally:
                 save.copied.set()
+
+    def _was_abandoned(self, error: Exception) -> bool:
+        """Whether ``error`` ended a save because the shutdown's bound passed: this rank's
+        own ``SaveAbandonedError``, or, at TP > 1, the failure every rank reports once a rank
+        abandoned its part."""
+        if isinstance(error, SaveAbandonedError):
+            return True
+        return isinstance(error, RankFailedError) and self.abandoning.is_set()
 
     def _queued(self) -> int:
         return sum(len(saves) for saves, future in self._steps if not future.done())
@@ -119,7 +153,22 @@ class SaveQueue:
         while self._steps:
             self._steps.popleft()[1].exception()
 
-    def shutdown(self) -> None:
-        """Drain, then stop the queue's thread."""
-        self.drain()
+    def shutdown(self, bound_s: float) -> DrainReport:
+        """Wait up to ``bound_s`` seconds for the queued saves, abandon the rest, stop the
+        queue's thread.
+
+        Once the bound passes, :attr:`abandoning` is set: each save still to come stops
+        before it publishes anything (its run raises ``SaveAbandonedError``), and the save in
+        progress stops at its next staging slot (or publishes, if its pages are all written
+        already). Returns once the queue's thread has ended.
+        """
+        started = time.monotonic()
+        self._reap()
+        pending = self._queued()
+        futures = [future for _, future in self._steps]
+        _, not_done = wait_for_futures(futures, timeout=bound_s)
+        if not_done:
+            self.abandoning.set()
         self._executor.shutdown(wait=True)
+        self._steps.clear()
+        return DrainReport(pending, self._abandoned, time.monotonic() - started)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -65,6 +66,7 @@ from kvsnap.errors import (
     IncompatibleSnapshotError,
     NotASnapshotError,
     RestoreIncompleteError,
+    SaveAbandonedError,
     SignatureError,
     SnapshotCorruptError,
     SnapshotIOError,
@@ -292,10 +294,15 @@ class KVSnapWorker:
 
         A chunk already stored (by another request or engine) is never copied again; at
         TP > 1 rank 0 decides that for every rank."""
-        assert self.cache is not None and self._pipeline is not None
+        assert self.cache is not None and self._pipeline is not None and self._saves is not None
         spec = save.spec
         persist = spec.kind == "persist"
         layout = self.cache.layout
+        abandoning = self._saves.abandoning
+        if layout.tp_size == 1 and abandoning.is_set():
+            # At TP > 1 every rank goes on into the capture's collectives, where this rank's
+            # abandoned part stops every rank's write of the chunk (below).
+            raise SaveAbandonedError("the worker is shutting down", file=spec.path)
         if layout.tp_size == 1 and persist and self.store.has_chunk(spec.path):
             return
         started = time.perf_counter()
@@ -307,6 +314,10 @@ class KVSnapWorker:
         def copied(done_bytes: int, total_bytes: int) -> None:
             if done_bytes >= total_bytes:
                 save.copied.set()
+            # Raised from a slot's progress, the writer removes its temporary file; a rank
+            # with nothing to write (total 0) must still reach the ranks' status exchange.
+            if total_bytes and abandoning.is_set():
+                raise SaveAbandonedError("the worker is shutting down", file=spec.path)
 
         sequences = [_sequence(spec, spec.block_ids)]
         capacity = self.options.store_capacity_bytes
@@ -404,10 +415,27 @@ class KVSnapWorker:
             self._saves.drain()
 
     def shutdown(self) -> None:
-        """Finish every queued snapshot write, then drop the pipeline."""
+        """Finish the queued snapshot writes within the drain bound, abandon the rest
+        (``save_abandoned``: nothing of them is published), log a ``shutdown`` event, then
+        drop the pipeline.
+
+        The bound is ``shutdown_drain_s``, else the window vLLM gives its workers to exit
+        (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``), so that the worker ends before vLLM kills
+        it; the save in progress when the bound passes still finishes its current slot or
+        its publish.
+        """
         if self._saves is not None:
-            self._saves.shutdown()
+            bound = self.options.drain_bound_s(os.environ)
+            report = self._saves.shutdown(bound)
             self._saves = None
+            self.events.emit(
+                "shutdown",
+                logging.WARNING if report.abandoned else logging.INFO,
+                pending=report.pending,
+                abandoned=report.abandoned,
+                bound_s=bound,
+                seconds=round(report.seconds, 6),
+            )
         self._pipeline = None
 
 

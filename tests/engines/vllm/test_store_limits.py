@@ -28,7 +28,20 @@ from kvsnap.engines.vllm import (
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.snapshot import Snapshot
 from kvsnap.store import local_file
-from tests.engines.vllm import test_worker_saves as saves
+from tests.support.vllm_worker_helpers import (
+    BLOCK,
+    BLOCKS,
+    CHUNK_BLOCKS,
+    FINGERPRINT,
+    HEADS,
+    LAYERS,
+    cache_blocks,
+    chunk_saves,
+    load_saves,
+    make_worker,
+    scheduled_request,
+    scheduler_step,
+)
 
 #: Room for a few of the test's chunks (each a few KiB: a 4 KiB header and small pages).
 SMALL_DISK = "40k"
@@ -76,9 +89,9 @@ def small_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
 def test_a_full_disk_skips_saves_says_so_once_and_keeps_the_store_whole(
     tmp_path: Path, small_store: str
 ) -> None:
-    worker = saves._worker(tmp_path)
+    worker = make_worker(tmp_path)
     requests = {f"r{index}": [2 * index, 2 * index + 1] for index in range(8)}
-    planned = {rid: saves._chunk_saves(worker, rid, blocks) for rid, blocks in requests.items()}
+    planned = {rid: chunk_saves(worker, rid, blocks) for rid, blocks in requests.items()}
     for specs in planned.values():
         worker.wait_for_save(KVSnapConnectorMetadata(saves=specs))
     worker.wait_for_writes()
@@ -98,11 +111,11 @@ def test_a_full_disk_skips_saves_says_so_once_and_keeps_the_store_whole(
             assert snapshot.verify() == []
     # A stored chunk still loads bit-exact.
     first = next(rid for rid, specs in planned.items() if specs[0].path in written)
-    expected = saves._blocks(worker, requests[first])
-    saves._load(worker, planned[first], [14, 15])
+    expected = cache_blocks(worker, requests[first])
+    load_saves(worker, planned[first], [14, 15])
     assert all(
         torch.equal(got, want)
-        for got, want in zip(saves._blocks(worker, [14, 15]), expected, strict=True)
+        for got, want in zip(cache_blocks(worker, [14, 15]), expected, strict=True)
     )
     worker.shutdown()
 
@@ -119,39 +132,39 @@ def read_only_store(tmp_path: Path) -> Iterator[Path]:
 
 def _scheduler(tmp_path: Path, store: PrefixStore) -> KVSnapScheduler:
     options = ConnectorOptions.from_extra_config(
-        {"path": str(store.root), "chunk_blocks": saves.CHUNK_BLOCKS}
+        {"path": str(store.root), "chunk_blocks": CHUNK_BLOCKS}
     )
-    geometry = {"num_layers": saves.LAYERS, "num_kv_heads": saves.HEADS, "head_dim": 8}
+    geometry = {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": 8}
     return KVSnapScheduler(
         options,
         store,
         EventLog(str(tmp_path / "scheduler.jsonl"), "scheduler", 0),
-        block_size=saves.BLOCK,
-        checker=ChunkChecker(saves.FINGERPRINT, geometry, saves.BLOCK, verify=True),
-        block_ids_of=lambda request_id: list(range(saves.BLOCKS)),
+        block_size=BLOCK,
+        checker=ChunkChecker(FINGERPRINT, geometry, BLOCK, verify=True),
+        block_ids_of=lambda request_id: list(range(BLOCKS)),
     )
 
 
 def test_a_read_only_store_serves_loads_and_plans_no_saves(
     tmp_path: Path, read_only_store: Path
 ) -> None:
-    worker = saves._worker(tmp_path)
-    specs = saves._chunk_saves(worker, "writer", [0, 1, 2, 3])
+    worker = make_worker(tmp_path)
+    specs = chunk_saves(worker, "writer", [0, 1, 2, 3])
     worker.wait_for_save(KVSnapConnectorMetadata(saves=specs))
     worker.wait_for_writes()
     worker.shutdown()
     prompt = np.concatenate([spec.token_ids for spec in specs] + [np.array([7])]).tolist()
     subprocess.run(["mount", "-o", "remount,ro", str(read_only_store)], check=True)
-    store = PrefixStore(read_only_store, "ns", chunk_blocks=saves.CHUNK_BLOCKS)
+    store = PrefixStore(read_only_store, "ns", chunk_blocks=CHUNK_BLOCKS)
     assert store.read_only and not os.access(read_only_store, os.W_OK)
     scheduler = _scheduler(tmp_path, store)
-    request = saves._request("reader", prompt)
+    request = scheduled_request("reader", prompt)
     matched, _ = scheduler.get_num_new_matched_tokens(request, 0)  # type: ignore[arg-type]
-    assert matched == 4 * saves.BLOCK  # a hit, though its use cannot be recorded
+    assert matched == 4 * BLOCK  # a hit, though its use cannot be recorded
     # A prompt computed here is not saved: nothing can be written.
-    other = saves._request("other", list(range(100, 100 + 4 * saves.BLOCK + 1)))
+    other = scheduled_request("other", list(range(100, 100 + 4 * BLOCK + 1)))
     scheduler.update_state_after_alloc(other, None, 0)  # type: ignore[arg-type]
-    meta = scheduler.build_connector_meta(saves._step({"other": 4 * saves.BLOCK + 1}))  # type: ignore[arg-type]
+    meta = scheduler.build_connector_meta(scheduler_step({"other": 4 * BLOCK + 1}))  # type: ignore[arg-type]
     assert meta.saves == []
     # A chunk that fails its check cannot be quarantined: it is a miss, and nothing raises.
     assert store.quarantine(specs[0].path) is None

@@ -3,7 +3,8 @@ save contract (``request_finished`` / ``get_finished`` / preemptions), the pipel
 hook, and the worker benchmark run quick on CPU.
 
 The worker is driven with a random ``FLASH_ATTN``-shaped cache registered through
-:func:`registered_cache`, the function the connector's ``register_kv_caches`` ends in.
+:func:`registered_cache`, the function the connector's ``register_kv_caches`` ends in
+(``tests/support/vllm_worker_helpers.py``).
 """
 
 from __future__ import annotations
@@ -14,142 +15,56 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from kvsnap import format as fmt
 from kvsnap.engines.vllm import (
-    CacheIdentity,
     ChunkChecker,
-    ChunkLoad,
     ConnectorOptions,
     EventLog,
     KVSnapConnectorMetadata,
-    LoadSpec,
     PrefixStore,
-    SaveSpec,
-    chunk_sequence_id,
     read_events,
     store_bytes,
-    store_key_chain,
     vllm_layout,
 )
-from kvsnap.engines.vllm.registration import RegisteredCache, registered_cache
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
-from kvsnap.engines.vllm.worker import KVSnapWorker
 from kvsnap.pipeline import Pipeline, TransferOptions
 from kvsnap.snapshot import SequenceBlocks, Snapshot
+from tests.support.vllm_worker_helpers import (
+    BLOCK,
+    BLOCKS,
+    CHUNK_BLOCKS,
+    FINGERPRINT,
+    HEAD_DIM,
+    HEADS,
+    LAYERS,
+    SOURCE,
+    cache_blocks,
+    chunk_saves,
+    distinct_chunk_saves,
+    gate_captures,
+    load_saves,
+    make_cache,
+    make_worker,
+    scheduled_request,
+    scheduler_step,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
-BLOCK, HEADS, HEAD_DIM, LAYERS, BLOCKS = 4, 2, 8, 2, 16
-CHUNK_BLOCKS = 2
-FINGERPRINT = "ab" * 16
-SOURCE = fmt.SourceInfo("vllm", "test", "synthetic", None, FINGERPRINT)
-
-
-def _cache(seed: int = 0) -> RegisteredCache:
-    generator = torch.Generator().manual_seed(seed)
-    physical = [
-        torch.randn((BLOCKS, BLOCK, HEADS, 2 * HEAD_DIM), generator=generator).to(torch.bfloat16)
-        for _ in range(LAYERS)
-    ]
-    return registered_cache(
-        [tensor.permute(0, 2, 1, 3) for tensor in physical],
-        backend="FLASH_ATTN",
-        kv_cache_layout="LBNHC",
-        head_size=HEAD_DIM,
-        num_kv_heads=HEADS,
-    )
-
-
-def _worker(tmp_path: Path, **extra: Any) -> KVSnapWorker:
-    options = ConnectorOptions.from_extra_config(
-        {
-            "path": str(tmp_path / "store"),
-            "chunk_blocks": CHUNK_BLOCKS,
-            "event_log": str(tmp_path / "events.jsonl"),
-            **extra,
-        }
-    )
-    store = PrefixStore(options.path, "ns", chunk_blocks=CHUNK_BLOCKS)
-    worker = KVSnapWorker(
-        options,
-        store,
-        EventLog(options.event_log, "worker", 0),
-        vllm_config=None,
-        fingerprint=FINGERPRINT,
-        source=SOURCE,
-    )
-    worker.attach(_cache())
-    return worker
-
-
-def _chunk_saves(worker: KVSnapWorker, request: str, blocks: list[int]) -> list[SaveSpec]:
-    """A prompt's chunk saves as the scheduler plans them (its tokens drawn from ``blocks``)."""
-    tokens = np.random.default_rng(sum(blocks)).integers(1, 500, size=len(blocks) * BLOCK)
-    chain = store_key_chain(tokens, BLOCK, CacheIdentity())
-    block_ids = np.asarray(blocks, dtype=np.int64)
-    return [
-        SaveSpec(
-            request_id=request,
-            kind="persist",
-            path=str(worker.store.chunk_path(chain[end - 1])),
-            token_ids=tokens[start * BLOCK : end * BLOCK],
-            block_ids=block_ids[start:end],
-            sequence_id=chunk_sequence_id(
-                start, chain[start - 1] if start else None, chain[end - 1]
-            ),
-        )
-        for start, end in worker.store.chunk_spans(len(blocks))
-    ]
-
-
-def _blocks(worker: KVSnapWorker, blocks: list[int]) -> list[torch.Tensor]:
-    assert worker.cache is not None
-    return [cache[blocks].clone() for cache in worker.cache.caches]
-
-
-def _gate_captures(worker: KVSnapWorker, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Hold every capture of ``worker`` until the returned event is set; count the calls."""
-    assert worker._pipeline is not None
-    real = worker._pipeline.capture
-    gate = threading.Event()
-    worker.captures = 0  # type: ignore[attr-defined]
-
-    def gated(*args: Any, **kwargs: Any) -> Any:
-        worker.captures += 1  # type: ignore[attr-defined]
-        gate.wait(timeout=20)  # never forever: a failing test must not hang the session
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(worker._pipeline, "capture", gated)
-    return gate
-
-
-def _load(worker: KVSnapWorker, saves: list[SaveSpec], target: list[int]) -> None:
-    chunks, offset = [], 0
-    for spec in saves:
-        count = len(spec.block_ids)
-        chunks.append(
-            ChunkLoad(spec.path, np.arange(count), np.asarray(target[offset : offset + count]))
-        )
-        offset += count
-    worker.start_load_kv(KVSnapConnectorMetadata(loads=[LoadSpec("load", tuple(chunks), 0)]))
-    assert worker.get_block_ids_with_load_errors() == set()
 
 
 def test_saves_run_behind_the_engine_and_blocks_free_once_copied(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    worker = _worker(tmp_path)
-    gate = _gate_captures(worker, monkeypatch)
-    saves = _chunk_saves(worker, "r1", [3, 4, 5, 6])
-    computed = _blocks(worker, [3, 4, 5, 6])
+    worker = make_worker(tmp_path)
+    gate = gate_captures(worker, monkeypatch)
+    saves = chunk_saves(worker, "r1", [3, 4, 5, 6])
+    computed = cache_blocks(worker, [3, 4, 5, 6])
     worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))  # returns with captures held
-    other = _chunk_saves(worker, "r2", [7, 8])
+    other = chunk_saves(worker, "r2", [7, 8])
     worker.wait_for_save(KVSnapConnectorMetadata(saves=other))
     assert not any(Path(spec.path).exists() for spec in saves)
     # r1 finished, but its blocks are still being copied: not reported.
@@ -165,8 +80,8 @@ def test_saves_run_behind_the_engine_and_blocks_free_once_copied(
     assert worker.cache is not None
     for cache in worker.cache.caches:
         cache[[3, 4, 5, 6]] = 0
-    _load(worker, saves, [10, 11, 12, 13])
-    for wrote, loaded in zip(computed, _blocks(worker, [10, 11, 12, 13]), strict=True):
+    load_saves(worker, saves, [10, 11, 12, 13])
+    for wrote, loaded in zip(computed, cache_blocks(worker, [10, 11, 12, 13]), strict=True):
         assert torch.equal(wrote.view(torch.int16), loaded.view(torch.int16))
     written = [
         event for event in read_events(tmp_path / "events.jsonl") if event["event"] == "save"
@@ -178,13 +93,13 @@ def test_saves_run_behind_the_engine_and_blocks_free_once_copied(
 def test_a_stored_chunk_is_never_copied_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    worker = _worker(tmp_path)
-    first = _chunk_saves(worker, "r1", [1, 2, 3, 4])
+    worker = make_worker(tmp_path)
+    first = chunk_saves(worker, "r1", [1, 2, 3, 4])
     worker.wait_for_save(KVSnapConnectorMetadata(saves=first))
     worker.wait_for_writes()
-    gate = _gate_captures(worker, monkeypatch)
+    gate = gate_captures(worker, monkeypatch)
     gate.set()
-    again = _chunk_saves(worker, "r2", [1, 2, 3, 4])  # the same prompt, same chunk names
+    again = chunk_saves(worker, "r2", [1, 2, 3, 4])  # the same prompt, same chunk names
     assert [spec.path for spec in again] == [spec.path for spec in first]
     worker.wait_for_save(KVSnapConnectorMetadata(saves=again))
     worker.wait_for_writes()
@@ -198,9 +113,9 @@ def test_a_stored_chunk_is_never_copied_again(
 def test_a_preempted_request_waits_for_its_copies_before_the_next_pass(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    worker = _worker(tmp_path)
-    gate = _gate_captures(worker, monkeypatch)
-    worker.wait_for_save(KVSnapConnectorMetadata(saves=_chunk_saves(worker, "r1", [2, 3])))
+    worker = make_worker(tmp_path)
+    gate = gate_captures(worker, monkeypatch)
+    worker.wait_for_save(KVSnapConnectorMetadata(saves=chunk_saves(worker, "r1", [2, 3])))
     worker.handle_preemptions(KVSnapConnectorMetadata(preempted=["other"]))  # nothing to wait for
     waiter = threading.Thread(
         target=worker.handle_preemptions, args=(KVSnapConnectorMetadata(preempted=["r1"]),)
@@ -217,13 +132,13 @@ def test_a_preempted_request_waits_for_its_copies_before_the_next_pass(
 def test_a_step_waits_only_when_earlier_steps_fill_the_queue(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    worker = _worker(tmp_path, max_pending_writes=2)
-    gate = _gate_captures(worker, monkeypatch)
+    worker = make_worker(tmp_path, max_pending_writes=2)
+    gate = gate_captures(worker, monkeypatch)
     # Two saves in one step: queued at once, however many (only earlier steps count).
-    worker.wait_for_save(KVSnapConnectorMetadata(saves=_chunk_saves(worker, "r1", [1, 2, 3])))
+    worker.wait_for_save(KVSnapConnectorMetadata(saves=chunk_saves(worker, "r1", [1, 2, 3])))
     second = threading.Thread(
         target=worker.wait_for_save,
-        args=(KVSnapConnectorMetadata(saves=_chunk_saves(worker, "r2", [5, 6])),),
+        args=(KVSnapConnectorMetadata(saves=chunk_saves(worker, "r2", [5, 6])),),
     )
     second.start()
     time.sleep(0.3)
@@ -235,8 +150,8 @@ def test_a_step_waits_only_when_earlier_steps_fill_the_queue(
 
 
 def test_a_failed_save_is_logged_and_still_frees_the_blocks(tmp_path: Path) -> None:
-    worker = _worker(tmp_path)
-    saves = _chunk_saves(worker, "r1", [2, 3])
+    worker = make_worker(tmp_path)
+    saves = chunk_saves(worker, "r1", [2, 3])
     Path(saves[0].path).parent.parent.mkdir(parents=True, exist_ok=True)
     Path(saves[0].path).parent.write_text("a file where the chunk's directory goes")
     worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
@@ -245,26 +160,6 @@ def test_a_failed_save_is_logged_and_still_frees_the_blocks(tmp_path: Path) -> N
     (failed,) = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "save_failed"]
     assert failed["request"] == "r1" and failed["path"] == saves[0].path
     worker.shutdown()
-
-
-def _request(request_id: str, prompt: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        all_token_ids=prompt,
-        sampling_params=SimpleNamespace(extra_args=None),
-    )
-
-
-def _step(scheduled: dict[str, int], preempted: set[str] | None = None) -> SimpleNamespace:
-    return SimpleNamespace(
-        scheduled_new_reqs=[
-            SimpleNamespace(req_id=rid, num_computed_tokens=0) for rid in scheduled
-        ],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-        num_scheduled_tokens=scheduled,
-        preempted_req_ids=preempted,
-    )
 
 
 def test_the_scheduler_holds_the_blocks_of_requests_with_saves(tmp_path: Path) -> None:
@@ -280,20 +175,23 @@ def test_the_scheduler_holds_the_blocks_of_requests_with_saves(tmp_path: Path) -
         checker=ChunkChecker(FINGERPRINT, geometry, BLOCK, verify=True),
         block_ids_of=lambda request_id: list(range(BLOCKS)),
     )
-    saved, short = _request("saved", list(range(1, 14))), _request("short", [1, 2, 3, 4, 5])
+    saved, short = (
+        scheduled_request("saved", list(range(1, 14))),
+        scheduled_request("short", [1, 2, 3, 4, 5]),
+    )
     for request in (saved, short):
         scheduler.update_state_after_alloc(request, None, 0)  # type: ignore[arg-type]
-    meta = scheduler.build_connector_meta(_step({"saved": 13, "short": 5}))  # type: ignore[arg-type]
+    meta = scheduler.build_connector_meta(scheduler_step({"saved": 13, "short": 5}))  # type: ignore[arg-type]
     assert {spec.request_id for spec in meta.saves} == {"saved"} and meta.preempted == []
     # Preempted with saves planned: the workers wait for the copies before the next pass.
-    meta = scheduler.build_connector_meta(_step({}, {"saved", "short"}))  # type: ignore[arg-type]
+    meta = scheduler.build_connector_meta(scheduler_step({}, {"saved", "short"}))  # type: ignore[arg-type]
     assert meta.preempted == ["saved"]
     assert scheduler.request_finished(saved) is True  # type: ignore[arg-type]
     assert scheduler.request_finished(short) is False  # type: ignore[arg-type]
 
 
 def test_capture_copies_after_the_given_event(tmp_path: Path) -> None:
-    cache = _cache(seed=1)
+    cache = make_cache(seed=1)
     layout = vllm_layout(
         cache.caches,
         backend="FLASH_ATTN",
@@ -351,34 +249,18 @@ def test_the_worker_benchmark_runs_quick_on_cpu(tmp_path: Path) -> None:
     assert "start_load_kv" in result.stdout and "tiny-8l-1h/cells" in result.stdout
 
 
-def _distinct_chunk_saves(worker: KVSnapWorker, request: str, seed: int) -> list[SaveSpec]:
-    """One chunk (blocks 0 and 1 of the cache) of a prompt of its own (tokens from ``seed``)."""
-    tokens = np.random.default_rng(seed).integers(1, 500, size=CHUNK_BLOCKS * BLOCK)
-    chain = store_key_chain(tokens, BLOCK, CacheIdentity())
-    return [
-        SaveSpec(
-            request_id=request,
-            kind="persist",
-            path=str(worker.store.chunk_path(chain[-1])),
-            token_ids=tokens,
-            block_ids=np.arange(CHUNK_BLOCKS, dtype=np.int64),
-            sequence_id=chunk_sequence_id(0, None, chain[-1]),
-        )
-    ]
-
-
 def test_engines_sharing_a_store_hold_its_bound(tmp_path: Path) -> None:
     """Item 6: four engines writing to one store at once keep it within its bound (within one
     chunk at every sample): it is measured from the store, not from each engine's writes."""
-    probe = _worker(tmp_path)
-    probe.wait_for_save(KVSnapConnectorMetadata(saves=_distinct_chunk_saves(probe, "p", 0)))
+    probe = make_worker(tmp_path)
+    probe.wait_for_save(KVSnapConnectorMetadata(saves=distinct_chunk_saves(probe, "p", 0)))
     probe.wait_for_writes()
     probe.shutdown()
     (chunk,) = (tmp_path / "store").glob("ns/chunks/*/*.safetensors")
     chunk_bytes = chunk.stat().st_size
     capacity = 10 * chunk_bytes
     workers = [
-        _worker(tmp_path, store_capacity_bytes=capacity, store_min_idle_s=0) for _ in range(4)
+        make_worker(tmp_path, store_capacity_bytes=capacity, store_min_idle_s=0) for _ in range(4)
     ]
     samples: list[int] = []
     writing = threading.Event()
@@ -393,7 +275,7 @@ def test_engines_sharing_a_store_hold_its_bound(tmp_path: Path) -> None:
     try:
         for step in range(8):
             for index, worker in enumerate(workers):
-                saves = _distinct_chunk_saves(worker, f"w{index}", 1 + step * 10 + index)
+                saves = distinct_chunk_saves(worker, f"w{index}", 1 + step * 10 + index)
                 worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
         for worker in workers:
             worker.wait_for_writes()

@@ -1,0 +1,110 @@
+"""The worker's shutdown with saves still queued, on a disk made slow (every ``fsync`` waits):
+the saves finish within the drain bound, the ones left when it passes are abandoned without a
+trace in the store (no chunk, no temporary file), and the events say which.
+
+vLLM kills a worker that has not exited some seconds after it told it to (docs/vllm.md,
+"Shutting down"); the bound keeps the worker's shutdown inside that window.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvsnap.engines.vllm import KVSnapConnectorMetadata, SaveSpec, read_events
+from kvsnap.engines.vllm.worker import KVSnapWorker
+from kvsnap.snapshot import Snapshot
+from tests.support.slow_fsync import delayed_fsync
+from tests.support.vllm_worker_helpers import chunk_saves, gate_captures, make_worker
+
+
+def _queue_requests(worker: KVSnapWorker, count: int) -> list[SaveSpec]:
+    """``count`` requests of two chunks each, one step each, as vLLM queues them."""
+    queued: list[SaveSpec] = []
+    for index in range(count):
+        saves = chunk_saves(worker, f"r{index}", [4 * index, 4 * index + 1, 4 * index + 2, 13])
+        worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
+        queued += saves
+    return queued
+
+
+def _files_in(store: Path) -> list[Path]:
+    return sorted(path for path in store.rglob("*") if path.is_file())
+
+
+def _outcomes(events_path: Path) -> tuple[dict[str, str], dict[str, dict]]:
+    """Each save's path -> ``save`` or ``save_abandoned``; the ``shutdown`` event."""
+    events = read_events(events_path)
+    ended = {
+        event["path"]: event["event"]
+        for event in events
+        if event["event"] in ("save", "save_abandoned", "save_failed")
+    }
+    (shutdown,) = [event for event in events if event["event"] == "shutdown"]
+    return ended, shutdown
+
+
+def test_shutdown_finishes_the_queued_saves_within_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = make_worker(tmp_path, shutdown_drain_s=120)
+    monkeypatch.setattr(os, "fsync", delayed_fsync(0.1))
+    queued = _queue_requests(worker, 3)
+    worker.shutdown()  # at once: the slow disk has written at most the first chunk or two
+    ended, shutdown = _outcomes(tmp_path / "events.jsonl")
+    assert ended == {spec.path: "save" for spec in queued}
+    # The second step at least was still queued (each step's two chunks fsync four times).
+    assert shutdown["abandoned"] == 0 and shutdown["pending"] >= 4 and shutdown["bound_s"] == 120
+    for spec in queued:
+        with Snapshot.open(spec.path) as snapshot:
+            assert snapshot.verify() == []
+            (record,) = snapshot.sequences
+            assert record.id == spec.sequence_id
+
+
+def test_saves_left_when_the_bound_passes_are_abandoned_without_a_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = make_worker(tmp_path, shutdown_drain_s=0.2)
+    monkeypatch.setattr(os, "fsync", delayed_fsync(0.4))  # two per chunk: 0.8 s a save
+    queued = _queue_requests(worker, 3)
+    worker.shutdown()
+    ended, shutdown = _outcomes(tmp_path / "events.jsonl")
+    assert set(ended) == {spec.path for spec in queued}
+    saved = [path for path, event in ended.items() if event == "save"]
+    abandoned = [path for path, event in ended.items() if event == "save_abandoned"]
+    # The save being written when the bound passed finished; every one after it stopped.
+    assert 1 <= len(saved) <= 2 and len(saved) + len(abandoned) == len(queued)
+    assert shutdown["abandoned"] == len(abandoned) and shutdown["pending"] == len(queued)
+    for path in saved:
+        with Snapshot.open(path) as snapshot:
+            assert snapshot.verify() == []
+    # The store holds the saved chunks and nothing else: no temporary file, no partial chunk,
+    # so the scheduler finds the abandoned ones missing and plans them again.
+    assert _files_in(tmp_path / "store") == sorted(Path(path) for path in saved)
+    assert not any(worker.store.has_chunk(path) for path in abandoned)
+
+
+def test_a_save_running_when_the_bound_passes_stops_at_its_next_slot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = make_worker(tmp_path, shutdown_drain_s=0.2)
+    gate = gate_captures(worker, monkeypatch)  # the first capture starts, then waits
+    queued = _queue_requests(worker, 1)
+    shutting_down = threading.Thread(target=worker.shutdown)
+    shutting_down.start()
+    time.sleep(1.0)  # well past the bound, with the first capture under way
+    assert worker.captures == 1  # type: ignore[attr-defined]
+    gate.set()
+    shutting_down.join(timeout=60)
+    assert not shutting_down.is_alive()
+    ended, shutdown = _outcomes(tmp_path / "events.jsonl")
+    assert ended == {spec.path: "save_abandoned" for spec in queued}
+    assert shutdown["abandoned"] == len(queued)
+    # The running capture's temporary file went with it; the second never started one.
+    assert worker.captures == 1  # type: ignore[attr-defined]
+    assert _files_in(tmp_path / "store") == []
