@@ -141,6 +141,8 @@ def run_rank(rank: int, world: int, job: dict[str, Any]) -> None:
             report.update(_restore(case, rank, world, job))
         elif job["role"] == "worker-save":
             report.update(_worker_save(rank, world, job))
+        elif job["role"] == "worker-shutdown":
+            report.update(_worker_shutdown(rank, world, job))
         else:
             raise ValueError(f"unknown role {job['role']!r}")
     except Exception as error:  # reported to the parent, which asserts on it
@@ -247,8 +249,16 @@ def worker_cells(seed: int = 0) -> list[torch.Tensor]:
     ]
 
 
-def worker_for(store_path: str, cells: list[torch.Tensor], rank: int, tp: int, group: Any) -> Any:
-    """A connector worker over this rank's heads of ``cells`` (a copy it owns)."""
+def worker_for(
+    store_path: str,
+    cells: list[torch.Tensor],
+    rank: int,
+    tp: int,
+    group: Any,
+    extra: dict[str, Any] | None = None,
+) -> Any:
+    """A connector worker over this rank's heads of ``cells`` (a copy it owns); ``extra``: more
+    connector options."""
     from kvsnap.engines.vllm import ConnectorOptions, EventLog, PrefixStore
     from kvsnap.engines.vllm.registration import registered_cache
     from kvsnap.engines.vllm.worker import KVSnapWorker
@@ -257,14 +267,14 @@ def worker_for(store_path: str, cells: list[torch.Tensor], rank: int, tp: int, g
     per_rank = WORKER_HEADS // tp
     mine = [layer[:, :, rank * per_rank : (rank + 1) * per_rank].contiguous() for layer in cells]
     options = ConnectorOptions.from_extra_config(
-        {"path": store_path, "chunk_blocks": WORKER_CHUNK_BLOCKS}
+        {"path": store_path, "chunk_blocks": WORKER_CHUNK_BLOCKS, **(extra or {})}
     )
     store = PrefixStore(options.path, "ns", chunk_blocks=WORKER_CHUNK_BLOCKS)
     source = SourceInfo("vllm", "test", "synthetic", None, WORKER_FINGERPRINT)
     worker = KVSnapWorker(
         options,
         store,
-        EventLog(None, "worker", rank),
+        EventLog(options.event_log, "worker", rank),
         vllm_config=None,
         fingerprint=WORKER_FINGERPRINT,
         source=source,
@@ -322,3 +332,21 @@ def _worker_save(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         "finished": sorted(finished or []),
         "first_files": first_files,
     }
+
+
+def _worker_shutdown(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """Queue ``job["requests"]`` requests' chunk saves on a store whose every ``fsync`` waits
+    ``job["fsync_delay_s"]``, then shut the worker down at once with ``job["drain_s"]``."""
+    from kvsnap.engines.vllm import KVSnapConnectorMetadata
+    from tests.support.slow_fsync import slow_down_fsync
+
+    slow_down_fsync(job["fsync_delay_s"], job["path"])
+    options = {"shutdown_drain_s": job["drain_s"], "event_log": job["event_log"]}
+    worker = worker_for(job["path"], worker_cells(), rank, world, dist.group.WORLD, options)
+    paths = []
+    for index in range(job["requests"]):
+        saves = worker_saves(worker, list(range(4 * index, 4 * index + 4)), f"r{index}")
+        worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
+        paths += [save.path for save in saves]
+    worker.shutdown()
+    return {"paths": paths}

@@ -64,8 +64,9 @@ def write_job(
     """Write the job file of one engine (``vllm_run_engine.py`` says what it holds): ``labels``
     name its prompts in request order. Options: ``connector`` (the connector's extra config;
     none: no connector), ``tp``, ``policy`` (``kv_load_failure_policy``), ``enable_lora``,
-    ``no_persist`` (labels kept out of the store) and ``extras`` (label -> more request
-    fields: ``lora`` ``{"name", "id", "path"}``, ``cache_salt``)."""
+    ``no_persist`` (labels kept out of the store), ``extras`` (label -> more request
+    fields: ``lora`` ``{"name", "id", "path"}``, ``cache_salt``) and ``fsync_delay_s`` (every
+    ``fsync`` under the connector's ``path`` waits that long: a slow disk)."""
     connector = options.pop("connector", None)
     job = {
         "model": str(model),
@@ -83,6 +84,7 @@ def write_job(
         ],
         "max_tokens": 8,
         "output": str(tmp / f"{name}.out.json"),
+        "fsync_delay_s": options.pop("fsync_delay_s", 0.0),
     }
     path = tmp / f"{name}.job.json"
     path.write_text(json.dumps(job))

@@ -7,12 +7,15 @@ Usage: ``python vllm_run_engine.py JOB.json`` with the vLLM virtualenv's Python.
      "prompts": [{"token_ids": [...], "persist": true, "dump": false,
                   "lora": {"name": ..., "id": 1, "path": DIR} (optional),
                   "cache_salt": "..." (optional)}, ...],
-     "max_tokens": 8, "output": PATH}
+     "max_tokens": 8, "output": PATH, "fsync_delay_s": 0.0}
 
 ``connector`` is KVSnapConnector's ``kv_connector_extra_config`` (null: no KV connector at
 all); ``load_failure_policy`` vLLM's ``kv_load_failure_policy`` (default ``recompute``; null
 leaves vLLM's own default). Request ``i`` gets the id ``str(i)`` (vLLM numbers the prompts of
 a fresh ``LLM``).
+``fsync_delay_s`` (optional) makes every ``fsync`` under the connector's ``path`` in the
+engine's processes wait that long (``tests/support/slow_fsync.py``): a slow disk under the
+store, so that saves are still being written when the engine shuts down.
 The output holds, per prompt, the generated token ids and vLLM's ``num_cached_tokens``.
 """
 
@@ -23,6 +26,11 @@ import os
 import sys
 import time
 
+#: Seconds vLLM waits for its workers to exit once told to (the connector drains its saves
+#: within them), and for the engine core process as a whole (its own teardown on top).
+WORKER_WINDOW_S = 120
+ENGINE_WINDOW_S = WORKER_WINDOW_S + 60
+
 
 def main() -> None:
     with open(sys.argv[1]) as handle:
@@ -30,9 +38,13 @@ def main() -> None:
     tensor_parallel = int(job.get("tensor_parallel_size", 1))
     # vLLM's CPU backend sizes its KV cache from this (GiB); keep it small on a 2-core box.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # vLLM kills workers 5 s into a shutdown; on a loaded 2-core machine draining the saves
+    # vLLM gives workers 5 s to exit by default; on a loaded 2-core machine draining the saves
     # still queued (TP = 2: collective ones) can take longer, and the tests read them all.
-    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_WINDOW_S))
+    if job.get("fsync_delay_s"):
+        from tests.support.slow_fsync import slow_down_fsync_everywhere
+
+        slow_down_fsync_everywhere(float(job["fsync_delay_s"]), job["connector"]["path"])
     if tensor_parallel > 1:
         os.environ.setdefault(
             "VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tensor_parallel)))
@@ -118,8 +130,10 @@ def main() -> None:
         "startup_seconds": ready - started,
         "generate_seconds": finished - ready,
     }
-    # Shutting the engine down drains the connector's queued snapshot writes.
-    llm.llm_engine.engine_core.shutdown()
+    # Shutting the engine down drains the connector's queued snapshot writes. Without a
+    # timeout vLLM kills the engine core and its workers 5 s after asking them to stop,
+    # whatever VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS says, and saves still running are lost.
+    llm.llm_engine.engine_core.shutdown(timeout=ENGINE_WINDOW_S)
     result["shutdown_seconds"] = time.perf_counter() - finished
     with open(job["output"], "w") as handle:
         json.dump(result, handle)

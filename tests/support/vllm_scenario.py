@@ -39,6 +39,11 @@ from tests.support.vllm_engines import (
 BLOCK = 32
 CHUNK_BLOCKS = 2
 SHARING = ("S1", "S2", "S3", "S4")
+#: Seconds every fsync into the store waits in E2: C's chunks (a part, its directory, then
+#: rank 0's index and its directory: 4 fsyncs each) outlast the 5 s vLLM gives an engine shut
+#: down without a timeout, so without one none of them would be stored (seen: 0 of 2);
+#: tests/support/vllm_run_engine.py gives it the time.
+E2_FSYNC_S = 1.0
 
 
 def _prompts() -> dict[str, list[int]]:
@@ -167,7 +172,11 @@ def _first_runs(tmp: Path, model: Path, prompts: dict[str, list[int]], persist: 
     namespaces = [path for path in store.iterdir() if path.is_dir()]
     assert len(namespaces) == 1, namespaces
     bytes_after_e1 = {entry.path: entry.size for entry in _chunk_entries(store)}
-    runs["e2"] = run_engine(tmp, "e2", model, ["A", "C"], prompts, connector=persist, tp=2)
+    # E2's store is a slow disk: its saves are still being written when it shuts down, which
+    # must finish them before vLLM stops its workers (the test reads every one).
+    runs["e2"] = run_engine(
+        tmp, "e2", model, ["A", "C"], prompts, connector=persist, tp=2, fsync_delay_s=E2_FSYNC_S
+    )
     chunks = {**e1.saved(), **runs["e2"].saved()}
     # Later engines quarantine and rewrite these files: keep them as they were written.
     kept: dict[str, list[Path]] = {}

@@ -50,7 +50,7 @@ SaveRun = Callable[[PendingSave], None]
 class DrainReport:
     """What a :meth:`SaveQueue.shutdown` found and did."""
 
-    #: Saves of the steps still queued or running when the shutdown began.
+    #: Saves queued or running when the shutdown began.
     pending: int
     #: Of those, the saves that stopped unpublished once the bound had passed.
     abandoned: int
@@ -78,6 +78,9 @@ class SaveQueue:
         self.abandoning = threading.Event()
         #: Saves that ended as ``save_abandoned`` (counted on the queue's thread).
         self._abandoned = 0
+        #: Saves submitted and not yet ended, written, skipped or failed.
+        self._unfinished = 0
+        self._unfinished_lock = threading.Lock()
 
     def submit(self, saves: Sequence[PendingSave], run: SaveRun) -> None:
         """Run ``run(save)`` for each of ``saves``, in order, on the queue's thread.
@@ -87,6 +90,8 @@ class SaveQueue:
         ``copied`` is set once its run returns or raises.
         """
         self.track(saves)
+        with self._unfinished_lock:
+            self._unfinished += len(saves)
         self._reap()
         while self._steps and self._queued() >= self.max_pending:
             self._steps[0][1].exception()  # the oldest step's run never raises; wait for it
@@ -116,6 +121,8 @@ class SaveQueue:
                 )
             finally:
                 save.copied.set()
+                with self._unfinished_lock:
+                    self._unfinished -= 1
 
     def _was_abandoned(self, error: Exception) -> bool:
         """Whether ``error`` ended a save because the shutdown's bound passed: this rank's
@@ -163,8 +170,8 @@ class SaveQueue:
         already). Returns once the queue's thread has ended.
         """
         started = time.monotonic()
-        self._reap()
-        pending = self._queued()
+        with self._unfinished_lock:
+            pending = self._unfinished
         futures = [future for _, future in self._steps]
         _, not_done = wait_for_futures(futures, timeout=bound_s)
         if not_done:

@@ -8,8 +8,9 @@ scenario:
 * E0, TP=1, no connector: the reference tokens of every prompt (runs beside E1).
 * E1, TP=1: computes A, B, C and S1..S4 (one 4-block system prompt, each its own 70-token
   question); persists A, B and the S prompts (C opts out), dumps all.
-* E2, TP=2: loads A (a TP=1 capture) into TP=2, computes and persists C (a TP=2 capture,
-  gathered on rank 0), dumps both.
+* E2, TP=2, on a slow disk (every fsync into the store waits): loads A (a TP=1 capture) into
+  TP=2, computes and persists C (a TP=2 capture, gathered on rank 0), dumps both; its saves are
+  still being written when it shuts down, and its shutdown finishes them.
 * E3, TP=1, ``verify_before_load`` off, after B's chunk is corrupted and two forged chunks are
   added: loads A, C, the S prompts and A's first chunk for D; B's load fails its checksum in
   the worker and is recomputed; F and G are logged misses; the bad chunks are quarantined.
@@ -154,6 +155,10 @@ def test_tp2_capture_restores_at_tp1_and_tp1_capture_at_tp2(scenario: Scenario) 
     # TP=2 capture (E2, gathered on rank 0 and written once per chunk) into TP=1 (E3).
     saves = e2.events_for("save", "C")
     assert [(e["rank"], e["tokens"]) for e in saves] == [(0, 64), (0, 64)]
+    # E2 wrote to a slow disk: both workers' shutdowns finished every save, none abandoned.
+    shutdowns = [event for event in e2.events if event["event"] == "shutdown"]
+    assert sorted(e["rank"] for e in shutdowns) == [0, 1]
+    assert all(e["abandoned"] == 0 for e in shutdowns), shutdowns
     for path in kept["C"]:
         with Snapshot.open(path) as snap:
             assert snap.metadata.tp_size == 2 and snap.geometry.num_kv_heads == 2

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from kvsnap.engines.vllm import KVSnapConnectorMetadata, SaveSpec, read_events
+from kvsnap.engines.vllm import KVSnapConnectorMetadata, PrefixStore, SaveSpec, read_events
 from kvsnap.engines.vllm.worker import KVSnapWorker
 from kvsnap.snapshot import Snapshot
+from tests.support.distributed_child import run_ranks
 from tests.support.slow_fsync import delayed_fsync
 from tests.support.vllm_worker_helpers import chunk_saves, gate_captures, make_worker
 
@@ -52,7 +53,7 @@ def test_shutdown_finishes_the_queued_saves_within_its_bound(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     worker = make_worker(tmp_path, shutdown_drain_s=120)
-    monkeypatch.setattr(os, "fsync", delayed_fsync(0.1))
+    monkeypatch.setattr(os, "fsync", delayed_fsync(0.1, tmp_path))
     queued = _queue_requests(worker, 3)
     worker.shutdown()  # at once: the slow disk has written at most the first chunk or two
     ended, shutdown = _outcomes(tmp_path / "events.jsonl")
@@ -70,7 +71,7 @@ def test_saves_left_when_the_bound_passes_are_abandoned_without_a_trace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     worker = make_worker(tmp_path, shutdown_drain_s=0.2)
-    monkeypatch.setattr(os, "fsync", delayed_fsync(0.4))  # two per chunk: 0.8 s a save
+    monkeypatch.setattr(os, "fsync", delayed_fsync(0.4, tmp_path))  # two per chunk: 0.8 s a save
     queued = _queue_requests(worker, 3)
     worker.shutdown()
     ended, shutdown = _outcomes(tmp_path / "events.jsonl")
@@ -108,3 +109,40 @@ def test_a_save_running_when_the_bound_passes_stops_at_its_next_slot(
     # The running capture's temporary file went with it; the second never started one.
     assert worker.captures == 1  # type: ignore[attr-defined]
     assert _files_in(tmp_path / "store") == []
+
+
+def test_ranks_abandoning_at_tp2_leave_whole_chunks_and_never_wait_for_each_other(
+    tmp_path: Path,
+) -> None:
+    store, events_path = tmp_path / "store", tmp_path / "events.jsonl"
+    # Three requests of two chunks; each chunk costs a rank at least two slow fsyncs (its part
+    # and the directory), rank 0 two more (the index): the bound passes early in the queue.
+    reports = run_ranks(
+        tmp_path,
+        "worker-shutdown",
+        2,
+        store,
+        requests=3,
+        drain_s=0.3,
+        fsync_delay_s=0.3,
+        event_log=str(events_path),
+    )  # run_ranks fails the test if a rank hangs
+    assert [report.get("error") for report in reports] == [None, None], reports
+    paths = reports[0]["paths"]
+    events = read_events(events_path)
+    shutdowns = {event["rank"]: event for event in events if event["event"] == "shutdown"}
+    assert sorted(shutdowns) == [0, 1] and shutdowns[0]["abandoned"] >= 1, shutdowns
+    saved = {event["path"] for event in events if event["event"] == "save"}  # rank 0 logs them
+    assert saved < set(paths)
+    # Each chunk is whole (its index and both parts, verified) or absent: no part, no index,
+    # no temporary file of an abandoned chunk is left.
+    expected_files = set()
+    for path in paths:
+        stored = PrefixStore(store, "ns", chunk_blocks=2).has_chunk(path)
+        assert stored == (path in saved), path
+        if stored:
+            with Snapshot.open(path) as snapshot:
+                assert snapshot.verify() == [] and len(snapshot.part_files()) == 2
+                expected_files.update(Path(name) for name in snapshot.part_files())
+            expected_files.add(Path(f"{path}.index.json"))
+    assert set(_files_in(store)) == expected_files
