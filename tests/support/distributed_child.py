@@ -336,12 +336,13 @@ def _worker_save(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
 def _worker_shutdown(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """Queue ``job["requests"]`` requests' chunk saves on a store whose every ``fsync`` waits
-    ``job["fsync_delay_s"]``, then shut the worker down at once with ``job["drain_s"]``."""
+    ``job["fsync_delay_s"]``, then shut the worker down at once, its drain bound
+    ``job["drain_s"][rank]``."""
     from kvsnap.engines.vllm import KVSnapConnectorMetadata
     from tests.support.slow_fsync import slow_down_fsync
 
     slow_down_fsync(job["fsync_delay_s"], job["path"])
-    options = {"shutdown_drain_s": job["drain_s"], "event_log": job["event_log"]}
+    options = {"shutdown_drain_s": job["drain_s"][rank], "event_log": job["event_log"]}
     worker = worker_for(job["path"], worker_cells(), rank, world, dist.group.WORLD, options)
     paths = []
     for index in range(job["requests"]):

@@ -116,14 +116,16 @@ def test_ranks_abandoning_at_tp2_leave_whole_chunks_and_never_wait_for_each_othe
 ) -> None:
     store, events_path = tmp_path / "store", tmp_path / "events.jsonl"
     # Three requests of two chunks; each chunk costs a rank at least two slow fsyncs (its part
-    # and the directory), rank 0 two more (the index): the bound passes early in the queue.
+    # and the directory), rank 0 two more (the index). Rank 0's bound passes early in the
+    # queue, rank 1's a chunk or two later (ranks learn of a shutdown at their own moment):
+    # rank 1 must still meet rank 0 in every chunk's collectives.
     reports = run_ranks(
         tmp_path,
         "worker-shutdown",
         2,
         store,
         requests=3,
-        drain_s=0.3,
+        drain_s=[0.3, 1.5],
         fsync_delay_s=0.3,
         event_log=str(events_path),
     )  # run_ranks fails the test if a rank hangs
@@ -134,6 +136,15 @@ def test_ranks_abandoning_at_tp2_leave_whole_chunks_and_never_wait_for_each_othe
     assert sorted(shutdowns) == [0, 1] and shutdowns[0]["abandoned"] >= 1, shutdowns
     saved = {event["path"] for event in events if event["event"] == "save"}  # rank 0 logs them
     assert saved < set(paths)
+    # Rank 1 learnt of every chunk rank 0 abandoned through the chunk's status exchange (rank
+    # 0 went on meeting it there), not by losing its peer once rank 0 had exited.
+    ended = {
+        event["path"]: event
+        for event in events
+        if event["rank"] == 1 and event["event"] in ("save_abandoned", "save_failed")
+    }
+    assert set(ended) == set(paths) - saved
+    assert all("SaveAbandonedError" in event["error"] for event in ended.values()), ended
     # Each chunk is whole (its index and both parts, verified) or absent: no part, no index,
     # no temporary file of an abandoned chunk is left.
     expected_files = set()
