@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from kvsnap.engines.vllm import KVSnapConnectorMetadata, PrefixStore, SaveSpec, read_events
+from kvsnap.engines.vllm import (
+    ConnectorOptions,
+    KVSnapConnectorMetadata,
+    PrefixStore,
+    SaveSpec,
+    read_events,
+)
 from kvsnap.engines.vllm.worker import KVSnapWorker
 from kvsnap.snapshot import Snapshot
 from tests.support.distributed_child import run_ranks
@@ -157,3 +163,16 @@ def test_ranks_abandoning_at_tp2_leave_whole_chunks_and_never_wait_for_each_othe
                 expected_files.update(Path(name) for name in snapshot.part_files())
             expected_files.add(Path(f"{path}.index.json"))
     assert set(_files_in(store)) == expected_files
+
+
+def test_the_drain_bound_is_the_option_else_vllms_window_for_its_workers() -> None:
+    default = ConnectorOptions.from_extra_config({"path": "/s"})
+    assert default.shutdown_drain_s is None
+    assert default.drain_bound_s({}) == 5.0  # vLLM's own default window
+    assert default.drain_bound_s({"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}) == 30.0
+    assert default.drain_bound_s({"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "soon"}) == 5.0
+    given = ConnectorOptions.from_extra_config({"path": "/s", "shutdown_drain_s": 2})
+    assert given.drain_bound_s({"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}) == 2.0
+    for bad in (-1, "soon", float("nan")):
+        with pytest.raises(ValueError, match="shutdown_drain_s"):
+            ConnectorOptions.from_extra_config({"path": "/s", "shutdown_drain_s": bad})
