@@ -35,6 +35,7 @@ import contextlib
 import errno
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -75,7 +76,7 @@ from kvsnap.errors import (
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry
-from kvsnap.pipeline import Pipeline
+from kvsnap.pipeline import Pipeline, ProgressCallback
 from kvsnap.snapshot import SequenceBlocks, Snapshot
 
 if TYPE_CHECKING:
@@ -311,14 +312,7 @@ class KVSnapWorker:
         else:
             Path(spec.path).parent.mkdir(parents=True, exist_ok=True)
 
-        def copied(done_bytes: int, total_bytes: int) -> None:
-            if done_bytes >= total_bytes:
-                save.copied.set()
-            # Raised from a slot's progress, the writer removes its temporary file; a rank
-            # with nothing to write (total 0) must still reach the ranks' status exchange.
-            if total_bytes and abandoning.is_set():
-                raise SaveAbandonedError("the worker is shutting down", file=spec.path)
-
+        copied = _copy_progress(save, abandoning)
         sequences = [_sequence(spec, spec.block_ids)]
         capacity = self.options.store_capacity_bytes
         if layout.tp_size == 1:
@@ -442,6 +436,21 @@ class KVSnapWorker:
 #: How often, and how long apart, a chunk found missing is opened again: a pruner that sets a
 #: chunk aside puts it back within microseconds when it was just used (matched).
 _OPEN_ATTEMPTS, _OPEN_RETRY_S = 4, 0.005
+
+
+def _copy_progress(save: PendingSave, abandoning: threading.Event) -> ProgressCallback:
+    """The ``progress`` of ``save``'s capture: sets ``save.copied`` once its last slot is
+    copied, and stops the capture at its next slot (``SaveAbandonedError``, its writer
+    removing its temporary file) once ``abandoning`` is set."""
+
+    def progress(done_bytes: int, total_bytes: int) -> None:
+        if done_bytes >= total_bytes:
+            save.copied.set()
+        # A rank with nothing to write (total 0) must still reach the ranks' status exchange.
+        if total_bytes and abandoning.is_set():
+            raise SaveAbandonedError("the worker is shutting down", file=save.spec.path)
+
+    return progress
 
 
 def _disk_full(error: BaseException) -> bool:
