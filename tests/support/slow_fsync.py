@@ -11,6 +11,7 @@ engine core and workers), through ``slow_disk/sitecustomize.py``.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,14 +26,19 @@ SLOW_FOLDER_ENV = "KVSNAP_TEST_SLOW_FOLDER"
 SLOW_DISK = Path(__file__).resolve().parent / "slow_disk"
 
 
-def delayed_fsync(delay_s: float, folder: str | os.PathLike[str]) -> Callable[[int], None]:
+def delayed_fsync(
+    delay_s: float, folder: str | os.PathLike[str], began: threading.Event | None = None
+) -> Callable[[int], None]:
     """An ``os.fsync`` that sleeps ``delay_s`` seconds before flushing a file or directory
-    under ``folder`` (the folder itself included), and flushes anything else at once."""
+    under ``folder`` (the folder itself included), and flushes anything else at once; sets
+    ``began`` (when given) as a delayed fsync starts."""
     root = os.path.realpath(folder)
 
     def fsync(fd: int) -> None:
         target = os.path.realpath(f"/proc/self/fd/{fd}")
         if target == root or target.startswith(root + os.sep):
+            if began is not None:
+                began.set()
             time.sleep(delay_s)
         REAL_FSYNC(fd)
 

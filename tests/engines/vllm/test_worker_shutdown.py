@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,14 @@ def _queue_requests(worker: KVSnapWorker, count: int) -> list[SaveSpec]:
         worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
         queued += saves
     return queued
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float = 30) -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
 
 
 def _files_in(store: Path) -> list[Path]:
@@ -77,15 +86,18 @@ def test_saves_left_when_the_bound_passes_are_abandoned_without_a_trace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     worker = make_worker(tmp_path, shutdown_drain_s=0.2)
-    monkeypatch.setattr(os, "fsync", delayed_fsync(0.4, tmp_path))  # two per chunk: 0.8 s a save
+    committing = threading.Event()
+    # Two fsyncs per chunk (the file, then its directory): 0.8 s a save.
+    monkeypatch.setattr(os, "fsync", delayed_fsync(0.4, tmp_path, committing))
     queued = _queue_requests(worker, 3)
+    assert committing.wait(timeout=30)  # the first save is copied, and publishing
     worker.shutdown()
     ended, shutdown = _outcomes(tmp_path / "events.jsonl")
     assert set(ended) == {spec.path for spec in queued}
     saved = [path for path, event in ended.items() if event == "save"]
     abandoned = [path for path, event in ended.items() if event == "save_abandoned"]
-    # The save being written when the bound passed finished; every one after it stopped.
-    assert 1 <= len(saved) <= 2 and len(saved) + len(abandoned) == len(queued)
+    # The save publishing when the bound passed finished; every one after it stopped.
+    assert saved == [queued[0].path] and len(abandoned) == len(queued) - 1
     assert shutdown["abandoned"] == len(abandoned) and shutdown["pending"] == len(queued)
     for path in saved:
         with Snapshot.open(path) as snapshot:
@@ -102,9 +114,13 @@ def test_a_save_running_when_the_bound_passes_stops_at_its_next_slot(
     worker = make_worker(tmp_path, shutdown_drain_s=0.2)
     gate = gate_captures(worker, monkeypatch)  # the first capture starts, then waits
     queued = _queue_requests(worker, 1)
+    queue = worker._saves
+    assert queue is not None
+    _wait_until(lambda: worker.captures == 1)  # type: ignore[attr-defined]
     shutting_down = threading.Thread(target=worker.shutdown)
     shutting_down.start()
-    time.sleep(1.0)  # well past the bound, with the first capture under way
+    # The bound passes with the first capture under way (held at the gate).
+    assert queue.abandoning.wait(timeout=30)
     assert worker.captures == 1  # type: ignore[attr-defined]
     gate.set()
     shutting_down.join(timeout=60)
