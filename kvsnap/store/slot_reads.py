@@ -21,6 +21,7 @@ import numpy as np
 
 from kvsnap import format as fmt
 from kvsnap.store.completion import Completion
+from kvsnap.store.kvikio_reads import read_runs_async
 from kvsnap.store.pools import cpu_count, shared_executor
 from kvsnap.store.source import Source
 from kvsnap.store.tracing import TraceHook, traced
@@ -168,6 +169,10 @@ def read_slot_async(
     """
     page = extents.page_size_bytes
     flat = out.reshape(-1)
+    if checksums is None:
+        by_kvikio = _read_by_kvikio(extents, page_tensors, page_blocks, page_offsets, flat, trace)
+        if by_kvikio is not None:
+            return by_kvikio
     bad: list[np.ndarray] = []
     lock = threading.Lock()
 
@@ -199,6 +204,39 @@ def read_slot_async(
     done.future.add_done_callback(finish)
     _run_pieces(read, pieces, done)
     return result
+
+
+def _read_by_kvikio(
+    extents: TensorExtents,
+    page_tensors: np.ndarray,
+    page_blocks: np.ndarray,
+    page_offsets: np.ndarray,
+    flat: np.ndarray,
+    trace: TraceHook | None,
+) -> concurrent.futures.Future[np.ndarray] | None:
+    """The unchecked read of a slot's runs on kvikio's pool (it cuts each run into tasks), or
+    ``None`` where some file cannot be read that way (``store/kvikio_reads.py``)."""
+    threads = read_threads()
+    files = []
+    for source in extents.sources:
+        handle = source.kvikio_file(threads)
+        if handle is None:
+            return None
+        files.append((handle, source.url))
+    runs = page_runs(extents, page_tensors, page_blocks, page_offsets)
+    page = extents.page_size_bytes
+    reads = [
+        (file, file_offset, flat[slot_offset : slot_offset + (stop - start) * page])
+        for file, file_offset, slot_offset, start, stop in zip(
+            runs.files.tolist(),
+            runs.file_offsets.tolist(),
+            runs.slot_offsets.tolist(),
+            runs.starts.tolist(),
+            runs.stops.tolist(),
+            strict=True,
+        )
+    ]
+    return read_runs_async(files, reads, read_executor(), trace)
 
 
 def _run_pieces(read: Callable[[_Piece], None], pieces: list[_Piece], done: Completion) -> None:

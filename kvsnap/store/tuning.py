@@ -26,6 +26,10 @@ MAX_PROBLEMS_PER_TENSOR = 16
 #: 152. True keeps cold ranges off the page cache: for files read once that should not
 #: displace what it holds.
 COLD_READS_DIRECT = False
+#: Whether slot reads the host does not check (the device verifies every page) go through
+#: kvikio's C++ thread pool where kvikio is installed (``store/kvikio_reads.py``), rather than
+#: Python threads that contend for the GIL with the thread enqueueing the device's copies.
+KVIKIO_READS = True
 #: Fewest layer bytes for which a capture from a CUDA cache into a memory-backed file maps the
 #: file, registers it with CUDA and has the device copy the pages straight into it
 #: (``store/mapped_file.py``); a smaller capture goes through pinned staging and ``pwrite``.
