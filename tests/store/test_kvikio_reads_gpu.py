@@ -1,11 +1,12 @@
 """First touches read through kvikio's pool (skipped without CUDA, and without kvikio): the
-restore is bit-exact, a flipped byte is still refused by the device, and a file truncated
-after it was opened fails as corrupt with nothing of the damaged read served."""
+restore is bit-exact, a flipped byte is still refused by the device, and a read that finds
+its file truncated under it fails as corrupt."""
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from kvsnap.errors import RestoreIncompleteError, SnapshotCorruptError
@@ -13,7 +14,7 @@ from kvsnap.pipeline import Pipeline
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store import kvikio_reads
 from kvsnap.store.hot import configure_hot_tier
-from kvsnap.store.slot_reads import read_threads
+from kvsnap.store.slot_reads import read_executor, read_threads
 from tests.support.pipeline_caches import SOURCE, assert_restored, caches, flip_byte, sequences
 
 pytestmark = pytest.mark.gpu
@@ -67,10 +68,25 @@ def test_a_flipped_byte_read_by_kvikio_is_refused_on_the_device(tmp_path, first_
     assert first_touch
 
 
-def test_a_file_truncated_after_open_fails_as_corrupt(tmp_path, first_touch):
-    path, _, targets = _snapshot(tmp_path)
-    with Snapshot.open(path) as snap:
-        os.truncate(path, path.stat().st_size // 2)
+def test_a_read_past_a_truncated_end_fails_as_corrupt(tmp_path, first_touch):
+    # A restore notices a truncated snapshot before it reads (the file's size is checked); this
+    # is the read itself finding the file shorter than the run it was asked for.
+    path = tmp_path / "data.bin"
+    data = np.random.default_rng(7).integers(0, 256, 8 << 20, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        handle = kvikio_reads.KvikioFile(fd, read_threads())
+        whole = np.zeros(4 << 20, dtype=np.uint8)
+        pool = read_executor()
+        read = kvikio_reads.read_runs_async([(handle, str(path))], [(0, 1 << 20, whole)], pool)
+        assert len(read.result()) == 0
+        assert np.array_equal(whole, data[1 << 20 : 5 << 20])
+        os.truncate(path, 3 << 20)
+        cut = np.zeros(4 << 20, dtype=np.uint8)
+        read = kvikio_reads.read_runs_async([(handle, str(path))], [(0, 1 << 20, cut)], pool)
         with pytest.raises(SnapshotCorruptError):
-            Pipeline(targets[0].layout).restore(snap, {"s0": BLOCKS})
-    assert first_touch
+            read.result()
+        handle.close()
+    finally:
+        os.close(fd)
