@@ -82,8 +82,8 @@ class _Preparing:
 
 def fits(spare_size: int, needed: int) -> bool:
     """Whether a capture of ``needed`` bytes takes a spare of ``spare_size`` bytes: cutting
-    the rest off a registered file costs about a third of what making the file costs per byte
-    (benchmarks/tmpfs_pages.py), so a file more than twice the capture's size is not worth it."""
+    the rest off costs about half of what populating costs per byte (benchmarks/tmpfs_pages.py),
+    so a tail longer than the capture would cost about what making the capture's file does."""
     return needed <= spare_size <= max(2 * needed, needed + SPARE_SIZE_STEP)
 
 
@@ -113,7 +113,7 @@ class SpareFiles:
             if future is None or future.cancel():
                 del self._entries[key]
                 return None
-        future.result()
+        concurrent.futures.wait([future])  # its task never raises
         with self._lock:
             entry = self._entries.get(key)
             if isinstance(entry, SpareFile) and fits(entry.mapped.size, needed):
@@ -182,9 +182,11 @@ class SpareFiles:
         spare = None
         try:
             spare = _make_spare(key, preparing, final_path, owner, register)
-        except (OSError, ValueError):
+        except Exception:
+            # No room, no pinnable memory, a driver error: no spare (the next capture makes
+            # its own file, and meets the same error there if it is not passing).
             with self._lock:
-                self.counts["failed"] += 1  # no room, no pinnable memory: no spare
+                self.counts["failed"] += 1
         with self._lock:
             keep = (
                 spare is not None
