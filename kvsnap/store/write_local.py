@@ -167,7 +167,8 @@ class LocalTarget(WriteTarget):
     ) -> bool:
         """Write ``file`` into ``spare`` instead: renamed to a temporary name of ``file``'s
         own, cut to the file's size, the front written again, registered if it is not. False
-        (the spare removed) when it cannot be renamed; ``OSError`` after it is ``file``'s."""
+        (the spare removed) when it cannot be renamed or cut; ``OSError`` once it is
+        ``file``'s (already of the file's size, as the staged path then needs)."""
         final = file.final.path
         temp = os.path.join(
             os.path.dirname(final),
@@ -176,12 +177,13 @@ class LocalTarget(WriteTarget):
         with traced(self._trace, "setup.map.spare", layout.file_size):
             try:
                 os.rename(spare.path, temp)
+                spare.path = temp
+                spare.mapped.shrink_file(layout.file_size)
             except OSError:
                 spare.discard()  # removed by someone: make the file as usual
                 return False
             file.adopt(spare.mapped.fd, temp)
             self._mapped_files.append(spare.mapped)
-            spare.mapped.shrink_file(layout.file_size)
             self._write_front(file, layout)
         if register and not spare.mapped.registered:
             with traced(self._trace, "setup.map.register", spare.mapped.size):

@@ -97,6 +97,19 @@ def test_a_capture_too_large_for_the_spare_makes_its_own_file(shm_dir: Path) -> 
     assert (shm_dir / after).stat().st_size >= _sizes(large)[0]
 
 
+def test_a_spare_removed_by_hand_is_replaced_by_a_file_of_its_own(shm_dir: Path) -> None:
+    write_mapped(shm_dir / "a.safetensors", *build("f16-32k", seed=77))
+    [spare] = spare_names(shm_dir)
+    (shm_dir / spare).unlink()  # someone removes it; this process still holds it as a spare
+    second = build("f16-32k", seed=78)
+    kinds = _traced_write(shm_dir / "b.safetensors", *second)
+    assert "setup.map.populate" in kinds  # the file was made as usual, and mapped
+    write_snapshot(shm_dir / "written.safetensors", *second)
+    assert (shm_dir / "b.safetensors").read_bytes() == (
+        shm_dir / "written.safetensors"
+    ).read_bytes()
+
+
 def test_a_spare_is_never_a_snapshot(shm_dir: Path) -> None:
     snapshot = build("f16-32k", seed=65)
     path = shm_dir / "snap.safetensors"
