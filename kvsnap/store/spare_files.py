@@ -101,7 +101,7 @@ class SpareFiles:
     def take(self, directory: str, needed: int) -> SpareFile | None:
         """The spare of ``directory`` if it fits a file of ``needed`` bytes (:func:`fits`),
         now the caller's; waits for one being made (the same work the caller would do),
-        unless its making has not started (then it is cancelled). ``None`` otherwise."""
+        unless its making has not started (then it is called off). ``None`` otherwise."""
         key = os.path.abspath(directory)
         with self._lock:
             entry = self._entries.get(key)
@@ -110,7 +110,10 @@ class SpareFiles:
             if isinstance(entry, SpareFile):
                 return self._taken_locked(key)
             future = entry.future
-            if future is None or future.cancel():
+            if future is None or not future.running():
+                # Queued behind other work: the caller makes its own file sooner. The task
+                # still runs, to remove the spares it replaces, and makes none.
+                entry.cancelled = True
                 del self._entries[key]
                 return None
         concurrent.futures.wait([future])  # its task never raises
@@ -151,9 +154,7 @@ class SpareFiles:
             replaced = [entry for entry in dropped if isinstance(entry, SpareFile)]
             for entry in dropped:
                 if isinstance(entry, _Preparing):
-                    entry.cancelled = True
-                    if entry.future is not None:
-                        entry.future.cancel()
+                    entry.cancelled = True  # its task removes what it replaces, makes nothing
             self.counts["dropped"] += len(dropped)
             register = register and tuning.SPARE_CAPTURE_FILES_REGISTERED
             try:
@@ -218,14 +219,15 @@ class SpareFiles:
         self, entries: list[SpareFile | _Preparing]
     ) -> list[concurrent.futures.Future[None]]:
         """Remove the spares made among ``entries`` and cancel those being made; returns the
-        tasks still running, which remove their spare when they end."""
+        tasks of the latter, which remove what they made or replace when they end (a task is
+        never cancelled unstarted: it holds the spares it replaces, to remove first)."""
         running = []
         for entry in entries:
             if isinstance(entry, SpareFile):
                 entry.discard()
                 continue
             entry.cancelled = True
-            if entry.future is not None and not entry.future.cancel():
+            if entry.future is not None:
                 running.append(entry.future)
         with self._lock:
             self.counts["dropped"] += len(entries)

@@ -28,6 +28,7 @@ import kvsnap
 from kvsnap.snapshot import Snapshot
 from kvsnap.store import SnapshotReader, mapping_release, publish, spare_files, tuning
 from kvsnap.store.mapped_file import MappedFile
+from kvsnap.store.pools import shared_executor
 from kvsnap.store.spare_files import SPARE_SIZE_STEP
 from tests.support.store_helpers import (
     build,
@@ -137,6 +138,33 @@ def test_clear_caches_removes_the_spares(shm_dir: Path) -> None:
     assert held == (shm_dir / spare).stat().st_size and registered == 0  # no CUDA here
     kvsnap.clear_caches()
     assert os.listdir(shm_dir) == ["snap.safetensors"]
+    assert spare_files.spare_files().held_bytes() == (0, 0)
+
+
+def test_a_spare_replaced_while_its_successor_waits_is_removed_when_dropped(
+    shm_dir: Path,
+) -> None:
+    """A larger capture replaces the directory's spare: the old one is removed by the task
+    that makes the new one. Dropped while that task still waits its turn, the task still
+    runs, removes the old spare, and makes nothing."""
+    import threading
+
+    write_mapped(shm_dir / "small.safetensors", *build("f16-32k", seed=79))
+    [old] = spare_names(shm_dir)
+    turn = threading.Event()
+    blocker = shared_executor("spare", 1).submit(turn.wait)
+    large = build("f16-32k", seed=80, extra_blocks=SPARE_SIZE_STEP // (32 << 10) + 8)
+    write_mapped(shm_dir / "large.safetensors", *large)  # the old spare does not fit it
+    dropping = threading.Thread(
+        target=spare_files.spare_files().drop, kwargs={"under": str(shm_dir)}
+    )
+    dropping.start()
+    time.sleep(0.2)
+    assert (shm_dir / old).exists() and dropping.is_alive()  # waits for the task's turn
+    turn.set()
+    dropping.join(30)
+    blocker.result()
+    assert sorted(os.listdir(shm_dir)) == ["large.safetensors", "small.safetensors"]
     assert spare_files.spare_files().held_bytes() == (0, 0)
 
 
