@@ -159,11 +159,13 @@ def test_a_spare_replaced_while_its_successor_waits_is_removed_when_dropped(
         target=spare_files.spare_files().drop, kwargs={"under": str(shm_dir)}
     )
     dropping.start()
-    time.sleep(0.2)
-    assert (shm_dir / old).exists() and dropping.is_alive()  # waits for the task's turn
-    turn.set()
-    dropping.join(30)
-    blocker.result()
+    try:
+        time.sleep(0.2)
+        assert (shm_dir / old).exists() and dropping.is_alive()  # waits for the task's turn
+    finally:
+        turn.set()  # a failure here must not leave the spare pool's thread blocked
+        dropping.join(30)
+        blocker.result()
     assert sorted(os.listdir(shm_dir)) == ["large.safetensors", "small.safetensors"]
     assert spare_files.spare_files().held_bytes() == (0, 0)
 
