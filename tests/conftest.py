@@ -74,7 +74,18 @@ def shm_dir() -> Iterator[Path]:
         pytest.skip("no memory-backed /dev/shm here")
     directory = Path(tempfile.mkdtemp(prefix="kvsnap-test-", dir="/dev/shm"))
     yield directory
+    _drop_spares(directory)
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def _drop_spares(directory: Path) -> None:
+    """Remove the spare capture files a test's DMA captures left in ``directory`` (they hold
+    memory until dropped) and wait for their mappings' releases."""
+    from kvsnap.store.mapping_release import wait_for_releases
+    from kvsnap.store.spare_files import drop_spare_files
+
+    drop_spare_files(str(directory))
+    wait_for_releases()
 
 
 @pytest.fixture

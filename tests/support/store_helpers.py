@@ -140,8 +140,26 @@ def page_of(pages: np.ndarray, page_bytes: int, block: int) -> bytes:
 
 
 def temp_files(directory: Path) -> list[str]:
-    """The writers' temporary files in ``directory``."""
-    return sorted(name for name in os.listdir(directory) if ".kvsnap-tmp-" in name)
+    """The writers' temporary files in ``directory``, but for this process's spare capture
+    files (``store/spare_files.py``: made in the background after a DMA capture, waited for
+    here; :func:`spare_names` lists them)."""
+    spares = set(spare_names(directory))
+    return sorted(
+        name for name in os.listdir(directory) if ".kvsnap-tmp-" in name and name not in spares
+    )
+
+
+def spare_names(directory: Path) -> list[str]:
+    """The names of this process's spare capture files in ``directory``, once none is being
+    made."""
+    from kvsnap.store.spare_files import spare_files
+
+    spare_files().wait()
+    return sorted(
+        os.path.basename(path)
+        for path in spare_files().paths()
+        if os.path.dirname(path) == os.path.abspath(directory)
+    )
 
 
 def write_mapped(

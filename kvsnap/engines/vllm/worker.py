@@ -75,6 +75,7 @@ from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry
 from kvsnap.pipeline import Pipeline
 from kvsnap.snapshot import SequenceBlocks, Snapshot
+from kvsnap.store.spare_files import drop_spare_files
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -404,11 +405,13 @@ class KVSnapWorker:
             self._saves.drain()
 
     def shutdown(self) -> None:
-        """Finish every queued snapshot write, then drop the pipeline."""
+        """Finish every queued snapshot write, then drop the pipeline and the spare capture
+        files its DMA saves left in the store's directories (``store/spare_files.py``)."""
         if self._saves is not None:
             self._saves.shutdown()
             self._saves = None
         self._pipeline = None
+        drop_spare_files(str(self.store.root))
 
 
 #: How often, and how long apart, a chunk found missing is opened again: a pruner that sets a
