@@ -54,8 +54,19 @@ def _synchronize() -> None:
 
 
 def profile(label: str, call: Callable[[Callable | None], object], repeat: int, top: int) -> None:
+    """Print the median wall and CPU time (every thread of the process) of ``repeat`` plain
+    calls, then the Python calls per call, the trace spans and cProfile's ``top`` functions
+    of ``repeat`` profiled ones."""
     for _ in range(3):
         call(None)
+    wall, cpu = [], []
+    for _ in range(repeat):
+        _synchronize()
+        started, started_cpu = time.perf_counter(), time.process_time()
+        call(None)
+        _synchronize()
+        wall.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - started_cpu)
     spans: dict[str, float] = defaultdict(float)
 
     def trace(kind: str, started: float, finished: float, nbytes: int) -> None:
@@ -73,8 +84,9 @@ def profile(label: str, call: Callable[[Callable | None], object], repeat: int, 
         times.append(time.perf_counter() - started)
     stats = pstats.Stats(profiler)
     print(
-        f"\n##### {label}: median {statistics.median(times) * 1e3:.2f} ms (profiled), "
-        f"{stats.total_calls / repeat:.0f} Python calls per call"
+        f"\n##### {label}: median {statistics.median(wall) * 1e3:.2f} ms, CPU "
+        f"{statistics.median(cpu) * 1e3:.2f} ms; {stats.total_calls / repeat:.0f} Python calls "
+        f"per call, median {statistics.median(times) * 1e3:.2f} ms profiled"
     )
     for kind, seconds in sorted(spans.items(), key=lambda item: -item[1]):
         print(f"  span {kind:<18} {seconds / repeat * 1e3:8.3f} ms/call")
