@@ -71,8 +71,10 @@ class _Remembered:
     replaced, added, removed or renamed (an adapter injected or deleted, a weight reassigned),
     a parameter written in place (``copy_``, ``load_state_dict``, an optimizer step) or given
     other ``.data``, or a setting of the config changed. It is a few passes of C-level
-    ``map``s over the modules' dicts and the parameters: a Python loop over an 8B model's 423
-    modules took ~0.5 ms of every restore on the development VM.
+    ``map``s over the modules' dicts and the parameters; for an 8B model's 423 modules and 291
+    parameters it reads memory the restore before it evicted from the CPU's caches (~0.9 ms
+    then on the development VM, ~0.4 ms in a loop: docs/benchmarks.md). Torch signals none of
+    these changes (a deletion fires no registration hook), so nothing cheaper is exact.
 
     Modules are held by weak reference: this object is the value of a weak-keyed map whose key
     is the model, and a strong reference to any module of it would keep the model alive."""
