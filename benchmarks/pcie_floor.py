@@ -60,8 +60,8 @@ import torch
 
 from benchmarks.engine import (
     FIXED_CASES,
-    _layouts,
     build_model,
+    case_layouts,
     drop_cache,
     kv_tensors,
     median_ms,
@@ -303,8 +303,8 @@ def fixed(directory: Path, repeat: int) -> list[dict]:
     """Warm ``Snapshot.open`` + restore of 16 and 128 tokens, hot tier off and on."""
     rows = []
     for label, kind, layers, heads, dim, tp_size in FIXED_CASES:
-        source = _layouts(kind, layers, heads, dim, tp_size)
-        target = _layouts(kind, layers, heads, dim, tp_size)
+        source = case_layouts(kind, layers, heads, dim, tp_size)
+        target = case_layouts(kind, layers, heads, dim, tp_size)
         for tokens in (16, 128):
             row = _fixed_row(source, target, tokens, directory / "fixed.safetensors", repeat)
             row["case"] = label

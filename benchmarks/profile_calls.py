@@ -278,29 +278,17 @@ def profile_fixed(directory: Path, args: argparse.Namespace) -> None:
     passes them), and warm ``restore_dynamic_cache`` calls of 16 and 128 tokens checked
     against a 32-layer transformers model with the 8B model's module tree and KV shape (the
     model check included; a new cache every call, the last four kept)."""
-    from benchmarks.engine import BLOCK, FIXED_CASES
+    from benchmarks.engine import BLOCK, FIXED_CASES, case_layouts
     from kvsnap.pipeline.jobs import restore_pairs
     from kvsnap.pipeline.shared_tables import shared_page_table
     from kvsnap.transfer.plan import Direction
 
     path = directory / "fixed.safetensors"
     for label, kind, layers, heads, dim, tp_size in FIXED_CASES:
-        shape = {"latent_dim": dim} if kind == "mla" else {"num_kv_heads": heads, "head_dim": dim}
         source, target = (
-            [
-                allocate_cache(
-                    kind,
-                    num_layers=layers,
-                    num_blocks=8,
-                    block_size=BLOCK,
-                    tp_rank=rank,
-                    tp_size=tp_size,
-                    dtype=torch.bfloat16,
-                    device=args.device,
-                    **shape,
-                ).layout
-                for rank in range(tp_size)
-            ]
+            case_layouts(
+                kind, layers, heads, dim, tp_size, num_blocks=8, device=args.device, fill="zeros"
+            )
             for _ in range(2)
         )
         blocks = np.arange(1, dtype=np.int64)

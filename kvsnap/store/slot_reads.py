@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -92,6 +92,18 @@ class PageRuns:
     starts: np.ndarray
     stops: np.ndarray
 
+    def rows(self) -> Iterator[tuple[int, int, int, int, int]]:
+        """Per run, as Python ints: its file, first byte there, offset in the slot, and first
+        and stop page."""
+        return zip(
+            self.files.tolist(),
+            self.file_offsets.tolist(),
+            self.slot_offsets.tolist(),
+            self.starts.tolist(),
+            self.stops.tolist(),
+            strict=True,
+        )
+
 
 def page_runs(
     extents: TensorExtents,
@@ -128,14 +140,7 @@ def _pieces(
     per_piece = max(-(-len(page_tensors) // pieces_per_slot()), MIN_PIECE_BYTES // page, 1)
     per_piece = min(per_piece, max(1, MAX_PIECE_BYTES // page))
     pieces = []
-    for file, file_offset, slot_offset, start, stop in zip(
-        runs.files.tolist(),
-        runs.file_offsets.tolist(),
-        runs.slot_offsets.tolist(),
-        runs.starts.tolist(),
-        runs.stops.tolist(),
-        strict=True,
-    ):
+    for file, file_offset, slot_offset, start, stop in runs.rows():
         for first in range(start, stop, per_piece):
             last = min(stop, first + per_piece)
             skipped = (first - start) * page
@@ -227,14 +232,7 @@ def _read_by_kvikio(
     page = extents.page_size_bytes
     reads = [
         (file, file_offset, flat[slot_offset : slot_offset + (stop - start) * page])
-        for file, file_offset, slot_offset, start, stop in zip(
-            runs.files.tolist(),
-            runs.file_offsets.tolist(),
-            runs.slot_offsets.tolist(),
-            runs.starts.tolist(),
-            runs.stops.tolist(),
-            strict=True,
-        )
+        for file, file_offset, slot_offset, start, stop in runs.rows()
     ]
     return read_runs_async(files, reads, read_executor(), trace)
 

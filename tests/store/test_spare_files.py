@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from kvsnap.store.pools import shared_executor
 from kvsnap.store.spare_files import SPARE_SIZE_STEP
 from tests.support.store_helpers import (
     build,
+    mounted_tmpfs,
     spare_names,
     temp_files,
     write_mapped,
@@ -300,20 +300,8 @@ def test_a_process_killed_while_making_a_spare_leaves_only_a_dead_temporary(
 def small_tmpfs() -> Iterator[Path]:
     """An 8 MiB tmpfs: room for a few snapshots of geometry "f16-32k" (skipped where mounting
     needs a root this process is not)."""
-    directory = Path(tempfile.mkdtemp(prefix="kvsnap-spare-tmpfs-"))
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(directory)],
-        capture_output=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        directory.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs("8m", "kvsnap-spare-tmpfs-") as directory:
         yield directory
-    finally:
-        subprocess.run(["umount", str(directory)], check=False)
-        directory.rmdir()
 
 
 def _fill_then_capture(directory: str) -> dict[str, object]:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import subprocess
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import xxhash
 
 from kvsnap import format as fmt
@@ -209,3 +213,23 @@ def stored_and_actual_digests(path: Path) -> tuple[list[list[int]], list[list[in
                 ]
             )
     return stored, actual
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(size: str, prefix: str) -> Iterator[Path]:
+    """A new tmpfs of ``size`` (``mount -o size=``) on a new directory, unmounted and removed
+    afterwards; the test is skipped where mounting needs a root this process is not."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        directory.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", str(directory)], check=False)
+        directory.rmdir()
