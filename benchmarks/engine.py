@@ -72,6 +72,24 @@ def drop_cache(path: Path) -> None:
 # restore vs recompute
 
 
+def kv_shaped_llama(device: str = "cpu") -> torch.nn.Module:
+    """A small random bf16 Llama whose KV has the 8B shape (32 layers, 8 KV heads x 128) and
+    little else: for timing the host's share of cache calls, not a forward pass."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=32,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=1000,
+    )
+    return LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+
+
 def build_model() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 

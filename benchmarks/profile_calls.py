@@ -333,21 +333,13 @@ def profile_model_check(directory: Path, args: argparse.Namespace) -> None:
     """The ``restore_dynamic_cache`` calls of :func:`profile_fixed`."""
     from collections import deque
 
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache
 
+    from benchmarks.engine import kv_shaped_llama
     from kvsnap.engines import transformers as kt
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=32,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=1000,
-    )
-    model = LlamaForCausalLM(config).to(device=args.device, dtype=torch.bfloat16).eval()
+    model = kv_shaped_llama(args.device)
+    config = model.config
     for tokens in (16, 128):
         ids = torch.randint(0, 1000, (1, tokens), device=args.device)
         with torch.no_grad():

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine import build_model, kv_tensors, median_ms, prefill
+from benchmarks.engine import build_model, kv_shaped_llama, kv_tensors, median_ms, prefill
 from benchmarks.pcie_floor import (
     _exact,
     _raw_copies,
@@ -187,23 +187,14 @@ def _dynamic_cache_steps() -> _Steps:
 
 def host_costs(sizes: list[int], repeat: int) -> list[dict]:
     """The host's share of warm ``restore_dynamic_cache`` calls into CPU memory, per step."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache
 
     from kvsnap.engines import transformers as kt
     from kvsnap.engines.transformers import dynamic
     from kvsnap.snapshot import Snapshot
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=32,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=1000,
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = kv_shaped_llama("cpu")
+    config = model.config
     directory = Path(tempfile.mkdtemp(dir="/dev/shm"))
     steps = _dynamic_cache_steps()
     steps.wrap(dynamic, "contiguous_layout", "layout built")
