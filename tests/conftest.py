@@ -95,3 +95,12 @@ def mapped_from_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvsnap.store import tuning
 
     monkeypatch.setattr(tuning, "MAPPED_WRITE_MIN_BYTES", 0)
+
+
+@pytest.fixture
+def spare_capture_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spare capture files on (``tuning.SPARE_CAPTURE_FILES_BYTES``, off by default), at the
+    2 GiB the design is drawn for."""
+    from kvsnap.store import tuning
+
+    monkeypatch.setattr(tuning, "SPARE_CAPTURE_FILES_BYTES", 2 << 30)

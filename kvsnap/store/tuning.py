@@ -56,8 +56,10 @@ PENDING_RELEASE_BYTES = 2 << 30
 #: spare holds its size of RAM while it waits. 2 GiB holds the spare of one 8,192-token prefix
 #: of the 8B shape (1.07 GB) or of seven 2,048-token ones (268 MB each); with the hot tier's
 #: 4 GiB (``hot.HOT_BYTES``) kvsnap pins at most 6 GiB plus what captures have in flight. 0
-#: turns spares off.
-SPARE_CAPTURE_FILES_BYTES = 2 << 30
+#: (the default) turns spares off: they have not yet run on a GPU, nor been measured against
+#: the RAM they hold (a vLLM store spreads chunks over 256 directories, where a spare per
+#: directory is rarely taken); ``2 << 30`` is the size the design above is drawn for.
+SPARE_CAPTURE_FILES_BYTES = 0
 #: Whether a spare capture file is registered with CUDA in the background (``True``) or only
 #: populated (its capture then registers it: pinning populated pages, 13 ms of 268 MB on the
 #: H200 machine). A registered spare pins its RAM; a populated one holds the same RAM in the

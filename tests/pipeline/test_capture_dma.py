@@ -168,6 +168,7 @@ def test_an_interrupted_dma_capture_leaves_the_old_file(shm_dir: Path) -> None:
         assert snap.verify() == []
 
 
+@pytest.mark.usefixtures("spare_capture_files")
 def test_a_dma_capture_from_the_spare_file_restores_bit_exact(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -38,7 +38,7 @@ from tests.support.store_helpers import (
     write_snapshot,
 )
 
-pytestmark = pytest.mark.usefixtures("mapped_from_any_size")
+pytestmark = pytest.mark.usefixtures("mapped_from_any_size", "spare_capture_files")
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -222,6 +222,7 @@ _EXIT_CHILD = textwrap.dedent(
     from tests.support.store_helpers import build, write_mapped
 
     tuning.MAPPED_WRITE_MIN_BYTES = 0
+    tuning.SPARE_CAPTURE_FILES_BYTES = 2 << 30
     directory, marker = sys.argv[1], sys.argv[2]
     real_close = MappedFile.close
 
@@ -264,6 +265,7 @@ def _write_and_die_while_making_the_spare(path: str) -> None:
     import threading
 
     tuning.MAPPED_WRITE_MIN_BYTES = 0
+    tuning.SPARE_CAPTURE_FILES_BYTES = 2 << 30
     real_populate = MappedFile.populate
 
     def populate(mapped: MappedFile, executor, threads: int) -> bool:
@@ -310,6 +312,7 @@ def _fill_then_capture(directory: str) -> dict[str, object]:
     from kvsnap.store import spare_files as spares
 
     tuning.MAPPED_WRITE_MIN_BYTES = 0
+    tuning.SPARE_CAPTURE_FILES_BYTES = 2 << 30
     spares.SPARE_SIZE_STEP = 4096  # spares of the files' own sizes, for a small filesystem
     write_mapped(os.path.join(directory, "a.safetensors"), *build("f16-32k", seed=72))
     registry = spares.spare_files()

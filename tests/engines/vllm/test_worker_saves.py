@@ -411,6 +411,7 @@ def test_engines_sharing_a_store_hold_its_bound(tmp_path: Path) -> None:
     assert store_bytes(tmp_path / "store") <= capacity
 
 
+@pytest.mark.usefixtures("spare_capture_files")
 def test_shutdown_drops_the_spare_capture_files_in_the_store(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
