@@ -72,6 +72,24 @@ def drop_cache(path: Path) -> None:
 # restore vs recompute
 
 
+def kv_shaped_llama(device: str = "cpu") -> torch.nn.Module:
+    """A small random bf16 Llama whose KV has the 8B shape (32 layers, 8 KV heads x 128) and
+    little else: for timing the host's share of cache calls, not a forward pass."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=32,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=1000,
+    )
+    return LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+
+
 def build_model() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -190,19 +208,31 @@ FIXED_CASES = [
 ]
 
 
-def _layouts(kind: str, layers: int, heads: int, dim: int, tp_size: int) -> list:
+def case_layouts(
+    kind: str,
+    layers: int,
+    heads: int,
+    dim: int,
+    tp_size: int,
+    *,
+    num_blocks: int = 64,
+    device: str = "cuda",
+    fill: str = "empty",
+) -> list:
+    """One bf16 cache layout per TP rank of a :data:`FIXED_CASES` case (``dim`` is the latent
+    width of an MLA case, the head width otherwise)."""
     geometry = {"latent_dim": dim} if kind == "mla" else {"num_kv_heads": heads, "head_dim": dim}
     return [
         allocate_cache(
             kind,
             num_layers=layers,
-            num_blocks=64,
+            num_blocks=num_blocks,
             block_size=BLOCK,
             tp_rank=rank,
             tp_size=tp_size,
             dtype=torch.bfloat16,
-            device="cuda",
-            fill="empty",
+            device=device,
+            fill=fill,
             **geometry,
         ).layout
         for rank in range(tp_size)
@@ -212,8 +242,8 @@ def _layouts(kind: str, layers: int, heads: int, dim: int, tp_size: int) -> list
 def fixed_costs(directory: Path, repeat: int) -> list[dict]:
     rows = []
     for label, kind, layers, heads, dim, tp_size in FIXED_CASES:
-        source = _layouts(kind, layers, heads, dim, tp_size)
-        target = _layouts(kind, layers, heads, dim, tp_size)
+        source = case_layouts(kind, layers, heads, dim, tp_size)
+        target = case_layouts(kind, layers, heads, dim, tp_size)
         for tokens in (16, 128):
             row = _fixed_case(source, target, tokens, directory / "fixed.safetensors", repeat)
             row["case"] = label

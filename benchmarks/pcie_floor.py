@@ -24,14 +24,21 @@ tokens (open included) of benchmarks/engine.py's fixed-cost cases with the hot t
 
 With ``--capture 128,2048,8192`` it times captures to the memory-backed directory instead
 (issue 26, item 4), per prefix of the same shape, the calls of each kind interleaved round by
-round: ``Pipeline.capture`` by DMA into the new file's registered mapping (forced at every
-size; ``default_path`` says which path the size gets by default), the same forced through
-pinned staging and ``pwrite`` (today's path), a raw ``pwrite`` of the
-file's bytes from pinned memory into a new file on the same filesystem (64 MiB writes, fsync,
-the file created and removed each time), and the pinned device->host copy of the KV bytes (the
-floor). The two captures must give the same file, and the DMA one restores bit-exact. With
-``--populate-sweep 1,4,8,16`` it also times DMA captures of 2,048 tokens with that many threads
-faulting the new file's pages in (``tuning.POPULATE_THREADS``).
+round, each path in a directory of its own: ``Pipeline.capture`` by DMA into the registered
+mapping of the spare file the previous capture into the directory left (``dma_spare``: made
+and registered in the background; ``dma_spare_populated``: made and populated, registered by
+the capture), by DMA into a file it makes itself (``dma``: spares off), all forced at every
+size (``default_path`` says which path the size gets by default); the same forced through
+pinned staging and ``pwrite`` (``write``, today's path); a raw ``pwrite`` of the file's bytes
+from pinned memory into a new file on the same filesystem (64 MiB writes, fsync, the file
+created and removed each time); and the pinned device->host copy of the KV bytes (the floor).
+Each timed call starts with the background settled (the spare made, the last mapping
+released); what the background still had to do when a capture returned is
+``*_background_ms``; ``*_back_to_back_ms`` are the DMA paths' captures in a row with nothing
+settled between them. Every path must give the staged file byte for byte, and the file written
+into a spare restores bit-exact. With ``--populate-sweep 1,4,8,16`` it also times DMA captures
+of 2,048 tokens (no spares) with that many threads faulting the new file's pages in
+(``tuning.POPULATE_THREADS``).
 """
 
 from __future__ import annotations
@@ -53,8 +60,8 @@ import torch
 
 from benchmarks.engine import (
     FIXED_CASES,
-    _layouts,
     build_model,
+    case_layouts,
     drop_cache,
     kv_tensors,
     median_ms,
@@ -296,8 +303,8 @@ def fixed(directory: Path, repeat: int) -> list[dict]:
     """Warm ``Snapshot.open`` + restore of 16 and 128 tokens, hot tier off and on."""
     rows = []
     for label, kind, layers, heads, dim, tp_size in FIXED_CASES:
-        source = _layouts(kind, layers, heads, dim, tp_size)
-        target = _layouts(kind, layers, heads, dim, tp_size)
+        source = case_layouts(kind, layers, heads, dim, tp_size)
+        target = case_layouts(kind, layers, heads, dim, tp_size)
         for tokens in (16, 128):
             row = _fixed_row(source, target, tokens, directory / "fixed.safetensors", repeat)
             row["case"] = label
@@ -361,9 +368,15 @@ def profile(model, tokens: int, directory: Path, out: Path) -> None:
     path.unlink()
 
 
+#: The capture paths ``--capture`` times: by DMA taking the spare file its directory's previous
+#: capture left (registered in the background, or only populated), by DMA making its own file
+#: (no spares), and through pinned staging and ``pwrite`` (today's path).
+CAPTURE_PATHS = ("dma_spare", "dma_spare_populated", "dma", "write")
+
+
 class _CaptureCase:
     """One prefix of the 8B shape in a vLLM NHD cache of random bits, captured by a kept
-    ``Pipeline`` to ``directory`` by DMA (``"dma"``) or through pinned staging (``"write"``),
+    ``Pipeline`` into a directory of its own per path (a spare file belongs to a directory),
     each path forced whatever the size (the sizes under the bound show what it costs)."""
 
     def __init__(self, tokens: int, directory: Path) -> None:
@@ -382,47 +395,70 @@ class _CaptureCase:
         self.ids = np.arange(blocks, dtype=np.int64)
         self.sequence = SequenceBlocks("s", np.arange(tokens), self.ids)
         self.pipeline = Pipeline(self.source.layout)
-        self.paths = {
-            name: directory / f"capture-{name}-{tokens}.safetensors" for name in ("dma", "write")
-        }
+        self.paths = {}
+        for name in CAPTURE_PATHS:
+            (directory / f"kvsnap-capture-{name}").mkdir(exist_ok=True)
+            self.paths[name] = (
+                directory / f"kvsnap-capture-{name}" / f"capture-{tokens}.safetensors"
+            )
         self.kv_bytes = sum(
             t.tensor.numel() * t.tensor.element_size() for t in self.source.layout.tensors
         )
 
     def capture(self, name: str, trace: Callable[..., None] | None = None) -> object:
+        """One capture by path ``name`` (the tuning it needs set for the call only)."""
         from benchmarks.engine import SOURCE
 
-        previous = tuning.MAPPED_WRITE_MIN_BYTES
+        previous = (
+            tuning.MAPPED_WRITE_MIN_BYTES,
+            tuning.SPARE_CAPTURE_FILES_BYTES,
+            tuning.SPARE_CAPTURE_FILES_REGISTERED,
+        )
         tuning.MAPPED_WRITE_MIN_BYTES = 1 << 62 if name == "write" else 0
+        # Room for a spare in each directory that keeps one (one 8,192-token file is 1.07 GB).
+        tuning.SPARE_CAPTURE_FILES_BYTES = 0 if name == "dma" else 4 * self.kv_bytes
+        tuning.SPARE_CAPTURE_FILES_REGISTERED = name != "dma_spare_populated"
         try:
             return self.pipeline.capture(
                 [self.sequence], self.paths[name], source=SOURCE, reproducible=True, trace=trace
             )
         finally:
-            tuning.MAPPED_WRITE_MIN_BYTES = previous
+            (
+                tuning.MAPPED_WRITE_MIN_BYTES,
+                tuning.SPARE_CAPTURE_FILES_BYTES,
+                tuning.SPARE_CAPTURE_FILES_REGISTERED,
+            ) = previous
 
     def checked(self) -> dict[str, object]:
-        """Both paths once: the path the DMA capture took, whether both gave the same file,
-        and whether the DMA file restores bit-exact."""
+        """Every path once (the spare paths twice: the second call takes the spare the first
+        left): the path each DMA capture took, whether every path gave the staged file byte for
+        byte, and whether the file written into a spare restores bit-exact."""
         from kvsnap.snapshot import Snapshot
 
-        result = self.capture("dma")
-        self.capture("write")
-        dma, staged = self.paths["dma"], self.paths["write"]
-        with Snapshot.open(dma) as snap:
+        results = {}
+        for name in CAPTURE_PATHS:
+            results[name] = self.capture(name)
+            if name.startswith("dma_spare"):
+                background_settled()
+                kinds: list[str] = []
+                results[name] = self.capture(name, lambda kind, *_, seen=kinds: seen.append(kind))
+                results[f"{name}_taken"] = "setup.map.spare" in kinds
+        with Snapshot.open(self.paths["dma_spare"]) as snap:
             snap.restore(self.target.layout, {"s": self.ids})
         torch.cuda.synchronize()
         pairs = zip(self.source.layout.tensors, self.target.layout.tensors, strict=True)
-        return {
-            "file_bytes": dma.stat().st_size,
-            "data_path": result.data_path,
-            "dma_refused": result.dma_refused,
-            "same_file": dma.read_bytes() == staged.read_bytes(),
-            "dma_exact": all(
-                torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8))
-                for a, b in pairs
-            ),
-        }
+        staged = self.paths["write"].read_bytes()
+        row: dict[str, object] = {"file_bytes": len(staged)}
+        for name in CAPTURE_PATHS[:-1]:
+            row[f"{name}_data_path"] = results[name].data_path  # type: ignore[attr-defined]
+            row[f"{name}_same_file"] = self.paths[name].read_bytes() == staged
+        row["spare_taken"] = results["dma_spare_taken"]
+        row["spare_populated_taken"] = results["dma_spare_populated_taken"]
+        row["dma_refused"] = results["dma"].dma_refused  # type: ignore[attr-defined]
+        row["dma_spare_exact"] = all(
+            torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8)) for a, b in pairs
+        )
+        return row
 
     def spans(self, name: str) -> dict[str, float]:
         """One traced capture by ``name``: the summed ms of each kind of span."""
@@ -431,15 +467,40 @@ class _CaptureCase:
         def trace(kind: str, started: float, finished: float, nbytes: int) -> None:
             spans[kind] = spans.get(kind, 0.0) + (finished - started) * 1e3
 
+        background_settled()
         self.paths[name].unlink(missing_ok=True)
         self.capture(name, trace)
         self.paths[name].unlink()
         return {kind: round(ms, 3) for kind, ms in sorted(spans.items())}
 
+    def remove(self) -> None:
+        """Drop the spares and the directories."""
+        from kvsnap.store.spare_files import drop_spare_files
+
+        background_settled()
+        for path in self.paths.values():
+            drop_spare_files(str(path.parent))
+            shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def background_settled() -> float:
+    """Wait until no spare file is being made and no mapping waits to be released; the ms
+    waited (what the background still had to do)."""
+    from kvsnap.store.mapping_release import wait_for_releases
+    from kvsnap.store.spare_files import spare_files
+
+    started = time.perf_counter()
+    spare_files().wait()
+    wait_for_releases()
+    return (time.perf_counter() - started) * 1e3
+
 
 def capture_to_memory(tokens: int, directory: Path, repeat: int) -> dict:
-    """Captures of one prefix to ``directory`` (memory-backed) by DMA and by today's path, a
-    raw write of the same bytes, and the pinned D2H floor, interleaved; medians in ms."""
+    """Captures of one prefix to ``directory`` (memory-backed) by each of
+    :data:`CAPTURE_PATHS`, a raw write of the same bytes and the pinned D2H floor,
+    interleaved round by round; medians in ms. Every timed call starts with the background
+    settled (the spare made, the last mapping released: what a capture finds when captures
+    are further apart than the background's work, reported as ``*_background_ms``)."""
     case = _CaptureCase(tokens, directory)
     row: dict[str, object] = {"tokens": tokens}
     row["default_path"] = "dma" if case.kv_bytes >= tuning.MAPPED_WRITE_MIN_BYTES else "write"
@@ -448,28 +509,52 @@ def capture_to_memory(tokens: int, directory: Path, repeat: int) -> dict:
     raw_write = _raw_write(directory / f"raw-{tokens}.bin", int(row["file_bytes"]))
     pinned = torch.empty(case.kv_bytes, dtype=torch.uint8, pin_memory=True)
     device = torch.empty_like(pinned, device="cuda").random_(0, 255)
-    runs = {
-        "dma": lambda: case.capture("dma"),
-        "write": lambda: case.capture("write"),
-        "raw_write": raw_write,
-        "floor": lambda: pinned.copy_(device, non_blocking=True),
+    runs: dict[str, Callable[[], object]] = {
+        name: (lambda name=name: case.capture(name)) for name in CAPTURE_PATHS
     }
+    runs["raw_write"] = raw_write
+    runs["floor"] = lambda: pinned.copy_(device, non_blocking=True)
     timings: dict[str, list[float]] = {name: [] for name in runs}
+    background: dict[str, list[float]] = {name: [] for name in CAPTURE_PATHS}
     for round_ in range(repeat + 1):
         for name, run in runs.items():
             if name in case.paths:
                 case.paths[name].unlink(missing_ok=True)  # a new file each time, as raw writes
+            background_settled()
             elapsed = _once_ms(run)
-            if round_:  # the first round warms up
+            settled = background_settled() if name in background else 0.0
+            if round_:  # the first round warms up (and leaves the spares)
                 timings[name].append(elapsed)
+                if name in background:
+                    background[name].append(settled)
     medians = {name: statistics.median(values) for name, values in timings.items()}
     row.update({f"{name}_ms": value for name, value in medians.items()})
-    row["raw_over_dma"] = medians["raw_write"] / medians["dma"]
+    row.update({f"{name}_background_ms": statistics.median(v) for name, v in background.items()})
+    for name in ("dma_spare", "dma"):
+        row[f"raw_over_{name}"] = medians["raw_write"] / medians[name]
+        row[f"write_over_{name}"] = medians["write"] / medians[name]
+        row[f"floor_over_{name}"] = medians["floor"] / medians[name]
     row["raw_over_write"] = medians["raw_write"] / medians["write"]
-    row["write_over_dma"] = medians["write"] / medians["dma"]
-    row["floor_over_dma"] = medians["floor"] / medians["dma"]
-    for name in ("dma", "write"):
+    for name in CAPTURE_PATHS:
         row[f"{name}_spans_ms"] = case.spans(name)
+    row.update(back_to_back(case, repeat))
+    case.remove()
+    return row
+
+
+def back_to_back(case: _CaptureCase, repeat: int) -> dict[str, float]:
+    """``repeat`` DMA captures in a row by each DMA path, nothing settled between them (an
+    engine saving request after request: the background's unregistering and the next spare
+    run beside the next capture, which waits for a spare still being made): medians, ms."""
+    background_settled()
+    row: dict[str, float] = {}
+    for name in CAPTURE_PATHS[:-1]:
+        times = []
+        for _ in range(repeat + 1):
+            case.paths[name].unlink(missing_ok=True)
+            times.append(_once_ms(lambda name=name: case.capture(name)))
+        row[f"{name}_back_to_back_ms"] = statistics.median(times[1:])
+        background_settled()
     return row
 
 
@@ -487,10 +572,15 @@ def populate_sweep(tokens: int, directory: Path, repeat: int, counts: list[int])
     pipeline = Pipeline(source.layout)
     sequence = SequenceBlocks("s", np.arange(tokens), np.arange(blocks, dtype=np.int64))
     path = directory / f"sweep-{tokens}.safetensors"
-    previous = (tuning.POPULATE_THREADS, tuning.MAPPED_WRITE_MIN_BYTES)
+    previous = (
+        tuning.POPULATE_THREADS,
+        tuning.MAPPED_WRITE_MIN_BYTES,
+        tuning.SPARE_CAPTURE_FILES_BYTES,
+    )
     timings: dict[int, list[float]] = {count: [] for count in counts}
     try:
         tuning.MAPPED_WRITE_MIN_BYTES = 0
+        tuning.SPARE_CAPTURE_FILES_BYTES = 0  # every capture populates its own file
         for round_ in range(repeat + 1):
             for count in counts:
                 tuning.POPULATE_THREADS = count
@@ -499,7 +589,11 @@ def populate_sweep(tokens: int, directory: Path, repeat: int, counts: list[int])
                 if round_:
                     timings[count].append(elapsed)
     finally:
-        tuning.POPULATE_THREADS, tuning.MAPPED_WRITE_MIN_BYTES = previous
+        (
+            tuning.POPULATE_THREADS,
+            tuning.MAPPED_WRITE_MIN_BYTES,
+            tuning.SPARE_CAPTURE_FILES_BYTES,
+        ) = previous
         path.unlink(missing_ok=True)
     row: dict[str, object] = {"tokens": tokens}
     row.update({f"dma_ms_{count}_threads": statistics.median(timings[count]) for count in counts})

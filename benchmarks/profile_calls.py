@@ -6,6 +6,12 @@ prefixes (32 layers x 8 heads; 80 layers x 8 TP ranks x 1 head held in one proce
 2,048-token ``DynamicCache`` shaped like an 8B model's, to a memory-backed file. For each it
 prints the median call, the summed trace spans per kind and cProfile's top functions.
 
+``--fixed`` profiles the calls whose fixed cost issue 26 bounds instead: warm ``Snapshot.open``
++ restore of 16 tokens into the four fixed-cost cases of benchmarks/engine.py, and warm
+``restore_dynamic_cache`` calls with their model check (a 32-layer model with the 8B model's
+module tree); the header of each prints the Python calls per call (deterministic, unlike
+times on a shared machine).
+
 ``--per-byte`` asks another question, on caches in host memory: what a byte costs when the
 cache is many small tensors. It captures and restores (``Snapshot.open`` + ``restore``) the same
 number of bytes (``--per-byte-mib``, default 256) for 32 layers x 8 heads (64 K/V tensors of
@@ -48,8 +54,19 @@ def _synchronize() -> None:
 
 
 def profile(label: str, call: Callable[[Callable | None], object], repeat: int, top: int) -> None:
+    """Print the median wall and CPU time (every thread of the process) of ``repeat`` plain
+    calls, then the Python calls per call, the trace spans and cProfile's ``top`` functions
+    of ``repeat`` profiled ones."""
     for _ in range(3):
         call(None)
+    wall, cpu = [], []
+    for _ in range(repeat):
+        _synchronize()
+        started, started_cpu = time.perf_counter(), time.process_time()
+        call(None)
+        _synchronize()
+        wall.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - started_cpu)
     spans: dict[str, float] = defaultdict(float)
 
     def trace(kind: str, started: float, finished: float, nbytes: int) -> None:
@@ -65,10 +82,14 @@ def profile(label: str, call: Callable[[Callable | None], object], repeat: int, 
         _synchronize()
         profiler.disable()
         times.append(time.perf_counter() - started)
-    print(f"\n##### {label}: median {statistics.median(times) * 1e3:.2f} ms (profiled)")
+    stats = pstats.Stats(profiler)
+    print(
+        f"\n##### {label}: median {statistics.median(wall) * 1e3:.2f} ms, CPU "
+        f"{statistics.median(cpu) * 1e3:.2f} ms; {stats.total_calls / repeat:.0f} Python calls "
+        f"per call, median {statistics.median(times) * 1e3:.2f} ms profiled"
+    )
     for kind, seconds in sorted(spans.items(), key=lambda item: -item[1]):
         print(f"  span {kind:<18} {seconds / repeat * 1e3:8.3f} ms/call")
-    stats = pstats.Stats(profiler)
     stats.sort_stats("tottime").print_stats(top)
 
 
@@ -237,13 +258,116 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--per-byte", action="store_true", help="per-byte cost in CPU caches")
     parser.add_argument("--per-byte-mib", type=int, default=256)
+    parser.add_argument(
+        "--fixed", action="store_true", help="the fixed-cost cases and the model check instead"
+    )
     args = parser.parse_args()
     # The files live in memory: removed at the end, also after a failure or ^C.
     with tempfile.TemporaryDirectory(dir="/dev/shm") as name:
         if args.per_byte:
             per_byte(Path(name), args.per_byte_mib, args.repeat)
+        elif args.fixed:
+            profile_fixed(Path(name), args)
         else:
             profile_calls(Path(name), args)
+
+
+def profile_fixed(directory: Path, args: argparse.Namespace) -> None:
+    """Profile warm ``Snapshot.open`` + restore of one block (16 tokens) into the caches of
+    benchmarks/engine.py's fixed-cost cases (the same layout objects every call, as an engine
+    passes them), and warm ``restore_dynamic_cache`` calls of 16 and 128 tokens checked
+    against a 32-layer transformers model with the 8B model's module tree and KV shape (the
+    model check included; a new cache every call, the last four kept)."""
+    from benchmarks.engine import BLOCK, FIXED_CASES, case_layouts
+    from kvsnap.pipeline.jobs import restore_pairs
+    from kvsnap.pipeline.shared_tables import shared_page_table
+    from kvsnap.transfer.plan import Direction
+
+    path = directory / "fixed.safetensors"
+    for label, kind, layers, heads, dim, tp_size in FIXED_CASES:
+        source, target = (
+            case_layouts(
+                kind, layers, heads, dim, tp_size, num_blocks=8, device=args.device, fill="zeros"
+            )
+            for _ in range(2)
+        )
+        blocks = np.arange(1, dtype=np.int64)
+        capture(source, [SequenceBlocks("s", np.arange(BLOCK), blocks)], path, source=SOURCE)
+
+        def restore(trace, t=target, b=blocks):
+            with Snapshot.open(path) as snap:
+                snap.restore(t, {"s": b}, trace=trace)
+
+        profile(f"fixed {label} 16", restore, args.repeat, args.top)
+        with Snapshot.open(path) as snap:
+            steps = {
+                "Snapshot.open + close": lambda: Snapshot.open(path).close(),
+                "page table lookup": lambda t=target: shared_page_table(
+                    t, Direction.HOST_TO_DEVICE
+                ),
+                "block pairs": lambda s=snap, b=blocks: restore_pairs(
+                    s.metadata.sequences, {"s": b}, 8, ""
+                ),
+            }
+            print(
+                "  steps, best of 7 rounds of 200 calls: "
+                + ", ".join(f"{name} {best_us(step):.1f} us" for name, step in steps.items())
+            )
+    profile_model_check(directory, args)
+
+
+def best_us(call: Callable[[], object], calls: int = 200, rounds: int = 7) -> float:
+    """The least mean time of ``call`` over ``rounds`` rounds of ``calls`` calls, in us: on a
+    shared machine the round the others left alone."""
+    call()
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - started) / calls)
+    return best * 1e6
+
+
+def profile_model_check(directory: Path, args: argparse.Namespace) -> None:
+    """The ``restore_dynamic_cache`` calls of :func:`profile_fixed`."""
+    from collections import deque
+
+    from transformers import DynamicCache
+
+    from benchmarks.engine import kv_shaped_llama
+    from kvsnap.engines import transformers as kt
+
+    model = kv_shaped_llama(args.device)
+    config = model.config
+    for tokens in (16, 128):
+        ids = torch.randint(0, 1000, (1, tokens), device=args.device)
+        with torch.no_grad():
+            cache = DynamicCache(config=config)
+            model(ids, past_key_values=cache, use_cache=True)
+        path = directory / f"dynamic-{tokens}.safetensors"
+        kt.capture_dynamic_cache(cache, [ids[0].tolist()], path, model=model)
+        kept: deque = deque(maxlen=4)
+
+        def restore(trace, at=path, held=kept):
+            held.append(kt.restore_dynamic_cache(at, device=args.device, model=model)[0])
+
+        profile(f"restore_dynamic_cache {tokens} (model check)", restore, args.repeat, args.top)
+    # The model check alone: in a loop, and after 64 MiB copied (what a restore does to the
+    # CPU's caches between two checks).
+    moved, into = np.ones(64 << 20, dtype=np.uint8), np.empty(64 << 20, dtype=np.uint8)
+    cold = []
+    with Snapshot.open(path) as snap:
+        for _ in range(200):
+            np.copyto(into, moved)
+            started = time.perf_counter()
+            kt.check_snapshot_fits(snap, model)
+            cold.append(time.perf_counter() - started)
+        warm = best_us(lambda: kt.check_snapshot_fits(snap, model))
+    print(
+        f"  check_snapshot_fits: {warm:.0f} us in a loop (best of 7 rounds of 200), "
+        f"{statistics.median(cold) * 1e6:.0f} us after 64 MiB copied (median of 200)"
+    )
 
 
 def profile_calls(directory: Path, args: argparse.Namespace) -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine import build_model, kv_tensors, median_ms, prefill
+from benchmarks.engine import build_model, kv_shaped_llama, kv_tensors, median_ms, prefill
 from benchmarks.pcie_floor import (
     _exact,
     _raw_copies,
@@ -113,10 +113,10 @@ def profile_fixed(directory: Path, out: Path) -> None:
     """cProfile of 20 hot ``Snapshot.open`` + restore calls, 80 layers x 8 ranks, 128 tokens."""
     import numpy as np
 
-    from benchmarks.engine import SOURCE, _layouts
+    from benchmarks.engine import SOURCE, case_layouts
     from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 
-    source, target = (_layouts("vllm-nhd", 80, 8, 128, 8) for _ in range(2))
+    source, target = (case_layouts("vllm-nhd", 80, 8, 128, 8) for _ in range(2))
     blocks = np.arange(8, dtype=np.int64)
     path = directory / "profile-fixed.safetensors"
     capture(source, [SequenceBlocks("s", np.arange(128), blocks)], path, source=SOURCE)
@@ -187,23 +187,14 @@ def _dynamic_cache_steps() -> _Steps:
 
 def host_costs(sizes: list[int], repeat: int) -> list[dict]:
     """The host's share of warm ``restore_dynamic_cache`` calls into CPU memory, per step."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache
 
     from kvsnap.engines import transformers as kt
     from kvsnap.engines.transformers import dynamic
     from kvsnap.snapshot import Snapshot
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=32,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=1000,
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = kv_shaped_llama("cpu")
+    config = model.config
     directory = Path(tempfile.mkdtemp(dir="/dev/shm"))
     steps = _dynamic_cache_steps()
     steps.wrap(dynamic, "contiguous_layout", "layout built")
@@ -287,8 +278,7 @@ def host_fixed(repeat: int) -> list[dict]:
     fixed-cost cases (the same layout objects every call, as an engine passes them), per step."""
     import numpy as np
 
-    from benchmarks.engine import BLOCK, FIXED_CASES, SOURCE
-    from kvsnap.layout.allocate import allocate_cache
+    from benchmarks.engine import BLOCK, FIXED_CASES, SOURCE, case_layouts
     from kvsnap.pipeline import pipeline
     from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 
@@ -297,22 +287,10 @@ def host_fixed(repeat: int) -> list[dict]:
     path = Path(tempfile.mkdtemp(dir="/dev/shm")) / "fixed.safetensors"
     rows = []
     for label, kind, layers, heads, dim, tp_size in FIXED_CASES:
-        shape = {"latent_dim": dim} if kind == "mla" else {"num_kv_heads": heads, "head_dim": dim}
         source, target = (
-            [
-                allocate_cache(
-                    kind,
-                    num_layers=layers,
-                    num_blocks=8,
-                    block_size=BLOCK,
-                    tp_rank=rank,
-                    tp_size=tp_size,
-                    dtype=torch.bfloat16,
-                    device="cpu",
-                    **shape,
-                ).layout
-                for rank in range(tp_size)
-            ]
+            case_layouts(
+                kind, layers, heads, dim, tp_size, num_blocks=8, device="cpu", fill="zeros"
+            )
             for _ in range(2)
         )
         blocks = np.arange(1, dtype=np.int64)

@@ -37,8 +37,10 @@ def register_cache_clear(clear: Callable[[], None]) -> Callable[[], None]:
 
 def clear_caches() -> None:
     """Empty every process-wide cache kvsnap keeps: decoded headers, checksum tables, file
-    placements, copy runs, part layouts, the transfer policy, and whatever else registered
-    (:func:`register_cache_clear`). Nothing is lost but time: the next call works it out again.
+    placements, copy runs, part layouts, the transfer policy, the hot tier's idle files, the
+    spare capture files (removed), and whatever else registered (:func:`register_cache_clear`);
+    it also waits for captures' mappings still being released after their publish. Nothing
+    is lost but time: the next call works it out again.
     Pinned staging memory is not a cache: `kvsnap.pipeline.release_shared_staging` frees it.
     """
     with _CLEARS_LOCK:

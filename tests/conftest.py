@@ -74,7 +74,18 @@ def shm_dir() -> Iterator[Path]:
         pytest.skip("no memory-backed /dev/shm here")
     directory = Path(tempfile.mkdtemp(prefix="kvsnap-test-", dir="/dev/shm"))
     yield directory
+    _drop_spares(directory)
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def _drop_spares(directory: Path) -> None:
+    """Remove the spare capture files a test's DMA captures left in ``directory`` (they hold
+    memory until dropped) and wait for their mappings' releases."""
+    from kvsnap.store.mapping_release import wait_for_releases
+    from kvsnap.store.spare_files import drop_spare_files
+
+    drop_spare_files(str(directory))
+    wait_for_releases()
 
 
 @pytest.fixture
@@ -84,3 +95,12 @@ def mapped_from_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvsnap.store import tuning
 
     monkeypatch.setattr(tuning, "MAPPED_WRITE_MIN_BYTES", 0)
+
+
+@pytest.fixture
+def spare_capture_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spare capture files on (``tuning.SPARE_CAPTURE_FILES_BYTES``, off by default), at the
+    2 GiB the design is drawn for."""
+    from kvsnap.store import tuning
+
+    monkeypatch.setattr(tuning, "SPARE_CAPTURE_FILES_BYTES", 2 << 30)

@@ -13,6 +13,7 @@ directory gets the same fingerprint either way. ``full=True`` hashes every byte 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import operator
@@ -20,8 +21,10 @@ import os
 import struct
 import threading
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Hashable
+from itertools import chain
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -30,6 +33,7 @@ from kvsnap.dtypes import SAFETENSORS_TYPES
 from kvsnap.format.fingerprint import (
     CANONICAL_FLOAT,
     FLOAT_DTYPES,
+    VOLATILE_CONFIG_KEYS,
     WeightSample,
     bfloat16_bits,
     model_fingerprint_with_weights,
@@ -47,6 +51,8 @@ _MAX_HEADER_BYTES = 100_000_000
 
 _MODULE_LOCK = threading.Lock()
 
+T = TypeVar("T")
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The safetensors name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
@@ -54,71 +60,122 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class _Remembered:
-    """A module tree as it was when its fingerprints were computed: every submodule with its
-    children and parameters (the objects), and every parameter's storage address and version
-    counter. :meth:`unchanged` tells, in one pass of identity and integer comparisons, whether
-    any module or parameter was replaced (an adapter injected, a weight reassigned) or written
-    in place (``copy_``, ``load_state_dict``, an optimizer step): a walk through
-    ``named_parameters()`` costs ~1.4 ms per call for an 8B model on the H200's host, too much
-    for a check made on every restore.
+    """A model as it was when its answers (fingerprints, and whatever
+    :func:`remembered_answer` keeps) were computed, and whether it still is.
+
+    Held: every submodule (weakly); of each, its ``_modules`` and ``_parameters`` dicts' sizes,
+    names and values (as ids: a child is itself a held submodule and every parameter is held,
+    so while the submodules are alive no other object can have one of these ids); every
+    parameter's version counter, storage address, dtype and shape; and the model's config
+    (:class:`_ConfigState`). :meth:`unchanged` tells whether any module or parameter was
+    replaced, added, removed or renamed (an adapter injected or deleted, a weight reassigned),
+    a parameter written in place (``copy_``, ``load_state_dict``, an optimizer step) or given
+    other ``.data``, or a setting of the config changed. It is a few passes of C-level
+    ``map``s over the modules' dicts and the parameters; for an 8B model's 423 modules and 291
+    parameters it reads memory the restore before it evicted from the CPU's caches (~0.9 ms
+    then on the development VM, ~0.4 ms in a loop: docs/benchmarks.md). Torch signals none of
+    these changes (a deletion fires no registration hook), so nothing cheaper is exact.
 
     Modules are held by weak reference: this object is the value of a weak-keyed map whose key
     is the model, and a strong reference to any module of it would keep the model alive."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.nodes = [
-            (
-                weakref.ref(sub),
-                tuple(map(_weak, sub._modules.values())),
-                tuple(sub._parameters.values()),
-            )
-            for sub in module.modules()
-        ]
-        self.parameters = [p for _, _, params in self.nodes for p in params if p is not None]
-        self.versions = [p._version for p in self.parameters]
-        self.pointers = [p.data_ptr() for p in self.parameters]
-        self.fingerprints: dict[str, str] = {}
+        subs = list(module.modules())
+        self.modules = [weakref.ref(sub) for sub in subs]
+        dicts = list(chain.from_iterable(map(_DICTS, subs)))
+        self.sizes = list(map(len, dicts))
+        self.names = list(chain.from_iterable(dicts))
+        values = list(chain.from_iterable(map(dict.values, dicts)))
+        self.ids = list(map(id, values))
+        self.parameters = [value for value in values if isinstance(value, torch.Tensor)]
+        self.state = _tensor_state(self.parameters)
+        self.config = _ConfigState.of(getattr(module, "config", None))
+        self.answers: dict[Hashable, object] = {}
 
     def unchanged(self) -> bool:
-        for sub_ref, children, params in self.nodes:
-            sub = sub_ref()
-            if sub is None:
+        subs = [reference() for reference in self.modules]
+        try:
+            dicts = list(chain.from_iterable(map(_DICTS, subs)))
+        except AttributeError:  # a submodule was freed: the tree lost it
+            return False
+        return (
+            list(map(len, dicts)) == self.sizes
+            and list(map(id, chain.from_iterable(map(dict.values, dicts)))) == self.ids
+            and list(chain.from_iterable(dicts)) == self.names
+            and _tensor_state(self.parameters) == self.state
+            and self.config is not None
+            and self.config.unchanged(getattr(subs[0], "config", None))
+        )
+
+
+#: A module's children and parameters, by name.
+_DICTS = operator.attrgetter("_modules", "_parameters")
+
+
+def _tensor_state(tensors: list[torch.Tensor]) -> tuple[list, list]:
+    """What tells parameters' values apart without reading them: each one's version counter
+    (bumped by every write in place), dtype and shape, and storage address (``.data``
+    replaced, which leaves the version counter alone)."""
+    return list(map(_VERSION_DTYPE_SHAPE, tensors)), list(map(torch.Tensor.data_ptr, tensors))
+
+
+_VERSION_DTYPE_SHAPE = operator.attrgetter("_version", "dtype", "shape")
+
+
+class _ConfigState:
+    """A model config's settings as they were: the config itself and a deep copy of its
+    attributes. A nested config (a multimodal model's text config) is copied with it and
+    compared as its class compares configs (transformers: every field)."""
+
+    def __init__(self, config: object, attributes: dict[str, Any]) -> None:
+        self.config = config
+        self.attributes = attributes
+
+    @classmethod
+    def of(cls, config: object) -> _ConfigState | None:
+        """The state of ``config`` (also of no config, ``None``), or ``None`` when its
+        attributes cannot be copied (then nothing about the model is remembered)."""
+        try:
+            return cls(config, copy.deepcopy(_attributes(config)))
+        except Exception:  # an attribute deepcopy refuses: no state to compare against
+            return None
+
+    def unchanged(self, config: object) -> bool:
+        """Whether ``config`` is the same object with the same settings. Attributes a
+        fingerprint leaves out (``_``-prefixed, :data:`VOLATILE_CONFIG_KEYS`) may differ: a
+        config whose only change is one of them is taken as the state from then on."""
+        if config is not self.config:
+            return False
+        try:
+            now = _attributes(config)
+            if now == self.attributes:  # one C-level comparison: the call of every restore
+                return True
+            if _settings(now) != _settings(self.attributes):
                 return False
-            now = sub._modules.values()
-            if len(now) != len(children) or not all(map(operator.is_, map(_strong, children), now)):
-                return False
-            if not _same(sub._parameters.values(), params):
-                return False
-        return [p._version for p in self.parameters] == self.versions and [
-            p.data_ptr() for p in self.parameters
-        ] == self.pointers
+            self.attributes = copy.deepcopy(now)
+            return True
+        except Exception:  # a value whose == is no bool (an array): taken as changed
+            return False
 
 
-def _weak(module: torch.nn.Module | None) -> Callable[[], torch.nn.Module | None]:
-    """A weak reference to ``module`` (a registered ``None`` stays ``None`` when called)."""
-    return _no_module if module is None else weakref.ref(module)
+def _attributes(config: object) -> dict[str, Any]:
+    return {} if config is None else vars(config)
 
 
-def _no_module() -> None:
-    """What :func:`_weak` gives for a registered ``None``: called, it is ``None`` again."""
-    return None
-
-
-def _strong(reference: Callable[[], torch.nn.Module | None]) -> torch.nn.Module | None:
-    return reference()
-
-
-def _same(now: Collection[object], then: tuple[object, ...]) -> bool:
-    """Whether ``now`` holds exactly the objects ``then`` does, in order (by identity: a
-    tensor's ``==`` compares elements)."""
-    return len(now) == len(then) and all(map(operator.is_, now, then))
+def _settings(attributes: dict[str, Any]) -> dict[str, Any]:
+    """The attributes a fingerprint reads (:func:`kvsnap.format.model_fingerprint`)."""
+    return {
+        key: value
+        for key, value in attributes.items()
+        if not key.startswith("_") and key not in VOLATILE_CONFIG_KEYS
+    }
 
 
 _REMEMBERED: weakref.WeakKeyDictionary[torch.nn.Module, _Remembered] = weakref.WeakKeyDictionary()
 
 
 def _remembered(module: torch.nn.Module) -> _Remembered:
-    """The module's remembered state, new (with no fingerprints) when anything changed."""
+    """The module's remembered state, new (with no answers) when anything changed."""
     with _MODULE_LOCK:
         remembered = _REMEMBERED.get(module)
     if remembered is None or not remembered.unchanged():
@@ -128,13 +185,28 @@ def _remembered(module: torch.nn.Module) -> _Remembered:
     return remembered
 
 
+def remembered_answer(module: torch.nn.Module, key: Hashable, compute: Callable[[], T]) -> T:
+    """``compute()``, remembered per ``module`` under ``key`` until the module changes: a
+    submodule or parameter replaced, added, removed or renamed, a parameter written in place or
+    given other ``.data``, or a setting of ``module.config`` (or of a config nested in it)
+    changed (:class:`_Remembered`). For answers that depend on nothing else: a model's KV
+    geometry, its fingerprint. A hit costs one comparison pass over the module tree."""
+    remembered = _remembered(module)
+    if key in remembered.answers:
+        return remembered.answers[key]  # type: ignore[return-value]
+    answer = compute()
+    remembered.answers[key] = answer
+    return answer
+
+
 def module_weights_fingerprint(module: torch.nn.Module, *, full: bool = False) -> str:
     """The weights fingerprint of a loaded model: every parameter (tied ones once, under their
     first name) by name, dtype, shape and sampled bytes.
 
     The sampled fingerprint is remembered per module until a module or parameter is
-    replaced or a parameter is written in place, so calling this per restore costs one pass
-    of comparisons over the module tree.
+    replaced, added, removed or renamed or a parameter is written in place
+    (:func:`remembered_answer`), so calling this per restore costs one pass of comparisons
+    over the module tree.
     """
     if full:
         return weights_fingerprint(_module_samples(module, full=True), full=True)
@@ -142,11 +214,16 @@ def module_weights_fingerprint(module: torch.nn.Module, *, full: bool = False) -
 
 
 def _sampled_weights(module: torch.nn.Module, remembered: _Remembered) -> str:
-    known = remembered.fingerprints.get("weights")
+    known = remembered.answers.get(_WEIGHTS)
     if known is None:
         known = weights_fingerprint(_module_samples(module, full=False))
-        remembered.fingerprints["weights"] = known
-    return known
+        remembered.answers[_WEIGHTS] = known
+    return str(known)
+
+
+#: The keys of the fingerprints among a module's remembered answers.
+_WEIGHTS = ("fingerprint", "weights")
+_MODEL = ("fingerprint", "model")
 
 
 @torch.no_grad()
@@ -186,16 +263,15 @@ def loaded_model_fingerprint(module: torch.nn.Module) -> str:
     """The model fingerprint a snapshot of a loaded transformers model records: its config
     (``module.config``) and its weights (:func:`module_weights_fingerprint`).
 
-    Remembered with the weights' fingerprint: a config changed in place after the model was
-    built is not seen (transformers reads it when building the modules, so such a change does
-    not change what the model computes either)."""
+    Remembered with the weights' fingerprint until the module tree, a parameter or a setting
+    of the config changes (:func:`remembered_answer`): a config changed in place is seen."""
     remembered = _remembered(module)
-    known = remembered.fingerprints.get("model")
+    known = remembered.answers.get(_MODEL)
     if known is None:
         weights = _sampled_weights(module, remembered)
         known = model_fingerprint_with_weights(module.config, weights)
-        remembered.fingerprints["model"] = known
-    return known
+        remembered.answers[_MODEL] = known
+    return str(known)
 
 
 def checkpoint_weights_fingerprint(directory: str | os.PathLike[str], *, full: bool = False) -> str:

@@ -100,6 +100,13 @@ class FileLayout:
         return list(self.layer_entries)
 
     @functools.cached_property
+    def checksum_rows(self) -> dict[str, int]:
+        """Each checksummed entry's trailer row by name (row 0 is the header's); kept with the
+        layout, so a reader opening this file version again builds no table (do not change
+        it: it is shared)."""
+        return {entry.name: row for row, entry in enumerate(self.layer_entries, start=1)}
+
+    @functools.cached_property
     def layer_entries(self) -> tuple[TensorEntry, ...]:
         """The snapshot's tensors in this file, in file order (without padding, trailer and
         signature); kept with the layout, which readers share per file version."""

@@ -151,9 +151,11 @@ class FusedMover(SlotMover):
         snapshot_blocks: np.ndarray,
         buffer: torch.Tensor,
         expected: np.ndarray | None,
+        upload_stream: torch.cuda.Stream | None = None,
     ) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """The slot's copies, and on the device their kernel table followed by the pages'
-        offsets in the buffer in 8-byte words (and ``expected``, the stored digests)."""
+        offsets in the buffer in 8-byte words (and ``expected``, the stored digests), carried
+        up on ``upload_stream`` (default: the current stream)."""
         assert self._staging is not None
         copies = self.table.copies(
             self.direction,
@@ -171,7 +173,14 @@ class FusedMover(SlotMover):
         # reused only after its last copy completed); from pageable memory the upload
         # would wait for the stream, that is for the previous slot's copies.
         host_table = self._staging.pinned(("table", slot.data_ptr), np.concatenate(parts))
-        device_table = host_table.to(self.device, non_blocking=True)
+        if upload_stream is None:
+            device_table = host_table.to(self.device, non_blocking=True)
+        else:
+            with torch.cuda.stream(upload_stream):
+                device_table = host_table.to(self.device, non_blocking=True)
+            # Allocated on the upload stream, read by kernels on the staging stream: not to be
+            # handed to the next table before they have run.
+            device_table.record_stream(self._staging.stream)
         return copies, device_table, device_table[len(copy_table) :]
 
     def _enqueue_capture(
@@ -217,20 +226,34 @@ class FusedMover(SlotMover):
         """Bring one slot up, hash and scatter it: a flag per page (1 written, 0 refused), on
         the device, when the pages are checked.
 
-        The slot goes up in pieces on the upload stream, enqueued before anything else, so
-        the bus is busy while this thread builds the copy table; each piece is hashed once it
-        has arrived and the copy table has (see docs/architecture.md on what the order of the
-        copy engine's queue costs here)."""
+        The slot goes up in pieces on the upload stream. The first piece is enqueued before
+        anything else, so the bus is busy while this thread builds the copy table; the table
+        follows it on the same stream and the other pieces follow the table: the copy engine
+        serves host-to-device copies in the order they were enqueued, so a table enqueued
+        after the last piece (or on another stream) would arrive only after the whole slot,
+        and no piece could be hashed before then. Each piece is hashed once it and the table
+        have arrived."""
         assert self._staging is not None
         page_bytes = self.table.page_size_bytes
         chunks = upload_chunks(load.page_offsets, page_bytes)
         if uploads is None:
             uploads = [(slot.tensor[: slot_extent(load, page_bytes)], 0)]
-        arrived = self._upload(buffer, uploads, chunks)
+        upload_stream = self._staging.upload_stream
+        self._upload(buffer, uploads, chunks[:1])
         checked = expected is not None and self.hashes_pages
         copies, device_table, tail = self._device_table(
-            load, slot, device_blocks, snapshot_blocks, buffer, expected if checked else None
+            load,
+            slot,
+            device_blocks,
+            snapshot_blocks,
+            buffer,
+            expected if checked else None,
+            upload_stream,
         )
+        # The first piece's event is recorded behind the table: both are there once it fires.
+        table_arrived = torch.cuda.Event()
+        table_arrived.record(upload_stream)
+        arrived = [table_arrived, *self._upload(buffer, uploads, chunks[1:])]
         stream = self._staging.stream
         page_ok = None
         if checked:
@@ -259,6 +282,7 @@ class FusedMover(SlotMover):
         assert self._staging is not None
         stream = self._staging.upload_stream
         if self._staging.free is not None:
+            # Waited for again by a slot's later pieces: a no-op once the first piece has.
             stream.wait_event(self._staging.free)
         arrived = []
         with torch.cuda.stream(stream):

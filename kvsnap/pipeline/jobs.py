@@ -185,11 +185,26 @@ def block_pairs(
             f"target block ids {targets.min()}..{targets.max()} do not fit a cache of "
             f"{capacity} blocks"
         )
-    pairs = np.unique(np.stack([sources, targets], axis=1), axis=0)
-    targets_seen, counts = np.unique(pairs[:, 1], return_counts=True)
-    if (counts > 1).any():
-        block = int(targets_seen[np.argmax(counts > 1)])
-        raise IncompatibleSnapshotError(
-            f"target block {block} would receive two different snapshot blocks"
-        )
-    return pairs[:, 0].copy(), pairs[:, 1].copy()
+    sources, targets = _sorted_distinct_pairs(sources, targets)
+    if len(targets) > 1:
+        ordered = np.sort(targets)
+        repeated = ordered[1:] == ordered[:-1]
+        if repeated.any():
+            block = int(ordered[1:][repeated][0])
+            raise IncompatibleSnapshotError(
+                f"target block {block} would receive two different snapshot blocks"
+            )
+    return sources, targets
+
+
+def _sorted_distinct_pairs(sources: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The distinct ``(source, target)`` pairs sorted by source, then target, as two new
+    arrays. Pairs already in strictly ascending source order (a sequence's blocks, as every
+    restore passes them) are only copied: ``np.unique(..., axis=0)`` took ~0.2 ms for one pair."""
+    if len(sources) < 2 or bool((sources[1:] > sources[:-1]).all()):
+        return sources.copy(), targets.copy()
+    order = np.lexsort((targets, sources))
+    sources, targets = sources[order], targets[order]
+    distinct = np.ones(len(sources), dtype=bool)
+    np.logical_or(sources[1:] != sources[:-1], targets[1:] != targets[:-1], out=distinct[1:])
+    return sources[distinct], targets[distinct]

@@ -21,8 +21,8 @@ LARGE_RESTORE_JOB_BYTES = 128 << 20
 #: Slots of each size kvsnap keeps pinned per process at most (pinned on first use).
 SHARED_SLOTS = 8
 #: A restore slot goes up to the device in this many pieces (each at least
-#: ``MIN_UPLOAD_CHUNK_BYTES``), each hashed once it has arrived. Today the copy table still
-#: goes up behind the whole slot, so no piece is hashed earlier (docs/architecture.md).
+#: ``MIN_UPLOAD_CHUNK_BYTES``), each hashed once it has arrived; the copy table goes up right
+#: behind the first piece (docs/architecture.md, "A slot goes up in pieces").
 UPLOAD_CHUNKS_PER_SLOT = 4
 MIN_UPLOAD_CHUNK_BYTES = 2 << 20
 

@@ -216,7 +216,7 @@ class Pipeline:
                 mover.begin(after)
                 loads = slot_loads(len(names), len(device_blocks), page_bytes, ring.slot_bytes)
                 capture_slots(mover, ring, writer, loads, device_blocks, done.add, trace, mapped)
-                # The last views of the mappings: the commit unmaps them.
+                # The last views of the mappings: they are released after the publish.
                 mapped = None
                 info = writer.commit()
             except BaseException:

@@ -159,7 +159,8 @@ def restore_slots(
             reading += _fill_free_slots(ring, runs, remaining, completed, blocking=reading == 0)
             if reading == 0:
                 break
-            run, load, slot, read = completed.get()
+            with traced(runs[0].trace, "read.wait"):
+                run, load, slot, read = completed.get()
             reading -= 1
             run.move(load, slot, read)
     finally:
@@ -198,7 +199,8 @@ def _fill_free_slots(
             break
         run, load = remaining.take()
         try:
-            read = run.read(load, slot)
+            with traced(run.trace, "read.enqueue"):
+                read = run.read(load, slot)
         except BaseException:
             ring.release(slot)
             raise
@@ -283,9 +285,10 @@ class _RestoreRun:
         the copy is already done."""
         moving = self._verified(load, read)
         positions = moving.page_positions
-        expected = self.pages.stored(moving, self.snapshot_blocks) if self.on_device else None
+        with traced(self.trace, "transfer.prepare"):
+            expected = self.pages.stored(moving, self.snapshot_blocks) if self.on_device else None
+            uploads = self.pages.uploads(moving, self.snapshot_blocks) if self.hot else None
         nbytes = moving.num_bytes(self.pages.page_size_bytes)
-        uploads = self.pages.uploads(moving, self.snapshot_blocks) if self.hot else None
         with traced(self.trace, "transfer.submit", nbytes):
             ticket = self.mover.submit(
                 moving,

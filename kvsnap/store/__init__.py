@@ -57,7 +57,12 @@ The package, one module per job:
   the trace hook, split futures, pipeline sizes;
 - :mod:`~kvsnap.store.hot`: the hot tier (snapshot files mapped from the page cache and
   registered with CUDA, so that restores copy straight out of it; :func:`configure_hot_tier`,
-  :func:`hot_tier`), and :mod:`~kvsnap.store.residency` (whether a range is page-cached).
+  :func:`hot_tier`), and :mod:`~kvsnap.store.residency` (whether a range is page-cached);
+- :mod:`~kvsnap.store.mapped_file`: a capture's new memory-backed file mapped, populated and
+  registered for the device's copies; :mod:`~kvsnap.store.mapping_release` its release after
+  the publish, in the background; :mod:`~kvsnap.store.spare_files` the next capture's file per
+  directory, made in the background; :mod:`~kvsnap.store.host_registration` the one
+  ``cudaHostRegister``.
 """
 
 from __future__ import annotations

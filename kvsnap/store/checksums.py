@@ -11,6 +11,7 @@ engine opening the same stored prefix again skips the read and the checks.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
 #: first; tables above ``_MAX_CACHED_TABLE_BYTES`` (snapshots of many blocks) are not kept.
 _TABLES: BoundedLRU[bytes, np.ndarray] = BoundedLRU(256)
 _MAX_CACHED_TABLE_BYTES = 256 << 10
+#: Decoded trailers by their exact bytes (read from the file on every open): a trailer
+#: decoded and checked once is one dictionary lookup the next time, not a digest and a slice
+#: per tensor. Keyed by the bytes themselves, so only identical bytes are served.
+_DECODED: BoundedLRU[bytes, tuple[bytes, ...]] = BoundedLRU(256)
 
 
 class Checksums:
@@ -42,7 +47,7 @@ class Checksums:
     ) -> None:
         self._reader = reader
         self._index_digests = index_digests
-        self._trailers: dict[int, list[bytes]] = {}  # by file position
+        self._trailers: dict[int, tuple[bytes, ...]] = {}  # by file position
         self._rows_of: dict[int, dict[str, int]] = {}
         self._rows: dict[int, np.ndarray] = {}  # checked rows, by layer tensor
         self._table: np.ndarray | None = None
@@ -57,16 +62,17 @@ class Checksums:
         layout = open_file.layout
         entry = layout.by_name[fmt.CHECKSUMS_TENSOR]
         raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.CHECKSUMS_TENSOR)
-        digests = fmt.decode_trailer(raw, file=open_file.source.url)
+        digests = _DECODED.get(raw)
+        if digests is None:
+            digests = tuple(fmt.decode_trailer(raw, file=open_file.source.url))
+            _DECODED.put(raw, digests)
         if digests[0] != fmt.digest128(layout.header):
             # The trailer checked out, so the header bytes are what changed.
             raise SnapshotCorruptError(
                 "header does not match its checksum (trailer row 0)", file=open_file.source.url
             )
         self._trailers[position] = digests
-        self._rows_of[position] = {
-            item.name: row for row, item in enumerate(layout.checksummed(), start=1)
-        }
+        self._rows_of[position] = layout.checksum_rows
 
     def forget_trailer(self, position: int) -> None:
         """Drop file ``position``'s trailer (it failed a check): its tensors' digests are
@@ -155,7 +161,7 @@ class Checksums:
         if self._table is None:
             self.ensure_trailers()
             trailers = [self._trailers[position] for position in range(len(self._trailers))]
-            key = fmt.digest128(b"".join(row for trailer in trailers for row in trailer))
+            key = fmt.digest128(b"".join(chain.from_iterable(trailers)))
             self._table = _TABLES.get(key)
             if self._table is None:
                 self._table = _keep_table(key, self._read_table())

@@ -44,7 +44,9 @@ from kvsnap.store.host_registration import (
     register_host_range,
     release_mapping,
 )
+from kvsnap.store.mapping_release import pending_bytes
 from kvsnap.store.residency import resident
+from kvsnap.store.spare_files import spare_files
 
 if TYPE_CHECKING:
     import torch
@@ -83,6 +85,10 @@ class HotStats:
     evictions: int
     invalidations: int
     failures: int
+    #: Bytes the process's captures hold registered outside the tier (and outside
+    #: ``hot_bytes``): mappings waiting to be released after their publish
+    #: (``store/mapping_release.py``) and spare capture files (``store/spare_files.py``).
+    capture_registered_bytes: int = 0
 
 
 class HotFile:
@@ -321,10 +327,18 @@ class HotTier:
             entry.close()
 
     def stats(self) -> HotStats:
-        """The bound, the bytes held (registered, with CUDA), the files and the counters."""
+        """The bound, the bytes held (registered, with CUDA), the files and the counters,
+        and the bytes captures hold registered besides."""
+        captures = pending_bytes()[1] + spare_files().held_bytes()[1]
         with self._lock:
             held = self._held_bytes_locked()
-            return HotStats(self.hot_bytes, held, len(self._files), **self._counts)
+            return HotStats(
+                self.hot_bytes,
+                held,
+                len(self._files),
+                **self._counts,
+                capture_registered_bytes=captures,
+            )
 
 
 def _still_names(entry: HotFile) -> bool:

@@ -124,6 +124,16 @@ class LocalFile:
         finally:
             buffer.close()
 
+    def adopt(self, fd: int, temp: str) -> None:
+        """Go on through ``fd``, the locked temporary file ``temp`` beside the final path (a
+        spare capture file renamed for this one), instead of the file this one created, which
+        is closed and removed (nothing of it is kept: the caller writes the front again)."""
+        previous = self.temp
+        self._close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(previous)
+        self.fd, self.temp = fd, temp
+
     def write(self, offset: int, view: memoryview) -> None:
         assert self.fd is not None
         _pwrite_all(self.fd, view, offset)

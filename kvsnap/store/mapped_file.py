@@ -63,9 +63,11 @@ class MappedFile:
     """The open file ``fd`` sized to ``size`` bytes (``ftruncate``) and mapped read-write,
     shared: what the device copies into the mapping is the file's content.
 
-    ``array`` is a uint8 view of the whole file, for the device's copies only (and for the
-    CPU tests, which copy into an unregistered mapping). Raises ``OSError`` when the file
-    cannot be sized or mapped.
+    ``array`` is a uint8 view of the file's bytes (``file_size`` of them), for the device's
+    copies only (and for the CPU tests, which copy into an unregistered mapping). ``size`` is
+    the mapping's length, which populate and the registration cover; the file may be shrunk
+    below it (:meth:`shrink_file`), and the mapping then keeps its length. Raises ``OSError``
+    when the file cannot be sized or mapped.
     """
 
     def __init__(self, fd: int, size: int) -> None:
@@ -74,9 +76,28 @@ class MappedFile:
             fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
         )
         self.array: np.ndarray | None = np.frombuffer(self._mapping, dtype=np.uint8)
+        self.fd = fd
         self.size = size
+        self.file_size = size
         self.address = self.array.ctypes.data
         self.registered = False
+
+    def shrink_file(self, file_size: int) -> None:
+        """Cut the file to ``file_size`` bytes (at most :attr:`size`) and :attr:`array` with it.
+
+        The mapping and its registration keep their length: the pages past the new end leave
+        the file, and those the registration pinned stay allocated, unreachable from the file,
+        until it is unregistered. Nothing may touch the mapping past ``file_size`` from the
+        CPU (SIGBUS): :attr:`array` ends there. Raises ``OSError`` if the file cannot be cut
+        (the file and the view are then unchanged)."""
+        if not 0 <= file_size <= self.size:
+            raise ValueError(f"cannot shrink a mapping of {self.size} bytes to {file_size}")
+        if file_size == self.file_size:
+            return
+        assert self.array is not None
+        os.ftruncate(self.fd, file_size)
+        self.array = self.array[:file_size]
+        self.file_size = file_size
 
     def populate(self, executor: concurrent.futures.Executor | None, threads: int) -> bool:
         """Fault every page of the mapping in, writable, in ranges of at least

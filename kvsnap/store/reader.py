@@ -11,6 +11,7 @@ check).
 from __future__ import annotations
 
 import concurrent.futures
+import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -19,10 +20,12 @@ import numpy as np
 import xxhash
 
 from kvsnap import format as fmt
+from kvsnap.caches import BoundedLRU
 from kvsnap.dtypes import SAFETENSORS_TYPES
 from kvsnap.errors import NotASnapshotError, SignatureError, SnapshotCorruptError
 from kvsnap.format import Problem, SnapshotMetadata, TensorEntry
 from kvsnap.format.signing import KeyRing
+from kvsnap.layout import KVGeometry
 from kvsnap.store import slot_reads
 from kvsnap.store.checksums import Checksums
 from kvsnap.store.location import INDEX_SUFFIX, Location, locate
@@ -103,14 +106,10 @@ class SnapshotReader:
         self._extents: slot_reads.TensorExtents | None = None
 
     def _finish_open(self) -> None:
-        self._where = {
-            entry.name: (index, entry)
-            for index, open_file in enumerate(self._files)
-            for entry in open_file.layout.layer_entries
-        }
         geometry = self._header_metadata.geometry
-        self._names = tuple(geometry.tensor_names())
-        self._tensor_index = {name: index for index, name in enumerate(self._names)}
+        self._where, self._names, self._tensor_index = _placements(
+            tuple(open_file.layout for open_file in self._files), geometry
+        )
         self._page_bytes = geometry.canonical_page_size_bytes
         self._num_blocks = self._header_metadata.num_blocks
         self.metadata: SnapshotMetadata = self._load_metadata()
@@ -464,3 +463,32 @@ class SnapshotReader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+#: A reader's placements of a snapshot's layer tensors: by name, their file and entry; their
+#: names in order; by name, their number.
+Placements = tuple[dict[str, tuple[int, TensorEntry]], tuple[str, ...], dict[str, int]]
+#: Placements per tuple of file layouts, by identity (``decoded_header`` shares a layout per
+#: file version) and geometry: worked out once, not on every open (~1 us a tensor).
+_PLACEMENTS: BoundedLRU[tuple[int, ...], tuple[tuple[fmt.FileLayout, ...], KVGeometry, Placements]]
+_PLACEMENTS = BoundedLRU(64)
+
+
+def _placements(layouts: tuple[fmt.FileLayout, ...], geometry: KVGeometry) -> Placements:
+    """Where each layer tensor of the files ``layouts`` lies (file position and entry), the
+    layer names of ``geometry`` in order, and each name's number; shared by every reader of
+    these file versions (do not change them)."""
+    key = tuple(map(id, layouts))
+    known = _PLACEMENTS.get(key)
+    # The kept layouts are held, so no other object can have their ids meanwhile.
+    if known is not None and known[1] == geometry and all(map(operator.is_, known[0], layouts)):
+        return known[2]
+    where = {
+        entry.name: (index, entry)
+        for index, layout in enumerate(layouts)
+        for entry in layout.layer_entries
+    }
+    names = tuple(geometry.tensor_names())
+    placements = (where, names, {name: index for index, name in enumerate(names)})
+    _PLACEMENTS.put(key, (layouts, geometry, placements))
+    return placements

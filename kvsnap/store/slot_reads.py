@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,7 @@ import numpy as np
 
 from kvsnap import format as fmt
 from kvsnap.store.completion import Completion
+from kvsnap.store.kvikio_reads import read_runs_async
 from kvsnap.store.pools import cpu_count, shared_executor
 from kvsnap.store.source import Source
 from kvsnap.store.tracing import TraceHook, traced
@@ -91,6 +92,18 @@ class PageRuns:
     starts: np.ndarray
     stops: np.ndarray
 
+    def rows(self) -> Iterator[tuple[int, int, int, int, int]]:
+        """Per run, as Python ints: its file, first byte there, offset in the slot, and first
+        and stop page."""
+        return zip(
+            self.files.tolist(),
+            self.file_offsets.tolist(),
+            self.slot_offsets.tolist(),
+            self.starts.tolist(),
+            self.stops.tolist(),
+            strict=True,
+        )
+
 
 def page_runs(
     extents: TensorExtents,
@@ -127,14 +140,7 @@ def _pieces(
     per_piece = max(-(-len(page_tensors) // pieces_per_slot()), MIN_PIECE_BYTES // page, 1)
     per_piece = min(per_piece, max(1, MAX_PIECE_BYTES // page))
     pieces = []
-    for file, file_offset, slot_offset, start, stop in zip(
-        runs.files.tolist(),
-        runs.file_offsets.tolist(),
-        runs.slot_offsets.tolist(),
-        runs.starts.tolist(),
-        runs.stops.tolist(),
-        strict=True,
-    ):
+    for file, file_offset, slot_offset, start, stop in runs.rows():
         for first in range(start, stop, per_piece):
             last = min(stop, first + per_piece)
             skipped = (first - start) * page
@@ -168,6 +174,10 @@ def read_slot_async(
     """
     page = extents.page_size_bytes
     flat = out.reshape(-1)
+    if checksums is None:
+        by_kvikio = _read_by_kvikio(extents, page_tensors, page_blocks, page_offsets, flat, trace)
+        if by_kvikio is not None:
+            return by_kvikio
     bad: list[np.ndarray] = []
     lock = threading.Lock()
 
@@ -199,6 +209,32 @@ def read_slot_async(
     done.future.add_done_callback(finish)
     _run_pieces(read, pieces, done)
     return result
+
+
+def _read_by_kvikio(
+    extents: TensorExtents,
+    page_tensors: np.ndarray,
+    page_blocks: np.ndarray,
+    page_offsets: np.ndarray,
+    flat: np.ndarray,
+    trace: TraceHook | None,
+) -> concurrent.futures.Future[np.ndarray] | None:
+    """The unchecked read of a slot's runs on kvikio's pool (it cuts each run into tasks), or
+    ``None`` where some file cannot be read that way (``store/kvikio_reads.py``)."""
+    threads = read_threads()
+    files = []
+    for source in extents.sources:
+        handle = source.kvikio_file(threads)
+        if handle is None:
+            return None
+        files.append((handle, source.url))
+    runs = page_runs(extents, page_tensors, page_blocks, page_offsets)
+    page = extents.page_size_bytes
+    reads = [
+        (file, file_offset, flat[slot_offset : slot_offset + (stop - start) * page])
+        for file, file_offset, slot_offset, start, stop in runs.rows()
+    ]
+    return read_runs_async(files, reads, read_executor(), trace)
 
 
 def _run_pieces(read: Callable[[_Piece], None], pieces: list[_Piece], done: Completion) -> None:

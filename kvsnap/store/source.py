@@ -16,7 +16,8 @@ from kvsnap.errors import (
     SnapshotCorruptError,
     SnapshotIOError,
 )
-from kvsnap.store import tuning
+from kvsnap.store import kvikio_reads, tuning
+from kvsnap.store.kvikio_reads import KvikioFile
 from kvsnap.store.location import (
     Location,
     io_error,
@@ -73,6 +74,7 @@ class Source:
         self._direct_fd: int | None = None
         self._handle: Any = None
         self._status: os.stat_result | None = None
+        self._kvikio: KvikioFile | None = None
         try:
             if location.is_local:
                 self._fd, status = open_regular(location, inside=inside)
@@ -110,6 +112,17 @@ class Source:
         if self._fd is None or self._status is None:
             return None
         return self.location.path, self._fd, self._status
+
+    def kvikio_file(self, threads: int) -> KvikioFile | None:
+        """kvikio's handle on this local file (opened on first use, closed with the source), or
+        ``None``: kvikio is off or missing, the file is not local, or cold ranges are read with
+        O_DIRECT (``tuning.COLD_READS_DIRECT``), which only :meth:`read_into` decides."""
+        if self._fd is None or self._direct_fd is not None or not kvikio_reads.available(threads):
+            return None
+        with self._lock:
+            if self._kvikio is None:
+                self._kvikio = KvikioFile(self._fd, threads)
+            return self._kvikio
 
     def read_into(self, offset: int, out: memoryview, *, tensor: str | None = None) -> None:
         """Fill ``out`` from ``offset``; a short file is a :class:`SnapshotCorruptError`."""
@@ -162,6 +175,9 @@ class Source:
         return bytes(buffer)
 
     def close(self) -> None:
+        if self._kvikio is not None:
+            self._kvikio.close()
+            self._kvikio = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -26,6 +26,10 @@ MAX_PROBLEMS_PER_TENSOR = 16
 #: 152. True keeps cold ranges off the page cache: for files read once that should not
 #: displace what it holds.
 COLD_READS_DIRECT = False
+#: Whether slot reads the host does not check (the device verifies every page) go through
+#: kvikio's C++ thread pool where kvikio is installed (``store/kvikio_reads.py``), rather than
+#: Python threads that contend for the GIL with the thread enqueueing the device's copies.
+KVIKIO_READS = True
 #: Fewest layer bytes for which a capture from a CUDA cache into a memory-backed file maps the
 #: file, registers it with CUDA and has the device copy the pages straight into it
 #: (``store/mapped_file.py``); a smaller capture goes through pinned staging and ``pwrite``.
@@ -39,3 +43,25 @@ MAPPED_WRITE_MIN_BYTES = 32 << 20
 #: 160 ms with 1 thread, 99 with 4, 103 with 8 and 102 with 16: allocating and zeroing tmpfs
 #: pages stops scaling at about 5 GB/s.
 POPULATE_THREADS = 4
+#: Most bytes of captures' mappings (``store/mapped_file.py``) that may wait to be unregistered
+#: and unmapped in the background after their publish (``store/mapping_release.py``); a
+#: capture that would pass it releases its own mapping before it returns. Unpinning 268 MB
+#: took 18 ms on the H200 machine, so two captures' worth of a 1 GiB prefix is ample for
+#: captures back to back; the bound only holds pinned memory in check when the driver falls
+#: behind.
+PENDING_RELEASE_BYTES = 2 << 30
+#: Most bytes of spare capture files (``store/spare_files.py``), all directories together: each
+#: a temporary file populated (and registered, :data:`SPARE_CAPTURE_FILES_REGISTERED`) in the
+#: background, which the next capture into its directory takes instead of making its own. A
+#: spare holds its size of RAM while it waits. 2 GiB holds the spare of one 8,192-token prefix
+#: of the 8B shape (1.07 GB) or of seven 2,048-token ones (268 MB each); with the hot tier's
+#: 4 GiB (``hot.HOT_BYTES``) kvsnap pins at most 6 GiB plus what captures have in flight. 0
+#: (the default) turns spares off: they have not yet run on a GPU, nor been measured against
+#: the RAM they hold (a vLLM store spreads chunks over 256 directories, where a spare per
+#: directory is rarely taken); ``2 << 30`` is the size the design above is drawn for.
+SPARE_CAPTURE_FILES_BYTES = 0
+#: Whether a spare capture file is registered with CUDA in the background (``True``) or only
+#: populated (its capture then registers it: pinning populated pages, 13 ms of 268 MB on the
+#: H200 machine). A registered spare pins its RAM; a populated one holds the same RAM in the
+#: tmpfs, which a machine without swap cannot page out either.
+SPARE_CAPTURE_FILES_REGISTERED = True

@@ -19,8 +19,10 @@ from kvsnap.store.lanes import SerialLane
 from kvsnap.store.local_file import LocalFile, memory_backed, preallocate
 from kvsnap.store.location import io_error, stem_of
 from kvsnap.store.mapped_file import MappedFile
+from kvsnap.store.mapping_release import release_later
 from kvsnap.store.pools import cpu_count, shared_executor
 from kvsnap.store.snapshot_files import SnapshotFiles, WriteGate, WriteTarget
+from kvsnap.store.spare_files import SpareFile, spare_files
 from kvsnap.store.tracing import TraceHook, traced
 
 
@@ -47,6 +49,9 @@ class LocalTarget(WriteTarget):
         self._memory_backed = False
         #: Each file mapped for the device's copies, in file order (empty: written by pwrite).
         self._mapped_files: list[MappedFile] = []
+        #: Whether the mapped files are registered with CUDA (what a spare made after the
+        #: publish should be).
+        self._registering = False
 
     # -- start ---------------------------------------------------------------------------
 
@@ -102,6 +107,11 @@ class LocalTarget(WriteTarget):
         except OSError as error:
             raise io_error("opening the target directory", directory, error) from error
         free = stats.f_bavail * stats.f_frsize
+        if free < needed and spare_files().held_bytes()[0]:
+            # Spare capture files hold room on some filesystem: this one's go first.
+            spare_files().drop(device=os.stat(directory).st_dev)
+            stats = os.statvfs(directory)
+            free = stats.f_bavail * stats.f_frsize
         if free < needed:
             # Raised from an ENOSPC so that callers tell a full disk from other failures.
             raise SnapshotIOError(
@@ -115,11 +125,17 @@ class LocalTarget(WriteTarget):
         reason = self._mapping_refusal(register)
         if reason is not None:
             return reason
+        self._registering = register
+        spare = self._spare(register)
         threads = min(tuning.POPULATE_THREADS, cpu_count())
         executor = shared_executor("populate", threads) if threads > 1 else None
         for file, layout in zip(self.files, self._snapshot_files.layouts, strict=True):
             assert file.fd is not None
             try:
+                if spare is not None:
+                    taken, spare = spare, None
+                    if self._adopt_spare(file, layout, taken, register):
+                        continue
                 mapped = MappedFile(file.fd, layout.file_size)
                 self._mapped_files.append(mapped)
                 with traced(self._trace, "setup.map.populate", layout.file_size):
@@ -129,11 +145,58 @@ class LocalTarget(WriteTarget):
                         mapped.register()
             except (OSError, ValueError) as error:
                 # The filesystem full, no pinnable memory: the data is written as usual (and
-                # a full filesystem fails that write with ENOSPC).
+                # a full filesystem fails that write with ENOSPC). Spares there go first.
                 self._unmap()
+                if getattr(error, "errno", None) == errno.ENOSPC:
+                    spare_files().drop(device=os.fstat(file.fd).st_dev)
                 return f"mapping the file failed ({error})"
         self.mapped = True
         return None
+
+    def _spare(self, register: bool) -> SpareFile | None:
+        """The spare capture file of the target directory when it fits this snapshot (a
+        single file: spares are never taken for shards)."""
+        if len(self.files) != 1:
+            return None
+        directory = os.path.dirname(self._snapshot_files.location.path)
+        with traced(self._trace, "setup.map.take_spare"):
+            return spare_files().take(directory, self._snapshot_files.layouts[0].file_size)
+
+    def _adopt_spare(
+        self, file: LocalFile, layout: fmt.FileLayout, spare: SpareFile, register: bool
+    ) -> bool:
+        """Write ``file`` into ``spare`` instead: renamed to a temporary name of ``file``'s
+        own, cut to the file's size, the front written again, registered if it is not. False
+        (the spare removed) when it cannot be renamed or cut; ``OSError`` once it is
+        ``file``'s (already of the file's size, as the staged path then needs)."""
+        final = file.final.path
+        temp = os.path.join(
+            os.path.dirname(final),
+            publish.temp_name(os.path.basename(final), stem_of(self._snapshot_files.location)),
+        )
+        with traced(self._trace, "setup.map.spare", layout.file_size):
+            try:
+                os.rename(spare.path, temp)
+                spare.path = temp
+                spare.mapped.shrink_file(layout.file_size)
+            except OSError:
+                spare.discard()  # removed by someone: make the file as usual
+                return False
+            file.adopt(spare.mapped.fd, temp)
+            self._mapped_files.append(spare.mapped)
+            self._write_front(file, layout)
+        if register and not spare.mapped.registered:
+            with traced(self._trace, "setup.map.register", spare.mapped.size):
+                spare.mapped.register()
+        return True
+
+    def _write_front(self, file: LocalFile, layout: fmt.FileLayout) -> None:
+        """The header and the tensors known before any data (the page cache's way)."""
+        file.write(0, memoryview(layout.header))
+        for entry in layout.entries:
+            static = self._snapshot_files.static_bytes(entry)
+            if static is not None:
+                file.write(entry.begin, memoryview(static))
 
     def _mapping_refusal(self, register: bool) -> str | None:
         """Why this snapshot's data should not go by mapping (``None``: it should)."""
@@ -222,9 +285,8 @@ class LocalTarget(WriteTarget):
         with traced(self._trace, "commit.drain"):
             drain()
         self._gate.raise_error()
-        if self._mapped_files:
-            with traced(self._trace, "commit.unmap"):
-                self._unmap()
+        # A mapped file stays mapped and registered until it is published: the trailer's
+        # writes reach the same pages, and the unregistering waits for the background.
         snapshot_files = self._snapshot_files
         with traced(self._trace, "commit.checksums"):
             for shard, (file, layout) in enumerate(
@@ -255,6 +317,24 @@ class LocalTarget(WriteTarget):
             if snapshot_files.sharded:
                 publish.publish_to(snapshot_files.index_location, snapshot_files.index_bytes())
             overwrite.remove_quietly(stale)
+        if self._mapped_files:
+            with traced(self._trace, "commit.release"):
+                self._release_mappings()
+
+    def _release_mappings(self) -> None:
+        """After the publish: the mappings unregistered and unmapped in the background, and a
+        spare file made in the background for the directory's next capture (a single file)."""
+        mapped_files, self._mapped_files = self._mapped_files, []
+        release_later(mapped_files)
+        snapshot_files = self._snapshot_files
+        if len(snapshot_files.finals) == 1:
+            location = snapshot_files.location
+            spare_files().replenish(
+                location.path,
+                stem_of(location),
+                snapshot_files.layouts[0].file_size,
+                self._registering,
+            )
 
     # -- abort ---------------------------------------------------------------------------
 

@@ -1,11 +1,14 @@
 """Captures of CUDA caches into memory-backed files by DMA (skipped without CUDA): the device
 copies every page straight into the new file's registered mapping, and the file is the one
 the pinned-staging path writes, byte for byte; its checksums are the pages' xxh3-64, a signed
-capture verifies with its key, and an interrupted capture leaves the old file.
+capture verifies with its key, and an interrupted capture leaves the old file. The next
+capture into the directory takes the spare file made (and registered) in the background, and
+the mapping's unregistration after the publish finishes, reported until it has.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -15,9 +18,12 @@ from kvsnap.errors import SignatureError
 from kvsnap.format.signing import KeyRing
 from kvsnap.pipeline import Pipeline, StagingOptions
 from kvsnap.snapshot import Snapshot, capture
-from kvsnap.store import tuning
+from kvsnap.store import mapping_release, tuning
+from kvsnap.store.hot import configure_hot_tier, hot_tier
+from kvsnap.store.mapped_file import MappedFile
+from kvsnap.store.spare_files import spare_files
 from tests.support.pipeline_caches import SOURCE, assert_restored, caches, sequences
-from tests.support.store_helpers import stored_and_actual_digests, temp_files
+from tests.support.store_helpers import spare_names, stored_and_actual_digests, temp_files
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("mapped_from_any_size")]
 
@@ -160,3 +166,75 @@ def test_an_interrupted_dma_capture_leaves_the_old_file(shm_dir: Path) -> None:
     assert result.data_path == "dma"
     with Snapshot.open(path) as snap:
         assert snap.verify() == []
+
+
+@pytest.mark.usefixtures("spare_capture_files")
+def test_a_dma_capture_from_the_spare_file_restores_bit_exact(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sources, content = caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
+    layouts = [sources[0].layout]
+    first, kinds = _traced_capture(layouts, shm_dir / "first.safetensors")
+    assert first.data_path == "dma" and "setup.map.populate" in kinds
+    [spare] = spare_names(shm_dir)  # made and registered in the background
+    held, registered = spare_files().held_bytes()
+    assert registered == held == (shm_dir / spare).stat().st_size
+    assert hot_tier().stats().capture_registered_bytes >= registered
+    second, kinds = _traced_capture(layouts, shm_dir / "second.safetensors")
+    assert second.data_path == "dma"
+    assert "setup.map.spare" in kinds
+    assert "setup.map.populate" not in kinds and "setup.map.register" not in kinds
+    assert not (shm_dir / spare).exists()
+    monkeypatch.setattr(tuning, "MAPPED_WRITE_MIN_BYTES", 1 << 62)
+    staged, _ = _traced_capture(layouts, shm_dir / "staged.safetensors")
+    assert staged.data_path == "write"
+    assert (shm_dir / "second.safetensors").read_bytes() == (
+        shm_dir / "staged.safetensors"
+    ).read_bytes()
+    targets, _ = caches(
+        "vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, seed=3, fill=False, device="cuda"
+    )
+    with Snapshot.open(shm_dir / "second.safetensors") as snap:
+        assert snap.verify() == []
+        snap.restore([targets[0].layout], TARGET_BLOCKS)
+    torch.cuda.synchronize()
+    assert_restored(targets, content, SOURCE_BLOCKS, RESTORED_AT)
+    assert temp_files(shm_dir) == []
+
+
+def test_pending_unregistration_finishes_and_is_reported_until_then(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The capture returns with its mapping still registered (the release slowed to 0.5 s);
+    a hot restore of the file registers it again meanwhile and restores bit-exact; the
+    release then finishes and nothing a capture registered is left."""
+    monkeypatch.setattr(tuning, "SPARE_CAPTURE_FILES_BYTES", 0)
+    real_close = MappedFile.close
+
+    def slow_close(mapped: MappedFile) -> None:
+        time.sleep(0.5)
+        real_close(mapped)
+
+    monkeypatch.setattr(MappedFile, "close", slow_close)
+    sources, content = caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
+    path = shm_dir / "snap.safetensors"
+    result, _ = _traced_capture([sources[0].layout], path)
+    assert result.data_path == "dma"
+    size = path.stat().st_size
+    assert mapping_release.pending_bytes() == (size, size)
+    assert hot_tier().stats().capture_registered_bytes == size
+    targets, _ = caches(
+        "vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, seed=3, fill=False, device="cuda"
+    )
+    configure_hot_tier(1 << 30, register_after=1)
+    try:
+        with Snapshot.open(path) as snap:
+            snap.restore([targets[0].layout], TARGET_BLOCKS, staging=StagingOptions(hot=True))
+        torch.cuda.synchronize()
+        assert hot_tier().stats().registrations == 1
+        assert_restored(targets, content, SOURCE_BLOCKS, RESTORED_AT)
+    finally:
+        configure_hot_tier()
+    mapping_release.wait_for_releases()
+    assert mapping_release.pending_bytes() == (0, 0)
+    assert hot_tier().stats().capture_registered_bytes == 0

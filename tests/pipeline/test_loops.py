@@ -327,7 +327,15 @@ def test_the_trace_shows_every_step_of_capture_and_restore(tmp_path: Path, cache
             trace=lambda *span: restored.append(span),
         )
     kinds = {kind for kind, *_ in restored}
-    assert {"setup.staging", "staging.wait", "transfer.submit", "teardown"} <= kinds
+    assert {
+        "setup.staging",
+        "staging.wait",
+        "read.enqueue",
+        "read.wait",
+        "transfer.prepare",
+        "transfer.submit",
+        "teardown",
+    } <= kinds
     for kind in ("read", "verify", "transfer.submit"):
         assert sum(n for k, _, _, n in restored if k == kind) == kv_bytes, kind
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import errno
 import multiprocessing
 import os
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import pytest
 from kvsnap.errors import SnapshotIOError
 from kvsnap.store import SnapshotWriter, tuning
 from kvsnap.store.mapped_file import MappedFile
-from tests.support.store_helpers import build, temp_files
+from tests.support.store_helpers import build, mounted_tmpfs, temp_files
 
 #: Size of the small tmpfs: room for a snapshot of geometry "f16-32k", not for two.
 SMALL_TMPFS = "2m"
@@ -28,20 +26,8 @@ SMALL_TMPFS = "2m"
 
 @pytest.fixture
 def small_tmpfs() -> Iterator[Path]:
-    directory = Path(tempfile.mkdtemp(prefix="kvsnap-small-tmpfs-"))
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_TMPFS}", "tmpfs", str(directory)],
-        capture_output=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        directory.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(SMALL_TMPFS, "kvsnap-small-tmpfs-") as directory:
         yield directory
-    finally:
-        subprocess.run(["umount", str(directory)], check=False)
-        directory.rmdir()
 
 
 def _map_beyond_the_filesystem(directory: str, step: str) -> str:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import subprocess
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import xxhash
 
 from kvsnap import format as fmt
@@ -140,8 +144,26 @@ def page_of(pages: np.ndarray, page_bytes: int, block: int) -> bytes:
 
 
 def temp_files(directory: Path) -> list[str]:
-    """The writers' temporary files in ``directory``."""
-    return sorted(name for name in os.listdir(directory) if ".kvsnap-tmp-" in name)
+    """The writers' temporary files in ``directory``, but for this process's spare capture
+    files (``store/spare_files.py``: made in the background after a DMA capture, waited for
+    here; :func:`spare_names` lists them)."""
+    spares = set(spare_names(directory))
+    return sorted(
+        name for name in os.listdir(directory) if ".kvsnap-tmp-" in name and name not in spares
+    )
+
+
+def spare_names(directory: Path) -> list[str]:
+    """The names of this process's spare capture files in ``directory``, once none is being
+    made."""
+    from kvsnap.store.spare_files import spare_files
+
+    spare_files().wait()
+    return sorted(
+        os.path.basename(path)
+        for path in spare_files().paths()
+        if os.path.dirname(path) == os.path.abspath(directory)
+    )
 
 
 def write_mapped(
@@ -191,3 +213,23 @@ def stored_and_actual_digests(path: Path) -> tuple[list[list[int]], list[list[in
                 ]
             )
     return stored, actual
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(size: str, prefix: str) -> Iterator[Path]:
+    """A new tmpfs of ``size`` (``mount -o size=``) on a new directory, unmounted and removed
+    afterwards; the test is skipped where mounting needs a root this process is not."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        directory.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", str(directory)], check=False)
+        directory.rmdir()

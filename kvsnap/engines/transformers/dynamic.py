@@ -398,9 +398,19 @@ def _empty_cache(model: ModelLike | None) -> DynamicCache:
     template = known[1]
     if template is None:
         return new_dynamic_cache(model)
-    cache = copy.copy(template)
-    cache.layers = [copy.copy(layer) for layer in template.layers]
+    cache = _state_copy(template) if type(template) is DynamicCache else copy.copy(template)
+    cache.layers = [_state_copy(layer) for layer in template.layers]
     return cache
+
+
+def _state_copy(empty: Any) -> Any:
+    """A shallow copy of a ``DynamicCache`` or plain ``DynamicLayer``, whose whole state is
+    its ``__dict__`` (no slots of their own, no ``__copy__`` or ``__reduce__``): what
+    ``copy.copy`` makes, without the pickle protocol's generic path (~4.7 us against ~0.7 us
+    an object, 33 objects a call for 32 layers)."""
+    copied = object.__new__(type(empty))
+    copied.__dict__.update(empty.__dict__)
+    return copied
 
 
 def _fill_dynamic_cache(

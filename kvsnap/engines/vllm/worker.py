@@ -78,6 +78,7 @@ from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry
 from kvsnap.pipeline import Pipeline, ProgressCallback
 from kvsnap.snapshot import SequenceBlocks, Snapshot
+from kvsnap.store.spare_files import drop_spare_files
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -411,7 +412,8 @@ class KVSnapWorker:
     def shutdown(self) -> None:
         """Finish the queued snapshot writes within the drain bound, abandon the rest
         (``save_abandoned``: nothing of them is published), log a ``shutdown`` event, then
-        drop the pipeline.
+        drop the pipeline and the spare capture files its DMA saves left in the store's
+        directories (``store/spare_files.py``).
 
         The bound is ``shutdown_drain_s``, else the window vLLM gives its workers to exit
         (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``), so that the worker ends before vLLM kills
@@ -431,6 +433,7 @@ class KVSnapWorker:
                 seconds=round(report.seconds, 6),
             )
         self._pipeline = None
+        drop_spare_files(str(self.store.root))
 
 
 #: How often, and how long apart, a chunk found missing is opened again: a pruner that sets a

@@ -291,3 +291,28 @@ def test_engines_sharing_a_store_hold_its_bound(tmp_path: Path) -> None:
     # may count a chunk evicted from one directory and one committed into another: one chunk.
     assert len(samples) > 10 and max(samples) <= capacity + chunk_bytes
     assert store_bytes(tmp_path / "store") <= capacity
+
+
+@pytest.mark.usefixtures("spare_capture_files")
+def test_shutdown_drops_the_spare_capture_files_in_the_store(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DMA save leaves a spare file in its chunk's directory (store/spare_files.py); the
+    worker's shutdown removes the spares under its store, and only those."""
+    from kvsnap.store import tuning
+    from tests.support.store_helpers import build, spare_names, write_mapped
+
+    monkeypatch.setattr(tuning, "MAPPED_WRITE_MIN_BYTES", 0)
+    worker = make_worker(shm_dir)
+    chunk_directory = shm_dir / "store" / "ns" / "chunks" / "ab"
+    chunk_directory.mkdir(parents=True)
+    elsewhere = shm_dir / "elsewhere"
+    elsewhere.mkdir()
+    # What a save by DMA leaves (CPU caches never map: the mapped write stands in for it).
+    write_mapped(chunk_directory / "chunk.safetensors", *build("f16-32k", seed=75))
+    write_mapped(elsewhere / "snap.safetensors", *build("f16-32k", seed=76))
+    assert len(spare_names(chunk_directory)) == 1 and len(spare_names(elsewhere)) == 1
+    worker.shutdown()
+    assert spare_names(chunk_directory) == []
+    assert sorted(p.name for p in chunk_directory.iterdir()) == ["chunk.safetensors"]
+    assert len(spare_names(elsewhere)) == 1
