@@ -102,7 +102,9 @@ def main() -> None:
         )
         result["kernel"] = first["isa"]
     # Shutting down drains the tiers' queued stores, so every block file is on disk after it.
-    llm.llm_engine.engine_core.shutdown()
+    # Without a timeout vLLM kills the engine core 5 s after asking it to stop, stores or not
+    # (tests/support/vllm_run_engine.py shuts its engines down the same way).
+    llm.llm_engine.engine_core.shutdown(timeout=180)
     with open(job["output"], "w") as handle:
         json.dump(result, handle)
 
