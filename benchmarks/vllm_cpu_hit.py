@@ -462,6 +462,120 @@ def copy_alone(num_layers: int, tokens: int, repeat: int) -> dict[str, Any]:
     return result
 
 
+def _write_chunks(store: Any, num_layers: int, count: int, tokens: int) -> list[tuple]:
+    """``count`` prompts' first chunks (``chunk_blocks`` blocks each) captured into ``store``
+    as the worker writes them: one random cache of the benchmark's shape per chunk, through
+    :func:`~kvsnap.engines.vllm.vllm_layout`. Returns ``(chunk, prompt, chain)`` per chunk."""
+    import numpy as np
+    import torch
+
+    from kvsnap import format as fmt
+    from kvsnap.engines.vllm import CacheIdentity, chunk_sequence_id, store_key_chain, vllm_layout
+    from kvsnap.snapshot import SequenceBlocks, capture
+
+    blocks = store.chunk_blocks
+    generator = torch.Generator().manual_seed(num_layers)
+    shape = (blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+    source = fmt.SourceInfo("vllm", "bench", "random", None, "ab" * 16)
+    chunks = []
+    for prompt in prompts_for(num_layers + 1000, count, tokens):
+        prompt = np.asarray(prompt)
+        chain = store_key_chain(prompt[: blocks * BLOCK_SIZE], BLOCK_SIZE, CacheIdentity())
+        target = store.chunk_path(chain[blocks - 1])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        cache = [
+            torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(num_layers)
+        ]
+        layout = vllm_layout(
+            cache,
+            backend="FLASH_ATTN",
+            kv_cache_layout="LBHNC",
+            head_size=HEAD_DIM,
+            num_kv_heads=KV_HEADS,
+        )
+        sequence = SequenceBlocks(
+            chunk_sequence_id(0, None, chain[blocks - 1]),
+            prompt[: blocks * BLOCK_SIZE],
+            np.arange(blocks),
+        )
+        capture(layout, [sequence], target, source=source)
+        (chunk,) = store.longest_prefix(chain).chunks
+        chunks.append((chunk, prompt, chain))
+    return chunks
+
+
+def open_alone(num_layers: int, count: int, tokens: int) -> dict[str, Any]:
+    """The scheduler's first check of a chunk alone, without vLLM (see the module docstring):
+    medians in ms over ``count`` chunks, each checked once by a fresh
+    :class:`~kvsnap.engines.vllm.ChunkChecker` (``verify=True``, as under the ``fail`` policy),
+    and its parts: the open (``Snapshot.open``: header, trailer, metadata tensors) and the
+    ``verify`` of every checksum; then the worker's open of the same file (header known)."""
+    from kvsnap.engines.vllm import ChunkChecker, PrefixStore
+    from kvsnap.snapshot import Snapshot
+
+    geometry = {
+        "num_layers": num_layers,
+        "num_kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "block_size": BLOCK_SIZE,
+        "dtype": "bfloat16",
+    }
+    times: dict[str, list[float]] = {"check": [], "open": [], "verify": [], "reopen": []}
+    with tempfile.TemporaryDirectory(prefix="kvsnap-open-alone-", dir="/dev/shm") as root:
+        store = PrefixStore(root, "bench")
+        chunks = _write_chunks(store, num_layers, count, tokens)
+        # The first chunk warms the imports and the per-layout caches a running engine has.
+        for index, (chunk, prompt, chain) in enumerate(chunks):
+            checker = ChunkChecker("ab" * 16, geometry, BLOCK_SIZE, verify=True)
+            started = time.perf_counter()
+            record = checker.check(chunk, prompt, chain)
+            checked = time.perf_counter()
+            assert not isinstance(record, str), record
+            if not index:
+                continue
+            times["check"].append(checked - started)
+            # The same file again, as the worker opens it next (its header is known now), and
+            # the two parts of the check on their own (each a first sight of the file's bytes).
+            started = time.perf_counter()
+            with Snapshot.open(chunk.path) as snapshot:
+                times["reopen"].append(time.perf_counter() - started)
+        for index, (chunk, _, _) in enumerate(chunks):
+            _forget_headers()
+            started = time.perf_counter()
+            with Snapshot.open(chunk.path) as snapshot:
+                opened = time.perf_counter()
+                problems = snapshot.verify()
+                verified = time.perf_counter()
+            assert problems == []
+            if index:
+                times["open"].append(opened - started)
+                times["verify"].append(verified - opened)
+    return {
+        "layers": num_layers,
+        "chunks": count - 1,
+        "ms": {name: round(statistics.median(values) * 1e3, 3) for name, values in times.items()},
+    }
+
+
+def _forget_headers() -> None:
+    """Drop what a process keeps per file (decoded headers, checked checksum tables), so the
+    next open of a file is its first again; kept per layout stays."""
+    from kvsnap.store import checksums, opening
+
+    opening._HEADER_CACHE.clear()
+    checksums._TABLES.clear()
+
+
+def print_open_table(results: list[dict[str, Any]]) -> None:
+    """:func:`open_alone`'s results as a markdown table (ms)."""
+    names = ("check", "open", "verify", "reopen")
+    print("| model | chunks | first check | open | verify | worker's open |")
+    print("| --- | ---: |" + " ---: |" * len(names))
+    for result in results:
+        ms = " | ".join(str(result["ms"][name]) for name in names)
+        print(f"| {result['layers']} layers | {result['chunks']} | {ms} |")
+
+
 def print_copy_table(results: list[dict[str, Any]]) -> None:
     """:func:`copy_alone`'s results as a markdown table (ms)."""
     names = ("strided", "gather", "numpy", "memcpy")
@@ -528,6 +642,10 @@ def main() -> None:
     parser.add_argument("--json-out", default="out/vllm_cpu_hit.json")
     parser.add_argument("--copy-alone", action="store_true", help="time the CPU copy alone")
     parser.add_argument("--copy-repeat", type=int, default=15)
+    parser.add_argument(
+        "--open-alone", action="store_true", help="time the scheduler's first check alone"
+    )
+    parser.add_argument("--open-chunks", type=int, default=41)
     args = parser.parse_args()
     if args.child:
         run_child(args.child)
@@ -537,6 +655,12 @@ def main() -> None:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(results, indent=2))
         print_copy_table(results)
+        return
+    if args.open_alone:
+        results = [open_alone(layers, args.open_chunks, args.tokens) for layers in args.layers]
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
+        print_open_table(results)
         return
     args.trees = args.trees or [("this", ROOT)]
     if args.profile_dir:
