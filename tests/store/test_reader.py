@@ -322,7 +322,10 @@ def test_verify_reads_layer_tensors_that_follow_each_other_at_once(
     target = layers[len(layers) // 2]
     data = bytearray(path.read_bytes())
     data[target.begin + 2 * page + 1] ^= 0x10
+    data[layers[0].end - 1] ^= 0x01  # the last page of the first tensor, too
     path.write_bytes(bytes(data))
+    last = metadata.num_blocks - 1
     with SnapshotReader(path) as reader:
         problems = reader.verify()
-    assert [(problem.tensor, problem.block) for problem in problems] == [(target.name, 2)]
+    found = [(problem.tensor, problem.block) for problem in problems]
+    assert found == [(layers[0].name, last), (target.name, 2)]
