@@ -64,7 +64,18 @@ def compile_schema(schema: Mapping[str, Any] | bool) -> Check:
         return lambda _value: True
     if len(checks) == 1:
         return checks[0]
-    return lambda value: all(check(value) for check in checks)
+    return _all_of(tuple(checks))
+
+
+def _all_of(checks: tuple[Check, ...]) -> Check:
+    # Plain loops: a generator per level of the document costs more than the tests in it.
+    def check(value: Any) -> bool:
+        for test in checks:
+            if not test(value):
+                return False
+        return True
+
+    return check
 
 
 def json_equal(one: Any, two: Any) -> bool:
@@ -126,7 +137,8 @@ def _pattern(expression: str, _schema: Mapping[str, Any]) -> Check:
 
 
 def _required(names: list[str], _schema: Mapping[str, Any]) -> Check:
-    return lambda value: not isinstance(value, dict) or all(name in value for name in names)
+    needed = frozenset(names)
+    return lambda value: not isinstance(value, dict) or needed <= value.keys()
 
 
 def _properties(properties: Mapping[str, Any], _schema: Mapping[str, Any]) -> Check:
@@ -135,7 +147,11 @@ def _properties(properties: Mapping[str, Any], _schema: Mapping[str, Any]) -> Ch
     def check(value: Any) -> bool:
         if not isinstance(value, dict):
             return True
-        return all(name not in value or test(value[name]) for name, test in checks.items())
+        for name, item in value.items():
+            test = checks.get(name)
+            if test is not None and not test(item):
+                return False
+        return True
 
     return check
 
@@ -147,14 +163,26 @@ def _additional_properties(extra: Mapping[str, Any] | bool, schema: Mapping[str,
     def check(value: Any) -> bool:
         if not isinstance(value, dict):
             return True
-        return all(test(item) for name, item in value.items() if name not in known)
+        for name, item in value.items():
+            if name not in known and not test(item):
+                return False
+        return True
 
     return check
 
 
 def _items(items: Mapping[str, Any] | bool, _schema: Mapping[str, Any]) -> Check:
     test = compile_schema(items)
-    return lambda value: not isinstance(value, list) or all(map(test, value))
+
+    def check(value: Any) -> bool:
+        if not isinstance(value, list):
+            return True
+        for item in value:
+            if not test(item):
+                return False
+        return True
+
+    return check
 
 
 def _one_of(subschemas: list[Any], _schema: Mapping[str, Any]) -> Check:
