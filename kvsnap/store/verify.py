@@ -157,6 +157,8 @@ def _verify_run(
         trusted = checksums.row_trusted(first + offset, rows[offset])
         if trusted is False:
             problems.append(_untrusted_row(reader, entry.name))
+        elif trusted:
+            checksums.remember_row(first + offset, rows[offset])
         if differs[offset]:
             url = open_file.source.url
             problems += _block_problems(
