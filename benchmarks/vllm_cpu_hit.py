@@ -3,7 +3,7 @@
 Run from the repository root with the vLLM virtualenv's Python::
 
     .venv-vllm/bin/python -m benchmarks.vllm_cpu_hit [--requests 24] [--disk-dir DIR]
-        [--tree NAME=PATH ...] [--profile-dir DIR]
+        [--tree NAME=PATH ...] [--profile-dir DIR] [--copy-alone] [--open-alone]
 
 Models: Llama-shaped, built from a config with random weights (bf16, saved as safetensors to a
 temporary directory; no download): 3 and 12 layers, hidden 128, 2 KV heads of 32 (the shape of
@@ -54,6 +54,12 @@ the same bytes by numpy assignments of transposed views per layer (the ceiling k
 generic path aims at); **memcpy**, one copy of as many contiguous bytes. Medians of
 ``--copy-repeat`` runs, each direction; every variant's cache and staging bytes are checked
 equal.
+
+``--open-alone`` times a hit's kvsnap work without vLLM (:func:`open_alone`): ``--open-prompts``
+prompts saved into a prefix store on ``/dev/shm`` as the worker saves them, then per prompt the
+scheduler's check of its chunks (a first sight of each, ``verify`` on as under ``fail``) and
+the worker's load of them into a host cache, and per chunk the open and the ``verify`` apart;
+medians of CPU time.
 """
 
 from __future__ import annotations
@@ -538,15 +544,24 @@ def open_alone(num_layers: int, count: int, tokens: int) -> dict[str, Any]:
       opens them and restored as one job of a kept :class:`~kvsnap.pipeline.Pipeline`, every
       page checked; the loaded blocks are compared with the saved ones.
     """
-    import numpy as np
     import torch
+
+    # One OpenMP thread, as the engines of this benchmark run (idle OpenMP threads spinning
+    # after an op would count as CPU time here); the caller's setting is put back after.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _open_alone(num_layers, count, tokens)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _open_alone(num_layers: int, count: int, tokens: int) -> dict[str, Any]:
+    """:func:`open_alone`, on one OpenMP thread."""
+    import numpy as np
 
     from kvsnap.engines.vllm import ChunkChecker
     from kvsnap.pipeline import Pipeline
-
-    # One OpenMP thread, as the engines of this benchmark run (idle OpenMP threads spinning
-    # after an op would count as CPU time here).
-    torch.set_num_threads(1)
     from kvsnap.snapshot import Snapshot
 
     geometry = {
