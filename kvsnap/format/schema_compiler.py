@@ -59,7 +59,6 @@ def compile_schema(schema: Mapping[str, Any] | bool) -> Check:
         for keyword, value in schema.items()
         if keyword in _KEYWORDS
     ]
-    checks = [check for check in checks if check is not None]
     if not checks:
         return lambda _value: True
     if len(checks) == 1:
