@@ -16,8 +16,10 @@ Where the worker runs in the scheduler's process (vLLM's ``uni`` executor, a TP 
 a single-file chunk that passed is handed to it open (:class:`CheckedChunks`): the worker's
 load takes it instead of opening and checking the file's header, trailer, signature and
 metadata again, but only while the file is the version that was checked (device, inode,
-size, modification and change times, of the path and of the open descriptor alike); the
-worker still checks every page it copies against the checksums that open read.
+size, modification and change times, of the path and of the open descriptor alike; the
+scheduler's own record of the chunk's use moves the change time, and only that, which
+:meth:`CheckedChunks.touched` accepts); the worker still checks every page it copies against
+the checksums that open read.
 
 Nothing here needs vLLM.
 """
@@ -120,6 +122,27 @@ class CheckedChunks:
             return snapshot
         snapshot.close()
         return None
+
+    def touched(self, path: str) -> None:
+        """After this process's scheduler recorded the use of the chunk at ``path`` (its access
+        time: :meth:`~kvsnap.engines.vllm.prefix_store.PrefixStore.touch`, which keeps the
+        modification time and so moves only the change time): keep its open chunk for the
+        version its descriptor names now, if only that time moved; else close it."""
+        with self._lock:
+            kept = self._open.get(path)
+            if kept is None:
+                return
+            snapshot, version, key_ids = kept
+            files = snapshot.parts[0].reader.local_files()
+            try:
+                now = None if files is None else file_version(os.fstat(files[0][1]))
+            except OSError:
+                now = None
+            if now is not None and now[:4] == version[:4]:
+                self._open[path] = (snapshot, now, key_ids)
+                return
+            del self._open[path]
+        snapshot.close()
 
     def clear(self) -> None:
         """Close every kept chunk."""

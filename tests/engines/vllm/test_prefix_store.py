@@ -429,6 +429,26 @@ def test_a_checked_chunk_is_handed_to_the_worker_of_the_process_while_unchanged(
     assert not isinstance(checker.check(first, prompt, chain), str)
     _write_chunk(store, prompt, 0, 2, path=path)
     assert CHECKED_CHUNKS.take(first.path, None) is None
+    # The scheduler's record of the chunk's use moves its change time only: still handed over.
+    # A chunk rewritten before the record is not.
+    checker.forget(second.path)
+    assert not isinstance(checker.check(second, prompt, chain), str)
+    assert store.touch(second.path)
+    CHECKED_CHUNKS.touched(second.path)
+    taken = CHECKED_CHUNKS.take(second.path, None)
+    assert taken is not None and taken.metadata.sequences[0].id == chunk_sequence_id(
+        2, chain[1], chain[3]
+    )
+    taken.close()
+    checker.forget(second.path)
+    assert not isinstance(checker.check(second, prompt, chain), str)
+    kept = CHECKED_CHUNKS._open[second.path][0]
+    status = Path(second.path).stat()
+    os.utime(second.path, ns=(status.st_atime_ns, status.st_mtime_ns + 10**9))  # a rewrite
+    assert store.touch(second.path)
+    CHECKED_CHUNKS.touched(second.path)
+    assert second.path not in CHECKED_CHUNKS._open
+    assert kept.parts[0].reader.local_files() is None
     # At most `capacity` are kept open: the oldest is closed.
     small = CheckedChunks(capacity=1)
     snapshots = [Snapshot.open(chunk.path) for chunk in (first, second)]
