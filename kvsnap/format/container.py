@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvsnap.caches import register_cache_clear
+from kvsnap.caches import BoundedLRU, register_cache_clear
 from kvsnap.dtypes import KV_DTYPES, SAFETENSORS_TYPES
 from kvsnap.format.constants import (
     BLOCK_CHECKSUMS_TENSOR,
@@ -135,12 +135,24 @@ def snapshot_specs(
 
 
 def specs_for(metadata: SnapshotMetadata | HeaderMetadata) -> list[TensorSpec]:
-    """:func:`snapshot_specs` of a metadata object."""
+    """:func:`snapshot_specs` of a metadata object (worked out once per process for each
+    geometry, block count and sequence shapes: a reader opening many files of one shape asks
+    again for every header)."""
     if isinstance(metadata, SnapshotMetadata):
-        shapes = [(record.num_tokens, len(record.block_ids)) for record in metadata.sequences]
+        shapes = tuple((record.num_tokens, len(record.block_ids)) for record in metadata.sequences)
     else:
-        shapes = [(shape.num_tokens, shape.num_blocks) for shape in metadata.sequences]
-    return snapshot_specs(metadata.geometry, metadata.num_blocks, shapes)
+        shapes = tuple((shape.num_tokens, shape.num_blocks) for shape in metadata.sequences)
+    return list(_cached_specs(metadata.geometry, int(metadata.num_blocks), shapes))
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_specs(
+    geometry: KVGeometry, num_blocks: int, shapes: tuple[tuple[int, int], ...]
+) -> tuple[TensorSpec, ...]:
+    return tuple(snapshot_specs(geometry, num_blocks, shapes))
+
+
+register_cache_clear(_cached_specs.cache_clear)
 
 
 class _Packing:
@@ -216,9 +228,21 @@ def pack_file(specs: Sequence[TensorSpec], kvsnap_json: str, signed: bool = Fals
     Offsets relative to the data start do not depend on the header length, and the data
     start is a multiple of :data:`DATA_ALIGNMENT`, so aligning relative offsets aligns file
     offsets. The header is padded with spaces (which JSON ignores) up to that multiple. The
-    placement of a sequence of specs is computed once per process and reused.
+    placement of a sequence of specs is computed once per process and reused, and so are the
+    last few layouts (a reader packs a file's header twice as it checks it: for its bounds and
+    against its bytes).
     """
-    return _pack(_packing(tuple(specs), signed), kvsnap_json)
+    packing = _packing(tuple(specs), signed)
+    key = (packing, kvsnap_json)
+    layout = _RECENT_LAYOUTS.get(key)
+    if layout is None:
+        layout = _pack(packing, kvsnap_json)
+        _RECENT_LAYOUTS.put(key, layout)
+    return layout
+
+
+#: The last layouts :func:`pack_file` made, by their packing and metadata string.
+_RECENT_LAYOUTS: BoundedLRU[tuple[_Packing, str], FileLayout] = BoundedLRU(8)
 
 
 def split_shards(

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvsnap.caches import BoundedLRU
 from kvsnap.dtypes import SAFETENSORS_TYPES
 from kvsnap.errors import NotASnapshotError, SnapshotCorruptError
 from kvsnap.format.constants import (
@@ -45,6 +46,14 @@ _TRAILER_ENTRY = re.compile(
 )
 #: Largest header parsed whole when it does not begin with kvsnap metadata (to say what it is).
 FOREIGN_HEADER_PARSE_LIMIT = 1 << 20
+
+#: The checked tensor entries of headers decoded lately, by the bytes that define them: the
+#: header without its kvsnap metadata string (the JSON before it, and after it up to the space
+#: padding), its length and the file size. Files of one layout (an engine's prefix chunks)
+#: differ only in that string, so all but the first skip the parse of the whole header and of
+#: every entry; the metadata string itself is parsed and checked for every file.
+_CHECKED_ENTRIES: BoundedLRU[tuple[bytes, bytes, int, int], tuple[TensorEntry, ...]]
+_CHECKED_ENTRIES = BoundedLRU(64)
 
 
 def header_length(prefix: bytes, file_size: int, file: str | None = None) -> int:
@@ -101,15 +110,34 @@ def decode_header(header: bytes, file_size: int, file: str | None = None) -> Dec
     the whole header as strict JSON, then every tensor entry: known dtype, non-negative integer
     shape, offsets matching the shape, and tensors tiling the data region with no gap or
     overlap up to exactly the end of the file (:class:`SnapshotCorruptError`).
+
+    A header that differs from one that passed all of this only in its kvsnap metadata string
+    (the same bytes before and after that string up to the padding, the same length, the same
+    file size: a file of the same layout) gets that header's checked entries
+    (:data:`_CHECKED_ENTRIES`); its own metadata string is parsed and checked as above.
     """
     data_start = len(header)
     if header[HEADER_PREFIX.size : HEADER_PREFIX.size + 1] != b"{":
         raise NotASnapshotError("header does not start with '{': not a safetensors file", file=file)
     # Nothing here copies or parses the whole header before its bounds are checked.
     leading = _leading_kvsnap_json(header)
+    entries_key = None
     if leading is not None:
-        metadata = _parse_kvsnap_json(leading, file)
-        _check_header_bounds(header, metadata, leading, file)
+        kvsnap_json, begin, end = leading
+        metadata = _parse_kvsnap_json(kvsnap_json, file)
+        _check_header_bounds(header, metadata, kvsnap_json, file)
+        entries_key = (
+            header[HEADER_PREFIX.size : begin],
+            header[end:].rstrip(b" "),
+            data_start,
+            file_size,
+        )
+        known = _CHECKED_ENTRIES.get(entries_key)
+        # JSON is parsed token by token, so the rest of a header that once passed every check
+        # passes them again around another valid string (strict UTF-8 like the whole: split
+        # at ASCII quotes, the parts decode exactly when the whole does).
+        if known is not None and _is_utf8(header[begin:end]):
+            return DecodedHeader(metadata, kvsnap_json, known, data_start)
     elif data_start - HEADER_PREFIX.size > FOREIGN_HEADER_PARSE_LIMIT:
         raise NotASnapshotError(
             f"a header of {data_start - HEADER_PREFIX.size} bytes that does not begin with "
@@ -130,12 +158,24 @@ def decode_header(header: bytes, file_size: int, file: str | None = None) -> Dec
     ]
     entries.sort(key=lambda entry: (entry.begin, entry.end))
     _check_tiling(entries, data_start, file_size, file)
-    return DecodedHeader(metadata, kvsnap_json, tuple(entries), data_start)
+    checked = tuple(entries)
+    if entries_key is not None:
+        _CHECKED_ENTRIES.put(entries_key, checked)
+    return DecodedHeader(metadata, kvsnap_json, checked, data_start)
 
 
-def _leading_kvsnap_json(header: bytes) -> str | None:
-    """The kvsnap metadata string when the header JSON begins with ``__metadata__`` and its
-    ``format`` and ``kvsnap`` keys (as kvsnap writes it), found without parsing the rest."""
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _leading_kvsnap_json(header: bytes) -> tuple[str, int, int] | None:
+    """The kvsnap metadata string, and where its JSON string lies in ``header``, when the
+    header JSON begins with ``__metadata__`` and its ``format`` and ``kvsnap`` keys (as kvsnap
+    writes it), found without parsing the rest."""
     match = _LEADING_METADATA.match(header, HEADER_PREFIX.size)
     if match is None:
         return None
@@ -143,7 +183,7 @@ def _leading_kvsnap_json(header: bytes) -> str | None:
     if string is None:
         return None
     try:
-        return json.loads(string.group())
+        return json.loads(string.group()), string.start(), string.end()
     except (UnicodeDecodeError, ValueError):
         return None
 

@@ -8,6 +8,7 @@ from importlib import resources
 from typing import Any
 
 from kvsnap.errors import SnapshotCorruptError
+from kvsnap.format.schema_compiler import Check, compile_schema
 
 
 def dump_json(document: Any) -> str:
@@ -58,10 +59,24 @@ def _schema_validator() -> Any:
     return jsonschema.validators.validator_for(schema)(schema)
 
 
+@functools.cache
+def _compiled_schema() -> Check:
+    return compile_schema(metadata_schema())
+
+
 def validate_schema(document: Any, file: str | None) -> None:
+    """Refuse ``document`` (:class:`SnapshotCorruptError`) unless it is valid under the kvsnap
+    metadata schema. The verdict comes from the schema compiled once
+    (:mod:`kvsnap.format.schema_compiler`: the same verdict as ``jsonschema`` at a tenth of its
+    cost); a refused document is walked by ``jsonschema`` to say where and why."""
+    if _compiled_schema()(document):
+        return
     error = next(iter(_schema_validator().iter_errors(document)), None)
-    if error is not None:
-        where = "/".join(str(part) for part in error.absolute_path) or "(top level)"
-        raise SnapshotCorruptError(
-            f"kvsnap metadata fails the v1 schema at {where}: {error.message}", file=file
-        )
+    if error is None:
+        # Unreachable while the two agree (tests/format/test_schema_compiler.py): refuse
+        # rather than accept on the word of the check that disagrees.
+        raise SnapshotCorruptError("kvsnap metadata fails the v1 schema", file=file)
+    where = "/".join(str(part) for part in error.absolute_path) or "(top level)"
+    raise SnapshotCorruptError(
+        f"kvsnap metadata fails the v1 schema at {where}: {error.message}", file=file
+    )

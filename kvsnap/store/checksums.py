@@ -11,7 +11,6 @@ engine opening the same stored prefix again skips the read and the checks.
 
 from __future__ import annotations
 
-from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -160,12 +159,27 @@ class Checksums:
         kept process-wide by the files' trailers, which commit to these rows."""
         if self._table is None:
             self.ensure_trailers()
-            trailers = [self._trailers[position] for position in range(len(self._trailers))]
-            key = fmt.digest128(b"".join(chain.from_iterable(trailers)))
+            key = self._table_key()
             self._table = _TABLES.get(key)
             if self._table is None:
                 self._table = _keep_table(key, self._read_table())
         return self._table
+
+    def remember_row(self, tensor: int, row: np.ndarray) -> None:
+        """Keep ``row``, which the caller found to match layer tensor ``tensor``'s trailer
+        digest (:meth:`row_trusted`); once every row is kept, the table is kept process-wide
+        as :meth:`table` keeps it (a full verify leaves it for the restore that follows)."""
+        self._rows[tensor] = row
+        tensors = len(self._reader.layer_names)
+        every_trailer = len(self._trailers) == len(self._reader.open_files)
+        if self._table is None and every_trailer and len(self._rows) == tensors:
+            table = np.stack([self._rows[index] for index in range(tensors)])
+            self._table = _keep_table(self._table_key(), table)
+
+    def _table_key(self) -> bytes:
+        """The digest of every file's trailer (all loaded), which commit to the table."""
+        trailers = [self._trailers[position] for position in range(len(self._reader.open_files))]
+        return fmt.digest128(b"".join(row for trailer in trailers for row in trailer))
 
     def _read_table(self) -> np.ndarray:
         open_file, entry = self._block_checksums()

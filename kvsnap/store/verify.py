@@ -7,6 +7,7 @@ verify>`; it reaches the reader through its named accessors (``open_files``, ``c
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -132,21 +133,37 @@ def _verify_run(
 ) -> list[Problem]:
     """Layer tensors ``entries`` (in tensor order, close together in ``open_file``) checked
     against their stored block checksums with one read of their bytes (and the padding between
-    them) and one of their rows."""
+    them) and one of their rows; tensors that follow each other with no padding (a small
+    model's chunk: every layer) are hashed as one buffer and compared as one array."""
     checksums = reader.checksums
     first = index[entries[0].name]
     rows = checksums.stored_rows(first, len(entries))
     low = entries[0].begin
     buffer = np.empty(entries[-1].end - low, dtype=np.uint8)
     open_file.source.read_into(low, memoryview(buffer), tensor=entries[0].name)
+    page = reader.page_bytes
+    if all(entry.begin == before.end for before, entry in itertools.pairwise(entries)):
+        computed = fmt.block_digests(buffer, page).reshape(rows.shape)
+    else:
+        computed = np.stack(
+            [
+                fmt.block_digests(buffer[entry.begin - low : entry.end - low], page)
+                for entry in entries
+            ]
+        )
+    differs = (computed != rows).any(axis=1)
     problems: list[Problem] = []
     for offset, entry in enumerate(entries):
-        computed = fmt.block_digests(buffer[entry.begin - low : entry.end - low], reader.page_bytes)
-        row = rows[offset]
-        trusted = checksums.row_trusted(first + offset, row)
+        trusted = checksums.row_trusted(first + offset, rows[offset])
         if trusted is False:
             problems.append(_untrusted_row(reader, entry.name))
-        problems += _block_problems(open_file.source.url, entry.name, computed, row, bool(trusted))
+        elif trusted:
+            checksums.remember_row(first + offset, rows[offset])
+        if differs[offset]:
+            url = open_file.source.url
+            problems += _block_problems(
+                url, entry.name, computed[offset], rows[offset], bool(trusted)
+            )
     return problems
 
 

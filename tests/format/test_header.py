@@ -4,6 +4,7 @@ errors that name their location."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import struct
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsnap import format as fmt
+from kvsnap.caches import clear_caches
 from kvsnap.errors import (
     IncompatibleSnapshotError,
     KVSnapError,
@@ -264,3 +266,106 @@ def test_errors_name_their_location_and_survive_pickling() -> None:
     incompatible = IncompatibleSnapshotError("8 KV heads vs 4", snapshot=8, target=4)
     assert pickle.loads(pickle.dumps(incompatible)).target == 4
     assert isinstance(UnsupportedVersionError("x", version=3), KVSnapError)
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor entries decoded once per layout
+
+
+def _one_layout_headers(model_ids: list[str]) -> list[fmt.FileLayout]:
+    """One file layout per model id: one sequence of 13 random tokens each, so every header
+    differs in its metadata string only."""
+    geometry = GEOMETRIES["bf16"]
+    layouts = []
+    for index, model_id in enumerate(model_ids):
+        tokens = [np.random.default_rng(index).integers(0, 1000, 13)]
+        metadata = make_metadata(geometry, tokens, created=f"2026-12-01T22:1{index}:00Z")
+        source = dataclasses.replace(metadata.source, model_id=model_id)
+        (layout,) = fmt.file_layouts(dataclasses.replace(metadata, source=source))
+        layouts.append(layout)
+    return layouts
+
+
+def _decoded_fresh(header: bytes, file_size: int) -> fmt.DecodedHeader | KVSnapError:
+    """``header`` decoded with no entries kept from earlier headers (or the error)."""
+    clear_caches()
+    try:
+        return fmt.decode_header(header, file_size)
+    except KVSnapError as error:
+        return error
+
+
+def _decoded_after(
+    seen: fmt.FileLayout, header: bytes, file_size: int
+) -> fmt.DecodedHeader | KVSnapError:
+    """``header`` decoded right after ``seen``'s header (of the same layout) was."""
+    clear_caches()
+    fmt.decode_header(seen.header, seen.file_size)
+    try:
+        return fmt.decode_header(header, file_size)
+    except KVSnapError as error:
+        return error
+
+
+def test_files_of_one_layout_share_their_decoded_entries() -> None:
+    names = ["model-a", "model-b", "model-" + "c" * 300, "model-" + "d" * 4000]
+    first, second, longer, longest = _one_layout_headers(names)
+    assert first.header != second.header and len(first.header) == len(second.header)
+    clear_caches()
+    decoded = [fmt.decode_header(layout.header, layout.file_size) for layout in (first, second)]
+    assert decoded[1].entries is decoded[0].entries  # decoded once, for the first file
+    assert decoded[1] == _decoded_fresh(second.header, second.file_size)
+    assert decoded[1].metadata.source.model_id == "model-b"
+    # A longer metadata string with the same data start (less padding) shares them too; one
+    # that moves the data start has entries of its own.
+    assert longer.data_start == first.data_start < longest.data_start
+    for layout in (longer, longest):
+        after = _decoded_after(first, layout.header, layout.file_size)
+        assert after == _decoded_fresh(layout.header, layout.file_size)
+        assert isinstance(after, fmt.DecodedHeader)
+        assert (after.entries == decoded[0].entries) is (layout is longer)
+
+
+def _edited(header: bytes, old: bytes, new: bytes, after: int = 0) -> bytes:
+    """``header`` with the first ``old`` at or after ``after`` replaced by ``new`` (same
+    length)."""
+    assert len(old) == len(new)
+    at = header.index(old, after)
+    return header[:at] + new + header[at + len(old) :]
+
+
+def test_a_header_differing_in_one_entry_is_not_served_the_cached_decode() -> None:
+    seen, layout = _one_layout_headers(["model-a", "model-b"])
+    header, size = layout.header, layout.file_size
+    entries = header.index(b'"sequences.0.token_ids":')
+    value = header.index(b'"layers.1.value"', entries)
+    swapped_names = _edited(
+        _edited(header, b'"layers.0.value"', b'"layers.1.xalue"', entries),
+        b'"layers.1.value"',
+        b'"layers.0.value"',
+        value,
+    )
+    cases = {
+        "a shape": _edited(header, b'"shape":[4,', b'"shape":[5,', entries),
+        "a dtype": _edited(header, b'"dtype":"BF16"', b'"dtype":"F16 "', entries),
+        "an offset": _edited(header, b'"data_offsets":[0,', b'"data_offsets":[1,', entries),
+        "a name (decodes; the layout check refuses it)": swapped_names,
+        "a duplicate name": _edited(header, b'"layers.0.value"', b'"layers.0.key"  ', entries),
+        "the padding": header[:-1] + b"\n",
+        "invalid UTF-8 in the metadata": _edited(header, b"model-b", b"\xed\xa0\x80el-b"),
+        "the file size": header,
+        "the data start": struct.pack("<Q", len(header) - 8 + fmt.DATA_ALIGNMENT)
+        + header[8:]
+        + b" " * fmt.DATA_ALIGNMENT,
+    }
+    for what, changed in cases.items():
+        file_size = size + 8 if what == "the file size" else size
+        fresh = _decoded_fresh(changed, file_size)
+        after = _decoded_after(seen, changed, file_size)
+        if isinstance(fresh, KVSnapError):
+            assert type(after) is type(fresh) and str(after) == str(fresh), what
+        else:
+            assert after == fresh, what
+    swapped = _decoded_after(seen, swapped_names, size)
+    assert isinstance(swapped, fmt.DecodedHeader) and swapped.entries != seen.entries
+    assert isinstance(_decoded_fresh(cases["a shape"], size), SnapshotCorruptError)

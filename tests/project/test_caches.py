@@ -11,7 +11,7 @@ import pytest
 
 import kvsnap
 from kvsnap.caches import BoundedLRU, register_cache_clear
-from kvsnap.format import container
+from kvsnap.format import container, header
 from kvsnap.layout import cache as layout_cache
 from kvsnap.layout import heads, mapping
 from kvsnap.snapshot import Snapshot
@@ -94,6 +94,7 @@ def test_clear_caches_empties_every_process_wide_cache(
     lru_functions = [
         container._packing,
         container._cached_file_layouts,
+        container._cached_specs,
         mapping.strided_page_runs,
         layout_cache._writes_a_byte_twice,
         heads._heads_of,
@@ -103,12 +104,14 @@ def test_clear_caches_empties_every_process_wide_cache(
     filled = {function.__name__: function.cache_info().currsize for function in lru_functions}
     assert all(filled.values()), filled
     assert len(opening._HEADER_CACHE) and len(checksums._TABLES) and heads._CACHE
+    assert len(header._CHECKED_ENTRIES) and len(container._RECENT_LAYOUTS)
     assert tier.stats().files == 1
 
     kvsnap.clear_caches()
 
-    assert [function.cache_info().currsize for function in lru_functions] == [0] * 7
+    assert [function.cache_info().currsize for function in lru_functions] == [0] * 8
     assert len(opening._HEADER_CACHE) == 0 and len(checksums._TABLES) == 0
+    assert len(header._CHECKED_ENTRIES) == 0 and len(container._RECENT_LAYOUTS) == 0
     assert heads._CACHE == {} and tier.stats().files == 0
     # Everything is worked out again on the next use, to the same result.
     again = caches("vllm-nhd", 1, 8)

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvsnap import format as fmt
+from kvsnap.caches import clear_caches
 from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
 from kvsnap.store import SnapshotReader
 from tests.support.store_helpers import build, page_of, write_snapshot
@@ -322,7 +323,50 @@ def test_verify_reads_layer_tensors_that_follow_each_other_at_once(
     target = layers[len(layers) // 2]
     data = bytearray(path.read_bytes())
     data[target.begin + 2 * page + 1] ^= 0x10
+    data[layers[0].end - 1] ^= 0x01  # the last page of the first tensor, too
     path.write_bytes(bytes(data))
+    last = metadata.num_blocks - 1
     with SnapshotReader(path) as reader:
         problems = reader.verify()
-    assert [(problem.tensor, problem.block) for problem in problems] == [(target.name, 2)]
+    found = [(problem.tensor, problem.block) for problem in problems]
+    assert found == [(layers[0].name, last), (target.name, 2)]
+
+
+@pytest.mark.parametrize("tamper", [False, True])
+def test_a_full_verify_leaves_the_checked_checksum_table_for_the_next_reader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tamper: bool
+) -> None:
+    """A chunk verified by one reader (the scheduler's check) is restored by another (the
+    worker's): the block-checksum rows the verify checked against the trailer are kept, and the
+    next reader's table is not read and checked again. Rows that fail their check are not kept:
+    the next reader reads them and refuses them itself."""
+    clear_caches()
+    metadata, pages = build("f16-32k", seed=34)
+    path = tmp_path / "snap.safetensors"
+    write_snapshot(path, metadata, pages)
+    (layout,) = fmt.file_layouts(metadata)
+    rows = layout.by_name[fmt.BLOCK_CHECKSUMS_TENSOR]
+    if tamper:  # a stored checksum of the last tensor, whose trailer digest then disagrees
+        data = bytearray(path.read_bytes())
+        data[rows.end - 1] ^= 0x01
+        path.write_bytes(bytes(data))
+    with SnapshotReader(path) as reader:
+        problems = reader.verify()
+    assert bool(problems) is tamper
+    reads: list[int] = []
+    real = os.preadv
+
+    def recording(fd: int, buffers: list[memoryview], offset: int) -> int:
+        reads.append(offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", recording)
+    with SnapshotReader(path) as reader:
+        if tamper:
+            with pytest.raises(SnapshotCorruptError, match="block checksums"):
+                reader.checksums.table()
+        else:
+            table = reader.checksums.table()
+            expected = np.frombuffer(path.read_bytes()[rows.begin : rows.end], dtype="<u8")
+            assert np.array_equal(table.reshape(-1), expected)
+    assert any(rows.begin <= offset < rows.end for offset in reads) is tamper

@@ -93,7 +93,13 @@ class KVSnapConnector(KVConnectorBase_V1):
             policy = str(transfer.kv_load_failure_policy)
             verify = self.options.verifies_before_load(policy)
             events = EventLog(self.options.event_log, "scheduler", 0)
-            checker = ChunkChecker(fingerprint, geometry, block_size, verify=verify, keys=keys)
+            # vLLM's "uni" executor runs the one worker in this process: a chunk the checker
+            # opened is handed to it rather than opened again.
+            parallel = vllm_config.parallel_config
+            hand_over = parallel.world_size == 1 and parallel.distributed_executor_backend == "uni"
+            checker = ChunkChecker(
+                fingerprint, geometry, block_size, verify=verify, keys=keys, hand_over=hand_over
+            )
             self.connector_scheduler = KVSnapScheduler(
                 self.options,
                 store,

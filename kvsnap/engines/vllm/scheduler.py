@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap.engines.vllm.chunk_check import ChunkChecker
+from kvsnap.engines.vllm.chunk_check import CHECKED_CHUNKS, ChunkChecker
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.identity import identity_of, store_key_chain
 from kvsnap.engines.vllm.options import ConnectorOptions
@@ -215,6 +215,8 @@ class KVSnapScheduler:
         for position, (chunk, _) in enumerate(usable):
             if not self.store.touch(chunk.path):
                 return usable[:position]
+            if self.checker.hand_over:
+                CHECKED_CHUNKS.touched(chunk.path)
         return usable
 
     def update_state_after_alloc(

@@ -46,6 +46,7 @@ import torch
 
 from kvsnap import distributed
 from kvsnap import format as fmt
+from kvsnap.engines.vllm.chunk_check import CHECKED_CHUNKS
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.eviction import (
     StoreEntry,
@@ -469,7 +470,12 @@ def _disk_full(error: BaseException) -> bool:
 
 def _open_chunk(path: str, keys: KeyRing | None) -> Snapshot:
     """Open the chunk at ``path`` (every file signed by one of ``keys``, when given), again a
-    few times if it is missing for an instant."""
+    few times if it is missing for an instant; or take it open from this process's scheduler,
+    which just checked that version of the file (:data:`~kvsnap.engines.vllm.chunk_check.
+    CHECKED_CHUNKS`)."""
+    checked = CHECKED_CHUNKS.take(path, keys)
+    if checked is not None:
+        return checked
     for _ in range(_OPEN_ATTEMPTS - 1):
         try:
             return Snapshot.open(path, keys=keys)

@@ -32,7 +32,10 @@ from kvsnap.engines.vllm import (
     store_key_chain,
     vllm_layout,
 )
-from kvsnap.snapshot import SequenceBlocks, capture
+from kvsnap.engines.vllm import worker as worker_module
+from kvsnap.engines.vllm.chunk_check import CHECKED_CHUNKS, CheckedChunks
+from kvsnap.format.signing import KeyRing
+from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import hot, publish
 from kvsnap.store.hot import HotTier
 
@@ -378,3 +381,81 @@ def test_evicting_a_chunk_drops_it_from_the_hot_tier(tmp_path: Path, monkeypatch
     assert [entry.path for entry in removed] == [paths[0]]
     assert entries[0].host is None and entries[1].host is not None
     assert tier.stats().files == 1
+
+
+def test_a_checked_chunk_is_handed_to_the_worker_of_the_process_while_unchanged(
+    tmp_path: Path,
+) -> None:
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=2)
+    prompt = _prompt(4, seed=11)
+    chain = _chain(prompt)
+    path = _write_chunk(store, prompt, 0, 2)
+    _write_chunk(store, prompt, 2, 4)
+    first, second = store.longest_prefix(chain).chunks
+    CHECKED_CHUNKS.clear()
+    # A checker whose worker runs elsewhere keeps nothing open.
+    ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=True).check(first, prompt, chain)
+    assert CHECKED_CHUNKS.take(first.path, None) is None
+    checker = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=True, hand_over=True)
+    record = checker.check(first, prompt, chain)
+    assert not isinstance(record, str)
+    # The worker's open takes the checked snapshot itself, once; then opens as before.
+    kept_open = CHECKED_CHUNKS._open[first.path][0]
+    handed = worker_module._open_chunk(first.path, None)
+    assert handed is kept_open
+    with handed:
+        assert handed.parts[0].reader.local_files() is not None
+        assert handed.metadata.sequences[0] == record
+    again = worker_module._open_chunk(first.path, None)
+    assert again is not handed
+    again.close()
+    # Not for a worker with other keys; not once the file changed (rewritten in place, the
+    # same size): the kept snapshot is closed, never served.
+    assert not isinstance(checker.check(second, prompt, chain), str)
+    assert CHECKED_CHUNKS.take(second.path, KeyRing([b"k" * 32])) is None
+    checker.forget(first.path)
+    assert not isinstance(checker.check(first, prompt, chain), str)
+    kept = CHECKED_CHUNKS._open[first.path][0]
+    _flip_kv_byte(path)
+    # A rewrite within one tick of the kernel's coarse clock keeps the change time (see
+    # docs/benchmarks.md): move the modification time on, so this one is seen every time.
+    status = path.stat()
+    os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns + 10**9))
+    assert CHECKED_CHUNKS.take(first.path, None) is None
+    assert kept.parts[0].reader.local_files() is None  # closed
+    # Nor once another file took its name (a new version published by rename).
+    checker.forget(first.path)
+    _write_chunk(store, prompt, 0, 2, path=path)
+    assert not isinstance(checker.check(first, prompt, chain), str)
+    _write_chunk(store, prompt, 0, 2, path=path)
+    assert CHECKED_CHUNKS.take(first.path, None) is None
+    # The scheduler's record of the chunk's use moves its change time only: still handed over.
+    # A chunk rewritten before the record is not.
+    checker.forget(second.path)
+    assert not isinstance(checker.check(second, prompt, chain), str)
+    assert store.touch(second.path)
+    CHECKED_CHUNKS.touched(second.path)
+    taken = CHECKED_CHUNKS.take(second.path, None)
+    assert taken is not None and taken.metadata.sequences[0].id == chunk_sequence_id(
+        2, chain[1], chain[3]
+    )
+    taken.close()
+    checker.forget(second.path)
+    assert not isinstance(checker.check(second, prompt, chain), str)
+    kept = CHECKED_CHUNKS._open[second.path][0]
+    status = Path(second.path).stat()
+    os.utime(second.path, ns=(status.st_atime_ns, status.st_mtime_ns + 10**9))  # a rewrite
+    assert store.touch(second.path)
+    CHECKED_CHUNKS.touched(second.path)
+    assert second.path not in CHECKED_CHUNKS._open
+    assert kept.parts[0].reader.local_files() is None
+    # At most `capacity` are kept open: the oldest is closed.
+    small = CheckedChunks(capacity=1)
+    snapshots = [Snapshot.open(chunk.path) for chunk in (first, second)]
+    assert all(
+        small.keep(chunk.path, snap, None)
+        for chunk, snap in zip((first, second), snapshots, strict=True)
+    )
+    assert snapshots[0].parts[0].reader.local_files() is None
+    assert small.take(second.path, None) is snapshots[1]
+    snapshots[1].close()

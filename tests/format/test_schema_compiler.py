@@ -1,0 +1,173 @@
+"""The compiled metadata schema gives ``jsonschema``'s verdict on real metadata and on every
+one-edit change of it, and a refused document is reported exactly as ``jsonschema`` words it."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvsnap import format as fmt
+from kvsnap.errors import SnapshotCorruptError
+from kvsnap.format.schema import validate_schema
+from kvsnap.format.schema_compiler import compile_schema, json_equal
+from tests.support.store_helpers import GEOMETRIES, make_metadata
+
+jsonschema = pytest.importorskip("jsonschema")
+
+#: Values put in place of each value of a document: every JSON type, the numbers around the
+#: schema's bounds, integral floats, the strings its enums, consts and patterns name.
+REPLACEMENTS: list[Any] = [
+    None, True, False, 0, 1, 2, -1, 1.0, 2.0, 1.5, -0.5, float("inf"), 64, 65, 256, 257,
+    65535, 65536, 65537, 99999, 100000, 1048576, 1048577, 2**70, "", "x", "full", "Full",
+    "bfloat16", "int4", "kvsnap-nhd-v1", "kvsnap-mla-v1", "xxh3-128", "xxh3-64", "hmac-sha256",
+    "2026-12-01T22:10:00Z", "2026-12-01T22:10:00.123456Z", "2026-12-01T22:10:00Z\n",
+    "2026-12-01T22:10:00.1234567Z", "x2026-12-01T22:10:00Z", "a" * 33, "-a", [], [1], ["full"],
+    ["full", "sliding"], [{}], {}, {"index": 1, "count": 2}, {"a": 1},
+]  # fmt: skip
+#: String lengths around every minLength and maxLength of the schema.
+LENGTHS = (0, 1, 2, 64, 65, 256, 257, 1024, 1025, 4096, 4097)
+
+
+def documents() -> list[dict[str, Any]]:
+    """Real metadata objects of every kind a file holds: plain (MLA too), reproducible,
+    sharded, signed, parted, with extensions."""
+    rng = np.random.default_rng(0)
+    made = []
+    for name in ("bf16", "mla-f8"):
+        geometry = GEOMETRIES[name]
+        tokens = [rng.integers(0, 1000, geometry.block_size * 2 + 1) for _ in range(2)]
+        made.append(make_metadata(geometry, tokens, created=fmt.utc_now()))
+    plain = made[0]
+    heads = plain.geometry.num_kv_heads
+    signed = dataclasses.replace(plain, signature="hmac-sha256", created=None)
+    parted = dataclasses.replace(plain, part=fmt.PartInfo(2, 2, heads, 2 * heads))
+    found = [item.to_json_dict() for item in (*made, signed, parted)]
+    found.append(plain.to_json_dict((1, 3)))
+    found.append({**plain.to_json_dict(), "extensions": {"note": [1, {"a": None}]}})
+    return found
+
+
+def edits(document: Any) -> Iterator[Any]:
+    """Every document one edit away from ``document``: each value replaced by each of
+    :data:`REPLACEMENTS` (strings also by strings of :data:`LENGTHS`), each key removed, an
+    unknown key added to each object, each array emptied, cut and extended."""
+    for path, value in list(_paths(document)):
+        palette = list(REPLACEMENTS)
+        if isinstance(value, str):
+            palette += ["é" * length for length in LENGTHS]
+        for replacement in palette:
+            yield _replaced(document, path, replacement)
+        if path:
+            yield _removed(document, path)
+        if isinstance(value, dict):
+            yield _replaced(document, path, {**value, "unknown": 1})
+        if isinstance(value, list) and value:
+            yield _replaced(document, path, value[:-1])
+            yield _replaced(document, path, [*value, value[0]])
+            yield _replaced(document, path, [*value, 7])
+
+
+def _paths(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    yield path, value
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _paths(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _paths(item, (*path, index))
+
+
+def _replaced(document: Any, path: tuple[Any, ...], value: Any) -> Any:
+    if not path:
+        return copy.deepcopy(value)
+    changed = copy.deepcopy(document)
+    parent = changed
+    for part in path[:-1]:
+        parent = parent[part]
+    parent[path[-1]] = copy.deepcopy(value)
+    return changed
+
+
+def _removed(document: Any, path: tuple[Any, ...]) -> Any:
+    changed = copy.deepcopy(document)
+    parent = changed
+    for part in path[:-1]:
+        parent = parent[part]
+    del parent[path[-1]]
+    return changed
+
+
+def test_the_compiled_schema_agrees_with_jsonschema_on_every_one_edit_document() -> None:
+    schema = fmt.metadata_schema()
+    reference = jsonschema.validators.validator_for(schema)(schema)
+    compiled = compile_schema(schema)
+    verdicts = {True: 0, False: 0}
+    for original in documents():
+        assert compiled(original) and reference.is_valid(original)
+        for changed in edits(original):
+            expected = reference.is_valid(changed)
+            assert compiled(changed) is expected, changed
+            verdicts[expected] += 1
+    # Both verdicts are common: the edits probe the schema's rules, not one side of them.
+    assert verdicts[True] > 1000 and verdicts[False] > 5000, verdicts
+
+
+def test_a_refused_document_is_reported_as_jsonschema_words_it() -> None:
+    document = documents()[0]
+    document["layout"]["tp_size"] = 0
+    schema = fmt.metadata_schema()
+    error = next(jsonschema.validators.validator_for(schema)(schema).iter_errors(document))
+    with pytest.raises(SnapshotCorruptError) as raised:
+        validate_schema(document, "chunk.safetensors")
+    assert (
+        raised.value.detail
+        == f"kvsnap metadata fails the v1 schema at layout/tp_size: {error.message}"
+    )
+
+
+def test_json_equality_keeps_booleans_apart_from_numbers() -> None:
+    assert json_equal(1, 1.0) and json_equal([1, {"a": 2}], [1.0, {"a": 2.0}])
+    assert not json_equal(True, 1) and not json_equal(0, False) and not json_equal([True], [1])
+    assert not json_equal("1", 1) and not json_equal({"a": 1}, {"b": 1})
+
+
+def test_a_keyword_the_compiler_does_not_know_is_refused_when_compiling() -> None:
+    with pytest.raises(ValueError, match="patternProperties"):
+        compile_schema({"type": "object", "patternProperties": {"^a": {"type": "string"}}})
+    with pytest.raises(ValueError, match="not JSON Schema types"):
+        compile_schema({"type": "text"})
+    # Annotations change no verdict.
+    assert compile_schema({"description": "d", "title": "t", "type": "integer"})(3.0)
+
+
+def test_keywords_the_metadata_schema_uses_lightly_agree_with_jsonschema_too() -> None:
+    # Overlapping oneOf branches, "number" and "boolean" types, a structured const and a
+    # schema for additional properties: cases the metadata schema cannot tell apart.
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "properties": {
+            "n": {"type": "number", "maximum": 65536},
+            "o": {"oneOf": [{"type": "integer"}, {"minimum": 0}]},
+            "b": {"type": ["boolean", "null"]},
+            "c": {"const": [1, {"a": True}]},
+            "i": {"items": False},
+        },
+        "additionalProperties": {"type": "string", "minLength": 1},
+    }
+    reference = jsonschema.validators.validator_for(schema)(schema)
+    compiled = compile_schema(schema)
+    values = [*REPLACEMENTS, [1.0, {"a": True}], [1, {"a": 1}], [True, {"a": True}]]
+    verdicts = {True: 0, False: 0}
+    for name in ("n", "o", "b", "c", "i", "extra"):
+        for value in values:
+            document = {name: value}
+            expected = reference.is_valid(document)
+            assert compiled(document) is expected, document
+            verdicts[expected] += 1
+    assert min(verdicts.values()) > 50, verdicts
