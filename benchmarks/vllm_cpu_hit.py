@@ -191,7 +191,9 @@ def run_child(job_path: str) -> None:
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(job["profile"])
-    llm.llm_engine.engine_core.shutdown()  # drains the connector's queued writes
+    # Drains the connector's queued writes. Without a timeout vLLM kills the engine core 5 s
+    # after asking it to stop, and saves still running then are lost (docs/vllm.md).
+    llm.llm_engine.engine_core.shutdown(timeout=180)
     import kvsnap
 
     Path(job["output"]).write_text(json.dumps({"rows": rows, "kvsnap": kvsnap.__file__}))
