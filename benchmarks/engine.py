@@ -90,6 +90,23 @@ def kv_shaped_llama(device: str = "cpu") -> torch.nn.Module:
     return LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
 
 
+def capture_prefill(model: torch.nn.Module, tokens: int, path: Path) -> object:
+    """Prefill ``tokens`` random token ids through ``model`` into a new ``DynamicCache``,
+    capture it to ``path`` (``capture_dynamic_cache``, the model's fingerprint recorded) and
+    return the cache."""
+    from transformers import DynamicCache
+
+    from kvsnap.engines import transformers as kt
+
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids, past_key_values=cache, use_cache=True)
+    kt.capture_dynamic_cache(cache, [ids[0].tolist()], path, model=model)
+    return cache
+
+
 def build_model() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -333,20 +333,13 @@ def profile_model_check(directory: Path, args: argparse.Namespace) -> None:
     """The ``restore_dynamic_cache`` calls of :func:`profile_fixed`."""
     from collections import deque
 
-    from transformers import DynamicCache
-
-    from benchmarks.engine import kv_shaped_llama
+    from benchmarks.engine import capture_prefill, kv_shaped_llama
     from kvsnap.engines import transformers as kt
 
     model = kv_shaped_llama(args.device)
-    config = model.config
     for tokens in (16, 128):
-        ids = torch.randint(0, 1000, (1, tokens), device=args.device)
-        with torch.no_grad():
-            cache = DynamicCache(config=config)
-            model(ids, past_key_values=cache, use_cache=True)
         path = directory / f"dynamic-{tokens}.safetensors"
-        kt.capture_dynamic_cache(cache, [ids[0].tolist()], path, model=model)
+        capture_prefill(model, tokens, path)
         kept: deque = deque(maxlen=4)
 
         def restore(trace, at=path, held=kept):

@@ -41,7 +41,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine import build_model, kv_shaped_llama, kv_tensors, median_ms, prefill
+from benchmarks.engine import (
+    build_model,
+    capture_prefill,
+    kv_shaped_llama,
+    kv_tensors,
+    median_ms,
+    prefill,
+)
 from benchmarks.pcie_floor import (
     _exact,
     _raw_copies,
@@ -187,14 +194,11 @@ def _dynamic_cache_steps() -> _Steps:
 
 def host_costs(sizes: list[int], repeat: int) -> list[dict]:
     """The host's share of warm ``restore_dynamic_cache`` calls into CPU memory, per step."""
-    from transformers import DynamicCache
-
     from kvsnap.engines import transformers as kt
     from kvsnap.engines.transformers import dynamic
     from kvsnap.snapshot import Snapshot
 
     model = kv_shaped_llama("cpu")
-    config = model.config
     directory = Path(tempfile.mkdtemp(dir="/dev/shm"))
     steps = _dynamic_cache_steps()
     steps.wrap(dynamic, "contiguous_layout", "layout built")
@@ -202,12 +206,8 @@ def host_costs(sizes: list[int], repeat: int) -> list[dict]:
     steps.wrap(dynamic, "new_dynamic_cache", "DynamicCache")
     rows = []
     for tokens in sizes:
-        ids = torch.randint(0, 1000, (1, tokens))
-        with torch.no_grad():
-            cache = DynamicCache(config=config)
-            model(ids, past_key_values=cache, use_cache=True)
         path = directory / f"host-{tokens}.safetensors"
-        kt.capture_dynamic_cache(cache, [ids[0].tolist()], path, model=model)
+        cache = capture_prefill(model, tokens, path)
         kept: deque = deque(maxlen=4)
 
         def restore(at: Path = path, held: deque = kept) -> None:
