@@ -310,6 +310,18 @@ def test_commit_of_an_incomplete_snapshot_is_refused(old_snapshot: tuple[Path, b
     assert path.read_bytes() == old and temp_files(path.parent) == []
 
 
+def _disk_full_within(monkeypatch: pytest.MonkeyPatch, entry: fmt.TensorEntry) -> None:
+    """Every write into ``entry``'s bytes fails as a full disk does (ENOSPC); others land."""
+    real = local_file._pwrite_all
+
+    def disk_full(fd: int, view: memoryview, offset: int) -> None:
+        if entry.begin <= offset < entry.end:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, view, offset)
+
+    monkeypatch.setattr(local_file, "_pwrite_all", disk_full)
+
+
 def test_a_failing_disk_write_aborts_cleanly(
     old_snapshot: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -317,14 +329,7 @@ def test_a_failing_disk_write_aborts_cleanly(
     metadata, pages = build("bf16", seed=23)
     (layout,) = fmt.file_layouts(metadata)
     target = layout.by_name["layers.1.key"]
-    real = local_file._pwrite_all
-
-    def disk_full(fd: int, view: memoryview, offset: int) -> None:
-        if target.begin <= offset < target.end:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(fd, view, offset)
-
-    monkeypatch.setattr(local_file, "_pwrite_all", disk_full)
+    _disk_full_within(monkeypatch, target)
     writer = SnapshotWriter(path, metadata, direct_io=False)
     writer.write_pages("layers.0.key", pages["layers.0.key"]).result()
     writer.write_pages("layers.0.value", pages["layers.0.value"]).result()
@@ -348,14 +353,7 @@ def test_a_write_failing_after_the_last_page_aborts_at_commit(
     (layout,) = fmt.file_layouts(metadata)
     names = metadata.geometry.tensor_names()
     target = layout.by_name[names[-1]]
-    real = local_file._pwrite_all
-
-    def disk_full(fd: int, view: memoryview, offset: int) -> None:
-        if target.begin <= offset < target.end:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(fd, view, offset)
-
-    monkeypatch.setattr(local_file, "_pwrite_all", disk_full)
+    _disk_full_within(monkeypatch, target)
     with pytest.raises(SnapshotIOError, match="No space"):
         with SnapshotWriter(path, metadata, direct_io=False) as writer:
             futures = [writer.write_pages(name, pages[name]) for name in names]
