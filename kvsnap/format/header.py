@@ -126,12 +126,7 @@ def decode_header(header: bytes, file_size: int, file: str | None = None) -> Dec
         kvsnap_json, begin, end = leading
         metadata = _parse_kvsnap_json(kvsnap_json, file)
         _check_header_bounds(header, metadata, kvsnap_json, file)
-        entries_key = (
-            header[HEADER_PREFIX.size : begin],
-            header[end:].rstrip(b" "),
-            data_start,
-            file_size,
-        )
+        entries_key = _entries_key(header, begin, end, file_size)
         known = _CHECKED_ENTRIES.get(entries_key)
         # JSON is parsed token by token, so the rest of a header that once passed every check
         # passes them again around another valid string (strict UTF-8 like the whole: split
@@ -162,6 +157,15 @@ def decode_header(header: bytes, file_size: int, file: str | None = None) -> Dec
     if entries_key is not None:
         _CHECKED_ENTRIES.put(entries_key, checked)
     return DecodedHeader(metadata, kvsnap_json, checked, data_start)
+
+
+def _entries_key(
+    header: bytes, begin: int, end: int, file_size: int
+) -> tuple[bytes, bytes, int, int]:
+    """What defines a header's tensor entries besides its kvsnap metadata string (at
+    ``header[begin:end]``): the bytes before it and after it up to the padding, the header's
+    length and the file size (:data:`_CHECKED_ENTRIES`)."""
+    return header[HEADER_PREFIX.size : begin], header[end:].rstrip(b" "), len(header), file_size
 
 
 def _is_utf8(raw: bytes) -> bool:
