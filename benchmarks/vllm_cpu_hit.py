@@ -622,6 +622,70 @@ def _open_alone(num_layers: int, count: int, tokens: int) -> dict[str, Any]:
     }
 
 
+def read_alone(num_layers: int, block_counts: list[int], repeat: int) -> dict[str, Any]:
+    """One slot's read alone (see the module docstring): per count of blocks, a kept
+    :class:`~kvsnap.pipeline.Pipeline`'s ``restore_blocks`` of that many blocks of one open
+    snapshot on ``/dev/shm`` into a host cache (FLASH_ATTN's token-major layout), its slot read
+    and checked on the read threads (``threads``) or on the calling thread (``inline``), the
+    two alternating; medians of the wall and CPU time in ms, every restore checked bit-exact."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the engines run, see open_alone
+    try:
+        return _read_alone(num_layers, block_counts, repeat)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _read_alone(num_layers: int, block_counts: list[int], repeat: int) -> dict[str, Any]:
+    """:func:`read_alone`, on one OpenMP thread."""
+    import numpy as np
+
+    from kvsnap import format as fmt
+    from kvsnap.pipeline import Pipeline
+    from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
+    from kvsnap.store import tuning
+
+    most = max(block_counts)
+    saved = _host_cache(num_layers, most, seed=num_layers)
+    target = _host_cache(num_layers, most, seed=0)
+    pipeline = Pipeline(target.layout)
+    variants = {"threads": 0, "inline": 1 << 40}  # INLINE_READ_MAX_BYTES of each
+    kept = tuning.INLINE_READ_MAX_BYTES
+    page_bytes = 2 * KV_HEADS * BLOCK_SIZE * HEAD_DIM  # one K or V page of one layer, bf16
+    result: dict[str, Any] = {"layers": num_layers, "rows": []}
+    with tempfile.TemporaryDirectory(prefix="kvsnap-read-alone-", dir="/dev/shm") as root:
+        path = Path(root) / "slot.safetensors"
+        tokens = np.arange(most * BLOCK_SIZE) % VOCAB
+        sequence = SequenceBlocks("s", tokens, np.arange(most))
+        source = fmt.SourceInfo("vllm", "bench", "random", None, "ab" * 16)
+        capture(saved.layout, [sequence], path, source=source)
+        with Snapshot.open(path) as snapshot:
+            for count in block_counts:
+                blocks = np.arange(count)
+                times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+                for _ in range(repeat):
+                    for name, bound in variants.items():
+                        tuning.INLINE_READ_MAX_BYTES = bound
+                        for cache in target.caches:
+                            cache.zero_()
+                        started, cpu_started = time.perf_counter(), time.process_time()
+                        pipeline.restore_blocks(snapshot, blocks, blocks)
+                        ended, cpu_ended = time.perf_counter(), time.process_time()
+                        times[name].append((ended - started, cpu_ended - cpu_started))
+                        for got, want in zip(target.caches, saved.caches, strict=True):
+                            assert torch_equal(got[:count], want[:count]), (name, count)
+                slot_kib = count * 2 * num_layers * page_bytes // 1024
+                row: dict[str, Any] = {"blocks": count, "slot_kib": slot_kib}
+                for name, pairs in times.items():
+                    row[f"{name}_ms"] = _ms([wall for wall, _ in pairs])
+                    row[f"{name}_cpu_ms"] = _ms([cpu for _, cpu in pairs])
+                result["rows"].append(row)
+    tuning.INLINE_READ_MAX_BYTES = kept
+    return result
+
+
 def torch_equal(one: Any, other: Any) -> bool:
     """Whether two tensors hold the same bits."""
     import torch
@@ -665,6 +729,20 @@ def print_open_table(results: list[dict[str, Any]]) -> None:
             f"| {result['layers']} layers | {result['chunks']} | {ms['check']} | {ms['load']} "
             f"| {ms['open']} | {ms['verify']} |"
         )
+
+
+def print_read_table(results: list[dict[str, Any]]) -> None:
+    """:func:`read_alone`'s results as a markdown table (wall ms, CPU ms in parentheses)."""
+    print("| model | blocks | slot | read threads | this thread | threads / inline |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for result in results:
+        for row in result["rows"]:
+            print(
+                f"| {result['layers']} layers | {row['blocks']} | {row['slot_kib']} KiB "
+                f"| {row['threads_ms']} ({row['threads_cpu_ms']}) "
+                f"| {row['inline_ms']} ({row['inline_cpu_ms']}) "
+                f"| {row['threads_ms'] / row['inline_ms']:.2f}x |"
+            )
 
 
 def _tree(text: str) -> tuple[str, Path]:
@@ -720,6 +798,11 @@ def main() -> None:
         "--open-alone", action="store_true", help="time the scheduler's first check alone"
     )
     parser.add_argument("--open-prompts", type=int, default=25)
+    parser.add_argument(
+        "--read-alone", action="store_true", help="time one slot's read, threads against inline"
+    )
+    parser.add_argument("--read-blocks", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128])
+    parser.add_argument("--read-repeat", type=int, default=41)
     args = parser.parse_args()
     if args.child:
         run_child(args.child)
@@ -729,6 +812,12 @@ def main() -> None:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(results, indent=2))
         print_copy_table(results)
+        return
+    if args.read_alone:
+        results = [read_alone(layers, args.read_blocks, args.read_repeat) for layers in args.layers]
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
+        print_read_table(results)
         return
     if args.open_alone:
         results = [open_alone(layers, args.open_prompts, args.tokens) for layers in args.layers]

@@ -57,6 +57,7 @@ class FusedMover(SlotMover):
         self._staging: DeviceStaging | None = (
             device_staging(self.device) if self.device.type == "cuda" else None
         )
+        self.copies_on_host = self._staging is None
         page_bytes = table.page_size_bytes
         self.hashes_pages = self._staging is not None and page_hash.supports(page_bytes)
         # Restores on CUDA may upload straight from registered host memory (the hot tier).

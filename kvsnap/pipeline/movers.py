@@ -44,6 +44,9 @@ class SlotMover(ABC):
     #: Whether a capture may hand ``submit`` registered host memory to copy the slot's pages
     #: into (``downloads``: a mapped snapshot file) instead of the slot.
     takes_downloads: bool = False
+    #: Whether the mover copies on the calling thread (the cache is in host memory): no device
+    #: work waits on that thread, so a restore reads its small slots on it too.
+    copies_on_host: bool = False
 
     def begin(self, after: torch.cuda.Event | None = None) -> None:
         """Called at the start of each capture or restore. ``after``: a CUDA event that the

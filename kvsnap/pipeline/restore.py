@@ -70,9 +70,11 @@ class SnapshotPages:
         trace: TraceHook | None,
         *,
         verify: bool = True,
+        inline: bool = False,
     ) -> Future[np.ndarray]:
         """Read (and, with ``verify``, check) ``load``'s pages into ``out``; the future gives
-        the pages that failed their checksum."""
+        the pages that failed their checksum. ``inline``: a small slot may be read on this
+        thread (:meth:`SnapshotReader.read_slot_async`)."""
         return self.reader.read_slot_async(
             load.page_tensors,
             snapshot_blocks[load.page_positions],
@@ -80,6 +82,7 @@ class SnapshotPages:
             out,
             verify=verify,
             trace=trace,
+            inline=inline,
         )
 
     def stored(self, load: SlotLoad, snapshot_blocks: np.ndarray) -> np.ndarray:
@@ -259,13 +262,19 @@ class _RestoreRun:
 
     def read(self, load: SlotLoad, slot: Slot) -> Future[np.ndarray]:
         """Queue ``load``'s read into ``slot`` (checksums on the read threads unless the
-        device checks them). From hot files nothing is read: the slot only orders the move."""
+        device checks them; a small slot of a cache in host memory is read on this thread).
+        From hot files nothing is read: the slot only orders the move."""
         if self.hot:
             nothing: Future[np.ndarray] = Future()
             nothing.set_result(np.empty(0, dtype=np.int64))
             return nothing
         return self.pages.read_async(
-            load, self.snapshot_blocks, slot.as_numpy(), self.trace, verify=not self.on_device
+            load,
+            self.snapshot_blocks,
+            slot.as_numpy(),
+            self.trace,
+            verify=not self.on_device,
+            inline=self.mover.copies_on_host,
         )
 
     def move(self, load: SlotLoad, slot: Slot, read: Future[np.ndarray]) -> None:

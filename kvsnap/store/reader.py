@@ -404,17 +404,27 @@ class SnapshotReader:
         *,
         verify: bool = True,
         trace: TraceHook | None = None,
+        inline: bool = False,
     ) -> concurrent.futures.Future[np.ndarray]:
         """Read many tensors' pages into one buffer; see :func:`kvsnap.store.slot_reads.
         read_slot_async` (the future gives the pages that failed their checksum). ``verify``
         False skips the checksums here (a caller that checks the pages itself, on the device,
         against :meth:`stored_checksums`); a reader opened without verification never checks.
+        ``inline``: the caller may wait for the read, which a small slot then gets on this
+        thread (:data:`~kvsnap.store.tuning.INLINE_READ_MAX_BYTES`).
 
         ``page_tensors`` index :meth:`tensor_names`; the arrays must be int64 and in range
         (``IndexError`` otherwise), ``out`` large enough (``ValueError``).
         """
         return slot_reads.read_reader_slot(
-            self, page_tensors, page_blocks, page_offsets, out, verify=verify, trace=trace
+            self,
+            page_tensors,
+            page_blocks,
+            page_offsets,
+            out,
+            verify=verify,
+            trace=trace,
+            inline=inline,
         )
 
     def page_runs(

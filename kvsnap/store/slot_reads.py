@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvsnap import format as fmt
+from kvsnap.store import tuning
 from kvsnap.store.completion import Completion
 from kvsnap.store.kvikio_reads import read_runs_async
 from kvsnap.store.pools import cpu_count, shared_executor
@@ -132,13 +133,18 @@ def _pieces(
     page_tensors: np.ndarray,
     page_blocks: np.ndarray,
     page_offsets: np.ndarray,
+    *,
+    cut: bool = True,
 ) -> list[_Piece]:
-    """Runs of pages consecutive in one file and in the slot, cut to share the threads."""
+    """Runs of pages consecutive in one file and in the slot, cut to share the threads (with
+    ``cut``; else one piece per run, for one thread to read in order)."""
     page = extents.page_size_bytes
     runs = page_runs(extents, page_tensors, page_blocks, page_offsets)
     # The slot in at most pieces_per_slot() pieces of whole pages, within the size bounds.
     per_piece = max(-(-len(page_tensors) // pieces_per_slot()), MIN_PIECE_BYTES // page, 1)
     per_piece = min(per_piece, max(1, MAX_PIECE_BYTES // page))
+    if not cut:
+        per_piece = max(1, len(page_tensors))
     pieces = []
     for file, file_offset, slot_offset, start, stop in runs.rows():
         for first in range(start, stop, per_piece):
@@ -163,6 +169,8 @@ def read_slot_async(
     page_offsets: np.ndarray,
     out: np.ndarray,
     trace: TraceHook | None = None,
+    *,
+    inline: bool = False,
 ) -> concurrent.futures.Future[np.ndarray]:
     """Read page ``i`` (block ``page_blocks[i]`` of tensor ``page_tensors[i]``) into ``out`` at
     ``page_offsets[i]``, on the shared read threads.
@@ -171,10 +179,16 @@ def read_slot_async(
     future completes once no thread touches ``out``: with the sorted indices of the pages that
     failed their checksum (empty when all passed), or the first I/O error (truncation, a
     vanished file), after which pieces not started are skipped.
+
+    ``inline``: the caller may be kept waiting (it has no device work to keep fed). Then a slot
+    of at most :data:`~kvsnap.store.tuning.INLINE_READ_MAX_BYTES` is read and checked on this
+    thread, one piece per run of pages, and the future is complete when this returns: handing
+    so few bytes to the read threads costs more than reading them.
     """
     page = extents.page_size_bytes
     flat = out.reshape(-1)
-    if checksums is None:
+    inline = inline and len(page_tensors) * page <= tuning.INLINE_READ_MAX_BYTES
+    if checksums is None and not inline:
         by_kvikio = _read_by_kvikio(extents, page_tensors, page_blocks, page_offsets, flat, trace)
         if by_kvikio is not None:
             return by_kvikio
@@ -195,7 +209,9 @@ def read_slot_async(
             with lock:
                 bad.append(failed)
 
-    pieces = _pieces(extents, page_tensors, page_blocks, page_offsets)
+    pieces = _pieces(extents, page_tensors, page_blocks, page_offsets, cut=not inline)
+    if inline:
+        return _read_on_this_thread(read, pieces, bad)
     result: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
     done = Completion(len(pieces), cancelled=lambda: RuntimeError("skipped after a failure"))
 
@@ -208,6 +224,23 @@ def read_slot_async(
 
     done.future.add_done_callback(finish)
     _run_pieces(read, pieces, done)
+    return result
+
+
+def _read_on_this_thread(
+    read: Callable[[_Piece], None], pieces: list[_Piece], bad: list[np.ndarray]
+) -> concurrent.futures.Future[np.ndarray]:
+    """``pieces`` read and checked in order on this thread: a completed future with the pages
+    that failed their checksum (``read`` adds them to ``bad``), or the first error, after
+    which no piece is read."""
+    result: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+    try:
+        for piece in pieces:
+            read(piece)
+    except Exception as error:  # an I/O error reaches the caller as a threaded read's would
+        result.set_exception(error)
+        return result
+    result.set_result(np.sort(np.concatenate(bad)) if bad else np.empty(0, np.int64))
     return result
 
 
@@ -277,11 +310,12 @@ def read_reader_slot(
     *,
     verify: bool,
     trace: TraceHook | None,
+    inline: bool = False,
 ) -> concurrent.futures.Future[np.ndarray]:
     """:meth:`SnapshotReader.read_slot_async <kvsnap.store.reader.SnapshotReader.
     read_slot_async>`: the pages checked to lie in ``reader``'s snapshot and ``out``, then
     :func:`read_slot_async` with the reader's checked checksum table (when it and the caller
-    verify)."""
+    verify), on this thread when ``inline`` allows it."""
     num_tensors, num_blocks = len(reader.layer_names), reader.num_blocks
     if len(page_tensors) and (
         page_tensors.min() < 0
@@ -294,5 +328,12 @@ def read_reader_slot(
         raise ValueError(f"out holds {out.nbytes} bytes, the pages reach further")
     checksums = reader.checksums.table() if reader.verifies and verify else None
     return read_slot_async(
-        reader.extents(), checksums, page_tensors, page_blocks, page_offsets, out, trace
+        reader.extents(),
+        checksums,
+        page_tensors,
+        page_blocks,
+        page_offsets,
+        out,
+        trace,
+        inline=inline,
     )

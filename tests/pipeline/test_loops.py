@@ -7,6 +7,7 @@ reader are wrapped only to record (or hold) their calls.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from kvsnap.pipeline.fused import FusedMover
 from kvsnap.pipeline.slots import slot_loads
 from kvsnap.pipeline.staging import StagingRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-from kvsnap.store import SnapshotReader, SnapshotWriter, slot_reads
+from kvsnap.store import SnapshotReader, SnapshotWriter, slot_reads, tuning
 from kvsnap.transfer import TransferHandler
 from kvsnap.transfer.pinned import PinnedPool
 from tests.support.snapshot_layouts import LAYERS, SOURCE, FailingCopies, sequences_for, split_nhd
@@ -350,6 +351,7 @@ def test_a_slot_is_read_in_the_pieces_set_and_restores_exactly(
 ) -> None:
     """The read path's tuning (what ``benchmarks/vllm_worker.py --load-variants`` varies): a
     slot's read is cut into ``PIECES_PER_SLOT`` pieces (one per read thread when ``None``)."""
+    monkeypatch.setattr(tuning, "INLINE_READ_MAX_BYTES", 0)  # on the read threads, in pieces
     monkeypatch.setattr(slot_reads, "MIN_PIECE_BYTES", 256)  # one page: the slots here are small
     monkeypatch.setattr(slot_reads, "PIECES_PER_SLOT", pieces_per_slot)
     monkeypatch.setattr(slot_reads, "READ_THREADS", read_threads)
@@ -371,3 +373,68 @@ def test_a_slot_is_read_in_the_pieces_set_and_restores_exactly(
     assert max(reads) == pages_per_piece * 256
     assert sum(reads) == sum(len(s.block_ids) for s in sequences) * 2 * LAYERS * 256
     assert_same_kv(view, target_view, [(s.block_ids, s.block_ids) for s in sequences])
+
+
+def _reads_on_the_calling_thread(spans: list[tuple[str, bool]]) -> set[bool]:
+    """Of ``(kind, on the calling thread)`` spans, where the reads and checks ran."""
+    return {here for kind, here in spans if kind in ("read", "verify")}
+
+
+@pytest.mark.parametrize("inline_max", [SLOT_BYTES, SLOT_BYTES - 256, 0])
+def test_a_small_slot_of_a_host_cache_is_read_and_checked_on_the_calling_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache, inline_max: int
+) -> None:
+    """Slots of at most ``INLINE_READ_MAX_BYTES`` are read and checked by the thread that
+    copies them into the host cache, bigger ones on the read threads; bit-exact either way."""
+    monkeypatch.setattr(tuning, "INLINE_READ_MAX_BYTES", inline_max)
+    monkeypatch.setattr(slot_reads, "MIN_PIECE_BYTES", 256)  # a threaded slot: several pieces
+    layout, view, sequences = cache
+    path = tmp_path / "snap.safetensors"
+    capture(layout, sequences, path, source=SOURCE)
+    caller = threading.get_ident()
+    spans: list[tuple[str, bool]] = []
+    slot_sizes: list[int] = []
+    target_layout, target_view = split_nhd(40, 0, 1, torch.Generator().manual_seed(28))
+    with Snapshot.open(path) as snap:
+        snap.restore(
+            target_layout,
+            {s.id: s.block_ids for s in sequences},
+            staging=StagingOptions(slot_bytes=SLOT_BYTES, num_slots=4),
+            trace=lambda kind, _start, _end, nbytes: (
+                spans.append((kind, threading.get_ident() == caller)),
+                kind == "transfer.submit" and slot_sizes.append(nbytes),
+            ),
+        )
+    assert_same_kv(view, target_view, [(s.block_ids, s.block_ids) for s in sequences])
+    expected = {size <= inline_max for size in slot_sizes}
+    assert _reads_on_the_calling_thread(spans) == expected
+    if inline_max == SLOT_BYTES - 256:  # full slots on the threads, the shorter last ones here
+        assert expected == {True, False}
+
+
+def test_a_file_cut_short_fails_the_restore_on_the_calling_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache
+) -> None:
+    """A read on the calling thread that meets the end of the file fails the restore as a
+    threaded read does (naming the truncation), and every staging slot comes back."""
+    monkeypatch.setattr(tuning, "INLINE_READ_MAX_BYTES", 1 << 20)
+    layout, _, sequences = cache
+    path = tmp_path / "snap.safetensors"
+    capture(layout, sequences, path, source=SOURCE)
+    target_layout, _ = split_nhd(40, 0, 1, torch.Generator().manual_seed(29))
+    caller = threading.get_ident()
+    spans: list[tuple[str, bool]] = []
+    blocks = {s.id: s.block_ids for s in sequences}
+    with PinnedPool(SLOT_BYTES, 3, pin=False) as pool, Snapshot.open(path) as snap:
+        snap.restore(target_layout, blocks, staging=pool)  # the checksum rows read and kept
+        _, entry = snap.reader.locate("layers.0.value")
+        os.truncate(path, entry.begin + 256)  # opened whole; the page reads then find it short
+        with pytest.raises(SnapshotCorruptError, match="truncated"):
+            snap.restore(
+                target_layout,
+                blocks,
+                staging=pool,
+                trace=lambda kind, *_: spans.append((kind, threading.get_ident() == caller)),
+            )
+        assert pool.num_free == 3
+    assert _reads_on_the_calling_thread(spans) == {True}

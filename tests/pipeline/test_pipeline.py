@@ -7,6 +7,8 @@ independent of the copy runs) and real snapshot files.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from kvsnap.engines.vllm import BlockOrder, vllm_layout
 from kvsnap.errors import IncompatibleSnapshotError, RestoreIncompleteError
 from kvsnap.pipeline import Pipeline, StagingOptions, fused, shared_tables
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
+from kvsnap.store import tuning
 from kvsnap.testing.caches import make_cache, same_bytes
 from kvsnap.transfer import page_copy, page_table, pinned
 from tests.support.pipeline_caches import (
@@ -214,8 +217,20 @@ def test_a_kept_pipeline_serves_many_calls(tmp_path):
         assert_restored(targets, content, [step, step + 4], [10, step])
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["calling-thread", "read-threads"])
 @pytest.mark.parametrize("slot_pages", [1, 3, 1000])
-def test_a_page_failing_its_checksum_never_reaches_the_cache(tmp_path, slot_pages):
+def test_a_page_failing_its_checksum_never_reaches_the_cache(
+    tmp_path, monkeypatch, slot_pages, inline
+):
+    """On both read paths of a host cache: slots read and checked on the calling thread
+    (``INLINE_READ_MAX_BYTES`` holds them) and on the read threads (it is 0)."""
+    monkeypatch.setattr(tuning, "INLINE_READ_MAX_BYTES", 1 << 20 if inline else 0)
+    read_on: set[bool] = set()
+
+    def trace(kind, _started, _finished, _nbytes):
+        if kind in ("read", "verify"):
+            read_on.add(threading.get_ident() == threading.main_thread().ident)
+
     sources, content = caches("vllm-nhd", layers=3)
     path = tmp_path / "snap.safetensors"
     capture([sources[0].layout], sequences([[4, 5, 6, 7]]), path, source=SOURCE)
@@ -225,7 +240,8 @@ def test_a_page_failing_its_checksum_never_reaches_the_cache(tmp_path, slot_page
     page = target.layout.geometry.canonical_page_size_bytes
     staging = StagingOptions(slot_bytes=max(4096, slot_pages * page), num_slots=2)
     with Snapshot.open(path) as snap, pytest.raises(RestoreIncompleteError) as caught:
-        snap.restore(target.layout, {"s0": [0, 1, 2, 3]}, staging=staging)
+        snap.restore(target.layout, {"s0": [0, 1, 2, 3]}, staging=staging, trace=trace)
+    assert read_on == {inline}
     assert caught.value.failed_block_ids.tolist() == [2]
     assert "layers.1.value" in str(caught.value)
     for name in target.views:
