@@ -3,7 +3,8 @@
 Run from the repository root with the vLLM virtualenv's Python::
 
     .venv-vllm/bin/python -m benchmarks.vllm_cpu_hit [--requests 24] [--disk-dir DIR]
-        [--tree NAME=PATH ...] [--profile-dir DIR] [--copy-alone] [--open-alone]
+        [--tree NAME=PATH ...] [--profile-dir DIR] [--chunk-blocks N] [--copy-alone]
+        [--open-alone] [--read-alone]
 
 Models: Llama-shaped, built from a config with random weights (bf16, saved as safetensors to a
 temporary directory; no download): 3 and 12 layers, hidden 128, 2 KV heads of 32 (the shape of
@@ -13,7 +14,8 @@ caching on, a 128 MiB KV cache, engine core in the calling process:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so that nothing of a request hides in another process and
 ``--profile-dir`` sees all of it; one unbound OpenMP thread, see :func:`_run`). The kvsnap
 engines use ``kv_load_failure_policy`` ``--policy`` (default ``fail``, vLLM's own default,
-which turns the connector's ``verify_before_load`` on).
+which turns the connector's ``verify_before_load`` on) and ``chunk_blocks`` ``--chunk-blocks``
+(default 16, the connector's: a 1,536-token prompt's 47 loadable blocks are 3 chunks).
 
 Every request is a different random prompt of ``--tokens`` (1,536) token ids, generating one
 token (``max_tokens=1``, greedy), so its time is the prefill (or the hit) plus the one step
@@ -60,6 +62,13 @@ prompts saved into a prefix store on ``/dev/shm`` as the worker saves them, then
 scheduler's check of its chunks (a first sight of each, ``verify`` on as under ``fail``) and
 the worker's load of them into a host cache, and per chunk the open and the ``verify`` apart;
 medians of CPU time.
+
+``--read-alone`` times one staging slot's read on its own (:func:`read_alone`): per count of
+blocks (``--read-blocks``), a kept ``Pipeline``'s restore of that many blocks of one snapshot
+on ``/dev/shm`` into a host cache, the slot read and checked on the read threads or on the
+calling thread (``kvsnap.store.tuning.INLINE_READ_MAX_BYTES`` set to 0 or past the slot),
+alternating, ``--read-repeat`` times each; medians of wall and CPU time. Only this tree (the
+bound does not exist before it).
 """
 
 from __future__ import annotations
@@ -131,7 +140,11 @@ def _engine(job: dict[str, Any]) -> Any:
             kv_connector="KVSnapConnector",
             kv_connector_module_path="kvsnap.engines.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"path": job["store"], "event_log": job["events"]},
+            kv_connector_extra_config={
+                "path": job["store"],
+                "event_log": job["events"],
+                "chunk_blocks": job["chunk_blocks"],
+            },
             kv_load_failure_policy=job["policy"],
         )
     return LLM(
@@ -317,6 +330,7 @@ def measure_model(args: argparse.Namespace, num_layers: int, work: Path) -> dict
         "model": str(model),
         "tokens": args.tokens,
         "policy": args.policy,
+        "chunk_blocks": args.chunk_blocks,
         "warmup": prompts[: args.warmup],
         "prompts": prompts[args.warmup :],
     }
@@ -786,6 +800,9 @@ def main() -> None:
         choices=("fail", "recompute"),
         default="fail",
         help="kv_load_failure_policy (vLLM's default: fail, which turns verify_before_load on)",
+    )
+    parser.add_argument(
+        "--chunk-blocks", type=int, default=16, help="the connector's chunk_blocks (default 16)"
     )
     parser.add_argument("--shm-dir", default="/dev/shm/kvsnap-vllm-cpu-hit")
     parser.add_argument("--disk-dir", help="also a store in this directory (on a disk)")
