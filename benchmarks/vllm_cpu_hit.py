@@ -15,7 +15,8 @@ caching on, a 128 MiB KV cache, engine core in the calling process:
 ``--profile-dir`` sees all of it; one unbound OpenMP thread, see :func:`_run`). The kvsnap
 engines use ``kv_load_failure_policy`` ``--policy`` (default ``fail``, vLLM's own default,
 which turns the connector's ``verify_before_load`` on) and ``chunk_blocks`` ``--chunk-blocks``
-(default 16, the connector's: a 1,536-token prompt's 47 loadable blocks are 3 chunks).
+(default 16, the connector's: a 1,536-token prompt's 47 loadable blocks are 3 chunks; several
+values run each tree with each, side by side).
 
 Every request is a different random prompt of ``--tokens`` (1,536) token ids, generating one
 token (``max_tokens=1``, greedy), so its time is the prefill (or the hit) plus the one step
@@ -75,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -330,7 +332,6 @@ def measure_model(args: argparse.Namespace, num_layers: int, work: Path) -> dict
         "model": str(model),
         "tokens": args.tokens,
         "policy": args.policy,
-        "chunk_blocks": args.chunk_blocks,
         "warmup": prompts[: args.warmup],
         "prompts": prompts[args.warmup :],
     }
@@ -348,21 +349,25 @@ def measure_model(args: argparse.Namespace, num_layers: int, work: Path) -> dict
     stores = {"shm": Path(args.shm_dir)}
     if args.disk_dir:
         stores["disk"] = Path(args.disk_dir)
-    for tree_name, tree in args.trees:
-        for medium, directory in stores.items():
-            label = f"{num_layers}l.{tree_name}.{medium}"
-            profile = Path(args.profile_dir) / f"{label}.prof" if args.profile_dir else None
-            rows, loads = _kvsnap_hit(base, work, label, directory / label, tree, profile)
-            result["kvsnap"][f"{tree_name}/{medium}"] = {
-                **_timings("hit", rows),
-                **_timings("vllm_hit_beside", [row["again"] for row in rows]),
-                **_paired(rows),
-                "checked": loads[args.warmup :] == [loadable] * args.requests
-                and all(
-                    _is_hit(row, want, loadable) and _is_hit(row["again"], want, loadable)
-                    for row, want in zip(rows, expected, strict=True)
-                ),
-            }
+    for (tree_name, tree), chunk_blocks, (medium, directory) in itertools.product(
+        args.trees, args.chunk_blocks, stores.items()
+    ):
+        # The chunk size is named only where several are compared.
+        name = tree_name if len(args.chunk_blocks) == 1 else f"{tree_name}/cb{chunk_blocks}"
+        label = f"{num_layers}l.{name.replace('/', '.')}.{medium}"
+        profile = Path(args.profile_dir) / f"{label}.prof" if args.profile_dir else None
+        job = {**base, "chunk_blocks": chunk_blocks}
+        rows, loads = _kvsnap_hit(job, work, label, directory / label, tree, profile)
+        result["kvsnap"][f"{name}/{medium}"] = {
+            **_timings("hit", rows),
+            **_timings("vllm_hit_beside", [row["again"] for row in rows]),
+            **_paired(rows),
+            "checked": loads[args.warmup :] == [loadable] * args.requests
+            and all(
+                _is_hit(row, want, loadable) and _is_hit(row["again"], want, loadable)
+                for row, want in zip(rows, expected, strict=True)
+            ),
+        }
     return result
 
 
@@ -802,7 +807,11 @@ def main() -> None:
         help="kv_load_failure_policy (vLLM's default: fail, which turns verify_before_load on)",
     )
     parser.add_argument(
-        "--chunk-blocks", type=int, default=16, help="the connector's chunk_blocks (default 16)"
+        "--chunk-blocks",
+        type=int,
+        nargs="+",
+        default=[16],
+        help="the connector's chunk_blocks (default 16); several: each tree with each",
     )
     parser.add_argument("--shm-dir", default="/dev/shm/kvsnap-vllm-cpu-hit")
     parser.add_argument("--disk-dir", help="also a store in this directory (on a disk)")
