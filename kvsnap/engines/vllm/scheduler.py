@@ -100,12 +100,18 @@ class KVSnapScheduler:
         #: Finished requests whose blocks vLLM holds for their saves, until the workers report
         #: them (``finished_sending``): blocks that will be free soon.
         self._held: set[str] = set()
+        #: Per request, the store keys :meth:`_chain` worked out and for how many blocks: the
+        #: match and the save plan of one prompt ask for the same keys (a SHA-256 per block).
+        self._chains: dict[str, tuple[int, list[str]]] = {}
 
     def _chain(self, request: Request, prompt: np.ndarray, num_blocks: int) -> list[str] | None:
         """The store keys of the prompt's first ``num_blocks`` blocks under the request's cache
         identity (LoRA adapter, ``cache_salt``, multimodal inputs), or ``None`` when the
         identity cannot be known (a LoRA adapter whose files cannot be read): such a prompt is
-        neither matched nor stored."""
+        neither matched nor stored. Worked out once per request and number of blocks."""
+        known = self._chains.get(request.request_id)
+        if known is not None and known[0] == num_blocks:
+            return known[1]
         try:
             identity = identity_of(request)
         except OSError as error:
@@ -118,7 +124,9 @@ class KVSnapScheduler:
             )
             return None
         tokens = prompt[: num_blocks * self.block_size]
-        return store_key_chain(tokens, self.block_size, identity)
+        chain = store_key_chain(tokens, self.block_size, identity)
+        self._chains[request.request_id] = (num_blocks, chain)
+        return chain
 
     def _usable_chunks(
         self, request_id: str, prompt: np.ndarray, chain: list[str]
@@ -402,6 +410,7 @@ class KVSnapScheduler:
         saves' copies done (``get_finished``): true for every request a save was planned for."""
         self._tracked.pop(request.request_id, None)
         self._matches.pop(request.request_id, None)
+        self._chains.pop(request.request_id, None)
         if request.request_id in self._saving:
             self._saving.discard(request.request_id)
             self._held.add(request.request_id)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kvsnap.engines.vllm import (
+    CacheIdentity,
     ChunkChecker,
     ConnectorOptions,
     EventLog,
@@ -28,8 +29,10 @@ from kvsnap.engines.vllm import (
     PrefixStore,
     read_events,
     store_bytes,
+    store_key_chain,
     vllm_layout,
 )
+from kvsnap.engines.vllm import scheduler as scheduler_module
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.pipeline import Pipeline, TransferOptions
 from kvsnap.snapshot import SequenceBlocks, Snapshot
@@ -188,6 +191,43 @@ def test_the_scheduler_holds_the_blocks_of_requests_with_saves(tmp_path: Path) -
     assert meta.preempted == ["saved"]
     assert scheduler.request_finished(saved) is True  # type: ignore[arg-type]
     assert scheduler.request_finished(short) is False  # type: ignore[arg-type]
+
+
+def test_a_request_s_store_keys_are_worked_out_once_and_dropped_when_it_finishes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The match and the save plan of one prompt use one computation of its store keys; a
+    finished request's keys are not served to a later request that reuses its id."""
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=CHUNK_BLOCKS)
+    geometry = {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": HEAD_DIM}
+    scheduler = KVSnapScheduler(
+        ConnectorOptions.from_extra_config({"path": str(tmp_path), "chunk_blocks": CHUNK_BLOCKS}),
+        store,
+        EventLog(None, "scheduler", 0),
+        block_size=BLOCK,
+        checker=ChunkChecker(FINGERPRINT, geometry, BLOCK, verify=True),
+        block_ids_of=lambda request_id: list(range(BLOCKS)),
+    )
+    computed: list[list[str]] = []
+
+    def counted(*args, **kwargs):
+        computed.append(store_key_chain(*args, **kwargs))
+        return computed[-1]
+
+    monkeypatch.setattr(scheduler_module, "store_key_chain", counted)
+    for prompt in (list(range(1, 4 * BLOCK + 2)), list(range(50, 50 + 4 * BLOCK + 1))):
+        request = scheduled_request("r", prompt)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # type: ignore[arg-type]
+        scheduler.update_state_after_alloc(request, None, 0)  # type: ignore[arg-type]
+        meta = scheduler.build_connector_meta(scheduler_step({"r": len(prompt)}))  # type: ignore[arg-type]
+        keys = store_key_chain(np.asarray(prompt[: 4 * BLOCK]), BLOCK, CacheIdentity())
+        assert computed[-1] == keys
+        spans = store.chunk_spans(4)
+        assert [spec.path for spec in meta.saves] == [
+            str(store.chunk_path(keys[end - 1])) for _, end in spans
+        ]
+        scheduler.request_finished(request)  # type: ignore[arg-type]
+    assert len(computed) == 2  # one per request, not one for the match and one for the plan
 
 
 def test_capture_copies_after_the_given_event(tmp_path: Path) -> None:
