@@ -64,12 +64,13 @@ scheduler's check of its chunks (a first sight of each, ``verify`` on as under `
 the worker's load of them into a host cache, and per chunk the open and the ``verify`` apart;
 medians of CPU time.
 
-``--read-alone`` times one staging slot's read on its own (:func:`read_alone`): per count of
-blocks (``--read-blocks``), a kept ``Pipeline``'s restore of that many blocks of one snapshot
-on ``/dev/shm`` into a host cache, the slot read and checked on the read threads or on the
-calling thread (``kvsnap.store.tuning.INLINE_READ_MAX_BYTES`` set to 0 or past the slot),
-alternating, ``--read-repeat`` times each; medians of wall and CPU time. Only this tree (the
-bound does not exist before it).
+``--read-alone`` times staging slots' reads on their own (:func:`read_alone`): per count of
+blocks (``--read-blocks``) and of chunks (``--read-chunks``), a kept ``Pipeline``'s restore of
+that many blocks of each of that many snapshots on ``/dev/shm`` (one slot each, as a hit's
+chunks) into a host cache, the slots read and checked on the read threads or on the calling
+thread (``kvsnap.store.tuning.INLINE_READ_MAX_BYTES`` set to 0 or past the slot), alternating,
+``--read-repeat`` times each; medians of wall and CPU time. Only this tree (the bound does not
+exist before it).
 """
 
 from __future__ import annotations
@@ -641,23 +642,28 @@ def _open_alone(num_layers: int, count: int, tokens: int) -> dict[str, Any]:
     }
 
 
-def read_alone(num_layers: int, block_counts: list[int], repeat: int) -> dict[str, Any]:
-    """One slot's read alone (see the module docstring): per count of blocks, a kept
-    :class:`~kvsnap.pipeline.Pipeline`'s ``restore_blocks`` of that many blocks of one open
-    snapshot on ``/dev/shm`` into a host cache (FLASH_ATTN's token-major layout), its slot read
-    and checked on the read threads (``threads``) or on the calling thread (``inline``), the
-    two alternating; medians of the wall and CPU time in ms, every restore checked bit-exact."""
+def read_alone(
+    num_layers: int, block_counts: list[int], chunk_counts: list[int], repeat: int
+) -> dict[str, Any]:
+    """Slot reads alone (see the module docstring): per number of chunks and count of blocks,
+    a kept :class:`~kvsnap.pipeline.Pipeline`'s ``restore_chunks`` of that many blocks of each
+    of that many open snapshots on ``/dev/shm`` (one staging slot each, as a vLLM hit's chunks)
+    into a host cache (FLASH_ATTN's token-major layout), the slots read and checked on the read
+    threads (``threads``) or on the calling thread (``inline``), the two alternating; medians
+    of the wall and CPU time in ms, every restore checked bit-exact."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the engines run, see open_alone
     try:
-        return _read_alone(num_layers, block_counts, repeat)
+        return _read_alone(num_layers, block_counts, chunk_counts, repeat)
     finally:
         torch.set_num_threads(threads)
 
 
-def _read_alone(num_layers: int, block_counts: list[int], repeat: int) -> dict[str, Any]:
+def _read_alone(
+    num_layers: int, block_counts: list[int], chunk_counts: list[int], repeat: int
+) -> dict[str, Any]:
     """:func:`read_alone`, on one OpenMP thread."""
     import numpy as np
 
@@ -666,43 +672,66 @@ def _read_alone(num_layers: int, block_counts: list[int], repeat: int) -> dict[s
     from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
     from kvsnap.store import tuning
 
-    most = max(block_counts)
-    saved = _host_cache(num_layers, most, seed=num_layers)
-    target = _host_cache(num_layers, most, seed=0)
+    most, chunks = max(block_counts), max(chunk_counts)
+    saved = _host_cache(num_layers, chunks * most, seed=num_layers)
+    target = _host_cache(num_layers, chunks * most, seed=0)
     pipeline = Pipeline(target.layout)
-    variants = {"threads": 0, "inline": 1 << 40}  # INLINE_READ_MAX_BYTES of each
-    kept = tuning.INLINE_READ_MAX_BYTES
     page_bytes = 2 * KV_HEADS * BLOCK_SIZE * HEAD_DIM  # one K or V page of one layer, bf16
+    source = fmt.SourceInfo("vllm", "bench", "random", None, "ab" * 16)
+    kept = tuning.INLINE_READ_MAX_BYTES
     result: dict[str, Any] = {"layers": num_layers, "rows": []}
-    with tempfile.TemporaryDirectory(prefix="kvsnap-read-alone-", dir="/dev/shm") as root:
-        path = Path(root) / "slot.safetensors"
-        tokens = np.arange(most * BLOCK_SIZE) % VOCAB
-        sequence = SequenceBlocks("s", tokens, np.arange(most))
-        source = fmt.SourceInfo("vllm", "bench", "random", None, "ab" * 16)
-        capture(saved.layout, [sequence], path, source=source)
-        with Snapshot.open(path) as snapshot:
-            for count in block_counts:
-                blocks = np.arange(count)
-                times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
-                for _ in range(repeat):
-                    for name, bound in variants.items():
-                        tuning.INLINE_READ_MAX_BYTES = bound
-                        for cache in target.caches:
-                            cache.zero_()
-                        started, cpu_started = time.perf_counter(), time.process_time()
-                        pipeline.restore_blocks(snapshot, blocks, blocks)
-                        ended, cpu_ended = time.perf_counter(), time.process_time()
-                        times[name].append((ended - started, cpu_ended - cpu_started))
-                        for got, want in zip(target.caches, saved.caches, strict=True):
-                            assert torch_equal(got[:count], want[:count]), (name, count)
-                slot_kib = count * 2 * num_layers * page_bytes // 1024
-                row: dict[str, Any] = {"blocks": count, "slot_kib": slot_kib}
-                for name, pairs in times.items():
-                    row[f"{name}_ms"] = _ms([wall for wall, _ in pairs])
-                    row[f"{name}_cpu_ms"] = _ms([cpu for _, cpu in pairs])
-                result["rows"].append(row)
+    with contextlib.ExitStack() as stack:
+        root = stack.enter_context(tempfile.TemporaryDirectory(dir="/dev/shm"))
+        snapshots = []
+        for chunk in range(chunks):  # chunk i: the saved cache's blocks i*most ..
+            path = Path(root) / f"chunk{chunk}.safetensors"
+            tokens = np.arange(most * BLOCK_SIZE) % VOCAB
+            blocks = np.arange(chunk * most, (chunk + 1) * most)
+            capture(saved.layout, [SequenceBlocks("s", tokens, blocks)], path, source=source)
+            snapshots.append(stack.enter_context(Snapshot.open(path)))
+        for count, used in itertools.product(block_counts, chunk_counts):
+            row: dict[str, Any] = {"chunks": used, "blocks": count}
+            row["slot_kib"] = count * 2 * num_layers * page_bytes // 1024
+            for name, pairs in _time_read_variants(
+                pipeline, saved, target, snapshots[:used], most, count, repeat
+            ).items():
+                row[f"{name}_ms"] = _ms([wall for wall, _ in pairs])
+                row[f"{name}_cpu_ms"] = _ms([cpu for _, cpu in pairs])
+            result["rows"].append(row)
     tuning.INLINE_READ_MAX_BYTES = kept
     return result
+
+
+def _time_read_variants(
+    pipeline: Any, saved: Any, target: Any, snapshots: list[Any], most: int, count: int, repeat: int
+) -> dict[str, list[tuple[float, float]]]:
+    """:func:`read_alone`'s timings of one row: per variant, the wall and CPU seconds of each
+    ``restore_chunks`` of ``count`` blocks of each of ``snapshots``, the variants alternating."""
+    import numpy as np
+
+    from kvsnap.store import tuning
+
+    variants = {"threads": 0, "inline": 1 << 40}  # INLINE_READ_MAX_BYTES of each
+    jobs = [
+        (snapshot, np.arange(count), chunk * count + np.arange(count))
+        for chunk, snapshot in enumerate(snapshots)
+    ]
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    for _ in range(repeat):
+        for name, bound in variants.items():
+            tuning.INLINE_READ_MAX_BYTES = bound
+            for cache in target.caches:
+                cache.zero_()
+            started, cpu_started = time.perf_counter(), time.process_time()
+            pipeline.restore_chunks(jobs)
+            ended, cpu_ended = time.perf_counter(), time.process_time()
+            times[name].append((ended - started, cpu_ended - cpu_started))
+            for got, want in zip(target.caches, saved.caches, strict=True):
+                for chunk in range(len(snapshots)):
+                    loaded = got[chunk * count : (chunk + 1) * count]
+                    stored = want[chunk * most : chunk * most + count]
+                    assert torch_equal(loaded, stored), (name, chunk, count)
+    return times
 
 
 def torch_equal(one: Any, other: Any) -> bool:
@@ -752,12 +781,13 @@ def print_open_table(results: list[dict[str, Any]]) -> None:
 
 def print_read_table(results: list[dict[str, Any]]) -> None:
     """:func:`read_alone`'s results as a markdown table (wall ms, CPU ms in parentheses)."""
-    print("| model | blocks | slot | read threads | this thread | threads / inline |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| model | chunks | blocks each | slot | read threads | this thread | threads / inline |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for result in results:
         for row in result["rows"]:
             print(
-                f"| {result['layers']} layers | {row['blocks']} | {row['slot_kib']} KiB "
+                f"| {result['layers']} layers | {row['chunks']} | {row['blocks']} "
+                f"| {row['slot_kib']} KiB "
                 f"| {row['threads_ms']} ({row['threads_cpu_ms']}) "
                 f"| {row['inline_ms']} ({row['inline_cpu_ms']}) "
                 f"| {row['threads_ms'] / row['inline_ms']:.2f}x |"
@@ -828,6 +858,7 @@ def main() -> None:
         "--read-alone", action="store_true", help="time one slot's read, threads against inline"
     )
     parser.add_argument("--read-blocks", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128])
+    parser.add_argument("--read-chunks", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--read-repeat", type=int, default=41)
     args = parser.parse_args()
     if args.child:
@@ -840,7 +871,10 @@ def main() -> None:
         print_copy_table(results)
         return
     if args.read_alone:
-        results = [read_alone(layers, args.read_blocks, args.read_repeat) for layers in args.layers]
+        results = [
+            read_alone(layers, args.read_blocks, args.read_chunks, args.read_repeat)
+            for layers in args.layers
+        ]
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(results, indent=2))
         print_read_table(results)
