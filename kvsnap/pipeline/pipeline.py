@@ -11,11 +11,10 @@ cache of page tables, so a second call is warm without the caller keeping anythi
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,7 +22,7 @@ from kvsnap import format as fmt
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, part_layout
-from kvsnap.pipeline.capture import capture_metadata, capture_slots, map_for_device
+from kvsnap.pipeline.capture import capture_snapshot
 from kvsnap.pipeline.fused import FusedMover
 from kvsnap.pipeline.jobs import (
     CaptureResult,
@@ -33,10 +32,14 @@ from kvsnap.pipeline.jobs import (
     block_pairs,
     common_geometry,
     restore_pairs,
-    validate_sequences,
 )
 from kvsnap.pipeline.movers import HandlerMover, SlotMover
-from kvsnap.pipeline.options import ProgressCallback, StagingOptions, TransferOptions
+from kvsnap.pipeline.options import (
+    ProgressCallback,
+    ProgressCounter,
+    StagingOptions,
+    TransferOptions,
+)
 from kvsnap.pipeline.part_jobs import (
     Item,
     PartMove,
@@ -54,7 +57,7 @@ from kvsnap.pipeline.restore import (
 from kvsnap.pipeline.shared_tables import shared_page_table
 from kvsnap.pipeline.slots import slot_loads
 from kvsnap.pipeline.staging import staging_ring
-from kvsnap.store import SnapshotWriter, TraceHook, traced
+from kvsnap.store import TraceHook, traced
 from kvsnap.store.head_parts import HeadPart, open_snapshot
 from kvsnap.store.hot import HotFile, hot_tier
 from kvsnap.store.reader import SnapshotReader
@@ -190,56 +193,21 @@ class Pipeline:
             >>> result.path, result.num_blocks, result.num_tokens
             ('req-2.safetensors', 2, 20)
         """
-        started = time.perf_counter()
-        validate_sequences(self.geometry.block_size, sequences)
-        metadata, device_blocks = capture_metadata(
-            self.layouts, sequences, source or fmt.SourceInfo(), reproducible, part
-        )
-        page_bytes = self.geometry.canonical_page_size_bytes
-        names = self.geometry.tensor_names()
-        total_bytes = page_bytes * len(device_blocks) * len(names)
-        with traced(trace, "setup.staging"):
-            ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes)
-        mover = self._mover(Direction.DEVICE_TO_HOST)
-        done = _Progress(progress, total_bytes)
-        options: dict[str, Any] = {
-            "direct_io": direct_io,
-            "max_shard_bytes": max_shard_bytes,
-            "trace": trace,
-            "keys": keys,
-        }
-        try:
-            with traced(trace, "setup.writer"):
-                writer = SnapshotWriter(path, metadata, **options)
-            try:
-                mapped, dma_refused = map_for_device(mover, writer)
-                mover.begin(after)
-                loads = slot_loads(len(names), len(device_blocks), page_bytes, ring.slot_bytes)
-                capture_slots(mover, ring, writer, loads, device_blocks, done.add, trace, mapped)
-                # The last views of the mappings: they are released after the publish.
-                mapped = None
-                info = writer.commit()
-            except BaseException:
-                writer.abort()
-                raise
-        finally:
-            with traced(trace, "teardown"):
-                try:
-                    mover.end()
-                finally:
-                    ring.finish()
-        return CaptureResult(
-            path=str(info.path),
-            num_sequences=len(sequences),
-            num_tokens=sum(len(sequence.token_ids) for sequence in sequences),
-            num_blocks=len(device_blocks),
-            num_bytes=info.num_bytes,
-            seconds=time.perf_counter() - started,
-            backend=mover.backend_name,
-            direct_io_fallback=writer.fallback_reason,
-            trailer_digest=info.trailers[0] if len(info.trailers) == 1 else None,
-            data_path="dma" if info.mapped else "write",
-            dma_refused=dma_refused,
+        return capture_snapshot(
+            self.layouts,
+            lambda: self._mover(Direction.DEVICE_TO_HOST),
+            sequences,
+            path,
+            source=source,
+            part=part,
+            staging=staging,
+            reproducible=reproducible,
+            max_shard_bytes=max_shard_bytes,
+            direct_io=direct_io,
+            progress=progress,
+            trace=trace,
+            after=after,
+            keys=keys,
         )
 
     def restore(
@@ -471,7 +439,7 @@ class Pipeline:
                 for moving, moves in jobs
                 for move in moves
             )
-        done = _Progress(progress, total)
+        done = ProgressCounter(progress, total)
         failures: list[tuple[FailedPages, PartMove]] = []
         moved_bytes, backend = 0, "none"
         for moving, moves in jobs:
@@ -558,21 +526,3 @@ def _hot_files(
     if wish is False or not mover.takes_uploads or not (mover.hashes_pages or not reader.verifies):
         return None
     return lease_hot_files(reader, admit=wish is True)
-
-
-class _Progress:
-    """Counts the bytes moved and reports them to an optional :data:`ProgressCallback`."""
-
-    def __init__(self, callback: ProgressCallback | None, total_bytes: int) -> None:
-        self.callback = callback
-        self.total_bytes = total_bytes
-        self.done_bytes = 0
-        self._lock = threading.Lock()
-
-    def add(self, num_bytes: int) -> None:
-        """Count ``num_bytes`` more; reports are serialized (restores move slots on several
-        threads) and never decrease."""
-        with self._lock:
-            self.done_bytes += num_bytes
-            if self.callback is not None:
-                self.callback(self.done_bytes, self.total_bytes)
