@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvsnap.store import tuning
-from kvsnap.store.host_registration import (
+from kvsnap.transfer.host_registration import (
     MAPPED,
     PORTABLE,
     cuda_unavailable_reason,

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvsnap.caches import register_cache_clear
-from kvsnap.store.host_registration import (
+from kvsnap.transfer.host_registration import (
     PORTABLE,
     READ_ONLY,
     register_host_range,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from kvsnap.caches import register_cache_clear
 from kvsnap.store import tuning
-from kvsnap.store.host_registration import cuda_unavailable_reason
+from kvsnap.transfer.host_registration import cuda_unavailable_reason
 from kvsnap.store.mapped_file import POPULATE_CHUNK_BYTES, MappedFile
 from kvsnap.store.pools import cpu_count, shared_executor
 from kvsnap.store.publish import create_temp
