@@ -220,6 +220,7 @@ class Pipeline:
         force: bool = False,
         progress: ProgressCallback | None = None,
         trace: TraceHook | None = None,
+        while_copying: Callable[[], None] | None = None,
     ) -> RestoreResult:
         """Write the KV of the sequences named in ``block_ids`` into the caches.
 
@@ -239,6 +240,12 @@ class Pipeline:
             progress: ``progress(done_bytes, total_bytes)``, called as data moves. Default
                 ``None``.
             trace: ``trace(kind, started, finished, nbytes)`` per step. Default ``None``.
+            while_copying: The caller's host work, overlapped with the device's: called once,
+                when every copy is enqueued and the restore would wait for the device (on
+                CPU caches: after the copies). What it raises, the restore raises once the
+                copies are complete; the caches are written then. For checks that may come
+                after the write, of a target nobody else reads yet (``restore_dynamic_cache``
+                checks its model so). Default ``None``.
 
         Returns:
             A ``RestoreResult``: sequences, tokens, blocks, bytes, seconds and backend.
@@ -275,6 +282,7 @@ class Pipeline:
                     force=force,
                     progress=progress,
                     trace=trace,
+                    while_copying=while_copying,
                 )
         started = time.perf_counter()
         capacity = self._checked_capacity(snapshot, model_fingerprint, force)
@@ -283,7 +291,9 @@ class Pipeline:
         )
         items = [(snapshot, (snapshot_blocks, target_blocks))]
         request = (len(block_ids), num_tokens)
-        return self._restore_items(items, staging, progress, trace, started, request)
+        return self._restore_items(
+            items, staging, progress, trace, started, request, while_copying
+        )
 
     def restore_blocks(
         self,
@@ -425,12 +435,14 @@ class Pipeline:
         trace: TraceHook | None,
         started: float,
         request: tuple[int, int] = (0, 0),
+        while_copying: Callable[[], None] | None = None,
     ) -> RestoreResult:
         """Move checked ``items``: every part of every snapshot by the pipeline over the ranks
         holding its heads, one staging loop per such pipeline. Raise
         :class:`~kvsnap.errors.RestoreIncompleteError` naming every target block whose pages
         failed their checksum, in any part. ``request``: the sequences and tokens named (the
-        result's first two fields)."""
+        result's first two fields); ``while_copying``: run during the last loop's copies (or
+        after, where there is no loop)."""
         jobs = moves_by_pipeline(items, self._pipeline_for)
         total = 0
         if progress is not None:  # reported from the first slot on: known before any job runs
@@ -442,11 +454,16 @@ class Pipeline:
         done = ProgressCounter(progress, total)
         failures: list[tuple[FailedPages, PartMove]] = []
         moved_bytes, backend = 0, "none"
-        for moving, moves in jobs:
-            failed, num_bytes, backend = moving._move_in(moves, staging, done.add, trace)
+        for position, (moving, moves) in enumerate(jobs):
+            overlapped = while_copying if position == len(jobs) - 1 else None
+            failed, num_bytes, backend = moving._move_in(
+                moves, staging, done.add, trace, overlapped
+            )
             moved_bytes += num_bytes
             failed_moves = zip(failed, moves, strict=True)
             failures += [(pages, move) for pages, move in failed_moves if len(pages.positions)]
+        if while_copying is not None and not jobs:
+            while_copying()
         num_blocks = sum(len(blocks[0]) for _, blocks in items)
         seconds = time.perf_counter() - started
         result = RestoreResult(*request, num_blocks, moved_bytes, seconds, backend)
@@ -475,10 +492,12 @@ class Pipeline:
         staging: StagingOptions | None,
         progress: Callable[[int], None],
         trace: TraceHook | None,
+        while_copying: Callable[[], None] | None = None,
     ) -> tuple[list[FailedPages], int, str]:
         """The staging loop of checked restores of ``moves`` (parts whose heads are this
         pipeline's geometry), as one job: per move the pages that failed, the bytes of the
-        job, and the backend. ``progress`` counts the bytes moved."""
+        job, and the backend. ``progress`` counts the bytes moved; ``while_copying`` runs
+        while the device completes the job (:func:`restore_slots`)."""
         page_bytes = self.geometry.canonical_page_size_bytes
         names = self.geometry.tensor_names()
         pages_total = sum(len(move.blocks[0]) for move in moves) * len(names)
@@ -501,7 +520,7 @@ class Pipeline:
                         move.blocks,
                     )
                 )
-            failed = restore_slots(mover, ring, sources, progress, trace)
+            failed = restore_slots(mover, ring, sources, progress, trace, while_copying)
         finally:
             with traced(trace, "teardown"):
                 try:
