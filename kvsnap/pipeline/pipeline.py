@@ -291,9 +291,7 @@ class Pipeline:
         )
         items = [(snapshot, (snapshot_blocks, target_blocks))]
         request = (len(block_ids), num_tokens)
-        return self._restore_items(
-            items, staging, progress, trace, started, request, while_copying
-        )
+        return self._restore_items(items, staging, progress, trace, started, request, while_copying)
 
     def restore_blocks(
         self,
