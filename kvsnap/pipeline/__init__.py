@@ -4,10 +4,11 @@
 :meth:`kvsnap.Snapshot.restore` run on the same machinery. Modules, in pipeline order:
 ``slots`` (which pages a slot carries), ``movers`` (the interface, and the transfer handler's
 path for named backends), ``fused`` (one kernel launch, one digest launch and one DMA per
-slot), ``staging`` (pinned slots and device buffers kept per process), ``capture`` and
-``restore`` (the loops), ``jobs`` (requests and results), ``part_jobs`` (a restore's
-head-range parts: which pipeline moves which, and what failed), ``options``, ``pipeline`` (the
-:class:`Pipeline`). The caches' addresses as one table are :mod:`kvsnap.transfer.page_table`.
+slot), ``staging`` (pinned slots and device buffers kept per process), ``capture`` (a whole
+capture, which :meth:`Pipeline.capture` runs) and ``restore`` (the restore loop), ``jobs``
+(requests and results), ``part_jobs`` (a restore's head-range parts: which pipeline moves
+which, and what failed), ``options``, ``pipeline`` (the :class:`Pipeline`). The caches'
+addresses as one table are :mod:`kvsnap.transfer.page_table`.
 """
 
 from kvsnap.pipeline.jobs import CaptureResult, RestoreResult, SequenceBlocks

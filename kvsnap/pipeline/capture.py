@@ -1,5 +1,10 @@
-"""The capture loop: engine cache -> staging slots -> the snapshot writer; and the metadata a
-capture writes.
+"""A capture: engine cache -> staging slots -> the snapshot writer -> a published file; and the
+metadata a capture writes.
+
+:func:`capture_snapshot` is :meth:`Pipeline.capture <kvsnap.pipeline.Pipeline.capture>`'s
+work, in its steps: the sequences checked and their metadata made, staging and the writer set
+up, every slot copied out of the cache and written (:func:`capture_slots`), the file published,
+the staging given back.
 
 Every slot is enqueued as soon as one is free, and handed to the writer (which hashes and
 writes it on its own threads) as soon as its copy completes, oldest first: the copies of later
@@ -12,10 +17,12 @@ of into the slot, and the writer is told which pages are in place, with their di
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,12 +30,19 @@ import torch
 
 from kvsnap import format as fmt
 from kvsnap._version import __version__
+from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout
-from kvsnap.pipeline.jobs import SequenceBlocks, block_id_array
+from kvsnap.pipeline.jobs import (
+    CaptureResult,
+    SequenceBlocks,
+    block_id_array,
+    validate_sequences,
+)
 from kvsnap.pipeline.movers import SlotMover
-from kvsnap.pipeline.slots import SlotLoad
-from kvsnap.pipeline.staging import StagingRing
-from kvsnap.store import SnapshotWriter, TraceHook, traced
+from kvsnap.pipeline.options import ProgressCallback, ProgressCounter, StagingOptions
+from kvsnap.pipeline.slots import SlotLoad, slot_loads
+from kvsnap.pipeline.staging import StagingRing, staging_ring
+from kvsnap.store import SnapshotInfo, SnapshotWriter, TraceHook, traced
 from kvsnap.transfer.pinned import Slot
 
 
@@ -39,6 +53,111 @@ class _InFlight:
     ticket: Any
     #: Whether the copy put the pages in the writer's mapped files (else in ``slot``).
     placed: bool = False
+
+
+def capture_snapshot(
+    layouts: Sequence[CacheLayout],
+    make_mover: Callable[[], SlotMover],
+    sequences: Sequence[SequenceBlocks],
+    path: str | Path,
+    *,
+    source: fmt.SourceInfo | None,
+    part: fmt.PartInfo | None,
+    staging: StagingOptions | None,
+    reproducible: bool,
+    max_shard_bytes: int | None,
+    direct_io: bool | None,
+    progress: ProgressCallback | None,
+    trace: TraceHook | None,
+    after: torch.cuda.Event | None,
+    keys: KeyRing | None,
+) -> CaptureResult:
+    """Write the KV of ``sequences`` from the caches ``layouts`` describe (one geometry, as a
+    :class:`~kvsnap.pipeline.Pipeline` checked) to a snapshot at ``path``, its pages moved by
+    the mover ``make_mover`` returns (asked once the staging is set up); the arguments and
+    errors are :meth:`Pipeline.capture <kvsnap.pipeline.Pipeline.capture>`'s.
+
+    The writer is aborted (its temporary files removed) if anything fails before its
+    publish; the mover and the staging are given back either way.
+    """
+    started = time.perf_counter()
+    geometry = layouts[0].geometry
+    validate_sequences(geometry.block_size, sequences)
+    metadata, device_blocks = capture_metadata(
+        layouts, sequences, source or fmt.SourceInfo(), reproducible, part
+    )
+    page_bytes = geometry.canonical_page_size_bytes
+    num_tensors = len(geometry.tensor_names())
+    total_bytes = page_bytes * len(device_blocks) * num_tensors
+    with traced(trace, "setup.staging"):
+        ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes)
+    mover = make_mover()
+    done = ProgressCounter(progress, total_bytes)
+    options: dict[str, Any] = {
+        "direct_io": direct_io,
+        "max_shard_bytes": max_shard_bytes,
+        "trace": trace,
+        "keys": keys,
+    }
+    try:
+        with traced(trace, "setup.writer"):
+            writer = SnapshotWriter(path, metadata, **options)
+        info, dma_refused = _write_and_publish(
+            mover, ring, writer, device_blocks, num_tensors, done.add, trace, after
+        )
+    finally:
+        _give_back(mover, ring, trace)
+    return CaptureResult(
+        path=str(info.path),
+        num_sequences=len(sequences),
+        num_tokens=sum(len(sequence.token_ids) for sequence in sequences),
+        num_blocks=len(device_blocks),
+        num_bytes=info.num_bytes,
+        seconds=time.perf_counter() - started,
+        backend=mover.backend_name,
+        direct_io_fallback=writer.fallback_reason,
+        trailer_digest=info.trailers[0] if len(info.trailers) == 1 else None,
+        data_path="dma" if info.mapped else "write",
+        dma_refused=dma_refused,
+    )
+
+
+def _write_and_publish(
+    mover: SlotMover,
+    ring: StagingRing,
+    writer: SnapshotWriter,
+    device_blocks: np.ndarray,
+    num_tensors: int,
+    progress: Callable[[int], None],
+    trace: TraceHook | None,
+    after: torch.cuda.Event | None,
+) -> tuple[SnapshotInfo, str | None]:
+    """Copy every page of ``device_blocks`` (of each of ``num_tensors`` tensors) out of the
+    cache, once ``after`` has passed, into ``writer``'s mapped files where it maps them for the
+    device, else through ``ring``'s slots; publish the file. Returns what was published and
+    why the pages were not placed straight in the files (``None`` when they were). On any
+    failure the writer is aborted and the error raised."""
+    try:
+        mapped, dma_refused = map_for_device(mover, writer)
+        mover.begin(after)
+        page_bytes = writer.page_size_bytes
+        loads = slot_loads(num_tensors, len(device_blocks), page_bytes, ring.slot_bytes)
+        capture_slots(mover, ring, writer, loads, device_blocks, progress, trace, mapped)
+        # The last views of the mappings: they are released after the publish.
+        mapped = None
+        return writer.commit(), dma_refused
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _give_back(mover: SlotMover, ring: StagingRing, trace: TraceHook | None) -> None:
+    """End ``mover``'s job and return ``ring``'s slots, whatever happened before."""
+    with traced(trace, "teardown"):
+        try:
+            mover.end()
+        finally:
+            ring.finish()
 
 
 def map_for_device(

@@ -3,6 +3,7 @@ to tell how far it got."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,6 +11,25 @@ from kvsnap.transfer.pinned import PinnedPool
 
 ProgressCallback = Callable[[int, int], None]
 """``progress(done_bytes, total_bytes)``, called as data moves."""
+
+
+class ProgressCounter:
+    """Counts the bytes moved and reports them to an optional :data:`ProgressCallback`."""
+
+    def __init__(self, callback: ProgressCallback | None, total_bytes: int) -> None:
+        self.callback = callback
+        self.total_bytes = total_bytes
+        self.done_bytes = 0
+        self._lock = threading.Lock()
+
+    def add(self, num_bytes: int) -> None:
+        """Count ``num_bytes`` more; reports are serialized (restores move slots on several
+        threads) and never decrease."""
+        with self._lock:
+            self.done_bytes += num_bytes
+            if self.callback is not None:
+                self.callback(self.done_bytes, self.total_bytes)
+
 
 #: Host staging slot of small jobs (an engine's per-request prefix) and of large ones.
 SMALL_SLOT_BYTES = 16 << 20

@@ -11,11 +11,10 @@ cache of page tables, so a second call is warm without the caller keeping anythi
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,7 +22,7 @@ from kvsnap import format as fmt
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, part_layout
-from kvsnap.pipeline.capture import capture_metadata, capture_slots, map_for_device
+from kvsnap.pipeline.capture import capture_snapshot
 from kvsnap.pipeline.fused import FusedMover
 from kvsnap.pipeline.jobs import (
     CaptureResult,
@@ -33,10 +32,14 @@ from kvsnap.pipeline.jobs import (
     block_pairs,
     common_geometry,
     restore_pairs,
-    validate_sequences,
 )
 from kvsnap.pipeline.movers import HandlerMover, SlotMover
-from kvsnap.pipeline.options import ProgressCallback, StagingOptions, TransferOptions
+from kvsnap.pipeline.options import (
+    ProgressCallback,
+    ProgressCounter,
+    StagingOptions,
+    TransferOptions,
+)
 from kvsnap.pipeline.part_jobs import (
     Item,
     PartMove,
@@ -54,7 +57,7 @@ from kvsnap.pipeline.restore import (
 from kvsnap.pipeline.shared_tables import shared_page_table
 from kvsnap.pipeline.slots import slot_loads
 from kvsnap.pipeline.staging import staging_ring
-from kvsnap.store import SnapshotWriter, TraceHook, traced
+from kvsnap.store import TraceHook, traced
 from kvsnap.store.head_parts import HeadPart, open_snapshot
 from kvsnap.store.hot import HotFile, hot_tier
 from kvsnap.store.reader import SnapshotReader
@@ -190,56 +193,21 @@ class Pipeline:
             >>> result.path, result.num_blocks, result.num_tokens
             ('req-2.safetensors', 2, 20)
         """
-        started = time.perf_counter()
-        validate_sequences(self.geometry.block_size, sequences)
-        metadata, device_blocks = capture_metadata(
-            self.layouts, sequences, source or fmt.SourceInfo(), reproducible, part
-        )
-        page_bytes = self.geometry.canonical_page_size_bytes
-        names = self.geometry.tensor_names()
-        total_bytes = page_bytes * len(device_blocks) * len(names)
-        with traced(trace, "setup.staging"):
-            ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes)
-        mover = self._mover(Direction.DEVICE_TO_HOST)
-        done = _Progress(progress, total_bytes)
-        options: dict[str, Any] = {
-            "direct_io": direct_io,
-            "max_shard_bytes": max_shard_bytes,
-            "trace": trace,
-            "keys": keys,
-        }
-        try:
-            with traced(trace, "setup.writer"):
-                writer = SnapshotWriter(path, metadata, **options)
-            try:
-                mapped, dma_refused = map_for_device(mover, writer)
-                mover.begin(after)
-                loads = slot_loads(len(names), len(device_blocks), page_bytes, ring.slot_bytes)
-                capture_slots(mover, ring, writer, loads, device_blocks, done.add, trace, mapped)
-                # The last views of the mappings: they are released after the publish.
-                mapped = None
-                info = writer.commit()
-            except BaseException:
-                writer.abort()
-                raise
-        finally:
-            with traced(trace, "teardown"):
-                try:
-                    mover.end()
-                finally:
-                    ring.finish()
-        return CaptureResult(
-            path=str(info.path),
-            num_sequences=len(sequences),
-            num_tokens=sum(len(sequence.token_ids) for sequence in sequences),
-            num_blocks=len(device_blocks),
-            num_bytes=info.num_bytes,
-            seconds=time.perf_counter() - started,
-            backend=mover.backend_name,
-            direct_io_fallback=writer.fallback_reason,
-            trailer_digest=info.trailers[0] if len(info.trailers) == 1 else None,
-            data_path="dma" if info.mapped else "write",
-            dma_refused=dma_refused,
+        return capture_snapshot(
+            self.layouts,
+            lambda: self._mover(Direction.DEVICE_TO_HOST),
+            sequences,
+            path,
+            source=source,
+            part=part,
+            staging=staging,
+            reproducible=reproducible,
+            max_shard_bytes=max_shard_bytes,
+            direct_io=direct_io,
+            progress=progress,
+            trace=trace,
+            after=after,
+            keys=keys,
         )
 
     def restore(
@@ -252,6 +220,7 @@ class Pipeline:
         force: bool = False,
         progress: ProgressCallback | None = None,
         trace: TraceHook | None = None,
+        while_copying: Callable[[], None] | None = None,
     ) -> RestoreResult:
         """Write the KV of the sequences named in ``block_ids`` into the caches.
 
@@ -271,6 +240,12 @@ class Pipeline:
             progress: ``progress(done_bytes, total_bytes)``, called as data moves. Default
                 ``None``.
             trace: ``trace(kind, started, finished, nbytes)`` per step. Default ``None``.
+            while_copying: The caller's host work, overlapped with the device's: called once,
+                when every copy is enqueued and the restore would wait for the device (on
+                CPU caches: after the copies). What it raises, the restore raises once the
+                copies are complete; the caches are written then. For checks that may come
+                after the write, of a target nobody else reads yet (``restore_dynamic_cache``
+                checks its model so). Default ``None``.
 
         Returns:
             A ``RestoreResult``: sequences, tokens, blocks, bytes, seconds and backend.
@@ -307,6 +282,7 @@ class Pipeline:
                     force=force,
                     progress=progress,
                     trace=trace,
+                    while_copying=while_copying,
                 )
         started = time.perf_counter()
         capacity = self._checked_capacity(snapshot, model_fingerprint, force)
@@ -315,7 +291,7 @@ class Pipeline:
         )
         items = [(snapshot, (snapshot_blocks, target_blocks))]
         request = (len(block_ids), num_tokens)
-        return self._restore_items(items, staging, progress, trace, started, request)
+        return self._restore_items(items, staging, progress, trace, started, request, while_copying)
 
     def restore_blocks(
         self,
@@ -457,12 +433,14 @@ class Pipeline:
         trace: TraceHook | None,
         started: float,
         request: tuple[int, int] = (0, 0),
+        while_copying: Callable[[], None] | None = None,
     ) -> RestoreResult:
         """Move checked ``items``: every part of every snapshot by the pipeline over the ranks
         holding its heads, one staging loop per such pipeline. Raise
         :class:`~kvsnap.errors.RestoreIncompleteError` naming every target block whose pages
         failed their checksum, in any part. ``request``: the sequences and tokens named (the
-        result's first two fields)."""
+        result's first two fields); ``while_copying``: run during the last loop's copies (or
+        after, where there is no loop)."""
         jobs = moves_by_pipeline(items, self._pipeline_for)
         total = 0
         if progress is not None:  # reported from the first slot on: known before any job runs
@@ -471,14 +449,19 @@ class Pipeline:
                 for moving, moves in jobs
                 for move in moves
             )
-        done = _Progress(progress, total)
+        done = ProgressCounter(progress, total)
         failures: list[tuple[FailedPages, PartMove]] = []
         moved_bytes, backend = 0, "none"
-        for moving, moves in jobs:
-            failed, num_bytes, backend = moving._move_in(moves, staging, done.add, trace)
+        for position, (moving, moves) in enumerate(jobs):
+            overlapped = while_copying if position == len(jobs) - 1 else None
+            failed, num_bytes, backend = moving._move_in(
+                moves, staging, done.add, trace, overlapped
+            )
             moved_bytes += num_bytes
             failed_moves = zip(failed, moves, strict=True)
             failures += [(pages, move) for pages, move in failed_moves if len(pages.positions)]
+        if while_copying is not None and not jobs:
+            while_copying()
         num_blocks = sum(len(blocks[0]) for _, blocks in items)
         seconds = time.perf_counter() - started
         result = RestoreResult(*request, num_blocks, moved_bytes, seconds, backend)
@@ -507,10 +490,12 @@ class Pipeline:
         staging: StagingOptions | None,
         progress: Callable[[int], None],
         trace: TraceHook | None,
+        while_copying: Callable[[], None] | None = None,
     ) -> tuple[list[FailedPages], int, str]:
         """The staging loop of checked restores of ``moves`` (parts whose heads are this
         pipeline's geometry), as one job: per move the pages that failed, the bytes of the
-        job, and the backend. ``progress`` counts the bytes moved."""
+        job, and the backend. ``progress`` counts the bytes moved; ``while_copying`` runs
+        while the device completes the job (:func:`restore_slots`)."""
         page_bytes = self.geometry.canonical_page_size_bytes
         names = self.geometry.tensor_names()
         pages_total = sum(len(move.blocks[0]) for move in moves) * len(names)
@@ -533,7 +518,7 @@ class Pipeline:
                         move.blocks,
                     )
                 )
-            failed = restore_slots(mover, ring, sources, progress, trace)
+            failed = restore_slots(mover, ring, sources, progress, trace, while_copying)
         finally:
             with traced(trace, "teardown"):
                 try:
@@ -558,21 +543,3 @@ def _hot_files(
     if wish is False or not mover.takes_uploads or not (mover.hashes_pages or not reader.verifies):
         return None
     return lease_hot_files(reader, admit=wish is True)
-
-
-class _Progress:
-    """Counts the bytes moved and reports them to an optional :data:`ProgressCallback`."""
-
-    def __init__(self, callback: ProgressCallback | None, total_bytes: int) -> None:
-        self.callback = callback
-        self.total_bytes = total_bytes
-        self.done_bytes = 0
-        self._lock = threading.Lock()
-
-    def add(self, num_bytes: int) -> None:
-        """Count ``num_bytes`` more; reports are serialized (restores move slots on several
-        threads) and never decrease."""
-        with self._lock:
-            self.done_bytes += num_bytes
-            if self.callback is not None:
-                self.callback(self.done_bytes, self.total_bytes)

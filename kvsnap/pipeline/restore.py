@@ -141,6 +141,7 @@ def restore_slots(
     sources: Sequence[RestoreSource],
     progress: Callable[[int], None],
     trace: TraceHook | None,
+    while_copying: Callable[[], None] | None = None,
 ) -> list[FailedPages]:
     """Read every slot of every source and move it into the cache, as one job.
 
@@ -150,6 +151,10 @@ def restore_slots(
     would contend). Pages are verified on the device where the mover hashes pages (the reads
     then skip the host's checksums), on the read threads otherwise. Returns, per source, the
     pages that failed their checksum: nothing of them was written.
+
+    ``while_copying`` is called once every slot is moved (enqueued, on a device) and before
+    waiting for the device's checks: the host is idle there while the device works through
+    the last slots. What it raises is raised once the copies it overlapped are complete.
     """
     runs = [_RestoreRun(mover, ring, s.pages, s.blocks, progress, trace) for s in sources]
     completed: queue.SimpleQueue[_Reading] = queue.SimpleQueue()
@@ -174,8 +179,16 @@ def restore_slots(
             ring.release(slot)
     for run in runs:
         run.raise_error()
+    overlapped_error: BaseException | None = None
+    if while_copying is not None:
+        try:
+            while_copying()
+        except BaseException as error:  # raised below: the device still uses the slots
+            overlapped_error = error
     for run in runs:
         run.collect_device_checks()
+    if overlapped_error is not None:
+        raise overlapped_error
     return [run.failed() for run in runs]
 
 

@@ -39,7 +39,8 @@ The package, one module per job:
   holding one target chosen once, :mod:`~kvsnap.store.write_local` or
   :mod:`~kvsnap.store.write_stream`; :mod:`~kvsnap.store.snapshot_files` the files' layouts, the
   digests that complete them and the target interface; :mod:`~kvsnap.store.slot_writes` many
-  tensors' pages per call;
+  tensors' pages per call; :mod:`~kvsnap.store.write_order` the order the pages must come in,
+  and how far they got;
 - :mod:`~kvsnap.store.reader`: :class:`SnapshotReader`, composed of
   :mod:`~kvsnap.store.checksums` (trailers and block-checksum rows),
   :mod:`~kvsnap.store.page_reads` (one tensor's pages), :mod:`~kvsnap.store.slot_reads` (many
@@ -61,7 +62,7 @@ The package, one module per job:
 - :mod:`~kvsnap.store.mapped_file`: a capture's new memory-backed file mapped, populated and
   registered for the device's copies; :mod:`~kvsnap.store.mapping_release` its release after
   the publish, in the background; :mod:`~kvsnap.store.spare_files` the next capture's file per
-  directory, made in the background; :mod:`~kvsnap.store.host_registration` the one
+  directory, made in the background; :mod:`~kvsnap.transfer.host_registration` the one
   ``cudaHostRegister``.
 """
 

@@ -28,7 +28,7 @@ import os
 
 import numpy as np
 
-from kvsnap.store.host_registration import (
+from kvsnap.transfer.host_registration import (
     MAPPED,
     PORTABLE,
     register_host_range,
@@ -133,9 +133,13 @@ class MappedFile:
         return ctypes.get_errno()
 
     def register(self) -> None:
-        """Register the mapping with CUDA (pins every page, faulting in those not there);
-        ``OSError`` if the driver refuses, and nothing is registered then."""
-        code = register_host_range(self.address, self.size, _REGISTER_FLAGS)
+        """Register the file's pages of the mapping with CUDA (pins every page, faulting in
+        those not there); ``OSError`` if the driver refuses, and nothing is registered then.
+
+        Only the pages up to :attr:`file_size` are registered: a spare cut to a smaller file
+        (:meth:`shrink_file`) before it is registered has no pages past the file's end, and
+        the driver refuses a range that covers them."""
+        code = register_host_range(self.address, self.file_size, _REGISTER_FLAGS)
         if code != 0:
             raise OSError(f"cudaHostRegister of the mapped file failed with CUDA error {code}")
         self.registered = True

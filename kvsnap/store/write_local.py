@@ -14,7 +14,6 @@ import numpy as np
 from kvsnap import format as fmt
 from kvsnap.errors import SnapshotIOError
 from kvsnap.store import overwrite, publish, tuning
-from kvsnap.store.host_registration import cuda_unavailable_reason
 from kvsnap.store.lanes import SerialLane
 from kvsnap.store.local_file import LocalFile, memory_backed, preallocate
 from kvsnap.store.location import io_error, stem_of
@@ -24,6 +23,7 @@ from kvsnap.store.pools import cpu_count, shared_executor
 from kvsnap.store.snapshot_files import SnapshotFiles, WriteGate, WriteTarget
 from kvsnap.store.spare_files import SpareFile, spare_files
 from kvsnap.store.tracing import TraceHook, traced
+from kvsnap.transfer.host_registration import cuda_unavailable_reason
 
 
 class LocalTarget(WriteTarget):
@@ -186,7 +186,7 @@ class LocalTarget(WriteTarget):
             self._mapped_files.append(spare.mapped)
             self._write_front(file, layout)
         if register and not spare.mapped.registered:
-            with traced(self._trace, "setup.map.register", spare.mapped.size):
+            with traced(self._trace, "setup.map.register", spare.mapped.file_size):
                 spare.mapped.register()
         return True
 

@@ -5,7 +5,8 @@ and hands them to its one :class:`~kvsnap.store.snapshot_files.WriteTarget`, cho
 files (:mod:`~kvsnap.store.write_local`) or an fsspec stream (:mod:`~kvsnap.store.
 write_stream`). The layouts of the files and the digests that complete them are a
 :class:`~kvsnap.store.snapshot_files.SnapshotFiles`; the bound on bytes in flight and the first
-error a :class:`~kvsnap.store.snapshot_files.WriteGate`.
+error a :class:`~kvsnap.store.snapshot_files.WriteGate`; the order the pages must come in, and
+how far they got, a :class:`~kvsnap.store.write_order.WriteOrder`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from kvsnap.store.slot_writes import SlotPiece, all_done, contiguous_writes, has
 from kvsnap.store.snapshot_files import SnapshotFiles, WriteGate, WriteTarget
 from kvsnap.store.tracing import TraceHook, traced
 from kvsnap.store.write_local import LocalTarget
+from kvsnap.store.write_order import WriteOrder
 from kvsnap.store.write_stream import StreamTarget
 
 
@@ -127,9 +129,9 @@ class SnapshotWriter:
         self._snapshot_files = SnapshotFiles(self._location, metadata, max_shard_bytes, keys)
         self._page_bytes = self._snapshot_files.page_bytes
         self._num_blocks = self._snapshot_files.num_blocks
-        self._names = self._snapshot_files.names
-        self._blocks_written = [0] * len(self._names)
-        self._current = 0 if self._num_blocks else len(self._names)
+        self._order = WriteOrder(
+            self._snapshot_files.names, self._snapshot_files.tensor_index, self._num_blocks
+        )
         self._progress = progress
         self._progress_lock = threading.Lock()
         self._layer_bytes_done = 0
@@ -166,7 +168,7 @@ class SnapshotWriter:
 
     def tensor_order(self) -> list[str]:
         """Layer tensor names in the order :meth:`write_pages` must receive them."""
-        return list(self._names)
+        return list(self._order.names)
 
     @property
     def page_size_bytes(self) -> int:
@@ -184,7 +186,7 @@ class SnapshotWriter:
         """
         tensor, flat = self._checked_pages(name, pages)
         count = flat.nbytes // self._page_bytes
-        first = self._blocks_written[tensor]
+        first = self._order.blocks_written[tensor]
         shard, entry = self._snapshot_files.placement[name]
         if count == 0:
             empty: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -208,11 +210,8 @@ class SnapshotWriter:
         for block, blocks in write_parts:
             view = self._pages_view(flat, first, block, blocks)
             done.watch(self._submit_write(shard, entry.begin + block * self._page_bytes, view))
-        self._blocks_written[tensor] += count
-        if self._blocks_written[tensor] == self._num_blocks:
-            self._current += 1
-            following = self._current < len(self._names)
-            self._target.tensor_done(self._names[self._current] if following else None)
+        if self._order.count(tensor, count):
+            self._target.tensor_done(self._order.due())
         return done.future
 
     def write_slot(
@@ -270,7 +269,7 @@ class SnapshotWriter:
         (tests only) maps without CUDA, for copies made by the host.
         """
         self._check_open()
-        if any(self._blocks_written):
+        if self._order.started:
             raise RuntimeError("map_for_device must come before the first page")
         with traced(self._trace, "setup.map"):
             return self._target.map_data(register)
@@ -301,9 +300,9 @@ class SnapshotWriter:
             raise ValueError(f"{len(digests)} digests for {total} pages")
         pieces: list[tuple[int, int, int]] = []
         for name, num_pages in segments:
-            tensor = self._checked_next(name, num_pages)
-            pieces.append((tensor, self._blocks_written[tensor], num_pages))
-            self._count_written(tensor, num_pages)
+            tensor = self._order.checked(name, num_pages)
+            pieces.append((tensor, self._order.blocks_written[tensor], num_pages))
+            self._order.count(tensor, num_pages)
         page = 0
         for tensor, first, count in pieces:
             self._snapshot_files.digests[tensor, first : first + count] = digests[
@@ -318,17 +317,11 @@ class SnapshotWriter:
         pieces = []
         for name, pages in segments:
             tensor, flat = self._checked_pages(name, pages)
-            first = self._blocks_written[tensor]
+            first = self._order.blocks_written[tensor]
             shard, entry = self._snapshot_files.placement[name]
             pieces.append((tensor, first, flat, shard, entry.begin + first * self._page_bytes))
-            self._count_written(tensor, flat.nbytes // self._page_bytes)
+            self._order.count(tensor, flat.nbytes // self._page_bytes)
         return pieces
-
-    def _count_written(self, tensor: int, count: int) -> None:
-        """``count`` more pages of ``tensor`` are handed over; a full tensor moves the order on."""
-        self._blocks_written[tensor] += count
-        if self._blocks_written[tensor] == self._num_blocks:
-            self._current += 1
 
     def _checked_pages(self, name: str, pages: np.ndarray) -> tuple[int, np.ndarray]:
         """``write_pages``' arguments checked: the tensor's index and the pages, flat."""
@@ -342,31 +335,7 @@ class SnapshotWriter:
         flat = pages.reshape(-1)
         if flat.nbytes % self._page_bytes:
             raise ValueError(f"{flat.nbytes} bytes are not whole pages of {self._page_bytes} bytes")
-        return self._checked_next(name, flat.nbytes // self._page_bytes), flat
-
-    def _checked_next(self, name: str, count: int) -> int:
-        """The index of tensor ``name``, checked to be the one due and to have room for
-        ``count`` more pages."""
-        if name not in self._snapshot_files.tensor_index:
-            raise ValueError(
-                f"{name!r} is not a layer tensor of this snapshot (see tensor_order())"
-            )
-        tensor = self._snapshot_files.tensor_index[name]
-        if tensor != self._current:
-            expected = (
-                self._names[self._current]
-                if self._current < len(self._names)
-                else "nothing (commit)"
-            )
-            raise ValueError(
-                f"write_pages got {name}, expected {expected}: tensors go in tensor_order()"
-            )
-        first = self._blocks_written[tensor]
-        if first + count > self._num_blocks:
-            raise ValueError(
-                f"{name}: {first} blocks written, {count} more exceed the {self._num_blocks} blocks"
-            )
-        return tensor
+        return self._order.checked(name, flat.nbytes // self._page_bytes), flat
 
     def commit(self) -> SnapshotInfo:
         """Finish and publish: checksums, fsync, atomic rename, directory fsync.
@@ -383,11 +352,7 @@ class SnapshotWriter:
         except BaseException:
             self.abort()
             raise
-        missing = [
-            f"{name} ({written}/{self._num_blocks} blocks)"
-            for name, written in zip(self._names, self._blocks_written, strict=True)
-            if written != self._num_blocks
-        ]
+        missing = self._order.missing()
         if missing:
             self.abort()
             raise ValueError("cannot commit an incomplete snapshot: " + ", ".join(missing[:4]))

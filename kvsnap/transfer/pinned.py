@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvsnap.transfer.host_registration import register_host_range, unregister_host_range
+
 #: Largest span handed to one ``cudaHostRegister`` call; larger registrations stall the driver.
 #: Chunks are cut at slot boundaries, so a slot larger than this is registered on its own.
 MAX_REGISTER_CHUNK_BYTES = 1 << 30
@@ -90,14 +92,12 @@ class PinnedPool:
     def _register(self) -> None:
         # Touch every page first so registration does not fault them in one by one.
         self._memory.zero_()
-        cudart = torch.cuda.cudart()
         # Chunks hold whole slots: a DMA copy may not span two registrations (the driver
         # rejects it), and descriptors never leave their slot.
         step = max(self.slot_bytes, MAX_REGISTER_CHUNK_BYTES // self.slot_bytes * self.slot_bytes)
         for offset in range(0, self.total_bytes, step):
             size = min(step, self.total_bytes - offset)
-            status = cudart.cudaHostRegister(self.data_ptr + offset, size, 0)
-            code = int(getattr(status, "value", status))
+            code = register_host_range(self.data_ptr + offset, size, 0)
             if code != 0:
                 self._unregister()
                 raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
@@ -113,8 +113,7 @@ class PinnedPool:
             start = index * self.slot_bytes
             memory = self._memory[start : start + self.slot_bytes]
             memory.zero_()  # fault the pages in before the driver locks them
-            status = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), self.slot_bytes, 0)
-            code = int(getattr(status, "value", status))
+            code = register_host_range(memory.data_ptr(), self.slot_bytes, 0)
             if code != 0:
                 raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
             self._registered.append(memory.data_ptr())
@@ -124,9 +123,8 @@ class PinnedPool:
     def _unregister(self) -> None:
         if not self._registered:
             return
-        cudart = torch.cuda.cudart()
         for address in self._registered:
-            cudart.cudaHostUnregister(address)
+            unregister_host_range(address)
         self._registered.clear()
         self._slot_pinned = [False] * self.num_slots
         self.pinned = False

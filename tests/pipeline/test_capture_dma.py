@@ -202,6 +202,33 @@ def test_a_dma_capture_from_the_spare_file_restores_bit_exact(
     assert temp_files(shm_dir) == []
 
 
+@pytest.mark.usefixtures("spare_capture_files")
+def test_a_spare_made_unregistered_is_registered_to_the_file_s_end_when_taken(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spare is made to a whole number of huge pages and cut to the capture's size when
+    taken; registering it then covers the file's pages only (the driver refuses pages past
+    the end), so the capture stays on the DMA path, and the restore after it runs."""
+    monkeypatch.setattr(tuning, "SPARE_CAPTURE_FILES_REGISTERED", False)
+    sources, content = caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
+    layouts = [sources[0].layout]
+    _traced_capture(layouts, shm_dir / "first.safetensors")
+    [spare] = spare_names(shm_dir)
+    spare_size = (shm_dir / spare).stat().st_size
+    assert spare_files().held_bytes()[1] == 0  # made, not registered
+    second, kinds = _traced_capture(layouts, shm_dir / "second.safetensors")
+    assert "setup.map.spare" in kinds and "setup.map.register" in kinds
+    assert spare_size > (shm_dir / "second.safetensors").stat().st_size  # it was cut
+    assert second.data_path == "dma"
+    targets, _ = caches(
+        "vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, seed=3, fill=False, device="cuda"
+    )
+    with Snapshot.open(shm_dir / "second.safetensors") as snap:
+        snap.restore([targets[0].layout], TARGET_BLOCKS)
+    torch.cuda.synchronize()
+    assert_restored(targets, content, SOURCE_BLOCKS, RESTORED_AT)
+
+
 def test_pending_unregistration_finishes_and_is_reported_until_then(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

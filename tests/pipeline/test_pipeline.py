@@ -336,3 +336,41 @@ def test_captures_and_restores_take_large_slots_from_their_own_thresholds(monkey
     assert staging.staging_ring(default, 256, 1000).slot_bytes == large
     assert staging.staging_ring(default, 256, 1000, restore=True).slot_bytes == small
     assert staging.staging_ring(default, 256, 5000, restore=True).slot_bytes == large
+
+
+@pytest.mark.parametrize("slot_pages", [1, 1000])
+def test_while_copying_runs_once_after_the_last_copy_is_enqueued(tmp_path, slot_pages):
+    """The caller's overlapped work runs once per restore, after every slot was moved (on a
+    CPU cache the copies are done by then), whatever the number of slots."""
+    sources, content = caches("vllm-nhd", layers=3)
+    path = tmp_path / "snap.safetensors"
+    capture([sources[0].layout], sequences([[4, 5, 6, 7]]), path, source=SOURCE)
+    targets, _ = caches("vllm-nhd", layers=3, seed=6, fill=False)
+    page = targets[0].layout.geometry.canonical_page_size_bytes
+    staging = StagingOptions(slot_bytes=max(4096, slot_pages * page), num_slots=2)
+    seen_written: list[bool] = []
+
+    def while_copying() -> None:
+        last = targets[0].logical("layers.2.value")[3]
+        want = targets[0].expected(content, "layers.2.value", torch.tensor([7]))[0]
+        seen_written.append(same_bytes(want, last))
+
+    Pipeline([targets[0].layout]).restore(
+        path, {"s0": [0, 1, 2, 3]}, staging=staging, while_copying=while_copying
+    )
+    assert seen_written == [True]
+    assert_restored(targets, content, [4, 5, 6, 7], [0, 1, 2, 3])
+
+
+def test_what_while_copying_raises_is_raised_once_the_copies_are_complete(tmp_path):
+    sources, content = caches("vllm-nhd", layers=3)
+    path = tmp_path / "snap.safetensors"
+    capture([sources[0].layout], sequences([[4, 5, 6, 7]]), path, source=SOURCE)
+    targets, _ = caches("vllm-nhd", layers=3, seed=6, fill=False)
+
+    def refuse() -> None:
+        raise IncompatibleSnapshotError("the caller's check refused the snapshot")
+
+    with pytest.raises(IncompatibleSnapshotError, match="caller's check"):
+        Pipeline([targets[0].layout]).restore(path, {"s0": [0, 1, 2, 3]}, while_copying=refuse)
+    assert_restored(targets, content, [4, 5, 6, 7], [0, 1, 2, 3])

@@ -258,3 +258,28 @@ def test_the_ring_never_hands_out_a_slot_whose_copy_still_runs():
         ring.release(taken)
     finally:
         ring.finish()
+
+
+def test_what_while_copying_raises_comes_after_the_device_finished(tmp_path):
+    """The overlapped work runs while the device still copies; what it raises is raised only
+    once every copy (and page check) has completed, so the caller may free the target."""
+    sources, content = caches("vllm-nhd", layers=4, heads=8, blocks=300, device="cuda")
+    blocks = list(range(300))
+    path = tmp_path / "snap.safetensors"
+    capture([sources[0].layout], sequences([blocks]), path, source=SOURCE)
+    targets, _ = caches(
+        "vllm-nhd", layers=4, heads=8, blocks=300, seed=7, fill=False, device="cuda"
+    )
+    called: list[int] = []
+
+    def refuse() -> None:
+        called.append(1)
+        raise ValueError("refused while the device copies")
+
+    with pytest.raises(ValueError, match="while the device copies"):
+        Pipeline([targets[0].layout]).restore(
+            path, {"s0": blocks}, staging=StagingOptions(slot_bytes=1 << 20), while_copying=refuse
+        )
+    assert called == [1]
+    # No synchronisation here: the restore waited for its copies before raising.
+    assert_restored(targets, content, blocks, blocks)

@@ -35,7 +35,7 @@ from kvsnap.engines.transformers.model import (
 )
 from kvsnap.layout import CacheLayout, KVGeometry, LayoutError, contiguous_layout, torch_dtype
 from kvsnap.layout.cache import LayoutTemplate
-from kvsnap.pipeline import TransferOptions
+from kvsnap.pipeline import Pipeline, TransferOptions
 from kvsnap.snapshot import CaptureResult, SequenceBlocks, Snapshot, capture
 
 
@@ -275,8 +275,11 @@ def restore_dynamic_cache(
         device: Where the cache lives. Default ``"cpu"``.
         dtype: Cast the restored KV to this dtype afterwards (lossy when narrower). Default
             ``None``: the snapshot's dtype.
-        model: Check the snapshot against this model first (geometry, and fingerprint unless
-            ``force``) and build the cache from its config. Default ``None``: no check.
+        model: Check the snapshot against this model (geometry, and fingerprint unless
+            ``force``) and build the cache from its config. The check runs while the pages
+            move into the new cache (its model walk costs about a millisecond), and a
+            snapshot that does not fit raises before the cache is returned. Default
+            ``None``: no check.
         force: Skip the fingerprint check. Default ``False``.
         backend: The copy backend (``TransferOptions.backend``). Default ``"auto"``.
         progress: ``progress(done_bytes, total_bytes)``, called as data moves. Default
@@ -307,20 +310,26 @@ def restore_dynamic_cache(
     with open_snapshot(snapshot) as opened:
         record = pick_sequence(opened, sequence_id)
         geometry = opened.geometry
+        check: Callable[[], None] | None = None
         if model is not None:
             # An explicit dtype casts the KV after the restore: only the model's layout must match.
             check_dtype = torch_dtype(geometry.dtype) if dtype is not None else None
-            check_snapshot_fits(opened, model, dtype=check_dtype, force=force)
+
+            def check() -> None:
+                check_snapshot_fits(opened, model, dtype=check_dtype, force=force)
+
         num_blocks = len(record.block_ids)
         num_tokens = len(record.token_ids)
+        # The buffer is laid out from the snapshot's own geometry and is new: nobody reads it
+        # before it is returned, so the model may be checked while the device fills it.
         layout, buffer = _restore_target(geometry, num_blocks, device)
-        opened.restore(
-            layout,
+        Pipeline(layout, transfer=TransferOptions(backend=backend)).restore(
+            opened,
             {record.id: np.arange(num_blocks, dtype=np.int64)},
-            transfer=TransferOptions(backend=backend),
             progress=progress,
+            while_copying=check,
         )
-        token_ids = [int(token) for token in record.token_ids]
+        token_ids = record.token_ids.tolist()  # Python ints, converted in C: 0.02 ms at 2k tokens
     # Per layer (1, heads, num_tokens, head_dim) views: two unbinds rather than a slice per tensor.
     restored = buffer[:, :, :, :, :num_tokens]
     cache = _empty_cache(model)

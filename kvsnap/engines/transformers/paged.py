@@ -430,7 +430,7 @@ def _restore_paged(
         record = pick_sequence(opened, sequence_id)
         fingerprint = fingerprint_of(model) if model is not None else None
         opened.check_compatible(layout.geometry, model_fingerprint=fingerprint, force=force)
-        tokens = [int(token) for token in record.token_ids]
+        tokens = record.token_ids.tolist()
         owner = request_id or f"kvsnap-restore-{record.id}"
         blocks = adapter.allocate(owner, len(tokens))
         try:

@@ -52,7 +52,8 @@ their public names:
 * :mod:`~kvsnap.engines.vllm.specs`: scheduler-to-worker metadata (:class:`LoadSpec`,
   :class:`SaveSpec`, :class:`KVSnapConnectorMetadata`);
 * :mod:`~kvsnap.engines.vllm.scheduler` and :mod:`~kvsnap.engines.vllm.worker`: the two sides
-  of the connector; :mod:`~kvsnap.engines.vllm.saves`: the worker's save queue;
+  of the connector; :mod:`~kvsnap.engines.vllm.worker_saves`: the worker's save path
+  (:class:`WorkerSaves`), over :mod:`~kvsnap.engines.vllm.saves`: its save queue;
   :mod:`~kvsnap.engines.vllm.registration`: the worker's registered caches
   (:class:`RegisteredCache`, :func:`registered_cache`);
   :mod:`~kvsnap.engines.vllm.engine_config`: what is read from vLLM's config;

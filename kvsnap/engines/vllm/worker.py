@@ -5,15 +5,18 @@
 with a :class:`~kvsnap.engines.vllm.registration.RegisteredCache` built without vLLM), loads
 the blocks the scheduler planned before the forward pass (every block checksum verified;
 blocks it could not load are reported so vLLM recomputes them) and, after the forward pass,
-hands the step's saves to a background thread (:class:`~kvsnap.engines.vllm.saves.SaveQueue`)
-without waiting for anything.
+hands the step's saves to :class:`~kvsnap.engines.vllm.worker_saves.WorkerSaves`, which
+queues them on a background thread (:class:`~kvsnap.engines.vllm.saves.SaveQueue`) without
+waiting for anything. The load path is this module; the save path is ``worker_saves.py``, and
+the connector API methods of both stay here (vLLM calls them), delegating.
 
 The code that moves KV is :meth:`KVSnapWorker._load` (a request's stored chunks, or the part of
 them vLLM's own prefix cache lacks, into the cache as one job of the worker's warm
 :class:`~kvsnap.pipeline.Pipeline`: one slot spans every layer) and
-:meth:`KVSnapWorker._capture` (one snapshot straight from the cache through the same
-pipeline, on the background thread, its copies ordered after a CUDA event recorded when the
-forward pass was enqueued: device -> pinned staging slots -> writer, checksums on the device).
+:meth:`WorkerSaves._capture <kvsnap.engines.vllm.worker_saves.WorkerSaves._capture>` (one
+snapshot straight from the cache through the same pipeline, on the background thread, its
+copies ordered after a CUDA event recorded when the forward pass was enqueued: device ->
+pinned staging slots -> writer, checksums on the device).
 vLLM keeps the blocks of a request with saves until :meth:`KVSnapWorker.get_finished` reports
 their copies done. With ``store_capacity_bytes`` a chunk is written under a staged name and
 committed once the store, measured and pruned under its lock, has room for it
@@ -32,10 +35,8 @@ the parts holding its heads, whatever TP size stored the chunk.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,31 +45,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvsnap import distributed
 from kvsnap import format as fmt
 from kvsnap.engines.vllm.chunk_check import CHECKED_CHUNKS
 from kvsnap.engines.vllm.events import EventLog
-from kvsnap.engines.vllm.eviction import (
-    StoreEntry,
-    commit_within_capacity,
-    prune_locked,
-    staged_path,
-)
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.prefix_store import PrefixStore
 from kvsnap.engines.vllm.registration import RegisteredCache, register_caches
-from kvsnap.engines.vllm.saves import PendingSave, SaveQueue
 from kvsnap.engines.vllm.specs import (
     KVSnapConnectorMetadata,
     KVSnapWorkerMetadata,
     LoadSpec,
-    SaveSpec,
 )
+from kvsnap.engines.vllm.worker_saves import WorkerSaves
 from kvsnap.errors import (
     IncompatibleSnapshotError,
     NotASnapshotError,
     RestoreIncompleteError,
-    SaveAbandonedError,
     SignatureError,
     SnapshotCorruptError,
     SnapshotIOError,
@@ -77,8 +69,8 @@ from kvsnap.errors import (
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry
-from kvsnap.pipeline import Pipeline, ProgressCallback
-from kvsnap.snapshot import SequenceBlocks, Snapshot
+from kvsnap.pipeline import Pipeline
+from kvsnap.snapshot import Snapshot
 from kvsnap.store.spare_files import drop_spare_files
 
 if TYPE_CHECKING:
@@ -131,10 +123,7 @@ class KVSnapWorker:
         #: Requests whose loads ran since the last :meth:`build_connector_worker_meta`.
         self._loaded: set[str] = set()
         self._pipeline: Pipeline | None = None
-        self._saves: SaveQueue | None = None
-        self._group: Any = None
-        #: Whether the last save met a full disk (said once, until a save fits again).
-        self._store_full = False
+        self._saves: WorkerSaves | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Build the cache layout from the registered tensors, or refuse them (LayoutError)."""
@@ -150,10 +139,18 @@ class KVSnapWorker:
         if cache.layout.tp_size > 1 and group is None:
             raise ValueError("a cache of TP > 1 saves through a process group of its TP ranks")
         self.cache = cache
-        self._group = group
         # Kept for the engine's life: page table, staging and kernels stay warm across calls.
         self._pipeline = Pipeline(cache.layout)
-        self._saves = SaveQueue(self.events, self.options.max_pending_writes)
+        self._saves = WorkerSaves(
+            self.options,
+            self.store,
+            self.events,
+            cache=cache,
+            pipeline=self._pipeline,
+            group=group,
+            source=self._source,
+            keys=self.keys,
+        )
         self.events.emit(
             "registered",
             layout=cache.layout.describe(),
@@ -258,138 +255,14 @@ class KVSnapWorker:
 
         Records a CUDA event on the current (compute) stream after the forward pass and hands
         the saves to the background thread, which captures each one straight from the cache
-        (at TP > 1 every rank its own heads), its copies ordered after that event. A request's
-        blocks stay allocated until :meth:`get_finished` reports its copies done.
+        (at TP > 1 every rank its own heads), its copies ordered after that event
+        (:meth:`~kvsnap.engines.vllm.worker_saves.WorkerSaves.submit`). A request's blocks
+        stay allocated until :meth:`get_finished` reports its copies done.
         """
         if not meta.saves:
             return
-        assert self.cache is not None and self._saves is not None
-        after = _record_after_compute(self.cache.layout.device)
-        saves = [PendingSave(spec) for spec in meta.saves]
-        self._saves.submit(saves, lambda save: self._capture_or_full(save, after))
-
-    def _capture_or_full(self, save: PendingSave, after: torch.cuda.Event | None) -> None:
-        """:meth:`_capture`, with a full disk said once: the writer has already removed what
-        it wrote (the store holds only whole chunks) and the request is served either way, so
-        a save that meets ENOSPC is skipped with one ``store_full`` warning until a save
-        succeeds again. Other failures are the save queue's ``save_failed``."""
-        try:
-            self._capture(save, after)
-        except (OSError, SnapshotIOError) as error:
-            if not _disk_full(error):
-                raise
-            if not self._store_full:
-                self._store_full = True
-                self.events.emit(
-                    "store_full",
-                    logging.WARNING,
-                    request=save.spec.request_id,
-                    path=save.spec.path,
-                    error=f"{type(error).__name__}: {error}",
-                    message="the store's disk is full: saves are skipped until one fits",
-                )
-            return
-        self._store_full = False
-
-    def _capture(self, save: PendingSave, after: torch.cuda.Event | None) -> None:
-        """Write one save's snapshot straight from the cache, once ``after`` has passed (on
-        the background thread); ``save.copied`` is set as soon as the last slot is copied.
-
-        A chunk already stored (by another request or engine) is never copied again; at
-        TP > 1 rank 0 decides that for every rank."""
-        assert self.cache is not None and self._pipeline is not None and self._saves is not None
-        spec = save.spec
-        persist = spec.kind == "persist"
-        layout = self.cache.layout
-        abandoning = self._saves.abandoning
-        if layout.tp_size == 1 and abandoning.is_set():
-            # At TP > 1 every rank goes on into the capture's collectives, where this rank's
-            # abandoned part stops every rank's write of the chunk (below).
-            raise SaveAbandonedError("the worker is shutting down", file=spec.path)
-        if layout.tp_size == 1 and persist and self.store.has_chunk(spec.path):
-            return
-        started = time.perf_counter()
-        if persist:
-            self.store.chunk_directory(spec.path)
-        else:
-            Path(spec.path).parent.mkdir(parents=True, exist_ok=True)
-
-        copied = _copy_progress(save, abandoning)
-        sequences = [_sequence(spec, spec.block_ids)]
-        capacity = self.options.store_capacity_bytes
-        if layout.tp_size == 1:
-            # Within a bound the chunk is staged, then committed under the store's lock once
-            # the store (every engine's chunks) has room for it.
-            staged = persist and capacity is not None
-            target = str(staged_path(spec.path)) if staged else spec.path
-            result = self._pipeline.capture(
-                sequences,
-                target,
-                source=self._source,
-                progress=copied,
-                after=after,
-                keys=self.keys,
-            )
-            if staged and capacity is not None and not self._commit(target, spec.path, capacity):
-                return  # another engine committed it, or chunks in use fill the store
-            self._saved(spec, spec.path, result.num_blocks, result.num_bytes, started)
-            return
-        whole = distributed.capture(
-            layout,
-            sequences,
-            spec.path,
-            group=self._group,
-            source=self._source,
-            progress=copied,
-            after=after,
-            only_if_missing=persist,
-            keys=self.keys,
-        )
-        if not whole.skipped and layout.tp_rank == 0:  # one event and one prune per chunk
-            self._saved(spec, whole.path, whole.num_blocks, whole.num_bytes, started)
-
-    def _commit(self, staged: str, path: str, capacity: int) -> bool:
-        """Commit the chunk staged at ``staged`` as ``path`` within the store's bound
-        (:func:`~kvsnap.engines.vllm.eviction.commit_within_capacity`); log what pruning
-        removed for it; whether it was committed."""
-        committed, removed = commit_within_capacity(
-            self.store.root, staged, path, capacity, min_idle_s=self.options.store_min_idle_s
-        )
-        self._evicted(removed)
-        return committed
-
-    def _saved(
-        self, spec: SaveSpec, path: str, num_blocks: int, num_bytes: int, started: float
-    ) -> None:
-        """Log a written save or dump; after a chunk, keep the store within its bound."""
-        self.events.emit(
-            "save" if spec.kind == "persist" else "dump",
-            request=spec.request_id,
-            path=path,
-            tokens=len(spec.token_ids),
-            blocks=num_blocks,
-            bytes=num_bytes,
-            seconds=round(time.perf_counter() - started, 6),
-        )
-        capacity = self.options.store_capacity_bytes
-        if spec.kind == "persist" and capacity is not None and self.cache is not None:
-            if self.cache.layout.tp_size > 1:  # a parted chunk, committed by its index
-                self._evicted(
-                    prune_locked(
-                        self.store.root, capacity, min_idle_s=self.options.store_min_idle_s
-                    )
-                )
-
-    def _evicted(self, removed: list[StoreEntry]) -> None:
-        """Log the entries pruning removed."""
-        for entry in removed:
-            self.events.emit(
-                "evict",
-                path=str(entry.path),
-                bytes=entry.size,
-                idle_s=round(entry.age(), 3),
-                quarantined=entry.quarantined,
-            )
+        assert self._saves is not None
+        self._saves.submit(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
         """vLLM's async save contract: the finished requests (``finished_req_ids``, of this
@@ -422,17 +295,8 @@ class KVSnapWorker:
         its publish.
         """
         if self._saves is not None:
-            bound = self.options.drain_bound_s(os.environ)
-            report = self._saves.shutdown(bound)
+            self._saves.shutdown(self.options.drain_bound_s(os.environ))
             self._saves = None
-            self.events.emit(
-                "shutdown",
-                logging.WARNING if report.abandoned else logging.INFO,
-                pending=report.pending,
-                abandoned=report.abandoned,
-                bound_s=bound,
-                seconds=round(report.seconds, 6),
-            )
         self._pipeline = None
         drop_spare_files(str(self.store.root))
 
@@ -440,32 +304,6 @@ class KVSnapWorker:
 #: How often, and how long apart, a chunk found missing is opened again: a pruner that sets a
 #: chunk aside puts it back within microseconds when it was just used (matched).
 _OPEN_ATTEMPTS, _OPEN_RETRY_S = 4, 0.005
-
-
-def _copy_progress(save: PendingSave, abandoning: threading.Event) -> ProgressCallback:
-    """The ``progress`` of ``save``'s capture: sets ``save.copied`` once its last slot is
-    copied, and stops the capture at its next slot (``SaveAbandonedError``, its writer
-    removing its temporary file) once ``abandoning`` is set."""
-
-    def progress(done_bytes: int, total_bytes: int) -> None:
-        if done_bytes >= total_bytes:
-            save.copied.set()
-        # A rank with nothing to write (total 0) must still reach the ranks' status exchange.
-        if total_bytes and abandoning.is_set():
-            raise SaveAbandonedError("the worker is shutting down", file=save.spec.path)
-
-    return progress
-
-
-def _disk_full(error: BaseException) -> bool:
-    """Whether ``error``, or an error it was raised from, is a full disk or an exceeded
-    quota."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def _open_chunk(path: str, keys: KeyRing | None) -> Snapshot:
@@ -491,22 +329,6 @@ def _is_missing(error: Exception) -> bool:
     if isinstance(error, FileNotFoundError):
         return True
     return isinstance(error.__cause__, FileNotFoundError) or "no such file" in str(error).lower()
-
-
-def _sequence(spec: SaveSpec, block_ids: np.ndarray) -> SequenceBlocks:
-    """The one sequence of ``spec``'s snapshot, its blocks read from ``block_ids``."""
-    return SequenceBlocks(id=spec.sequence_id, token_ids=spec.token_ids, block_ids=block_ids)
-
-
-def _record_after_compute(device: torch.device) -> torch.cuda.Event | None:
-    """An event on ``device``'s current stream, after what was enqueued on it (the forward
-    pass): the saves' copies follow it. ``None`` for a cache in host memory (its forward pass
-    has finished when the engine's thread gets here)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
 
 
 def _failed_chunk(spec: LoadSpec, error: Exception) -> int:

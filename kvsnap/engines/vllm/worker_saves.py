@@ -1,0 +1,285 @@
+"""The worker's save side: each step's saves captured from the cache behind the forward pass.
+
+:class:`WorkerSaves` is what :class:`~kvsnap.engines.vllm.worker.KVSnapWorker` hands its
+saves to. :meth:`WorkerSaves.submit` records a CUDA event after the forward pass and queues
+the step's saves on the :class:`~kvsnap.engines.vllm.saves.SaveQueue`'s background thread,
+where each is one capture straight from the cache through the worker's warm
+:class:`~kvsnap.pipeline.Pipeline` (at TP > 1 every rank its own heads,
+:func:`kvsnap.distributed.capture`), its copies ordered after that event. A chunk the store
+already holds is never copied again; with ``store_capacity_bytes`` a chunk is written under a
+staged name and committed once the store has room for it
+(:func:`~kvsnap.engines.vllm.eviction.commit_within_capacity`); a full disk is said once
+(``store_full``) and the save skipped. :meth:`WorkerSaves.shutdown` waits for the queued saves
+up to a bound and abandons the rest.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvsnap import distributed
+from kvsnap import format as fmt
+from kvsnap.engines.vllm.events import EventLog
+from kvsnap.engines.vllm.eviction import (
+    StoreEntry,
+    commit_within_capacity,
+    prune_locked,
+    staged_path,
+)
+from kvsnap.engines.vllm.options import ConnectorOptions
+from kvsnap.engines.vllm.prefix_store import PrefixStore
+from kvsnap.engines.vllm.registration import RegisteredCache
+from kvsnap.engines.vllm.saves import PendingSave, SaveQueue
+from kvsnap.engines.vllm.specs import SaveSpec
+from kvsnap.errors import SaveAbandonedError, SnapshotIOError
+from kvsnap.format.signing import KeyRing
+from kvsnap.pipeline import Pipeline, ProgressCallback
+from kvsnap.snapshot import SequenceBlocks
+
+
+class WorkerSaves:
+    """The saves of one worker's cache: queued, captured, committed, drained at shutdown.
+
+    Made by the worker when it attaches its cache; ``pipeline`` is the worker's warm pipeline
+    (shared with its loads), ``group`` the TP ranks' control group (``None`` at TP 1),
+    ``source`` and ``keys`` what every save records and is signed with.
+    """
+
+    def __init__(
+        self,
+        options: ConnectorOptions,
+        store: PrefixStore,
+        events: EventLog,
+        *,
+        cache: RegisteredCache,
+        pipeline: Pipeline,
+        group: Any,
+        source: fmt.SourceInfo | None,
+        keys: KeyRing | None,
+    ) -> None:
+        self.options = options
+        self.store = store
+        self.events = events
+        self.cache = cache
+        self._pipeline = pipeline
+        self._group = group
+        self._source = source
+        self._keys = keys
+        self._queue = SaveQueue(events, options.max_pending_writes)
+        #: Whether the last save met a full disk (said once, until a save fits again).
+        self._store_full = False
+
+    @property
+    def abandoning(self) -> threading.Event:
+        """Set once a shutdown's bound has passed: the saves still to come stop unpublished."""
+        return self._queue.abandoning
+
+    def submit(self, specs: Sequence[SaveSpec]) -> None:
+        """Queue the saves ``specs`` of this step; the forward pass waits for nothing.
+
+        Records a CUDA event on the current (compute) stream after the forward pass and hands
+        the saves to the queue's background thread, which captures each one straight from the
+        cache, its copies ordered after that event.
+        """
+        after = _record_after_compute(self.cache.layout.device)
+        saves = [PendingSave(spec) for spec in specs]
+        self._queue.submit(saves, lambda save: self._capture_or_full(save, after))
+
+    def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """The finished requests (``finished_req_ids``, of this step or an earlier one) that
+        had saves and whose blocks no save reads any more (:meth:`SaveQueue.finished`)."""
+        return self._queue.finished(finished_req_ids)
+
+    def wait_copied(self, request_ids: Iterable[str]) -> None:
+        """Block until no save reads the blocks of ``request_ids`` (preempted requests)."""
+        self._queue.wait_copied(request_ids)
+
+    def drain(self) -> None:
+        """Block until every queued save is written (or has failed and been logged)."""
+        self._queue.drain()
+
+    def shutdown(self, bound_s: float) -> None:
+        """Finish the queued saves within ``bound_s`` seconds, abandon the rest
+        (``save_abandoned``: nothing of them is published), then log a ``shutdown`` event."""
+        report = self._queue.shutdown(bound_s)
+        self.events.emit(
+            "shutdown",
+            logging.WARNING if report.abandoned else logging.INFO,
+            pending=report.pending,
+            abandoned=report.abandoned,
+            bound_s=bound_s,
+            seconds=round(report.seconds, 6),
+        )
+
+    def _capture_or_full(self, save: PendingSave, after: torch.cuda.Event | None) -> None:
+        """:meth:`_capture`, with a full disk said once: the writer has already removed what
+        it wrote (the store holds only whole chunks) and the request is served either way, so
+        a save that meets ENOSPC is skipped with one ``store_full`` warning until a save
+        succeeds again. Other failures are the save queue's ``save_failed``."""
+        try:
+            self._capture(save, after)
+        except (OSError, SnapshotIOError) as error:
+            if not _disk_full(error):
+                raise
+            if not self._store_full:
+                self._store_full = True
+                self.events.emit(
+                    "store_full",
+                    logging.WARNING,
+                    request=save.spec.request_id,
+                    path=save.spec.path,
+                    error=f"{type(error).__name__}: {error}",
+                    message="the store's disk is full: saves are skipped until one fits",
+                )
+            return
+        self._store_full = False
+
+    def _capture(self, save: PendingSave, after: torch.cuda.Event | None) -> None:
+        """Write one save's snapshot straight from the cache, once ``after`` has passed (on
+        the background thread); ``save.copied`` is set as soon as the last slot is copied.
+
+        A chunk already stored (by another request or engine) is never copied again; at
+        TP > 1 rank 0 decides that for every rank."""
+        spec = save.spec
+        persist = spec.kind == "persist"
+        layout = self.cache.layout
+        abandoning = self.abandoning
+        if layout.tp_size == 1 and abandoning.is_set():
+            # At TP > 1 every rank goes on into the capture's collectives, where this rank's
+            # abandoned part stops every rank's write of the chunk (below).
+            raise SaveAbandonedError("the worker is shutting down", file=spec.path)
+        if layout.tp_size == 1 and persist and self.store.has_chunk(spec.path):
+            return
+        started = time.perf_counter()
+        if persist:
+            self.store.chunk_directory(spec.path)
+        else:
+            Path(spec.path).parent.mkdir(parents=True, exist_ok=True)
+
+        copied = _copy_progress(save, abandoning)
+        sequences = [_sequence(spec, spec.block_ids)]
+        capacity = self.options.store_capacity_bytes
+        if layout.tp_size == 1:
+            # Within a bound the chunk is staged, then committed under the store's lock once
+            # the store (every engine's chunks) has room for it.
+            staged = persist and capacity is not None
+            target = str(staged_path(spec.path)) if staged else spec.path
+            result = self._pipeline.capture(
+                sequences,
+                target,
+                source=self._source,
+                progress=copied,
+                after=after,
+                keys=self._keys,
+            )
+            if staged and capacity is not None and not self._commit(target, spec.path, capacity):
+                return  # another engine committed it, or chunks in use fill the store
+            self._saved(spec, spec.path, result.num_blocks, result.num_bytes, started)
+            return
+        whole = distributed.capture(
+            layout,
+            sequences,
+            spec.path,
+            group=self._group,
+            source=self._source,
+            progress=copied,
+            after=after,
+            only_if_missing=persist,
+            keys=self._keys,
+        )
+        if not whole.skipped and layout.tp_rank == 0:  # one event and one prune per chunk
+            self._saved(spec, whole.path, whole.num_blocks, whole.num_bytes, started)
+
+    def _commit(self, staged: str, path: str, capacity: int) -> bool:
+        """Commit the chunk staged at ``staged`` as ``path`` within the store's bound
+        (:func:`~kvsnap.engines.vllm.eviction.commit_within_capacity`); log what pruning
+        removed for it; whether it was committed."""
+        committed, removed = commit_within_capacity(
+            self.store.root, staged, path, capacity, min_idle_s=self.options.store_min_idle_s
+        )
+        self._evicted(removed)
+        return committed
+
+    def _saved(
+        self, spec: SaveSpec, path: str, num_blocks: int, num_bytes: int, started: float
+    ) -> None:
+        """Log a written save or dump; after a chunk, keep the store within its bound."""
+        self.events.emit(
+            "save" if spec.kind == "persist" else "dump",
+            request=spec.request_id,
+            path=path,
+            tokens=len(spec.token_ids),
+            blocks=num_blocks,
+            bytes=num_bytes,
+            seconds=round(time.perf_counter() - started, 6),
+        )
+        capacity = self.options.store_capacity_bytes
+        if spec.kind == "persist" and capacity is not None:
+            if self.cache.layout.tp_size > 1:  # a parted chunk, committed by its index
+                self._evicted(
+                    prune_locked(
+                        self.store.root, capacity, min_idle_s=self.options.store_min_idle_s
+                    )
+                )
+
+    def _evicted(self, removed: list[StoreEntry]) -> None:
+        """Log the entries pruning removed."""
+        for entry in removed:
+            self.events.emit(
+                "evict",
+                path=str(entry.path),
+                bytes=entry.size,
+                idle_s=round(entry.age(), 3),
+                quarantined=entry.quarantined,
+            )
+
+
+def _copy_progress(save: PendingSave, abandoning: threading.Event) -> ProgressCallback:
+    """The ``progress`` of ``save``'s capture: sets ``save.copied`` once its last slot is
+    copied, and stops the capture at its next slot (``SaveAbandonedError``, its writer
+    removing its temporary file) once ``abandoning`` is set."""
+
+    def progress(done_bytes: int, total_bytes: int) -> None:
+        if done_bytes >= total_bytes:
+            save.copied.set()
+        # A rank with nothing to write (total 0) must still reach the ranks' status exchange.
+        if total_bytes and abandoning.is_set():
+            raise SaveAbandonedError("the worker is shutting down", file=save.spec.path)
+
+    return progress
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether ``error``, or an error it was raised from, is a full disk or an exceeded
+    quota."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _sequence(spec: SaveSpec, block_ids: np.ndarray) -> SequenceBlocks:
+    """The one sequence of ``spec``'s snapshot, its blocks read from ``block_ids``."""
+    return SequenceBlocks(id=spec.sequence_id, token_ids=spec.token_ids, block_ids=block_ids)
+
+
+def _record_after_compute(device: torch.device) -> torch.cuda.Event | None:
+    """An event on ``device``'s current stream, after what was enqueued on it (the forward
+    pass): the saves' copies follow it. ``None`` for a cache in host memory (its forward pass
+    has finished when the engine's thread gets here)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
