@@ -212,6 +212,15 @@ def read_slot_async(
     pieces = _pieces(extents, page_tensors, page_blocks, page_offsets, cut=not inline)
     if inline:
         return _read_on_this_thread(read, pieces, bad)
+    return _read_on_threads(read, pieces, bad)
+
+
+def _read_on_threads(
+    read: Callable[[_Piece], None], pieces: list[_Piece], bad: list[np.ndarray]
+) -> concurrent.futures.Future[np.ndarray]:
+    """``pieces`` read and checked on the shared read threads (:func:`_run_pieces`): a future
+    with the pages that failed their checksum (``read`` adds them to ``bad``), or the first
+    error, once no thread touches the slot."""
     result: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
     done = Completion(len(pieces), cancelled=lambda: RuntimeError("skipped after a failure"))
 
