@@ -53,9 +53,10 @@ def make_cache(seed: int = 0) -> RegisteredCache:
     )
 
 
-def make_worker(tmp_path: Path, **extra: Any) -> KVSnapWorker:
-    """A worker on :func:`make_cache`'s cache with its store at ``tmp_path / "store"`` and its
-    events in ``tmp_path / "events.jsonl"``; ``extra``: more connector options."""
+def make_worker(tmp_path: Path, namespace: str = "ns", **extra: Any) -> KVSnapWorker:
+    """A worker on :func:`make_cache`'s cache with its store at ``tmp_path / "store"`` (in
+    ``namespace``) and its events in ``tmp_path / "events.jsonl"``; ``extra``: more connector
+    options."""
     options = ConnectorOptions.from_extra_config(
         {
             "path": str(tmp_path / "store"),
@@ -64,7 +65,7 @@ def make_worker(tmp_path: Path, **extra: Any) -> KVSnapWorker:
             **extra,
         }
     )
-    store = PrefixStore(options.path, "ns", chunk_blocks=CHUNK_BLOCKS)
+    store = PrefixStore(options.path, namespace, chunk_blocks=options.chunk_blocks)
     worker = KVSnapWorker(
         options,
         store,

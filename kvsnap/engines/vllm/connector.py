@@ -84,7 +84,7 @@ class KVSnapConnector(KVConnectorBase_V1):
             )
         store = PrefixStore(
             self.options.path,
-            store_namespace(fingerprint, geometry),
+            store_namespace(fingerprint, geometry, self.options.chunk_blocks),
             chunk_blocks=self.options.chunk_blocks,
         )
         self.connector_scheduler: KVSnapScheduler | None = None

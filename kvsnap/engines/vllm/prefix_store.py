@@ -324,19 +324,30 @@ def is_read_only(root: str | os.PathLike[str]) -> bool:
     return bool(flags & os.ST_RDONLY) or not os.access(root, os.W_OK)
 
 
-def store_namespace(model_fingerprint: str, geometry: Mapping[str, Any]) -> str:
-    """The store namespace of one model and KV layout: ``FINGERPRINT16-DTYPE-bBLOCK-gGEOMETRY8``.
+def store_namespace(
+    model_fingerprint: str, geometry: Mapping[str, Any], chunk_blocks: int = DEFAULT_CHUNK_BLOCKS
+) -> str:
+    """The store namespace of one model, KV layout and chunk size:
+    ``FINGERPRINT16-DTYPE-bBLOCK-gGEOMETRY8``, then ``-cCHUNK`` for a chunk size other than
+    the default.
 
     ``model_fingerprint`` covers the config (RoPE scaling included) and the weights
     (:func:`kvsnap.format.model_fingerprint_with_weights`); ``geometry`` holds the canonical
     KV geometry's fields (``num_layers``, ``num_kv_heads``, ``head_dim``, ``block_size``,
     ``dtype``, ...), hashed into the last component so that any change of them is another
     namespace. Chunks of other namespaces are never matched.
+
+    The chunk size is part of it because a chunk is named by its last block's key: an engine
+    cutting other chunks finds another size's chunk under the key it looks up (a 48-block
+    engine's first span ends where a 16-block store's third chunk does), which fails its check
+    as a chunk under a wrong name and would be quarantined, valid as it is. The default
+    size adds nothing, so stores written before keep their chunks.
     """
     canonical = json.dumps(dict(geometry), sort_keys=True, separators=(",", ":"), default=str)
     digest = hashlib.sha256(canonical.encode()).hexdigest()[:8]
     dtype, block_size = geometry.get("dtype", "unknown"), geometry.get("block_size", 0)
-    return safe_name(f"{model_fingerprint[:16]}-{dtype}-b{block_size}-g{digest}")
+    size = "" if chunk_blocks == DEFAULT_CHUNK_BLOCKS else f"-c{chunk_blocks}"
+    return safe_name(f"{model_fingerprint[:16]}-{dtype}-b{block_size}-g{digest}{size}")
 
 
 #: Permission bits a store directory may grant beyond its owner's without ``shared``.

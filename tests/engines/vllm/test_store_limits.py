@@ -24,6 +24,7 @@ from kvsnap.engines.vllm import (
     KVSnapConnectorMetadata,
     PrefixStore,
     read_events,
+    store_namespace,
 )
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.snapshot import Snapshot
@@ -132,7 +133,7 @@ def read_only_store(tmp_path: Path) -> Iterator[Path]:
 
 def _scheduler(tmp_path: Path, store: PrefixStore) -> KVSnapScheduler:
     options = ConnectorOptions.from_extra_config(
-        {"path": str(store.root), "chunk_blocks": CHUNK_BLOCKS}
+        {"path": str(store.root), "chunk_blocks": store.chunk_blocks}
     )
     geometry = {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": 8}
     return KVSnapScheduler(
@@ -169,3 +170,29 @@ def test_a_read_only_store_serves_loads_and_plans_no_saves(
     # A chunk that fails its check cannot be quarantined: it is a miss, and nothing raises.
     assert store.quarantine(specs[0].path) is None
     assert Path(specs[0].path).exists()
+
+
+def test_engines_cutting_other_chunk_sizes_keep_each_other_s_chunks(tmp_path: Path) -> None:
+    """A chunk is named by its last block's key, so an engine cutting chunks three times as
+    long finds the other engine's third chunk where its first would end. In one namespace it
+    failed the check as a chunk under a wrong name and was quarantined; each chunk size has
+    its own namespace, so it is a plain miss, and nothing is set aside."""
+    geometry = {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": 8}
+    small = store_namespace(FINGERPRINT, geometry, CHUNK_BLOCKS)
+    large = store_namespace(FINGERPRINT, geometry, 3 * CHUNK_BLOCKS)
+    worker = make_worker(tmp_path, namespace=small)
+    specs = chunk_saves(worker, "writer", list(range(3 * CHUNK_BLOCKS)))
+    worker.wait_for_save(KVSnapConnectorMetadata(saves=specs))
+    worker.wait_for_writes()
+    worker.shutdown()
+    prompt = np.concatenate([spec.token_ids for spec in specs] + [np.array([7])]).tolist()
+    store = PrefixStore(tmp_path / "store", large, chunk_blocks=3 * CHUNK_BLOCKS)
+    scheduler = _scheduler(tmp_path, store)
+    matched, _ = scheduler.get_num_new_matched_tokens(
+        scheduled_request("reader", prompt),  # type: ignore[arg-type]
+        0,
+    )
+    assert matched == 0
+    assert all(Path(spec.path).exists() for spec in specs)
+    events = read_events(str(tmp_path / "scheduler.jsonl"))
+    assert not [event for event in events if event["event"] == "quarantine"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from kvsnap.engines.vllm import (
     store_key_chain,
     store_namespace,
 )
+from kvsnap.engines.vllm.prefix_store import DEFAULT_CHUNK_BLOCKS
 from kvsnap.layout import vllm_split_layout
 from kvsnap.snapshot import SequenceBlocks, capture
 from kvsnap.store.publish import file_mode
@@ -110,6 +112,17 @@ def test_the_namespace_separates_models_and_every_geometry_field() -> None:
         changed = store_namespace("ab" * 16, {**GEOMETRY, "dtype": "bfloat16", field: value})
         assert changed != base, field
     assert store_namespace("ab" * 16, {**GEOMETRY, "dtype": "float16"}) != base
+
+
+def test_the_namespace_separates_chunk_sizes_and_keeps_the_default_s_name() -> None:
+    geometry = {**GEOMETRY, "dtype": "bfloat16"}
+    default = store_namespace("ab" * 16, geometry)
+    # The default chunk size's name is the name stores were written under before the size
+    # was part of it: those stores keep their chunks.
+    assert re.fullmatch(r"abababababababab-bfloat16-b4-g[0-9a-f]{8}", default)
+    assert store_namespace("ab" * 16, geometry, DEFAULT_CHUNK_BLOCKS) == default
+    assert store_namespace("ab" * 16, geometry, 48) == f"{default}-c48"
+    assert store_namespace("ab" * 16, geometry, 8) != store_namespace("ab" * 16, geometry, 48)
 
 
 def test_chunk_names_are_sha256_store_keys(tmp_path: Path) -> None:
