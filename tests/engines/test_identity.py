@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import hashlib
 import weakref
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsnap.engines.default_model import build_default_model
+from kvsnap.engines.vllm.engine_config import model_fingerprint as vllm_model_fingerprint
 from kvsnap.engines.vllm.identity import (
     CacheIdentity,
     MultimodalInput,
@@ -27,7 +29,7 @@ from kvsnap.engines.weights import (
     loaded_model_fingerprint,
     module_weights_fingerprint,
 )
-from kvsnap.format import bfloat16_bits
+from kvsnap.format import bfloat16_bits, model_fingerprint_with_weights
 
 BLOCK = 4
 
@@ -94,6 +96,30 @@ def test_files_and_the_loaded_model_agree_in_any_float_dtype(base_model, tmp_pat
     assert checkpoint_weights_fingerprint(tmp_path / "f32") == loaded
     assert checkpoint_weights_fingerprint(tmp_path / "bf16") == loaded
     assert module_weights_fingerprint(build_default_model(dtype=torch.bfloat16)) == loaded
+
+
+def test_a_quantization_applied_at_load_is_another_served_model(base_model, tmp_path) -> None:
+    """vLLM's ``--quantization fp8`` on bf16 weights computes other KV from the same config
+    and files: another fingerprint (and store namespace). A checkpoint quantized ahead says so
+    in its own config, and an unquantized model's fingerprint is what it always was."""
+    base_model.save_pretrained(tmp_path)
+
+    def served(quantization: str | None, config: object = base_model.config) -> SimpleNamespace:
+        model = SimpleNamespace(
+            model=str(tmp_path), revision=None, quantization=quantization, hf_config=config
+        )
+        return SimpleNamespace(model_config=model)
+
+    weights = checkpoint_weights_fingerprint(tmp_path)
+    plain = vllm_model_fingerprint(served(None))  # type: ignore[arg-type]
+    assert plain == model_fingerprint_with_weights(base_model.config.to_dict(), weights)
+    assert vllm_model_fingerprint(served("fp8")) != plain  # type: ignore[arg-type]
+    assert vllm_model_fingerprint(served("fp8")) != vllm_model_fingerprint(served("int8"))  # type: ignore[arg-type]
+    quantized = copy.deepcopy(base_model.config)
+    quantized.quantization_config = {"quant_method": "fp8"}
+    ahead = vllm_model_fingerprint(served(None, quantized))  # type: ignore[arg-type]
+    assert ahead != plain
+    assert vllm_model_fingerprint(served("fp8", quantized)) == ahead  # type: ignore[arg-type]
 
 
 def test_a_full_content_fingerprint_sees_a_change_between_samples(base_model) -> None:

@@ -19,10 +19,10 @@ if TYPE_CHECKING:
 
 
 def model_fingerprint(vllm_config: VllmConfig) -> str:
-    """The served model's fingerprint: its config (RoPE scaling included) and its weights
-    (:func:`kvsnap.format.model_fingerprint_with_weights`), the weights sampled from the
-    checkpoint's safetensors files (the scheduler holds no weights; a transformers model
-    loaded from the same files gets the same fingerprint).
+    """The served model's fingerprint: its config (RoPE scaling included, and the settings of
+    :func:`served_config`) and its weights (:func:`kvsnap.format.model_fingerprint_with_weights`),
+    the weights sampled from the checkpoint's safetensors files (the scheduler holds no
+    weights; a transformers model loaded from the same files gets the same fingerprint).
 
     Raises :class:`~kvsnap.errors.ModelLoadError` when the checkpoint's files cannot be found
     (a model id not in the local Hugging Face cache, or weights in another format): a store
@@ -36,7 +36,26 @@ def model_fingerprint(vllm_config: VllmConfig) -> str:
         raise ModelLoadError(
             f"KVSnapConnector cannot fingerprint the weights of {model.model!r}: {error}"
         ) from error
-    return fmt.model_fingerprint_with_weights(model.hf_config.to_dict(), weights)
+    return fmt.model_fingerprint_with_weights(served_config(model), weights)
+
+
+#: The key :func:`served_config` records a load-time quantization under.
+LOAD_QUANTIZATION_KEY = "kvsnap_load_quantization"
+
+
+def served_config(model_config: Any) -> dict[str, Any]:
+    """The config a served model's fingerprint covers: the checkpoint's (``hf_config``), and
+    what vLLM takes from its own arguments that changes what the model computes while the
+    checkpoint's config and weights stay the same: a quantization applied at load time
+    (``--quantization fp8`` on bf16 weights) under :data:`LOAD_QUANTIZATION_KEY`. A
+    checkpoint quantized ahead says so in its own ``quantization_config`` (and its weights
+    are the quantized ones), so nothing is added for it, and an unquantized model's config is
+    the checkpoint's unchanged: stores written before keep their namespace."""
+    config: dict[str, Any] = model_config.hf_config.to_dict()
+    quantization = getattr(model_config, "quantization", None)
+    if quantization and "quantization_config" not in config:
+        config[LOAD_QUANTIZATION_KEY] = str(quantization)
+    return config
 
 
 def weights_directory(model: str, revision: str | None) -> str:
