@@ -107,11 +107,23 @@ class KVSnapScheduler:
     def _chain(self, request: Request, prompt: np.ndarray, num_blocks: int) -> list[str] | None:
         """The store keys of the prompt's first ``num_blocks`` blocks under the request's cache
         identity (LoRA adapter, ``cache_salt``, multimodal inputs), or ``None`` when the
-        identity cannot be known (a LoRA adapter whose files cannot be read): such a prompt is
-        neither matched nor stored. Worked out once per request and number of blocks."""
+        identity cannot be known (a LoRA adapter whose files cannot be read, or prompt
+        embeddings): such a prompt is neither matched nor stored. Worked out once per request
+        and number of blocks."""
         known = self._chains.get(request.request_id)
         if known is not None and known[0] == num_blocks:
             return known[1]
+        if getattr(request, "prompt_embeds", None) is not None:
+            # The model reads these positions' embeddings, not their token ids (placeholders,
+            # alike for any embedding): keyed on the ids, two prompts with other embeddings
+            # would share KV. vLLM's own cache hashes the embeddings; the store does not.
+            self.events.emit(
+                "miss",
+                request=request.request_id,
+                path=None,
+                reason="prompt embeddings are not part of a store key",
+            )
+            return None
         try:
             identity = identity_of(request)
         except OSError as error:

@@ -196,3 +196,31 @@ def test_engines_cutting_other_chunk_sizes_keep_each_other_s_chunks(tmp_path: Pa
     assert all(Path(spec.path).exists() for spec in specs)
     events = read_events(str(tmp_path / "scheduler.jsonl"))
     assert not [event for event in events if event["event"] == "quarantine"]
+
+
+def test_a_prompt_given_as_embeddings_is_neither_matched_nor_stored(tmp_path: Path) -> None:
+    """Positions fed as embeddings carry placeholder token ids, alike for any embedding: a
+    prompt with embeddings must not be served the KV stored for its ids, nor store its own
+    under them."""
+    worker = make_worker(tmp_path)
+    specs = chunk_saves(worker, "writer", [0, 1, 2, 3])
+    worker.wait_for_save(KVSnapConnectorMetadata(saves=specs))
+    worker.wait_for_writes()
+    worker.shutdown()
+    prompt = np.concatenate([spec.token_ids for spec in specs] + [np.array([7])]).tolist()
+    scheduler = _scheduler(tmp_path, PrefixStore(tmp_path / "store", "ns", chunk_blocks=2))
+    plain = scheduled_request("plain", prompt)
+    assert scheduler.get_num_new_matched_tokens(plain, 0)[0] == 4 * BLOCK  # type: ignore[arg-type]
+    embedded = scheduled_request("embedded", prompt)
+    embedded.prompt_embeds = torch.randn(len(prompt), 8)
+    assert scheduler.get_num_new_matched_tokens(embedded, 0) == (0, False)  # type: ignore[arg-type]
+    other = scheduled_request("other", list(range(100, 100 + 4 * BLOCK + 1)))
+    other.prompt_embeds = torch.randn(4 * BLOCK + 1, 8)
+    scheduler.update_state_after_alloc(other, None, 0)  # type: ignore[arg-type]
+    meta = scheduler.build_connector_meta(scheduler_step({"other": 4 * BLOCK + 1}))  # type: ignore[arg-type]
+    assert meta.saves == []
+    events = read_events(str(tmp_path / "scheduler.jsonl"))
+    assert [event["request"] for event in events if "embeddings" in str(event.get("reason"))] == [
+        "embedded",
+        "other",
+    ]
