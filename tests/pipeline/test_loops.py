@@ -22,7 +22,7 @@ from kvsnap.pipeline.fused import FusedMover
 from kvsnap.pipeline.slots import slot_loads
 from kvsnap.pipeline.staging import StagingRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-from kvsnap.store import SnapshotReader, SnapshotWriter, slot_reads, tuning
+from kvsnap.store import SnapshotReader, SnapshotWriter, TraceHook, slot_reads, tuning
 from kvsnap.transfer import TransferHandler
 from kvsnap.transfer.pinned import PinnedPool
 from tests.support.snapshot_layouts import LAYERS, SOURCE, FailingCopies, sequences_for, split_nhd
@@ -320,13 +320,7 @@ def test_the_trace_shows_every_step_of_capture_and_restore(tmp_path: Path, cache
 
     restored: list[tuple[str, float, float, int]] = []
     target_layout, _ = split_nhd(40, 0, 1, torch.Generator().manual_seed(26))
-    with Snapshot.open(path) as snap:
-        snap.restore(
-            target_layout,
-            {s.id: s.block_ids for s in sequences},
-            staging=StagingOptions(slot_bytes=SLOT_BYTES, num_slots=4),
-            trace=lambda *span: restored.append(span),
-        )
+    _restore_in_small_slots(path, target_layout, sequences, lambda *span: restored.append(span))
     kinds = {kind for kind, *_ in restored}
     assert {
         "setup.staging",
@@ -360,19 +354,32 @@ def test_a_slot_is_read_in_the_pieces_set_and_restores_exactly(
     capture(layout, sequences, path, source=SOURCE)
     reads: list[int] = []
     target_layout, target_view = split_nhd(40, 0, 1, torch.Generator().manual_seed(27))
-    with Snapshot.open(path) as snap:
-        snap.restore(
-            target_layout,
-            {s.id: s.block_ids for s in sequences},
-            staging=StagingOptions(slot_bytes=SLOT_BYTES, num_slots=4),
-            trace=lambda kind, _start, _end, nbytes: kind == "read" and reads.append(nbytes),
-        )
+    _restore_in_small_slots(
+        path,
+        target_layout,
+        sequences,
+        lambda kind, _start, _end, nbytes: kind == "read" and reads.append(nbytes),
+    )
     pieces = pieces_per_slot if pieces_per_slot is not None else read_threads
     assert pieces is not None
     pages_per_piece = math.ceil(SLOT_BYTES // 256 / pieces)  # whole pages, a slot in `pieces`
     assert max(reads) == pages_per_piece * 256
     assert sum(reads) == sum(len(s.block_ids) for s in sequences) * 2 * LAYERS * 256
     assert_same_kv(view, target_view, [(s.block_ids, s.block_ids) for s in sequences])
+
+
+def _restore_in_small_slots(
+    path: Path, target_layout: L.CacheLayout, sequences: list[SequenceBlocks], trace: TraceHook
+) -> None:
+    """Restore every sequence of the snapshot at ``path`` into ``target_layout`` at the same
+    blocks, through 4 slots of ``SLOT_BYTES``, traced by ``trace``."""
+    with Snapshot.open(path) as snap:
+        snap.restore(
+            target_layout,
+            {s.id: s.block_ids for s in sequences},
+            staging=StagingOptions(slot_bytes=SLOT_BYTES, num_slots=4),
+            trace=trace,
+        )
 
 
 def _reads_on_the_calling_thread(spans: list[tuple[str, bool]]) -> set[bool]:
@@ -395,16 +402,15 @@ def test_a_small_slot_of_a_host_cache_is_read_and_checked_on_the_calling_thread(
     spans: list[tuple[str, bool]] = []
     slot_sizes: list[int] = []
     target_layout, target_view = split_nhd(40, 0, 1, torch.Generator().manual_seed(28))
-    with Snapshot.open(path) as snap:
-        snap.restore(
-            target_layout,
-            {s.id: s.block_ids for s in sequences},
-            staging=StagingOptions(slot_bytes=SLOT_BYTES, num_slots=4),
-            trace=lambda kind, _start, _end, nbytes: (
-                spans.append((kind, threading.get_ident() == caller)),
-                kind == "transfer.submit" and slot_sizes.append(nbytes),
-            ),
-        )
+    _restore_in_small_slots(
+        path,
+        target_layout,
+        sequences,
+        lambda kind, _start, _end, nbytes: (
+            spans.append((kind, threading.get_ident() == caller)),
+            kind == "transfer.submit" and slot_sizes.append(nbytes),
+        ),
+    )
     assert_same_kv(view, target_view, [(s.block_ids, s.block_ids) for s in sequences])
     expected = {size <= inline_max for size in slot_sizes}
     assert _reads_on_the_calling_thread(spans) == expected

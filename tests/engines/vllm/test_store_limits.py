@@ -23,6 +23,7 @@ from kvsnap.engines.vllm import (
     EventLog,
     KVSnapConnectorMetadata,
     PrefixStore,
+    SaveSpec,
     read_events,
     store_namespace,
 )
@@ -131,6 +132,19 @@ def read_only_store(tmp_path: Path) -> Iterator[Path]:
     _unmount(store)
 
 
+def _saved_prompt(
+    tmp_path: Path, blocks: list[int], namespace: str = "ns"
+) -> tuple[list[SaveSpec], list[int]]:
+    """A prompt's chunks saved by a worker into ``tmp_path / "store"`` (``namespace``), its
+    tokens drawn from ``blocks``; and the prompt, one token past its last chunk."""
+    worker = make_worker(tmp_path, namespace=namespace)
+    specs = chunk_saves(worker, "writer", blocks)
+    worker.wait_for_save(KVSnapConnectorMetadata(saves=specs))
+    worker.wait_for_writes()
+    worker.shutdown()
+    return specs, np.concatenate([spec.token_ids for spec in specs] + [np.array([7])]).tolist()
+
+
 def _scheduler(tmp_path: Path, store: PrefixStore) -> KVSnapScheduler:
     options = ConnectorOptions.from_extra_config(
         {"path": str(store.root), "chunk_blocks": store.chunk_blocks}
@@ -149,12 +163,7 @@ def _scheduler(tmp_path: Path, store: PrefixStore) -> KVSnapScheduler:
 def test_a_read_only_store_serves_loads_and_plans_no_saves(
     tmp_path: Path, read_only_store: Path
 ) -> None:
-    worker = make_worker(tmp_path)
-    specs = chunk_saves(worker, "writer", [0, 1, 2, 3])
-    worker.wait_for_save(KVSnapConnectorMetadata(saves=specs))
-    worker.wait_for_writes()
-    worker.shutdown()
-    prompt = np.concatenate([spec.token_ids for spec in specs] + [np.array([7])]).tolist()
+    specs, prompt = _saved_prompt(tmp_path, [0, 1, 2, 3])
     subprocess.run(["mount", "-o", "remount,ro", str(read_only_store)], check=True)
     store = PrefixStore(read_only_store, "ns", chunk_blocks=CHUNK_BLOCKS)
     assert store.read_only and not os.access(read_only_store, os.W_OK)
@@ -180,12 +189,7 @@ def test_engines_cutting_other_chunk_sizes_keep_each_other_s_chunks(tmp_path: Pa
     geometry = {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": 8}
     small = store_namespace(FINGERPRINT, geometry, CHUNK_BLOCKS)
     large = store_namespace(FINGERPRINT, geometry, 3 * CHUNK_BLOCKS)
-    worker = make_worker(tmp_path, namespace=small)
-    specs = chunk_saves(worker, "writer", list(range(3 * CHUNK_BLOCKS)))
-    worker.wait_for_save(KVSnapConnectorMetadata(saves=specs))
-    worker.wait_for_writes()
-    worker.shutdown()
-    prompt = np.concatenate([spec.token_ids for spec in specs] + [np.array([7])]).tolist()
+    specs, prompt = _saved_prompt(tmp_path, list(range(3 * CHUNK_BLOCKS)), namespace=small)
     store = PrefixStore(tmp_path / "store", large, chunk_blocks=3 * CHUNK_BLOCKS)
     scheduler = _scheduler(tmp_path, store)
     matched, _ = scheduler.get_num_new_matched_tokens(
@@ -202,13 +206,10 @@ def test_a_prompt_given_as_embeddings_is_neither_matched_nor_stored(tmp_path: Pa
     """Positions fed as embeddings carry placeholder token ids, alike for any embedding: a
     prompt with embeddings must not be served the KV stored for its ids, nor store its own
     under them."""
-    worker = make_worker(tmp_path)
-    specs = chunk_saves(worker, "writer", [0, 1, 2, 3])
-    worker.wait_for_save(KVSnapConnectorMetadata(saves=specs))
-    worker.wait_for_writes()
-    worker.shutdown()
-    prompt = np.concatenate([spec.token_ids for spec in specs] + [np.array([7])]).tolist()
-    scheduler = _scheduler(tmp_path, PrefixStore(tmp_path / "store", "ns", chunk_blocks=2))
+    _, prompt = _saved_prompt(tmp_path, [0, 1, 2, 3])
+    scheduler = _scheduler(
+        tmp_path, PrefixStore(tmp_path / "store", "ns", chunk_blocks=CHUNK_BLOCKS)
+    )
     plain = scheduled_request("plain", prompt)
     assert scheduler.get_num_new_matched_tokens(plain, 0)[0] == 4 * BLOCK  # type: ignore[arg-type]
     embedded = scheduled_request("embedded", prompt)
