@@ -33,17 +33,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvsnap.store import tuning
-from kvsnap.store.local_file import preallocate
-from kvsnap.store.mapped_file import MappedFile
-from kvsnap.store.pools import cpu_count, shared_executor
-from kvsnap.transfer.host_registration import (
+from kvsnap.host_registration import (
     MAPPED,
     PORTABLE,
     cuda_unavailable_reason,
     register_host_range,
     unregister_host_range,
 )
+from kvsnap.store import tuning
+from kvsnap.store.local_file import preallocate
+from kvsnap.store.mapped_file import MappedFile
+from kvsnap.store.pools import cpu_count, shared_executor
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]

@@ -62,7 +62,7 @@ The package, one module per job:
 - :mod:`~kvsnap.store.mapped_file`: a capture's new memory-backed file mapped, populated and
   registered for the device's copies; :mod:`~kvsnap.store.mapping_release` its release after
   the publish, in the background; :mod:`~kvsnap.store.spare_files` the next capture's file per
-  directory, made in the background; :mod:`~kvsnap.transfer.host_registration` the one
+  directory, made in the background; :mod:`~kvsnap.host_registration` the one
   ``cudaHostRegister``.
 """
 

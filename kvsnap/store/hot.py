@@ -38,15 +38,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvsnap.caches import register_cache_clear
-from kvsnap.store.mapping_release import pending_bytes
-from kvsnap.store.residency import resident
-from kvsnap.store.spare_files import spare_files
-from kvsnap.transfer.host_registration import (
+from kvsnap.host_registration import (
     PORTABLE,
     READ_ONLY,
     register_host_range,
     release_mapping,
 )
+from kvsnap.store.mapping_release import pending_bytes
+from kvsnap.store.residency import resident
+from kvsnap.store.spare_files import spare_files
 
 if TYPE_CHECKING:
     import torch

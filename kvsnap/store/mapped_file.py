@@ -28,7 +28,7 @@ import os
 
 import numpy as np
 
-from kvsnap.transfer.host_registration import (
+from kvsnap.host_registration import (
     MAPPED,
     PORTABLE,
     register_host_range,

@@ -40,11 +40,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvsnap.caches import register_cache_clear
+from kvsnap.host_registration import cuda_unavailable_reason
 from kvsnap.store import tuning
 from kvsnap.store.mapped_file import POPULATE_CHUNK_BYTES, MappedFile
 from kvsnap.store.pools import cpu_count, shared_executor
 from kvsnap.store.publish import create_temp
-from kvsnap.transfer.host_registration import cuda_unavailable_reason
 
 #: Spare sizes are the snapshot's size rounded up to this (the populating unit), so that the
 #: next capture of about the same size (a header a few bytes longer) fits.

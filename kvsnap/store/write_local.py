@@ -13,6 +13,7 @@ import numpy as np
 
 from kvsnap import format as fmt
 from kvsnap.errors import SnapshotIOError
+from kvsnap.host_registration import cuda_unavailable_reason
 from kvsnap.store import overwrite, publish, tuning
 from kvsnap.store.lanes import SerialLane
 from kvsnap.store.local_file import LocalFile, memory_backed, preallocate
@@ -23,7 +24,6 @@ from kvsnap.store.pools import cpu_count, shared_executor
 from kvsnap.store.snapshot_files import SnapshotFiles, WriteGate, WriteTarget
 from kvsnap.store.spare_files import SpareFile, spare_files
 from kvsnap.store.tracing import TraceHook, traced
-from kvsnap.transfer.host_registration import cuda_unavailable_reason
 
 
 class LocalTarget(WriteTarget):

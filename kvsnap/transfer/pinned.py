@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvsnap.transfer.host_registration import register_host_range, unregister_host_range
+from kvsnap.host_registration import register_host_range, unregister_host_range
 
 #: Largest span handed to one ``cudaHostRegister`` call; larger registrations stall the driver.
 #: Chunks are cut at slot boundaries, so a slot larger than this is registered on its own.

@@ -2,7 +2,8 @@
 
 The layers, lowest first (docs/architecture.md draws them)::
 
-    errors, dtypes, caches             nothing of kvsnap's but each other
+    errors, dtypes, caches,            nothing of kvsnap's but each other
+    host_registration
     format, layout                     format may read layout, never the other way round
     transfer, store                    store may use transfer's pinned memory; transfer never store
     pipeline                           the one staging loop
@@ -30,6 +31,7 @@ LAYER = {
     "errors": 0,
     "dtypes": 0,
     "caches": 0,
+    "host_registration": 0,
     "format": 1,
     "layout": 1,
     "transfer": 2,

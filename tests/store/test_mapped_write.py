@@ -20,10 +20,10 @@ import pytest
 from kvsnap import format as fmt
 from kvsnap.errors import SignatureError
 from kvsnap.format.signing import KeyRing
+from kvsnap.host_registration import cuda_unavailable_reason
 from kvsnap.store import SnapshotReader, SnapshotWriter, tuning
 from kvsnap.store.mapped_file import POPULATE_CHUNK_BYTES, MappedFile
 from kvsnap.store.pools import shared_executor
-from kvsnap.transfer.host_registration import cuda_unavailable_reason
 from tests.support.store_helpers import (
     build,
     stored_and_actual_digests,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsnap.transfer.host_registration import register_host_range, unregister_host_range
+from kvsnap.host_registration import register_host_range, unregister_host_range
 
 pytestmark = pytest.mark.gpu
 
