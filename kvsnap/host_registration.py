@@ -24,6 +24,8 @@ import ctypes
 import functools
 import mmap
 import os
+import sys
+from typing import Any
 
 #: ``cudaHostRegisterPortable``: the registration holds in every device's context.
 PORTABLE = 1
@@ -52,21 +54,27 @@ def whole_pages(num_bytes: int) -> int:
 def register_host_range(address: int, num_bytes: int, flags: int) -> int:
     """``cudaHostRegister(address, whole_pages(num_bytes), flags)``; returns the CUDA error
     code (0: registered). A failed registration leaves nothing registered."""
-    import torch
-
-    status = torch.cuda.cudart().cudaHostRegister(address, whole_pages(num_bytes), flags)
+    status = _cudart().cudaHostRegister(address, whole_pages(num_bytes), flags)
     return _answer(status)
 
 
 def unregister_host_range(address: int) -> int:
     """``cudaHostUnregister(address)`` of a range :func:`register_host_range` registered;
     returns the CUDA error code (0: unregistered)."""
-    import torch
-
-    return _answer(torch.cuda.cudart().cudaHostUnregister(address))
+    return _answer(_cudart().cudaHostUnregister(address))
 
 
-def _answer(status: object) -> int:
+def _cudart() -> Any:
+    """torch's CUDA runtime bindings. torch is taken from ``sys.modules`` once it is loaded
+    (a registration's owner has loaded it): a pool unregistering its memory from ``__del__``
+    at interpreter exit cannot import anything any more."""
+    torch: Any = sys.modules.get("torch")
+    if torch is None:
+        import torch
+    return torch.cuda.cudart()
+
+
+def _answer(status: Any) -> int:
     """The error code of a runtime call's ``status``, its error cleared from this thread."""
     code = int(getattr(status, "value", status))
     if code != 0:
