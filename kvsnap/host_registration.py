@@ -24,7 +24,6 @@ import ctypes
 import functools
 import mmap
 import os
-import sys
 from typing import Any
 
 #: ``cudaHostRegisterPortable``: the registration holds in every device's context.
@@ -65,13 +64,17 @@ def unregister_host_range(address: int) -> int:
 
 
 def _cudart() -> Any:
-    """torch's CUDA runtime bindings. torch is taken from ``sys.modules`` once it is loaded
-    (a registration's owner has loaded it): a pool unregistering its memory from ``__del__``
-    at interpreter exit cannot import anything any more."""
-    torch: Any = sys.modules.get("torch")
-    if torch is None:
-        import torch
-    return torch.cuda.cudart()
+    """torch's CUDA runtime bindings (:func:`_torch`)."""
+    return _torch().cuda.cudart()
+
+
+@functools.cache
+def _torch() -> Any:
+    """torch, imported by the first call and kept here: a pool unregistering its memory from
+    ``__del__`` at interpreter exit can no longer import anything, not even a loaded module."""
+    import torch
+
+    return torch
 
 
 def _answer(status: Any) -> int:
@@ -95,9 +98,7 @@ def _torch_runtime() -> ctypes.CDLL | None:
     """The shared CUDA runtime library torch loaded (already in this process: found by its
     soname, never loaded anew, since another copy would keep errors of its own), or ``None``
     where torch linked the runtime statically."""
-    import torch
-
-    major = (torch.version.cuda or "").split(".")[0]
+    major = (_torch().version.cuda or "").split(".")[0]
     if not major:
         return None
     try:
