@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvsnap.engines.vllm.prefix_store import DEFAULT_CHUNK_BLOCKS
 from kvsnap.format.signing import KeyRing
 from kvsnap.store.keys import key_ring_from_environment, load_key_ring
 
@@ -91,7 +92,7 @@ class ConnectorOptions:
     min_blocks: int = 1
     event_log: str | None = None
     max_pending_writes: int = 64
-    chunk_blocks: int = 16
+    chunk_blocks: int = DEFAULT_CHUNK_BLOCKS
     store_capacity_bytes: int | None = None
     store_min_idle_s: float = 10.0
     verify_before_load: bool | None = None  # None: auto
@@ -127,7 +128,7 @@ class ConnectorOptions:
             min_blocks=_integer(extra, "min_blocks", 1, minimum=1),
             event_log=extra.get("event_log"),
             max_pending_writes=_integer(extra, "max_pending_writes", 64, minimum=1),
-            chunk_blocks=_integer(extra, "chunk_blocks", 16, minimum=1),
+            chunk_blocks=_integer(extra, "chunk_blocks", DEFAULT_CHUNK_BLOCKS, minimum=1),
             store_capacity_bytes=(
                 None
                 if extra.get("store_capacity_bytes") is None
