@@ -12,6 +12,7 @@ memory the copies run at once on the host (the host then hashes, as the store do
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,11 +24,21 @@ import torch
 from kvsnap.errors import LayoutError, TransferFailedError
 from kvsnap.layout import CacheLayout, check_tiling
 from kvsnap.pipeline.movers import SlotMover
-from kvsnap.pipeline.options import MIN_UPLOAD_CHUNK_BYTES, UPLOAD_CHUNKS_PER_SLOT
+from kvsnap.pipeline.options import (
+    MIN_UPLOAD_CHUNK_BYTES,
+    SCATTERS_PER_SLOT,
+    UPLOAD_CHUNKS_PER_SLOT,
+)
 from kvsnap.pipeline.slots import SlotLoad
 from kvsnap.pipeline.staging import DeviceStaging, device_staging
 from kvsnap.transfer import page_hash
-from kvsnap.transfer.page_copy import kernel_table, launch_kernel, run_on_cpu, unavailable_reason
+from kvsnap.transfer.page_copy import (
+    kernel_arrays,
+    kernel_table,
+    launch_kernel,
+    run_on_cpu,
+    unavailable_reason,
+)
 from kvsnap.transfer.page_table import PageTable
 from kvsnap.transfer.pinned import Slot
 from kvsnap.transfer.plan import Direction
@@ -152,11 +163,10 @@ class FusedMover(SlotMover):
         snapshot_blocks: np.ndarray,
         buffer: torch.Tensor,
         expected: np.ndarray | None,
-        upload_stream: torch.cuda.Stream | None = None,
     ) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """The slot's copies, and on the device their kernel table followed by the pages'
         offsets in the buffer in 8-byte words (and ``expected``, the stored digests), carried
-        up on ``upload_stream`` (default: the current stream)."""
+        up on the current stream."""
         assert self._staging is not None
         copies = self.table.copies(
             self.direction,
@@ -165,24 +175,21 @@ class FusedMover(SlotMover):
             buffer.data_ptr() + load.page_offsets,
             snapshot_blocks,
         )
-        copy_table = kernel_table(copies)
+        parts = kernel_arrays(copies)
+        table_length = sum(len(part) for part in parts)
         # Hashed pages are a multiple of 8 bytes long (page_hash.supports), so whole words.
-        parts = [copy_table, load.page_offsets // 8]
+        parts.append(load.page_offsets // 8)
         if expected is not None:
             parts.append(np.asarray(expected).view(np.int64))
         # Up from pinned memory of this slot's own (free whenever the slot is: a slot is
-        # reused only after its last copy completed); from pageable memory the upload
-        # would wait for the stream, that is for the previous slot's copies.
-        host_table = self._staging.pinned(("table", slot.data_ptr), np.concatenate(parts))
-        if upload_stream is None:
-            device_table = host_table.to(self.device, non_blocking=True)
-        else:
-            with torch.cuda.stream(upload_stream):
-                device_table = host_table.to(self.device, non_blocking=True)
-            # Allocated on the upload stream, read by kernels on the staging stream: not to be
-            # handed to the next table before they have run.
-            device_table.record_stream(self._staging.stream)
-        return copies, device_table, device_table[len(copy_table) :]
+        # reused only after its last copy completed); from pageable memory the upload would
+        # wait for the stream, that is for the previous slot's copies. Written in place.
+        host_table = self._staging.pinned(
+            ("table", slot.data_ptr), None, sum(len(part) for part in parts)
+        )
+        np.concatenate(parts, out=host_table.numpy())
+        device_table = host_table.to(self.device, non_blocking=True)
+        return copies, device_table, device_table[table_length:]
 
     def _enqueue_capture(
         self,
@@ -224,75 +231,108 @@ class FusedMover(SlotMover):
         uploads: Sequence[tuple[torch.Tensor, int]] | None,
         buffer: torch.Tensor,
     ) -> torch.Tensor | None:
-        """Bring one slot up, hash and scatter it: a flag per page (1 written, 0 refused), on
+        """Bring one slot up, check and scatter it: a flag per page (1 written, 0 refused), on
         the device, when the pages are checked.
 
-        The slot goes up in pieces on the upload stream. The first piece is enqueued before
-        anything else, so the bus is busy while this thread builds the copy table; the table
-        follows it on the same stream and the other pieces follow the table: the copy engine
-        serves host-to-device copies in the order they were enqueued, so a table enqueued
-        after the last piece (or on another stream) would arrive only after the whole slot,
-        and no piece could be hashed before then. Each piece is hashed once it and the table
-        have arrived."""
+        The slot goes up in pieces (:meth:`_upload_pieces`). Each piece is checked (digest
+        and compare in one launch) once it and the copy table have arrived, and the pieces
+        are scattered in ``SCATTERS_PER_SLOT`` runs, each as soon as its pieces are checked;
+        each run's bytes of the buffer are released then, so the next slot's first pieces go
+        up while this slot's last ones are still checked and scattered (with one release per
+        slot the device idled ~0.1 ms at every slot boundary).
+
+        This runs once per slot on the thread that feeds the device, and a slot's DMA can be
+        as short as 0.6 ms: each Python-level call counts (docs/benchmarks.md), so the stream
+        is switched twice in all and the pieces' events are the staging's own.
+        """
         assert self._staging is not None
+        staging = self._staging
         page_bytes = self.table.page_size_bytes
         chunks = upload_chunks(load.page_offsets, page_bytes)
-        if uploads is None:
-            uploads = [(slot.tensor[: slot_extent(load, page_bytes)], 0)]
-        upload_stream = self._staging.upload_stream
-        self._upload(buffer, uploads, chunks[:1])
         checked = expected is not None and self.hashes_pages
-        copies, device_table, tail = self._device_table(
+        copies, device_table, tail, arrived = self._upload_pieces(
             load,
             slot,
             device_blocks,
             snapshot_blocks,
-            buffer,
             expected if checked else None,
-            upload_stream,
+            uploads,
+            buffer,
+            chunks,
         )
-        # The first piece's event is recorded behind the table: both are there once it fires.
-        table_arrived = torch.cuda.Event()
-        table_arrived.record(upload_stream)
-        arrived = [table_arrived, *self._upload(buffer, uploads, chunks[1:])]
-        stream = self._staging.stream
+        stream = staging.stream
         page_ok = None
         if checked:
             num_pages = load.num_pages
             words, stored = tail[:num_pages], tail[num_pages:]
-            digests = torch.empty(num_pages, dtype=torch.int64, device=self.device)
-            for (first, stop, _, _), event in zip(chunks, arrived, strict=True):
-                stream.wait_event(event)
-                self._digests(buffer, words[first:stop], digests[first:stop])
             # Kept on the device (one flag a page) until the restore collects them.
-            page_ok = (digests == stored).to(torch.int64)
-        else:
-            stream.wait_event(arrived[-1])  # one stream: the last piece follows the others
-        launch_kernel(copies, device_table, self.device, self.sm_budget, page_ok)
+            page_ok = torch.empty(num_pages, dtype=torch.int64, device=self.device)
+        released = 0
+        for run in _scatter_runs(len(chunks)):
+            for (first, stop, _, _), event in zip(chunks[run], arrived[run], strict=True):
+                stream.wait_event(event)
+                if page_ok is not None:
+                    assert self._constants is not None
+                    page_hash.launch_page_checks_at_words(
+                        buffer,
+                        words[first:stop],
+                        page_bytes,
+                        self._constants,
+                        stored[first:stop],
+                        page_ok[first:stop],
+                    )
+            last = chunks[run.stop - 1]
+            pages = (chunks[run.start][0], last[1])
+            launch_kernel(copies, device_table, self.device, self.sm_budget, page_ok, pages)
+            # From the end of the previous run: together the runs cover the slot's bytes.
+            staging.release_bytes(released, last[3])
+            released = last[3]
         return page_ok
 
-    def _upload(
+    def _upload_pieces(
         self,
+        load: SlotLoad,
+        slot: Slot,
+        device_blocks: np.ndarray,
+        snapshot_blocks: np.ndarray,
+        expected: np.ndarray | None,
+        uploads: Sequence[tuple[torch.Tensor, int]] | None,
         buffer: torch.Tensor,
-        uploads: Sequence[tuple[torch.Tensor, int]],
         chunks: Sequence[tuple[int, int, int, int]],
-    ) -> list[torch.cuda.Event]:
-        """Enqueue the host bytes of ``uploads`` (each at its offset in the slot) into
-        ``buffer`` on the upload stream, piece by piece, once the buffer is free: one event
-        per chunk, recorded once the chunk's bytes have arrived."""
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, list[torch.cuda.Event]]:
+        """Enqueue a slot's host bytes (``uploads``, default: the staging slot) into
+        ``buffer`` on the upload stream, piece by piece (``chunks``), each once the last use
+        of the buffer has released its bytes, and the copy table right behind the first piece:
+        the copies, the device table and its tail (:meth:`_device_table`), and per piece an
+        event recorded once it (and, for the first, the table) has arrived.
+
+        The first piece is enqueued before anything else, so the bus is busy while this
+        thread builds the table; the copy engine serves host-to-device copies in the order
+        they were enqueued, so a table enqueued after the last piece (or on another stream)
+        would arrive only after the whole slot, and no piece could be hashed before then.
+        """
         assert self._staging is not None
-        stream = self._staging.upload_stream
-        if self._staging.free is not None:
-            # Waited for again by a slot's later pieces: a no-op once the first piece has.
-            stream.wait_event(self._staging.free)
-        arrived = []
-        with torch.cuda.stream(stream):
-            for _, _, low, high in chunks:
+        staging = self._staging
+        if uploads is None:
+            uploads = [(slot.tensor[: slot_extent(load, self.table.page_size_bytes)], 0)]
+        upload_stream = staging.upload_stream
+        arrived = staging.piece_events(len(chunks))
+        torch.cuda.set_stream(upload_stream)
+        try:
+            for index, ((_, _, low, high), event) in enumerate(zip(chunks, arrived, strict=True)):
+                staging.wait_for_bytes(upload_stream, low, high)
                 _upload_range(buffer, uploads, low, high)
-                event = torch.cuda.Event()
-                event.record(stream)
-                arrived.append(event)
-        return arrived
+                if index == 0:
+                    copies, device_table, tail = self._device_table(
+                        load, slot, device_blocks, snapshot_blocks, buffer, expected
+                    )
+                event.record(upload_stream)
+        finally:
+            torch.cuda.set_stream(staging.stream)
+        # Allocated on the upload stream, read by kernels on the staging stream: not to be
+        # handed to the next table before they have run.
+        device_table.record_stream(staging.stream)
+        return copies, device_table, tail, arrived
 
     def _digests(
         self, buffer: torch.Tensor, words: torch.Tensor, digests: torch.Tensor | None = None
@@ -366,10 +406,27 @@ def _upload_range(
 ) -> None:
     """Enqueue, on the current stream, the bytes ``[low, high)`` of a slot whose host bytes
     are ``uploads`` (each at its offset in the slot) into the same bytes of ``buffer``."""
+    if len(uploads) == 1 and uploads[0][1] == 0:
+        # The slot's bytes are one run (a slot of one file, or the staging slot itself).
+        buffer[low:high].copy_(uploads[0][0][low:high], non_blocking=True)
+        return
     for source, offset in uploads:
         start, stop = max(low, offset), min(high, offset + source.numel())
         if start < stop:
             buffer[start:stop].copy_(source[start - offset : stop - offset], non_blocking=True)
+
+
+def _scatter_runs(num_chunks: int) -> tuple[slice, ...]:
+    """A slot's upload pieces in up to ``SCATTERS_PER_SLOT`` runs of at least two pieces
+    (one run for a slot of fewer), as slices of the pieces, in order."""
+    return _runs(num_chunks, SCATTERS_PER_SLOT)
+
+
+@functools.lru_cache(maxsize=64)
+def _runs(num_chunks: int, num_runs: int) -> tuple[slice, ...]:
+    runs = max(1, min(num_runs, num_chunks // 2))
+    edges = [round(index * num_chunks / runs) for index in range(runs + 1)]
+    return tuple(slice(low, high) for low, high in itertools.pairwise(edges))
 
 
 def slot_extent(load: SlotLoad, page_size_bytes: int) -> int:
@@ -380,15 +437,35 @@ def slot_extent(load: SlotLoad, page_size_bytes: int) -> int:
 
 def upload_chunks(
     page_offsets: np.ndarray, page_size_bytes: int
-) -> list[tuple[int, int, int, int]]:
+) -> Sequence[tuple[int, int, int, int]]:
     """A slot's pages (at ``page_offsets``, increasing) cut into up to
     ``UPLOAD_CHUNKS_PER_SLOT`` runs of whole pages of at least ``MIN_UPLOAD_CHUNK_BYTES``:
     per run its first and stop page and its bytes ``[low, high)`` in the slot."""
     num_pages = len(page_offsets)
     if num_pages == 0:
         return [(0, 0, 0, 0)]
+    pieces, min_bytes = UPLOAD_CHUNKS_PER_SLOT, MIN_UPLOAD_CHUNK_BYTES
+    if int(page_offsets[-1]) == (num_pages - 1) * page_size_bytes:
+        # Increasing multiples of the page size from 0 with no gap (no page refused by a host
+        # check): the usual slot, whose cut depends on its length alone.
+        return _gapless_chunks(num_pages, page_size_bytes, pieces, min_bytes)
+    return _cut_chunks(page_offsets, page_size_bytes, pieces, min_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _gapless_chunks(
+    num_pages: int, page_size_bytes: int, pieces: int, min_bytes: int
+) -> tuple[tuple[int, int, int, int], ...]:
+    offsets = np.arange(num_pages, dtype=np.int64) * page_size_bytes
+    return tuple(_cut_chunks(offsets, page_size_bytes, pieces, min_bytes))
+
+
+def _cut_chunks(
+    page_offsets: np.ndarray, page_size_bytes: int, pieces: int, min_bytes: int
+) -> list[tuple[int, int, int, int]]:
+    num_pages = len(page_offsets)
     end = int(page_offsets[-1]) + page_size_bytes
-    chunk_bytes = max(-(-end // UPLOAD_CHUNKS_PER_SLOT), MIN_UPLOAD_CHUNK_BYTES)
+    chunk_bytes = max(-(-end // pieces), min_bytes)
     # A chunk ends at the first page starting at or past its share of the slot's bytes.
     bounds = np.searchsorted(page_offsets, np.arange(chunk_bytes, end, chunk_bytes))
     edges = [0, *(int(bound) for bound in np.unique(bounds) if 0 < bound < num_pages), num_pages]

@@ -40,14 +40,13 @@ class SnapshotPages:
         self.page_size_bytes = reader.metadata.geometry.canonical_page_size_bytes
         self.hot = hot
 
-    def uploads(self, load: SlotLoad, snapshot_blocks: np.ndarray) -> list[tuple[Any, int]]:
-        """``load``'s pages as host→device copies out of the hot files' mappings: per run of
-        pages consecutive in a file and in the slot, the mapped bytes and their offset in the
-        slot (one run per slot when the slot's pages follow each other in the file)."""
+    def uploads(self, load: SlotLoad, page_blocks: np.ndarray) -> list[tuple[Any, int]]:
+        """``load``'s pages (page ``i`` is snapshot block ``page_blocks[i]``) as host→device
+        copies out of the hot files' mappings: per run of pages consecutive in a file and in
+        the slot, the mapped bytes and their offset in the slot (one run per slot when the
+        slot's pages follow each other in the file)."""
         assert self.hot is not None
-        runs = self.reader.page_runs(
-            load.page_tensors, snapshot_blocks[load.page_positions], load.page_offsets
-        )
+        runs = self.reader.page_runs(load.page_tensors, page_blocks, load.page_offsets)
         lengths = (runs.stops - runs.starts) * self.page_size_bytes
         uploads = []
         for file, begin, length, slot_offset in zip(
@@ -85,9 +84,10 @@ class SnapshotPages:
             inline=inline,
         )
 
-    def stored(self, load: SlotLoad, snapshot_blocks: np.ndarray) -> np.ndarray:
-        """The stored xxh3-64 of ``load``'s pages."""
-        return self.reader.stored_checksums(load.page_tensors, snapshot_blocks[load.page_positions])
+    def stored(self, load: SlotLoad, page_blocks: np.ndarray) -> np.ndarray:
+        """The stored xxh3-64 of ``load``'s pages (page ``i`` is snapshot block
+        ``page_blocks[i]``)."""
+        return self.reader.stored_checksums(load.page_tensors, page_blocks)
 
 
 def lease_hot_files(reader: SnapshotReader, *, admit: bool) -> list[HotFile] | None:
@@ -308,17 +308,13 @@ class _RestoreRun:
         moving = self._verified(load, read)
         positions = moving.page_positions
         with traced(self.trace, "transfer.prepare"):
-            expected = self.pages.stored(moving, self.snapshot_blocks) if self.on_device else None
-            uploads = self.pages.uploads(moving, self.snapshot_blocks) if self.hot else None
+            page_blocks = self.snapshot_blocks[positions]
+            expected = self.pages.stored(moving, page_blocks) if self.on_device else None
+            uploads = self.pages.uploads(moving, page_blocks) if self.hot else None
         nbytes = moving.num_bytes(self.pages.page_size_bytes)
         with traced(self.trace, "transfer.submit", nbytes):
             ticket = self.mover.submit(
-                moving,
-                slot,
-                self.target_blocks[positions],
-                self.snapshot_blocks[positions],
-                expected,
-                uploads=uploads,
+                moving, slot, self.target_blocks[positions], page_blocks, expected, uploads=uploads
             )
         if expected is not None:
             self.checked.append((moving, ticket))

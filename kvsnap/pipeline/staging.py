@@ -170,6 +170,13 @@ class DeviceStaging:
         self.free: torch.cuda.Event | None = None
         self._buffer: torch.Tensor | None = None
         self._pinned: dict[tuple[str, int], torch.Tensor] = {}
+        self._piece_events: list[torch.cuda.Event] = []
+        # Regions of the buffer the last use released before its end, and those the current
+        # use has released so far; each region's event is recorded again only by a later use,
+        # after that use's uploads have enqueued their waits (they come before its kernels).
+        self._released: list[tuple[int, int, torch.cuda.Event]] = []
+        self._releasing: list[tuple[int, int, torch.cuda.Event]] = []
+        self._region_events: list[torch.cuda.Event] = []
         self._lock = threading.Lock()
 
     @contextmanager
@@ -182,6 +189,7 @@ class DeviceStaging:
                 self.stream.wait_stream(self.upload_stream)
                 with torch.cuda.stream(self.stream):
                     self._buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+                self._released = []  # regions of the old buffer
             # Any thread may move a slot (restores move a slot on the read thread that
             # completed it): make this device current too, for kernels launched here.
             with torch.cuda.device(self.device):
@@ -196,6 +204,38 @@ class DeviceStaging:
                     self.stream.wait_stream(self.upload_stream)
                     self.free = torch.cuda.Event()
                     self.free.record(self.stream)
+                    self._released, self._releasing = self._releasing, []
+
+    def piece_events(self, count: int) -> list[torch.cuda.Event]:
+        """``count`` events for marking a slot's pieces as they arrive, reused by every slot:
+        call inside :meth:`use`, and have every wait on them enqueued before it ends (a wait
+        is on the record made before it, so recording an event again later is harmless)."""
+        while len(self._piece_events) < count:
+            self._piece_events.append(torch.cuda.Event())
+        return self._piece_events[:count]
+
+    def wait_for_bytes(self, stream: torch.cuda.Stream, low: int, high: int) -> None:
+        """Make ``stream`` wait until no earlier use reads or writes bytes ``[low, high)`` of
+        the buffer: for the regions the last use released as it went (:meth:`release_bytes`)
+        where they cover them, else for its end (:attr:`free`). Call inside :meth:`use`."""
+        covered = 0
+        for region_low, region_high, event in self._released:
+            if region_low < high and low < region_high:
+                stream.wait_event(event)
+            covered = max(covered, region_high)
+        if covered < high and self.free is not None:
+            stream.wait_event(self.free)
+
+    def release_bytes(self, low: int, high: int) -> None:
+        """Mark bytes ``[low, high)`` free from here on :attr:`stream`: the next use may write
+        them before this one ends. Call inside :meth:`use`, in increasing order of bytes,
+        after the last work that reads them is enqueued and before :meth:`use` ends."""
+        index = len(self._releasing)
+        while len(self._region_events) <= index:
+            self._region_events.append(torch.cuda.Event())
+        event = self._region_events[index]
+        event.record(self.stream)
+        self._releasing.append((low, high, event))
 
     def pinned(
         self, key: tuple[str, int], values: np.ndarray | None, size: int = 0

@@ -118,6 +118,20 @@ def page_runs(
     page = extents.page_size_bytes
     files = extents.file_of[page_tensors]
     file_offsets = extents.begin[page_tensors] + page_blocks * page
+    count = len(page_tensors)
+    span = (count - 1) * page
+    if (
+        count
+        and files[0] == files[-1]
+        and int(page_offsets[-1] - page_offsets[0]) == span
+        and int(file_offsets[-1] - file_offsets[0]) == span
+        and (len(extents.sources) == 1 or (files == files[0]).all())
+        and (np.diff(file_offsets) == page).all()
+    ):
+        # One run (a slot of one file's consecutive pages): the usual case, found in fewer
+        # passes. Slot offsets increase, so a span of exactly count - 1 pages is gapless.
+        first = np.zeros(1, dtype=np.int64)
+        return PageRuns(files[:1], file_offsets[:1], page_offsets[:1], first, first + count)
     continues = (
         (files[1:] == files[:-1])
         & (file_offsets[1:] == file_offsets[:-1] + page)

@@ -110,10 +110,12 @@ def unavailable_reason(device: torch.device) -> str | None:
 def word_bytes(copy: GroupCopy) -> tuple[int, bool]:
     """The widest word (8/4/2/1 bytes) dividing every address, offset and the fragment size of
     ``copy``, and whether all of them are 16-byte aligned."""
-    combined = copy.group.fragment_bytes
-    for values in (copy.src_bases, copy.dst_bases, copy.src_offsets, copy.dst_offsets):
-        if len(values):
-            combined |= int(np.bitwise_or.reduce(values))
+    combined = copy.address_bits
+    if combined is None:
+        combined = copy.group.fragment_bytes
+        for values in (copy.src_bases, copy.dst_bases, copy.src_offsets, copy.dst_offsets):
+            if len(values):
+                combined |= int(np.bitwise_or.reduce(values))
     lowest_bit = combined & -combined if combined else 16
     return min(lowest_bit, 8), lowest_bit >= 16
 
@@ -162,10 +164,21 @@ def _arrays(copy: GroupCopy) -> tuple[np.ndarray, ...]:
     return copy.src_bases, copy.dst_bases, copy.src_offsets, copy.dst_offsets, copy.slot_pages
 
 
+#: Which of :func:`_arrays` hold a value per page (the others one per fragment).
+_PER_PAGE = (0, 1, 4)
+
+
+def kernel_arrays(copies: Sequence[GroupCopy]) -> list[np.ndarray]:
+    """Every group's page bases, fragment offsets and slot pages, in the order
+    :func:`launch_kernel` reads them from its table (for callers that write the table in
+    place)."""
+    return [array for copy in copies for array in _arrays(copy)]
+
+
 def kernel_table(copies: Sequence[GroupCopy]) -> np.ndarray:
-    """Every group's page bases, fragment offsets and slot pages, concatenated: what
-    :func:`launch_kernel` reads from device memory (uploaded by the caller on its stream)."""
-    arrays = [array for copy in copies for array in _arrays(copy)]
+    """:func:`kernel_arrays` concatenated: what :func:`launch_kernel` reads from device
+    memory (uploaded by the caller on its stream)."""
+    arrays = kernel_arrays(copies)
     return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
 
 
@@ -175,11 +188,13 @@ def launch_kernel(
     device: torch.device,
     max_programs: int | None = None,
     page_ok: torch.Tensor | None = None,
+    slot_pages: tuple[int, int] | None = None,
 ) -> None:
     """Enqueue ``copies`` on the current stream of ``device``, one kernel launch per group;
     ``table`` holds :func:`kernel_table` on the device (or on the host under the interpreter).
     ``max_programs`` bounds each launch's grid. With ``page_ok`` (one flag per slot page, on
-    the device) the pages whose flag is 0 are left untouched."""
+    the device) the pages whose flag is 0 are left untouched. With ``slot_pages`` =
+    ``(first, stop)`` only the slot's pages ``first`` to ``stop`` (exclusive) are copied."""
     if max_programs is None:
         max_programs = PROGRAMS_PER_SM * _multiprocessors(device)
     position = 0
@@ -188,6 +203,13 @@ def launch_kernel(
         for values in _arrays(copy):
             views.append(table[position : position + len(values)])
             position += len(values)
+        if slot_pages is not None:
+            # A group's pages are in slot order: the slot's pages [first, stop) are one run.
+            low, high = np.searchsorted(copy.slot_pages, slot_pages).tolist()
+            if low == high:
+                continue
+            for index in _PER_PAGE:
+                views[index] = views[index][low:high]
         _launch(copy, views, max_programs, page_ok)
 
 
@@ -211,7 +233,7 @@ def _launch(
     word, aligned_16 = word_bytes(copy)
     fragment_words = copy.group.fragment_bytes // word
     block, rows = tile_shape(fragment_words, word)
-    num_items = copy.num_pages * copy.group.num_fragments
+    num_items = len(views[0]) * copy.group.num_fragments
     grid = (max(1, min(-(-num_items // rows), max_programs)),)
     dtype: Any = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[word]
     kernel_for(_page_copy_kernel)[grid](

@@ -111,8 +111,17 @@ if triton is not None:
         lower = (cross << 32) | (lo_lo & low32)
         return lower ^ upper
 
-    def _page_digest_kernel(words, page_words, constants, digests, PAGE_BYTES: tl.constexpr):
-        """xxh3-64 of the page at word ``page_words[p]`` of ``words``, into ``digests[p]``.
+    def _page_digest_kernel(
+        words,
+        page_words,
+        constants,
+        out,
+        stored,
+        PAGE_BYTES: tl.constexpr,
+        CHECK: tl.constexpr,
+    ):
+        """xxh3-64 of the page at word ``page_words[p]`` of ``words``, into ``out[p]``; with
+        ``CHECK``, ``out[p]`` is 1 where it equals ``stored[p]`` and 0 where it does not.
 
         ``constants`` is :func:`constant_table`: stripe keys at 0, scramble keys at 128,
         last-stripe keys at 136, merge keys at 144, initial lanes at 152, the seed at 160.
@@ -167,7 +176,11 @@ if triton is not None:
         result = result ^ (result >> 37)
         result = result * 0x165667919E3779F9
         result = result ^ (result >> 32)
-        tl.store(digests + page, result.to(tl.int64, bitcast=True))
+        digest = result.to(tl.int64, bitcast=True)
+        if CHECK:
+            tl.store(out + page, (digest == tl.load(stored + page)).to(tl.int64))
+        else:
+            tl.store(out + page, digest)
 
 
 def launch_page_digests(
@@ -199,5 +212,33 @@ def launch_page_digests_at_words(
         return
     words = buffer.view(torch.int64)
     kernel_for(_page_digest_kernel)[(count,)](
-        words, page_words, constants, digests, PAGE_BYTES=page_bytes
+        words, page_words, constants, digests, digests, PAGE_BYTES=page_bytes, CHECK=False
+    )
+
+
+def launch_page_checks_at_words(
+    buffer: torch.Tensor,
+    page_words: torch.Tensor,
+    page_bytes: int,
+    constants: torch.Tensor,
+    stored: torch.Tensor,
+    page_ok: torch.Tensor,
+) -> None:
+    """Enqueue, per page at ``page_words`` (8-byte words) of ``buffer``, whether its xxh3-64
+    equals ``stored`` (int64 bit patterns): ``page_ok`` gets 1 where it does and 0 where it
+    does not (int64), on the current stream. One launch: a restore checks every page it
+    scatters, and a separate compare would cost two more launches per piece."""
+    if not supports(page_bytes):
+        raise ValueError(f"pages of {page_bytes} bytes are hashed on the host")
+    count = len(page_words)
+    if count == 0:
+        return
+    kernel_for(_page_digest_kernel)[(count,)](
+        buffer.view(torch.int64),
+        page_words,
+        constants,
+        page_ok,
+        stored,
+        PAGE_BYTES=page_bytes,
+        CHECK=True,
     )

@@ -11,6 +11,7 @@ Python loop over layers, ranks or blocks — and one kernel launch per group cop
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,12 @@ class FragmentGroup:
     def num_fragments(self) -> int:
         return len(self.local_offsets)
 
+    @functools.cached_property
+    def offset_bits(self) -> int:
+        """The bitwise or of the fragment size and every offset: its lowest set bit bounds
+        the alignment of every fragment."""
+        return self.fragment_bytes | _or_all(self.local_offsets) | _or_all(self.canonical_offsets)
+
 
 @dataclass(frozen=True)
 class GroupCopy:
@@ -49,6 +56,10 @@ class GroupCopy:
     dst_bases: np.ndarray
     direction: Direction
     slot_pages: np.ndarray
+    #: A number whose lowest set bit divides every address the copy touches (its bases, the
+    #: group's offsets and the fragment size): worked out from the table's rows, not by a pass
+    #: over the pages. ``None``: not known.
+    address_bits: int | None = None
 
     @property
     def src_offsets(self) -> np.ndarray:
@@ -99,6 +110,9 @@ class _GroupRows:
             table[:, 2],
         )
         self.num_writers, self.writer_index = table[:, 3], table[:, 4]
+        # Every local address is a row's base plus a multiple of its block stride, every
+        # canonical one a staging address plus a row's canonical base: this bounds them all.
+        self.address_bits = _or_all(self.local_base | self.block_stride | self.canonical_base)
         # Tensors with a row in this group, and which ranks have one: most groups hold every
         # rank of every tensor, and then the lookup is a plain broadcast.
         self.dense = bool((self.row_of >= 0).all())
@@ -107,7 +121,12 @@ class _GroupRows:
         """These rows for caches moved by ``delta`` bytes: only the local bases change."""
         rows = copy.copy(self)
         rows.local_base = self.local_base + delta
+        rows.address_bits = self.address_bits | abs(delta)
         return rows
+
+
+def _or_all(values: np.ndarray) -> int:
+    return int(np.bitwise_or.reduce(values)) if len(values) else 0
 
 
 _SPLITS: dict[bytes, list[tuple[int, np.ndarray, np.ndarray, int, int]]] = {}
@@ -223,6 +242,7 @@ class PageTable:
         (default: ``device_blocks``) number the blocks the way writer election keys on.
         """
         copies = []
+        staging_bits = _or_all(staging_addresses)
         for rows in self._groups:
             row = rows.row_of[page_tensors]  # (pages, ranks)
             pages = np.broadcast_to(np.arange(len(page_tensors))[:, None], row.shape)
@@ -239,8 +259,9 @@ class PageTable:
                 continue
             local = rows.local_base[row] + device_blocks[pages] * rows.block_stride[row]
             canonical = staging_addresses[pages] + rows.canonical_base[row]
+            bits = rows.address_bits | staging_bits | rows.group.offset_bits
             if direction is Direction.DEVICE_TO_HOST:
-                copies.append(GroupCopy(rows.group, local, canonical, direction, pages))
+                copies.append(GroupCopy(rows.group, local, canonical, direction, pages, bits))
             else:
-                copies.append(GroupCopy(rows.group, canonical, local, direction, pages))
+                copies.append(GroupCopy(rows.group, canonical, local, direction, pages, bits))
         return copies

@@ -172,6 +172,40 @@ def test_the_device_kernel_hashes_like_xxhash():
     assert done.stdout.split() == [word for size in sizes for word in (size, "ok")]
 
 
+_DEVICE_CHECK = """
+import sys
+import numpy as np, torch, xxhash
+from kvsnap.transfer import page_hash
+page_bytes = int(sys.argv[1])
+rng = np.random.default_rng(7)
+data = rng.integers(0, 256, page_bytes * 6, dtype=np.uint8)
+stored = np.array([xxhash.xxh3_64_intdigest(data[i * page_bytes:(i + 1) * page_bytes].tobytes())
+                   for i in range(6)], dtype=np.uint64)
+stored[2] ^= 1  # a stored digest one bit off: the page must be refused
+data[4 * page_bytes + 100] ^= 0x40  # a page one bit off: refused too
+flags = torch.full((5,), 7, dtype=torch.int64)
+# Pages 1..5, at their words: the kernel reads only the pages it is given.
+page_hash.launch_page_checks_at_words(
+    torch.from_numpy(data.copy()), torch.arange(1, 6, dtype=torch.int64) * (page_bytes // 8),
+    page_bytes, torch.from_numpy(page_hash.constant_table(page_bytes)),
+    torch.from_numpy(stored[1:].view(np.int64).copy()), flags)
+print(*flags.tolist())
+"""
+
+
+def test_the_device_check_flags_exactly_the_pages_whose_digest_differs():
+    # The restore's digest-and-compare launch, run by Triton's interpreter in a fresh process.
+    done = subprocess.run(
+        [sys.executable, "-c", _DEVICE_CHECK, "4096"],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "0", "1", "0", "1"]
+
+
 def test_pages_outside_the_long_path_are_left_to_the_host():
     assert not page_hash.supports(240) and not page_hash.supports(1020)
     assert page_hash.supports(248) and page_hash.supports(32768)
