@@ -131,8 +131,13 @@ class RestoreSource:
     blocks: tuple[np.ndarray, np.ndarray]
 
 
-#: A read in flight: whose it is, what it reads, the slot it reads into, and its future.
-_Reading = tuple["_RestoreRun", SlotLoad, Slot, Future[np.ndarray]]
+#: One slot's work: the loads it carries, each with its restore (several only when packed).
+_Group = list[tuple["_RestoreRun", SlotLoad]]
+#: A read in flight: the slot's loads, the slot it reads into, and its future.
+_Reading = tuple[_Group, Slot, Future[np.ndarray]]
+#: A slot the device checks: its ticket, and per load carried its restore, the load and the
+#: load's first page in the slot.
+_Checked = tuple[Any, list[tuple["_RestoreRun", SlotLoad, int]]]
 
 
 def restore_slots(
@@ -149,8 +154,10 @@ def restore_slots(
     source's are all queued, so that several snapshots read as one stream), and slots are moved
     in the order their reads complete, all on this thread (CUDA calls from many read threads
     would contend). Pages are verified on the device where the mover hashes pages (the reads
-    then skip the host's checksums), on the read threads otherwise. Returns, per source, the
-    pages that failed their checksum: nothing of them was written.
+    then skip the host's checksums), on the read threads otherwise. Loads of hot files, which
+    are never read, are packed several to a slot where they fit (:func:`_packed`): an engine's
+    prefix of small chunks then costs a slot's host work per slot, not per chunk. Returns, per
+    source, the pages that failed their checksum: nothing of them was written.
 
     ``while_copying`` is called once every slot is moved (enqueued, on a device) and before
     waiting for the device's checks: the host is idle there while the device works through
@@ -158,9 +165,9 @@ def restore_slots(
     """
     runs = [_RestoreRun(mover, ring, s.pages, s.blocks, progress, trace) for s in sources]
     completed: queue.SimpleQueue[_Reading] = queue.SimpleQueue()
-    remaining = _PendingLoads(
-        (run, load) for run, s in zip(runs, sources, strict=True) for load in s.loads
-    )
+    pairs = ((run, load) for run, s in zip(runs, sources, strict=True) for load in s.loads)
+    remaining = _PendingLoads(_packed(pairs, ring.slot_bytes))
+    checked: list[_Checked] = []
     reading = 0
     try:
         while True:
@@ -168,13 +175,17 @@ def restore_slots(
             if reading == 0:
                 break
             with traced(runs[0].trace, "read.wait"):
-                run, load, slot, read = completed.get()
+                group, slot, read = completed.get()
             reading -= 1
-            run.move(load, slot, read)
+            if len(group) == 1:
+                run, load = group[0]
+                run.move(load, slot, read, checked)
+            else:
+                _move_packed(group, slot, checked)
     finally:
         while reading:
             # A read still in flight must finish before its slot is reused.
-            _, _, slot, read = completed.get()
+            _, slot, read = completed.get()
             reading -= 1
             ring.release(slot)
     for run in runs:
@@ -185,11 +196,95 @@ def restore_slots(
             while_copying()
         except BaseException as error:  # raised below: the device still uses the slots
             overlapped_error = error
-    for run in runs:
-        run.collect_device_checks()
+    _collect_device_checks(mover, checked)
     if overlapped_error is not None:
         raise overlapped_error
     return [run.failed() for run in runs]
+
+
+def _packed(pairs: Iterator[tuple[_RestoreRun, SlotLoad]], slot_bytes: int) -> Iterator[_Group]:
+    """The loads in order, one slot's worth each: consecutive loads of hot files checked on the
+    device share a slot while their bytes fit in it (nothing is read into it: the slot only
+    orders the device's work); every other load has a slot of its own."""
+    group: _Group = []
+    group_bytes = 0
+    for run, load in pairs:
+        load_bytes = load.num_bytes(run.pages.page_size_bytes)
+        if group and (not run.packs or group_bytes + load_bytes > slot_bytes):
+            yield group
+            group, group_bytes = [], 0
+        group.append((run, load))
+        group_bytes += load_bytes
+        if not run.packs:
+            yield group
+            group, group_bytes = [], 0
+    if group:
+        yield group
+
+
+def _move_packed(group: _Group, slot: Slot, checked: list[_Checked]) -> None:
+    """Move the loads of ``group`` (hot files, checked on the device; one run of pages each,
+    back to back) out of one slot with one submit, and give the slot back with its event."""
+    first_run = group[0][0]
+    event = None
+    try:
+        if all(run.error is None for run, _ in group):
+            event = _submit_packed(group, slot, checked)
+    except BaseException as error:
+        first_run.error = error
+    first_run.ring.release(slot, after=event)
+
+
+def _submit_packed(group: _Group, slot: Slot, checked: list[_Checked]) -> Any:
+    """The one submit of a packed slot: each load's pages follow the previous load's, with its
+    files' bytes, blocks and stored digests; returns the copy's event."""
+    tensors, offsets, targets, blocks, expected = [], [], [], [], []
+    uploads: list[tuple[Any, int]] = []
+    parts: list[tuple[_RestoreRun, SlotLoad, int]] = []
+    first_page = first_byte = 0
+    trace = group[0][0].trace
+    with traced(trace, "transfer.prepare"):
+        for run, load in group:
+            page_bytes = run.pages.page_size_bytes
+            page_blocks = run.snapshot_blocks[load.page_positions]
+            tensors.append(load.page_tensors)
+            offsets.append(load.page_offsets + first_byte)
+            targets.append(run.target_blocks[load.page_positions])
+            blocks.append(page_blocks)
+            expected.append(run.pages.stored(load, page_blocks))
+            uploads.extend(
+                (host, at + first_byte) for host, at in run.pages.uploads(load, page_blocks)
+            )
+            parts.append((run, load, first_page))
+            first_page += load.num_pages
+            first_byte += load.num_bytes(page_bytes)
+        positions = np.arange(first_page, dtype=np.int64)  # not read: the mover needs none
+        packed = SlotLoad(np.concatenate(tensors), positions, np.concatenate(offsets))
+    mover = group[0][0].mover
+    with traced(trace, "transfer.submit", first_byte):
+        ticket = mover.submit(
+            packed,
+            slot,
+            np.concatenate(targets),
+            np.concatenate(blocks),
+            np.concatenate(expected),
+            uploads=uploads,
+        )
+    checked.append((ticket, parts))
+    for run, load, _ in parts:
+        run.progress(load.num_bytes(run.pages.page_size_bytes))
+    return mover.event(ticket)
+
+
+def _collect_device_checks(mover: SlotMover, checked: list[_Checked]) -> None:
+    """Wait for the device-checked slots (their flags in one copy) and note, per restore, the
+    pages their kernels refused."""
+    failed = mover.failed_pages_of([ticket for ticket, _ in checked])
+    for (_, parts), bad in zip(checked, failed, strict=True):
+        for run, load, first_page in parts:
+            mine = bad[(bad >= first_page) & (bad < first_page + load.num_pages)] - first_page
+            if len(mine):
+                run.fail(load, mine, "xxh3-64 does not match the stored checksum (device)")
 
 
 def _fill_free_slots(
@@ -213,32 +308,41 @@ def _fill_free_slots(
             slot = ring.try_acquire()
         if slot is None:
             break
-        run, load = remaining.take()
+        group = remaining.take()
+        run, load = group[0]
         try:
             with traced(run.trace, "read.enqueue"):
-                read = run.read(load, slot)
+                # A packed slot holds hot files' pages only: nothing to read.
+                read = run.read(load, slot) if len(group) == 1 else _nothing_to_read()
         except BaseException:
             ring.release(slot)
             raise
         # The read thread that completes it only queues it: this thread moves every slot.
-        read.add_done_callback(lambda done, r=run, p=load, s=slot: completed.put((r, p, s, done)))
+        read.add_done_callback(lambda done, g=group, s=slot: completed.put((g, s, done)))
         started += 1
     return started
 
 
+def _nothing_to_read() -> Future[np.ndarray]:
+    """A read that is already complete, with no page failed."""
+    nothing: Future[np.ndarray] = Future()
+    nothing.set_result(np.empty(0, dtype=np.int64))
+    return nothing
+
+
 class _PendingLoads:
-    """The loads of a restore in order, the next one visible before it is taken."""
+    """A restore's slots of loads in order, the next one visible before it is taken."""
 
-    def __init__(self, loads: Iterator[tuple[_RestoreRun, SlotLoad]]) -> None:
-        self._loads = loads
-        self._next: tuple[_RestoreRun, SlotLoad] | None = None
+    def __init__(self, groups: Iterator[_Group]) -> None:
+        self._groups = groups
+        self._next: _Group | None = None
 
-    def peek(self) -> tuple[_RestoreRun, SlotLoad] | None:
+    def peek(self) -> _Group | None:
         if self._next is None:
-            self._next = next(self._loads, None)
+            self._next = next(self._groups, None)
         return self._next
 
-    def take(self) -> tuple[_RestoreRun, SlotLoad]:
+    def take(self) -> _Group:
         item = self.peek()
         assert item is not None
         self._next = None
@@ -267,7 +371,8 @@ class _RestoreRun:
             and mover.takes_uploads
             and (self.on_device or not pages.reader.verifies)
         )
-        self.checked: list[tuple[SlotLoad, Any]] = []
+        # Hot files checked on the device share slots (restore_slots packs their loads).
+        self.packs = self.hot and self.on_device
         self.failed_tensors: list[np.ndarray] = []
         self.failed_positions: list[np.ndarray] = []
         self.first_error: list[SnapshotCorruptError] = []
@@ -278,9 +383,7 @@ class _RestoreRun:
         device checks them; a small slot of a cache in host memory is read on this thread).
         From hot files nothing is read: the slot only orders the move."""
         if self.hot:
-            nothing: Future[np.ndarray] = Future()
-            nothing.set_result(np.empty(0, dtype=np.int64))
-            return nothing
+            return _nothing_to_read()
         return self.pages.read_async(
             load,
             self.snapshot_blocks,
@@ -290,19 +393,24 @@ class _RestoreRun:
             inline=self.mover.copies_on_host,
         )
 
-    def move(self, load: SlotLoad, slot: Slot, read: Future[np.ndarray]) -> None:
+    def move(
+        self, load: SlotLoad, slot: Slot, read: Future[np.ndarray], checked: list[_Checked]
+    ) -> None:
         """Move the slot's pages (unless an earlier slot failed) and give it back, with the
-        copy's event where the copy may still run."""
+        copy's event where the copy may still run; a slot the device checks goes on
+        ``checked``."""
         event = None
         try:
             if self.error is None:
-                event = self._move(load, slot, read)
+                event = self._move(load, slot, read, checked)
                 self.progress(load.num_bytes(self.pages.page_size_bytes))
         except BaseException as error:
             self.error = error
         self.ring.release(slot, after=event)
 
-    def _move(self, load: SlotLoad, slot: Slot, read: Future[np.ndarray]) -> Any:
+    def _move(
+        self, load: SlotLoad, slot: Slot, read: Future[np.ndarray], checked: list[_Checked]
+    ) -> Any:
         """Move ``load``'s verified pages out of ``slot``: the copy's event, or ``None`` when
         the copy is already done."""
         moving = self._verified(load, read)
@@ -317,7 +425,7 @@ class _RestoreRun:
                 moving, slot, self.target_blocks[positions], page_blocks, expected, uploads=uploads
             )
         if expected is not None:
-            self.checked.append((moving, ticket))
+            checked.append((ticket, [(self, moving, 0)]))
         event = self.mover.event(ticket)
         if event is None:
             with traced(self.trace, "transfer.wait", nbytes):
@@ -330,7 +438,7 @@ class _RestoreRun:
         bad = read.result()
         if not len(bad):
             return load
-        self._fail(load, bad, "xxh3-64 does not match the stored checksum")
+        self.fail(load, bad, "xxh3-64 does not match the stored checksum")
         keep = np.ones(load.num_pages, dtype=bool)
         keep[bad] = False
         return load.subset(keep)
@@ -339,15 +447,8 @@ class _RestoreRun:
         if self.error is not None:
             raise self.error
 
-    def collect_device_checks(self) -> None:
-        """Wait for the device-verified slots and note the pages their kernels refused."""
-        failed = self.mover.failed_pages_of([ticket for _, ticket in self.checked])
-        for (load, _), bad in zip(self.checked, failed, strict=True):
-            if len(bad):
-                self._fail(load, bad, "xxh3-64 does not match the stored checksum (device)")
-        self.checked = []
-
-    def _fail(self, load: SlotLoad, bad: np.ndarray, message: str) -> None:
+    def fail(self, load: SlotLoad, bad: np.ndarray, message: str) -> None:
+        """Note pages ``bad`` of ``load`` as failed (not written), and the first error."""
         self.failed_tensors.append(load.page_tensors[bad])
         self.failed_positions.append(load.page_positions[bad])
         if not self.first_error:

@@ -321,3 +321,58 @@ def test_what_while_copying_raises_comes_after_the_device_finished(tmp_path):
     assert called == [1]
     # No synchronisation here: the restore waited for its copies before raising.
     assert_restored(targets, content, blocks, blocks)
+
+
+@pytest.mark.parametrize("damaged", [None, 1, 5])
+def test_hot_chunks_share_slots_and_a_damaged_one_fails_only_its_block(
+    tmp_path, monkeypatch, damaged
+):
+    # An engine's prefix as six small chunk files, every one hot: four go up in one slot (one
+    # submit), two in the next. A page flipped in one chunk is refused and named in that
+    # chunk's block; every other block of every chunk lands.
+    import contextlib
+
+    import numpy as np
+
+    from kvsnap.store.hot import configure_hot_tier
+
+    geometry = {"layers": 4, "heads": 8, "head_dim": 64, "blocks": 48, "device": "cuda"}
+    sources, content = caches("vllm-nhd", **geometry)  # 4 KiB pages: 256 KiB a chunk
+    paths = []
+    for number in range(6):
+        path = tmp_path / f"chunk{number}.safetensors"
+        chunk_blocks = list(range(8 * number, 8 * number + 8))
+        capture([sources[0].layout], sequences([chunk_blocks]), path, source=SOURCE)
+        paths.append(path)
+    if damaged is not None:
+        flip_byte(paths[damaged], "layers.1.key", 3)
+    for path in paths:
+        path.read_bytes()  # resident: the hot tier registers only page-cached files
+    submits = []
+    real = fused.FusedMover.submit
+    monkeypatch.setattr(
+        fused.FusedMover, "submit", lambda self, *a, **k: submits.append(1) or real(self, *a, **k)
+    )
+    targets, _ = caches("vllm-nhd", **geometry, seed=9, fill=False)
+    destination = np.arange(48)[::-1].copy()
+    configure_hot_tier(1 << 30, register_after=1)
+    try:
+        with contextlib.ExitStack() as stack:
+            snapshots = [stack.enter_context(Snapshot.open(path)) for path in paths]
+            jobs = [
+                (snapshot, np.arange(8), destination[8 * number : 8 * number + 8])
+                for number, snapshot in enumerate(snapshots)
+            ]
+            staging = StagingOptions(slot_bytes=1 << 20, num_slots=2, hot=True)
+            if damaged is None:
+                Pipeline(targets[0].layout).restore_chunks(jobs, staging=staging)
+            else:
+                with pytest.raises(RestoreIncompleteError) as caught:
+                    Pipeline(targets[0].layout).restore_chunks(jobs, staging=staging)
+                refused = int(destination[8 * damaged + 3])
+                assert caught.value.failed_block_ids.tolist() == [refused]
+    finally:
+        configure_hot_tier()
+    assert len(submits) == 2
+    kept = [block for block in range(48) if damaged is None or block != 8 * damaged + 3]
+    assert_restored(targets, content, kept, destination[kept].tolist())
