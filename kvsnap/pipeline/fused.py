@@ -26,7 +26,6 @@ from kvsnap.layout import CacheLayout, check_tiling
 from kvsnap.pipeline.movers import SlotMover
 from kvsnap.pipeline.options import (
     MIN_UPLOAD_CHUNK_BYTES,
-    SCATTERS_PER_SLOT,
     UPLOAD_CHUNKS_PER_SLOT,
 )
 from kvsnap.pipeline.slots import SlotLoad
@@ -235,15 +234,15 @@ class FusedMover(SlotMover):
         the device, when the pages are checked.
 
         The slot goes up in pieces (:meth:`_upload_pieces`). Each piece is checked (digest
-        and compare in one launch) once it and the copy table have arrived, and the pieces
-        are scattered in ``SCATTERS_PER_SLOT`` runs, each as soon as its pieces are checked;
-        each run's bytes of the buffer are released then, so the next slot's first pieces go
-        up while this slot's last ones are still checked and scattered (with one release per
-        slot the device idled ~0.1 ms at every slot boundary).
+        and compare in one launch) and scattered as soon as it and the copy table have
+        arrived, and its bytes of the buffer are released then: the next slot's first piece
+        goes up while this slot's last one is still checked and scattered (released once per
+        slot, the buffer left the device idle ~0.1 ms at every slot boundary).
 
         This runs once per slot on the thread that feeds the device, and a slot's DMA can be
-        as short as 0.6 ms: each Python-level call counts (docs/benchmarks.md), so the stream
-        is switched twice in all and the pieces' events are the staging's own.
+        as short as 0.6 ms: each Python-level call counts (docs/benchmarks.md), so a piece
+        costs two launches, the stream is switched twice in all and the pieces' events are
+        the staging's own.
         """
         assert self._staging is not None
         staging = self._staging
@@ -268,25 +267,22 @@ class FusedMover(SlotMover):
             # Kept on the device (one flag a page) until the restore collects them.
             page_ok = torch.empty(num_pages, dtype=torch.int64, device=self.device)
         released = 0
-        for run in _scatter_runs(len(chunks)):
-            for (first, stop, _, _), event in zip(chunks[run], arrived[run], strict=True):
-                stream.wait_event(event)
-                if page_ok is not None:
-                    assert self._constants is not None
-                    page_hash.launch_page_checks_at_words(
-                        buffer,
-                        words[first:stop],
-                        page_bytes,
-                        self._constants,
-                        stored[first:stop],
-                        page_ok[first:stop],
-                    )
-            last = chunks[run.stop - 1]
-            pages = (chunks[run.start][0], last[1])
-            launch_kernel(copies, device_table, self.device, self.sm_budget, page_ok, pages)
-            # From the end of the previous run: together the runs cover the slot's bytes.
-            staging.release_bytes(released, last[3])
-            released = last[3]
+        for (first, stop, _, high), event in zip(chunks, arrived, strict=True):
+            stream.wait_event(event)
+            if page_ok is not None:
+                assert self._constants is not None
+                page_hash.launch_page_checks_at_words(
+                    buffer,
+                    words[first:stop],
+                    page_bytes,
+                    self._constants,
+                    stored[first:stop],
+                    page_ok[first:stop],
+                )
+            launch_kernel(copies, device_table, self.device, self.sm_budget, page_ok, (first, stop))
+            # From the end of the previous piece: together the pieces cover the slot's bytes.
+            staging.release_bytes(released, high)
+            released = high
         return page_ok
 
     def _upload_pieces(
@@ -414,19 +410,6 @@ def _upload_range(
         start, stop = max(low, offset), min(high, offset + source.numel())
         if start < stop:
             buffer[start:stop].copy_(source[start - offset : stop - offset], non_blocking=True)
-
-
-def _scatter_runs(num_chunks: int) -> tuple[slice, ...]:
-    """A slot's upload pieces in up to ``SCATTERS_PER_SLOT`` runs of at least two pieces
-    (one run for a slot of fewer), as slices of the pieces, in order."""
-    return _runs(num_chunks, SCATTERS_PER_SLOT)
-
-
-@functools.lru_cache(maxsize=64)
-def _runs(num_chunks: int, num_runs: int) -> tuple[slice, ...]:
-    runs = max(1, min(num_runs, num_chunks // 2))
-    edges = [round(index * num_chunks / runs) for index in range(runs + 1)]
-    return tuple(slice(low, high) for low, high in itertools.pairwise(edges))
 
 
 def slot_extent(load: SlotLoad, page_size_bytes: int) -> int:

@@ -41,15 +41,12 @@ LARGE_RESTORE_JOB_BYTES = 128 << 20
 #: Slots of each size kvsnap keeps pinned per process at most (pinned on first use).
 SHARED_SLOTS = 8
 #: A restore slot goes up to the device in this many pieces (each at least
-#: ``MIN_UPLOAD_CHUNK_BYTES``), each hashed once it has arrived; the copy table goes up right
-#: behind the first piece (docs/architecture.md, "A slot goes up in pieces"). Every piece costs
-#: the host a launch: smaller pieces made a 16 MiB slot slower on the H200 (docs/benchmarks.md).
-UPLOAD_CHUNKS_PER_SLOT = 4
-MIN_UPLOAD_CHUNK_BYTES = 8 << 20
-#: A restore slot's checked pieces are scattered in up to this many runs of at least two
-#: pieces, each releasing its bytes of the device buffer to the next slot's upload as soon as
-#: it is scattered; each run costs one more launch per slot.
-SCATTERS_PER_SLOT = 2
+#: ``MIN_UPLOAD_CHUNK_BYTES``); each piece is checked and scattered once it has arrived and
+#: then released to the next slot's upload (docs/architecture.md, "A slot goes up in pieces").
+#: Every piece costs the host two launches: on the H200, two pieces of a 64 MiB slot were as
+#: fast as four, and one piece of a 16 MiB slot faster than two or four (docs/benchmarks.md).
+UPLOAD_CHUNKS_PER_SLOT = 2
+MIN_UPLOAD_CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)

@@ -298,7 +298,9 @@ def _fill_free_slots(
     """Queue the next loads' reads in every free slot: how many were started. Waits for a
     slot only when ``blocking`` (nothing of ours in flight): a pool shared with another
     restore must not leave both waiting for each other's slots. No slot is taken once every
-    load is started: taking one waits for its last copy, often the one just enqueued."""
+    load is started: taking one waits for its last copy, often the one just enqueued. Stops
+    after a slot of hot files, which are not read: the device gets that slot now, not after
+    the host has taken every free slot."""
     started = 0
     while not any(run.error is not None for run in runs) and remaining.peek() is not None:
         if blocking and not started:
@@ -320,6 +322,8 @@ def _fill_free_slots(
         # The read thread that completes it only queues it: this thread moves every slot.
         read.add_done_callback(lambda done, g=group, s=slot: completed.put((g, s, done)))
         started += 1
+        if run.hot:
+            break
     return started
 
 

@@ -172,19 +172,16 @@ def test_chosen_blocks_restore_on_the_gpu(tmp_path):
     assert_restored(targets, content, [6, 8], [10, 11])
 
 
-@pytest.mark.parametrize("scatters", [1, 2])
 @pytest.mark.parametrize("hot", [False, True])
-def test_a_corrupt_page_in_a_late_piece_of_a_slot_is_not_written(
-    tmp_path, monkeypatch, hot, scatters
-):
-    # 4 MiB slots go up in pieces of 1 MiB, each hashed once it has arrived: a page refused in
-    # the slot's second piece, with the pages before and after it (the first piece, other
-    # slots) written, straight from the registered file or through the pinned slot, the
-    # pieces scattered together or each run as soon as it is checked.
+def test_a_corrupt_page_in_a_late_piece_of_a_slot_is_not_written(tmp_path, monkeypatch, hot):
+    # 4 MiB slots go up in pieces of 1 MiB, each checked and scattered once it has arrived: a
+    # page refused in the slot's second piece, with the pages before and after it (the first
+    # piece, other slots) written, straight from the registered file or through the pinned
+    # slot.
     from kvsnap.store.hot import configure_hot_tier
 
-    monkeypatch.setattr(fused, "SCATTERS_PER_SLOT", scatters)
-    monkeypatch.setattr(fused, "MIN_UPLOAD_CHUNK_BYTES", 1 << 20)  # 4 pieces a 4 MiB slot
+    monkeypatch.setattr(fused, "UPLOAD_CHUNKS_PER_SLOT", 4)
+    monkeypatch.setattr(fused, "MIN_UPLOAD_CHUNK_BYTES", 1 << 20)
 
     geometry = {"layers": 8, "heads": 8, "head_dim": 64, "blocks": 256, "device": "cuda"}
     sources, content = caches("vllm-nhd", **geometry)  # 16 KiB pages, 32 MiB: 8 slots
@@ -198,7 +195,6 @@ def test_a_corrupt_page_in_a_late_piece_of_a_slot_is_not_written(
     try:
         staging = StagingOptions(slot_bytes=4 << 20, num_slots=2, hot=hot)
         kinds: list[str] = []
-        torch.cuda._sleep(20_000_000)  # the uploads may run ahead of the checks (next test)
         with Snapshot.open(path) as snap, pytest.raises(RestoreIncompleteError) as caught:
             snap.restore(
                 targets[0].layout,
@@ -220,34 +216,47 @@ def test_a_corrupt_page_in_a_late_piece_of_a_slot_is_not_written(
         assert same_bytes(want, target.logical(name)[kept]), name
 
 
-@pytest.mark.parametrize("scatters", [1, 2])
-def test_slots_scattered_run_by_run_restore_bit_exact_back_to_back(tmp_path, monkeypatch, scatters):
-    # Each run of a slot releases its bytes of the device buffer to the next slot's upload
+@pytest.mark.parametrize("pieces", [1, 4])
+def test_slots_released_piece_by_piece_restore_exactly(tmp_path, monkeypatch, pieces):
+    # Each piece of a slot releases its bytes of the device buffer to the next slot's upload
     # once scattered: released too early, the next slot's pieces would overwrite pages still
-    # being hashed or scattered (refused pages, or wrong bytes written). The caller's stream
-    # sleeps first: the checks and scatters wait for it, while the uploads, which wait only
-    # for the buffer's bytes, could all run at once.
+    # being hashed or scattered (refused pages, or wrong bytes written). Every check sleeps
+    # ~1 ms on the device first, so the host enqueues the next slot's uploads well before the
+    # pages they would overwrite are read (checked failing with the waits removed).
     from kvsnap.store.hot import configure_hot_tier
+    from kvsnap.transfer import page_hash
+    from kvsnap.transfer.pinned import PinnedPool
 
-    monkeypatch.setattr(fused, "SCATTERS_PER_SLOT", scatters)
-    monkeypatch.setattr(fused, "MIN_UPLOAD_CHUNK_BYTES", 1 << 20)  # 4 pieces a 4 MiB slot
+    monkeypatch.setattr(fused, "UPLOAD_CHUNKS_PER_SLOT", pieces)
+    monkeypatch.setattr(fused, "MIN_UPLOAD_CHUNK_BYTES", 1 << 20)
     geometry = {"layers": 8, "heads": 8, "head_dim": 64, "blocks": 256, "device": "cuda"}
     sources, content = caches("vllm-nhd", **geometry)  # 16 KiB pages, 32 MiB: 8 slots
     blocks = list(range(256))
     path = tmp_path / "snap.safetensors"
     capture([sources[0].layout], sequences([blocks]), path, source=SOURCE)
     path.read_bytes()
+    pool = PinnedPool(4 << 20, 2)
     configure_hot_tier(1 << 30, register_after=1)
+    check = page_hash.launch_page_checks_at_words
+
+    def slow_check(*args):
+        torch.cuda._sleep(2_000_000)
+        check(*args)
+
     try:
-        for seed, hot in ((3, False), (4, True), (5, True), (6, True)):
+        for seed, hot, slow in ((3, True, False), (4, False, True), (5, True, True)):
+            # The first restore pins and uploads what every later one reuses: nothing the
+            # host does after it waits for the device.
+            launch = slow_check if slow else check
+            monkeypatch.setattr(page_hash, "launch_page_checks_at_words", launch)
             targets, _ = caches("vllm-nhd", **geometry, seed=seed, fill=False)
-            staging = StagingOptions(slot_bytes=4 << 20, num_slots=2, hot=hot)
             with Snapshot.open(path) as snap:
-                torch.cuda._sleep(20_000_000)  # ~10 ms of the caller's stream
+                staging = StagingOptions(pool=pool, hot=hot)
                 snap.restore(targets[0].layout, {"s0": blocks[::-1]}, staging=staging)
             assert_restored(targets, content, blocks, blocks[::-1])
     finally:
         configure_hot_tier()
+        pool.close()
 
 
 def test_a_restore_lands_after_what_the_callers_stream_still_writes(tmp_path):

@@ -44,13 +44,14 @@ def test_every_page_goes_up_whole_in_exactly_one_piece(slot):
             assert high - low >= MIN_UPLOAD_CHUNK_BYTES
 
 
-def test_a_large_slot_goes_up_in_four_pieces_of_a_quarter():
+def test_a_large_slot_goes_up_in_even_pieces():
     page_bytes = 64 << 10
     load = next(
         slot_loads(num_tensors=64, num_blocks=16, page_size_bytes=page_bytes, slot_bytes=64 << 20)
     )
     chunks = upload_chunks(load.page_offsets, page_bytes)
-    assert [(high - low) for _, _, low, high in chunks] == [16 << 20] * 4
+    piece = (64 << 20) // UPLOAD_CHUNKS_PER_SLOT
+    assert [(high - low) for _, _, low, high in chunks] == [piece] * UPLOAD_CHUNKS_PER_SLOT
     assert slot_extent(load, page_bytes) == 64 << 20
 
 
