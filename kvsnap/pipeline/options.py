@@ -43,10 +43,10 @@ SHARED_SLOTS = 8
 #: A restore slot goes up to the device in this many pieces (each at least
 #: ``MIN_UPLOAD_CHUNK_BYTES``); each piece is checked and scattered once it has arrived and
 #: then released to the next slot's upload (docs/architecture.md, "A slot goes up in pieces").
-#: Every piece costs the host two launches: on the H200, two pieces of a 64 MiB slot were as
-#: fast as four, and one piece of a 16 MiB slot faster than two or four (docs/benchmarks.md).
+#: Every piece costs the host two launches. On the H200, hot 2k and 8k restores: two pieces
+#: 0.81 and 0.90 of the pinned floor, one 0.72 and 0.78, four 0.81 and 0.79 (docs/benchmarks.md).
 UPLOAD_CHUNKS_PER_SLOT = 2
-MIN_UPLOAD_CHUNK_BYTES = 16 << 20
+MIN_UPLOAD_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
