@@ -81,7 +81,10 @@ class StagingOptions:
     for every later call (``SHARED_SLOTS`` of ``SMALL_SLOT_BYTES``, and as many of
     ``LARGE_SLOT_BYTES`` for jobs of ``LARGE_JOB_BYTES`` or more). ``pool`` is a
     :class:`~kvsnap.transfer.pinned.PinnedPool` the caller keeps instead; ``slot_bytes`` and
-    ``num_slots`` ask for a private pool of that shape, made and freed by the call.
+    ``num_slots`` ask for a private pool of that shape, made and freed by the call. A restore
+    from hot files reads nothing into the slots: with kvsnap's own staging its pages go to the
+    device in loads of up to ``LARGE_SLOT_BYTES`` (the device buffer) whatever the job's size;
+    a pool or slot shape of the caller's is kept for them too.
 
     ``hot`` (restores on CUDA): whether the snapshot's files may be served from the hot tier
     (:mod:`kvsnap.store.hot`: the files mapped from the page cache and registered with CUDA,

@@ -35,6 +35,7 @@ from kvsnap.pipeline.jobs import (
 )
 from kvsnap.pipeline.movers import HandlerMover, SlotMover
 from kvsnap.pipeline.options import (
+    LARGE_SLOT_BYTES,
     ProgressCallback,
     ProgressCounter,
     StagingOptions,
@@ -503,6 +504,11 @@ class Pipeline:
         with traced(trace, "setup.staging"):
             ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes, restore=True)
         mover = self._mover(Direction.HOST_TO_DEVICE)
+        # Nothing is read into a slot of hot files: with kvsnap's own staging their loads are
+        # as large as the device buffer, whatever the job's size (a 42 MB prefix of 80 layers
+        # is one slot, not three of 16 MiB); a caller's own slot shape is kept.
+        shaped = staging is not None and (staging.pool is not None or staging.private)
+        hot_slot_bytes = ring.slot_bytes if shaped else max(ring.slot_bytes, LARGE_SLOT_BYTES)
         leases: list[HotFile] = []
         try:
             mover.begin()
@@ -511,14 +517,17 @@ class Pipeline:
                 reader = move.part.reader
                 hot = _hot_files(reader, mover, staging) if total_bytes else None
                 leases += hot or []
+                load_bytes = hot_slot_bytes if hot else ring.slot_bytes
                 sources.append(
                     RestoreSource(
                         SnapshotPages(reader, hot),
-                        slot_loads(len(names), len(move.blocks[0]), page_bytes, ring.slot_bytes),
+                        slot_loads(len(names), len(move.blocks[0]), page_bytes, load_bytes),
                         move.blocks,
                     )
                 )
-            failed = restore_slots(mover, ring, sources, progress, trace, while_copying)
+            failed = restore_slots(
+                mover, ring, sources, progress, trace, while_copying, hot_slot_bytes
+            )
         finally:
             with traced(trace, "teardown"):
                 try:

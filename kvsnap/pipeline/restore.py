@@ -147,6 +147,7 @@ def restore_slots(
     progress: Callable[[int], None],
     trace: TraceHook | None,
     while_copying: Callable[[], None] | None = None,
+    hot_slot_bytes: int | None = None,
 ) -> list[FailedPages]:
     """Read every slot of every source and move it into the cache, as one job.
 
@@ -162,11 +163,13 @@ def restore_slots(
     ``while_copying`` is called once every slot is moved (enqueued, on a device) and before
     waiting for the device's checks: the host is idle there while the device works through
     the last slots. What it raises is raised once the copies it overlapped are complete.
+    ``hot_slot_bytes``: the most bytes a slot of hot files carries (default: the ring's slot
+    size; nothing is read into such a slot, only the device buffer bounds it).
     """
     runs = [_RestoreRun(mover, ring, s.pages, s.blocks, progress, trace) for s in sources]
     completed: queue.SimpleQueue[_Reading] = queue.SimpleQueue()
     pairs = ((run, load) for run, s in zip(runs, sources, strict=True) for load in s.loads)
-    remaining = _PendingLoads(_packed(pairs, ring.slot_bytes))
+    remaining = _PendingLoads(_packed(pairs, hot_slot_bytes or ring.slot_bytes))
     checked: list[_Checked] = []
     reading = 0
     try:

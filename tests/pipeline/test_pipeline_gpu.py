@@ -385,3 +385,35 @@ def test_hot_chunks_share_slots_and_a_damaged_one_fails_only_its_block(
     assert len(submits) == 2
     kept = [block for block in range(48) if damaged is None or block != 8 * damaged + 3]
     assert_restored(targets, content, kept, destination[kept].tolist())
+
+
+def test_a_hot_restore_loads_as_much_as_the_device_buffer_whatever_the_job_size(
+    tmp_path, monkeypatch
+):
+    # 32 MiB is a small job (16 MiB slots of kvsnap's own staging: two slots when read), but
+    # nothing is read into a slot of hot files: one load of the device buffer's size.
+    from kvsnap.store.hot import configure_hot_tier
+
+    geometry = {"layers": 8, "heads": 8, "head_dim": 64, "blocks": 128, "device": "cuda"}
+    sources, content = caches("vllm-nhd", **geometry)  # 16 KiB pages, 32 MiB
+    blocks = list(range(128))
+    path = tmp_path / "snap.safetensors"
+    capture([sources[0].layout], sequences([blocks]), path, source=SOURCE)
+    path.read_bytes()
+    submits = []
+    real = fused.FusedMover.submit
+    monkeypatch.setattr(
+        fused.FusedMover, "submit", lambda self, *a, **k: submits.append(1) or real(self, *a, **k)
+    )
+    configure_hot_tier(1 << 30, register_after=1)
+    try:
+        for hot, slots in ((False, 2), (True, 1)):
+            submits.clear()
+            targets, _ = caches("vllm-nhd", **geometry, seed=11, fill=False)
+            staging = StagingOptions(hot=hot)
+            with Snapshot.open(path) as snap:
+                snap.restore(targets[0].layout, {"s0": blocks[::-1]}, staging=staging)
+            assert len(submits) == slots, hot
+            assert_restored(targets, content, blocks, blocks[::-1])
+    finally:
+        configure_hot_tier()
