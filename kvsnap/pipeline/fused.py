@@ -3,11 +3,12 @@
 On CUDA a slot goes through the device staging buffer: at capture one page-copy kernel gathers
 the slot's pages there, the page-digest kernel hashes them, and one DMA each brings the pages
 and their digests to pinned memory (the pages, given ``downloads``, straight into a registered
-snapshot file instead); at restore one DMA brings the pages up, the digest kernel
-hashes them, and the page-copy kernel scatters only the pages whose digest matches the stored
-one, so a corrupt page never reaches the cache and the host hashes nothing. Everything is
-enqueued on the staging stream; the slot's event marks its completion. On a cache in host
-memory the copies run at once on the host (the host then hashes, as the store does).
+snapshot file instead); at restore the slot goes up in pieces, one DMA each, the digest kernel
+checks each piece against the stored digests and the page-copy kernel scatters only the pages
+whose digest matched, so a corrupt page never reaches the cache and the host hashes nothing.
+Kernels run on the staging stream, restores' uploads on its upload stream; the slot's event
+marks its completion. On a cache in host memory the copies run at once on the host (the host
+then hashes, as the store does).
 """
 
 from __future__ import annotations
@@ -24,10 +25,7 @@ import torch
 from kvsnap.errors import LayoutError, TransferFailedError
 from kvsnap.layout import CacheLayout, check_tiling
 from kvsnap.pipeline.movers import SlotMover
-from kvsnap.pipeline.options import (
-    MIN_UPLOAD_CHUNK_BYTES,
-    UPLOAD_CHUNKS_PER_SLOT,
-)
+from kvsnap.pipeline.options import MIN_UPLOAD_CHUNK_BYTES, UPLOAD_CHUNKS_PER_SLOT
 from kvsnap.pipeline.slots import SlotLoad
 from kvsnap.pipeline.staging import DeviceStaging, device_staging
 from kvsnap.transfer import page_hash
@@ -315,13 +313,16 @@ class FusedMover(SlotMover):
         arrived = staging.piece_events(len(chunks))
         torch.cuda.set_stream(upload_stream)
         try:
-            for index, ((_, _, low, high), event) in enumerate(zip(chunks, arrived, strict=True)):
+            _, _, low, high = chunks[0]
+            staging.wait_for_bytes(upload_stream, low, high)
+            _upload_range(buffer, uploads, low, high)
+            copies, device_table, tail = self._device_table(
+                load, slot, device_blocks, snapshot_blocks, buffer, expected
+            )
+            arrived[0].record(upload_stream)
+            for (_, _, low, high), event in zip(chunks[1:], arrived[1:], strict=True):
                 staging.wait_for_bytes(upload_stream, low, high)
                 _upload_range(buffer, uploads, low, high)
-                if index == 0:
-                    copies, device_table, tail = self._device_table(
-                        load, slot, device_blocks, snapshot_blocks, buffer, expected
-                    )
                 event.record(upload_stream)
         finally:
             torch.cuda.set_stream(staging.stream)
