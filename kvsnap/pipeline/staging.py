@@ -150,6 +150,11 @@ def staging_ring(
     return shared_ring(slot_bytes)
 
 
+#: Pinned tables (per use and staging slot) a device's staging keeps: a table per slot of the
+#: shared rings and of a few pools a caller keeps.
+MAX_PINNED_TABLES = 64
+
+
 class DeviceStaging:
     """One device's staging buffer and the streams that use it.
 
@@ -245,10 +250,15 @@ class DeviceStaging:
         uses it, and a slot is reused only after its last copy completed. Call inside
         :meth:`use`."""
         count = len(values) if values is not None else size
-        buffer = self._pinned.get(key)
+        buffer = self._pinned.pop(key, None)
         if buffer is None or buffer.numel() < count:
             buffer = torch.empty(max(count, 1024), dtype=torch.int64, pin_memory=True)
-            self._pinned[key] = buffer
+        self._pinned[key] = buffer  # the most recently used last
+        if len(self._pinned) > MAX_PINNED_TABLES:
+            # Slots of pools that are gone (a caller's private pool per call) would otherwise
+            # keep theirs forever. Dropping a buffer a copy still reads is safe: torch's pinned
+            # allocator reuses its memory only once the copies that read it have completed.
+            del self._pinned[next(iter(self._pinned))]
         view = buffer[:count]
         if values is not None:
             view.numpy()[:] = values

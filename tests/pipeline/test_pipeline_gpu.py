@@ -417,3 +417,31 @@ def test_a_hot_restore_loads_as_much_as_the_device_buffer_whatever_the_job_size(
             assert_restored(targets, content, blocks, blocks[::-1])
     finally:
         configure_hot_tier()
+
+
+def test_pinned_tables_of_many_callers_pools_stay_bounded(tmp_path):
+    # A table is kept per staging slot; slots of pools a caller made (here 40 pools kept alive,
+    # so no slot address repeats, of two 8 KiB slots each, both used by a 16 KiB restore: 80
+    # slots) must not each hold theirs for the life of the process.
+    from kvsnap.pipeline.staging import MAX_PINNED_TABLES, device_staging
+    from kvsnap.transfer.pinned import PinnedPool
+
+    sources, content = caches("vllm-nhd", layers=2, heads=4, blocks=16, device="cuda")
+    blocks = list(range(16))
+    path = tmp_path / "snap.safetensors"
+    capture([sources[0].layout], sequences([blocks]), path, source=SOURCE)
+    pools = [PinnedPool(8 << 10, 2) for _ in range(40)]
+    try:
+        for pool in pools:
+            targets, _ = caches(
+                "vllm-nhd", layers=2, heads=4, blocks=16, device="cuda", seed=2, fill=False
+            )
+            with Snapshot.open(path) as snap:
+                snap.restore(
+                    targets[0].layout, {"s0": blocks}, staging=StagingOptions(pool=pool, hot=False)
+                )
+            assert_restored(targets, content, blocks, blocks)
+        assert len(device_staging(torch.device("cuda"))._pinned) <= MAX_PINNED_TABLES
+    finally:
+        for pool in pools:
+            pool.close()
