@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -233,7 +234,8 @@ SPANS = {
 
 
 def _install_spans(totals: dict[str, float]) -> None:
-    """Wrap every call of :data:`SPANS` so that its wall time adds to ``totals[name]``."""
+    """Wrap every call of :data:`SPANS` so that its wall time adds to ``totals[name]``, and
+    time Python's garbage collections (per generation) the same way."""
     import functools
     import importlib
 
@@ -248,6 +250,16 @@ def _install_spans(totals: dict[str, float]) -> None:
 
         return wrapper
 
+    collecting: dict[str, float] = {}
+
+    def collection(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collecting["since"] = time.perf_counter()
+        elif "since" in collecting:
+            name = f"Python gc, generation {info['generation']}"
+            totals[name] = totals.get(name, 0.0) + time.perf_counter() - collecting.pop("since")
+
+    gc.callbacks.append(collection)
     for name, (module_name, class_name, function_name) in SPANS.items():
         module = importlib.import_module(module_name)
         owner = module if class_name is None else getattr(module, class_name)
