@@ -40,6 +40,8 @@ from kvsnap.engines.vllm.prefix_store import ChunkRef, chunk_sequence_id, snapsh
 from kvsnap.errors import KVSnapError, SignatureError
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import Snapshot
+from kvsnap.store import tuning
+from kvsnap.store.head_parts import open_snapshot
 from kvsnap.store.location import locate
 from kvsnap.store.resolve import committed_file
 
@@ -208,8 +210,15 @@ class ChunkChecker:
         self._passed.pop(path, None)
 
     def _read(self, path: str) -> fmt.SequenceRecord | str:
+        # Verifying reads every byte, and a chunk handed over is loaded from the same open
+        # files: a small chunk is read whole once, rather than once per header, trailer,
+        # metadata tensor and run of pages, here and in the worker's load.
+        whole = tuning.WHOLE_READ_MAX_BYTES if self.verify or self.hand_over else 0
         try:
-            snapshot = Snapshot.open(path, verify=True, keys=self.keys)
+            snapshot = Snapshot(
+                open_snapshot(path, verify=True, keys=self.keys, read_whole_max_bytes=whole),
+                path,
+            )
             kept = False
             try:
                 reason = self._checked(snapshot)
