@@ -127,6 +127,15 @@ class Source:
             done += count
         return whole[:done]
 
+    def held(self, offset: int, size: int) -> np.ndarray | None:
+        """The file's bytes ``[offset, offset + size)`` as a view of those read whole at open,
+        valid while the source is open; ``None`` when the file was not read whole or is
+        shorter."""
+        whole = self._whole
+        if whole is None or offset + size > len(whole):
+            return None
+        return whole[offset : offset + size]
+
     @property
     def holds_whole(self) -> bool:
         """Whether the file was read whole at open and every read is served from those
