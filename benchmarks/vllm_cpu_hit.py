@@ -222,6 +222,8 @@ SPANS = {
     "worker: open (or take) a chunk": ("kvsnap.engines.vllm.worker", None, "_open_chunk"),
     "worker: restore_chunks": ("kvsnap.pipeline.pipeline", "Pipeline", "restore_chunks"),
     "Snapshot.open": ("kvsnap.snapshot", "Snapshot", "open"),
+    # What every open of a single-file snapshot runs, however it is reached.
+    "SnapshotReader.opened": ("kvsnap.store.reader", "SnapshotReader", "opened"),
     "Snapshot.verify": ("kvsnap.snapshot", "Snapshot", "verify"),
     "vLLM: schedule": ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
     "vLLM: execute_model": ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
