@@ -36,24 +36,29 @@ import numpy as np
 
 from kvsnap import format as fmt
 from kvsnap.caches import register_cache_clear
-from kvsnap.engines.vllm.prefix_store import ChunkRef, chunk_sequence_id, snapshot_path
+from kvsnap.engines.vllm.prefix_store import ChunkRef, chunk_sequence_id
 from kvsnap.errors import KVSnapError, SignatureError
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import Snapshot
 from kvsnap.store import tuning
 from kvsnap.store.head_parts import open_snapshot
-from kvsnap.store.location import locate
-from kvsnap.store.resolve import committed_file
+from kvsnap.store.location import INDEX_SUFFIX, Location
+from kvsnap.store.resolve import committed_file, is_index_name
 
 #: What identifies one version of a file: inode, size, modification time.
 FileKey = tuple[int, int, int]
 
 
 def file_key(path: str) -> FileKey | None:
-    """The identity now of the file committing the chunk at ``path`` (``HASH.safetensors``):
-    the single file's, or a parted chunk's index's (``None``: there is neither). At most two
-    ``stat`` calls (:func:`kvsnap.store.resolve.committed_file`)."""
-    found = committed_file(locate(snapshot_path(path), None))
+    """The identity now of the file committing the chunk at ``path`` (``HASH.safetensors``, a
+    local path, or its index): the single file's, or a parted chunk's index's (``None``: there
+    is neither). At most two ``stat`` calls (:func:`kvsnap.store.resolve.committed_file`).
+    Works on the path's text: the scheduler asks twice per chunk of every hit, and parsing the
+    path and building ``Path`` objects cost more than the ``stat``."""
+    text = os.fspath(path)
+    if is_index_name(text):
+        text = text[: -len(INDEX_SUFFIX)]
+    found = committed_file(Location(text, text))
     if found is None or found.status is None:
         return None
     return found.status.st_ino, found.status.st_size, found.status.st_mtime_ns
