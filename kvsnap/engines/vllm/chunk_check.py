@@ -19,7 +19,10 @@ metadata again, but only while the file is the version that was checked (device,
 size, modification and change times, of the path and of the open descriptor alike; the
 scheduler's own record of the chunk's use moves the change time, and only that, which
 :meth:`CheckedChunks.touched` accepts); the worker still checks every page it copies against
-the checksums that open read.
+the checksums that open read. A chunk of at most :data:`~kvsnap.store.tuning.
+WHOLE_READ_MAX_BYTES` that is verified or handed over is read whole as it opens, and its
+checks and the worker's load are served from those bytes (one read per chunk, not one per
+header, trailer, metadata tensor and run of pages).
 
 Nothing here needs vLLM.
 """
