@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -181,11 +182,106 @@ def _generate(llm: Any, prompt: list[int]) -> dict[str, Any]:
     }
 
 
+#: ``--spans``: the calls timed in a hit, by name: (module, class or ``None``, function). A
+#: call a tree lacks is left out; nested calls count in each span they are inside.
+SPANS = {
+    "scheduler: get_num_new_matched_tokens": (
+        "kvsnap.engines.vllm.scheduler",
+        "KVSnapScheduler",
+        "get_num_new_matched_tokens",
+    ),
+    "scheduler: store keys": ("kvsnap.engines.vllm.scheduler", "KVSnapScheduler", "_chain"),
+    "scheduler: longest_prefix": (
+        "kvsnap.engines.vllm.prefix_store",
+        "PrefixStore",
+        "longest_prefix",
+    ),
+    "scheduler: ChunkChecker.check": ("kvsnap.engines.vllm.chunk_check", "ChunkChecker", "check"),
+    "scheduler: first check of a chunk": (
+        "kvsnap.engines.vllm.chunk_check",
+        "ChunkChecker",
+        "_read",
+    ),
+    "scheduler: touch": ("kvsnap.engines.vllm.prefix_store", "PrefixStore", "touch"),
+    "scheduler: update_state_after_alloc": (
+        "kvsnap.engines.vllm.scheduler",
+        "KVSnapScheduler",
+        "update_state_after_alloc",
+    ),
+    "scheduler: build_connector_meta": (
+        "kvsnap.engines.vllm.scheduler",
+        "KVSnapScheduler",
+        "build_connector_meta",
+    ),
+    "scheduler: update_connector_output": (
+        "kvsnap.engines.vllm.scheduler",
+        "KVSnapScheduler",
+        "update_connector_output",
+    ),
+    "worker: start_load_kv": ("kvsnap.engines.vllm.worker", "KVSnapWorker", "start_load_kv"),
+    "worker: open (or take) a chunk": ("kvsnap.engines.vllm.worker", None, "_open_chunk"),
+    "worker: restore_chunks": ("kvsnap.pipeline.pipeline", "Pipeline", "restore_chunks"),
+    "Snapshot.open": ("kvsnap.snapshot", "Snapshot", "open"),
+    # What every open of a single-file snapshot runs, however it is reached.
+    "SnapshotReader.opened": ("kvsnap.store.reader", "SnapshotReader", "opened"),
+    "Snapshot.verify": ("kvsnap.snapshot", "Snapshot", "verify"),
+    "vLLM: schedule": ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    "vLLM: execute_model": ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
+    "vLLM: model forward": (
+        "vllm.model_executor.models.llama",
+        "LlamaForCausalLM",
+        "forward",
+    ),
+}
+
+
+def _install_spans(totals: dict[str, float]) -> None:
+    """Wrap every call of :data:`SPANS` so that its wall time adds to ``totals[name]``, and
+    time Python's garbage collections (per generation) the same way."""
+    import functools
+    import importlib
+
+    def timed(name: str, function: Any) -> Any:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - started
+
+        return wrapper
+
+    collecting: dict[str, float] = {}
+
+    def collection(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collecting["since"] = time.perf_counter()
+        elif "since" in collecting:
+            name = f"Python gc, generation {info['generation']}"
+            totals[name] = totals.get(name, 0.0) + time.perf_counter() - collecting.pop("since")
+
+    gc.callbacks.append(collection)
+    for name, (module_name, class_name, function_name) in SPANS.items():
+        module = importlib.import_module(module_name)
+        owner = module if class_name is None else getattr(module, class_name)
+        raw = owner.__dict__.get(function_name) if class_name else getattr(owner, function_name)
+        if raw is None:
+            continue
+        if isinstance(raw, classmethod):
+            setattr(owner, function_name, classmethod(timed(name, raw.__func__)))
+        else:
+            setattr(owner, function_name, timed(name, raw))
+
+
 def run_child(job_path: str) -> None:
     """Run one engine's job (``job_path``: JSON) and write its timings as JSON."""
     job = json.loads(Path(job_path).read_text())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    spans: dict[str, float] = {}
+    if job.get("spans"):
+        _install_spans(spans)
     llm = _engine(job)
     warm, timed = job["warmup"], job["prompts"]
     for prompt in warm:
@@ -200,9 +296,13 @@ def run_child(job_path: str) -> None:
         profiler = cProfile.Profile()
         profiler.enable()
     for prompt in timed:
+        spans.clear()
         row = _generate(llm, prompt)
+        row["spans"] = dict(spans)
         if job["kind"] in ("vllm", "kvsnap"):
+            spans.clear()
             row["again"] = _generate(llm, prompt)
+            row["again"]["spans"] = dict(spans)
         rows.append(row)
     if profiler is not None:
         profiler.disable()
@@ -288,6 +388,33 @@ def _paired(rows: list[dict[str, Any]]) -> dict[str, float]:
     return result
 
 
+def _span_medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per span of ``--spans``, the median ms per request over ``rows`` (``hit``) and over
+    the vLLM hits right after them (``beside``); a request without the span counts 0."""
+    result: dict[str, dict[str, float]] = {}
+    for label, picked in (("hit", rows), ("beside", [row["again"] for row in rows])):
+        names = sorted({name for row in picked for name in row.get("spans", {})})
+        result[label] = {
+            name: _ms([row["spans"].get(name, 0.0) for row in picked]) for name in names
+        }
+    return result
+
+
+def print_span_table(results: list[dict[str, Any]]) -> None:
+    """``--spans``: per model and tree, the median ms of every span in a kvsnap hit and in the
+    vLLM hit beside it, as a markdown table."""
+    for result in results:
+        for name, hit in result["kvsnap"].items():
+            spans = hit["spans"]
+            print(f"\n{result['layers']} layers, {name}: median ms per request")
+            print("| span | kvsnap hit | vLLM hit beside it |")
+            print("| --- | ---: | ---: |")
+            for span in sorted(set(spans["hit"]) | set(spans["beside"])):
+                print(
+                    f"| {span} | {spans['hit'].get(span, 0.0)} | {spans['beside'].get(span, 0.0)} |"
+                )
+
+
 def _is_hit(row: dict[str, Any], expected_token: int, loadable: int) -> bool:
     """Whether a request generated ``expected_token`` (the recompute's) with ``loadable``
     tokens not computed (vLLM's ``num_cached_tokens``)."""
@@ -357,9 +484,10 @@ def measure_model(args: argparse.Namespace, num_layers: int, work: Path) -> dict
         name = tree_name if len(args.chunk_blocks) == 1 else f"{tree_name}/cb{chunk_blocks}"
         label = f"{num_layers}l.{name.replace('/', '.')}.{medium}"
         profile = Path(args.profile_dir) / f"{label}.prof" if args.profile_dir else None
-        job = {**base, "chunk_blocks": chunk_blocks}
+        job = {**base, "chunk_blocks": chunk_blocks, "spans": args.spans}
         rows, loads = _kvsnap_hit(job, work, label, directory / label, tree, profile)
         result["kvsnap"][f"{name}/{medium}"] = {
+            "spans": _span_medians(rows),
             **_timings("hit", rows),
             **_timings("vllm_hit_beside", [row["again"] for row in rows]),
             **_paired(rows),
@@ -847,6 +975,9 @@ def main() -> None:
     parser.add_argument("--disk-dir", help="also a store in this directory (on a disk)")
     parser.add_argument("--tree", type=_tree, action="append", dest="trees")
     parser.add_argument("--profile-dir", help="write a cProfile of each kvsnap hit engine")
+    parser.add_argument(
+        "--spans", action="store_true", help="time the connector's calls in each kvsnap hit"
+    )
     parser.add_argument("--json-out", default="out/vllm_cpu_hit.json")
     parser.add_argument("--copy-alone", action="store_true", help="time the CPU copy alone")
     parser.add_argument("--copy-repeat", type=int, default=15)
@@ -895,6 +1026,8 @@ def main() -> None:
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_out).write_text(json.dumps(results, indent=2))
     print_table(results)
+    if args.spans:
+        print_span_table(results)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,14 @@ def dump_json(document: Any) -> str:
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key!r}")
-        result[key] = value
+    # The dict is built in C; only an object that lost a key to a duplicate is walked again.
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r}")
+            seen.add(key)
     return result
 
 
@@ -28,16 +31,28 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+#: The decoder of every strict parse: ``json.loads`` given hooks builds a new one per call, and
+#: every snapshot header a process opens is parsed here (its metadata at least).
+_STRICT_DECODER = json.JSONDecoder(
+    object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant
+)
+
+
 def strict_json_loads(text: str | bytes) -> Any:
     """``json.loads`` that rejects duplicate keys and NaN/Infinity; raises ``ValueError``.
 
     Deeply nested input (``RecursionError``) and over-long integers are reported as
-    ``ValueError`` too, so callers need one ``except``.
+    ``ValueError`` too, so callers need one ``except``. Bytes are decoded as ``json.loads``
+    decodes them (UTF-8, -16 or -32 by their first bytes).
     """
+    if isinstance(text, (bytes, bytearray)):
+        text = text.decode(json.detect_encoding(text), "surrogatepass")
+    elif not isinstance(text, str):
+        raise TypeError(f"JSON must be str or bytes, not {type(text).__name__}")
+    elif text.startswith("\ufeff"):
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
     try:
-        return json.loads(
-            text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant
-        )
+        return _STRICT_DECODER.decode(text)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
 

@@ -76,6 +76,7 @@ def open_snapshot(
     verify: bool = True,
     keys: KeyRing | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    read_whole_max_bytes: int = 0,
 ) -> OpenedSnapshot:
     """Open the snapshot at ``path`` (a local path or fsspec URL) as its head-range parts.
 
@@ -85,14 +86,20 @@ def open_snapshot(
     part checked against the index; every data file is opened once. When a replacement removed
     a file meanwhile, it starts over (`kvsnap.store.resolve.open_retrying`). ``verify`` and
     ``keys`` are the readers' (checksums checked on every read; every file signed by one of
-    the keys).
+    the keys). A local file of at most ``read_whole_max_bytes`` is read whole as it opens and
+    served from memory from then on (a caller about to read all of a small snapshot: one read
+    instead of one per header, trailer, metadata tensor and run of pages).
     """
 
     def attempt(resolved: Resolved) -> OpenedSnapshot:
         if resolved.form is not Form.PARTED:
-            reader = SnapshotReader.opened(resolved, verify=verify, keys=keys)
+            reader = SnapshotReader.opened(
+                resolved, verify=verify, keys=keys, read_whole_max_bytes=read_whole_max_bytes
+            )
             return whole_snapshot(reader, str(path))
-        opened = opened_parts(resolved, verify=verify, keys=keys)
+        opened = opened_parts(
+            resolved, verify=verify, keys=keys, read_whole_max_bytes=read_whole_max_bytes
+        )
         parts = tuple(
             HeadPart(reader, record.first_head, record.num_heads)
             for reader, record in zip(opened.readers, opened.index.parts, strict=True)

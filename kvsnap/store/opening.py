@@ -30,7 +30,7 @@ def decoded_header(source: Source, header_bytes: bytes) -> tuple[fmt.DecodedHead
         header = fmt.decode_header(header_bytes, source.size, file=source.url)
     except UnsupportedVersionError as error:
         raise _version_or_damage(source, header_bytes, error) from None
-    layout, _, _ = fmt.expected_layout(header, file=source.url)
+    layout, _, _ = fmt.expected_layout(header, file=source.url, header=header_bytes)
     if layout.header != header_bytes:
         raise SnapshotCorruptError(
             "header bytes differ from the format's encoding", file=source.url

@@ -138,14 +138,26 @@ class OpenedParts:
 
 
 def opened_parts(
-    resolved: Resolved, *, verify: bool = True, keys: KeyRing | None = None
+    resolved: Resolved,
+    *,
+    verify: bool = True,
+    keys: KeyRing | None = None,
+    read_whole_max_bytes: int = 0,
 ) -> OpenedParts:
     """The parted snapshot ``resolved`` describes, every part opened and checked once (no
     retry: a part that vanished raises, for the caller's
-    :func:`~kvsnap.store.resolve.open_retrying`)."""
+    :func:`~kvsnap.store.resolve.open_retrying`); a part file of at most
+    ``read_whole_max_bytes`` is read whole as it opens (:class:`~kvsnap.store.source.Source`)."""
     index, index_location = resolved.index, resolved.index_location
     assert isinstance(index, fmt.PartsIndex) and index_location is not None
-    readers = _open_once(index_location, index, verify=verify, keys=keys, home=resolved.directory)
+    readers = _open_once(
+        index_location,
+        index,
+        verify=verify,
+        keys=keys,
+        home=resolved.directory,
+        read_whole_max_bytes=read_whole_max_bytes,
+    )
     return OpenedParts(index, readers, index_location.url)
 
 
@@ -156,16 +168,20 @@ def _open_once(
     verify: bool,
     keys: KeyRing | None = None,
     home: str | None = None,
+    read_whole_max_bytes: int = 0,
 ) -> list[SnapshotReader]:
     """A reader per part of ``index``, each checked against it; ``home``: the index's real
-    directory, which every part must resolve into (worked out here when not given)."""
+    directory, which every part must resolve into (worked out here when not given); a part
+    file of at most ``read_whole_max_bytes`` is read whole as it opens."""
     if home is None and index_location.is_local:
         home = os.path.realpath(os.path.dirname(index_location.path))
     readers: list[SnapshotReader] = []
     try:
         for number, record in enumerate(index.parts, start=1):
             part = Resolved.single(index_location.sibling(record.file), home)
-            reader = SnapshotReader.opened(part, verify=verify, keys=keys)
+            reader = SnapshotReader.opened(
+                part, verify=verify, keys=keys, read_whole_max_bytes=read_whole_max_bytes
+            )
             readers.append(reader)
             _check_part(index, number, record, reader)
             if number > 1 and reader.metadata.sequences != readers[0].metadata.sequences:

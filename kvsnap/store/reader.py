@@ -53,7 +53,9 @@ class SnapshotReader:
     ``url`` may name the ``.safetensors`` file, a sharded snapshot's ``.index.json``, or the
     ``.safetensors`` name a sharded snapshot was written to. With ``keys`` every file must be
     signed by one of them (:class:`~kvsnap.errors.SignatureError` otherwise, before anything
-    but its header is read).
+    but its header is read). A local file of at most ``read_whole_max_bytes`` is read whole,
+    with one read, as it opens, and every later read of it is a copy out of those bytes: for a
+    caller about to read all of a small snapshot (a checked chunk: docs/benchmarks.md).
     """
 
     def __init__(
@@ -64,9 +66,10 @@ class SnapshotReader:
         io_threads: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         keys: KeyRing | None = None,
+        read_whole_max_bytes: int = 0,
     ) -> None:
         location = locate(url, storage_options)
-        self._start(location.url, verify, io_threads, keys)
+        self._start(location.url, verify, io_threads, keys, read_whole_max_bytes)
         try:
             open_retrying(location, self._open_members)
             self._finish_open()
@@ -82,12 +85,16 @@ class SnapshotReader:
         verify: bool = True,
         io_threads: int | None = None,
         keys: KeyRing | None = None,
+        read_whole_max_bytes: int = 0,
     ) -> SnapshotReader:
         """A reader of the snapshot ``resolved`` describes (single or sharded), opened without
         resolving it again; a file that vanished meanwhile raises, for the caller's
-        :func:`~kvsnap.store.resolve.open_retrying` to start over."""
+        :func:`~kvsnap.store.resolve.open_retrying` to start over. A local file of at most
+        ``read_whole_max_bytes`` is read whole as it opens, and every read of it (header,
+        trailer, metadata, pages) is served from those bytes (:class:`~kvsnap.store.source.
+        Source`)."""
         reader = cls.__new__(cls)
-        reader._start(resolved.location.url, verify, io_threads, keys)
+        reader._start(resolved.location.url, verify, io_threads, keys, read_whole_max_bytes)
         try:
             reader._open_members(resolved)
             reader._finish_open()
@@ -96,8 +103,16 @@ class SnapshotReader:
             raise
         return reader
 
-    def _start(self, url: str, verify: bool, io_threads: int | None, keys: KeyRing | None) -> None:
+    def _start(
+        self,
+        url: str,
+        verify: bool,
+        io_threads: int | None,
+        keys: KeyRing | None,
+        read_whole_max_bytes: int = 0,
+    ) -> None:
         self.url = url
+        self._read_whole_max_bytes = read_whole_max_bytes
         self._verify = verify
         self._keys = keys
         self._page_reads = PageReads(self, io_threads)
@@ -154,7 +169,7 @@ class SnapshotReader:
     def _open_file(self, location: Location, directory: str | None) -> fmt.DecodedHeader:
         """Open ``location`` (inside ``directory``), check its header and, with keys, its
         signature; append it to the files and, verifying, load its trailer. Its header."""
-        source = Source(location, inside=directory)
+        source = Source(location, inside=directory, read_whole_max_bytes=self._read_whole_max_bytes)
         try:
             prefix = source.read(0, min(8, source.size))
             length = fmt.header_length(prefix, source.size, file=source.url)
@@ -433,6 +448,21 @@ class SnapshotReader:
         """Where a slot's pages lie in this snapshot's files (see :func:`kvsnap.store.
         slot_reads.page_runs`); a run's file indexes :meth:`local_files`."""
         return slot_reads.page_runs(self.extents(), page_tensors, page_blocks, page_offsets)
+
+    def held_pages(
+        self, page_tensors: np.ndarray, page_blocks: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where pages lie in the bytes of a one-file snapshot that was read whole as it
+        opened (``read_whole_max_bytes``): those bytes (valid while the reader is open), and
+        the offset there of page ``i`` (block ``page_blocks[i]`` of tensor ``page_tensors[i]``).
+        ``None`` for a snapshot of several files or one not read whole."""
+        if len(self._files) != 1:
+            return None
+        source = self._files[0].source
+        whole = source.held(0, source.size)
+        if whole is None:
+            return None
+        return whole, self.extents().begin[page_tensors] + page_blocks * self._page_bytes
 
     def local_files(self) -> list[tuple[str, int, os.stat_result]] | None:
         """Per file of the snapshot (the order :meth:`page_runs` uses): its path, the open

@@ -229,6 +229,28 @@ def read_slot_async(
     return _read_on_threads(read, pieces, bad)
 
 
+def held_page_failures(
+    whole: np.ndarray, offsets: np.ndarray, page_bytes: int, stored: np.ndarray
+) -> np.ndarray:
+    """The sorted indices of the pages at ``offsets`` in ``whole`` (a file's bytes read whole:
+    :meth:`SnapshotReader.held_pages`) whose xxh3-64 differs from ``stored``; each run of
+    pages that follow each other there is hashed as one buffer."""
+    if not len(offsets):
+        return np.empty(0, dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(offsets) != page_bytes) + 1
+    starts = np.concatenate(([0], breaks)).tolist()
+    stops = np.append(breaks, len(offsets)).tolist()
+    got = np.concatenate(
+        [
+            fmt.block_digests(
+                whole[offsets[start] : offsets[start] + (stop - start) * page_bytes], page_bytes
+            )
+            for start, stop in zip(starts, stops, strict=True)
+        ]
+    )
+    return np.flatnonzero(got != stored)
+
+
 def _read_on_threads(
     read: Callable[[_Piece], None], pieces: list[_Piece], bad: list[np.ndarray]
 ) -> concurrent.futures.Future[np.ndarray]:

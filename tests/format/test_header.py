@@ -55,7 +55,37 @@ def test_layout_aligns_data_and_layers_and_tiles_the_file(name: str) -> None:
     decoded = fmt.decode_header(layout.header, layout.file_size)
     recomputed, first, stop = fmt.expected_layout(decoded)
     assert recomputed == layout and (first, stop) == (0, len(fmt.specs_for(meta)))
+    assert _expected_either_way(decoded, layout.header) == (recomputed, first, stop)
     assert layout.header.endswith(b" ") or (len(layout.header) - 8) % fmt.DATA_ALIGNMENT == 0
+
+
+def test_a_header_checked_as_bytes_gets_what_its_entry_checks_give(
+    metadata: fmt.SnapshotMetadata,
+) -> None:
+    """``expected_layout`` given a header's bytes (what a reader does) takes a header equal to
+    its repacking as it is, and only then: every shard of a sharded snapshot, a signed file and
+    headers edited in one entry get the same layout, run or error as the entry-by-entry path."""
+    signed = dataclasses.replace(metadata, signature="hmac-sha256")
+    specs = fmt.specs_for(metadata)
+    limit = max(spec.nbytes for spec in specs if fmt.is_layer_tensor(spec.name)) + 1
+    layouts = [*fmt.file_layouts(metadata, limit), *fmt.file_layouts(signed)]
+    assert len(layouts) > 3
+    for layout in layouts:
+        decoded = fmt.decode_header(layout.header, layout.file_size)
+        found, _, _ = _expected_either_way(decoded, layout.header)
+        assert found == layout
+    (whole,) = fmt.file_layouts(metadata)
+    decoded = fmt.decode_header(whole.header, whole.file_size)
+    at = whole.header.index(b'"layers.0.value"')
+    for edit in (b'"dtype":"F16"', b'"shape":[9,', b'"data_offsets":[1,'):
+        field = edit.split(b":")[0]
+        start = whole.header.index(field, at)
+        end = start + len(edit)
+        edited = whole.header[:start] + edit + whole.header[end:]
+        assert len(edited) == len(whole.header) and edited != whole.header
+        # The decoded entries stay the intact file's: only the bytes compared differ.
+        found, _, _ = _expected_either_way(decoded, edited)
+        assert found.header == whole.header != edited
 
 
 def test_sharding_keeps_file_order_and_bounds(metadata: fmt.SnapshotMetadata) -> None:
@@ -97,9 +127,29 @@ def _encode(header: dict[str, Any], pad_to: int = fmt.DATA_ALIGNMENT) -> bytes:
 
 def _decode_and_check(header: bytes, file_size: int) -> None:
     decoded = fmt.decode_header(header, file_size, file="fuzz")
-    layout, _, _ = fmt.expected_layout(decoded, file="fuzz")
+    layout, _, _ = _expected_either_way(decoded, header)
     if layout.header != header:
         raise SnapshotCorruptError("header differs", file="fuzz")
+
+
+def _expected_either_way(
+    decoded: fmt.DecodedHeader, header: bytes
+) -> tuple[fmt.FileLayout, int, int]:
+    """``expected_layout`` of ``decoded``, checked to give the same layout and run, or the same
+    error, whether it is given the header bytes (an exact header skips the entry-by-entry
+    checks) or not."""
+    outcomes: list[Any] = []
+    for bytes_given in (None, header):
+        try:
+            outcomes.append(fmt.expected_layout(decoded, file="fuzz", header=bytes_given))
+        except KVSnapError as error:
+            outcomes.append(error)
+    plain, fast = outcomes
+    if isinstance(plain, KVSnapError):
+        assert type(fast) is type(plain) and str(fast) == str(plain)
+        raise plain
+    assert fast == plain
+    return plain
 
 
 def _valid_header(metadata: fmt.SnapshotMetadata) -> tuple[dict[str, Any], int]:

@@ -184,3 +184,36 @@ def fresh_header(layout: fmt.FileLayout, metadata: fmt.SnapshotMetadata) -> byte
     assert start % fmt.DATA_ALIGNMENT == 0 and 8 + len(body) <= start
     assert json.loads(layout.kvsnap_json)["sequences"][0]["id"] == metadata.sequences[0].id
     return struct.pack("<Q", start - 8) + body + b" " * (start - 8 - len(body))
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_strict_json_loads_parses_as_json_loads_and_refuses_what_json_allows(name: str) -> None:
+    """The one strict parser (kept decoder, duplicates found from the dict's size) reads real
+    metadata, as str and as bytes of every encoding ``json.loads`` reads, exactly as
+    ``json.loads`` does; and refuses a duplicate key at any depth (naming it), NaN and the
+    infinities, a byte-order mark, deep nesting (as ``ValueError``) and a non-text argument."""
+    geometry = GEOMETRIES[name]
+    metadata = make_metadata(geometry, [np.arange(2 * geometry.block_size + 3)])
+    text = metadata.to_json()
+    expected = json.loads(text)
+    assert schema.strict_json_loads(text) == expected
+    for encoding in ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"):
+        assert schema.strict_json_loads(text.encode(encoding)) == expected
+    assert schema.strict_json_loads(bytearray(text.encode())) == expected
+    nested_duplicate = text.replace('"layout":{', '"layout":{"dtype":"x",', 1)
+    for duplicated, key in (
+        (text[:-1] + ',"num_blocks":3}', "num_blocks"),
+        (nested_duplicate, "dtype"),
+        ('{"a":[{"b":1,"c":2,"b":1}]}', "b"),
+    ):
+        with pytest.raises(ValueError, match=f"duplicate key '{key}'"):
+            schema.strict_json_loads(duplicated)
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        with pytest.raises(ValueError, match="not valid JSON"):
+            schema.strict_json_loads(f'{{"x":{constant}}}')
+    with pytest.raises(ValueError, match="BOM"):
+        schema.strict_json_loads("\ufeff" + text)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        schema.strict_json_loads("[" * 100_000)
+    with pytest.raises(TypeError):
+        schema.strict_json_loads(memoryview(text.encode()))  # type: ignore[arg-type]

@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from kvsnap import layout as L
-from kvsnap.errors import SnapshotCorruptError, TransferFailedError
+from kvsnap.errors import RestoreIncompleteError, SnapshotCorruptError, TransferFailedError
 from kvsnap.pipeline import StagingOptions, TransferOptions
 from kvsnap.pipeline.fused import FusedMover
 from kvsnap.pipeline.slots import slot_loads
 from kvsnap.pipeline.staging import StagingRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import SnapshotReader, SnapshotWriter, TraceHook, slot_reads, tuning
+from kvsnap.store.head_parts import open_snapshot
 from kvsnap.transfer import TransferHandler
 from kvsnap.transfer.pinned import PinnedPool
 from tests.support.snapshot_layouts import LAYERS, SOURCE, FailingCopies, sequences_for, split_nhd
@@ -444,3 +445,51 @@ def test_a_file_cut_short_fails_the_restore_on_the_calling_thread(
             )
         assert pool.num_free == 3
     assert _reads_on_the_calling_thread(spans) == {True}
+
+
+def test_a_file_read_whole_is_checked_and_copied_where_it_lies_into_a_host_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache
+) -> None:
+    """A snapshot file read whole as it opened (``read_whole_max_bytes``, as the vLLM
+    connector's checked chunks are) restores into a host cache without staging slots or slot
+    reads: every page checked against its stored xxh3-64 where it lies, bit-exact; a page
+    whose bytes differ is refused and named, every other page written."""
+    layout, view, sequences = cache
+    path = tmp_path / "snap.safetensors"
+    capture(layout, sequences, path, source=SOURCE)
+    size = path.stat().st_size
+    slot_reads_made: list[str] = []
+    record_calls(monkeypatch, slot_reads_made, SnapshotReader, "read_slot_async")
+    blocks = {s.id: s.block_ids for s in sequences}
+    target_layout, target_view = split_nhd(40, 0, 1, torch.Generator().manual_seed(30))
+    spans: list[str] = []
+    with PinnedPool(SLOT_BYTES, 3, pin=False) as pool:
+        with Snapshot(open_snapshot(path, read_whole_max_bytes=size), str(path)) as snap:
+            snap.restore(target_layout, blocks, staging=pool, trace=lambda k, *_: spans.append(k))
+        assert pool.num_free == 3
+    assert slot_reads_made == [] and "read" not in spans and "verify" in spans
+    assert_same_kv(view, target_view, [(s.block_ids, s.block_ids) for s in sequences])
+    # One byte of one page changed: that block is refused, every other page is written.
+    with Snapshot.open(path) as snap:
+        _, entry = snap.parts[0].reader.placement("layers.1.key")
+        stored = {record.id: record.block_ids for record in snap.sequences}
+    damaged_block = int(stored[sequences[1].id][2])
+    damaged = bytearray(path.read_bytes())
+    damaged[entry.begin + damaged_block * 256 + 9] ^= 0x04
+    path.write_bytes(bytes(damaged))
+    refused = sorted(
+        {
+            int(target)
+            for s in sequences
+            for target, block in zip(s.block_ids, stored[s.id], strict=True)
+            if block == damaged_block
+        }
+    )
+    fresh_layout, fresh_view = split_nhd(40, 0, 1, torch.Generator().manual_seed(31))
+    with Snapshot(open_snapshot(path, read_whole_max_bytes=size), str(path)) as snap:
+        with pytest.raises(RestoreIncompleteError, match=r"layers\.1\.key") as caught:
+            snap.restore(fresh_layout, blocks, staging=StagingOptions(slot_bytes=SLOT_BYTES))
+    assert caught.value.failed_block_ids.tolist() == refused
+    assert slot_reads_made == []
+    kept = [(b, b) for b in (s.block_ids[~np.isin(s.block_ids, refused)] for s in sequences)]
+    assert_same_kv(view, fresh_view, kept)

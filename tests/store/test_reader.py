@@ -178,11 +178,18 @@ def _region_kind(tensor: str | None) -> str:
     return tensor
 
 
-@pytest.mark.parametrize(("name", "seed"), [("bf16", 30), ("mla-f8", 31), ("f32-odd", 32)])
-def test_every_single_byte_flip_is_detected_and_named(tmp_path: Path, name: str, seed: int) -> None:
-    """340 flips per geometry, 1020 in all: header (JSON and its space padding), KV pages,
+@pytest.mark.parametrize(
+    ("name", "seed", "whole"),
+    [("bf16", 30, False), ("mla-f8", 31, False), ("f32-odd", 32, False), ("bf16", 35, True)],
+)
+def test_every_single_byte_flip_is_detected_and_named(
+    tmp_path: Path, name: str, seed: int, whole: bool
+) -> None:
+    """340 flips per geometry, 1360 in all: header (JSON and its space padding), KV pages,
     sequences, block hashes, padding, block checksums, trailer. None goes unnoticed; KV flips
-    are named by tensor and block, everything else by tensor (or the file, for the header)."""
+    are named by tensor and block, everything else by tensor (or the file, for the header).
+    ``whole``: the file read whole as it opens and every read served from those bytes
+    (``read_whole_max_bytes``), checked the same way."""
     metadata, pages = build(name, seed=seed, extra_blocks=1)
     page = metadata.geometry.canonical_page_size_bytes
     path = tmp_path / "snap.safetensors"
@@ -209,7 +216,7 @@ def test_every_single_byte_flip_is_detected_and_named(tmp_path: Path, name: str,
         tensor, block = _region(layout, position)
         seen_regions.add(_region_kind(tensor))
         try:
-            reader = SnapshotReader(flipped_path)
+            reader = SnapshotReader(flipped_path, read_whole_max_bytes=len(original) * whole)
         except KVSnapError as error:
             # Refused at open: the header, the trailer or a metadata tensor, named precisely.
             assert str(flipped_path) in str(error)
@@ -220,6 +227,7 @@ def test_every_single_byte_flip_is_detected_and_named(tmp_path: Path, name: str,
                 )
             continue
         with reader:
+            assert reader.open_files[0].source.holds_whole is whole
             problems = reader.verify()
             assert problems, f"flip at {position} ({tensor}, block {block}) went unnoticed"
             named = {(p.tensor, p.block) for p in problems}
@@ -370,3 +378,57 @@ def test_a_full_verify_leaves_the_checked_checksum_table_for_the_next_reader(
             expected = np.frombuffer(path.read_bytes()[rows.begin : rows.end], dtype="<u8")
             assert np.array_equal(table.reshape(-1), expected)
     assert any(rows.begin <= offset < rows.end for offset in reads) is tamper
+
+
+def test_a_small_file_read_whole_is_read_once_and_served_as_it_was_then(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``read_whole_max_bytes``: a file no larger is read with one ``preadv`` as it opens, and
+    its header, trailer, metadata, verify and page reads are served from those bytes, one
+    version of the file, every page still checked; a larger file is read piece by piece."""
+    metadata, pages = build("bf16", seed=36)
+    page = metadata.geometry.canonical_page_size_bytes
+    path = tmp_path / "snap.safetensors"
+    write_snapshot(path, metadata, pages)
+    size = path.stat().st_size
+    reads: list[tuple[int, int]] = []
+    real = os.preadv
+
+    def recording(fd: int, buffers: list[memoryview], offset: int) -> int:
+        reads.append((offset, sum(len(b) for b in buffers)))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", recording)
+    blocks = np.arange(metadata.num_blocks)
+    out = np.empty(len(blocks) * page, dtype=np.uint8)
+    expected = b"".join(page_of(pages["layers.1.value"], page, b) for b in blocks.tolist())
+    with SnapshotReader(path, read_whole_max_bytes=size) as reader:
+        assert reader.open_files[0].source.holds_whole
+        # Another version of the file written in place after the open is never seen.
+        flipped = bytearray(path.read_bytes())
+        (layout,) = fmt.file_layouts(metadata)
+        entry = layout.by_name["layers.1.value"]
+        flipped[entry.begin + 2 * page + 7] ^= 0x20
+        with path.open("r+b") as handle:
+            handle.write(bytes(flipped))
+        assert reader.verify() == []
+        reader.read_pages("layers.1.value", blocks, out)
+    assert reads == [(0, size)]
+    assert out.tobytes() == expected
+    # The flipped version, read whole: its page is refused and named, the others served.
+    reads.clear()
+    with SnapshotReader(path, read_whole_max_bytes=size) as reader:
+        problems = reader.verify()
+        assert [(p.tensor, p.block) for p in problems] == [("layers.1.value", 2)]
+        with pytest.raises(SnapshotCorruptError) as caught:
+            reader.read_pages("layers.1.value", [2], np.empty(page, dtype=np.uint8))
+        assert (caught.value.tensor, caught.value.block) == ("layers.1.value", 2)
+        reader.read_pages("layers.1.value", [3], out[:page])
+    assert reads == [(0, size)]
+    assert out[:page].tobytes() == page_of(pages["layers.1.value"], page, 3)
+    # One byte over the bound: read as before, one read per header, tensor and run.
+    reads.clear()
+    with SnapshotReader(path, read_whole_max_bytes=size - 1) as reader:
+        assert not reader.open_files[0].source.holds_whole
+        reader.verify()
+    assert len(reads) > 2 and (0, size) not in reads

@@ -19,7 +19,10 @@ metadata again, but only while the file is the version that was checked (device,
 size, modification and change times, of the path and of the open descriptor alike; the
 scheduler's own record of the chunk's use moves the change time, and only that, which
 :meth:`CheckedChunks.touched` accepts); the worker still checks every page it copies against
-the checksums that open read.
+the checksums that open read. A chunk of at most :data:`~kvsnap.store.tuning.
+WHOLE_READ_MAX_BYTES` that is verified or handed over is read whole as it opens, and its
+checks and the worker's load are served from those bytes (one read per chunk, not one per
+header, trailer, metadata tensor and run of pages).
 
 Nothing here needs vLLM.
 """
@@ -36,22 +39,29 @@ import numpy as np
 
 from kvsnap import format as fmt
 from kvsnap.caches import register_cache_clear
-from kvsnap.engines.vllm.prefix_store import ChunkRef, chunk_sequence_id, snapshot_path
+from kvsnap.engines.vllm.prefix_store import ChunkRef, chunk_sequence_id
 from kvsnap.errors import KVSnapError, SignatureError
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import Snapshot
-from kvsnap.store.location import locate
-from kvsnap.store.resolve import committed_file
+from kvsnap.store import tuning
+from kvsnap.store.head_parts import open_snapshot
+from kvsnap.store.location import INDEX_SUFFIX, Location
+from kvsnap.store.resolve import committed_file, is_index_name
 
 #: What identifies one version of a file: inode, size, modification time.
 FileKey = tuple[int, int, int]
 
 
 def file_key(path: str) -> FileKey | None:
-    """The identity now of the file committing the chunk at ``path`` (``HASH.safetensors``):
-    the single file's, or a parted chunk's index's (``None``: there is neither). At most two
-    ``stat`` calls (:func:`kvsnap.store.resolve.committed_file`)."""
-    found = committed_file(locate(snapshot_path(path), None))
+    """The identity now of the file committing the chunk at ``path`` (``HASH.safetensors``, a
+    local path, or its index): the single file's, or a parted chunk's index's (``None``: there
+    is neither). At most two ``stat`` calls (:func:`kvsnap.store.resolve.committed_file`).
+    Works on the path's text: the scheduler asks twice per chunk of every hit, and parsing the
+    path and building ``Path`` objects cost more than the ``stat``."""
+    text = os.fspath(path)
+    if is_index_name(text):
+        text = text[: -len(INDEX_SUFFIX)]
+    found = committed_file(Location(text, text))
     if found is None or found.status is None:
         return None
     return found.status.st_ino, found.status.st_size, found.status.st_mtime_ns
@@ -208,8 +218,15 @@ class ChunkChecker:
         self._passed.pop(path, None)
 
     def _read(self, path: str) -> fmt.SequenceRecord | str:
+        # Verifying reads every byte, and a chunk handed over is loaded from the same open
+        # files: a small chunk is read whole once, rather than once per header, trailer,
+        # metadata tensor and run of pages, here and in the worker's load.
+        whole = tuning.WHOLE_READ_MAX_BYTES if self.verify or self.hand_over else 0
         try:
-            snapshot = Snapshot.open(path, verify=True, keys=self.keys)
+            snapshot = Snapshot(
+                open_snapshot(path, verify=True, keys=self.keys, read_whole_max_bytes=whole),
+                path,
+            )
             kept = False
             try:
                 reason = self._checked(snapshot)

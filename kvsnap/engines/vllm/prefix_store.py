@@ -40,7 +40,7 @@ from kvsnap import format as fmt
 from kvsnap.engines.vllm.identity import KEY_PATTERN
 from kvsnap.errors import KVSnapError
 from kvsnap.store import resolve
-from kvsnap.store.location import Location
+from kvsnap.store.location import INDEX_SUFFIX, Location
 from kvsnap.store.resolve import Committed, snapshot_names
 
 #: Suffix of every chunk file.
@@ -77,9 +77,20 @@ def _names(path: str | os.PathLike[str]) -> tuple[Path, Path]:
 
 
 def _committing(path: str | os.PathLike[str], *, regular: bool) -> Committed | None:
-    """:func:`kvsnap.store.resolve.committed_file` of the chunk ``path`` names (either name)."""
-    text = os.fspath(snapshot_path(path))
+    """:func:`kvsnap.store.resolve.committed_file` of the chunk ``path`` names (either name).
+
+    Works on the path's text: a scheduler asks this several times per chunk of every prompt,
+    and building ``Path`` objects for both names cost several times the ``stat`` itself."""
+    text = os.fspath(path)
+    if resolve.is_index_name(text):
+        text = text[: -len(INDEX_SUFFIX)]
     return resolve.committed_file(Location(text, text), regular=regular)
+
+
+def _is_committed(path: str | os.PathLike[str]) -> bool:
+    """Whether :func:`committed_file` of ``path`` would name a file (without making its
+    ``Path``)."""
+    return _committing(path, regular=True) is not None
 
 
 def committed_file(path: str | os.PathLike[str]) -> Path | None:
@@ -189,7 +200,8 @@ class PrefixStore:
         """Where the chunk ending with the block of store key ``last_key`` lives."""
         if not KEY_PATTERN.fullmatch(last_key):
             raise ValueError(f"not a store key (64 hex digits): {last_key!r}")
-        return self.chunks / last_key[:2] / f"{last_key}{CHUNK_SUFFIX}"
+        # One Path from the text: joining Path objects twice cost more than the lookups after.
+        return Path(f"{self.chunks}{os.sep}{last_key[:2]}{os.sep}{last_key}{CHUNK_SUFFIX}")
 
     def chunk_directory(self, path: str | os.PathLike[str]) -> Path:
         """The directory of the chunk at ``path``, created (with the store's own permissions,
@@ -226,13 +238,13 @@ class PrefixStore:
     def _longest_in_span(self, chain: Sequence[str], start: int, end: int) -> ChunkRef | None:
         for last in range(end, start, -1):
             path = self.chunk_path(chain[last - 1])
-            if committed_file(path) is not None:
+            if _is_committed(path):
                 return ChunkRef(str(path), start, last - start)
         return None
 
     def has_chunk(self, path: str | os.PathLike[str]) -> bool:
         """Whether the chunk at ``path`` (``HASH.safetensors``) is stored, in either form."""
-        return committed_file(path) is not None
+        return _is_committed(path)
 
     def touch(self, path: str | os.PathLike[str]) -> bool:
         """Record that the chunk at ``path`` was used now: the access time of its

@@ -34,10 +34,12 @@ from kvsnap.engines.vllm import (
 )
 from kvsnap.engines.vllm import worker as worker_module
 from kvsnap.engines.vllm.chunk_check import CHECKED_CHUNKS, CheckedChunks
+from kvsnap.engines.vllm.specs import ChunkLoad, KVSnapConnectorMetadata, LoadSpec
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import hot, publish
 from kvsnap.store.hot import HotTier
+from tests.support.vllm_worker_helpers import cache_blocks, chunk_saves, load_saves, make_worker
 
 BLOCK = 4
 HEADS, HEAD_DIM, LAYERS = 2, 8, 2
@@ -459,3 +461,52 @@ def test_a_checked_chunk_is_handed_to_the_worker_of_the_process_while_unchanged(
     assert snapshots[0].parts[0].reader.local_files() is None
     assert small.take(second.path, None) is snapshots[1]
     snapshots[1].close()
+
+
+def test_a_handed_over_chunk_is_read_once_and_every_page_it_loads_is_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``verify`` the scheduler's check reads a small chunk whole with one read, and the
+    worker of its process loads the chunk it is handed from those bytes without reading the
+    file again, bit-exact; a page whose bytes changed after the check (flipped in memory) is
+    still refused as the worker copies it, and its blocks are reported for recomputing."""
+    worker = make_worker(tmp_path)
+    saves = chunk_saves(worker, "r1", [1, 2, 3, 4])
+    worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
+    worker.wait_for_writes()
+    prompt = np.concatenate([spec.token_ids for spec in saves])
+    chain = store_key_chain(prompt, BLOCK, CacheIdentity())
+    chunks = worker.store.longest_prefix(chain).chunks
+    assert [chunk.path for chunk in chunks] == [spec.path for spec in saves]
+    CHECKED_CHUNKS.clear()
+    checker = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=True, hand_over=True)
+    reads: list[tuple[int, int]] = []
+    real = os.preadv
+
+    def recording(fd: int, buffers: list[memoryview], offset: int) -> int:
+        reads.append((offset, sum(len(b) for b in buffers)))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", recording)
+    for chunk in chunks:
+        assert not isinstance(checker.check(chunk, prompt, chain), str)
+    assert reads == [(0, Path(chunk.path).stat().st_size) for chunk in chunks]
+    reads.clear()
+    load_saves(worker, saves, [9, 10, 11, 12])
+    assert reads == []  # the worker copied the bytes the check read, checking every page
+    for loaded, saved in zip(
+        cache_blocks(worker, [9, 10, 11, 12]), cache_blocks(worker, [1, 2, 3, 4]), strict=True
+    ):
+        assert torch.equal(loaded.view(torch.int16), saved.view(torch.int16))
+    # A byte of a page flipped in the kept bytes after the check: that chunk fails its load.
+    checker.forget(chunks[1].path)
+    assert not isinstance(checker.check(chunks[1], prompt, chain), str)
+    reader = CHECKED_CHUNKS._open[chunks[1].path][0].parts[0].reader
+    entry = reader.open_files[0].layout.by_name["layers.1.value"]
+    reader.open_files[0].source._whole[entry.begin + 5] ^= 0x40
+    reads.clear()
+    load = ChunkLoad(chunks[1].path, np.arange(2), np.asarray([13, 14]))
+    worker.start_load_kv(KVSnapConnectorMetadata(loads=[LoadSpec("again", (load,), 8)]))
+    assert worker.get_block_ids_with_load_errors() == {13, 14}
+    assert reads == []
+    worker.shutdown()

