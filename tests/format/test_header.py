@@ -86,6 +86,21 @@ def test_a_header_checked_as_bytes_gets_what_its_entry_checks_give(
         # The decoded entries stay the intact file's: only the bytes compared differ.
         found, _, _ = _expected_either_way(decoded, edited)
         assert found.header == whole.header != edited
+    # Two entries' names swapped (the same bytes but for them, far into the header): it decodes,
+    # and both paths refuse it for the order of its tensors.
+    first = whole.header.index(b'"layers.0.value"')
+    second = whole.header.index(b'"layers.1.value"')
+    swapped = (
+        whole.header[:first]
+        + b'"layers.1.value"'
+        + whole.header[first + 16 : second]
+        + b'"layers.0.value"'
+        + whole.header[second + 16 :]
+    )
+    clear_caches()
+    refused = fmt.decode_header(swapped, whole.file_size)
+    with pytest.raises(SnapshotCorruptError, match="out of place"):
+        _expected_either_way(refused, swapped)
 
 
 def test_sharding_keeps_file_order_and_bounds(metadata: fmt.SnapshotMetadata) -> None:

@@ -34,6 +34,7 @@ from kvsnap.engines.vllm import (
 )
 from kvsnap.engines.vllm import worker as worker_module
 from kvsnap.engines.vllm.chunk_check import CHECKED_CHUNKS, CheckedChunks
+from kvsnap.engines.vllm.prefix_store import committed_file, index_path
 from kvsnap.engines.vllm.specs import ChunkLoad, KVSnapConnectorMetadata, LoadSpec
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
@@ -230,6 +231,27 @@ def test_touch_of_a_chunk_gone_is_a_miss(tmp_path: Path) -> None:
     aside = path.with_name(publish.temp_name(path.name))
     os.rename(path, aside)
     assert store.touch(path) is False
+
+
+def test_a_chunk_is_found_and_touched_by_either_of_its_names(tmp_path: Path) -> None:
+    """``committed_file``, ``has_chunk`` and ``touch`` take a chunk's ``HASH.safetensors`` or
+    its index name alike: a single-file chunk is found, and its use recorded on the file, by
+    the name of the index it does not have."""
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=1)
+    path = _write_chunk(store, _prompt(1, seed=96), 0, 1)
+    by_index = index_path(path)
+    assert by_index.name == path.name + ".index.json" and not by_index.exists()
+    for name in (path, str(path), by_index, str(by_index)):
+        assert committed_file(name) == path
+        assert store.has_chunk(name)
+    os.utime(path, ns=(1_000_000_000, path.stat().st_mtime_ns))
+    modified = path.stat().st_mtime_ns
+    assert store.touch(by_index) is True
+    assert path.stat().st_atime_ns > 1_000_000_000 and path.stat().st_mtime_ns == modified
+    path.unlink()
+    for name in (path, by_index):
+        assert committed_file(name) is None and not store.has_chunk(name)
+        assert store.touch(name) is False
 
 
 _DEAD_WRITER = """
