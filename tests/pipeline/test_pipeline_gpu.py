@@ -184,7 +184,7 @@ def test_a_corrupt_page_in_a_late_piece_of_a_slot_is_not_written(tmp_path, monke
     monkeypatch.setattr(fused, "MIN_UPLOAD_CHUNK_BYTES", 1 << 20)
 
     geometry = {"layers": 8, "heads": 8, "head_dim": 64, "blocks": 256, "device": "cuda"}
-    sources, content = caches("vllm-nhd", **geometry)  # 16 KiB pages, 32 MiB: 8 slots
+    sources, content = caches("vllm-nhd", **geometry)  # 4 KiB pages, 16 MiB: 4 slots
     blocks = list(range(0, 256, 2))
     path = tmp_path / "snap.safetensors"
     capture([sources[0].layout], sequences([blocks]), path, source=SOURCE)
@@ -230,7 +230,7 @@ def test_slots_released_piece_by_piece_restore_exactly(tmp_path, monkeypatch, pi
     monkeypatch.setattr(fused, "UPLOAD_CHUNKS_PER_SLOT", pieces)
     monkeypatch.setattr(fused, "MIN_UPLOAD_CHUNK_BYTES", 1 << 20)
     geometry = {"layers": 8, "heads": 8, "head_dim": 64, "blocks": 256, "device": "cuda"}
-    sources, content = caches("vllm-nhd", **geometry)  # 16 KiB pages, 32 MiB: 8 slots
+    sources, content = caches("vllm-nhd", **geometry)  # 4 KiB pages, 16 MiB: 4 slots
     blocks = list(range(256))
     path = tmp_path / "snap.safetensors"
     capture([sources[0].layout], sequences([blocks]), path, source=SOURCE)
@@ -390,13 +390,19 @@ def test_hot_chunks_share_slots_and_a_damaged_one_fails_only_its_block(
 def test_a_hot_restore_loads_as_much_as_the_device_buffer_whatever_the_job_size(
     tmp_path, monkeypatch
 ):
-    # 32 MiB is a small job (16 MiB slots of kvsnap's own staging: two slots when read), but
-    # nothing is read into a slot of hot files: one load of the device buffer's size.
+    # Two small slots' worth of pages is a small job (slots of SMALL_SLOT_BYTES when read),
+    # but nothing is read into a slot of hot files: one load of up to the device buffer's size.
+    from kvsnap.pipeline.options import LARGE_SLOT_BYTES, SMALL_SLOT_BYTES
     from kvsnap.store.hot import configure_hot_tier
 
-    geometry = {"layers": 8, "heads": 8, "head_dim": 64, "blocks": 128, "device": "cuda"}
-    sources, content = caches("vllm-nhd", **geometry)  # 16 KiB pages, 32 MiB
-    blocks = list(range(128))
+    probe, _ = caches("vllm-nhd", layers=8, heads=8, head_dim=64, blocks=1, fill=False)
+    geometry_of = probe[0].layout.geometry
+    block_bytes = geometry_of.canonical_page_size_bytes * len(geometry_of.tensor_names())
+    num_blocks = 2 * SMALL_SLOT_BYTES // block_bytes
+    assert 2 * SMALL_SLOT_BYTES <= LARGE_SLOT_BYTES
+    geometry = {"layers": 8, "heads": 8, "head_dim": 64, "blocks": num_blocks, "device": "cuda"}
+    sources, content = caches("vllm-nhd", **geometry)
+    blocks = list(range(num_blocks))
     path = tmp_path / "snap.safetensors"
     capture([sources[0].layout], sequences([blocks]), path, source=SOURCE)
     path.read_bytes()
