@@ -20,6 +20,7 @@ from kvsnap import format as fmt
 from kvsnap.caches import clear_caches
 from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
 from kvsnap.store import SnapshotReader
+from tests.support.reads import record_preadv
 from tests.support.store_helpers import build, page_of, write_snapshot
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
@@ -391,14 +392,7 @@ def test_a_small_file_read_whole_is_read_once_and_served_as_it_was_then(
     path = tmp_path / "snap.safetensors"
     write_snapshot(path, metadata, pages)
     size = path.stat().st_size
-    reads: list[tuple[int, int]] = []
-    real = os.preadv
-
-    def recording(fd: int, buffers: list[memoryview], offset: int) -> int:
-        reads.append((offset, sum(len(b) for b in buffers)))
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", recording)
+    reads = record_preadv(monkeypatch)
     blocks = np.arange(metadata.num_blocks)
     out = np.empty(len(blocks) * page, dtype=np.uint8)
     expected = b"".join(page_of(pages["layers.1.value"], page, b) for b in blocks.tolist())

@@ -40,6 +40,7 @@ from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import hot, publish
 from kvsnap.store.hot import HotTier
+from tests.support.reads import record_preadv
 from tests.support.vllm_worker_helpers import cache_blocks, chunk_saves, load_saves, make_worker
 
 BLOCK = 4
@@ -502,14 +503,7 @@ def test_a_handed_over_chunk_is_read_once_and_every_page_it_loads_is_checked(
     assert [chunk.path for chunk in chunks] == [spec.path for spec in saves]
     CHECKED_CHUNKS.clear()
     checker = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=True, hand_over=True)
-    reads: list[tuple[int, int]] = []
-    real = os.preadv
-
-    def recording(fd: int, buffers: list[memoryview], offset: int) -> int:
-        reads.append((offset, sum(len(b) for b in buffers)))
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", recording)
+    reads = record_preadv(monkeypatch)
     for chunk in chunks:
         assert not isinstance(checker.check(chunk, prompt, chain), str)
     assert reads == [(0, Path(chunk.path).stat().st_size) for chunk in chunks]
