@@ -26,7 +26,7 @@ from kvsnap.pipeline.slots import SlotLoad
 from kvsnap.pipeline.staging import StagingRing
 from kvsnap.store import SnapshotReader, TraceHook, traced
 from kvsnap.store.hot import HotFile, hot_tier
-from kvsnap.store.slot_reads import held_page_failures
+from kvsnap.store.slot_reads import PageRuns, held_page_failures
 from kvsnap.transfer.pinned import Slot
 
 
@@ -44,26 +44,29 @@ class SnapshotPages:
         self.page_size_bytes = reader.metadata.geometry.canonical_page_size_bytes
         self.hot = hot
 
-    def uploads(self, load: SlotLoad, page_blocks: np.ndarray) -> list[tuple[Any, int]]:
+    def uploads(
+        self, load: SlotLoad, page_blocks: np.ndarray, room: int
+    ) -> tuple[SlotLoad, list[tuple[Any, int]]]:
         """``load``'s pages (page ``i`` is snapshot block ``page_blocks[i]``) as host→device
-        copies out of the hot files' mappings: per run of pages consecutive in a file and in
-        the slot, the mapped bytes and their offset in the slot (one run per slot when the
-        slot's pages follow each other in the file)."""
+        copies out of the hot files' mappings: per span of the files, the mapped bytes and
+        their offset in the slot, with ``load`` as the slot then holds it.
+
+        A span is a run of pages consecutive in a file and in the slot (one per slot when the
+        slot's pages follow each other in the file), or several such runs apart in one file by
+        no more than a page of padding, when the slot's bytes padding included stay within
+        ``room``: the pages then lie in the slot as in the file. A one-block prefix of a model
+        whose page is no multiple of the files' alignment (MLA's 18 KiB pages) is otherwise
+        one run per layer, and each run costs the host a copy call (61 of them per slot).
+        """
         assert self.hot is not None
         runs = self.reader.page_runs(load.page_tensors, page_blocks, load.page_offsets)
-        lengths = (runs.stops - runs.starts) * self.page_size_bytes
+        load, spans = _spans(load, runs, self.page_size_bytes, room)
         uploads = []
-        for file, begin, length, slot_offset in zip(
-            runs.files.tolist(),
-            runs.file_offsets.tolist(),
-            lengths.tolist(),
-            runs.slot_offsets.tolist(),
-            strict=True,
-        ):
+        for file, begin, length, slot_offset in spans:
             host = self.hot[file].host
             assert host is not None  # leased entries stay mapped
             uploads.append((host[begin : begin + length], slot_offset))
-        return uploads
+        return load, uploads
 
     def read_async(
         self,
@@ -92,6 +95,50 @@ class SnapshotPages:
         """The stored xxh3-64 of ``load``'s pages (page ``i`` is snapshot block
         ``page_blocks[i]``)."""
         return self.reader.stored_checksums(load.page_tensors, page_blocks)
+
+
+def _spans(
+    load: SlotLoad, runs: PageRuns, page_size_bytes: int, room: int
+) -> tuple[SlotLoad, list[tuple[int, int, int, int]]]:
+    """``load`` and its spans (file, first byte there, length, offset in the slot): runs of one
+    file apart by at most a page of padding joined, where the slot's bytes fit ``room``."""
+    lengths = (runs.stops - runs.starts) * page_size_bytes
+    rows = list(
+        zip(
+            *(a.tolist() for a in (runs.files, runs.file_offsets, lengths, runs.slot_offsets)),
+            strict=True,
+        )
+    )
+    if len(lengths) < 2:
+        return load, rows
+    run_ends = runs.file_offsets + lengths
+    gaps = runs.file_offsets[1:] - run_ends[:-1]
+    joins = (runs.files[1:] == runs.files[:-1]) & (gaps >= 0) & (gaps <= page_size_bytes)
+    in_order = (
+        runs.starts[0] == 0
+        and runs.stops[-1] == load.num_pages
+        and np.array_equal(runs.starts[1:], runs.stops[:-1])
+    )
+    if not joins.any() or not in_order:
+        return load, rows
+    firsts = np.flatnonzero(np.concatenate(([True], ~joins)))  # each span's first run
+    span_of_run = np.cumsum(np.concatenate(([False], ~joins)))
+    span_begins = runs.file_offsets[firsts]
+    span_lengths = np.maximum.reduceat(run_ends, firsts) - span_begins
+    if int(span_lengths.sum()) > room:
+        return load, rows
+    span_slot_offsets = np.concatenate(([0], np.cumsum(span_lengths)[:-1]))
+    run_slot_offsets = span_slot_offsets[span_of_run] + runs.file_offsets - span_begins[span_of_run]
+    run_of_page = np.repeat(np.arange(len(lengths)), runs.stops - runs.starts)
+    page_offsets = (
+        run_slot_offsets[run_of_page]
+        + (np.arange(load.num_pages) - runs.starts[run_of_page]) * page_size_bytes
+    )
+    spans = zip(
+        *(a.tolist() for a in (runs.files[firsts], span_begins, span_lengths, span_slot_offsets)),
+        strict=True,
+    )
+    return SlotLoad(load.page_tensors, load.page_positions, page_offsets), list(spans)
 
 
 def lease_hot_files(reader: SnapshotReader, *, admit: bool) -> list[HotFile] | None:
@@ -170,10 +217,14 @@ def restore_slots(
     ``hot_slot_bytes``: the most bytes a slot of hot files carries (default: the ring's slot
     size; nothing is read into such a slot, only the device buffer bounds it).
     """
-    runs = [_RestoreRun(mover, ring, s.pages, s.blocks, progress, trace) for s in sources]
+    hot_slot_bytes = hot_slot_bytes or ring.slot_bytes
+    runs = [
+        _RestoreRun(mover, ring, s.pages, s.blocks, progress, trace, hot_slot_bytes)
+        for s in sources
+    ]
     completed: queue.SimpleQueue[_Reading] = queue.SimpleQueue()
     pairs = ((run, load) for run, s in zip(runs, sources, strict=True) for load in s.loads)
-    remaining = _PendingLoads(_packed(pairs, hot_slot_bytes or ring.slot_bytes))
+    remaining = _PendingLoads(_packed(pairs, hot_slot_bytes))
     checked: list[_Checked] = []
     reading = 0
     try:
@@ -259,9 +310,10 @@ def _submit_packed(group: _Group, slot: Slot, checked: list[_Checked]) -> Any:
             targets.append(run.target_blocks[load.page_positions])
             blocks.append(page_blocks)
             expected.append(run.pages.stored(load, page_blocks))
-            uploads.extend(
-                (host, at + first_byte) for host, at in run.pages.uploads(load, page_blocks)
-            )
+            # No padding in a packed slot: its loads' bytes were counted without any.
+            room = load.num_bytes(page_bytes)
+            _, spans = run.pages.uploads(load, page_blocks, room)
+            uploads.extend((host, at + first_byte) for host, at in spans)
             parts.append((run, load, first_page))
             first_page += load.num_pages
             first_byte += load.num_bytes(page_bytes)
@@ -380,8 +432,10 @@ class _RestoreRun:
         blocks: tuple[np.ndarray, np.ndarray],
         progress: Callable[[int], None],
         trace: TraceHook | None,
+        hot_slot_bytes: int,
     ) -> None:
         self.mover, self.ring, self.pages, self.trace = mover, ring, pages, trace
+        self.hot_slot_bytes = hot_slot_bytes
         self.snapshot_blocks, self.target_blocks = blocks
         self.progress = progress
         self.on_device = mover.hashes_pages and pages.reader.verifies
@@ -477,7 +531,9 @@ class _RestoreRun:
         with traced(self.trace, "transfer.prepare"):
             page_blocks = self.snapshot_blocks[positions]
             expected = self.pages.stored(moving, page_blocks) if self.on_device else None
-            uploads = self.pages.uploads(moving, page_blocks) if self.hot else None
+            uploads = None
+            if self.hot:
+                moving, uploads = self.pages.uploads(moving, page_blocks, self.hot_slot_bytes)
         nbytes = moving.num_bytes(self.pages.page_size_bytes)
         with traced(self.trace, "transfer.submit", nbytes):
             ticket = self.mover.submit(

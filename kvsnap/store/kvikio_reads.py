@@ -32,6 +32,8 @@ from kvsnap.store.tracing import TraceHook
 
 #: Bytes per task of kvikio's pool: a 64 MiB slot is 16 tasks, one per thread of 16.
 TASK_BYTES = 4 << 20
+#: The smallest piece a slot's read is cut into: a 2 MB slot is 8 pieces on 8 threads, not one.
+MIN_PIECE_BYTES = 256 << 10
 
 _STATE: dict[str, Any] = {}
 _STATE_LOCK = threading.Lock()
@@ -90,6 +92,7 @@ def read_runs_async(
     files: Sequence[tuple[KvikioFile, str]],
     runs: Sequence[tuple[int, int, np.ndarray]],
     executor: concurrent.futures.Executor,
+    threads: int,
     trace: TraceHook | None = None,
 ) -> concurrent.futures.Future[np.ndarray]:
     """Read each run ``(file index, file offset, out view)`` of ``files`` (handle, url) on
@@ -97,17 +100,22 @@ def read_runs_async(
     pages (the host checks nothing here), or the first error (a short file is a
     :class:`SnapshotCorruptError`). One thread of ``executor`` waits for kvikio (its ``get``
     lets the GIL go while it blocks: measured on the H200 host, another thread ran as fast
-    during a wait as after it); ``trace`` gets a ``read`` span per run, from its start to the
-    wait for it returning."""
+    during a wait as after it); ``trace`` gets one ``read`` span, from the start to the wait for
+    the last piece returning. Runs are read in pieces of :func:`read_piece_bytes`, in order."""
     begun = time.perf_counter()
     started = []
+    piece_bytes = read_piece_bytes(sum(out.nbytes for _, _, out in runs), threads)
     for file, file_offset, out in runs:
         handle, url = files[file]
-        started.append((handle.read_async(out, file_offset), out.nbytes, file_offset, url))
+        for start in range(0, out.nbytes, piece_bytes):
+            piece = out[start : start + piece_bytes]
+            pending = handle.read_async(piece, file_offset + start)
+            started.append((pending, piece.nbytes, file_offset + start, url))
     result: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
 
     def wait() -> None:
         error: BaseException | None = None
+        read_bytes = 0
         for pending, wanted, file_offset, url in started:
             try:
                 got = pending.get()  # every read is waited for, failed or not
@@ -116,14 +124,15 @@ def read_runs_async(
                     f"reading {wanted} bytes at {file_offset} failed: {failure}", file=url
                 )
                 continue
-            if trace is not None:
-                trace("read", begun, time.perf_counter(), got)
+            read_bytes += got
             if got < wanted and error is None:
                 error = SnapshotCorruptError(
                     f"file ended at byte {file_offset + got}, {wanted - got} bytes short "
                     "(truncated?)",
                     file=url,
                 )
+        if trace is not None:
+            trace("read", begun, time.perf_counter(), read_bytes)
         if error is not None:
             result.set_exception(error)
         else:
@@ -131,3 +140,20 @@ def read_runs_async(
 
     executor.submit(wait)
     return result
+
+
+def read_piece_bytes(slot_bytes: int, threads: int) -> int:
+    """The bytes of each read a slot of ``slot_bytes`` is cut into: a share per thread,
+    between :data:`MIN_PIECE_BYTES` and :data:`TASK_BYTES`, in whole 64 KiB.
+
+    Each piece is one task of kvikio's pool (a read of at most ``TASK_BYTES``), submitted in
+    slot order. A larger read is cut by kvikio itself, which also queues a task gathering the
+    pieces on the same pool; on the H200 host the four slots of a 2,048-token first touch,
+    read that way, all completed between 6.1 and 7.0 ms after their start instead of one
+    after the other, so the first copy to the device waited for nearly every byte
+    (docs/benchmarks.md, "First touches read in slot order"). A slot smaller than
+    ``TASK_BYTES`` would be one task on one thread.
+    """
+    share = -(-slot_bytes // max(threads, 1))
+    share = -(-share // (64 << 10)) * (64 << 10)
+    return max(MIN_PIECE_BYTES, min(TASK_BYTES, share))

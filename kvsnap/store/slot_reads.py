@@ -297,7 +297,7 @@ def _read_by_kvikio(
     flat: np.ndarray,
     trace: TraceHook | None,
 ) -> concurrent.futures.Future[np.ndarray] | None:
-    """The unchecked read of a slot's runs on kvikio's pool (it cuts each run into tasks), or
+    """The unchecked read of a slot's runs on kvikio's pool (in pieces, one task each), or
     ``None`` where some file cannot be read that way (``store/kvikio_reads.py``)."""
     threads = read_threads()
     files = []
@@ -312,7 +312,7 @@ def _read_by_kvikio(
         (file, file_offset, flat[slot_offset : slot_offset + (stop - start) * page])
         for file, file_offset, slot_offset, start, stop in runs.rows()
     ]
-    return read_runs_async(files, reads, read_executor(), trace)
+    return read_runs_async(files, reads, read_executor(), threads, trace)
 
 
 def _run_pieces(read: Callable[[_Piece], None], pieces: list[_Piece], done: Completion) -> None:

@@ -13,8 +13,10 @@ import torch
 
 from kvsnap.errors import RestoreIncompleteError
 from kvsnap.pipeline import Pipeline
+from kvsnap.pipeline.restore import SnapshotPages
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store.hot import configure_hot_tier, hot_tier
+from kvsnap.testing.caches import same_bytes
 from tests.support.pipeline_caches import SOURCE, assert_restored, caches, flip_byte, sequences
 
 pytestmark = pytest.mark.gpu
@@ -141,3 +143,45 @@ def test_hot_bytes_is_held_under_churn(tmp_path, tier):
     assert stats.evictions > 0 and stats.hits > 0
     registered = [entry for entry in hot_tier()._files.values() if entry.registered]
     assert len(registered) == stats.files
+
+
+def test_a_one_block_mla_prefix_goes_up_as_one_span_padding_included(tmp_path, tier, monkeypatch):
+    # An MLA page (here 4 tokens x 576 x 2 bytes: 4.5 KiB; 18 KiB at 16 tokens) is no multiple
+    # of the 4 KiB the files' tensors are aligned to, so a one-block prefix is one run of pages
+    # per layer, apart by a few KiB of padding. It goes up as one span, the pages lying in the
+    # device buffer as in the file, and every page is still checked and lands where it belongs.
+    tier(register_after=1)
+    shape = {"layers": 6, "blocks": 8, "latent_dim": 576}
+    sources, content = caches("mla", seed=0, **shape)
+    path = tmp_path / "mla.safetensors"
+    capture([c.layout for c in sources], sequences([[5]]), path, source=SOURCE)
+    path.read_bytes()
+    spans: list[int] = []
+    real = SnapshotPages.uploads
+
+    def counted(self, load, page_blocks, room):
+        load, uploads = real(self, load, page_blocks, room)
+        spans.append(len(uploads))
+        return load, uploads
+
+    monkeypatch.setattr(SnapshotPages, "uploads", counted)
+    targets, _ = caches("mla", seed=9, fill=False, device="cuda", **shape)
+    pipeline = Pipeline([c.layout for c in targets])
+    kinds: list[str] = []
+    pipeline.restore(path, {"s0": [2]}, trace=lambda kind, *_: kinds.append(kind))
+    torch.cuda.synchronize()
+    assert "read" not in kinds and spans == [1]
+    assert_restored(targets, content, [5], [2])
+
+    flip_byte(path, "layers.3.latent", 0)  # in place: the registered mapping sees it
+    fresh, _ = caches("mla", seed=9, fill=False, device="cuda", **shape)
+    with pytest.raises(RestoreIncompleteError) as caught:
+        Pipeline([c.layout for c in fresh]).restore(path, {"s0": [2]})
+    assert caught.value.failed_block_ids.tolist() == [2]
+    for cache in fresh:
+        for name in cache.views:
+            got = cache.logical(name)[torch.tensor([2])]
+            if name == "layers.3.latent":
+                assert not got.view(torch.uint8).any()  # the refused page was not written
+            else:
+                assert same_bytes(got, cache.expected(content, name, torch.tensor([5])))

@@ -39,10 +39,13 @@ def caches(
     fill: bool = True,
     device: str = "cpu",
     head_dim: int = 8,
+    latent_dim: int = 24,
 ) -> tuple[list[SyntheticCache], KVContent]:
     """A ``kind`` cache per TP rank and the random content of ``seed`` (filled in if ``fill``)."""
     geometry_args = (
-        {"latent_dim": 24} if kind == "mla" else {"num_kv_heads": heads, "head_dim": head_dim}
+        {"latent_dim": latent_dim}
+        if kind == "mla"
+        else {"num_kv_heads": heads, "head_dim": head_dim}
     )
     rank_caches = [
         make_cache(
