@@ -101,7 +101,8 @@ def _spans(
     load: SlotLoad, runs: PageRuns, page_size_bytes: int, room: int
 ) -> tuple[SlotLoad, list[tuple[int, int, int, int]]]:
     """``load`` and its spans (file, first byte there, length, offset in the slot): runs of one
-    file apart by at most a page of padding joined, where the slot's bytes fit ``room``."""
+    file apart by at most a page of padding joined, where the slot's bytes fit ``room`` and
+    every page stays as aligned in the slot as when the pages are packed."""
     lengths = (runs.stops - runs.starts) * page_size_bytes
     rows = list(
         zip(
@@ -113,7 +114,15 @@ def _spans(
         return load, rows
     run_ends = runs.file_offsets + lengths
     gaps = runs.file_offsets[1:] - run_ends[:-1]
-    joins = (runs.files[1:] == runs.files[:-1]) & (gaps >= 0) & (gaps <= page_size_bytes)
+    # Pages packed from 0 lie at multiples of the page size; a gap of a multiple of the page
+    # size's largest power of two keeps every page (and its 8-byte words) as aligned.
+    alignment = page_size_bytes & -page_size_bytes
+    joins = (
+        (runs.files[1:] == runs.files[:-1])
+        & (gaps >= 0)
+        & (gaps <= page_size_bytes)
+        & (gaps % alignment == 0)
+    )
     in_order = (
         runs.starts[0] == 0
         and runs.stops[-1] == load.num_pages

@@ -10,6 +10,7 @@ from kvsnap.pipeline.restore import _spans
 from kvsnap.pipeline.slots import SlotLoad, slot_loads
 from kvsnap.snapshot import capture
 from kvsnap.store import SnapshotReader
+from kvsnap.store.slot_reads import PageRuns
 from tests.support.pipeline_caches import SOURCE, caches, sequences
 
 
@@ -86,3 +87,24 @@ def test_blocks_a_page_apart_are_joined_and_farther_ones_are_not(tmp_path):
     slot_bytes = max(offset + length for _, _, length, offset in spans)
     slot = _slot_from_spans(spans, file_bytes, slot_bytes)
     _assert_pages_in_place(joined, page, where, file_bytes, slot)
+
+
+def test_runs_stay_apart_where_the_padding_would_misalign_a_page():
+    # Pages of 4,608 bytes packed from 0 are 512-byte aligned; a gap of 520 bytes would leave
+    # the second run's pages 8-byte aligned only, a gap of 512 keeps them as aligned.
+    page = 4608
+    load = SlotLoad(np.arange(2), np.zeros(2, dtype=np.int64), np.arange(2) * page)
+    for gap, joined in ((520, False), (512, True), (page + 512, False)):
+        runs = PageRuns(
+            files=np.zeros(2, dtype=np.int64),
+            file_offsets=np.array([4096, 4096 + page + gap]),
+            slot_offsets=np.array([0, page]),
+            starts=np.array([0, 1]),
+            stops=np.array([1, 2]),
+        )
+        out, spans = _spans(load, runs, page, room=1 << 20)
+        assert (len(spans) == 1) is joined
+        if joined:
+            assert out.page_offsets.tolist() == [0, page + gap]
+        else:
+            assert out is load
