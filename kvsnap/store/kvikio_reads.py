@@ -61,6 +61,10 @@ def _import_and_configure(threads: int) -> Any | None:
     if "KVIKIO_COMPAT_MODE" not in os.environ:
         settings["compat_mode"] = kvikio.CompatMode.ON
     kvikio.defaults.set(settings)
+    try:  # what the pool has: KVIKIO_NTHREADS, where set, wins over ``threads``
+        _STATE["threads"] = int(kvikio.defaults.get("num_threads"))
+    except Exception:  # an older kvikio without ``defaults.get``
+        _STATE["threads"] = settings.get("num_threads", threads)
     return kvikio
 
 
@@ -92,7 +96,6 @@ def read_runs_async(
     files: Sequence[tuple[KvikioFile, str]],
     runs: Sequence[tuple[int, int, np.ndarray]],
     executor: concurrent.futures.Executor,
-    threads: int,
     trace: TraceHook | None = None,
 ) -> concurrent.futures.Future[np.ndarray]:
     """Read each run ``(file index, file offset, out view)`` of ``files`` (handle, url) on
@@ -101,10 +104,10 @@ def read_runs_async(
     :class:`SnapshotCorruptError`). One thread of ``executor`` waits for kvikio (its ``get``
     lets the GIL go while it blocks: measured on the H200 host, another thread ran as fast
     during a wait as after it); ``trace`` gets one ``read`` span, from the start to the wait for
-    the last piece returning. Runs are read in pieces of :func:`read_piece_bytes`, in order."""
+    the last piece returning. Runs are read in pieces of :func:`read_piece_bytes`."""
     begun = time.perf_counter()
     started = []
-    piece_bytes = read_piece_bytes(sum(out.nbytes for _, _, out in runs), threads)
+    piece_bytes = read_piece_bytes(sum(out.nbytes for _, _, out in runs), _STATE["threads"])
     for file, file_offset, out in runs:
         handle, url = files[file]
         for start in range(0, out.nbytes, piece_bytes):
@@ -143,17 +146,21 @@ def read_runs_async(
 
 
 def read_piece_bytes(slot_bytes: int, threads: int) -> int:
-    """The bytes of each read a slot of ``slot_bytes`` is cut into: a share per thread,
-    between :data:`MIN_PIECE_BYTES` and :data:`TASK_BYTES`, in whole 64 KiB.
+    """The bytes of each read a slot of ``slot_bytes`` is cut into, for a kvikio pool of
+    ``threads``: a share per thread, in whole 64 KiB and at least :data:`MIN_PIECE_BYTES`,
+    where that share is smaller than one task of the pool (:data:`TASK_BYTES`); otherwise the
+    slot's whole runs (kvikio cuts each into tasks itself).
 
-    Each piece is one task of kvikio's pool (a read of at most ``TASK_BYTES``), submitted in
-    slot order. A larger read is cut by kvikio itself, which also queues a task gathering the
-    pieces on the same pool; on the H200 host the four slots of a 2,048-token first touch,
-    read that way, all completed between 6.1 and 7.0 ms after their start instead of one
-    after the other, so the first copy to the device waited for nearly every byte
-    (docs/benchmarks.md, "First touches read in slot order"). A slot smaller than
-    ``TASK_BYTES`` would be one task on one thread.
+    kvikio cuts a read into tasks of ``TASK_BYTES``, so a small slot (a 16-token prefix of 32
+    layers: 2 MB) was one task on one thread; cut over the threads it reads in a fraction of
+    the time (on the H200 host a 16-token restore's first touch 2.32 -> 2.03 ms, 80 layers
+    2.86 -> 2.19; docs/benchmarks.md). A large slot is not cut finer: the pool completes
+    the slots of a restore together whatever the cut (measured with 1, 2 and 4 MiB pieces
+    and with kvikio's own: no cut made them complete in the order they were queued), so
+    more pieces only add calls on the restoring thread.
     """
     share = -(-slot_bytes // max(threads, 1))
+    if share >= TASK_BYTES:
+        return max(slot_bytes, 1)
     share = -(-share // (64 << 10)) * (64 << 10)
-    return max(MIN_PIECE_BYTES, min(TASK_BYTES, share))
+    return max(MIN_PIECE_BYTES, share)

@@ -312,7 +312,7 @@ def _read_by_kvikio(
         (file, file_offset, flat[slot_offset : slot_offset + (stop - start) * page])
         for file, file_offset, slot_offset, start, stop in runs.rows()
     ]
-    return read_runs_async(files, reads, read_executor(), threads, trace)
+    return read_runs_async(files, reads, read_executor(), trace)
 
 
 def _run_pieces(read: Callable[[_Piece], None], pieces: list[_Piece], done: Completion) -> None:

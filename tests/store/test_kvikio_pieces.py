@@ -6,10 +6,13 @@ from __future__ import annotations
 from kvsnap.store import kvikio_reads
 
 
-def test_a_slot_read_is_cut_in_pieces_of_one_task_each_spread_over_the_threads():
+def test_a_small_slot_read_is_cut_over_the_threads_and_a_large_one_left_to_kvikio():
     mib = 1 << 20
-    assert kvikio_reads.read_piece_bytes(64 * mib, 16) == 4 * mib  # a large slot: 16 tasks
-    assert kvikio_reads.read_piece_bytes(1024 * mib, 16) == kvikio_reads.TASK_BYTES
-    assert kvikio_reads.read_piece_bytes(8 * mib, 16) == 512 << 10  # a small one: every thread
+    # A slot that gives every thread a whole task or more is read as whole runs.
+    assert kvikio_reads.read_piece_bytes(64 * mib, 16) == 64 * mib
+    assert kvikio_reads.read_piece_bytes(1024 * mib, 16) == 1024 * mib
+    # A smaller one is cut into a share per thread (whole 64 KiB, at least 256 KiB).
+    assert kvikio_reads.read_piece_bytes(8 * mib, 16) == 512 << 10
     assert kvikio_reads.read_piece_bytes(2 * mib, 16) == kvikio_reads.MIN_PIECE_BYTES
-    assert kvikio_reads.read_piece_bytes(3 * mib + 5, 4) == 832 << 10  # whole 64 KiB
+    assert kvikio_reads.read_piece_bytes(3 * mib + 5, 4) == 832 << 10
+    assert kvikio_reads.read_piece_bytes(0, 16) == kvikio_reads.MIN_PIECE_BYTES

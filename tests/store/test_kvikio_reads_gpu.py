@@ -62,7 +62,7 @@ def test_a_first_touch_reads_through_kvikio_bit_exact(tmp_path, first_touch):
         geometry = snap.metadata.geometry
     page_bytes = geometry.canonical_page_size_bytes
     assert sum(first_touch) == len(BLOCKS) * len(geometry.tensor_names()) * page_bytes
-    assert max(first_touch) <= kvikio_reads.read_piece_bytes(sum(first_touch), read_threads())
+    assert max(first_touch) <= kvikio_reads.TASK_BYTES
 
 
 def test_a_flipped_byte_read_by_kvikio_is_refused_on_the_device(tmp_path, first_touch):
@@ -85,12 +85,12 @@ def test_a_read_past_a_truncated_end_fails_as_corrupt(tmp_path, first_touch):
         handle = kvikio_reads.KvikioFile(fd, read_threads())
         whole = np.zeros(4 << 20, dtype=np.uint8)
         pool = read_executor()
-        read = kvikio_reads.read_runs_async([(handle, str(path))], [(0, 1 << 20, whole)], pool, 4)
+        read = kvikio_reads.read_runs_async([(handle, str(path))], [(0, 1 << 20, whole)], pool)
         assert len(read.result()) == 0
         assert np.array_equal(whole, data[1 << 20 : 5 << 20])
         os.truncate(path, 3 << 20)
         cut = np.zeros(4 << 20, dtype=np.uint8)
-        read = kvikio_reads.read_runs_async([(handle, str(path))], [(0, 1 << 20, cut)], pool, 4)
+        read = kvikio_reads.read_runs_async([(handle, str(path))], [(0, 1 << 20, cut)], pool)
         with pytest.raises(SnapshotCorruptError):
             read.result()
         handle.close()
