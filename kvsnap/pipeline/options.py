@@ -38,6 +38,12 @@ LARGE_SLOT_BYTES = 64 << 20
 LARGE_JOB_BYTES = 128 << 20
 #: A restore of at least this many bytes stages through large slots.
 LARGE_RESTORE_JOB_BYTES = 128 << 20
+#: A restore whose pages the device checks (CUDA) stages through large slots from this many
+#: bytes: each slot costs the host its enqueue, and a first touch of 36-67 MB took 25-33% less
+#: time through 64 MiB slots than through 16 MiB ones on the H200 (42 MB: 5.92 -> 4.42 ms;
+#: docs/benchmarks.md). Caches in host memory keep the larger bound: there the slots overlap
+#: the reads with the host's copies (42 MB: 13 ms through small slots, 29 through a large one).
+LARGE_DEVICE_RESTORE_JOB_BYTES = 32 << 20
 #: Slots of each size kvsnap keeps pinned per process at most (pinned on first use).
 SHARED_SLOTS = 8
 #: A restore slot goes up to the device in this many pieces (each at least

@@ -501,9 +501,15 @@ class Pipeline:
         names = self.geometry.tensor_names()
         pages_total = sum(len(move.blocks[0]) for move in moves) * len(names)
         total_bytes = page_bytes * pages_total
-        with traced(trace, "setup.staging"):
-            ring = staging_ring(staging or StagingOptions(), page_bytes, total_bytes, restore=True)
         mover = self._mover(Direction.HOST_TO_DEVICE)
+        with traced(trace, "setup.staging"):
+            ring = staging_ring(
+                staging or StagingOptions(),
+                page_bytes,
+                total_bytes,
+                restore=True,
+                device_checked=mover.hashes_pages,
+            )
         # Nothing is read into a slot of hot files: with kvsnap's own staging their loads are
         # as large as the device buffer, whatever the job's size (a 42 MB prefix of 80 layers
         # is one slot, not three of 16 MiB); a caller's own slot shape is kept.

@@ -124,10 +124,15 @@ def release_shared_staging() -> None:
 
 
 def staging_ring(
-    options: StagingOptions, page_size_bytes: int, job_bytes: int, *, restore: bool = False
+    options: StagingOptions,
+    page_size_bytes: int,
+    job_bytes: int,
+    *,
+    restore: bool = False,
+    device_checked: bool = False,
 ) -> StagingRing:
-    """The ring a call (a capture, or with ``restore`` a restore) of ``job_bytes`` over pages of
-    ``page_size_bytes`` stages through.
+    """The ring a call (a capture, or with ``restore`` a restore, ``device_checked`` when the
+    device checks its pages) of ``job_bytes`` over pages of ``page_size_bytes`` stages through.
 
     Raises ``ValueError`` when a caller's pool cannot hold one page.
     """
@@ -142,7 +147,13 @@ def staging_ring(
         slot_bytes = max(options.slot_bytes or SMALL_SLOT_BYTES, page_size_bytes)
         pool = PinnedPool(slot_bytes, options.num_slots or SHARED_SLOTS, lazy=True)
         return StagingRing(pool, owned=True)
-    large_from = defaults.LARGE_RESTORE_JOB_BYTES if restore else defaults.LARGE_JOB_BYTES
+    large_from = defaults.LARGE_JOB_BYTES
+    if restore:
+        large_from = (
+            defaults.LARGE_DEVICE_RESTORE_JOB_BYTES
+            if device_checked
+            else defaults.LARGE_RESTORE_JOB_BYTES
+        )
     slot_bytes = LARGE_SLOT_BYTES if job_bytes >= large_from else SMALL_SLOT_BYTES
     if page_size_bytes > slot_bytes:
         pool = PinnedPool(page_size_bytes, 2, lazy=True)  # pages larger than any shared slot

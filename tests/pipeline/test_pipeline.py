@@ -331,11 +331,17 @@ def test_captures_and_restores_take_large_slots_from_their_own_thresholds(monkey
 
     monkeypatch.setattr(options, "LARGE_JOB_BYTES", 1000)
     monkeypatch.setattr(options, "LARGE_RESTORE_JOB_BYTES", 5000)
+    monkeypatch.setattr(options, "LARGE_DEVICE_RESTORE_JOB_BYTES", 3000)
     small, large, default = options.SMALL_SLOT_BYTES, options.LARGE_SLOT_BYTES, StagingOptions()
     assert staging.staging_ring(default, 256, 999).slot_bytes == small
     assert staging.staging_ring(default, 256, 1000).slot_bytes == large
     assert staging.staging_ring(default, 256, 1000, restore=True).slot_bytes == small
+    assert staging.staging_ring(default, 256, 3000, restore=True).slot_bytes == small
     assert staging.staging_ring(default, 256, 5000, restore=True).slot_bytes == large
+    # A restore the device checks takes large slots from its own, lower threshold.
+    on_device = {"restore": True, "device_checked": True}
+    assert staging.staging_ring(default, 256, 2999, **on_device).slot_bytes == small
+    assert staging.staging_ring(default, 256, 3000, **on_device).slot_bytes == large
 
 
 @pytest.mark.parametrize("slot_pages", [1, 1000])
