@@ -107,7 +107,8 @@ def read_runs_async(
     the last piece returning. Runs are read in pieces of :func:`read_piece_bytes`."""
     begun = time.perf_counter()
     started = []
-    piece_bytes = read_piece_bytes(sum(out.nbytes for _, _, out in runs), _STATE["threads"])
+    threads = _STATE.get("threads", 1)  # set when the first KvikioFile configured the pool
+    piece_bytes = read_piece_bytes(sum(out.nbytes for _, _, out in runs), threads)
     for file, file_offset, out in runs:
         handle, url = files[file]
         for start in range(0, out.nbytes, piece_bytes):

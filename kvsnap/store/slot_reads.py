@@ -297,7 +297,7 @@ def _read_by_kvikio(
     flat: np.ndarray,
     trace: TraceHook | None,
 ) -> concurrent.futures.Future[np.ndarray] | None:
-    """The unchecked read of a slot's runs on kvikio's pool (in pieces, one task each), or
+    """The unchecked read of a slot's runs on kvikio's pool (a small slot cut over its threads), or
     ``None`` where some file cannot be read that way (``store/kvikio_reads.py``)."""
     threads = read_threads()
     files = []
