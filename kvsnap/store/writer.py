@@ -491,7 +491,12 @@ class SnapshotWriter:
         bytes once written."""
         future = self._target.write(shard, offset, view)
         nbytes = view.nbytes
-        future.add_done_callback(lambda f: f.cancelled() or f.exception() or self._report(nbytes))
+
+        def count_if_written(done: concurrent.futures.Future[None]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._report(nbytes)
+
+        future.add_done_callback(count_if_written)
         return future
 
     def _shutdown_threads(self, cancel: bool = False) -> None:
