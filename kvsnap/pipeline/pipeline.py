@@ -51,12 +51,11 @@ from kvsnap.pipeline.part_jobs import (
 from kvsnap.pipeline.restore import (
     FailedPages,
     RestoreSource,
-    SnapshotPages,
-    lease_hot_files,
     restore_slots,
 )
 from kvsnap.pipeline.shared_tables import shared_page_table
 from kvsnap.pipeline.slots import slot_loads
+from kvsnap.pipeline.snapshot_pages import SnapshotPages, lease_hot_files
 from kvsnap.pipeline.staging import staging_ring
 from kvsnap.store import TraceHook, traced
 from kvsnap.store.head_parts import HeadPart, open_snapshot

@@ -1,5 +1,8 @@
 """The restore loop: snapshot file -> staging slots (checksums verified) -> the engine cache.
 
+What a slot carries comes from ``snapshot_pages`` (reads, or hot files' spans) and, for hot
+files, ``packed_slots`` (several loads to a slot).
+
 A read is queued in every free slot; slots are moved into the cache in the order their reads
 complete and given back with the event of their copy, so the disk and the page cache never
 wait for the device. A page that fails its checksum (on the device where the
@@ -11,6 +14,7 @@ host memory takes no slot: its pages are checked and copied into the cache where
 
 from __future__ import annotations
 
+import functools
 import queue
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
@@ -22,152 +26,19 @@ import torch
 
 from kvsnap.errors import SnapshotCorruptError
 from kvsnap.pipeline.movers import SlotMover
+from kvsnap.pipeline.packed_slots import (
+    Checked,
+    Group,
+    collect_device_checks,
+    move_packed,
+    packed_groups,
+)
 from kvsnap.pipeline.slots import SlotLoad
+from kvsnap.pipeline.snapshot_pages import SnapshotPages
 from kvsnap.pipeline.staging import StagingRing
-from kvsnap.store import SnapshotReader, TraceHook, traced
-from kvsnap.store.hot import HotFile, hot_tier
-from kvsnap.store.slot_reads import PageRuns, held_page_failures
+from kvsnap.store import TraceHook, traced
+from kvsnap.store.slot_reads import held_page_failures
 from kvsnap.transfer.pinned import Slot
-
-
-class SnapshotPages:
-    """The pages of one open snapshot as a restore reads them: a slot's pages in one call.
-
-    ``hot``: the snapshot's files held by the hot tier (one per file, leased by the caller):
-    then nothing is read, and each slot's pages go to the device straight from the files'
-    registered mappings (:meth:`uploads`).
-    """
-
-    def __init__(self, reader: SnapshotReader, hot: Sequence[HotFile] | None = None) -> None:
-        self.reader = reader
-        self.names = reader.tensor_names()
-        self.page_size_bytes = reader.metadata.geometry.canonical_page_size_bytes
-        self.hot = hot
-
-    def uploads(
-        self, load: SlotLoad, page_blocks: np.ndarray, room: int
-    ) -> tuple[SlotLoad, list[tuple[Any, int]]]:
-        """``load``'s pages (page ``i`` is snapshot block ``page_blocks[i]``) as host→device
-        copies out of the hot files' mappings: per span of the files, the mapped bytes and
-        their offset in the slot, with ``load`` as the slot then holds it.
-
-        A span is a run of pages consecutive in a file and in the slot (one per slot when the
-        slot's pages follow each other in the file), or several such runs apart in one file by
-        no more than a page of padding, when the slot's bytes padding included stay within
-        ``room``: the pages then lie in the slot as in the file. A one-block prefix of a model
-        whose page is no multiple of the files' alignment (MLA's 18 KiB pages) is otherwise
-        one run per layer, and each run costs the host a copy call (61 of them per slot).
-        """
-        assert self.hot is not None
-        runs = self.reader.page_runs(load.page_tensors, page_blocks, load.page_offsets)
-        load, spans = _spans(load, runs, self.page_size_bytes, room)
-        uploads = []
-        for file, begin, length, slot_offset in spans:
-            host = self.hot[file].host
-            assert host is not None  # leased entries stay mapped
-            uploads.append((host[begin : begin + length], slot_offset))
-        return load, uploads
-
-    def read_async(
-        self,
-        load: SlotLoad,
-        snapshot_blocks: np.ndarray,
-        out: np.ndarray,
-        trace: TraceHook | None,
-        *,
-        verify: bool = True,
-        inline: bool = False,
-    ) -> Future[np.ndarray]:
-        """Read (and, with ``verify``, check) ``load``'s pages into ``out``; the future gives
-        the pages that failed their checksum. ``inline``: a small slot may be read on this
-        thread (:meth:`SnapshotReader.read_slot_async`)."""
-        return self.reader.read_slot_async(
-            load.page_tensors,
-            snapshot_blocks[load.page_positions],
-            load.page_offsets,
-            out,
-            verify=verify,
-            trace=trace,
-            inline=inline,
-        )
-
-    def stored(self, load: SlotLoad, page_blocks: np.ndarray) -> np.ndarray:
-        """The stored xxh3-64 of ``load``'s pages (page ``i`` is snapshot block
-        ``page_blocks[i]``)."""
-        return self.reader.stored_checksums(load.page_tensors, page_blocks)
-
-
-def _spans(
-    load: SlotLoad, runs: PageRuns, page_size_bytes: int, room: int
-) -> tuple[SlotLoad, list[tuple[int, int, int, int]]]:
-    """``load`` and its spans (file, first byte there, length, offset in the slot): runs of one
-    file apart by at most a page of padding joined, where the slot's bytes fit ``room`` and
-    every page stays as aligned in the slot as when the pages are packed."""
-    lengths = (runs.stops - runs.starts) * page_size_bytes
-    rows = list(
-        zip(
-            *(a.tolist() for a in (runs.files, runs.file_offsets, lengths, runs.slot_offsets)),
-            strict=True,
-        )
-    )
-    if len(lengths) < 2:
-        return load, rows
-    run_ends = runs.file_offsets + lengths
-    gaps = runs.file_offsets[1:] - run_ends[:-1]
-    # Pages packed from 0 lie at multiples of the page size; a gap of a multiple of the page
-    # size's largest power of two keeps every page (and its 8-byte words) as aligned.
-    alignment = page_size_bytes & -page_size_bytes
-    joins = (
-        (runs.files[1:] == runs.files[:-1])
-        & (gaps >= 0)
-        & (gaps <= page_size_bytes)
-        & (gaps % alignment == 0)
-    )
-    in_order = (
-        runs.starts[0] == 0
-        and runs.stops[-1] == load.num_pages
-        and np.array_equal(runs.starts[1:], runs.stops[:-1])
-    )
-    if not joins.any() or not in_order:
-        return load, rows
-    firsts = np.flatnonzero(np.concatenate(([True], ~joins)))  # each span's first run
-    span_of_run = np.cumsum(np.concatenate(([False], ~joins)))
-    span_begins = runs.file_offsets[firsts]
-    span_lengths = np.maximum.reduceat(run_ends, firsts) - span_begins
-    if int(span_lengths.sum()) > room:
-        return load, rows
-    span_slot_offsets = np.concatenate(([0], np.cumsum(span_lengths)[:-1]))
-    run_slot_offsets = span_slot_offsets[span_of_run] + runs.file_offsets - span_begins[span_of_run]
-    run_of_page = np.repeat(np.arange(len(lengths)), runs.stops - runs.starts)
-    page_offsets = (
-        run_slot_offsets[run_of_page]
-        + (np.arange(load.num_pages) - runs.starts[run_of_page]) * page_size_bytes
-    )
-    spans = zip(
-        *(a.tolist() for a in (runs.files[firsts], span_begins, span_lengths, span_slot_offsets)),
-        strict=True,
-    )
-    return SlotLoad(load.page_tensors, load.page_positions, page_offsets), list(spans)
-
-
-def lease_hot_files(reader: SnapshotReader, *, admit: bool) -> list[HotFile] | None:
-    """Every file of ``reader``'s snapshot from the process-wide hot tier, leased (give each
-    back with :meth:`~kvsnap.store.hot.HotTier.release`), or ``None``: a file is not local or
-    not (yet) held (all or nothing; each lookup counts a hit). ``admit``: register the files
-    now (the caller's word) rather than on the tier's ``register_after``-th hit."""
-    tier = hot_tier()
-    files = reader.local_files() if tier.enabled else None
-    if files is None:
-        return None
-    leases: list[HotFile] = []
-    for path, fd, status in files:
-        entry = tier.lookup(path, fd, status, admit=admit)
-        if entry is None:
-            for leased in leases:
-                tier.release(leased)
-            return None
-        leases.append(entry)
-    return leases
 
 
 @dataclass(frozen=True)
@@ -191,13 +62,8 @@ class RestoreSource:
     blocks: tuple[np.ndarray, np.ndarray]
 
 
-#: One slot's work: the loads it carries, each with its restore (several only when packed).
-_Group = list[tuple["_RestoreRun", SlotLoad]]
 #: A read in flight: the slot's loads, the slot it reads into, and its future.
-_Reading = tuple[_Group, Slot, Future[np.ndarray]]
-#: A slot the device checks: its ticket, and per load carried its restore, the load and the
-#: load's first page in the slot.
-_Checked = tuple[Any, list[tuple["_RestoreRun", SlotLoad, int]]]
+_Reading = tuple[Group, Slot, Future[np.ndarray]]
 
 
 def restore_slots(
@@ -216,9 +82,9 @@ def restore_slots(
     in the order their reads complete, all on this thread (CUDA calls from many read threads
     would contend). Pages are verified on the device where the mover hashes pages (the reads
     then skip the host's checksums), on the read threads otherwise. Loads of hot files, which
-    are never read, are packed several to a slot where they fit (:func:`_packed`): an engine's
-    prefix of small chunks then costs a slot's host work per slot, not per chunk. Returns, per
-    source, the pages that failed their checksum: nothing of them was written.
+    are never read, are packed several to a slot where they fit (``packed_slots``): an
+    engine's prefix of small chunks then costs a slot's host work per slot, not per chunk.
+    Returns, per source, the pages that failed their checksum: nothing of them was written.
 
     ``while_copying`` is called once every slot is moved (enqueued, on a device) and before
     waiting for the device's checks: the host is idle there while the device works through
@@ -228,13 +94,12 @@ def restore_slots(
     """
     hot_slot_bytes = hot_slot_bytes or ring.slot_bytes
     runs = [
-        _RestoreRun(mover, ring, s.pages, s.blocks, progress, trace, hot_slot_bytes)
-        for s in sources
+        RestoreRun(mover, ring, s.pages, s.blocks, progress, trace, hot_slot_bytes) for s in sources
     ]
     completed: queue.SimpleQueue[_Reading] = queue.SimpleQueue()
     pairs = ((run, load) for run, s in zip(runs, sources, strict=True) for load in s.loads)
-    remaining = _PendingLoads(_packed(pairs, hot_slot_bytes))
-    checked: list[_Checked] = []
+    remaining = _PendingLoads(packed_groups(pairs, hot_slot_bytes))
+    checked: list[Checked] = []
     reading = 0
     try:
         while True:
@@ -248,7 +113,7 @@ def restore_slots(
                 run, load = group[0]
                 run.move(load, slot, read, checked)
             else:
-                _move_packed(group, slot, checked)
+                move_packed(group, slot, checked)
     finally:
         while reading:
             # A read still in flight must finish before its slot is reused.
@@ -263,101 +128,15 @@ def restore_slots(
             while_copying()
         except BaseException as error:  # raised below: the device still uses the slots
             overlapped_error = error
-    _collect_device_checks(mover, checked)
+    collect_device_checks(mover, checked)
     if overlapped_error is not None:
         raise overlapped_error
     return [run.failed() for run in runs]
 
 
-def _packed(pairs: Iterator[tuple[_RestoreRun, SlotLoad]], slot_bytes: int) -> Iterator[_Group]:
-    """The loads in order, one slot's worth each: consecutive loads of hot files checked on the
-    device share a slot while their bytes fit in it (nothing is read into it: the slot only
-    orders the device's work); every other load has a slot of its own."""
-    group: _Group = []
-    group_bytes = 0
-    for run, load in pairs:
-        load_bytes = load.num_bytes(run.pages.page_size_bytes)
-        if group and (not run.packs or group_bytes + load_bytes > slot_bytes):
-            yield group
-            group, group_bytes = [], 0
-        group.append((run, load))
-        group_bytes += load_bytes
-        if not run.packs:
-            yield group
-            group, group_bytes = [], 0
-    if group:
-        yield group
-
-
-def _move_packed(group: _Group, slot: Slot, checked: list[_Checked]) -> None:
-    """Move the loads of ``group`` (hot files, checked on the device; one run of pages each,
-    back to back) out of one slot with one submit, and give the slot back with its event."""
-    first_run = group[0][0]
-    event = None
-    try:
-        if all(run.error is None for run, _ in group):
-            event = _submit_packed(group, slot, checked)
-    except BaseException as error:
-        first_run.error = error
-    first_run.ring.release(slot, after=event)
-
-
-def _submit_packed(group: _Group, slot: Slot, checked: list[_Checked]) -> Any:
-    """The one submit of a packed slot: each load's pages follow the previous load's, with its
-    files' bytes, blocks and stored digests; returns the copy's event."""
-    tensors, offsets, targets, blocks, expected = [], [], [], [], []
-    uploads: list[tuple[Any, int]] = []
-    parts: list[tuple[_RestoreRun, SlotLoad, int]] = []
-    first_page = first_byte = 0
-    trace = group[0][0].trace
-    with traced(trace, "transfer.prepare"):
-        for run, load in group:
-            page_bytes = run.pages.page_size_bytes
-            page_blocks = run.snapshot_blocks[load.page_positions]
-            tensors.append(load.page_tensors)
-            offsets.append(load.page_offsets + first_byte)
-            targets.append(run.target_blocks[load.page_positions])
-            blocks.append(page_blocks)
-            expected.append(run.pages.stored(load, page_blocks))
-            # No padding in a packed slot: its loads' bytes were counted without any.
-            room = load.num_bytes(page_bytes)
-            _, spans = run.pages.uploads(load, page_blocks, room)
-            uploads.extend((host, at + first_byte) for host, at in spans)
-            parts.append((run, load, first_page))
-            first_page += load.num_pages
-            first_byte += load.num_bytes(page_bytes)
-        positions = np.arange(first_page, dtype=np.int64)  # not read: the mover needs none
-        packed = SlotLoad(np.concatenate(tensors), positions, np.concatenate(offsets))
-    mover = group[0][0].mover
-    with traced(trace, "transfer.submit", first_byte):
-        ticket = mover.submit(
-            packed,
-            slot,
-            np.concatenate(targets),
-            np.concatenate(blocks),
-            np.concatenate(expected),
-            uploads=uploads,
-        )
-    checked.append((ticket, parts))
-    for run, load, _ in parts:
-        run.progress(load.num_bytes(run.pages.page_size_bytes))
-    return mover.event(ticket)
-
-
-def _collect_device_checks(mover: SlotMover, checked: list[_Checked]) -> None:
-    """Wait for the device-checked slots (their flags in one copy) and note, per restore, the
-    pages their kernels refused."""
-    failed = mover.failed_pages_of([ticket for ticket, _ in checked])
-    for (_, parts), bad in zip(checked, failed, strict=True):
-        for run, load, first_page in parts:
-            mine = bad[(bad >= first_page) & (bad < first_page + load.num_pages)] - first_page
-            if len(mine):
-                run.fail(load, mine, "xxh3-64 does not match the stored checksum (device)")
-
-
 def _fill_free_slots(
     ring: StagingRing,
-    runs: Sequence[_RestoreRun],
+    runs: Sequence[RestoreRun],
     remaining: _PendingLoads,
     completed: queue.SimpleQueue[_Reading],
     *,
@@ -370,7 +149,7 @@ def _fill_free_slots(
     after a slot of hot files, which are not read: the device gets that slot now, not after
     the host has taken every free slot. The loads of a file read whole into a cache in host
     memory take no slot: they are checked and moved here, where they lie
-    (:meth:`_RestoreRun.move_held`)."""
+    (:meth:`RestoreRun.move_held`)."""
     started = 0
     while not any(run.error is not None for run in runs):
         upcoming = remaining.peek()
@@ -380,6 +159,7 @@ def _fill_free_slots(
         if first_run.held and first_run.move_held(first_load):
             remaining.take()  # moved straight out of the file's bytes: no slot, no read
             continue
+        slot: Slot | None
         if blocking and not started:
             with traced(runs[0].trace, "staging.wait"):
                 slot = ring.acquire()
@@ -397,11 +177,17 @@ def _fill_free_slots(
             ring.release(slot)
             raise
         # The read thread that completes it only queues it: this thread moves every slot.
-        read.add_done_callback(lambda done, g=group, s=slot: completed.put((g, s, done)))
+        read.add_done_callback(functools.partial(_queue_done, completed, group, slot))
         started += 1
         if run.hot:
             break
     return started
+
+
+def _queue_done(
+    completed: queue.SimpleQueue[_Reading], group: Group, slot: Slot, read: Future[np.ndarray]
+) -> None:
+    completed.put((group, slot, read))
 
 
 def _nothing_to_read() -> Future[np.ndarray]:
@@ -414,23 +200,23 @@ def _nothing_to_read() -> Future[np.ndarray]:
 class _PendingLoads:
     """A restore's slots of loads in order, the next one visible before it is taken."""
 
-    def __init__(self, groups: Iterator[_Group]) -> None:
+    def __init__(self, groups: Iterator[Group]) -> None:
         self._groups = groups
-        self._next: _Group | None = None
+        self._next: Group | None = None
 
-    def peek(self) -> _Group | None:
+    def peek(self) -> Group | None:
         if self._next is None:
             self._next = next(self._groups, None)
         return self._next
 
-    def take(self) -> _Group:
+    def take(self) -> Group:
         item = self.peek()
         assert item is not None
         self._next = None
         return item
 
 
-class _RestoreRun:
+class RestoreRun:
     """One restore's reads and moves, and the pages that failed."""
 
     def __init__(
@@ -516,7 +302,7 @@ class _RestoreRun:
         return True
 
     def move(
-        self, load: SlotLoad, slot: Slot, read: Future[np.ndarray], checked: list[_Checked]
+        self, load: SlotLoad, slot: Slot, read: Future[np.ndarray], checked: list[Checked]
     ) -> None:
         """Move the slot's pages (unless an earlier slot failed) and give it back, with the
         copy's event where the copy may still run; a slot the device checks goes on
@@ -531,7 +317,7 @@ class _RestoreRun:
         self.ring.release(slot, after=event)
 
     def _move(
-        self, load: SlotLoad, slot: Slot, read: Future[np.ndarray], checked: list[_Checked]
+        self, load: SlotLoad, slot: Slot, read: Future[np.ndarray], checked: list[Checked]
     ) -> Any:
         """Move ``load``'s verified pages out of ``slot``: the copy's event, or ``None`` when
         the copy is already done."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvsnap.pipeline.restore import _spans
 from kvsnap.pipeline.slots import SlotLoad, slot_loads
+from kvsnap.pipeline.snapshot_pages import hot_spans
 from kvsnap.snapshot import capture
 from kvsnap.store import SnapshotReader
 from kvsnap.store.slot_reads import PageRuns
@@ -50,7 +50,7 @@ def test_a_one_block_mla_prefix_is_one_span_with_the_padding(tmp_path):
     load, runs, page, where, file_bytes = _load_and_runs(path, [0])
     assert len(runs.starts) == 6
 
-    joined, spans = _spans(load, runs, page, room=1 << 20)
+    joined, spans = hot_spans(load, runs, page, room=1 << 20)
     assert len(spans) == 1
     (_, begin, length, _), padding = spans[0], int(np.diff(where).max()) - page
     assert 0 < padding < page and length == int(where[-1]) + page - begin
@@ -67,7 +67,7 @@ def test_runs_stay_apart_where_the_padding_would_not_fit_the_room(tmp_path):
     capture([c.layout for c in sources], sequences([[5]]), path, source=SOURCE)
     load, runs, page, where, file_bytes = _load_and_runs(path, [0])
 
-    same, spans = _spans(load, runs, page, room=load.num_bytes(page))
+    same, spans = hot_spans(load, runs, page, room=load.num_bytes(page))
     assert same is load and len(spans) == 6
     slot = _slot_from_spans(spans, file_bytes, load.num_bytes(page))
     _assert_pages_in_place(load, page, where, file_bytes, slot)
@@ -80,7 +80,7 @@ def test_blocks_a_page_apart_are_joined_and_farther_ones_are_not(tmp_path):
     # Snapshot blocks 3 and 5 are one page apart in each tensor (block 4 between them); block
     # 9 is three pages past 5; tensors follow each other in the file.
     load, runs, page, where, file_bytes = _load_and_runs(path, [3, 5, 9])
-    joined, spans = _spans(load, runs, page, room=1 << 30)
+    joined, spans = hot_spans(load, runs, page, room=1 << 30)
     tensors = 4
     assert len(runs.starts) == 3 * tensors
     assert len(spans) == 2 * tensors  # 3 and 5 joined in each tensor, 9 alone
@@ -102,7 +102,7 @@ def test_runs_stay_apart_where_the_padding_would_misalign_a_page():
             starts=np.array([0, 1]),
             stops=np.array([1, 2]),
         )
-        out, spans = _spans(load, runs, page, room=1 << 20)
+        out, spans = hot_spans(load, runs, page, room=1 << 20)
         assert (len(spans) == 1) is joined
         if joined:
             assert out.page_offsets.tolist() == [0, page + gap]

@@ -13,7 +13,7 @@ import torch
 
 from kvsnap.errors import RestoreIncompleteError
 from kvsnap.pipeline import Pipeline
-from kvsnap.pipeline.restore import SnapshotPages
+from kvsnap.pipeline.snapshot_pages import SnapshotPages
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store.hot import configure_hot_tier, hot_tier
 from kvsnap.testing.caches import same_bytes
