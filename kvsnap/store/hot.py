@@ -13,9 +13,10 @@ keeps one process-wide :class:`HotTier`:
   once on the caller's word (``admit=True``), so a one-off restore does not pay for it, and
   only once the page cache holds all of it (registering a cold file would read it page by
   page);
-* keyed by what identifies one version of a file (:func:`file_key`: device, inode, size,
-  modification and change times): a file replaced by rename, truncated or rewritten is a new
-  key and never served from the old mapping; entries whose path no longer names their version
+* keyed by what identifies one version of a file (:func:`file_key`: device, inode, size and
+  modification time; not the change time, which the vLLM store's record of each use moves): a
+  file replaced by rename, truncated or rewritten is a new key and never served from the old
+  mapping; entries whose path no longer names their version
   are dropped (:meth:`HotTier.prune`, run on every registration, and :meth:`HotTier.forget`);
 * an entry is unregistered and unmapped when evicted, dropped or replaced, after the last DMA
   that read it has completed.
@@ -62,14 +63,23 @@ MAX_COUNTED_FILES = 4096
 #: is ``PROT_READ``).
 _REGISTER_FLAGS = PORTABLE | READ_ONLY
 
-#: What identifies one version of a file: device, inode, size, mtime and ctime in nanoseconds.
-FileKey = tuple[int, int, int, int, int]
+#: What identifies one version of a file: device, inode, size and mtime in nanoseconds.
+FileKey = tuple[int, int, int, int]
 
 
 def file_key(status: os.stat_result) -> FileKey:
     """The key of the file version ``status`` describes. kvsnap never rewrites a published
-    file in place; a rename, truncation or rewrite changes the inode, the size or the times."""
-    return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+    file in place; a rename, truncation or rewrite changes the inode, the size or the mtime.
+
+    Not the change time: the vLLM store records every hit's use of a chunk in its access time
+    (:meth:`~kvsnap.engines.vllm.prefix_store.PrefixStore.touch`), which moves the change
+    time, so a key holding it made every hit a new version, counted once and never held. What
+    the change time alone would tell (a rewrite in place with its mtime put back) cannot make
+    a restore serve wrong bytes: a mapping of the same inode shows the file's bytes as they
+    are now, and the device checks every page against the checksums of the reader that opened
+    the file, so such pages are refused, as from any damaged file.
+    """
+    return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
 
 
 @dataclass(frozen=True)

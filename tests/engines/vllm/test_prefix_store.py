@@ -61,6 +61,32 @@ def _cache(num_blocks: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(LAYERS)]
 
 
+def test_a_chunk_the_scheduler_touches_on_every_hit_stays_one_hot_tier_entry(
+    tmp_path: Path,
+) -> None:
+    # The scheduler records every hit's use of a chunk (PrefixStore.touch: its access time,
+    # which moves the file's change time). The hot tier must still see one version of the
+    # file: registered on its second use, then hit, not a new version counted once per hit.
+    tier = HotTier(1 << 30, 2, register=False, serve_unregistered=True)
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=1)
+    path = _write_chunk(store, _prompt(1, seed=40), 0, 1)
+    path.read_bytes()  # written with O_DIRECT: loaded once, through the page cache
+    served = []
+    for _ in range(4):
+        assert store.touch(path)
+        fd = os.open(path, os.O_RDONLY)  # each hit's load opens the chunk anew
+        try:
+            entry = tier.lookup(str(path), fd, os.fstat(fd))
+        finally:
+            os.close(fd)
+        served.append(entry is not None)
+        if entry is not None:
+            tier.release(entry)
+    assert served == [False, True, True, True]
+    stats = tier.stats()
+    assert (stats.files, stats.registrations, stats.hits, stats.invalidations) == (1, 1, 2, 0)
+
+
 def _write_chunk(
     store: PrefixStore,
     prompt: np.ndarray,
