@@ -313,10 +313,13 @@ class SnapshotReader:
         source = self._files[position].source
         raw = source.read(entry.begin, entry.nbytes, tensor=name)
         expected = self._checksums.digest(name, position) if self._verify else None
-        if expected is not None and fmt.digest128(raw) != expected:
-            raise SnapshotCorruptError(
-                "does not match its xxh3-128 checksum", file=source.url, tensor=name
-            )
+        if expected is not None:
+            if fmt.digest128(raw) != expected:
+                raise SnapshotCorruptError(
+                    "does not match its xxh3-128 checksum", file=source.url, tensor=name
+                )
+            if source.holds_whole:
+                self._checksums.note_held_match(position, name)
         return raw
 
     # -- public API ------------------------------------------------------------------------
