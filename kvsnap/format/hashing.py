@@ -16,8 +16,19 @@ from kvsnap.format.constants import (
     ROOT_DIGEST,
 )
 
+_TOKEN_DTYPE = np.dtype("<i8")
+
 
 def as_token_array(token_ids: np.ndarray | Sequence[int]) -> np.ndarray:
+    """``token_ids`` as a one-dimensional contiguous little-endian int64 array (the array
+    itself when it is one already); ``ValueError``/``TypeError`` for other shapes and types."""
+    if (
+        isinstance(token_ids, np.ndarray)
+        and token_ids.dtype == _TOKEN_DTYPE
+        and token_ids.ndim == 1
+        and token_ids.flags.c_contiguous
+    ):
+        return token_ids
     tokens = np.asarray(token_ids)
     if tokens.ndim != 1:
         raise ValueError(f"token ids must be one-dimensional, got shape {tokens.shape}")
