@@ -1,9 +1,10 @@
 """A warm open keeps what a file version determines, and every trust check (issue 26).
 
-``SnapshotReader`` keeps a decoded trailer by its exact bytes and a file version's tensor
-placements by its (shared) layout, so opening the same snapshot again builds nothing per
-tensor. The claims under test: bytes changed since the last open are still refused, and a
-new version of a file at the same path is read as itself.
+``SnapshotReader`` keeps a decoded trailer by its exact bytes, and the tensor placements of
+files by their entries (shared by every file of one shape), so opening the same snapshot
+again, or another chunk of the same model, builds nothing per tensor. The claims under test:
+bytes changed since the last open are still refused, a new version of a file at the same
+path is read as itself, and files of one shape share those tables yet read as themselves.
 """
 
 from __future__ import annotations
