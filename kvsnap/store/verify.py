@@ -158,14 +158,15 @@ def _verify_run(
         )
     differs = (computed != rows).any(axis=1)
     verdicts = checksums.rows_trusted(first, rows)
-    if all(verdicts):
+    every_row_trusted = all(verdicts)
+    if every_row_trusted:
         checksums.remember_rows(first, rows)
     problems: list[Problem] = []
     for offset, entry in enumerate(entries):
         trusted = verdicts[offset]
         if trusted is False:
             problems.append(_untrusted_row(reader, entry.name))
-        elif trusted and not all(verdicts):
+        elif trusted and not every_row_trusted:
             checksums.remember_row(first + offset, rows[offset])
         if differs[offset]:
             url = open_file.source.url
