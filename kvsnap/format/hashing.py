@@ -16,8 +16,19 @@ from kvsnap.format.constants import (
     ROOT_DIGEST,
 )
 
+_TOKEN_DTYPE = np.dtype("<i8")
+
 
 def as_token_array(token_ids: np.ndarray | Sequence[int]) -> np.ndarray:
+    """``token_ids`` as a one-dimensional contiguous little-endian int64 array (the array
+    itself when it is one already); ``ValueError``/``TypeError`` for other shapes and types."""
+    if (
+        isinstance(token_ids, np.ndarray)
+        and token_ids.dtype == _TOKEN_DTYPE
+        and token_ids.ndim == 1
+        and token_ids.flags.c_contiguous
+    ):
+        return token_ids
     tokens = np.asarray(token_ids)
     if tokens.ndim != 1:
         raise ValueError(f"token ids must be one-dimensional, got shape {tokens.shape}")
@@ -51,13 +62,14 @@ def prefix_hash_chain(
         previous = bytes.fromhex(parent)
     raw = memoryview(tokens).cast("B")
     chain = []
-    for start in range(0, len(tokens), block_size):
-        count = min(block_size, len(tokens) - start)
-        hasher = xxhash.xxh3_128()
-        hasher.update(previous)
-        hasher.update(count.to_bytes(8, "little"))
-        hasher.update(raw[start * 8 : (start + count) * 8])
-        previous = hasher.digest()
+    step = block_size * 8
+    full_count = min(block_size, len(tokens)).to_bytes(8, "little")  # used by full blocks
+    digest = xxhash.xxh3_128_digest
+    # One digest call per block over the joined input: the same bytes as three updates.
+    for start in range(0, len(raw), step):
+        piece = raw[start : start + step]
+        count = full_count if len(piece) == step else (len(piece) // 8).to_bytes(8, "little")
+        previous = digest(b"".join((previous, count, piece)))
         chain.append(previous.hex())
     return chain
 

@@ -282,18 +282,22 @@ class RestoreRun:
                 with traced(self.trace, "verify", load.num_bytes(page)):
                     stored = self.pages.stored(load, page_blocks)
                     bad = held_page_failures(whole, offsets, page, stored)
-                keep = np.ones(load.num_pages, dtype=bool)
-                if len(bad):
-                    self.fail(load, bad, "xxh3-64 does not match the stored checksum")
-                    keep[bad] = False
                 # The pages' offsets in the file's bytes stand in for offsets in a slot that
                 # spans those bytes: the mover copies from slot address + page offset.
-                moving = SlotLoad(load.page_tensors[keep], load.page_positions[keep], offsets[keep])
+                moving = SlotLoad(load.page_tensors, load.page_positions, offsets)
+                if len(bad):
+                    self.fail(load, bad, "xxh3-64 does not match the stored checksum")
+                    keep = np.ones(load.num_pages, dtype=bool)
+                    keep[bad] = False
+                    moving = SlotLoad(
+                        load.page_tensors[keep], load.page_positions[keep], offsets[keep]
+                    )
+                    page_blocks = page_blocks[keep]
                 over = Slot(-1, whole.ctypes.data, whole.nbytes, torch.from_numpy(whole))
                 with traced(self.trace, "transfer.submit", moving.num_bytes(page)):
                     positions = moving.page_positions
                     ticket = self.mover.submit(
-                        moving, over, self.target_blocks[positions], page_blocks[keep]
+                        moving, over, self.target_blocks[positions], page_blocks
                     )
                     self.mover.wait(ticket)
                 self.progress(load.num_bytes(page))

@@ -48,6 +48,11 @@ class Checksums:
         self._index_digests = index_digests
         self._trailers: dict[int, tuple[bytes, ...]] = {}  # by file position
         self._rows_of: dict[int, dict[str, int]] = {}
+        # Files whose trailer came from bytes read whole as they opened, and the tensors of
+        # those bytes already found equal to their trailer digest: a second look at the same
+        # bytes can only give the same answer.
+        self._held_trailers: set[int] = set()
+        self._held_matches: set[tuple[int, str]] = set()
         self._rows: dict[int, np.ndarray] = {}  # checked rows, by layer tensor
         self._table: np.ndarray | None = None
 
@@ -72,15 +77,37 @@ class Checksums:
             )
         self._trailers[position] = digests
         self._rows_of[position] = layout.checksum_rows
+        if open_file.source.holds_whole:
+            self._held_trailers.add(position)
 
     def forget_trailer(self, position: int) -> None:
         """Drop file ``position``'s trailer (it failed a check): its tensors' digests are
         unknown again."""
         self._trailers.pop(position, None)
         self._rows_of.pop(position, None)
+        self._held_trailers.discard(position)
+        self._held_matches = {key for key in self._held_matches if key[0] != position}
 
     def has_trailer(self, position: int) -> bool:
         return position in self._trailers
+
+    def trailer_held(self, position: int) -> bool:
+        """Whether file ``position``'s trailer is loaded and was read from the bytes its
+        source read whole as it opened: reading it again would read those same bytes, which
+        :meth:`load_trailer` already checked."""
+        return position in self._held_trailers
+
+    def note_held_match(self, position: int, name: str) -> None:
+        """Record that tensor ``name``'s bytes, held whole by file ``position``'s source,
+        matched their trailer digest (:meth:`held_match`)."""
+        if position in self._held_trailers:
+            self._held_matches.add((position, name))
+
+    def held_match(self, position: int, name: str) -> bool:
+        """Whether tensor ``name`` of file ``position`` was found equal to its trailer digest
+        in the bytes its source holds whole (:meth:`note_held_match`): hashing them again
+        would hash the same bytes against the same digest."""
+        return (position, name) in self._held_matches
 
     def ensure_trailers(self) -> None:
         """Load the trailers not loaded yet (a reader opened without verification)."""
@@ -138,6 +165,17 @@ class Checksums:
         )
         return np.frombuffer(raw, dtype="<u8").reshape(count, self._reader.num_blocks)
 
+    def rows_trusted(self, first: int, rows: np.ndarray) -> list[bool | None]:
+        """:meth:`row_trusted` of each row of ``rows``, the stored checksums of layer tensors
+        ``first, first + 1, ...`` (as :meth:`stored_rows` gives them), in one pass."""
+        names = self._reader.layer_names
+        verdicts: list[bool | None] = []
+        for offset in range(len(rows)):
+            expected = self.digest(names[first + offset])
+            row = rows[offset]
+            verdicts.append(None if expected is None else _row_digest(row) == expected)
+        return verdicts
+
     def row_trusted(self, tensor: int, row: np.ndarray) -> bool | None:
         """Whether ``row`` matches layer tensor ``tensor``'s digest in the trailer; ``None``
         when that trailer is not loaded (nothing to check it against)."""
@@ -176,6 +214,18 @@ class Checksums:
             table = np.stack([self._rows[index] for index in range(tensors)])
             self._table = _keep_table(self._table_key(), table)
 
+    def remember_rows(self, first: int, rows: np.ndarray) -> None:
+        """:meth:`remember_row` of each row of ``rows`` (layer tensors ``first, first + 1,
+        ...``, every one found trusted); the whole table when ``rows`` is all of it."""
+        tensors = len(self._reader.layer_names)
+        for offset in range(len(rows)):
+            self._rows[first + offset] = rows[offset]
+        every_trailer = len(self._trailers) == len(self._reader.open_files)
+        if self._table is None and every_trailer and len(self._rows) == tensors:
+            whole = first == 0 and len(rows) == tensors and rows.dtype == np.dtype("<u8")
+            table = rows if whole else np.stack([self._rows[index] for index in range(tensors)])
+            self._table = _keep_table(self._table_key(), table)
+
     def _table_key(self) -> bytes:
         """The digest of every file's trailer (all loaded), which commit to the table."""
         trailers = [self._trailers[position] for position in range(len(self._reader.open_files))]
@@ -204,6 +254,14 @@ class Checksums:
     def _block_checksums(self) -> tuple[OpenFile, TensorEntry]:
         position, entry = self._reader.placement(fmt.BLOCK_CHECKSUMS_TENSOR)
         return self._reader.open_files[position], entry
+
+
+def _row_digest(row: np.ndarray) -> bytes:
+    """:func:`kvsnap.format.layer_tensor_digest` of a row already little-endian uint64 and
+    contiguous (as read), without a copy."""
+    if row.dtype == np.dtype("<u8") and row.flags.c_contiguous:
+        return xxhash.xxh3_128_digest(row)
+    return fmt.layer_tensor_digest(row)
 
 
 def _keep_table(key: bytes, table: np.ndarray) -> np.ndarray:

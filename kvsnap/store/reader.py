@@ -313,10 +313,13 @@ class SnapshotReader:
         source = self._files[position].source
         raw = source.read(entry.begin, entry.nbytes, tensor=name)
         expected = self._checksums.digest(name, position) if self._verify else None
-        if expected is not None and fmt.digest128(raw) != expected:
-            raise SnapshotCorruptError(
-                "does not match its xxh3-128 checksum", file=source.url, tensor=name
-            )
+        if expected is not None:
+            if fmt.digest128(raw) != expected:
+                raise SnapshotCorruptError(
+                    "does not match its xxh3-128 checksum", file=source.url, tensor=name
+                )
+            if source.holds_whole:
+                self._checksums.note_held_match(position, name)
         return raw
 
     # -- public API ------------------------------------------------------------------------
@@ -508,20 +511,24 @@ class SnapshotReader:
 #: A reader's placements of a snapshot's layer tensors: by name, their file and entry; their
 #: names in order; by name, their number.
 Placements = tuple[dict[str, tuple[int, TensorEntry]], tuple[str, ...], dict[str, int]]
-#: Placements per tuple of file layouts, by identity (``decoded_header`` shares a layout per
-#: file version) and geometry: worked out once, not on every open (~1 us a tensor).
-_PLACEMENTS: BoundedLRU[tuple[int, ...], tuple[tuple[fmt.FileLayout, ...], KVGeometry, Placements]]
+#: Placements per tuple of the files' entries, by identity (the layouts of one shape share
+#: their entries: :func:`kvsnap.format.container.pack_file`), and geometry: worked out once
+#: per shape, not on every open of a new file (~1 us a tensor).
+_PLACEMENTS: BoundedLRU[
+    tuple[int, ...], tuple[tuple[tuple[TensorEntry, ...], ...], KVGeometry, Placements]
+]
 _PLACEMENTS = BoundedLRU(64)
 
 
 def _placements(layouts: tuple[fmt.FileLayout, ...], geometry: KVGeometry) -> Placements:
     """Where each layer tensor of the files ``layouts`` lies (file position and entry), the
     layer names of ``geometry`` in order, and each name's number; shared by every reader of
-    these file versions (do not change them)."""
-    key = tuple(map(id, layouts))
+    files with these entries (do not change them)."""
+    entries = tuple(layout.entries for layout in layouts)
+    key = tuple(map(id, entries))
     known = _PLACEMENTS.get(key)
-    # The kept layouts are held, so no other object can have their ids meanwhile.
-    if known is not None and known[1] == geometry and all(map(operator.is_, known[0], layouts)):
+    # The kept entries are held, so no other object can have their ids meanwhile.
+    if known is not None and known[1] == geometry and all(map(operator.is_, known[0], entries)):
         return known[2]
     where = {
         entry.name: (index, entry)
@@ -530,5 +537,5 @@ def _placements(layouts: tuple[fmt.FileLayout, ...], geometry: KVGeometry) -> Pl
     }
     names = tuple(geometry.tensor_names())
     placements = (where, names, {name: index for index, name in enumerate(names)})
-    _PLACEMENTS.put(key, (layouts, geometry, placements))
+    _PLACEMENTS.put(key, (entries, geometry, placements))
     return placements

@@ -11,12 +11,22 @@ TraceHook = Callable[[str, float, float, int], None]
 seconds), called from worker threads; it must be cheap and thread-safe (``list.append`` is)."""
 
 
-@contextlib.contextmanager
-def traced(trace: TraceHook | None, kind: str, nbytes: int = 0) -> Iterator[None]:
+#: What :func:`traced` gives when nothing traces: one context manager that does nothing,
+#: shared (a new generator-based one per ``with`` cost more than the small steps it wraps).
+_UNTRACED = contextlib.nullcontext()
+
+
+def traced(
+    trace: TraceHook | None, kind: str, nbytes: int = 0
+) -> contextlib.AbstractContextManager[None]:
     """Report the time the ``with`` body takes to ``trace`` as a ``kind`` span (when tracing)."""
     if trace is None:
-        yield
-        return
+        return _UNTRACED
+    return _span(trace, kind, nbytes)
+
+
+@contextlib.contextmanager
+def _span(trace: TraceHook, kind: str, nbytes: int) -> Iterator[None]:
     started = time.perf_counter()
     try:
         yield

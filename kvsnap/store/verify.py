@@ -42,7 +42,9 @@ def verify_snapshot(
             try:
                 if entry.name.startswith(fmt.PADDING_PREFIX):
                     problems += _verify_padding(open_file, entry)
-                elif checksums.has_trailer(position):
+                elif checksums.has_trailer(position) and not checksums.held_match(
+                    position, entry.name
+                ):
                     problems += _verify_whole(reader, open_file, entry)
             except SnapshotCorruptError as error:
                 problems.append(Problem(error.tensor or entry.name, error.block, str(error)))
@@ -155,12 +157,16 @@ def _verify_run(
             ]
         )
     differs = (computed != rows).any(axis=1)
+    verdicts = checksums.rows_trusted(first, rows)
+    every_row_trusted = all(verdicts)
+    if every_row_trusted:
+        checksums.remember_rows(first, rows)
     problems: list[Problem] = []
     for offset, entry in enumerate(entries):
-        trusted = checksums.row_trusted(first + offset, rows[offset])
+        trusted = verdicts[offset]
         if trusted is False:
             problems.append(_untrusted_row(reader, entry.name))
-        elif trusted:
+        elif trusted and not every_row_trusted:
             checksums.remember_row(first + offset, rows[offset])
         if differs[offset]:
             url = open_file.source.url
@@ -172,12 +178,14 @@ def _verify_run(
 
 def _check_trailers(reader: SnapshotReader) -> list[Problem]:
     """Every file's trailer read again and checked (and against the index, sharded); a file
-    whose trailer fails has its tensors' digests unknown from then on."""
+    whose trailer fails has its tensors' digests unknown from then on. A trailer loaded from
+    the bytes a file was read whole into is not read again: it would be those bytes."""
     checksums = reader.checksums
     problems = []
     for position in range(len(reader.open_files)):
         try:
-            checksums.load_trailer(position)
+            if not checksums.trailer_held(position):
+                checksums.load_trailer(position)
             if checksums.sharded:
                 checksums.check_index_digest(position)
         except SnapshotCorruptError as error:
@@ -211,8 +219,11 @@ def _untrusted_row(reader: SnapshotReader, name: str) -> Problem:
 
 
 def _verify_padding(open_file: OpenFile, entry: TensorEntry) -> list[Problem]:
-    raw = open_file.source.read(entry.begin, entry.nbytes, tensor=entry.name)
-    if any(raw):
+    held = open_file.source.held(entry.begin, entry.nbytes)
+    if held is None:
+        raw = open_file.source.read(entry.begin, entry.nbytes, tensor=entry.name)
+        held = np.frombuffer(raw, dtype=np.uint8)
+    if held.any():
         url = open_file.source.url
         return [Problem(entry.name, None, f"{url}: padding {entry.name} is not all zero")]
     return []

@@ -17,3 +17,11 @@ def test_a_short_run_times_real_hits_read_whole_and_in_pieces() -> None:
     for phases in result["ms"].values():
         assert set(phases) == set(BLOCKS_TIMED)
         assert all(median > 0 for median, _ in phases.values())
+
+
+def test_calls_counts_what_a_request_read_whole_calls_in_the_match_and_the_load() -> None:
+    result = connector_hit(num_layers=2, prompts=6, tokens=160, calls=True)
+    assert set(result["calls"]) == {"match", "load"}
+    for counts in result["calls"].values():
+        assert 0 < counts["kvsnap"] < counts["all"]
+        assert counts["kvsnap functions"] > 10

@@ -40,6 +40,27 @@ def test_prefix_hash_chain_follows_its_definition() -> None:
     assert len(chain) == 3  # 4 + 4 + a partial block of 2
 
 
+def test_prefix_hash_chain_follows_its_definition_on_random_sequences() -> None:
+    """Random lengths, block sizes (longer than the sequence too) and parents: every chain
+    equals the definition's, one incremental hasher per block."""
+    rng = np.random.default_rng(26)
+    for _ in range(300):
+        tokens = rng.integers(-(2**62), 2**62, int(rng.integers(0, 200)))
+        block_size = int(rng.choice([1, 3, 16, 32, 250, 2**40]))
+        parent = None if rng.random() < 0.5 else rng.bytes(16).hex()
+        previous = bytes(16) if parent is None else bytes.fromhex(parent)
+        expected = []
+        for start in range(0, len(tokens), block_size):
+            block = tokens[start : start + block_size]
+            hasher = xxhash.xxh3_128()
+            hasher.update(previous)
+            hasher.update(struct.pack("<q", len(block)))
+            hasher.update(block.astype("<i8").tobytes())
+            previous = hasher.digest()
+            expected.append(previous.hex())
+        assert fmt.prefix_hash_chain(tokens, block_size, parent) == expected
+
+
 def test_prefix_hash_chain_is_a_prefix_identity() -> None:
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 100_000, 40)

@@ -20,6 +20,7 @@ from kvsnap import format as fmt
 from kvsnap.caches import clear_caches
 from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
 from kvsnap.store import SnapshotReader
+from kvsnap.store.source import Source
 from tests.support.reads import record_preadv
 from tests.support.store_helpers import build, page_of, write_snapshot
 
@@ -426,3 +427,50 @@ def test_a_small_file_read_whole_is_read_once_and_served_as_it_was_then(
         assert not reader.open_files[0].source.holds_whole
         reader.verify()
     assert len(reads) > 2 and (0, size) not in reads
+
+
+def test_verify_of_a_file_read_whole_reads_nothing_the_open_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file read whole as it opens: its trailer and metadata tensors, read and checked by the
+    open, are not read or hashed again by ``verify`` (the same bytes, the same digests), and a
+    flip in any of them is still refused as the file opens, named."""
+    metadata, pages = build("bf16", seed=37)
+    path = tmp_path / "snap.safetensors"
+    write_snapshot(path, metadata, pages)
+    original = path.read_bytes()
+    reads: list[tuple[int, int]] = []
+    real = Source.read
+
+    def recording(self: Source, offset: int, size: int, *, tensor: str | None = None) -> bytes:
+        reads.append((offset, size))
+        return real(self, offset, size, tensor=tensor)
+
+    monkeypatch.setattr(Source, "read", recording)
+    hashed: list[bytes] = []
+    real_digest = fmt.digest128
+
+    def recording_digest(data: bytes | memoryview | np.ndarray) -> bytes:
+        hashed.append(bytes(memoryview(data).cast("B")))
+        return real_digest(data)
+
+    monkeypatch.setattr(fmt, "digest128", recording_digest)
+    with SnapshotReader(path, read_whole_max_bytes=len(original)) as reader:
+        assert reader.verify() == []
+    assert len(reads) == len(set(reads)), sorted(reads)
+    (layout,) = fmt.file_layouts(metadata)
+    checked_at_open = [
+        name for name in layout.by_name if name.startswith(("sequences.", fmt.BLOCK_HASHES_TENSOR))
+    ]
+    for name in [*checked_at_open, fmt.BLOCK_CHECKSUMS_TENSOR]:
+        entry = layout.by_name[name]
+        assert hashed.count(original[entry.begin : entry.end]) == 1, name
+    monkeypatch.undo()
+    for name in [*checked_at_open, fmt.CHECKSUMS_TENSOR]:
+        entry = layout.by_name[name]
+        flipped = bytearray(original)
+        flipped[entry.begin] ^= 0x04
+        path.write_bytes(bytes(flipped))
+        with pytest.raises(SnapshotCorruptError) as caught:
+            SnapshotReader(path, read_whole_max_bytes=len(original))
+        assert caught.value.tensor == name

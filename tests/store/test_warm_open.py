@@ -1,13 +1,15 @@
 """A warm open keeps what a file version determines, and every trust check (issue 26).
 
-``SnapshotReader`` keeps a decoded trailer by its exact bytes and a file version's tensor
-placements by its (shared) layout, so opening the same snapshot again builds nothing per
-tensor. The claims under test: bytes changed since the last open are still refused, and a
-new version of a file at the same path is read as itself.
+``SnapshotReader`` keeps a decoded trailer by its exact bytes, and the tensor placements of
+files by their entries (shared by every file of one shape), so opening the same snapshot
+again, or another chunk of the same model, builds nothing per tensor. The claims under test:
+bytes changed since the last open are still refused, a new version of a file at the same
+path is read as itself, and files of one shape share those tables yet read as themselves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -58,3 +60,29 @@ def test_a_new_version_at_the_same_path_is_read_as_itself(tmp_path: Path) -> Non
         reader.read_pages(name, np.array([1]), out)
         assert out.tobytes() == page_of(pages[name], page, 1)
     assert first.geometry.tensor_names() != second.geometry.tensor_names()
+
+
+def test_files_of_one_shape_share_what_their_entries_determine(tmp_path: Path) -> None:
+    """Two chunks of one shape (their metadata differs in the time written): each file's
+    layout is its own, while the tables its entries determine (entries by name, the layer
+    entries, their trailer rows, the readers' placements) are worked out once, and each reader
+    still reads and checks its own file."""
+    metadata, pages = build("bf16", seed=6)
+    other = dataclasses.replace(metadata, created="2026-01-02T03:04:05Z")
+    paths = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    write_snapshot(paths[0], metadata, pages)
+    write_snapshot(paths[1], other, pages)
+    page = metadata.geometry.canonical_page_size_bytes
+    with SnapshotReader(paths[0]) as first, SnapshotReader(paths[1]) as second:
+        one, two = first.open_files[0].layout, second.open_files[0].layout
+        assert one.header != two.header
+        assert one.by_name is two.by_name
+        assert one.layer_entries is two.layer_entries
+        assert one.checksum_rows is two.checksum_rows
+        name = first.layer_names[0]
+        assert first.placement(name) is second.placement(name)
+        for reader in (first, second):
+            assert reader.verify() == []
+            out = np.empty(page, dtype=np.uint8)
+            reader.read_pages(name, np.array([2]), out)
+            assert out.tobytes() == page_of(pages[name], page, 2)
