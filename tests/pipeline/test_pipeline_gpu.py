@@ -390,16 +390,19 @@ def test_hot_chunks_share_slots_and_a_damaged_one_fails_only_its_block(
 def test_a_hot_restore_loads_as_much_as_the_device_buffer_whatever_the_job_size(
     tmp_path, monkeypatch
 ):
-    # Two small slots' worth of pages is a small job (slots of SMALL_SLOT_BYTES when read),
-    # but nothing is read into a slot of hot files: one load of up to the device buffer's size.
-    from kvsnap.pipeline.options import LARGE_SLOT_BYTES, SMALL_SLOT_BYTES
+    # A slot and a half of SMALL_SLOT_BYTES is a small job (two small slots when read, below
+    # LARGE_DEVICE_RESTORE_JOB_BYTES), but nothing is read into a slot of hot files: one load
+    # of up to the device buffer's size.
+    from kvsnap.pipeline import options
     from kvsnap.store.hot import configure_hot_tier
 
     probe, _ = caches("vllm-nhd", layers=8, heads=8, head_dim=64, blocks=1, fill=False)
     geometry_of = probe[0].layout.geometry
     block_bytes = geometry_of.canonical_page_size_bytes * len(geometry_of.tensor_names())
-    num_blocks = 2 * SMALL_SLOT_BYTES // block_bytes
-    assert 2 * SMALL_SLOT_BYTES <= LARGE_SLOT_BYTES
+    num_blocks = 3 * options.SMALL_SLOT_BYTES // (2 * block_bytes)
+    job_bytes = num_blocks * block_bytes
+    assert options.SMALL_SLOT_BYTES < job_bytes < options.LARGE_DEVICE_RESTORE_JOB_BYTES
+    assert job_bytes <= options.LARGE_SLOT_BYTES
     geometry = {"layers": 8, "heads": 8, "head_dim": 64, "blocks": num_blocks, "device": "cuda"}
     sources, content = caches("vllm-nhd", **geometry)
     blocks = list(range(num_blocks))
