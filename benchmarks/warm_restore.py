@@ -245,7 +245,7 @@ def device_steps(model, sizes: list[int], directory: Path, repeat: int) -> list[
     steps.wrap(pipeline, "staging_ring", "staging ring")
     steps.wrap(pipeline, "_hot_files", "hot lease")
     steps.wrap(pipeline, "restore_slots", "restore_slots")
-    steps.wrap(restore._RestoreRun, "collect_device_checks", "collect (waits)")
+    steps.wrap(restore, "collect_device_checks", "collect (waits)")
     steps.wrap(fused.FusedMover, "submit", "submit")
     rows = []
     configure_hot_tier(8 << 30, register_after=1)
