@@ -233,7 +233,7 @@ def held_page_failures(
     whole: np.ndarray, offsets: np.ndarray, page_bytes: int, stored: np.ndarray
 ) -> np.ndarray:
     """The sorted indices of the pages at ``offsets`` in ``whole`` (a file's bytes read whole:
-    :meth:`SnapshotReader.held_pages`) whose xxh3-64 differs from ``stored``; each run of
+    :meth:`SnapshotReader.held_file`) whose xxh3-64 differs from ``stored``; each run of
     pages that follow each other there is hashed as one buffer."""
     if not len(offsets):
         return np.empty(0, dtype=np.int64)
