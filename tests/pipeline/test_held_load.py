@@ -189,7 +189,8 @@ def test_a_held_restore_takes_no_staging_and_works_a_chunk_shape_out_once(
     """No staging slot is set up for held files; chunks of one shape (two files, one model)
     share the source side of the copy plan, and a chunk's restore makes as many Python calls
     at 8 layers as at 2: nothing per layer, rank or page runs in Python but the hashing of
-    each run of pages (one run here: tensors of whole 4 KiB file pages)."""
+    each run of pages (one run here: tensors of whole 4 KiB file pages), in which a flipped
+    byte is still found."""
 
     def no_staging(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("a held file's restore set up staging")
@@ -221,6 +222,15 @@ def test_a_held_restore_takes_no_staging_and_works_a_chunk_shape_out_once(
         pipeline.restore_chunks(jobs)
         assert pipeline._held is not None and len(pipeline._held._shapes) == 1
         calls[layers] = _python_calls(pipeline.restore_chunks, jobs[:1])
+        # One run of pages hashed as one buffer: a byte flipped in it is still found.
+        reader = snapshots[1].parts[0].reader
+        page = reader.metadata.geometry.canonical_page_size_bytes
+        held = reader.held_file()
+        assert held is not None
+        held[reader.extents().begin[3] + 2 * page + 5] ^= 0x20
+        with pytest.raises(RestoreIncompleteError, match=r"layers\.1\.value") as caught:
+            pipeline.restore_chunks(jobs[1:])
+        assert caught.value.failed_block_ids.tolist() == [6]
         for snap in snapshots:
             snap.close()
         for layer in range(layers):
