@@ -110,13 +110,27 @@ class HeldLoader:
             keep[bad] = False
             keep = keep.reshape(len(begin), count)
         with traced(trace, "transfer.submit", nbytes):
-            try:
-                for group, source in zip(self._groups, self._sources(begin), strict=True):
-                    self._copy(group, source, whole, snapshot_blocks, target_blocks, keep)
-            except (RuntimeError, OSError, ValueError) as error:
-                raise TransferFailedError(f"the held page copy failed: {error}") from error
+            self.copy_pages(whole, begin, snapshot_blocks, target_blocks, keep)
         progress(nbytes)
         return failed
+
+    def copy_pages(
+        self,
+        whole: np.ndarray,
+        begin: np.ndarray,
+        snapshot_blocks: np.ndarray,
+        target_blocks: np.ndarray,
+        keep: np.ndarray | None = None,
+    ) -> None:
+        """Copy blocks ``snapshot_blocks`` of every layer tensor out of ``whole`` (tensor
+        ``t``'s block ``b`` at ``begin[t] + b * page_bytes``; blocks sorted and distinct) into
+        blocks ``target_blocks`` of the cache, nothing checked; ``keep`` (tensors x blocks,
+        default all): the pages to copy. :class:`TransferFailedError` if numpy refuses."""
+        try:
+            for group, source in zip(self._groups, self._sources(begin), strict=True):
+                self._copy(group, source, whole, snapshot_blocks, target_blocks, keep)
+        except (RuntimeError, OSError, ValueError) as error:
+            raise TransferFailedError(f"the held page copy failed: {error}") from error
 
     def _sources(self, begin: np.ndarray) -> list[_SourceGroup]:
         """The source side of every group for chunks whose layer tensors start at ``begin``,
