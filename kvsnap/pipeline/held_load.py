@@ -187,7 +187,9 @@ class HeldLoader:
 
 
 def _cache_group(rows: GroupRows, capacity: int) -> _CacheGroup:
-    """:class:`_CacheGroup` of ``rows``: the rows of a single rank's tensors in tensor order."""
+    """:class:`_CacheGroup` of ``rows``: every (tensor, rank) row of the group, by tensor then
+    rank; ``capacity`` bounds the blocks the cache view spans (a target block past it is an
+    index numpy refuses, never an address outside the caches)."""
     group = rows.group
     tensors, ranks = np.nonzero(rows.row_of >= 0)
     row_ids = rows.row_of[tensors, ranks]
