@@ -20,6 +20,7 @@ import torch
 from kvsnap import layout as L
 from kvsnap.engines.vllm import BlockOrder, vllm_layout
 from kvsnap.errors import KVSnapError, RestoreIncompleteError
+from kvsnap.format.signing import KeyRing
 from kvsnap.pipeline import Pipeline
 from kvsnap.pipeline import pipeline as pipeline_module
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
@@ -77,28 +78,35 @@ def targets(kind: str) -> list[L.CacheLayout]:
     return [factory(TARGET_BLOCKS, rank, tp, generator)[0] for rank in range(tp)]
 
 
-def saved(tmp_path: Path, kind: str) -> Path:
-    """A snapshot of one sequence over every block of a random cache of ``kind`` (all heads)."""
+def saved(tmp_path: Path, kind: str, keys: KeyRing | None = None) -> Path:
+    """A snapshot of one sequence over every block of a random cache of ``kind`` (all heads),
+    signed by the first of ``keys`` when given."""
     factory, _ = LAYOUTS[kind]
     layout = factory(SOURCE_BLOCKS, 0, 1, torch.Generator().manual_seed(7))[0]
     tokens = np.random.default_rng(3).integers(0, 50_000, SOURCE_BLOCKS * BLOCK)
     path = tmp_path / "snapshot.safetensors"
     sequence = SequenceBlocks("seq", tokens, np.arange(SOURCE_BLOCKS))
-    capture(layout, [sequence], path, source=SOURCE)
+    capture(layout, [sequence], path, source=SOURCE, keys=keys)
     return path
 
 
 def restored(
-    path: Path, kind: str, held: bool, blocks: tuple[np.ndarray, np.ndarray]
+    path: Path,
+    kind: str,
+    held: bool,
+    blocks: tuple[np.ndarray, np.ndarray],
+    keys: KeyRing | None = None,
 ) -> tuple[str, list[int], bytes]:
     """Restore ``blocks`` = (snapshot blocks, target blocks) of ``path`` into a fresh random
-    cache of ``kind``, the file read whole (``held``) or not: the verdict (``ok``, or the
-    error's class), the target blocks refused, and every byte of the cache afterwards."""
+    cache of ``kind``, the file read whole (``held``) or not, signed by one of ``keys`` when
+    given: the verdict (``ok``, or the error's class), the target blocks refused, and every
+    byte of the cache afterwards."""
     layouts = targets(kind)
     verdict, refused = "ok", []
     try:
         whole = path.stat().st_size if held else 0
-        with Snapshot(open_snapshot(path, read_whole_max_bytes=whole), str(path)) as snap:
+        opened = open_snapshot(path, keys=keys, read_whole_max_bytes=whole)
+        with Snapshot(opened, str(path)) as snap:
             assert (snap.parts[0].reader.held_file() is not None) == held
             Pipeline(layouts).restore_blocks(snap, *blocks)
     except RestoreIncompleteError as error:
@@ -258,3 +266,26 @@ def _python_calls(run: Callable[..., object], *args: object) -> int:
     finally:
         sys.setprofile(None)
     return count
+
+
+def test_a_signed_held_file_is_refused_under_a_wrong_key_as_when_read_in_pieces(
+    tmp_path: Path,
+) -> None:
+    """Signed: under its key both restores agree byte for byte, under another key both
+    refuse the file the same way, and a flipped page is refused the same way under the key."""
+    key, other = KeyRing([b"k" * 32]), KeyRing([b"o" * 32])
+    path = saved(tmp_path, "vllm-cpu", keys=key)
+    blocks = block_lists(np.random.default_rng(17))[1]
+    signed = restored(path, "vllm-cpu", True, blocks, key)
+    assert signed[:2] == ("ok", []) and signed == restored(path, "vllm-cpu", False, blocks, key)
+    wrong = restored(path, "vllm-cpu", True, blocks, other)
+    assert wrong[0] != "ok" and wrong == restored(path, "vllm-cpu", False, blocks, other)
+    with Snapshot.open(path, keys=key) as snap:
+        _, entry = snap.parts[0].reader.placement("layers.2.value")
+        page = snap.metadata.geometry.canonical_page_size_bytes
+    damaged = bytearray(path.read_bytes())
+    damaged[entry.begin + 9 * page + 1] ^= 0x80
+    path.write_bytes(bytes(damaged))
+    refused = restored(path, "vllm-cpu", True, blocks, key)
+    assert refused[:2] == ("RestoreIncompleteError", [int(blocks[1][4])])
+    assert refused == restored(path, "vllm-cpu", False, blocks, key)
