@@ -6,9 +6,9 @@ cache in host memory needs no staging slot, no read and no per-slot bookkeeping:
 checked against their stored xxh3-64 where they lie and copied from there into the cache. That
 is the only way such a file is restored (:meth:`Pipeline._move_in
 <kvsnap.pipeline.Pipeline._move_in>` sends every held part here), and it is built so that a
-chunk costs a few dozen Python calls, whatever its layers:
+chunk costs the same hundred-odd Python calls whatever its layers:
 
-* per cache (:class:`HeldLoader`, kept by the pipeline's mover for the page table's life): per
+* per cache (:class:`HeldLoader`, kept by the pipeline for its mover's page table): per
   fragment group of the page table, the cache's whole address range as one numpy view whose
   first axis steps a word at a time (the page as a strided array behind it:
   :class:`~kvsnap.transfer.strided.StridedPattern`), and per row where block 0 lies on that
