@@ -21,8 +21,7 @@ from kvsnap import layout as L
 from kvsnap.engines.vllm import BlockOrder, vllm_layout
 from kvsnap.errors import KVSnapError, RestoreIncompleteError
 from kvsnap.format.signing import KeyRing
-from kvsnap.pipeline import Pipeline
-from kvsnap.pipeline import pipeline as pipeline_module
+from kvsnap.pipeline import Pipeline, slot_restore
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store.head_parts import open_snapshot
 from tests.support.snapshot_layouts import (
@@ -203,7 +202,7 @@ def test_a_held_restore_takes_no_staging_and_works_a_chunk_shape_out_once(
     def no_staging(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("a held file's restore set up staging")
 
-    monkeypatch.setattr(pipeline_module, "staging_ring", no_staging)
+    monkeypatch.setattr(slot_restore, "staging_ring", no_staging)
     calls = {}
     for layers in (2, 8):
         generator = torch.Generator().manual_seed(layers)
