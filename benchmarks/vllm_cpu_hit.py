@@ -54,7 +54,10 @@ cache), through this tree's page table and ``run_on_cpu``: **strided**, the grou
 built them (a transpose recognized); **gather**, the same copies with the pattern dropped (one
 gather and one scatter of fragment-sized elements, what the CPU path did before); **numpy**,
 the same bytes by numpy assignments of transposed views per layer (the ceiling kvsnap's
-generic path aims at); **memcpy**, one copy of as many contiguous bytes. Medians of
+generic path aims at); **held** (restore only), the copy of a chunk read whole
+(``pipeline/held_load.py`` ``HeldLoader.copy_pages``: per group one strided view of every
+page scattered into the cache, no gather), the staging buffer standing for the file's bytes;
+**memcpy**, one copy of as many contiguous bytes. Medians of
 ``--copy-repeat`` runs, each direction; every variant's cache and staging bytes are checked
 equal.
 
@@ -520,6 +523,7 @@ def _copy_variants(caches: list[Any], blocks: Any, staging: Any) -> dict[str, An
     import torch
 
     from kvsnap.engines.vllm import BlockOrder, vllm_layout
+    from kvsnap.pipeline.held_load import HeldLoader
     from kvsnap.transfer.page_copy import run_on_cpu
     from kvsnap.transfer.page_table import PageTable
     from kvsnap.transfer.plan import Direction
@@ -569,8 +573,22 @@ def _copy_variants(caches: list[Any], blocks: Any, staging: Any) -> dict[str, An
                 key_pages[...], value_pages[...] = keys[blocks], values[blocks]
 
     contiguous = np.empty_like(staging)
+    # The held restore's copy (pipeline/held_load.py): the staging buffer stands for a chunk
+    # file read whole, its pages the layer tensors' blocks in order; a restore only.
+    loader = HeldLoader(table, min(cache.shape[0] for cache in caches))
+    held_bytes = staging.reshape(-1).view(np.uint8)
+    begin = np.arange(2 * len(caches), dtype=np.int64) * len(blocks) * page_bytes
+    in_order = np.arange(len(blocks), dtype=np.int64)
+
+    def held_copy(direction: Any) -> None:
+        if direction is Direction.HOST_TO_DEVICE:
+            loader.copy_pages(held_bytes, begin, in_order, np.asarray(blocks, dtype=np.int64))
+        else:  # nothing to capture this way: the capture's strided copy stands in
+            run_on_cpu(copies[direction])
+
     return {
         "strided": lambda direction: run_on_cpu(copies[direction]),
+        "held": held_copy,
         "gather": lambda direction: run_on_cpu(gathers[direction]),
         "numpy": numpy_copy,
         "memcpy": lambda direction: np.copyto(contiguous, staging),
@@ -880,7 +898,7 @@ def _forget_headers() -> None:
 
 def print_copy_table(results: list[dict[str, Any]]) -> None:
     """:func:`copy_alone`'s results as a markdown table (ms)."""
-    names = ("strided", "gather", "numpy", "memcpy")
+    names = ("strided", "held", "gather", "numpy", "memcpy")
     print(
         "| model | pages | direction | " + " | ".join(names) + " | gather / strided | same bytes |"
     )
@@ -888,10 +906,13 @@ def print_copy_table(results: list[dict[str, Any]]) -> None:
     for result in results:
         for label in ("restore", "capture"):
             ms = [result["ms"][f"{label}/{name}"] for name in names]
+            cells = [str(value) for value in ms]
+            if label == "capture":
+                cells[1] = "-"  # the held copy restores only
             print(
                 f"| {result['layers']} layers | {result['pages']} | {label} | "
-                + " | ".join(str(value) for value in ms)
-                + f" | {ms[1] / ms[0]:.1f}x | {result['same_bytes']} |"
+                + " | ".join(cells)
+                + f" | {ms[2] / ms[0]:.1f}x | {result['same_bytes']} |"
             )
 
 

@@ -17,6 +17,8 @@ _GEOMETRY_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "latent_dim", "blo
 
 def geometry_differences(snapshot: KVGeometry, target: KVGeometry) -> list[str]:
     """What differs between two geometries, one ``"field: snapshot X, target Y"`` each."""
+    if snapshot == target:  # every field equal (one comparison): nothing to name
+        return []
     differences = [
         f"{name}: snapshot {getattr(snapshot, name)!r}, target {getattr(target, name)!r}"
         for name in _GEOMETRY_FIELDS

@@ -24,6 +24,7 @@ from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, part_layout
 from kvsnap.pipeline.capture import capture_snapshot
 from kvsnap.pipeline.fused import FusedMover
+from kvsnap.pipeline.held_load import HeldLoader
 from kvsnap.pipeline.jobs import (
     CaptureResult,
     RestoreResult,
@@ -35,7 +36,6 @@ from kvsnap.pipeline.jobs import (
 )
 from kvsnap.pipeline.movers import HandlerMover, SlotMover
 from kvsnap.pipeline.options import (
-    LARGE_SLOT_BYTES,
     ProgressCallback,
     ProgressCounter,
     StagingOptions,
@@ -50,17 +50,11 @@ from kvsnap.pipeline.part_jobs import (
 )
 from kvsnap.pipeline.restore import (
     FailedPages,
-    RestoreSource,
-    restore_slots,
 )
 from kvsnap.pipeline.shared_tables import shared_page_table
-from kvsnap.pipeline.slots import slot_loads
-from kvsnap.pipeline.snapshot_pages import SnapshotPages, lease_hot_files
-from kvsnap.pipeline.staging import staging_ring
-from kvsnap.store import TraceHook, traced
+from kvsnap.pipeline.slot_restore import restore_through_slots
+from kvsnap.store import TraceHook
 from kvsnap.store.head_parts import HeadPart, open_snapshot
-from kvsnap.store.hot import HotFile, hot_tier
-from kvsnap.store.reader import SnapshotReader
 from kvsnap.transfer import TransferHandler
 from kvsnap.transfer.plan import Direction
 
@@ -110,6 +104,8 @@ class Pipeline:
         self._fused: dict[Direction, FusedMover] = {}
         #: Per head range of a parted snapshot: the pipeline over the ranks' part layouts.
         self._part_pipelines: dict[tuple[int, int], Pipeline | None] = {}
+        #: Restores of held files into a cache in host memory (:meth:`_held_loader`).
+        self._held: HeldLoader | None = None
 
     def _mover(self, direction: Direction) -> SlotMover:
         if self.transfer.backend == "auto":
@@ -492,68 +488,47 @@ class Pipeline:
         trace: TraceHook | None,
         while_copying: Callable[[], None] | None = None,
     ) -> tuple[list[FailedPages], int, str]:
-        """The staging loop of checked restores of ``moves`` (parts whose heads are this
-        pipeline's geometry), as one job: per move the pages that failed, the bytes of the
-        job, and the backend. ``progress`` counts the bytes moved; ``while_copying`` runs
-        while the device completes the job (:func:`restore_slots`)."""
-        page_bytes = self.geometry.canonical_page_size_bytes
-        names = self.geometry.tensor_names()
-        pages_total = sum(len(move.blocks[0]) for move in moves) * len(names)
-        total_bytes = page_bytes * pages_total
+        """Checked restores of ``moves`` (parts whose heads are this pipeline's geometry), as
+        one job: per move the pages that failed, the bytes of the job, and the backend.
+        ``progress`` counts the bytes moved; ``while_copying`` runs while the device completes
+        the job (:func:`restore_slots`). A part whose one file was read whole as it opened,
+        going into a cache in host memory, is checked and copied where it lies
+        (:class:`~kvsnap.pipeline.held_load.HeldLoader`); the others go through the staging
+        loop."""
+        total_bytes = self.geometry.bytes_per_block * sum(len(move.blocks[0]) for move in moves)
         mover = self._mover(Direction.HOST_TO_DEVICE)
-        with traced(trace, "setup.staging"):
-            ring = staging_ring(
-                staging or StagingOptions(),
-                page_bytes,
-                total_bytes,
-                restore=True,
-                device_checked=mover.hashes_pages,
+        loader = self._held_loader(mover)
+        failed: list[FailedPages | None] = [None] * len(moves)
+        slotted = []
+        for index, move in enumerate(moves):
+            reader = move.part.reader
+            if loader is not None and reader.verifies and reader.held_file() is not None:
+                failed[index] = loader.restore(reader, move.blocks, progress, trace)
+            else:
+                slotted.append(index)
+        if slotted:
+            through_slots = restore_through_slots(
+                mover,
+                self.geometry,
+                [moves[index] for index in slotted],
+                staging,
+                progress,
+                trace,
+                while_copying,
             )
-        # Nothing is read into a slot of hot files: with kvsnap's own staging their loads are
-        # as large as the device buffer, whatever the job's size (a 42 MB prefix of 80 layers
-        # is one slot, not three of 16 MiB); a caller's own slot shape is kept.
-        shaped = staging is not None and (staging.pool is not None or staging.private)
-        hot_slot_bytes = ring.slot_bytes if shaped else max(ring.slot_bytes, LARGE_SLOT_BYTES)
-        leases: list[HotFile] = []
-        try:
-            mover.begin()
-            sources = []
-            for move in moves:
-                reader = move.part.reader
-                hot = _hot_files(reader, mover, staging) if total_bytes else None
-                leases += hot or []
-                load_bytes = hot_slot_bytes if hot else ring.slot_bytes
-                sources.append(
-                    RestoreSource(
-                        SnapshotPages(reader, hot),
-                        slot_loads(len(names), len(move.blocks[0]), page_bytes, load_bytes),
-                        move.blocks,
-                    )
-                )
-            failed = restore_slots(
-                mover, ring, sources, progress, trace, while_copying, hot_slot_bytes
-            )
-        finally:
-            with traced(trace, "teardown"):
-                try:
-                    if leases and isinstance(mover, FusedMover):
-                        # The mappings stay registered until the copies that read them ran.
-                        last_use = mover.fence()
-                        for entry in leases:
-                            hot_tier().release(entry, last_use)
-                    mover.end()
-                finally:
-                    ring.finish()
-        return failed, total_bytes, mover.backend_name
+            for index, pages in zip(slotted, through_slots, strict=True):
+                failed[index] = pages
+        elif while_copying is not None:
+            while_copying()  # everything was copied on this thread: nothing left to overlap
+        done = [pages for pages in failed if pages is not None]
+        return done, total_bytes, mover.backend_name
 
-
-def _hot_files(
-    reader: SnapshotReader, mover: SlotMover, staging: StagingOptions | None
-) -> list[HotFile] | None:
-    """``reader``'s files leased from the hot tier when this restore can copy straight out
-    of them (a CUDA mover that takes uploads and checks pages on the device, or a reader that
-    checks nothing), and the caller did not turn the tier off (``StagingOptions.hot``)."""
-    wish = staging.hot if staging is not None else None
-    if wish is False or not mover.takes_uploads or not (mover.hashes_pages or not reader.verifies):
-        return None
-    return lease_hot_files(reader, admit=wish is True)
+    def _held_loader(self, mover: SlotMover) -> HeldLoader | None:
+        """The loader of held files into this pipeline's cache, where its mover copies on the
+        host (a cache in host memory), kept for the mover's page table."""
+        if not (isinstance(mover, FusedMover) and mover.copies_on_host):
+            return None
+        if self._held is None or self._held.table is not mover.table:
+            capacity = min(layout.num_blocks for layout in self.layouts)
+            self._held = HeldLoader(mover.table, capacity)
+        return self._held

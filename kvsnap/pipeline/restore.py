@@ -9,7 +9,8 @@ wait for the device. A page that fails its checksum (on the device where the
 pages are hashed there, on the read threads otherwise) never reaches the cache: its slot's
 other pages are moved, and the failed pages are reported. A snapshot file read whole as it
 opened (``read_whole_max_bytes``: the vLLM connector's checked chunks) going into a cache in
-host memory takes no slot: its pages are checked and copied into the cache where they lie.
+host memory never comes here: :mod:`kvsnap.pipeline.held_load` checks and copies its pages
+where they lie.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from kvsnap.errors import SnapshotCorruptError
 from kvsnap.pipeline.movers import SlotMover
@@ -37,7 +37,6 @@ from kvsnap.pipeline.slots import SlotLoad
 from kvsnap.pipeline.snapshot_pages import SnapshotPages
 from kvsnap.pipeline.staging import StagingRing
 from kvsnap.store import TraceHook, traced
-from kvsnap.store.slot_reads import held_page_failures
 from kvsnap.transfer.pinned import Slot
 
 
@@ -147,18 +146,12 @@ def _fill_free_slots(
     restore must not leave both waiting for each other's slots. No slot is taken once every
     load is started: taking one waits for its last copy, often the one just enqueued. Stops
     after a slot of hot files, which are not read: the device gets that slot now, not after
-    the host has taken every free slot. The loads of a file read whole into a cache in host
-    memory take no slot: they are checked and moved here, where they lie
-    (:meth:`RestoreRun.move_held`)."""
+    the host has taken every free slot."""
     started = 0
     while not any(run.error is not None for run in runs):
         upcoming = remaining.peek()
         if upcoming is None:
             break
-        first_run, first_load = upcoming[0]  # a held file's loads are never packed
-        if first_run.held and first_run.move_held(first_load):
-            remaining.take()  # moved straight out of the file's bytes: no slot, no read
-            continue
         slot: Slot | None
         if blocking and not started:
             with traced(runs[0].trace, "staging.wait"):
@@ -242,9 +235,6 @@ class RestoreRun:
         )
         # Hot files checked on the device share slots (restore_slots packs their loads).
         self.packs = self.hot and self.on_device
-        # A file read whole as it opened, into a cache in host memory: its pages are checked
-        # and copied where they lie (move_held), not copied into a staging slot first.
-        self.held = not self.hot and mover.copies_on_host and pages.reader.verifies
         self.failed_tensors: list[np.ndarray] = []
         self.failed_positions: list[np.ndarray] = []
         self.first_error: list[SnapshotCorruptError] = []
@@ -264,46 +254,6 @@ class RestoreRun:
             verify=not self.on_device,
             inline=self.mover.copies_on_host,
         )
-
-    def move_held(self, load: SlotLoad) -> bool:
-        """Check ``load``'s pages against their stored xxh3-64 where they lie in the bytes
-        the snapshot's one file was read into as it opened, and have the mover copy the pages
-        that match straight from there into the cache (a cache in host memory: the copy is
-        done when this returns); failed pages are noted as a slot's are. ``False``, doing
-        nothing, when the file was not read whole."""
-        page_blocks = self.snapshot_blocks[load.page_positions]
-        held = self.pages.reader.held_pages(load.page_tensors, page_blocks)
-        if held is None:
-            return False
-        whole, offsets = held
-        page = self.pages.page_size_bytes
-        try:
-            if self.error is None:
-                with traced(self.trace, "verify", load.num_bytes(page)):
-                    stored = self.pages.stored(load, page_blocks)
-                    bad = held_page_failures(whole, offsets, page, stored)
-                # The pages' offsets in the file's bytes stand in for offsets in a slot that
-                # spans those bytes: the mover copies from slot address + page offset.
-                moving = SlotLoad(load.page_tensors, load.page_positions, offsets)
-                if len(bad):
-                    self.fail(load, bad, "xxh3-64 does not match the stored checksum")
-                    keep = np.ones(load.num_pages, dtype=bool)
-                    keep[bad] = False
-                    moving = SlotLoad(
-                        load.page_tensors[keep], load.page_positions[keep], offsets[keep]
-                    )
-                    page_blocks = page_blocks[keep]
-                over = Slot(-1, whole.ctypes.data, whole.nbytes, torch.from_numpy(whole))
-                with traced(self.trace, "transfer.submit", moving.num_bytes(page)):
-                    positions = moving.page_positions
-                    ticket = self.mover.submit(
-                        moving, over, self.target_blocks[positions], page_blocks
-                    )
-                    self.mover.wait(ticket)
-                self.progress(load.num_bytes(page))
-        except BaseException as error:
-            self.error = error
-        return True
 
     def move(
         self, load: SlotLoad, slot: Slot, read: Future[np.ndarray], checked: list[Checked]

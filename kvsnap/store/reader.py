@@ -452,20 +452,15 @@ class SnapshotReader:
         slot_reads.page_runs`); a run's file indexes :meth:`local_files`."""
         return slot_reads.page_runs(self.extents(), page_tensors, page_blocks, page_offsets)
 
-    def held_pages(
-        self, page_tensors: np.ndarray, page_blocks: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """Where pages lie in the bytes of a one-file snapshot that was read whole as it
-        opened (``read_whole_max_bytes``): those bytes (valid while the reader is open), and
-        the offset there of page ``i`` (block ``page_blocks[i]`` of tensor ``page_tensors[i]``).
-        ``None`` for a snapshot of several files or one not read whole."""
+    def held_file(self) -> np.ndarray | None:
+        """The bytes of a one-file snapshot read whole as it opened (``read_whole_max_bytes``;
+        valid while the reader is open; page ``b`` of layer tensor ``t`` lies at
+        ``extents().begin[t] + b * page_bytes``); ``None`` for a snapshot of several files or
+        one not read whole."""
         if len(self._files) != 1:
             return None
         source = self._files[0].source
-        whole = source.held(0, source.size)
-        if whole is None:
-            return None
-        return whole, self.extents().begin[page_tensors] + page_blocks * self._page_bytes
+        return source.held(0, source.size)
 
     def local_files(self) -> list[tuple[str, int, os.stat_result]] | None:
         """Per file of the snapshot (the order :meth:`page_runs` uses): its path, the open

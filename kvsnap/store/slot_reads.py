@@ -233,11 +233,16 @@ def held_page_failures(
     whole: np.ndarray, offsets: np.ndarray, page_bytes: int, stored: np.ndarray
 ) -> np.ndarray:
     """The sorted indices of the pages at ``offsets`` in ``whole`` (a file's bytes read whole:
-    :meth:`SnapshotReader.held_pages`) whose xxh3-64 differs from ``stored``; each run of
+    :meth:`SnapshotReader.held_file`) whose xxh3-64 differs from ``stored``; each run of
     pages that follow each other there is hashed as one buffer."""
     if not len(offsets):
         return np.empty(0, dtype=np.int64)
-    breaks = np.flatnonzero(np.diff(offsets) != page_bytes) + 1
+    apart = np.diff(offsets) != page_bytes
+    if not apart.any():  # one run: every page of a chunk's layer tensors, as files lay them
+        first = int(offsets[0])
+        got = fmt.block_digests(whole[first : first + len(offsets) * page_bytes], page_bytes)
+        return np.flatnonzero(got != stored)
+    breaks = np.flatnonzero(apart) + 1
     starts = np.concatenate(([0], breaks)).tolist()
     stops = np.append(breaks, len(offsets)).tolist()
     got = np.concatenate(

@@ -82,8 +82,10 @@ class GroupCopy:
         return self.num_pages * self.group.num_fragments * self.group.fragment_bytes
 
 
-class _GroupRows:
-    """The rows of one group, as arrays indexed by row, and a ``(tensor, rank) -> row`` map."""
+class GroupRows:
+    """The rows of one group, as arrays indexed by row (``local_base``, ``block_stride``,
+    ``canonical_base``, set by :meth:`freeze`), and a ``(tensor, rank) -> row`` map (``row_of``,
+    -1 where the tensor has no row of this group on that rank)."""
 
     def __init__(self, group: FragmentGroup, num_tensors: int, num_ranks: int) -> None:
         self.group = group
@@ -117,7 +119,7 @@ class _GroupRows:
         # rank of every tensor, and then the lookup is a plain broadcast.
         self.dense = bool((self.row_of >= 0).all())
 
-    def shifted(self, delta: int) -> _GroupRows:
+    def shifted(self, delta: int) -> GroupRows:
         """These rows for caches moved by ``delta`` bytes: only the local bases change."""
         rows = copy.copy(self)
         rows.local_base = self.local_base + delta
@@ -175,7 +177,7 @@ class PageTable:
                 raise ValueError("a page table's layouts share one geometry and one device")
         self.names = self.geometry.tensor_names()
         self.page_size_bytes = self.geometry.canonical_page_size_bytes
-        groups: dict[tuple[int, bytes, bytes], _GroupRows] = {}
+        groups: dict[tuple[int, bytes, bytes], GroupRows] = {}
         for rank, layout in enumerate(layouts):
             for tensor, name in enumerate(self.names):
                 self._add_rows(groups, layout, name, tensor, rank, len(layouts))
@@ -185,7 +187,7 @@ class PageTable:
 
     def _add_rows(
         self,
-        groups: dict[tuple[int, bytes, bytes], _GroupRows],
+        groups: dict[tuple[int, bytes, bytes], GroupRows],
         layout: CacheLayout,
         name: str,
         tensor: int,
@@ -205,7 +207,7 @@ class PageTable:
                 if self.device.type == "cpu":
                     strided = find_strided_pattern(size, relative_local, relative_canonical)
                 group = FragmentGroup(size, relative_local, relative_canonical, strided)
-                rows = groups[key] = _GroupRows(group, len(self.names), num_ranks)
+                rows = groups[key] = GroupRows(group, len(self.names), num_ranks)
             rows.add(
                 tensor,
                 rank,
@@ -226,6 +228,12 @@ class PageTable:
     @property
     def groups(self) -> list[FragmentGroup]:
         return [rows.group for rows in self._groups]
+
+    @property
+    def group_rows(self) -> list[GroupRows]:
+        """Every group with its rows (read-only: a loader working out its own copy plan from
+        them, :mod:`kvsnap.pipeline.held_load`)."""
+        return list(self._groups)
 
     def copies(
         self,

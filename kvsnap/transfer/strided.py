@@ -132,16 +132,16 @@ def copy_strided_pages(
     )
     src_origins = src_bases + src_side[0]
     dst_origins = dst_bases + dst_side[0]
-    word = _common_word(pattern, src_origins, dst_origins)
-    src_view, src_index = _pages_view(pattern, src_origins, src_side[1], word)
-    dst_view, dst_index = _pages_view(pattern, dst_origins, dst_side[1], word)
+    word = common_word(pattern, src_origins, dst_origins)
+    src_view, src_index = pages_view(pattern, src_origins, src_side[1], word)
+    dst_view, dst_index = pages_view(pattern, dst_origins, dst_side[1], word)
     per_batch = max(1, BATCH_BYTES // pattern.page_bytes)
     for start in range(0, len(src_index), per_batch):
         stop = start + per_batch
         dst_view[dst_index[start:stop]] = src_view[src_index[start:stop]]
 
 
-def _common_word(pattern: StridedPattern, *origins: np.ndarray) -> int:
+def common_word(pattern: StridedPattern, *origins: np.ndarray) -> int:
     """The widest word (8/4/2/1 bytes) dividing the fragment size, every stride and every
     page origin's distance from the lowest of its side: the step of both views' page axis."""
     combined = pattern.fragment_bytes
@@ -152,7 +152,7 @@ def _common_word(pattern: StridedPattern, *origins: np.ndarray) -> int:
     return min(combined & -combined, 8)
 
 
-def _fragment_dtype(size: int) -> np.dtype:
+def fragment_dtype(size: int) -> np.dtype:
     """An element of ``size`` bytes: an unsigned integer where one fits, else raw bytes (one
     ``memcpy`` per fragment; measured faster than a trailing axis of words for 64-256 bytes)."""
     if size in (1, 2, 4, 8):
@@ -160,7 +160,7 @@ def _fragment_dtype(size: int) -> np.dtype:
     return np.dtype((np.void, size))
 
 
-def _pages_view(
+def pages_view(
     pattern: StridedPattern, origins: np.ndarray, strides: tuple[int, ...], word: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """A view of host memory whose element ``[k, *i]`` is the fragment at multi-index ``i`` of
@@ -173,7 +173,7 @@ def _pages_view(
     buffer = memoryview((ctypes.c_uint8 * (high - low)).from_address(low))
     view = np.ndarray(
         ((last - first) // word + 1, *pattern.shape),
-        dtype=_fragment_dtype(pattern.fragment_bytes),
+        dtype=fragment_dtype(pattern.fragment_bytes),
         buffer=buffer,
         offset=-below,
         strides=(word, *strides),

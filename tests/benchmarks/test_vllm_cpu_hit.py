@@ -24,7 +24,7 @@ def test_every_copy_variant_moves_the_same_bytes() -> None:
     assert set(result["ms"]) == {
         f"{direction}/{name}"
         for direction in ("restore", "capture")
-        for name in ("strided", "gather", "numpy", "memcpy")
+        for name in ("strided", "held", "gather", "numpy", "memcpy")
     }
 
 

@@ -34,6 +34,10 @@ class EventLog:
 
     def emit(self, event: str, level: int = logging.INFO, **fields: Any) -> None:
         """Record ``event`` with ``fields`` (JSON-serializable values)."""
+        if logger.isEnabledFor(level):  # else the JSON of every load and match, for nobody
+            logger.log(level, "kvsnap %s %s", event, json.dumps(fields, default=str))
+        if not self.path:
+            return
         record = {
             "time": time.time(),
             "event": event,
@@ -41,9 +45,6 @@ class EventLog:
             "rank": self.rank,
             **fields,
         }
-        logger.log(level, "kvsnap %s %s", event, json.dumps(fields, default=str))
-        if not self.path:
-            return
         line = (json.dumps(record, default=str) + "\n").encode()
         descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:

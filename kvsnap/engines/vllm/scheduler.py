@@ -58,6 +58,9 @@ class _Tracked:
     #: before the step that loads has run, and a failed load leaves its blocks, and what is
     #: computed on top of them, wrong until vLLM recomputes them).
     load_pending: bool = False
+    #: The chunks its load brought in (the workers said the load ran, no block failed): the
+    #: store holds them, checked at the match, so the save plan does not look them up again.
+    loaded: frozenset[str] = frozenset()
 
 
 #: A chunk planned for saving is not planned again for this long unless it appeared (the
@@ -338,6 +341,8 @@ class KVSnapScheduler:
             planned = self._planned.get(str(path))
             if planned is not None and now - planned < _REPLAN_AFTER_S:
                 continue
+            if str(path) in tracked.loaded:
+                continue  # this request loaded it from the store a step ago
             if self._stored_and_sound(request.request_id, prompt, chain, (start, end)):
                 continue
             self._planned[str(path)] = now
@@ -409,6 +414,8 @@ class KVSnapScheduler:
                     self.checker.forget(path)
                 tracked.persisted = tracked.dumped = False
             if failed or request_id in loaded:
+                if not failed:
+                    tracked.loaded = frozenset(tracked.load[0])
                 tracked.load = None
                 tracked.load_pending = False
 
