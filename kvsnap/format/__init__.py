@@ -97,6 +97,7 @@ from kvsnap.format.hashing import (
 )
 from kvsnap.format.header import (
     DecodedHeader,
+    canonical_header,
     decode_header,
     expected_layout,
     header_length,
@@ -191,6 +192,7 @@ __all__ = [
     "bfloat16_bits",
     "block_digests",
     "canonical_encoding",
+    "canonical_header",
     "check_version",
     "decode_header",
     "decode_index",

@@ -163,6 +163,40 @@ def decode_header(header: bytes, file_size: int, file: str | None = None) -> Dec
     return DecodedHeader(metadata, kvsnap_json, checked, data_start)
 
 
+def canonical_header(
+    header: bytes, file_size: int, file: str | None = None
+) -> tuple[DecodedHeader, FileLayout] | None:
+    """The decoded header and layout of a file whose header is exactly the format's packing
+    of its own kvsnap metadata string (every header kvsnap writes for an unsharded file) and
+    whose size is that layout's end; ``None`` for any other header, which
+    :func:`decode_header` and :func:`expected_layout` then decode and check the general way
+    (refusing it, or accepting a shard).
+
+    For such a header every check of the general decode holds by construction: the packing
+    is strict JSON with unique names and ``__metadata__`` as the format writes it, its entries
+    have known dtypes, shapes matching their offsets, and tile ``[data_start, file_size)``
+    exactly (the size is checked), the data start is aligned, its entry count and size are
+    within the metadata's bounds, and the layout check's fast path is this very comparison.
+    What varies per file is checked here as there: the metadata string is parsed and checked
+    (strict JSON, the schema, its semantics), raising exactly what :func:`decode_header`
+    raises for it. One packing per shape (:func:`pack_file`), one comparison of bytes, not
+    a parse of every entry (tests/format/test_header.py: the same result or the same error as
+    the general decode on fuzzed headers)."""
+    if header[HEADER_PREFIX.size : HEADER_PREFIX.size + 1] != b"{":
+        return None
+    leading = _leading_kvsnap_json(header)
+    if leading is None:
+        return None
+    kvsnap_json = leading[0]
+    metadata = _parse_kvsnap_json(kvsnap_json, file)
+    if metadata.shard is not None:
+        return None
+    layout = pack_file(specs_for(metadata), kvsnap_json, signed=metadata.signature is not None)
+    if layout.header != header or layout.file_size != file_size:
+        return None
+    return DecodedHeader(metadata, kvsnap_json, layout.entries, len(header)), layout
+
+
 def _entries_key(
     header: bytes, begin: int, end: int, file_size: int
 ) -> tuple[bytes, bytes, int, int]:
