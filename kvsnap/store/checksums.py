@@ -109,6 +109,15 @@ class Checksums:
         would hash the same bytes against the same digest."""
         return (position, name) in self._held_matches
 
+    def held_matches(self, position: int, names: frozenset[str]) -> bool:
+        """Whether every tensor of ``names`` passed :meth:`held_match` for file ``position``."""
+        return names <= {name for at, name in self._held_matches if at == position}
+
+    def trailer(self, position: int) -> tuple[bytes, ...] | None:
+        """File ``position``'s trailer rows as loaded and checked (row 0 the header's), or
+        ``None`` while it is not loaded."""
+        return self._trailers.get(position)
+
     def ensure_trailers(self) -> None:
         """Load the trailers not loaded yet (a reader opened without verification)."""
         for position in range(len(self._reader.open_files)):
