@@ -11,6 +11,7 @@ check).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -20,7 +21,7 @@ import numpy as np
 import xxhash
 
 from kvsnap import format as fmt
-from kvsnap.caches import BoundedLRU
+from kvsnap.caches import BoundedLRU, register_cache_clear
 from kvsnap.dtypes import SAFETENSORS_TYPES
 from kvsnap.errors import NotASnapshotError, SignatureError, SnapshotCorruptError
 from kvsnap.format import Problem, SnapshotMetadata, TensorEntry
@@ -222,14 +223,11 @@ class SnapshotReader:
 
     def _load_metadata(self) -> SnapshotMetadata:
         header = self._header_metadata
-        names = [
-            f"sequences.{index}.{part}"
-            for index in range(len(header.sequences))
-            for part in ("token_ids", "block_ids")
-        ]
+        names = _metadata_names(len(header.sequences))
+        held = self._held_metadata(names)
         tensors: dict[str, np.ndarray] = {}
-        for name in [*names, fmt.BLOCK_HASHES_TENSOR]:
-            raw = self._read_checked(name)
+        for position, name in enumerate(names):
+            raw = held[position] if held is not None else self._read_checked(name)
             dtype = np.dtype("<i8") if name.startswith("sequences.") else np.dtype(np.uint8)
             array = np.frombuffer(raw, dtype=dtype)
             tensors[name] = (
@@ -306,6 +304,28 @@ class SnapshotReader:
             located = [self._where[name] for name in self._names]
             self._extents = slot_reads.tensor_extents(sources, located, self._page_bytes)
         return self._extents
+
+    def _held_metadata(self, names: tuple[str, ...]) -> list[bytes] | None:
+        """The bytes of the metadata tensors ``names`` of a one-file snapshot read whole as it
+        opened, all checked against their trailer digests with one comparison (and noted as
+        :meth:`~kvsnap.store.checksums.Checksums.held_match`); ``None`` when the file is not
+        such a file or any digest differs (:meth:`_read_checked` then names the tensor)."""
+        if len(self._files) != 1 or not self._checksums.trailer_held(0):
+            return None
+        open_file = self._files[0]
+        trailer = self._checksums.trailer(0)
+        whole = open_file.source.held(0, open_file.source.size)
+        if whole is None or trailer is None:
+            return None
+        layout = open_file.layout
+        entries = [layout.by_name[name] for name in names]
+        views = [whole[entry.begin : entry.end] for entry in entries]
+        rows = layout.checksum_rows
+        if b"".join(map(fmt.digest128, views)) != b"".join(trailer[rows[n]] for n in names):
+            return None
+        self._checksums.note_held_matches(0, names)
+        # Copies: the records outlive the held bytes (a checker remembers them).
+        return [view.tobytes() for view in views]
 
     def _read_checked(self, name: str) -> bytes:
         """A whole non-layer tensor's bytes, checked against the trailer when verifying."""
@@ -506,6 +526,17 @@ class SnapshotReader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@functools.lru_cache(maxsize=16)
+def _metadata_names(sequences: int) -> tuple[str, ...]:
+    """The metadata tensors of a snapshot of ``sequences`` sequences, in file order."""
+    parts = ("token_ids", "block_ids")
+    per_sequence = [f"sequences.{index}.{part}" for index in range(sequences) for part in parts]
+    return (*per_sequence, fmt.BLOCK_HASHES_TENSOR)
+
+
+register_cache_clear(_metadata_names.cache_clear)
 
 
 #: A reader's placements of a snapshot's layer tensors: by name, their file and entry; their
