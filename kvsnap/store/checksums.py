@@ -243,7 +243,7 @@ class Checksums:
     def _table_key(self) -> bytes:
         """The digest of every file's trailer (all loaded), which commit to the table."""
         trailers = [self._trailers[position] for position in range(len(self._reader.open_files))]
-        return fmt.digest128(b"".join(row for trailer in trailers for row in trailer))
+        return fmt.digest128(b"".join(map(b"".join, trailers)))
 
     def _read_table(self) -> np.ndarray:
         open_file, entry = self._block_checksums()

@@ -321,7 +321,8 @@ class SnapshotReader:
         entries = [layout.by_name[name] for name in names]
         views = [whole[entry.begin : entry.end] for entry in entries]
         rows = layout.checksum_rows
-        if b"".join(map(fmt.digest128, views)) != b"".join(trailer[rows[n]] for n in names):
+        expected = b"".join(map(trailer.__getitem__, map(rows.__getitem__, names)))
+        if b"".join(map(fmt.digest128, views)) != expected:
             return None
         self._checksums.note_held_matches(0, names)
         # Copies: the records outlive the held bytes (a checker remembers them).
