@@ -63,20 +63,17 @@ def prefix_hash_chain(
             raise ValueError(f"parent must be a 32-digit lowercase hex digest, got {parent!r}")
         previous = bytes.fromhex(parent)
     raw = memoryview(tokens).cast("B")
+    chain = []
     step = block_size * 8
-    full = len(raw) // step * step
-    full_count = block_size.to_bytes(8, "little")
+    full_count = min(block_size, len(tokens)).to_bytes(8, "little")  # used by full blocks
     digest = xxhash.xxh3_128_digest
-    digests: list[bytes] = []
-    # One digest call per block over its concatenated input (the same bytes as three
-    # updates); the hex of all of them at the end, by map.
-    for start in range(0, full, step):
-        previous = digest(previous + full_count + raw[start : start + step])
-        digests += (previous,)
-    if full < len(raw):
-        count = ((len(raw) - full) // 8).to_bytes(8, "little")
-        digests += (digest(previous + count + raw[full:]),)
-    return list(map(bytes.hex, digests))
+    # One digest call per block over the joined input: the same bytes as three updates.
+    for start in range(0, len(raw), step):
+        piece = raw[start : start + step]
+        count = full_count if len(piece) == step else (len(piece) // 8).to_bytes(8, "little")
+        previous = digest(b"".join((previous, count, piece)))
+        chain.append(previous.hex())
+    return chain
 
 
 @dataclass(frozen=True)

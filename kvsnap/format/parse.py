@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +28,6 @@ from kvsnap.format.metadata import (
 )
 from kvsnap.format.schema import strict_json_loads, validate_schema
 from kvsnap.layout import KVGeometry
-
-#: One prefix hash digest in hex: what a run of them is cut into.
-_HEX_DIGESTS = re.compile(f".{{{2 * DIGEST_BYTES}}}", re.S)
 
 
 def _int(value: Any) -> int:
@@ -92,6 +88,7 @@ class HeaderMetadata:
                 file=file,
                 tensor=BLOCK_HASHES_TENSOR,
             )
+        hex_rows = hashes.tobytes().hex()
         records = []
         for index, shape in enumerate(self.sequences):
             tokens = np.asarray(tensors[f"sequences.{index}.token_ids"], dtype=np.int64)
@@ -112,8 +109,7 @@ class HeaderMetadata:
                     file=file,
                     tensor=f"sequences.{index}.block_ids",
                 )
-            # The sequence's rows in its block order, cut into 32 hex digits each by one call.
-            chain = tuple(_HEX_DIGESTS.findall(hashes[blocks].tobytes().hex()))
+            chain = tuple(hex_rows[32 * block : 32 * block + 32] for block in blocks.tolist())
             records.append(SequenceRecord(shape.id, tokens, blocks, chain))
         return SnapshotMetadata(
             geometry=self.geometry,

@@ -103,11 +103,6 @@ class Checksums:
         if position in self._held_trailers:
             self._held_matches.add((position, name))
 
-    def note_held_matches(self, position: int, names: tuple[str, ...]) -> None:
-        """:meth:`note_held_match` of each of ``names``."""
-        if position in self._held_trailers:
-            self._held_matches.update((position, name) for name in names)
-
     def held_match(self, position: int, name: str) -> bool:
         """Whether tensor ``name`` of file ``position`` was found equal to its trailer digest
         in the bytes its source holds whole (:meth:`note_held_match`): hashing them again

@@ -224,10 +224,9 @@ class SnapshotReader:
     def _load_metadata(self) -> SnapshotMetadata:
         header = self._header_metadata
         names = _metadata_names(len(header.sequences))
-        held = self._held_metadata(names)
         tensors: dict[str, np.ndarray] = {}
-        for position, name in enumerate(names):
-            raw = held[position] if held is not None else self._read_checked(name)
+        for name in names:
+            raw = self._read_checked(name)
             dtype = np.dtype("<i8") if name.startswith("sequences.") else np.dtype(np.uint8)
             array = np.frombuffer(raw, dtype=dtype)
             tensors[name] = (
@@ -304,29 +303,6 @@ class SnapshotReader:
             located = [self._where[name] for name in self._names]
             self._extents = slot_reads.tensor_extents(sources, located, self._page_bytes)
         return self._extents
-
-    def _held_metadata(self, names: tuple[str, ...]) -> list[bytes] | None:
-        """The bytes of the metadata tensors ``names`` of a one-file snapshot read whole as it
-        opened, all checked against their trailer digests with one comparison (and noted as
-        :meth:`~kvsnap.store.checksums.Checksums.held_match`); ``None`` when the file is not
-        such a file or any digest differs (:meth:`_read_checked` then names the tensor)."""
-        if len(self._files) != 1 or not self._checksums.trailer_held(0):
-            return None
-        open_file = self._files[0]
-        trailer = self._checksums.trailer(0)
-        whole = open_file.source.held(0, open_file.source.size)
-        if whole is None or trailer is None:
-            return None
-        layout = open_file.layout
-        entries = [layout.by_name[name] for name in names]
-        views = [whole[entry.begin : entry.end] for entry in entries]
-        rows = layout.checksum_rows
-        expected = b"".join(map(trailer.__getitem__, map(rows.__getitem__, names)))
-        if b"".join(map(fmt.digest128, views)) != expected:
-            return None
-        self._checksums.note_held_matches(0, names)
-        # Copies: the records outlive the held bytes (a checker remembers them).
-        return [view.tobytes() for view in views]
 
     def _read_checked(self, name: str) -> bytes:
         """A whole non-layer tensor's bytes, checked against the trailer when verifying."""
