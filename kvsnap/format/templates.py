@@ -27,7 +27,7 @@ import functools
 import json
 import re
 
-from kvsnap.caches import BoundedLRU, register_cache_clear
+from kvsnap.caches import BoundedLRU
 from kvsnap.format.constants import CREATED_PATTERN
 from kvsnap.format.parse import HeaderMetadata, SequenceShape
 from kvsnap.format.schema import dump_json, metadata_schema
@@ -150,10 +150,3 @@ def _leaf_rules() -> tuple[int, int] | None:
     if not (top and created_ok and shaped):
         return None
     return int(rule.get("minLength", 0)), int(rule.get("maxLength", 1 << 62))
-
-
-def _clear() -> None:
-    _TEMPLATES.clear()
-
-
-register_cache_clear(_clear)
