@@ -14,6 +14,9 @@ whole (what the schema's pattern and the semantic check together accept) and an 
 length is within the schema's bounds. Per file that is two string decodes and two checks
 instead of a parse, a schema walk and the semantics of the whole object.
 
+The metadata a template gives shares the template's nested objects (``source``, ``layout``
+and the like in its ``document``): nothing in kvsnap changes a parsed document.
+
 This path only ever accepts: a string cut otherwise, a value that fails its rule, or a shape
 with no template goes to the general parse, which refuses it with its own error
 (tests/format/test_templates.py: the same metadata or the same error on every value around
