@@ -118,8 +118,30 @@ def remember(text: str, metadata: HeaderMetadata) -> None:
     if dump_json(metadata.document) != text:
         return
     found = split_metadata(text)
-    if found is not None:
+    if found is not None and found[0] == _cut_of(metadata.document):
         _TEMPLATES.put(found[0], MetadataTemplate(metadata))
+
+
+#: Stand-ins for the two values, which no document holds elsewhere (checked: each once).
+_CREATED_MARK = "\0kvsnap-template-created\0"
+_ID_MARK = "\0kvsnap-template-id\0"
+
+
+def _cut_of(document: dict[str, object]) -> Cut | None:
+    """The text of ``document``'s compact encoding around its top-level creation time and its
+    first sequence's id, found by encoding it with those two values marked: what
+    :func:`split_metadata` must find, so that the two tokens it cuts out are those values and
+    not a ``"created"`` or ``"id"`` of some other object."""
+    sequences = document["sequences"]
+    assert isinstance(sequences, list)
+    marked = dict(document, created=_CREATED_MARK)
+    marked["sequences"] = [dict(sequences[0], id=_ID_MARK), *sequences[1:]]
+    before, created_mark, rest = dump_json(marked).partition(dump_json(_CREATED_MARK))
+    between, id_mark, after = rest.partition(dump_json(_ID_MARK))
+    around = before + between + after
+    if not created_mark or not id_mark or _CREATED_MARK[1:-1] in around or _ID_MARK[1:-1] in around:
+        return None
+    return before, between, after
 
 
 @functools.cache
