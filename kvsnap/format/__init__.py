@@ -40,6 +40,7 @@ its last row, padding by being required zero.
 
 from __future__ import annotations
 
+from kvsnap.format.canonical import canonical_header
 from kvsnap.format.constants import (
     BLOCK_CHECKSUM,
     BLOCK_CHECKSUMS_TENSOR,
@@ -97,7 +98,6 @@ from kvsnap.format.hashing import (
 )
 from kvsnap.format.header import (
     DecodedHeader,
-    canonical_header,
     decode_header,
     expected_layout,
     header_length,
