@@ -40,6 +40,7 @@ its last row, padding by being required zero.
 
 from __future__ import annotations
 
+from kvsnap.format.canonical import canonical_header
 from kvsnap.format.constants import (
     BLOCK_CHECKSUM,
     BLOCK_CHECKSUMS_TENSOR,
@@ -191,6 +192,7 @@ __all__ = [
     "bfloat16_bits",
     "block_digests",
     "canonical_encoding",
+    "canonical_header",
     "check_version",
     "decode_header",
     "decode_index",

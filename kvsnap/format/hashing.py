@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
+from kvsnap.caches import register_cache_clear
 from kvsnap.errors import SnapshotCorruptError
 from kvsnap.format.constants import (
     CHECKSUMS_TENSOR,
@@ -121,11 +123,22 @@ def block_digests(pages: np.ndarray | memoryview, page_bytes: int) -> np.ndarray
     view = memoryview(pages).cast("B")
     if page_bytes <= 0 or len(view) % page_bytes:
         raise ValueError(f"{len(view)} bytes are not a whole number of {page_bytes}-byte pages")
-    digest = xxhash.xxh3_64_intdigest
-    return np.array(
-        [digest(view[start : start + page_bytes]) for start in range(0, len(view), page_bytes)],
-        dtype=np.uint64,
+    count = len(view) // page_bytes
+    # The pages as slices kept per shape, hashed by map: no Python frame per page.
+    pages_of = map(view.__getitem__, _page_slices(count, page_bytes))
+    return np.fromiter(map(xxhash.xxh3_64_intdigest, pages_of), dtype=np.uint64, count=count)
+
+
+@functools.lru_cache(maxsize=64)
+def _page_slices(count: int, page_bytes: int) -> tuple[slice, ...]:
+    """The slices of ``count`` consecutive ``page_bytes`` pages (buffers of one shape share
+    them)."""
+    return tuple(
+        slice(start, start + page_bytes) for start in range(0, count * page_bytes, page_bytes)
     )
+
+
+register_cache_clear(_page_slices.cache_clear)
 
 
 def digest128(data: bytes | memoryview | np.ndarray) -> bytes:

@@ -31,6 +31,7 @@ from kvsnap.format.parse import (
     parse_metadata_document,
 )
 from kvsnap.format.schema import strict_json_loads
+from kvsnap.format.templates import parsed_like_known, remember
 
 #: The start of every header kvsnap writes (any JSON whitespace allowed between tokens).
 _LEADING_METADATA = re.compile(
@@ -197,6 +198,22 @@ def _leading_kvsnap_json(header: bytes) -> tuple[str, int, int] | None:
 
 
 def _parse_kvsnap_json(kvsnap_json: str, file: str | None) -> HeaderMetadata:
+    """The checked metadata of a header's kvsnap metadata string: from the template of a
+    string of its shape that passed every check, when its two per-file values pass their
+    rules (:mod:`kvsnap.format.templates`), else parsed and checked whole
+    (:func:`parse_kvsnap_json_whole`, which raises what is wrong)."""
+    known = parsed_like_known(kvsnap_json)
+    if known is not None:
+        return known
+    metadata = parse_kvsnap_json_whole(kvsnap_json, file)
+    remember(kvsnap_json, metadata)
+    return metadata
+
+
+def parse_kvsnap_json_whole(kvsnap_json: str, file: str | None) -> HeaderMetadata:
+    """A header's kvsnap metadata string parsed and checked whole: strict JSON, the schema, its
+    semantics, and a version 2 file's part; :class:`SnapshotCorruptError` (or
+    :class:`UnsupportedVersionError`) for what is wrong."""
     try:
         metadata_document = strict_json_loads(kvsnap_json)
     except ValueError as error:

@@ -109,6 +109,15 @@ class Checksums:
         would hash the same bytes against the same digest."""
         return (position, name) in self._held_matches
 
+    def held_matches(self, position: int, names: frozenset[str]) -> bool:
+        """Whether every tensor of ``names`` passed :meth:`held_match` for file ``position``."""
+        return names <= {name for at, name in self._held_matches if at == position}
+
+    def trailer(self, position: int) -> tuple[bytes, ...] | None:
+        """File ``position``'s trailer rows as loaded and checked (row 0 the header's), or
+        ``None`` while it is not loaded."""
+        return self._trailers.get(position)
+
     def ensure_trailers(self) -> None:
         """Load the trailers not loaded yet (a reader opened without verification)."""
         for position in range(len(self._reader.open_files)):
@@ -229,7 +238,7 @@ class Checksums:
     def _table_key(self) -> bytes:
         """The digest of every file's trailer (all loaded), which commit to the table."""
         trailers = [self._trailers[position] for position in range(len(self._reader.open_files))]
-        return fmt.digest128(b"".join(row for trailer in trailers for row in trailer))
+        return fmt.digest128(b"".join(map(b"".join, trailers)))
 
     def _read_table(self) -> np.ndarray:
         open_file, entry = self._block_checksums()

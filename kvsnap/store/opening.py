@@ -27,16 +27,22 @@ def decoded_header(source: Source, header_bytes: bytes) -> tuple[fmt.DecodedHead
     if cached is not None:
         return cached
     try:
-        header = fmt.decode_header(header_bytes, source.size, file=source.url)
+        # A header kvsnap wrote is the packing of its own metadata: one comparison of bytes;
+        # anything else (a shard, a damaged or foreign header) is decoded entry by entry.
+        canonical = fmt.canonical_header(header_bytes, source.size, file=source.url)
+        if canonical is None:
+            header = fmt.decode_header(header_bytes, source.size, file=source.url)
     except UnsupportedVersionError as error:
         raise _version_or_damage(source, header_bytes, error) from None
-    layout, _, _ = fmt.expected_layout(header, file=source.url, header=header_bytes)
-    if layout.header != header_bytes:
-        raise SnapshotCorruptError(
-            "header bytes differ from the format's encoding", file=source.url
-        )
-    _HEADER_CACHE.put(key, (header, layout))
-    return header, layout
+    if canonical is None:
+        layout, _, _ = fmt.expected_layout(header, file=source.url, header=header_bytes)
+        if layout.header != header_bytes:
+            raise SnapshotCorruptError(
+                "header bytes differ from the format's encoding", file=source.url
+            )
+        canonical = (header, layout)
+    _HEADER_CACHE.put(key, canonical)
+    return canonical
 
 
 def _version_or_damage(

@@ -11,6 +11,7 @@ check).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -20,7 +21,7 @@ import numpy as np
 import xxhash
 
 from kvsnap import format as fmt
-from kvsnap.caches import BoundedLRU
+from kvsnap.caches import BoundedLRU, register_cache_clear
 from kvsnap.dtypes import SAFETENSORS_TYPES
 from kvsnap.errors import NotASnapshotError, SignatureError, SnapshotCorruptError
 from kvsnap.format import Problem, SnapshotMetadata, TensorEntry
@@ -222,13 +223,9 @@ class SnapshotReader:
 
     def _load_metadata(self) -> SnapshotMetadata:
         header = self._header_metadata
-        names = [
-            f"sequences.{index}.{part}"
-            for index in range(len(header.sequences))
-            for part in ("token_ids", "block_ids")
-        ]
+        names = _metadata_names(len(header.sequences))
         tensors: dict[str, np.ndarray] = {}
-        for name in [*names, fmt.BLOCK_HASHES_TENSOR]:
+        for name in names:
             raw = self._read_checked(name)
             dtype = np.dtype("<i8") if name.startswith("sequences.") else np.dtype(np.uint8)
             array = np.frombuffer(raw, dtype=dtype)
@@ -501,6 +498,17 @@ class SnapshotReader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@functools.lru_cache(maxsize=16)
+def _metadata_names(sequences: int) -> tuple[str, ...]:
+    """The metadata tensors of a snapshot of ``sequences`` sequences, in file order."""
+    parts = ("token_ids", "block_ids")
+    per_sequence = [f"sequences.{index}.{part}" for index in range(sequences) for part in parts]
+    return (*per_sequence, fmt.BLOCK_HASHES_TENSOR)
+
+
+register_cache_clear(_metadata_names.cache_clear)
 
 
 #: A reader's placements of a snapshot's layer tensors: by name, their file and entry; their

@@ -18,6 +18,7 @@ from kvsnap import format as fmt
 from kvsnap.errors import SnapshotCorruptError
 from kvsnap.format import Problem, TensorEntry
 from kvsnap.store import tuning
+from kvsnap.store.held_verify import verified_held
 from kvsnap.store.source import OpenFile
 
 if TYPE_CHECKING:
@@ -28,7 +29,12 @@ def verify_snapshot(
     reader: SnapshotReader, progress: Callable[[int], None] | None = None
 ) -> list[Problem]:
     """Every checksum and the structure of ``reader``'s snapshot checked, reading it once in
-    bounded pieces; ``[]`` means intact (see :meth:`SnapshotReader.verify`)."""
+    bounded pieces; ``[]`` means intact (see :meth:`SnapshotReader.verify`). A file read
+    whole as it opened is checked in one pass over its bytes first
+    (:func:`~kvsnap.store.held_verify.verified_held`); only one that does not pass it (or is of
+    a shape it does not cover) is walked here, entry by entry, to name its problems."""
+    if verified_held(reader, progress):
+        return []
     problems = _check_trailers(reader)
     checksums = reader.checksums
     layers = _LayerBatches(reader, problems, progress)

@@ -164,6 +164,96 @@ def test_keys_are_sha256_and_identify_the_whole_prefix() -> None:
     assert store_key_chain(tokens[:10], BLOCK, CacheIdentity())[2] != chain[2]
 
 
+def _key_field(text: str | None) -> bytes:
+    """A nullable text field as the key definition feeds it: a presence byte, then the
+    UTF-8 bytes' length (little-endian int64) and the bytes."""
+    if text is None:
+        return b"\0"
+    raw = text.encode()
+    return b"\1" + len(raw).to_bytes(8, "little") + raw
+
+
+def _keys_by_definition(tokens: np.ndarray, block: int, identity: CacheIdentity) -> list[str]:
+    """The store keys as docs/vllm.md and ``store_key_chain``'s docstring define them, written
+    out byte by byte: what the stored chunks' names depend on."""
+    fields = (identity.lora_name, identity.lora_digest, identity.cache_salt)
+    root = b"kvsnap-identity-v2\0" + b"".join(_key_field(value) for value in fields)
+    previous = hashlib.sha256(root).digest()
+    keys = []
+    for start in range(0, len(tokens), block):
+        piece = tokens[start : start + block]
+        inputs = [
+            item
+            for item in identity.multimodal
+            if item.offset < start + len(piece) and item.offset + item.length > start
+        ]
+        message = b"kvsnap-prefix-key-v2\0" + previous + len(piece).to_bytes(8, "little")
+        message += piece.astype("<i8").tobytes() + len(inputs).to_bytes(8, "little")
+        for item in inputs:
+            message += _key_field(item.identifier) + item.offset.to_bytes(8, "little", signed=True)
+            message += item.length.to_bytes(8, "little", signed=True)
+        previous = hashlib.sha256(message).digest()
+        keys.append(previous.hex())
+    return keys
+
+
+#: Keys of fixed inputs as main at c2252b4 computed them (before a block was hashed with one
+#: digest call): a store written by any earlier kvsnap names its chunks by exactly these.
+_PINNED_KEYS = {
+    "plain": [
+        "6e7118b0d48c504da72a0a8a98c3eba098455331967a97e36a4b39abdab05775",
+        "e8fe10360cadd69199b8e9aba8d1ed07d93053d9646abc7bce5b56870af110d2",
+        "97cc21162152aaa821347309c0199429a7003f66af2f5b0682342d25e4e53522",
+    ],
+    "lora and salt": [
+        "32bcd7bc689f9906f819079c1ffa8627a859cc07dc9d7742f5fcfddf106ba9d5",
+        "5a6a597f9382a6d39ff825a24a8a4f48bc32c975850e3c654d233f762d56834e",
+        "7f64f794712c9589f2edd803b7b9d6a6d8e575e58262d87d499a4103a1ed0bf1",
+    ],
+    "multimodal": [
+        "67e0b9f42667fc288b36aa8dae9b52e3b19fce7d1610214a4a485a50e39337f5",
+        "0457afe6773f8036e8d11acba6a05afc1365991d6ceed306c476c21806153b4b",
+        "5fec76c77f1284932905179e53122d769325382368afd498e226bf11b4c3103d",
+    ],
+}
+_PINNED_IDENTITIES = {
+    "plain": CacheIdentity(),
+    "lora and salt": CacheIdentity(lora_name="sql", lora_digest="ab" * 32, cache_salt="tenant-1"),
+    "multimodal": CacheIdentity(
+        multimodal=(MultimodalInput("img-1", 2, 3), MultimodalInput("", 9, 1))
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PINNED_KEYS))
+def test_store_keys_keep_their_exact_bytes(name: str) -> None:
+    # 10 tokens in blocks of 4: two full blocks and a partial one, negative ids included.
+    tokens = np.arange(10) * 7919 - 3
+    identity = _PINNED_IDENTITIES[name]
+    assert store_key_chain(tokens, BLOCK, identity) == _PINNED_KEYS[name]
+    assert _keys_by_definition(tokens, BLOCK, identity) == _PINNED_KEYS[name]
+
+
+def test_store_keys_follow_their_definition_on_random_prompts() -> None:
+    generator = np.random.default_rng(26)
+    for _ in range(200):
+        tokens = generator.integers(-(2**40), 2**40, size=int(generator.integers(0, 70)))
+        block = int(generator.integers(1, 17))
+        multimodal = tuple(
+            MultimodalInput(f"m{index}-{'x' * index}", int(offset), int(length))
+            for index, (offset, length) in enumerate(generator.integers(0, 40, size=(3, 2)))
+        )
+        identity = CacheIdentity(
+            lora_name=str(generator.integers(9)) if generator.random() < 0.5 else None,
+            lora_digest="é" if generator.random() < 0.3 else None,
+            cache_salt="" if generator.random() < 0.3 else None,
+            multimodal=multimodal[: int(generator.integers(0, 4))],
+        )
+        assert store_key_chain(tokens, block, identity) == _keys_by_definition(
+            tokens, block, identity
+        )
+
+
 @pytest.mark.parametrize(
     "identity",
     [

@@ -141,10 +141,78 @@ def _encode(header: dict[str, Any], pad_to: int = fmt.DATA_ALIGNMENT) -> bytes:
 
 
 def _decode_and_check(header: bytes, file_size: int) -> None:
-    decoded = fmt.decode_header(header, file_size, file="fuzz")
-    layout, _, _ = _expected_either_way(decoded, header)
-    if layout.header != header:
-        raise SnapshotCorruptError("header differs", file="fuzz")
+    """The general decode and layout check of ``header``, checked to agree with
+    :func:`kvsnap.format.canonical_header` (which a reader tries first); raises the general
+    path's error."""
+    try:
+        canonical = fmt.canonical_header(header, file_size, file="fuzz")
+    except KVSnapError as error:
+        canonical = error
+    try:
+        decoded = fmt.decode_header(header, file_size, file="fuzz")
+        layout, _, _ = _expected_either_way(decoded, header)
+        if layout.header != header:
+            raise SnapshotCorruptError("header differs", file="fuzz")
+    except KVSnapError as error:
+        # Refused the general way: the canonical check refused it with the same error, or
+        # left it to the general decode.
+        assert canonical is None or (
+            type(canonical) is type(error) and str(canonical) == str(error)
+        ), (canonical, error)
+        raise
+    if canonical is not None:
+        assert not isinstance(canonical, KVSnapError), canonical
+        assert canonical == (dataclasses.replace(decoded, entries=layout.entries), layout)
+
+
+@pytest.mark.parametrize("created", [None, "2026-12-02T08:00:00.123456Z"])
+def test_the_canonical_check_agrees_with_the_general_decode_on_every_byte_flip(
+    created: str | None,
+) -> None:
+    """Every header kvsnap writes for an unsharded file (plain, signed, of every geometry) is
+    taken by :func:`kvsnap.format.canonical_header` with the general decode's result, a shard
+    is left to the general decode, and each header with any one byte changed, or with the file
+    one byte shorter or longer, gets the same result or the same error both ways."""
+    taken = 0
+    for name in sorted(GEOMETRIES):
+        meta = make_metadata(
+            GEOMETRIES[name],
+            shared_prefix_tokens(np.random.default_rng(7), GEOMETRIES[name].block_size),
+        )
+        signed = dataclasses.replace(meta, signature="hmac-sha256")
+        limit = max(s.nbytes for s in fmt.specs_for(meta) if fmt.is_layer_tensor(s.name)) + 1
+        for layout in [*fmt.file_layouts(meta), *fmt.file_layouts(signed)]:
+            assert fmt.canonical_header(layout.header, layout.file_size) is not None
+            taken += 1
+        for shard in fmt.file_layouts(meta, limit):
+            assert fmt.canonical_header(shard.header, shard.file_size) is None
+            _decode_and_check(shard.header, shard.file_size)
+    # With a creation time, the flips that keep the metadata valid and the header the packing
+    # of it are taken from the kept packing of the intact header (only the two per-file
+    # values escaped anew); a file of another sequence id of the same shape too.
+    clear_caches()
+    intact = make_metadata(GEOMETRIES["bf16"], [np.arange(40)], created=created)
+    (layout,) = fmt.file_layouts(intact)
+    _decode_and_check(layout.header, layout.file_size)
+    renamed = dataclasses.replace(intact.sequences[0], id="another-id")
+    (other,) = fmt.file_layouts(dataclasses.replace(intact, sequences=[renamed]))
+    assert len(other.header) == len(layout.header) and other.header != layout.header
+    _decode_and_check(other.header, other.file_size)
+    rng = np.random.default_rng(11)
+    outcomes = set()
+    for position in range(len(layout.header)):
+        flipped = bytearray(layout.header)
+        flipped[position] ^= 1 << int(rng.integers(0, 8))
+        for header, size in ((bytes(flipped), layout.file_size), (layout.header, 0)):
+            size = size or layout.file_size + int(rng.choice([-1, 1]))
+            try:
+                _decode_and_check(header, size)
+                outcomes.add("accepted")
+            except KVSnapError as error:
+                outcomes.add(type(error).__name__)
+    assert taken >= 2 * len(GEOMETRIES)
+    # Flips land in the JSON, the metadata string and the padding: some decode, most not.
+    assert {"SnapshotCorruptError", "NotASnapshotError"} <= outcomes
 
 
 def _expected_either_way(

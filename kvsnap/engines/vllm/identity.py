@@ -81,12 +81,17 @@ class CacheIdentity:
 
 def _update_optional(hasher: Any, text: str | None) -> None:
     """Feed ``text`` to ``hasher`` so that ``None``, ``""`` and every string differ, and no
-    run of fields can be read as another run (a presence byte, a length, the bytes)."""
+    run of fields can be read as another run (:func:`_optional_bytes`)."""
+    hasher.update(_optional_bytes(text))
+
+
+def _optional_bytes(text: str | None) -> bytes:
+    """``text`` as a field no run of fields can be read as another run of: a presence byte
+    (``None`` is that byte alone), then the UTF-8 bytes' length and the bytes."""
     if text is None:
-        hasher.update(b"\0")
-        return
+        return b"\0"
     raw = text.encode("utf-8", "surrogatepass")
-    hasher.update(b"\1" + len(raw).to_bytes(8, "little") + raw)
+    return b"\1" + len(raw).to_bytes(8, "little") + raw
 
 
 def store_key_chain(
@@ -108,22 +113,37 @@ def store_key_chain(
     tokens = as_token_array(token_ids)
     raw = memoryview(tokens).cast("B")
     previous = identity.root()
-    chain = []
+    digests: list[bytes] = []
+    sha256 = hashlib.sha256
+    # One digest call per block over its concatenated fields (the same bytes as one update
+    # per field: a block of a plain prompt had six calls, ~0.1 ms a 1,536-token prompt); the
+    # hex of all of them at the end, by map.
+    full_count = block_size.to_bytes(8, "little")
     for start in range(0, len(tokens), block_size):
         count = min(block_size, len(tokens) - start)
-        hasher = hashlib.sha256(_CHAIN_TAG)
-        hasher.update(previous)
-        hasher.update(count.to_bytes(8, "little"))
-        hasher.update(raw[start * 8 : (start + count) * 8])
-        inputs = identity.inputs_in(start, start + count) if identity.multimodal else []
-        hasher.update(len(inputs).to_bytes(8, "little"))
-        for item in inputs:
-            _update_optional(hasher, item.identifier)
-            hasher.update(item.offset.to_bytes(8, "little", signed=True))
-            hasher.update(item.length.to_bytes(8, "little", signed=True))
-        previous = hasher.digest()
-        chain.append(previous.hex())
-    return chain
+        counted = full_count if count == block_size else count.to_bytes(8, "little")
+        inputs = _inputs_field(identity, start, start + count) if identity.multimodal else _NONE
+        piece = raw[start * 8 : (start + count) * 8]
+        previous = sha256(_CHAIN_TAG + previous + counted + piece + inputs).digest()
+        digests += (previous,)
+    return list(map(bytes.hex, digests))
+
+
+#: The inputs field of a block no multimodal input overlaps: a count of 0.
+_NONE = (0).to_bytes(8, "little")
+
+
+def _inputs_field(identity: CacheIdentity, start: int, end: int) -> bytes:
+    """The multimodal inputs field of the block of prompt positions ``[start, end)``: how
+    many inputs overlap it, then each one's identifier (as :func:`_update_optional` feeds
+    it), offset and length."""
+    inputs = identity.inputs_in(start, end)
+    parts = [len(inputs).to_bytes(8, "little")]
+    for item in inputs:
+        parts.append(_optional_bytes(item.identifier))
+        parts.append(item.offset.to_bytes(8, "little", signed=True))
+        parts.append(item.length.to_bytes(8, "little", signed=True))
+    return b"".join(parts)
 
 
 # -- from a vLLM request -----------------------------------------------------------------------
