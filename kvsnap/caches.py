@@ -89,6 +89,11 @@ class BoundedLRU(Generic[_K, _V]):
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
 
+    def discard(self, key: _K) -> None:
+        """Drop the entry under ``key``, if there is one."""
+        with self._lock:
+            self._entries.pop(key, None)
+
     def clear(self) -> None:
         """Drop every entry."""
         with self._lock:

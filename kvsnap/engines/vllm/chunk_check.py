@@ -10,7 +10,8 @@ anyone who can write the store can rename a file), and token ids equal to the pr
 ``verify``), so a damaged chunk is a miss before any load is planned. A chunk that passes is
 remembered by the identity (inode, size, modification time) of its committing file (a parted
 chunk's index: its parts are never rewritten, a new write gets new part names and a new
-index), so each version of a chunk is read once per process.
+index), so each version of a chunk is read once per process while it is among the last
+:data:`MAX_REMEMBERED_CHUNKS` that passed.
 
 Where the worker runs in the scheduler's process (vLLM's ``uni`` executor, a TP size of 1),
 a single-file chunk that passed is handed to it open (:class:`CheckedChunks`): the worker's
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap.caches import register_cache_clear
+from kvsnap.caches import BoundedLRU, register_cache_clear
 from kvsnap.engines.vllm.prefix_store import ChunkRef, chunk_sequence_id
 from kvsnap.errors import KVSnapError, SignatureError
 from kvsnap.format.signing import KeyRing
@@ -168,8 +169,16 @@ CHECKED_CHUNKS = CheckedChunks()
 register_cache_clear(CHECKED_CHUNKS.clear)
 
 
+#: Chunks a :class:`ChunkChecker` remembers as passed (the least recently matched dropped past
+#: it): a long-lived engine matches ever new prefixes, and each entry holds a chunk's token
+#: ids (a 512-token chunk: ~5 KB), so about 5 MB at most; a chunk dropped is checked again
+#: on its next match (a fraction of a millisecond).
+MAX_REMEMBERED_CHUNKS = 1024
+
+
 class ChunkChecker:
-    """Checks stored chunks against this engine and a prompt; remembers the chunks that pass."""
+    """Checks stored chunks against this engine and a prompt; remembers the last
+    ``remember`` chunks that passed."""
 
     def __init__(
         self,
@@ -180,6 +189,7 @@ class ChunkChecker:
         verify: bool,
         keys: KeyRing | None = None,
         hand_over: bool = False,
+        remember: int = MAX_REMEMBERED_CHUNKS,
     ) -> None:
         self.fingerprint = fingerprint
         self.expected_geometry = dict(expected_geometry)
@@ -189,7 +199,7 @@ class ChunkChecker:
         #: Whether chunks that pass are kept open for a worker in this process
         #: (:data:`CHECKED_CHUNKS`).
         self.hand_over = hand_over
-        self._passed: dict[str, tuple[FileKey, fmt.SequenceRecord]] = {}
+        self._passed: BoundedLRU[str, tuple[FileKey, fmt.SequenceRecord]] = BoundedLRU(remember)
 
     def check(
         self, chunk: ChunkRef, prompt: np.ndarray, chain: Sequence[str]
@@ -210,12 +220,12 @@ class ChunkChecker:
         reason = self._fits_prompt(record, chunk, prompt, chain)
         if reason is not None:
             return reason
-        self._passed[chunk.path] = (key, record)
+        self._passed.put(chunk.path, (key, record))
         return record
 
     def forget(self, path: str) -> None:
         """Check the chunk at ``path`` again next time (a load of it failed)."""
-        self._passed.pop(path, None)
+        self._passed.discard(path)
 
     def _read(self, path: str) -> fmt.SequenceRecord | str:
         # Verifying reads every byte, and a chunk handed over is loaded from the same open

@@ -193,6 +193,30 @@ def test_checker_refuses_damaged_foreign_and_misplaced_chunks(tmp_path: Path) ->
     assert "unreadable chunk" in checker.check(later, prompt, chain)
 
 
+def test_a_checker_remembers_only_the_last_chunks_that_passed(tmp_path: Path) -> None:
+    # A chunk remembered as passed is not read again while its file version is unchanged: a
+    # byte flipped with the modification time put back is served from that memory. Past the
+    # bound the least recently matched chunk is forgotten, read again, and refused.
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=2)
+    prompts = [_prompt(2, seed=40 + number) for number in range(3)]
+    paths = [_write_chunk(store, prompt, 0, 2) for prompt in prompts]
+    chunks = [store.longest_prefix(_chain(prompt)).chunks[0] for prompt in prompts]
+    for remember, served in ((3, True), (2, False)):
+        checker = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=True, remember=remember)
+        for prompt, chunk in zip(prompts, chunks, strict=True):
+            assert not isinstance(checker.check(chunk, prompt, _chain(prompt)), str)
+        status = paths[0].stat()
+        original = paths[0].read_bytes()
+        _flip_kv_byte(paths[0])
+        os.utime(paths[0], ns=(status.st_atime_ns, status.st_mtime_ns))
+        again = checker.check(chunks[0], prompts[0], _chain(prompts[0]))
+        assert isinstance(again, str) != served, again
+        if not served:
+            assert "failed verification" in again
+        paths[0].write_bytes(original)
+        os.utime(paths[0], ns=(status.st_atime_ns, status.st_mtime_ns))
+
+
 def test_quarantined_chunks_are_never_matched_again(tmp_path: Path) -> None:
     store = PrefixStore(tmp_path, "ns", chunk_blocks=2)
     prompt = _prompt(2, seed=6)
