@@ -14,32 +14,31 @@ index), so each version of a chunk is read once per process while it is among th
 :data:`MAX_REMEMBERED_CHUNKS` that passed.
 
 Where the worker runs in the scheduler's process (vLLM's ``uni`` executor, a TP size of 1),
-a single-file chunk that passed is handed to it open (:class:`CheckedChunks`): the worker's
-load takes it instead of opening and checking the file's header, trailer, signature and
-metadata again, but only while the file is the version that was checked (device, inode,
-size, modification and change times, of the path and of the open descriptor alike; the
-scheduler's own record of the chunk's use moves the change time, and only that, which
-:meth:`CheckedChunks.touched` accepts); the worker still checks every page it copies against
-the checksums that open read. A chunk of at most :data:`~kvsnap.store.tuning.
-WHOLE_READ_MAX_BYTES` that is verified or handed over is read whole as it opens, and its
-checks and the worker's load are served from those bytes (one read per chunk, not one per
-header, trailer, metadata tensor and run of pages).
+a single-file chunk that passed is handed to it open (:data:`~kvsnap.engines.vllm.open_chunks.
+CHECKED_CHUNKS`): the worker's load takes it instead of opening and checking the file's
+header, trailer, signature and metadata again, but only while the file is the version that
+was checked (device, inode, size, modification and change times, of the path and of the open
+descriptor alike; the scheduler's own record of the chunk's use moves the change time, and
+only that, which :meth:`~kvsnap.engines.vllm.open_chunks.OpenChunks.touched` accepts); the
+worker still checks every page it copies against the checksums that open read. A chunk of at
+most :data:`~kvsnap.store.tuning.WHOLE_READ_MAX_BYTES` that is verified or handed over is read
+whole as it opens, and its checks and the worker's load are served from those bytes (one read
+per chunk, not one per header, trailer, metadata tensor and run of pages).
 
 Nothing here needs vLLM.
 """
 
 from __future__ import annotations
 
-import collections
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap.caches import BoundedLRU, register_cache_clear
+from kvsnap.caches import BoundedLRU
+from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from kvsnap.engines.vllm.prefix_store import ChunkRef, chunk_sequence_id
 from kvsnap.errors import KVSnapError, SignatureError
 from kvsnap.format.signing import KeyRing
@@ -66,107 +65,6 @@ def file_key(path: str) -> FileKey | None:
     if found is None or found.status is None:
         return None
     return found.status.st_ino, found.status.st_size, found.status.st_mtime_ns
-
-
-#: What identifies one version of a file an open chunk is handed over for: device, inode,
-#: size, modification and change times (a rewrite in place changes the change time).
-FileVersion = tuple[int, int, int, int, int]
-
-
-def file_version(status: os.stat_result) -> FileVersion:
-    """The :data:`FileVersion` of a ``stat`` result."""
-    return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
-
-
-def _key_ids(keys: KeyRing | None) -> frozenset[bytes] | None:
-    return None if keys is None else frozenset(key.key_id for key in keys.keys)
-
-
-class CheckedChunks:
-    """Single-file chunks the scheduler checked, kept open for the worker of the same process
-    to load: at most ``capacity`` (the oldest is closed), each taken once."""
-
-    def __init__(self, capacity: int = 8) -> None:
-        self.capacity = capacity
-        self._lock = threading.Lock()
-        self._open: collections.OrderedDict[
-            str, tuple[Snapshot, FileVersion, frozenset[bytes] | None]
-        ] = collections.OrderedDict()
-
-    def keep(self, path: str, snapshot: Snapshot, keys: KeyRing | None) -> bool:
-        """Keep ``snapshot`` (opened from ``path`` with ``keys``) for :meth:`take`; ``False``
-        (the caller closes it) unless it is one local file unchanged since it was opened."""
-        files = snapshot.parts[0].reader.local_files() if len(snapshot.parts) == 1 else None
-        if snapshot.index is not None or files is None or len(files) != 1:
-            return False
-        _, descriptor, opened = files[0]
-        version = file_version(opened)
-        if file_version(os.fstat(descriptor)) != version:
-            return False
-        with self._lock:
-            replaced = self._open.pop(path, None)
-            self._open[path] = (snapshot, version, _key_ids(keys))
-            evicted = [self._open.popitem(last=False)[1][0] for _ in range(self._over())]
-        for old in ([replaced[0]] if replaced else []) + evicted:
-            old.close()
-        return True
-
-    def _over(self) -> int:
-        return max(0, len(self._open) - self.capacity)
-
-    def take(self, path: str, keys: KeyRing | None) -> Snapshot | None:
-        """The open chunk kept for ``path``, if it was opened with the same keys and the path
-        and its descriptor still name the version that was checked; it is the caller's to
-        close. ``None`` otherwise (a kept one that no longer matches is closed)."""
-        with self._lock:
-            kept = self._open.pop(path, None)
-        if kept is None:
-            return None
-        snapshot, version, key_ids = kept
-        files = snapshot.parts[0].reader.local_files()
-        try:
-            current = file_version(os.stat(path))
-            same = files is not None and file_version(os.fstat(files[0][1])) == version
-        except OSError:
-            current, same = None, False
-        if same and current == version and key_ids == _key_ids(keys):
-            return snapshot
-        snapshot.close()
-        return None
-
-    def touched(self, path: str) -> None:
-        """After this process's scheduler recorded the use of the chunk at ``path`` (its access
-        time: :meth:`~kvsnap.engines.vllm.prefix_store.PrefixStore.touch`, which keeps the
-        modification time and so moves only the change time): keep its open chunk for the
-        version its descriptor names now, if only that time moved; else close it."""
-        with self._lock:
-            kept = self._open.get(path)
-            if kept is None:
-                return
-            snapshot, version, key_ids = kept
-            files = snapshot.parts[0].reader.local_files()
-            try:
-                now = None if files is None else file_version(os.fstat(files[0][1]))
-            except OSError:
-                now = None
-            if now is not None and now[:4] == version[:4]:
-                self._open[path] = (snapshot, now, key_ids)
-                return
-            del self._open[path]
-        snapshot.close()
-
-    def clear(self) -> None:
-        """Close every kept chunk."""
-        with self._lock:
-            kept = [entry[0] for entry in self._open.values()]
-            self._open.clear()
-        for snapshot in kept:
-            snapshot.close()
-
-
-#: The process's chunks checked by its scheduler and not yet taken by its worker.
-CHECKED_CHUNKS = CheckedChunks()
-register_cache_clear(CHECKED_CHUNKS.clear)
 
 
 #: Chunks a :class:`ChunkChecker` remembers as passed (the least recently matched dropped past

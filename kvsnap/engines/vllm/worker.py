@@ -34,7 +34,6 @@ the parts holding its heads, whatever TP size stored the chunk.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -46,12 +45,13 @@ import numpy as np
 import torch
 
 from kvsnap import format as fmt
-from kvsnap.engines.vllm.chunk_check import CHECKED_CHUNKS
 from kvsnap.engines.vllm.events import EventLog
+from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS, OpenChunks
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.prefix_store import PrefixStore
 from kvsnap.engines.vllm.registration import RegisteredCache, register_caches
 from kvsnap.engines.vllm.specs import (
+    ChunkLoad,
     KVSnapConnectorMetadata,
     KVSnapWorkerMetadata,
     LoadSpec,
@@ -124,6 +124,10 @@ class KVSnapWorker:
         self._loaded: set[str] = set()
         self._pipeline: Pipeline | None = None
         self._saves: WorkerSaves | None = None
+        #: The chunks it loaded, open for their next load (a hot prefix is loaded by request
+        #: after request); each chunk's scheduler touches it on every hit, so a moved change
+        #: time alone is the same version.
+        self._kept = OpenChunks(KEPT_CHUNKS, change_time=False)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Build the cache layout from the registered tensors, or refuse them (LayoutError)."""
@@ -188,15 +192,19 @@ class KVSnapWorker:
         """Read ``spec``'s chunks (checksums verified) and scatter them into the cache as one
         job of the worker's warm :class:`~kvsnap.pipeline.Pipeline` (the reads of a chunk
         overlap the moves of the one before). Returns ``None``, or the first chunk that failed
-        and why (the chunks before it are loaded)."""
+        and why (the chunks before it are loaded). The chunks of a load that worked are kept
+        open for their next load (:attr:`_kept`)."""
         assert self.cache is not None and self._pipeline is not None
         geometry = self.cache.layout.geometry
-        with contextlib.ExitStack() as stack:
-            jobs = []
-            failure: tuple[int, Exception] | None = None
+        opened: list[Snapshot] = []
+        jobs = []
+        failure: tuple[int, Exception] | None = None
+        loaded = False
+        try:
             for position, chunk in enumerate(spec.chunks):
                 try:
-                    snapshot = stack.enter_context(_open_chunk(chunk.path, self.keys))
+                    snapshot = _open_chunk(chunk.path, self.keys, self._kept)
+                    opened.append(snapshot)
                     _check_fits(snapshot.metadata, geometry, self.fingerprint, chunk.path)
                 except Exception as error:  # any failure: the blocks from here on are recomputed
                     failure = (position, error)
@@ -207,7 +215,22 @@ class KVSnapWorker:
                     self._pipeline.restore_chunks(jobs)
             except Exception as error:
                 return (_failed_chunk(spec, error), error)
+            loaded = True
             return failure
+        finally:
+            for position, snapshot in enumerate(opened):
+                restored = loaded and position < len(jobs)
+                if not (restored and self._keep(spec.chunks[position], snapshot)):
+                    snapshot.close()
+
+    def _keep(self, chunk: ChunkLoad, snapshot: Snapshot) -> bool:
+        """Keep ``snapshot``, just loaded, open for the next load of ``chunk`` (whether it was
+        kept). Not a chunk held in memory whole (the scheduler's hand-over of a small chunk):
+        the worker would hold its bytes, up to :data:`~kvsnap.store.tuning.
+        WHOLE_READ_MAX_BYTES` each, for as long."""
+        if any(part.reader.held_file() is not None for part in snapshot.parts):
+            return False
+        return self._kept.keep(chunk.path, snapshot, self.keys)
 
     def _load_failed(self, spec: LoadSpec, position: int, error: Exception) -> None:
         """Report the blocks of ``spec`` from chunk ``position`` on; quarantine a bad file."""
@@ -298,22 +321,29 @@ class KVSnapWorker:
             self._saves.shutdown(self.options.drain_bound_s(os.environ))
             self._saves = None
         self._pipeline = None
+        self._kept.clear()
         drop_spare_files(str(self.store.root))
 
+
+#: Chunks a worker keeps open after loading them (:class:`~kvsnap.engines.vllm.open_chunks.
+#: OpenChunks`): a descriptor each, and the checked header, trailer and metadata of a file.
+KEPT_CHUNKS = 64
 
 #: How often, and how long apart, a chunk found missing is opened again: a pruner that sets a
 #: chunk aside puts it back within microseconds when it was just used (matched).
 _OPEN_ATTEMPTS, _OPEN_RETRY_S = 4, 0.005
 
 
-def _open_chunk(path: str, keys: KeyRing | None) -> Snapshot:
-    """Open the chunk at ``path`` (every file signed by one of ``keys``, when given), again a
-    few times if it is missing for an instant; or take it open from this process's scheduler,
-    which just checked that version of the file (:data:`~kvsnap.engines.vllm.chunk_check.
-    CHECKED_CHUNKS`)."""
-    checked = CHECKED_CHUNKS.take(path, keys)
-    if checked is not None:
-        return checked
+def _open_chunk(path: str, keys: KeyRing | None, kept: OpenChunks | None = None) -> Snapshot:
+    """The chunk at ``path``, open: taken from this process's scheduler, which just checked
+    that version of the file (:data:`~kvsnap.engines.vllm.open_chunks.CHECKED_CHUNKS`), or
+    from ``kept`` (the chunks a worker loaded before), else opened (every file signed by one of
+    ``keys``, when given), again a few times if it is missing for an instant."""
+    taken = CHECKED_CHUNKS.take(path, keys)
+    if taken is None and kept is not None:
+        taken = kept.take(path, keys)
+    if taken is not None:
+        return taken
     for _ in range(_OPEN_ATTEMPTS - 1):
         try:
             return Snapshot.open(path, keys=keys)

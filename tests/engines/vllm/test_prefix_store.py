@@ -33,7 +33,7 @@ from kvsnap.engines.vllm import (
     vllm_layout,
 )
 from kvsnap.engines.vllm import worker as worker_module
-from kvsnap.engines.vllm.chunk_check import CHECKED_CHUNKS, CheckedChunks
+from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS, OpenChunks
 from kvsnap.engines.vllm.prefix_store import committed_file, index_path
 from kvsnap.engines.vllm.specs import ChunkLoad, KVSnapConnectorMetadata, LoadSpec
 from kvsnap.format.signing import KeyRing
@@ -525,7 +525,7 @@ def test_a_checked_chunk_is_handed_to_the_worker_of_the_process_while_unchanged(
     assert second.path not in CHECKED_CHUNKS._open
     assert kept.parts[0].reader.local_files() is None
     # At most `capacity` are kept open: the oldest is closed.
-    small = CheckedChunks(capacity=1)
+    small = OpenChunks(capacity=1)
     snapshots = [Snapshot.open(chunk.path) for chunk in (first, second)]
     assert all(
         small.keep(chunk.path, snap, None)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvsnap.engines.vllm import ChunkChecker, EventLog, KVSnapConnectorMetadata
-from kvsnap.engines.vllm.chunk_check import CHECKED_CHUNKS
+from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.engines.vllm.specs import KVSnapWorkerMetadata
 from tests.support.vllm_worker_helpers import (

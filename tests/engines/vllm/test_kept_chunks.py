@@ -1,0 +1,129 @@
+"""A worker keeps the chunks it loaded open for their next load, and serves a kept chunk only
+while its file is the version it opened: a chunk replaced by a rename is opened anew, a byte
+changed in place (the modification time put back) is refused by the page checks, and a
+removed chunk's descriptor is closed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvsnap.engines.vllm import ChunkLoad, KVSnapConnectorMetadata, LoadSpec
+from kvsnap.engines.vllm import worker as worker_module
+from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
+from kvsnap.snapshot import Snapshot
+from tests.support.vllm_worker_helpers import (
+    cache_blocks,
+    chunk_saves,
+    distinct_chunk_saves,
+    load_saves,
+    make_worker,
+)
+
+TARGET = [9, 10, 11, 12]
+
+
+def _count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths ``Snapshot.open`` is called for from here on (it still opens them)."""
+    opened: list[str] = []
+    real = Snapshot.open
+
+    def counting(path: Any, **options: Any) -> Snapshot:
+        opened.append(str(path))
+        return real(path, **options)
+
+    monkeypatch.setattr(worker_module.Snapshot, "open", counting)
+    return opened
+
+
+def _scrub(worker: Any, blocks: list[int]) -> None:
+    assert worker.cache is not None
+    for cache in worker.cache.caches:
+        cache[blocks] = 0
+
+
+def _equal(worker: Any, loaded: list[int], saved: list[int]) -> bool:
+    return all(
+        torch.equal(a.view(torch.int16), b.view(torch.int16))
+        for a, b in zip(cache_blocks(worker, loaded), cache_blocks(worker, saved), strict=True)
+    )
+
+
+def _flip_in_place_keeping_times(path: Path) -> None:
+    """Flip a byte of the first layer tensor's data in place (the same inode and size), then
+    put the modification time back: only the change time tells the rewrite."""
+    status = path.stat()
+    data = bytearray(path.read_bytes())
+    header_size = int.from_bytes(data[:8], "little")
+    begin, end = json.loads(data[8 : 8 + header_size])["layers.0.key"]["data_offsets"]
+    data[8 + header_size + (begin + end) // 2] ^= 0x5A
+    with open(path, "r+b") as file:
+        file.write(bytes(data))
+    os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
+    assert path.stat().st_mtime_ns == status.st_mtime_ns
+
+
+def test_a_worker_keeps_the_chunks_it_loaded_open_and_serves_them_only_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = make_worker(tmp_path)
+    saves = chunk_saves(worker, "writer", [1, 2, 3, 4])
+    worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
+    worker.wait_for_writes()
+    CHECKED_CHUNKS.clear()
+    opened = _count_opens(monkeypatch)
+    paths = [spec.path for spec in saves]
+
+    load_saves(worker, saves, TARGET)
+    assert opened == paths and len(worker._kept) == 2
+    assert _equal(worker, TARGET, [1, 2, 3, 4])
+
+    # The next load of the same chunks opens nothing, bit-exact; the scheduler's record of a
+    # hit (a touch: the change time moves) leaves them the same version.
+    _scrub(worker, TARGET)
+    assert worker.store.touch(paths[0])
+    load_saves(worker, saves, TARGET)
+    assert opened == paths
+    assert _equal(worker, TARGET, [1, 2, 3, 4])
+
+    # A new version published by rename under the first chunk's name (here: the second
+    # chunk's bytes) is opened and loaded, never the kept old one.
+    replacement = tmp_path / "replacement.safetensors"
+    shutil.copyfile(paths[1], replacement)
+    os.replace(replacement, paths[0])
+    _scrub(worker, TARGET)
+    load_saves(worker, saves, TARGET)
+    assert opened == [*paths, paths[0]]
+    assert _equal(worker, TARGET, [3, 4, 3, 4])
+
+    # A byte changed in place with the modification time put back: the kept chunk is taken
+    # (the same version by its times) and its page checks refuse the changed page.
+    _flip_in_place_keeping_times(Path(paths[1]))
+    loads = tuple(
+        ChunkLoad(path, np.arange(2), np.asarray(blocks))
+        for path, blocks in zip(paths, ([9, 10], [11, 12]), strict=True)
+    )
+    worker.start_load_kv(KVSnapConnectorMetadata(loads=[LoadSpec("again", loads, 0)]))
+    assert opened == [*paths, paths[0]]
+    assert worker.get_block_ids_with_load_errors() == {11, 12}
+    assert len(worker._kept) == 0  # a failed load keeps nothing open
+
+    # A kept chunk whose file is removed is closed once another chunk is kept anew.
+    load_saves(worker, saves[:1], [9, 10])
+    (kept,) = (entry[0] for entry in worker._kept._open.values())
+    os.unlink(paths[0])
+    others = distinct_chunk_saves(worker, "other", seed=5)
+    worker.wait_for_save(KVSnapConnectorMetadata(saves=others))
+    worker.wait_for_writes()
+    load_saves(worker, others, [13, 14])
+    assert kept.parts[0].reader.local_files() is None
+    assert paths[0] not in worker._kept._open
+    worker.shutdown()
+    assert len(worker._kept) == 0
