@@ -78,7 +78,9 @@ class OpenChunks:
             evicted = [self._open.popitem(last=False)[1][0] for _ in range(self._over())]
             if replaced is None:  # a chunk kept anew: the others' files may have gone meanwhile
                 evicted += self._pop_removed()
-        for old in ([replaced[0]] if replaced else []) + evicted:
+        if replaced is not None and replaced[0] is not snapshot:
+            evicted.append(replaced[0])
+        for old in evicted:
             old.close()
         return True
 
