@@ -42,6 +42,16 @@ def file_version(status: os.stat_result) -> FileVersion:
     return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
 
 
+def _descriptor_status(snapshot: Snapshot) -> os.stat_result | None:
+    """``fstat`` of the descriptor a kept single-file chunk was opened through; ``None`` once
+    it is closed or cannot be asked."""
+    files = snapshot.parts[0].reader.local_files()
+    try:
+        return None if files is None else os.fstat(files[0][1])
+    except OSError:
+        return None
+
+
 def _key_ids(keys: KeyRing | None) -> frozenset[bytes] | None:
     return None if keys is None else frozenset(key.key_id for key in keys.keys)
 
@@ -95,12 +105,8 @@ class OpenChunks:
         rename): their descriptors hold its space. Called with the lock held."""
         removed = []
         for path, (snapshot, _, _) in list(self._open.items()):
-            files = snapshot.parts[0].reader.local_files()
-            try:
-                linked = files is not None and os.fstat(files[0][1]).st_nlink > 0
-            except OSError:
-                linked = False
-            if not linked:
+            status = _descriptor_status(snapshot)
+            if status is None or status.st_nlink == 0:
                 removed.append(self._open.pop(path)[0])
         return removed
 
@@ -113,12 +119,12 @@ class OpenChunks:
         if kept is None:
             return None
         snapshot, version, key_ids = kept
-        files = snapshot.parts[0].reader.local_files()
+        status = _descriptor_status(snapshot)
         try:
-            current = file_version(os.stat(path))
-            same = files is not None and self._same(file_version(os.fstat(files[0][1])), version)
+            current: FileVersion | None = file_version(os.stat(path))
         except OSError:
-            current, same = None, False
+            current = None
+        same = status is not None and self._same(file_version(status), version)
         if same and self._same(current, version) and key_ids == _key_ids(keys):
             return snapshot
         snapshot.close()
@@ -134,11 +140,8 @@ class OpenChunks:
             if kept is None:
                 return
             snapshot, version, key_ids = kept
-            files = snapshot.parts[0].reader.local_files()
-            try:
-                now = None if files is None else file_version(os.fstat(files[0][1]))
-            except OSError:
-                now = None
+            status = _descriptor_status(snapshot)
+            now = None if status is None else file_version(status)
             if now is not None and now[:4] == version[:4]:
                 self._open[path] = (snapshot, now, key_ids)
                 return
