@@ -177,22 +177,27 @@ class LayoutTemplate:
             (t.num_blocks, t.block_stride_bytes, _place(t.tensor)) for t in layout.tensors
         ]
 
-    def over(self, tensors: Sequence[torch.Tensor]) -> CacheLayout:
+    def over(self, tensors: Sequence[torch.Tensor], *, check_all: bool = True) -> CacheLayout:
         """The layout with ``tensors[i]`` in place of its tensor ``i``. Raises
         :class:`LayoutError` when a tensor differs from the one it replaces in shape, strides,
         dtype, device or offset into its storage, or has a smaller storage: only then do the
-        copy runs, checked once, stay inside it."""
+        copy runs, checked once, stay inside it.
+
+        ``check_all=False`` checks the first tensor only, for tensors made exactly as the
+        template's were (the same indexing of a new buffer of the same shape, dtype and
+        device), whose places then match by construction: ~1.5 us a tensor saved."""
         if len(tensors) != len(self._tensors):
             raise LayoutError(f"the layout has {len(self._tensors)} tensors, {len(tensors)} given")
         moved = []
         for index, ((num_blocks, stride, place), tensor) in enumerate(
             zip(self._tensors, tensors, strict=True)
         ):
-            now = _place(tensor)
-            if now[:-1] != place[:-1] or now[-1] < place[-1]:
-                raise LayoutError(
-                    f"tensor {index} is not laid out as the template's ({now} against {place})"
-                )
+            if check_all or index == 0:
+                now = _place(tensor)
+                if now[:-1] != place[:-1] or now[-1] < place[-1]:
+                    raise LayoutError(
+                        f"tensor {index} is not laid out as the template's ({now} against {place})"
+                    )
             moved.append(CacheTensor(tensor, num_blocks, stride, tensor.data_ptr()))
         layout = copy.copy(self._skeleton)
         layout.tensors = moved

@@ -10,6 +10,7 @@ else the model's class name), its revision and its fingerprint (the config and t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +19,9 @@ from typing import Any
 import torch
 import transformers
 
+from kvsnap.caches import register_cache_clear
 from kvsnap.engines.default_model import LoadedModel
+from kvsnap.engines.open_snapshots import OpenSnapshots
 from kvsnap.engines.weights import loaded_model_fingerprint, remembered_answer
 from kvsnap.format import SourceInfo
 from kvsnap.layout import KVGeometry, dtype_name
@@ -202,11 +205,28 @@ def pick_sequence(snapshot: Snapshot, sequence_id: str | None) -> Any:
     return snapshot.sequences[0]
 
 
+#: Snapshots these restores opened from a path, kept open for the next restore of the same
+#: file version (:class:`~kvsnap.engines.open_snapshots.OpenSnapshots`: a rewrite in place, a
+#: rename over it or its removal opens it anew). A descriptor each; ``kvsnap.clear_caches()``
+#: closes them.
+KEPT_SNAPSHOTS = OpenSnapshots(8, change_time=True)
+register_cache_clear(KEPT_SNAPSHOTS.clear)
+
+
 @contextmanager
 def open_snapshot(snapshot: Snapshot | str | Path) -> Iterator[Snapshot]:
-    """``snapshot`` itself when already open, else opened from its path for the ``with`` block."""
+    """``snapshot`` itself when already open, else the snapshot at that path for the ``with``
+    block: kept open after a block that raised nothing (:data:`KEPT_SNAPSHOTS`), so a process
+    restoring the same file again opens, reads and checks its header only once."""
     if isinstance(snapshot, Snapshot):
         yield snapshot
-    else:
-        with Snapshot.open(snapshot) as opened:
-            yield opened
+        return
+    path = os.fspath(snapshot)
+    opened = KEPT_SNAPSHOTS.take(path, None) or Snapshot.open(path)
+    try:
+        yield opened
+    except BaseException:
+        opened.close()
+        raise
+    if not KEPT_SNAPSHOTS.keep(path, opened, None):
+        opened.close()

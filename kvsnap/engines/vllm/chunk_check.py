@@ -19,7 +19,7 @@ CHECKED_CHUNKS`): the worker's load takes it instead of opening and checking the
 header, trailer, signature and metadata again, but only while the file is the version that
 was checked (device, inode, size, modification and change times, of the path and of the open
 descriptor alike; the scheduler's own record of the chunk's use moves the change time, and
-only that, which :meth:`~kvsnap.engines.vllm.open_chunks.OpenChunks.touched` accepts); the
+only that, which :meth:`~kvsnap.engines.open_snapshots.OpenSnapshots.touched` accepts); the
 worker still checks every page it copies against the checksums that open read. A chunk of at
 most :data:`~kvsnap.store.tuning.WHOLE_READ_MAX_BYTES` that is verified or handed over is read
 whole as it opens, and its checks and the worker's load are served from those bytes (one read

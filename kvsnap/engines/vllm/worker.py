@@ -45,8 +45,9 @@ import numpy as np
 import torch
 
 from kvsnap import format as fmt
+from kvsnap.engines.open_snapshots import OpenSnapshots
 from kvsnap.engines.vllm.events import EventLog
-from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS, OpenChunks
+from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.prefix_store import PrefixStore
 from kvsnap.engines.vllm.registration import RegisteredCache, register_caches
@@ -127,7 +128,7 @@ class KVSnapWorker:
         #: The chunks it loaded, open for their next load (a hot prefix is loaded by request
         #: after request); each chunk's scheduler touches it on every hit, so a moved change
         #: time alone is the same version.
-        self._kept = OpenChunks(KEPT_CHUNKS, change_time=False)
+        self._kept = OpenSnapshots(KEPT_CHUNKS, change_time=False)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Build the cache layout from the registered tensors, or refuse them (LayoutError)."""
@@ -325,8 +326,8 @@ class KVSnapWorker:
         drop_spare_files(str(self.store.root))
 
 
-#: Chunks a worker keeps open after loading them (:class:`~kvsnap.engines.vllm.open_chunks.
-#: OpenChunks`): a descriptor each, and the checked header, trailer and metadata of a file.
+#: Chunks a worker keeps open after loading them (:class:`~kvsnap.engines.open_snapshots.
+#: OpenSnapshots`): a descriptor each, and the checked header, trailer and metadata of a file.
 KEPT_CHUNKS = 64
 
 #: How often, and how long apart, a chunk found missing is opened again: a pruner that sets a
@@ -334,7 +335,7 @@ KEPT_CHUNKS = 64
 _OPEN_ATTEMPTS, _OPEN_RETRY_S = 4, 0.005
 
 
-def _open_chunk(path: str, keys: KeyRing | None, kept: OpenChunks | None = None) -> Snapshot:
+def _open_chunk(path: str, keys: KeyRing | None, kept: OpenSnapshots | None = None) -> Snapshot:
     """The chunk at ``path``, open: taken from this process's scheduler, which just checked
     that version of the file (:data:`~kvsnap.engines.vllm.open_chunks.CHECKED_CHUNKS`), or
     from ``kept`` (the chunks a worker loaded before), else opened (every file signed by one of

@@ -99,6 +99,13 @@ def test_a_template_refuses_tensors_laid_out_otherwise() -> None:
         template.over([rows[0].clone(), *rows[1:]])  # a storage of its own: too small
     with pytest.raises(LayoutError, match="tensor 0"):
         template.over(_rows(_buffer(blocks=5)))
+    # check_all=False checks the first tensor, and trusts the caller for the rest.
+    with pytest.raises(LayoutError, match="tensor 0"):
+        template.over(swapped, check_all=False)
+    repeated = [rows[0], rows[0], *rows[2:]]
+    with pytest.raises(LayoutError, match="tensor 1"):
+        template.over(repeated)
+    assert template.over(repeated, check_all=False).tensors[1].data_ptr == rows[0].data_ptr()
 
 
 def test_a_rebased_page_table_is_the_table_of_the_moved_caches() -> None:

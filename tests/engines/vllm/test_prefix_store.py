@@ -19,6 +19,7 @@ from kvsnap.cli.store import app as store_app
 from typer.testing import CliRunner
 
 from kvsnap import format as fmt
+from kvsnap.engines.open_snapshots import OpenSnapshots
 from kvsnap.engines.vllm import (
     CacheIdentity,
     ChunkChecker,
@@ -33,7 +34,7 @@ from kvsnap.engines.vllm import (
     vllm_layout,
 )
 from kvsnap.engines.vllm import worker as worker_module
-from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS, OpenChunks
+from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from kvsnap.engines.vllm.prefix_store import committed_file, index_path
 from kvsnap.engines.vllm.specs import ChunkLoad, KVSnapConnectorMetadata, LoadSpec
 from kvsnap.format.signing import KeyRing
@@ -525,7 +526,7 @@ def test_a_checked_chunk_is_handed_to_the_worker_of_the_process_while_unchanged(
     assert second.path not in CHECKED_CHUNKS._open
     assert kept.parts[0].reader.local_files() is None
     # At most `capacity` are kept open: the oldest is closed.
-    small = OpenChunks(capacity=1)
+    small = OpenSnapshots(capacity=1)
     snapshots = [Snapshot.open(chunk.path) for chunk in (first, second)]
     assert all(
         small.keep(chunk.path, snap, None)
