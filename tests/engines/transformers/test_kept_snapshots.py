@@ -5,8 +5,6 @@ a removed file is missing, and a restore that failed keeps nothing."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,8 @@ from kvsnap.engines import transformers as kt
 from kvsnap.engines.default_model import build_default_model
 from kvsnap.engines.transformers import model as model_module
 from kvsnap.errors import SnapshotCorruptError, SnapshotIOError
-from kvsnap.snapshot import Snapshot
+from tests.support.dynamic_caches import same_kv
+from tests.support.file_versions import count_snapshot_opens, rewrite_in_place_keeping_times
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +32,6 @@ def _no_kept_snapshots() -> Any:
     model_module.KEPT_SNAPSHOTS.clear()
 
 
-def _count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The paths ``Snapshot.open`` is called for from here on (it still opens them)."""
-    opened: list[str] = []
-    real = Snapshot.open
-
-    def counting(path: Any, **options: Any) -> Snapshot:
-        opened.append(str(path))
-        return real(path, **options)
-
-    monkeypatch.setattr(model_module.Snapshot, "open", counting)
-    return opened
-
-
 def _captured(model: torch.nn.Module, path: Path, seed: int, tokens: int = 40) -> Any:
     ids = torch.randint(
         0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed)
@@ -55,41 +41,15 @@ def _captured(model: torch.nn.Module, path: Path, seed: int, tokens: int = 40) -
     return cache, token_ids
 
 
-def _same_kv(a: Any, b: Any) -> bool:
-    pairs = zip(kt.dynamic_cache_states(a), kt.dynamic_cache_states(b), strict=True)
-    return all(
-        torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-        for first, second in pairs
-        for x, y in zip(first, second, strict=True)
-    )
-
-
-def _rewrite_in_place_keeping_times(path: Path, flip: bool) -> None:
-    """Write the file's bytes back in place (the same inode and size), with a byte of its first
-    layer's keys flipped when ``flip``, then put the modification time back: only the change
-    time tells the rewrite."""
-    status = path.stat()
-    data = bytearray(path.read_bytes())
-    if flip:
-        header_size = int.from_bytes(data[:8], "little")
-        begin, end = json.loads(data[8 : 8 + header_size])["layers.0.key"]["data_offsets"]
-        data[8 + header_size + (begin + end) // 2] ^= 0x5A
-    with open(path, "r+b") as file:
-        file.write(bytes(data))
-    os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
-    assert path.stat().st_mtime_ns == status.st_mtime_ns
-    assert path.stat().st_ino == status.st_ino
-
-
 def test_a_second_restore_of_a_file_opens_nothing_and_is_bit_exact(
     model: torch.nn.Module, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "prompt.safetensors"
     cache, token_ids = _captured(model, path, seed=1)
-    opened = _count_opens(monkeypatch)
+    opened = count_snapshot_opens(monkeypatch)
     for _ in range(3):
         restored, restored_ids = kt.restore_dynamic_cache(path, model=model)
-        assert restored_ids == token_ids and _same_kv(restored, cache)
+        assert restored_ids == token_ids and same_kv(restored, cache)
     assert opened == [str(path)]
     assert len(model_module.KEPT_SNAPSHOTS) == 1
     kvsnap.clear_caches()
@@ -104,10 +64,10 @@ def test_a_snapshot_replaced_by_a_rename_is_read_as_the_new_one(
     kt.restore_dynamic_cache(path, model=model)
     # capture publishes by a rename over the old name: a new inode, the same size.
     cache, token_ids = _captured(model, path, seed=2)
-    opened = _count_opens(monkeypatch)
+    opened = count_snapshot_opens(monkeypatch)
     restored, restored_ids = kt.restore_dynamic_cache(path, model=model)
     assert opened == [str(path)]
-    assert restored_ids == token_ids and _same_kv(restored, cache)
+    assert restored_ids == token_ids and same_kv(restored, cache)
 
 
 def test_a_rewrite_in_place_is_opened_anew_and_a_changed_byte_refused(
@@ -116,12 +76,12 @@ def test_a_rewrite_in_place_is_opened_anew_and_a_changed_byte_refused(
     path = tmp_path / "prompt.safetensors"
     cache, _ = _captured(model, path, seed=3)
     kt.restore_dynamic_cache(path, model=model)
-    opened = _count_opens(monkeypatch)
-    _rewrite_in_place_keeping_times(path, flip=False)
+    opened = count_snapshot_opens(monkeypatch)
+    rewrite_in_place_keeping_times(path, flip=False)
     restored, _ = kt.restore_dynamic_cache(path, model=model)
     assert opened == [str(path)], "the change time moved: another version"
-    assert _same_kv(restored, cache)
-    _rewrite_in_place_keeping_times(path, flip=True)
+    assert same_kv(restored, cache)
+    rewrite_in_place_keeping_times(path, flip=True)
     with pytest.raises(SnapshotCorruptError):
         kt.restore_dynamic_cache(path, model=model)
     assert opened == [str(path)] * 2

@@ -23,6 +23,7 @@ from kvsnap.layout.cache import LayoutTemplate
 from kvsnap.pipeline import shared_tables
 from kvsnap.transfer.page_table import PageTable
 from kvsnap.transfer.plan import Direction
+from tests.support.dynamic_caches import same_kv
 
 BLOCK = 16
 
@@ -37,15 +38,6 @@ def _prefilled(model: torch.nn.Module, tokens: int, seed: int) -> tuple[object, 
         0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed)
     )
     return kt.prefill_token_ids(model, [ids.tolist()])[0]
-
-
-def _same_kv(a: object, b: object) -> bool:
-    pairs = zip(kt.dynamic_cache_states(a), kt.dynamic_cache_states(b), strict=True)
-    return all(
-        torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-        for first, second in pairs
-        for x, y in zip(first, second, strict=True)
-    )
 
 
 def _buffer(layers: int = 3, heads: int = 2, blocks: int = 4, dim: int = 8) -> torch.Tensor:
@@ -188,7 +180,7 @@ def test_warm_dynamic_restores_rebuild_nothing_and_stay_exact(model, tmp_path, m
     assert len(layouts) == 1 and len(tables) <= 1
     addresses = {kt.dynamic_cache_states(restored)[0][0].data_ptr() for restored in kept}
     assert len(addresses) == 4, "each restore is a cache of its own"
-    assert all(_same_kv(cache, restored) for restored in kept)
+    assert all(same_kv(cache, restored) for restored in kept)
     assert [c.get_seq_length() for c in kept] == [len(ids)] * 4
 
 
@@ -203,10 +195,10 @@ def test_a_dynamic_restore_of_another_length_gets_its_own_layout(model, tmp_path
         caches.append(cache)
     for _ in range(2):
         restored = [kt.restore_dynamic_cache(path, model=model)[0] for path in paths]
-        assert all(_same_kv(a, b) for a, b in zip(caches, restored, strict=True))
+        assert all(same_kv(a, b) for a, b in zip(caches, restored, strict=True))
 
 
-def test_a_restored_cache_is_the_cache_transformers_builds_from_the_same_kv(model, tmp_path):
+def test_a_restored_cache_is_the_cache_transformers_builds_from_thesame_kv(model, tmp_path):
     # Layers are handed their KV without transformers' update: the state must be the same.
     cache, ids = _prefilled(model, BLOCK + 3, seed=5)
     path = tmp_path / "p.safetensors"

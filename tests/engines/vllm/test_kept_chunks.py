@@ -5,7 +5,6 @@ removed chunk's descriptor is closed."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -16,9 +15,8 @@ import pytest
 import torch
 
 from kvsnap.engines.vllm import ChunkLoad, KVSnapConnectorMetadata, LoadSpec
-from kvsnap.engines.vllm import worker as worker_module
 from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
-from kvsnap.snapshot import Snapshot
+from tests.support.file_versions import count_snapshot_opens, rewrite_in_place_keeping_times
 from tests.support.vllm_worker_helpers import (
     cache_blocks,
     chunk_saves,
@@ -28,19 +26,6 @@ from tests.support.vllm_worker_helpers import (
 )
 
 TARGET = [9, 10, 11, 12]
-
-
-def _count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The paths ``Snapshot.open`` is called for from here on (it still opens them)."""
-    opened: list[str] = []
-    real = Snapshot.open
-
-    def counting(path: Any, **options: Any) -> Snapshot:
-        opened.append(str(path))
-        return real(path, **options)
-
-    monkeypatch.setattr(worker_module.Snapshot, "open", counting)
-    return opened
 
 
 def _scrub(worker: Any, blocks: list[int]) -> None:
@@ -56,20 +41,6 @@ def _equal(worker: Any, loaded: list[int], saved: list[int]) -> bool:
     )
 
 
-def _flip_in_place_keeping_times(path: Path) -> None:
-    """Flip a byte of the first layer tensor's data in place (the same inode and size), then
-    put the modification time back: only the change time tells the rewrite."""
-    status = path.stat()
-    data = bytearray(path.read_bytes())
-    header_size = int.from_bytes(data[:8], "little")
-    begin, end = json.loads(data[8 : 8 + header_size])["layers.0.key"]["data_offsets"]
-    data[8 + header_size + (begin + end) // 2] ^= 0x5A
-    with open(path, "r+b") as file:
-        file.write(bytes(data))
-    os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
-    assert path.stat().st_mtime_ns == status.st_mtime_ns
-
-
 def test_a_worker_keeps_the_chunks_it_loaded_open_and_serves_them_only_unchanged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -78,7 +49,7 @@ def test_a_worker_keeps_the_chunks_it_loaded_open_and_serves_them_only_unchanged
     worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
     worker.wait_for_writes()
     CHECKED_CHUNKS.clear()
-    opened = _count_opens(monkeypatch)
+    opened = count_snapshot_opens(monkeypatch)
     paths = [spec.path for spec in saves]
 
     load_saves(worker, saves, TARGET)
@@ -105,7 +76,7 @@ def test_a_worker_keeps_the_chunks_it_loaded_open_and_serves_them_only_unchanged
 
     # A byte changed in place with the modification time put back: the kept chunk is taken
     # (the same version by its times) and its page checks refuse the changed page.
-    _flip_in_place_keeping_times(Path(paths[1]))
+    rewrite_in_place_keeping_times(Path(paths[1]), flip=True)
     loads = tuple(
         ChunkLoad(path, np.arange(2), np.asarray(blocks))
         for path, blocks in zip(paths, ([9, 10], [11, 12]), strict=True)
