@@ -98,6 +98,14 @@ def chunk_saves(worker: KVSnapWorker, request: str, blocks: list[int]) -> list[S
     ]
 
 
+def stored_chunks(worker: KVSnapWorker, request: str, blocks: list[int]) -> list[SaveSpec]:
+    """:func:`chunk_saves` of ``blocks``, saved by ``worker`` and written before this returns."""
+    saves = chunk_saves(worker, request, blocks)
+    worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
+    worker.wait_for_writes()
+    return saves
+
+
 def distinct_chunk_saves(worker: KVSnapWorker, request: str, seed: int) -> list[SaveSpec]:
     """One chunk (blocks 0 and 1 of the cache) of a prompt of its own (tokens from ``seed``)."""
     tokens = np.random.default_rng(seed).integers(1, 500, size=CHUNK_BLOCKS * BLOCK)

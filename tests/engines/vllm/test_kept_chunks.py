@@ -19,10 +19,10 @@ from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from tests.support.file_versions import count_snapshot_opens, rewrite_in_place_keeping_times
 from tests.support.vllm_worker_helpers import (
     cache_blocks,
-    chunk_saves,
     distinct_chunk_saves,
     load_saves,
     make_worker,
+    stored_chunks,
 )
 
 TARGET = [9, 10, 11, 12]
@@ -45,9 +45,7 @@ def test_a_worker_keeps_the_chunks_it_loaded_open_and_serves_them_only_unchanged
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     worker = make_worker(tmp_path)
-    saves = chunk_saves(worker, "writer", [1, 2, 3, 4])
-    worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
-    worker.wait_for_writes()
+    saves = stored_chunks(worker, "writer", [1, 2, 3, 4])
     CHECKED_CHUNKS.clear()
     opened = count_snapshot_opens(monkeypatch)
     paths = [spec.path for spec in saves]

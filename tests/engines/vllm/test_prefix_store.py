@@ -42,7 +42,12 @@ from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store import hot, publish
 from kvsnap.store.hot import HotTier
 from tests.support.reads import record_preadv
-from tests.support.vllm_worker_helpers import cache_blocks, chunk_saves, load_saves, make_worker
+from tests.support.vllm_worker_helpers import (
+    cache_blocks,
+    load_saves,
+    make_worker,
+    stored_chunks,
+)
 
 BLOCK = 4
 HEADS, HEAD_DIM, LAYERS = 2, 8, 2
@@ -545,9 +550,7 @@ def test_a_handed_over_chunk_is_read_once_and_every_page_it_loads_is_checked(
     file again, bit-exact; a page whose bytes changed after the check (flipped in memory) is
     still refused as the worker copies it, and its blocks are reported for recomputing."""
     worker = make_worker(tmp_path)
-    saves = chunk_saves(worker, "r1", [1, 2, 3, 4])
-    worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
-    worker.wait_for_writes()
+    saves = stored_chunks(worker, "r1", [1, 2, 3, 4])
     prompt = np.concatenate([spec.token_ids for spec in saves])
     chain = store_key_chain(prompt, BLOCK, CacheIdentity())
     chunks = worker.store.longest_prefix(chain).chunks

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvsnap.engines.vllm import ChunkChecker, EventLog, KVSnapConnectorMetadata
+from kvsnap.engines.vllm import ChunkChecker, EventLog
 from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.engines.vllm.specs import KVSnapWorkerMetadata
@@ -26,10 +26,10 @@ from tests.support.vllm_worker_helpers import (
     HEADS,
     LAYERS,
     cache_blocks,
-    chunk_saves,
     make_worker,
     scheduled_request,
     scheduler_step,
+    stored_chunks,
 )
 
 GEOMETRY = {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": HEAD_DIM}
@@ -42,9 +42,7 @@ def _after_load(tmp_path: Path, damage: bool, monkeypatch: pytest.MonkeyPatch) -
     blocks whose load failed, and the worker. ``damage``: a page of the second chunk is
     flipped in the bytes handed over after the check."""
     worker = make_worker(tmp_path)
-    saves = chunk_saves(worker, "writer", [1, 2, 3, 4])
-    worker.wait_for_save(KVSnapConnectorMetadata(saves=saves))
-    worker.wait_for_writes()
+    saves = stored_chunks(worker, "writer", [1, 2, 3, 4])
     prompt = [int(token) for spec in saves for token in spec.token_ids] + [7]
     CHECKED_CHUNKS.clear()
     scheduler = KVSnapScheduler(

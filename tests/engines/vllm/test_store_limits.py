@@ -43,6 +43,7 @@ from tests.support.vllm_worker_helpers import (
     make_worker,
     scheduled_request,
     scheduler_step,
+    stored_chunks,
 )
 
 #: Room for a few of the test's chunks (each a few KiB: a 4 KiB header and small pages).
@@ -138,9 +139,7 @@ def _saved_prompt(
     """A prompt's chunks saved by a worker into ``tmp_path / "store"`` (``namespace``), its
     tokens drawn from ``blocks``; and the prompt, one token past its last chunk."""
     worker = make_worker(tmp_path, namespace=namespace)
-    specs = chunk_saves(worker, "writer", blocks)
-    worker.wait_for_save(KVSnapConnectorMetadata(saves=specs))
-    worker.wait_for_writes()
+    specs = stored_chunks(worker, "writer", blocks)
     worker.shutdown()
     return specs, np.concatenate([spec.token_ids for spec in specs] + [np.array([7])]).tolist()
 

@@ -54,6 +54,7 @@ from tests.support.vllm_worker_helpers import (
     make_worker,
     scheduled_request,
     scheduler_step,
+    stored_chunks,
 )
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -97,9 +98,7 @@ def test_a_stored_chunk_is_never_copied_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     worker = make_worker(tmp_path)
-    first = chunk_saves(worker, "r1", [1, 2, 3, 4])
-    worker.wait_for_save(KVSnapConnectorMetadata(saves=first))
-    worker.wait_for_writes()
+    first = stored_chunks(worker, "r1", [1, 2, 3, 4])
     gate = gate_captures(worker, monkeypatch)
     gate.set()
     again = chunk_saves(worker, "r2", [1, 2, 3, 4])  # the same prompt, same chunk names
