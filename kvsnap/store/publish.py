@@ -191,19 +191,11 @@ def _is_ours(temp: str, owns: Callable[[str], bool], owner: str) -> bool:
 
 def remove_if_unlocked(path: str) -> bool:
     """Remove the regular file ``path`` if no process holds its lock; whether it was removed."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    fd = _open_existing(path)
+    if fd is None:
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # a live writer holds it
-        # Still the file we locked (not replaced by a live writer's new one meanwhile)?
-        if os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
+        if _lock_if_free(fd, path, without_locks=False) is None:
             return False
         os.unlink(path)
         return True
@@ -234,17 +226,49 @@ def remove_dead_temps(directory: str, owns: Callable[[str], bool], owner: str) -
     return removed
 
 
-def is_locked(path: str) -> bool:
-    """Whether some process holds the ``flock`` of the file ``path`` (a live writer's
-    temporary file); ``False`` when it is gone or free (a dead writer's leftover)."""
+def leftover_status(path: str) -> os.stat_result | None:
+    """The status of the temporary file ``path`` when it is a dead writer's leftover: a
+    regular file whose ``flock`` nobody holds (or on a filesystem without ``flock``), still
+    under that name; ``None`` while a live writer holds it, or once it is gone.
+
+    The status comes from the file whose lock was asked, and the name is checked after it: a
+    live writer renames its file into place before it lets the lock go. (The name's status
+    taken first and the lock asked after would report a writer that published in between as a
+    leftover of its full size.)"""
+    fd = _open_existing(path)
+    if fd is None:
+        return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as error:
-        return error.errno not in _NO_LOCKS
+        return _lock_if_free(fd, path, without_locks=True)
     finally:
         os.close(fd)  # closing releases a lock taken here
-    return False
+
+
+def _open_existing(path: str) -> int | None:
+    """A read-only descriptor on the file ``path`` (not through a symlink), or ``None``."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _lock_if_free(fd: int, path: str, *, without_locks: bool) -> os.stat_result | None:
+    """Take the ``flock`` of ``fd``, opened as ``path``, unless another holds it; the file's
+    status when it is a regular file whose lock was free and ``path`` still names it, else
+    ``None``. On a filesystem without ``flock`` the file counts as free when
+    ``without_locks``, as held otherwise."""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if not (without_locks and error.errno in _NO_LOCKS):
+                return None  # a live writer holds it, or no lock can tell
+        status = os.fstat(fd)
+        # Still the file locked here: a writer that renamed it meanwhile was alive.
+        if os.stat(path, follow_symlinks=False).st_ino != status.st_ino:
+            return None
+        return status
+    except OSError:
+        return None

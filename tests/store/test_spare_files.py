@@ -119,7 +119,7 @@ def test_a_spare_is_never_a_snapshot(shm_dir: Path) -> None:
     [spare] = spare_names(shm_dir)
     spare_path = shm_dir / spare
     # A live writer's temporary file: locked, left alone by every cleanup of the name.
-    assert publish.is_locked(str(spare_path))
+    assert publish.leftover_status(str(spare_path)) is None
     owns = publish.remove_dead_temps(str(shm_dir), lambda name: True, "snap")
     assert owns == [] and spare_path.exists()
     # Writing the same snapshot again (a writer cleans up its name's dead temporaries first)
@@ -290,7 +290,7 @@ def test_a_process_killed_while_making_a_spare_leaves_only_a_dead_temporary(
     assert child.exitcode == -signal.SIGKILL
     [leftover] = temp_files(shm_dir)
     assert leftover.startswith(".snap.safetensors.kvsnap-tmp-")
-    assert not publish.is_locked(str(shm_dir / leftover))  # a dead writer's: gc removes it
+    assert publish.leftover_status(str(shm_dir / leftover)) is not None  # a dead writer's
     with SnapshotReader(path) as reader:
         assert reader.verify() == []
     # The next write of the snapshot removes it, as any dead writer's temporary file.

@@ -131,11 +131,15 @@ def _stat(path: str | os.PathLike[str]) -> os.stat_result | None:
 
 
 def _entry(
-    path: Path, namespace: str, quarantined: bool, parts: tuple[Path, ...] = ()
+    path: Path,
+    namespace: str,
+    quarantined: bool,
+    parts: tuple[Path, ...] = (),
+    status: os.stat_result | None = None,
 ) -> StoreEntry | None:
-    """The entry committed by ``path`` with ``parts`` (those still there); ``None`` when
-    ``path`` is gone."""
-    status = _stat(path)
+    """The entry committed by ``path`` (whose ``status`` the caller may have) with ``parts``
+    (those still there); ``None`` when ``path`` is gone."""
+    status = _stat(path) if status is None else status
     if status is None:
         return None
     sizes = [(part, _stat(part)) for part in parts]
@@ -158,14 +162,16 @@ def _is_temp(name: str) -> bool:
 def _leftover(path: Path, namespace: str, quarantined: bool, grace_s: float) -> StoreEntry | None:
     """The entry of the temporary or staged file ``path`` once it is a leftover (its writer is
     dead, or a staged chunk older than ``grace_s``); ``None`` while it is a write in progress."""
-    entry = _entry(path, namespace, quarantined)
-    if entry is None:
-        return None
     if STAGE_MARKER in path.name and publish.TEMP_MARKER not in path.name:
-        if _stager_alive(path.name, time.time() - entry.modified, grace_s):
+        entry = _entry(path, namespace, quarantined)
+        if entry is None or _stager_alive(path.name, time.time() - entry.modified, grace_s):
             return None
-    elif publish.is_locked(str(path)):
-        return None
+    else:
+        # Its status comes with the lock, so a writer publishing meanwhile is not counted.
+        status = publish.leftover_status(str(path))
+        entry = None if status is None else _entry(path, namespace, quarantined, status=status)
+        if entry is None:
+            return None
     return dataclasses.replace(entry, orphan=True, temp=True)
 
 

@@ -348,6 +348,47 @@ def test_dead_writers_temp_files_are_counted_and_pruned(tmp_path: Path) -> None:
         os.unlink(live)
 
 
+def test_a_writer_publishing_while_the_store_is_listed_is_no_leftover(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live writer renames its temporary file into place, then lets its lock go. A listing
+    that reaches the file in between (its name listed, then the file renamed and unlocked
+    before the listing asks about it) must not count it as a dead writer's leftover of its
+    full size: four engines on one store, sampled under its capacity lock, read one chunk
+    over the bound that way."""
+    store = PrefixStore(tmp_path, "ns", chunk_blocks=1)
+    chunk = _write_chunk(store, _prompt(1, seed=96), 0, 1)
+    final = str(chunk.with_name("e" * len(chunk.stem) + ".safetensors"))
+    writer_fd, temp = publish.create_temp(final)
+    publish.write_all(writer_fd, b"z" * 8192)
+    real_open, real_stat = os.open, os.stat
+    published: list[str] = []
+
+    def publish_once(path: object) -> None:
+        if os.fspath(path) == temp and not published:  # type: ignore[arg-type]
+            os.replace(temp, final)  # the writer's publish: the rename, then the unlock
+            os.close(writer_fd)
+            published.append(final)
+
+    def open_then_publish(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        descriptor = real_open(path, *args, **kwargs)
+        publish_once(path)
+        return descriptor
+
+    def stat_then_publish(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        status = real_stat(path, *args, **kwargs)
+        publish_once(path)
+        return status
+
+    monkeypatch.setattr(os, "open", open_then_publish)
+    monkeypatch.setattr(os, "stat", stat_then_publish)
+    entries = store_entries(tmp_path)
+    monkeypatch.undo()
+    assert published == [final]  # the listing met the file while it was being published
+    assert [entry for entry in entries if entry.temp] == []
+    assert {entry.path for entry in store_entries(tmp_path)} == {chunk, Path(final)}
+
+
 def _invoke(*args: str) -> tuple[int, dict]:
     result = CliRunner().invoke(store_app, [*args, "--json"])
     return result.exit_code, json.loads(result.stdout)
