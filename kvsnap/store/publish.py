@@ -266,7 +266,8 @@ def _lock_if_free(fd: int, path: str, *, without_locks: bool) -> os.stat_result 
             if not (without_locks and error.errno in _NO_LOCKS):
                 return None  # a live writer holds it, or no lock can tell
         status = os.fstat(fd)
-        # Still the file locked here: a writer that renamed it meanwhile was alive.
+        # Still the file locked here? One renamed away meanwhile was a live writer's, and
+        # another file now under the name is not the one whose lock was free.
         if os.stat(path, follow_symlinks=False).st_ino != status.st_ino:
             return None
         return status
