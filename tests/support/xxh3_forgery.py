@@ -217,9 +217,7 @@ class _Pair:
         for start in range(0, len(out), _CHUNK):
             words = self.words(np.arange(start, min(start + _CHUNK, len(out))))
             mixed = words ^ np.uint64(self.key)
-            even = np.uint64(self.even) + (mixed & np.uint64(0xFFFFFFFF)) * (
-                mixed >> np.uint64(32)
-            )
+            even = np.uint64(self.even) + (mixed & np.uint64(0xFFFFFFFF)) * (mixed >> np.uint64(32))
             odd = np.uint64(self.odd) + words
             out[start : start + len(words)] = _fold64(
                 even ^ np.uint64(self.merge_even), odd ^ np.uint64(self.merge_odd)
@@ -287,7 +285,9 @@ def _attempt(pairs: list[_Pair], total: int) -> list[int] | None:
     ]
     if not found:
         return None
-    return [int(pair.words(np.array([index]))[0]) for pair, index in zip(pairs, min(found))]
+    return [
+        int(pair.words(np.array([index]))[0]) for pair, index in zip(pairs, min(found), strict=True)
+    ]
 
 
 def forge_page(replacement: bytes, target_digest: int, *, seed: int = 0) -> bytes:
@@ -316,7 +316,7 @@ def forge_page(replacement: bytes, target_digest: int, *, seed: int = 0) -> byte
         if chosen is None:
             continue
         forged = bytearray(replacement)
-        for offset, word in zip(offsets, chosen):
+        for offset, word in zip(offsets, chosen, strict=True):
             forged[offset : offset + 8] = word.to_bytes(8, "little")
         if xxhash.xxh3_64_intdigest(bytes(forged)) != target_digest:
             raise AssertionError("the forged page's xxh3-64 differs: the model of XXH3 is wrong")
