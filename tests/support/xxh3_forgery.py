@@ -24,9 +24,10 @@ input's final 64 bytes, with its own keys). Then the lanes are merged and avalan
 words, and ``avalanche`` (xorshift 37, multiply by an odd constant, xorshift 32) is a
 bijection of 64-bit words, so a digest fixes ``h`` and ``h`` is what a forger must hit.
 
-**The free words.** Take the first stripe of the partial block (byte ``B = 1024 *
-((len - 1) // 1024)``) and in it the words of lanes 0, 2, 4, 6: bytes ``B``, ``B + 16``,
-``B + 32``, ``B + 48`` (:func:`forged_word_offsets`). Each is read once, after the last
+**The free words.** Take the first stripe after the last scramble (byte ``B = 1024 *
+((len - 1) // 1024)``; 0 for pages of up to 1,024 bytes, which have no scramble) and in it
+the words of lanes 0, 2, 4, 6: bytes ``B``, ``B + 16``, ``B + 32``, ``B + 48``
+(:func:`forged_word_offsets`). Each is read once, after the last
 scramble and outside the last stripe (which starts at ``len - 64``), so it changes only lanes
 ``2j`` and ``2j + 1`` of its own pair, additively, and nothing mixes them before the merge.
 With the other words fixed, the word ``x`` of pair ``j`` gives the merge term::
@@ -47,10 +48,10 @@ probability ``e^-4``, under 2 %). A failed attempt retries with fresh candidates
 :data:`MAX_ATTEMPTS` times (all fail with probability under ``10^-10``). Work: ``O(N log N)``
 with ``N = 2^22``, a little over ``2^(64/3)`` so that an attempt expects 4 solutions, where
 brute force takes ``2^64`` tries (a plain birthday search finds collisions of two pages it
-makes, not a page with a digest it is given). Memory: the four lists and
-the two joins' pairs (indices as int32), about 350 MiB peak RSS measured, 26 MiB of it the
-interpreter and numpy. Time: 2.1 to 3.1 s a page, any size (2-core VM, 2026-12-06, numpy on
-one thread). Everything is deterministic for a given seed.
+makes, not a page with a digest it is given). Measured on the 2-core VM, 2026-12-06 (numpy,
+one thread): 2.1 to 3.1 s a page of any size, and about 350 MiB peak RSS (26 MiB of it the
+interpreter and numpy): the four lists, then the two joins' pairs (int32 indices). Everything
+is deterministic for a given seed.
 
 Supported: pages of more than 240 bytes in whole 8-byte words with at least 120 bytes from
 ``B`` to the end (so that the four words end before the last stripe begins): every multiple
@@ -227,9 +228,9 @@ class _Pair:
 
 def _join(left: np.ndarray, right: np.ndarray, residue: int) -> tuple[np.ndarray, ...]:
     """Every (i, j) with ``left[i] + right[j]`` equal to ``residue`` in the low
-    :data:`LIST_BITS` bits, as (i, j, sum) arrays: right's indices grouped by those bits (a
-    counting sort), each i paired with the group it needs. Indices are int32 to halve the
-    memory: about ``2^LIST_BITS`` pairs come out."""
+    :data:`LIST_BITS` bits, as (i, j, sum) arrays: right's indices sorted by those bits, with
+    a count and a start per value, and each i paired with the run of the value it needs.
+    Indices are int32 to halve the memory: about ``2^LIST_BITS`` pairs come out."""
     mask = np.uint64((1 << LIST_BITS) - 1)
     right_keys = (right & mask).astype(np.intp)
     by_key = np.argsort(right_keys).astype(np.int32)
@@ -297,11 +298,13 @@ def forge_page(replacement: bytes, target_digest: int, *, seed: int = 0) -> byte
     :data:`MAX_ATTEMPTS` attempts find nothing (probability under ``10^-10``)."""
     if seed < 0:
         raise ValueError(f"the seed must be a non-negative integer, not {seed}")
+    if not 0 <= target_digest <= _MASK64:
+        raise ValueError(f"an xxh3-64 digest is an unsigned 64-bit integer, not {target_digest}")
     page_bytes = len(replacement)
     offsets = forged_word_offsets(page_bytes)
     words = np.frombuffer(replacement, dtype="<u8").tolist()
     lanes = _lanes(words, page_bytes)
-    total = (_unavalanche(target_digest & _MASK64) - page_bytes * _PRIME64_1) & _MASK64
+    total = (_unavalanche(target_digest) - page_bytes * _PRIME64_1) & _MASK64
     for attempt in range(MAX_ATTEMPTS):
         pairs = [
             _Pair(
