@@ -49,9 +49,9 @@ probability ``e^-4``, under 2 %). A failed attempt retries with fresh candidates
 with ``N = 2^22``, a little over ``2^(64/3)`` so that an attempt expects 4 solutions, where
 brute force takes ``2^64`` tries (a plain birthday search finds collisions of two pages it
 makes, not a page with a digest it is given). Measured on the 2-core VM, 2026-12-06 (numpy,
-one thread): 2.1 to 3.1 s a page of any size, and about 350 MiB peak RSS (26 MiB of it the
-interpreter and numpy): the four lists, then the two joins' pairs (int32 indices). Everything
-is deterministic for a given seed.
+one thread): 2 to 3.5 s of CPU time a page of any size (the wall time on an idle machine),
+and about 350 MiB peak RSS, 26 MiB of it the interpreter and numpy (the four lists, then the
+two joins' pairs with int32 indices). Everything is deterministic for a given seed.
 
 Supported: pages of more than 240 bytes in whole 8-byte words with at least 120 bytes from
 ``B`` to the end (so that the four words end before the last stripe begins): every multiple
