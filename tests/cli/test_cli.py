@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from kvsnap.cli.app import app
+from typer.testing import CliRunner
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
