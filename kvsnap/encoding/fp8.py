@@ -138,7 +138,7 @@ def check_scales(scales: torch.Tensor, tensor: str | None = None) -> None:
     if bool(bad.any()):
         block, head = (int(i) for i in torch.nonzero(bad)[0])
         raise SnapshotCorruptError(
-            f"fp8 scale of head {head} is {float(scales[block, head])} (a scale is a finite "
+            f"fp8 scale of head {head} is {float(scales[block, head]):.6g} (a scale is a finite "
             f"number of at least 2**-126)",
             tensor=tensor,
             block=block,
