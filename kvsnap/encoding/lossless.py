@@ -164,10 +164,10 @@ def _code_plane(plane: np.ndarray) -> tuple[int, bytes | np.ndarray]:
     """A plane's codec and stored bytes: zstd where that saves :data:`MIN_SAVING`."""
     compressor = _zstd()[0]
     if len(plane) > 2 * SAMPLE_BYTES:
-        sample = compressor.compress(plane[:SAMPLE_BYTES])
+        sample = compressor.compress(plane[:SAMPLE_BYTES].data)
         if len(sample) > (1 - MIN_SAVING) * SAMPLE_BYTES:
             return CODEC_RAW, plane
-    coded = compressor.compress(plane)
+    coded = compressor.compress(plane.data)
     if len(coded) > (1 - MIN_SAVING) * len(plane):
         return CODEC_RAW, plane
     return CODEC_ZSTD, coded
@@ -176,7 +176,7 @@ def _code_plane(plane: np.ndarray) -> tuple[int, bytes | np.ndarray]:
 def encode_chunk(pages: np.ndarray, word_bytes: int) -> tuple[np.ndarray, list]:
     """One chunk's table row (first page and offset left 0) and its stored pieces, planes in
     order. ``pages``: ``uint8`` ``(num_pages, page_bytes)``."""
-    # Split into this thread's scratch buffer: a new array per chunk costs its page faults.
+    # Split into this thread's scratch buffer, reused chunk after chunk.
     planes = split_planes(pages.reshape(-1), word_bytes, _scratch(-1, pages.size))
     row = np.zeros(columns(word_bytes), dtype=np.uint64)
     row[NUM_PAGES] = len(pages)
@@ -186,7 +186,7 @@ def encode_chunk(pages: np.ndarray, word_bytes: int) -> tuple[np.ndarray, list]:
         codec, stored = _code_plane(plane)
         row[PLANES_START + 2 * index] = codec
         row[PLANES_START + 2 * index + 1] = len(stored)
-        hasher.update(stored)
+        hasher.update(stored if isinstance(stored, bytes) else stored.data)
         # A raw plane is a view of the scratch buffer: copied before the thread's next chunk.
         pieces.append(bytes(stored) if codec == CODEC_RAW else stored)
     row[CHECKSUM] = hasher.intdigest()
@@ -315,7 +315,7 @@ def decode_chunk(
 
     Raises ``SnapshotCorruptError`` when the bytes do not match the row's checksum (with
     ``verify``) or do not decode to exactly the plane's size."""
-    if verify and xxhash.xxh3_64_intdigest(stored) != int(row[CHECKSUM]):
+    if verify and xxhash.xxh3_64_intdigest(stored.data) != int(row[CHECKSUM]):
         raise _corrupt("the stored bytes do not match their checksum", tensor, chunk)
     plane_bytes = len(out) // word_bytes
     planes = []
@@ -340,7 +340,7 @@ def _decode_plane(
     decode)."""
     decompressor = _zstd()[1]
     try:
-        declared = zstandard.frame_content_size(piece)
+        declared = zstandard.frame_content_size(piece.data)
         if declared != plane_bytes:
             raise _corrupt(f"a plane declares {declared} bytes, not {plane_bytes}", tensor, chunk)
         if frame_length(piece) != len(piece):
@@ -348,7 +348,7 @@ def _decode_plane(
         scratch = _scratch(index, plane_bytes)
         # Into a buffer kept per thread: a new output object per plane (decompress()) costs its
         # page faults, about half the decoding time.
-        with decompressor.stream_reader(piece) as reader:
+        with decompressor.stream_reader(piece.data) as reader:
             decoded = reader.readinto(scratch)
             if decoded != plane_bytes or reader.read(1):
                 raise _corrupt("a plane does not decode to its declared size", tensor, chunk)
@@ -371,7 +371,7 @@ def frame_length(frame: np.ndarray) -> int:
     """The length of the zstd frame starting ``frame`` (RFC 8878: its header, then blocks of a
     3-byte header each until the last, then a 4-byte checksum when the header says so).
     Raises ``zstandard.ZstdError`` when the bytes end first."""
-    position = zstandard.frame_header_size(frame)
+    position = zstandard.frame_header_size(frame.data)
     has_checksum = bool(frame[4] & 0x04)
     while True:
         if position + 3 > len(frame):

@@ -191,8 +191,8 @@ def error_report(
     )
     layers: dict[int, dict[str, str]] = {}
     for name in original:
-        _, layer, part = name.split(".")
-        layers.setdefault(int(layer), {})[part] = name
+        _, number, part = name.split(".")
+        layers.setdefault(int(number), {})[part] = name
     attention = []
     for layer, names in sorted(layers.items()):
         attention.append(
