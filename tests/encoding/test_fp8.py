@@ -135,13 +135,19 @@ def test_mla_pages_are_one_head():
     assert quantized.values.shape == latent.shape and quantized.scales.shape == (3, 1)
     decoded = fp8.dequantize(quantized.values, quantized.scales, torch.bfloat16)
     assert decoded.shape == latent.shape
-    assert ((decoded.float() - latent.float()).abs().amax() <= 18 / 448 * latent.float().abs().amax())
+    error = (decoded.float() - latent.float()).abs().amax()
+    assert error <= 18 / 448 * latent.float().abs().amax()
 
 
 @pytest.mark.parametrize(
     ("value", "words"),
-    [(float("nan"), "is nan"), (0.0, "is 0 "), (-1.0, "is -1 "), (float("inf"), "is inf"),
-     (1e-40, "is 9.99995e-41")],
+    [
+        (float("nan"), "is nan"),
+        (0.0, "is 0 "),
+        (-1.0, "is -1 "),
+        (float("inf"), "is inf"),
+        (1e-40, "is 9.99995e-41"),
+    ],
 )
 def test_scales_a_quantizer_cannot_write_are_refused_by_block_and_head(value, words):
     scales = torch.ones(5, 3)
@@ -150,7 +156,7 @@ def test_scales_a_quantizer_cannot_write_are_refused_by_block_and_head(value, wo
         fp8.check_scales(scales, tensor="layers.1.value")
     assert raised.value.block == 3 and "head 2" in str(raised.value)
     assert raised.value.tensor == "layers.1.value"
-    with pytest.raises(SnapshotCorruptError, match="fp8 scales of torch.float16"):
+    with pytest.raises(SnapshotCorruptError, match=r"fp8 scales of torch\.float16"):
         fp8.check_scales(torch.ones(5, 3, dtype=torch.float16))
 
 

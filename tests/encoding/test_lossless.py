@@ -73,7 +73,8 @@ def test_planes_split_and_join_back_for_every_word_width(word_bytes):
 
 
 def test_float64_pages_round_trip():
-    values = torch.randn(6, 4, 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(6, 4, 2, 8, dtype=torch.float64, generator=generator)
     pages = _pages(values)
     encoded = lossless.encode_pages(pages, 8, chunk_bytes=2 * pages.shape[1])
     assert encoded is not None
@@ -126,6 +127,7 @@ def test_chunks_covering_a_page_range_decode_exactly_those_pages():
         assert set(range(first, stop)) <= covered
         # No chunk more than needed: dropping the first or last would lose a page.
         if len(chunks) and stop > first:
-            assert int(table[chunks[0], 0]) <= first < int(table[chunks[0], 0] + table[chunks[0], 1])
-            last = chunks[-1]
-            assert int(table[last, 0]) < stop <= int(table[last, 0] + table[last, 1])
+            starts, counts = table[:, lossless.FIRST_PAGE], table[:, lossless.NUM_PAGES]
+            head, last = chunks[0], chunks[-1]
+            assert int(starts[head]) <= first < int(starts[head] + counts[head])
+            assert int(starts[last]) < stop <= int(starts[last] + counts[last])

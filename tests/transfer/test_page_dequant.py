@@ -85,9 +85,7 @@ def _scatter_case(kind: str, tp_size: int, dtype: torch.dtype, seed: int, flags:
     codes, scales = _staged(geometry, len(pairs), seed)
     page_ok = torch.from_numpy(rng.integers(0, 2, len(pairs))) if flags else None
     table = PageTable([cache.layout for cache in rank_caches])
-    page_dequant.dequant_scatter(
-        table, page_tensors, device_blocks, codes, scales, page_ok=page_ok
-    )
+    page_dequant.dequant_scatter(table, page_tensors, device_blocks, codes, scales, page_ok=page_ok)
     flags_array = None if page_ok is None else page_ok.numpy()
     _check(
         rank_caches,
