@@ -75,7 +75,9 @@ def as_heads(pages: torch.Tensor) -> torch.Tensor:
     return pages
 
 
-def token_mask(token_counts: torch.Tensor | None, num_blocks: int, block_size: int, device):
+def token_mask(
+    token_counts: torch.Tensor | None, num_blocks: int, block_size: int, device: torch.device
+) -> torch.Tensor | None:
     """``(num_blocks, block_size)`` booleans: the first ``token_counts[b]`` tokens of block
     ``b`` (every token when ``token_counts`` is ``None``)."""
     if token_counts is None:

@@ -11,8 +11,8 @@ checksum), so chunks decode in parallel on threads (zstandard and numpy release 
 read of some blocks decodes only the chunks holding them.
 
 The stored bytes of a tensor are its chunks one after the other; chunk ``c``'s bytes are its
-planes in order ``0 .. word_bytes - 1``. The chunk table (:data:`COLUMNS`, one ``uint64`` row
-per chunk) says where everything lies::
+planes in order ``0 .. word_bytes - 1``. The chunk table (:func:`columns` ``uint64`` columns,
+one row per chunk) says where everything lies::
 
     first_page, num_pages, offset, xxh3_64, then per plane b: codec_b, length_b
 
@@ -315,6 +315,8 @@ def decode_chunk(
 
     Raises ``SnapshotCorruptError`` when the bytes do not match the row's checksum (with
     ``verify``) or do not decode to exactly the plane's size."""
+    if len(stored) != int(row[PLANES_START + 1 :: 2].sum()):
+        raise ValueError(f"chunk {chunk}: {len(stored)} stored bytes, not the row's")
     if verify and xxhash.xxh3_64_intdigest(stored.data) != int(row[CHECKSUM]):
         raise _corrupt("the stored bytes do not match their checksum", tensor, chunk)
     plane_bytes = len(out) // word_bytes
@@ -346,8 +348,8 @@ def _decode_plane(
         if frame_length(piece) != len(piece):
             raise _corrupt("a plane is not exactly one zstd frame", tensor, chunk)
         scratch = _scratch(index, plane_bytes)
-        # Into a buffer kept per thread: a new output object per plane (decompress()) costs its
-        # page faults, about half the decoding time.
+        # Into a buffer kept per thread: decompress(), a new output object per plane, decoded
+        # at less than half this rate (docs/architecture.md, "Encodings").
         with decompressor.stream_reader(piece.data) as reader:
             decoded = reader.readinto(scratch)
             if decoded != plane_bytes or reader.read(1):
