@@ -38,15 +38,15 @@ on the host.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from kvsnap.transfer.triton_copy import kernel_for, tl, triton
 
-#: BLAKE3's chunk and block sizes.
+#: BLAKE3's chunk size.
 CHUNK_BYTES = 1024
-BLOCK_BYTES = 64
 #: The largest page the kernel hashes (1,024 chunks: the tile roots fit one program's registers).
 MAX_PAGE_BYTES = 1 << 20
 #: BLAKE3's domain flags.
@@ -102,6 +102,7 @@ class KernelShape:
         return -(-count // self.pages_per_program)
 
 
+@functools.lru_cache(maxsize=64)
 def default_shape(page_bytes: int) -> KernelShape:
     """The shape used unless one is given: a lane per chunk up to
     :data:`DEFAULT_MAX_CHUNK_LANES`, pages side by side up to :data:`DEFAULT_PROGRAM_LANES`
@@ -403,18 +404,6 @@ if triton is not None:
             tl.store(out + cells, digest, mask=live[:, None])
 
 
-def _tiles(page_bytes: int, shape: KernelShape) -> int:
-    return -(-chunk_count(page_bytes) // shape.chunk_lanes)
-
-
-def _checked_launch(
-    buffer: torch.Tensor, page_words: torch.Tensor, page_bytes: int, shape: KernelShape | None
-) -> KernelShape:
-    if not supports(page_bytes):
-        raise ValueError(f"pages of {page_bytes} bytes are hashed on the host")
-    return shape if shape is not None else default_shape(page_bytes)
-
-
 def launch_page_blake3_at_words(
     buffer: torch.Tensor,
     page_words: torch.Tensor,
@@ -423,27 +412,9 @@ def launch_page_blake3_at_words(
     shape: KernelShape | None = None,
 ) -> None:
     """Enqueue, on the current stream, the BLAKE3-256 of each page at ``page_words`` (int64
-    offsets in 8-byte words) of ``buffer`` (uint8) into ``digests`` (int32, ``(count, 8)``):
-    row ``p`` is the digest's 8 little-endian 32-bit words."""
-    shape = _checked_launch(buffer, page_words, page_bytes, shape)
-    count = len(page_words)
-    if count == 0:
-        return
-    kernel_for(_page_blake3_kernel)[(shape.programs(count),)](
-        buffer.view(torch.int32),
-        page_words,
-        digests,
-        digests,
-        count,
-        PAGE_BYTES=page_bytes,
-        PAGES=shape.pages_per_program,
-        LANES=shape.chunk_lanes,
-        LANE_LEVELS=(shape.chunk_lanes - 1).bit_length(),
-        TILE_LEVELS=(_tiles(page_bytes, shape) - 1).bit_length(),
-        ROW_LOADS=shape.row_loads,
-        CHECK=False,
-        num_warps=shape.num_warps,
-    )
+    offsets in 8-byte words, on the device) of ``buffer`` (uint8) into ``digests`` (int32,
+    contiguous ``(count, 8)``): row ``p`` is the digest's 8 little-endian 32-bit words."""
+    _launch(buffer, page_words, page_bytes, digests, digests, shape, check=False)
 
 
 def launch_page_blake3_checks_at_words(
@@ -455,25 +426,40 @@ def launch_page_blake3_checks_at_words(
     shape: KernelShape | None = None,
 ) -> None:
     """Enqueue, per page at ``page_words`` (8-byte words) of ``buffer``, whether its BLAKE3
-    equals ``stored`` (int32, ``(count, 8)``, as :func:`launch_page_blake3_at_words` writes
-    it): ``page_ok`` (int64) gets 1 where it does and 0 where it does not, on the current
-    stream. One launch: a restore checks every page it scatters."""
-    shape = _checked_launch(buffer, page_words, page_bytes, shape)
+    equals ``stored`` (int32, contiguous ``(count, 8)``, as :func:`launch_page_blake3_at_words`
+    writes it): ``page_ok`` (int64) gets 1 where it does and 0 where it does not, on the
+    current stream. One launch: a restore checks every page it scatters."""
+    _launch(buffer, page_words, page_bytes, page_ok, stored, shape, check=True)
+
+
+def _launch(
+    buffer: torch.Tensor,
+    page_words: torch.Tensor,
+    page_bytes: int,
+    out: torch.Tensor,
+    stored: torch.Tensor,
+    shape: KernelShape | None,
+    check: bool,
+) -> None:
+    if not supports(page_bytes):
+        raise ValueError(f"pages of {page_bytes} bytes are hashed on the host")
+    shape = shape if shape is not None else default_shape(page_bytes)
     count = len(page_words)
     if count == 0:
         return
+    tiles = -(-chunk_count(page_bytes) // shape.chunk_lanes)
     kernel_for(_page_blake3_kernel)[(shape.programs(count),)](
         buffer.view(torch.int32),
         page_words,
-        page_ok,
+        out,
         stored,
         count,
         PAGE_BYTES=page_bytes,
         PAGES=shape.pages_per_program,
         LANES=shape.chunk_lanes,
         LANE_LEVELS=(shape.chunk_lanes - 1).bit_length(),
-        TILE_LEVELS=(_tiles(page_bytes, shape) - 1).bit_length(),
+        TILE_LEVELS=(tiles - 1).bit_length(),
         ROW_LOADS=shape.row_loads,
-        CHECK=True,
+        CHECK=check,
         num_warps=shape.num_warps,
     )
