@@ -195,7 +195,10 @@ def test_connector_worker_at_tp2_saves_parted_chunks_a_tp1_worker_loads(tmp_path
     for path in paths:
         with kvsnap.Snapshot.open(path) as snapshot:
             count = snapshot.num_blocks
-        chunks.append(ChunkLoad(path, np.arange(count), np.asarray(target[start : start + count])))
+            (checked,) = snapshot.metadata.sequences  # what the scheduler's check reads
+        chunks.append(
+            ChunkLoad(path, np.arange(count), np.asarray(target[start : start + count]), checked)
+        )
         start += count
     loader.start_load_kv(
         KVSnapConnectorMetadata(loads=[LoadSpec("r3", tuple(chunks), len(blocks) * WORKER_BLOCK)])
