@@ -147,6 +147,25 @@ class OpenSnapshots:
             current = None
         return self._same(current, version)
 
+    def holds(self, path: str, version: tuple[int, ...]) -> bool:
+        """Whether a snapshot read whole is kept for ``path``, opened as the file version that
+        starts with ``version`` (device, inode, size, modification time): its bytes, checked
+        when it opened, are in memory."""
+        with self._lock:
+            kept = self._open.get(path)
+        if kept is None or kept[0].parts[0].reader.held_file() is None:
+            return False
+        return kept[1][: len(version)] == tuple(version)
+
+    def give_back(self, path: str, snapshot: Snapshot, keys: KeyRing | None) -> bool:
+        """Keep ``snapshot``, taken from here and used, for the next :meth:`take` of ``path``
+        again, unless another is kept for ``path`` meanwhile (a newer check's); whether it
+        was kept (else the caller closes it)."""
+        with self._lock:
+            if path in self._open:
+                return False
+        return self.keep(path, snapshot, keys)
+
     def touched(self, path: str) -> None:
         """After this process recorded a use of the file at ``path`` in its access time (vLLM's
         :meth:`~kvsnap.engines.vllm.prefix_store.PrefixStore.touch`, which keeps the

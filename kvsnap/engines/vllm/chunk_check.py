@@ -17,11 +17,13 @@ since, a rewrite in place that put its size and modification time back included,
 makes the file a new version, checked again.
 
 Bytes can still change with no trace in the file's times (bit rot on the disk, read back once
-the page cache dropped them). Before a hit (``before_hit``) a chunk whose check reads the very
-bytes the worker loads (handed over and read whole, :meth:`ChunkChecker.reads_what_loads`) is
-therefore verified again every time rather than remembered: verifying costs one hash pass over
-bytes the load reads anyway, and a chunk damaged since its last check is a miss rather than a
-failed load (under vLLM's ``fail`` policy, a failed request).
+the page cache dropped them). A chunk whose check reads the very bytes the worker loads (handed
+over and read whole, :meth:`ChunkChecker.reads_what_loads`) is therefore offered (``before_hit``)
+only from bytes verified in memory: those the hand-over still holds for that version (the
+worker gives a chunk it loaded from them back,
+:meth:`~kvsnap.engines.open_snapshots.OpenSnapshots.give_back`), else the file is read and
+verified again. What loads is then what was verified; a chunk damaged on the disk since its
+last check is a miss, never a failed load (under vLLM's ``fail`` policy, a failed request).
 
 Where the worker runs in the scheduler's process (vLLM's ``uni`` executor, a TP size of 1),
 a single-file chunk that passed is handed to it open (:data:`~kvsnap.engines.vllm.open_chunks.
@@ -134,7 +136,11 @@ class ChunkChecker:
         if key is None:
             return "the chunk is gone"
         remembered = self._passed.get(chunk.path)
-        again = before_hit and self.reads_what_loads(key)
+        again = (
+            before_hit
+            and self.reads_what_loads(key)
+            and not CHECKED_CHUNKS.holds(chunk.path, key[:4])
+        )
         if remembered is not None and remembered[0] == key and not again:
             record = remembered[1]
         else:

@@ -27,7 +27,6 @@ import contextlib
 import errno
 import hashlib
 import json
-import logging
 import os
 import re
 import stat
@@ -38,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from kvsnap import format as fmt
-from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.identity import KEY_PATTERN
 from kvsnap.engines.vllm.store_directories import directory_fd, relative_parts
 from kvsnap.errors import KVSnapError
@@ -132,6 +130,31 @@ def chunk_sequence_id(first_block: int, parent: str | None, key: str) -> str:
     can be changed by anyone who can write the store; its (signed) sequence id cannot, so a
     chunk copied under another identity's name never passes the check."""
     return f"prefix@{first_block}:{parent or 'root'}>{key}"
+
+
+_CHUNK_ID = re.compile(r"prefix@(?P<first>[0-9]+):(?P<parent>root|[0-9a-f]+)>(?P<key>[0-9a-f]+)")
+
+
+def name_problem(
+    path: str | os.PathLike[str], sequences: Sequence[fmt.SequenceRecord]
+) -> str | None:
+    """Why the chunk at ``path`` (``HASH.safetensors`` or its index) is not the chunk its name
+    says, if it is not: it holds one sequence whose (signed) id names ``HASH`` as its own key
+    (:func:`chunk_sequence_id`). A chunk copied under another chunk's name fails this; the
+    scheduler refuses it as a miss, ``kvsnap store verify`` reports it."""
+    name = snapshot_path(path).name
+    stem = name[: -len(CHUNK_SUFFIX)]
+    if len(sequences) != 1:
+        return f"{name} holds {len(sequences)} sequences, a chunk one"
+    found = _CHUNK_ID.fullmatch(sequences[0].id)
+    if found is None:
+        return f"{name} holds sequence {sequences[0].id!r}, not a chunk's"
+    if found.group("key") != stem:
+        return (
+            f"{name} holds the chunk {found.group('key')} (sequence {sequences[0].id!r}): "
+            "a chunk copied or renamed under another chunk's name"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -296,8 +319,8 @@ class PrefixStore:
         (:mod:`~kvsnap.engines.vllm.store_directories`): where the store's directories are not
         what they should be (a file or a link where ``quarantine`` or ``chunks/HH`` belongs,
         a link to another filesystem or outside the store) this raises ``OSError`` and moves
-        nothing; nothing outside the store is ever written (:func:`quarantine_chunk` turns
-        that into a logged, skipped quarantine).
+        nothing; nothing outside the store is ever written (:class:`~kvsnap.engines.vllm.
+        quarantine.Quarantine` turns that into a logged, skipped quarantine).
         """
         try:
             return self._quarantine(path)
@@ -348,37 +371,6 @@ class PrefixStore:
             return moved_index
         finally:
             os.close(moved)
-
-
-def quarantine_chunk(
-    store: PrefixStore, events: EventLog, *, request: str, path: str, reason: str
-) -> Path | None:
-    """Quarantine the chunk at ``path`` (:meth:`PrefixStore.quarantine`) and log it: a
-    ``quarantine`` event when it moved; one ``quarantine_skipped`` warning, and nothing else,
-    when the store's directories made the move fail (a file or a link where a directory
-    belongs, another filesystem). The request is served either way (a miss)."""
-    try:
-        moved = store.quarantine(path)
-    except OSError as error:
-        events.emit(
-            "quarantine_skipped",
-            logging.WARNING,
-            request=request,
-            path=path,
-            reason=reason,
-            error=f"{type(error).__name__}: {error}",
-        )
-        return None
-    if moved is not None:
-        events.emit(
-            "quarantine",
-            logging.WARNING,
-            request=request,
-            path=path,
-            moved_to=str(moved),
-            reason=reason,
-        )
-    return moved
 
 
 #: A directory opened below another, never through a link.

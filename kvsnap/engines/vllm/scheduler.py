@@ -24,13 +24,8 @@ from kvsnap.engines.vllm.chunk_check import CHECKED_CHUNKS, ChunkChecker
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.identity import identity_of, store_key_chain
 from kvsnap.engines.vllm.options import ConnectorOptions
-from kvsnap.engines.vllm.prefix_store import (
-    ChunkRef,
-    PrefixStore,
-    chunk_sequence_id,
-    quarantine_chunk,
-    safe_name,
-)
+from kvsnap.engines.vllm.prefix_store import ChunkRef, PrefixStore, chunk_sequence_id, safe_name
+from kvsnap.engines.vllm.quarantine import Quarantine
 from kvsnap.engines.vllm.specs import (
     ChunkLoad,
     KVSnapConnectorMetadata,
@@ -100,6 +95,7 @@ class KVSnapScheduler:
         self.events = events
         self.block_size = block_size
         self.checker = checker
+        self._quarantined = Quarantine(store, events)
         #: The store's mode and owner, checked again while the engine runs: while the store
         #: fails the check nothing is matched in it or planned for saving to it.
         self.guard = guard
@@ -176,7 +172,7 @@ class KVSnapScheduler:
 
     def _quarantine(self, request_id: str, path: str, reason: str) -> None:
         """Move the chunk at ``path`` aside so it is never matched again, and log it."""
-        quarantine_chunk(self.store, self.events, request=request_id, path=path, reason=reason)
+        self._quarantined(request=request_id, path=path, reason=reason)
         self.checker.forget(path)
 
     def _stored_and_sound(

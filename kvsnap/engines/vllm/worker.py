@@ -49,7 +49,8 @@ from kvsnap.engines.open_snapshots import OpenSnapshots
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from kvsnap.engines.vllm.options import ConnectorOptions
-from kvsnap.engines.vllm.prefix_store import PrefixStore, quarantine_chunk
+from kvsnap.engines.vllm.prefix_store import PrefixStore
+from kvsnap.engines.vllm.quarantine import Quarantine
 from kvsnap.engines.vllm.registration import RegisteredCache, register_caches
 from kvsnap.engines.vllm.specs import (
     ChunkLoad,
@@ -118,6 +119,7 @@ class KVSnapWorker:
         self.events = events
         #: The store's mode and owner, checked again before saves (:class:`StoreGuard`).
         self.guard = guard
+        self._quarantined = Quarantine(store, events)
         self.fingerprint = fingerprint
         #: Signs every save, and every chunk loaded must be signed by one of them.
         self.keys = keys
@@ -232,11 +234,13 @@ class KVSnapWorker:
 
     def _keep(self, chunk: ChunkLoad, snapshot: Snapshot) -> bool:
         """Keep ``snapshot``, just loaded, open for the next load of ``chunk`` (whether it was
-        kept). Not a chunk held in memory whole (the scheduler's hand-over of a small chunk):
-        the worker would hold its bytes, up to :data:`~kvsnap.store.tuning.
-        WHOLE_READ_MAX_BYTES` each, for as long."""
+        kept). A chunk held in memory whole (the scheduler's hand-over of a small chunk) goes
+        back to the hand-over (:data:`~kvsnap.engines.vllm.open_chunks.CHECKED_CHUNKS`, at
+        most 8: the worker does not hold such bytes, up to :data:`~kvsnap.store.tuning.
+        WHOLE_READ_MAX_BYTES` each, for longer), whose scheduler then offers the chunk again
+        from those verified bytes without reading the file."""
         if any(part.reader.held_file() is not None for part in snapshot.parts):
-            return False
+            return CHECKED_CHUNKS.give_back(chunk.path, snapshot, self.keys)
         return self._kept.keep(chunk.path, snapshot, self.keys)
 
     def _load_failed(self, spec: LoadSpec, position: int, error: Exception) -> None:
@@ -269,9 +273,7 @@ class KVSnapWorker:
             error=message,
         )
         if isinstance(error, _FILE_ERRORS):
-            quarantine_chunk(
-                self.store, self.events, request=spec.request_id, path=failed.path, reason=message
-            )
+            self._quarantined(request=spec.request_id, path=failed.path, reason=message)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; vLLM recomputes them."""

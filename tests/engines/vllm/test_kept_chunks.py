@@ -80,7 +80,9 @@ def test_a_worker_keeps_the_chunks_it_loaded_open_and_serves_them_only_unchanged
     assert opened == [*paths, paths[0]]
     assert worker.get_block_ids_with_load_errors() == set(TARGET)
     assert all(not cache[TARGET].any() for cache in cache_blocks(worker, list(range(16))))
-    (miss,) = [event for event in read_events(tmp_path / "events.jsonl") if event["event"] == "miss"]
+    (miss,) = [
+        event for event in read_events(tmp_path / "events.jsonl") if event["event"] == "miss"
+    ]
     assert miss["request"] == "swapped" and miss["path"] == paths[0] and miss["blocks"] == 4
     assert "not the" in miss["reason"] and Path(paths[0]).exists()
     os.replace(original, paths[0])

@@ -25,6 +25,7 @@ from kvsnap.engines.vllm import (
     ChunkChecker,
     ConnectorOptions,
     PrefixStore,
+    chunk_check,
     chunk_sequence_id,
     eviction,
     prune_store,
@@ -33,7 +34,6 @@ from kvsnap.engines.vllm import (
     store_key_chain,
     vllm_layout,
 )
-from kvsnap.engines.vllm import chunk_check
 from kvsnap.engines.vllm import worker as worker_module
 from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from kvsnap.engines.vllm.prefix_store import committed_file, index_path
@@ -215,7 +215,9 @@ def test_a_checker_remembers_only_the_last_chunks_that_passed(
     opened = []
     real_open = chunk_check.open_snapshot
     monkeypatch.setattr(
-        chunk_check, "open_snapshot", lambda path, **kw: opened.append(path) or real_open(path, **kw)
+        chunk_check,
+        "open_snapshot",
+        lambda path, **kw: opened.append(path) or real_open(path, **kw),
     )
     for remember, read_again in ((3, False), (2, True)):
         checker = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=True, remember=remember)
