@@ -151,11 +151,11 @@ class OpenSnapshots:
         """Whether a snapshot read whole is kept for ``path``, opened as the file version that
         starts with ``version`` (device, inode, size, modification time): its bytes, checked
         when it opened, are in memory."""
-        with self._lock:
+        with self._lock:  # not closed meanwhile by another thread's keep
             kept = self._open.get(path)
-        if kept is None or kept[0].parts[0].reader.held_file() is None:
-            return False
-        return kept[1][: len(version)] == tuple(version)
+            if kept is None or kept[0].parts[0].reader.held_file() is None:
+                return False
+            return kept[1][: len(version)] == tuple(version)
 
     def give_back(self, path: str, snapshot: Snapshot, keys: KeyRing | None) -> bool:
         """Keep ``snapshot``, taken from here and used, for the next :meth:`take` of ``path``
