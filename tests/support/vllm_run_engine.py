@@ -21,8 +21,9 @@ store, so that saves are still being written when the engine shuts down.
 ``executor`` (optional) is vLLM's ``distributed_executor_backend`` (``mp``: the worker in a
 process of its own even at TP 1, vLLM's default on CPU; ``uni``: in the scheduler's process,
 with the engine core in this one, which vLLM's CPU platform needs for it); ``sequential``
-(optional) sends the prompts one at a time, each request finished before the next is sent; ``connector_class`` ``"tampering"`` runs
-``vllm_tampering_connector.TamperingConnector`` with ``tamper`` as what it does.
+(optional) sends the prompts one at a time, each request finished before the next is sent;
+``connector_class`` ``"tampering"`` runs ``vllm_tampering_connector.TamperingConnector`` with
+``tamper`` as what it does.
 The output holds, per prompt, the generated token ids, vLLM's ``num_cached_tokens`` and the
 finish reason.
 """
