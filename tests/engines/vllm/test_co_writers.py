@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from kvsnap.cli.store import app as store_app
 from typer.testing import CliRunner
 
@@ -37,9 +38,11 @@ from kvsnap.engines.vllm.capacity import (
     commit_within_capacity,
 )
 from kvsnap.engines.vllm.eviction import staged_path
+from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from kvsnap.snapshot import Snapshot
 from tests.support.connector_requests import Connector, make_connector, random_prompt
 from tests.support.file_versions import rewrite_in_place_keeping_times
+from tests.support.reads import record_preadv
 
 SOURCE, TARGET = [0, 1, 2, 3], [8, 9, 10, 11]
 
@@ -316,3 +319,30 @@ def test_store_verify_reports_a_chunk_copied_under_another_chunks_name(tmp_path:
         chunks[0].relative_to(tmp_path / "store")
     )
     assert chunks[1].name.removesuffix(".safetensors") in bad["problems"][0]
+
+
+def test_a_hot_chunk_is_offered_again_from_the_bytes_verified_and_else_verified_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A chunk the scheduler verified and handed over read whole goes back to the hand-over
+    # after its load: its next hit reads nothing (no byte the disk could have rotted since);
+    # once the hand-over dropped it, the chunk is read and verified again before it is offered.
+    connector = make_connector(tmp_path / "store")
+    prompt = random_prompt(seed=12)
+    chunks = _stored(connector, prompt)
+    reads = record_preadv(monkeypatch)
+    first = connector.serve("first", prompt, TARGET)
+    assert first.loaded == TARGET and len(reads) == len(chunks)  # each read whole, once
+    reads.clear()
+    connector.scrub(TARGET)
+    again = connector.serve("again", prompt, TARGET)
+    assert again.loaded == TARGET and reads == []
+    assert all(
+        torch.equal(loaded.view(torch.int16), stored.view(torch.int16))
+        for loaded, stored in zip(connector.blocks(TARGET), connector.blocks(SOURCE), strict=True)
+    )
+    CHECKED_CHUNKS.clear()  # dropped (the hand-over keeps at most 8)
+    third = connector.serve("third", prompt, TARGET)
+    assert third.loaded == TARGET
+    assert sorted(reads) == sorted((0, chunk.stat().st_size) for chunk in chunks)
+    connector.shutdown()
