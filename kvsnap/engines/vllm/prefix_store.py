@@ -38,7 +38,11 @@ from typing import Any
 
 from kvsnap import format as fmt
 from kvsnap.engines.vllm.identity import KEY_PATTERN
-from kvsnap.engines.vllm.store_directories import directory_fd, relative_parts
+from kvsnap.engines.vllm.store_directories import (
+    DIRECTORY_BELOW,
+    directory_fd,
+    relative_parts,
+)
 from kvsnap.errors import KVSnapError
 from kvsnap.store import resolve
 from kvsnap.store.location import INDEX_SUFFIX, Location
@@ -355,7 +359,7 @@ class PrefixStore:
         """Move the parted chunk whose index is named ``index`` in the open directory
         ``source`` into the new ``directory`` in the open quarantine directory ``target``."""
         os.mkdir(directory, 0o700, dir_fd=target)
-        moved = os.open(directory, _DIRECTORY_BELOW, dir_fd=target)
+        moved = os.open(directory, DIRECTORY_BELOW, dir_fd=target)
         try:
             try:
                 os.replace(index, index, src_dir_fd=source, dst_dir_fd=moved)
@@ -371,10 +375,6 @@ class PrefixStore:
             return moved_index
         finally:
             os.close(moved)
-
-
-#: A directory opened below another, never through a link.
-_DIRECTORY_BELOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 #: errno values of a write refused by the filesystem or the permissions.

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 #: Flags of a directory opened below the root: never through a link, never kept by a child.
-_BELOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIRECTORY_BELOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def relative_parts(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> tuple[str, ...]:
@@ -55,14 +54,18 @@ def open_directory(
 
 def _open_child(parent: int, name: str, create_mode: int | None) -> int:
     try:
-        return os.open(name, _BELOW, dir_fd=parent)
+        return os.open(name, DIRECTORY_BELOW, dir_fd=parent)
     except FileNotFoundError:
         if create_mode is None:
             raise
+    made = False
     with contextlib.suppress(FileExistsError):  # another process made it meanwhile
         os.mkdir(name, create_mode, dir_fd=parent)
-        os.chmod(name, create_mode, dir_fd=parent, follow_symlinks=False)
-    return os.open(name, _BELOW, dir_fd=parent)
+        made = True
+    fd = os.open(name, DIRECTORY_BELOW, dir_fd=parent)
+    if made:
+        os.fchmod(fd, create_mode)  # exactly, whatever the umask took off
+    return fd
 
 
 @contextlib.contextmanager
@@ -77,28 +80,12 @@ def directory_fd(
         os.close(fd)
 
 
-def is_real_directory(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a directory reached from ``root`` through directories only (no link
-    on the way; ``root`` itself may be one)."""
-    try:
-        with directory_fd(root, relative_parts(root, path)):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
 def lstat_at(directory: int, name: str) -> os.stat_result | None:
     """``lstat`` of ``name`` in the open ``directory``; ``None`` when it is not there."""
     try:
         return os.stat(name, dir_fd=directory, follow_symlinks=False)
     except FileNotFoundError:
         return None
-
-
-def is_regular_at(directory: int, name: str) -> bool:
-    """Whether ``name`` in the open ``directory`` is a regular file (not a link to one)."""
-    status = lstat_at(directory, name)
-    return status is not None and stat.S_ISREG(status.st_mode)
 
 
 def walk_directories(
@@ -129,7 +116,7 @@ def _listed(fd: int, path: Path) -> Iterator[tuple[Path, list[os.DirEntry[str]]]
         if not item.is_dir(follow_symlinks=False):
             continue
         try:
-            child = os.open(item.name, _BELOW, dir_fd=fd)
+            child = os.open(item.name, DIRECTORY_BELOW, dir_fd=fd)
         except OSError:
             continue  # replaced by a link or removed since the listing
         try:
