@@ -38,11 +38,11 @@ def _same(one: list[torch.Tensor], other: list[torch.Tensor]) -> bool:
     return all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in pairs)
 
 
-def _race(tmp_path: Path, *, hand_over: bool, requests: int) -> dict[str, int]:
+def _race(tmp_path: Path, *, hand_over: bool, requests: int, verify: bool = True) -> dict[str, int]:
     """Serve ``requests`` requests, alternating tenants, while a second process swaps the
     tenants' chunks; how many hits, misses, foreign loads and worker misses there were."""
     keys = KeyRing([bytes.fromhex(new_key_text())])
-    connector = make_connector(tmp_path / "store", keys=keys, hand_over=hand_over)
+    connector = make_connector(tmp_path / "store", keys=keys, hand_over=hand_over, verify=verify)
     prompt = random_prompt(seed=3)
     try:
         for tenant, blocks in SOURCE_BLOCKS.items():
@@ -115,22 +115,26 @@ def _serve_both(connector: Connector, prompt: list[int], requests: int) -> dict[
     return counts
 
 
-@pytest.mark.parametrize("hand_over", [True, False], ids=["uni executor", "worker elsewhere"])
+SETTINGS = [(True, True), (False, True), (False, False)]
+NAMES = ["uni executor", "worker elsewhere", "worker elsewhere, verify_before_load off"]
+
+
+@pytest.mark.parametrize(("hand_over", "verify"), SETTINGS, ids=NAMES)
 def test_chunks_swapped_under_the_connector_never_load_another_tenants_kv(
-    tmp_path: Path, hand_over: bool
+    tmp_path: Path, hand_over: bool, verify: bool
 ) -> None:
-    counts = _race(tmp_path, hand_over=hand_over, requests=500)
+    counts = _race(tmp_path, hand_over=hand_over, requests=500, verify=verify)
     assert counts["foreign"] == 0, counts
     # The race ran: the names changed hands hundreds of times, requests hit and missed.
     assert counts["renames"] > 500 and counts["hits"] > 20 and counts["misses"] > 20, counts
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hand_over", [True, False], ids=["uni executor", "worker elsewhere"])
+@pytest.mark.parametrize(("hand_over", "verify"), SETTINGS, ids=NAMES)
 def test_chunks_swapped_for_longer_never_load_another_tenants_kv(
-    tmp_path: Path, hand_over: bool
+    tmp_path: Path, hand_over: bool, verify: bool
 ) -> None:
-    counts = _race(tmp_path, hand_over=hand_over, requests=5000)
+    counts = _race(tmp_path, hand_over=hand_over, requests=5000, verify=verify)
     assert counts["foreign"] == 0, counts
     assert counts["hits"] > 200 and counts["misses"] > 200, counts
     if not hand_over:
