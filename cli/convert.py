@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from .common import JsonOption, output_location
-from .output import UsageError, emit_json, stdout, text
+from .output import UsageError, emit_json, stderr, stdout, text
 
 
 def convert(
@@ -92,6 +92,9 @@ def _write(
         result = convert_to_snapshot(
             source, target, engine=engine, model_id=model_id, reproducible=reproducible
         )
+        notes = source.notes()
+    for note in notes:
+        stderr.print(f"[yellow]note:[/] {text(note)}")
     payload = {
         "path": result.path,
         "sequences": result.num_sequences,
@@ -99,6 +102,7 @@ def _write(
         "blocks": result.num_blocks,
         "bytes": result.num_bytes,
         "seconds": round(time.perf_counter() - started, 3),
+        "notes": notes,
     }
     if as_json:
         emit_json(payload)

@@ -105,6 +105,11 @@ class ForeignSource(ABC):
     def read_block(self, block_id: str) -> ForeignBlock:
         """One block's KV as canonical pages."""
 
+    def notes(self) -> list[str]:
+        """What a reader assumed or found worth saying that is not a problem (an empty store, a
+        hint's default taken), one sentence each; ``[]`` when there is nothing to say."""
+        return []
+
     def close(self) -> None:
         """Release what the reader holds (nothing, for readers that open files per read)."""
         return None

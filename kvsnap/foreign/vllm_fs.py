@@ -39,7 +39,15 @@ from .base import (
     ForeignSource,
     Recognition,
 )
-from .pages import CELL_ORDERS, PageOrder, cell_order, load_page_order
+from .pages import (
+    CELL_ORDERS,
+    FileOrder,
+    PageOrder,
+    cell_order,
+    decode_bytes,
+    load_page_order,
+    tile_pages,
+)
 
 FORMAT_NAME = "vllm-fs"
 ENGINE_VERSION = "0.32"
@@ -196,6 +204,11 @@ def recognise(path: Path) -> Recognition:
             return Recognition(
                 False, f"a vLLM fs-tier root with {len(spaces)} namespaces ({names}): open one"
             )
+        base, _, rank = path.name.rpartition("_r")
+        if base and rank.isdigit() and _NAMESPACE_DIR.search(base):
+            return Recognition(
+                False, f"a vLLM rank directory whose namespace {base}/config.json is missing"
+            )
         return Recognition(False, "a directory without a vLLM fs-tier config.json")
     return Recognition(False, "not a vLLM fs-tier block file (<hash>.bin under <ns>_r<rank>/)")
 
@@ -251,6 +264,7 @@ class VLLMFsNamespace(ForeignSource):
             key=lambda p: p.name,
         )
         self._model_config = self._load_model_config()
+        self._file_order: FileOrder | None = None
 
     @property
     def version(self) -> str:
@@ -307,7 +321,8 @@ class VLLMFsNamespace(ForeignSource):
         if heads is None:
             raise LayoutError(
                 f"{self.path}: the fs tier does not record the KV heads or head size and "
-                f"{self.fields['model_name']} is not a local model directory: pass the model"
+                f"{self.fields['model_name']} is not a local model directory: pass --model DIR "
+                "(model=DIR from Python)"
             )
         group = self.group
         return KVGeometry(
@@ -365,11 +380,9 @@ class VLLMFsNamespace(ForeignSource):
         return files
 
     def verify(self) -> list[ForeignProblem]:
-        problems = []
-        if not self.rank_dirs:
-            problems.append(
-                ForeignProblem(str(self.path), "no rank directory (<ns>_r<rank>) beside it")
-            )
+        # A namespace without rank directories is a tier that has stored nothing yet
+        # (notes() says so): vLLM writes config.json at start and <ns>_r0 at its first store.
+        problems: list[ForeignProblem] = []
         size = self.block_file_size()
         sizes: dict[int, int] = {}
         groups = len(self.fields["kv_cache_groups"])
@@ -473,11 +486,45 @@ class VLLMFsNamespace(ForeignSource):
         elif not isinstance(order, PageOrder):
             order = load_page_order(Path(order))
         if order.shape != (geometry.block_size, local_heads, geometry.head_dim):
-            raise LayoutError(
-                f"the page order is for pages of {order.shape} (tokens, heads, dims), each "
-                f"worker here holds {(geometry.block_size, local_heads, geometry.head_dim)}"
-            )
+            raise LayoutError(self._order_mismatch(order.shape, local_heads))
         return order
+
+    def _order_mismatch(self, shape: tuple[int, int, int], local_heads: int) -> str:
+        """Why a page order does not fit, naming the TP size its head count reveals."""
+        geometry = self.geometry()
+        wanted = (geometry.block_size, local_heads, geometry.head_dim)
+        message = (
+            f"the page order is for pages of {shape} (tokens, heads, dims), each worker here "
+            f"holds {wanted}"
+        )
+        block, heads, dim = shape
+        if (block, dim) != (wanted[0], wanted[2]) or geometry.num_kv_heads % heads:
+            return message
+        implied = geometry.num_kv_heads // heads
+        given = self.hints.get("tp_size")
+        if given is None:
+            return (
+                f"{message}: its pages hold the heads of a TP {implied} writer, and TP "
+                f"{self.writer_tp()} was assumed (this namespace does not record it): pass "
+                f"--tp {implied} if a TP {implied} engine wrote these files"
+            )
+        return f"{message}: its pages are a TP {implied} writer's, not TP {given}'s"
+
+    def notes(self) -> list[str]:
+        notes = []
+        if not self.rank_dirs:
+            notes.append(
+                "no block stored yet: vLLM creates the rank directory (<ns>_r0) at its first "
+                "store, so a freshly started tier has only config.json"
+            )
+        decoded = self._file_order is not None
+        if decoded and self.parallel_agnostic and self.hints.get("tp_size") is None:
+            notes.append(
+                "TP 1 assumed: this namespace is parallel-agnostic and does not record the "
+                "writer's TP size; files a TP N engine wrote decode right only with --tp N "
+                "(a wrong TP gives wrong KV, which nothing in the files shows)"
+            )
+        return notes
 
     def read_block(self, block_id: str) -> ForeignBlock:
         for field in ("canonical_format", "replicated_layout"):
@@ -486,12 +533,11 @@ class VLLMFsNamespace(ForeignSource):
                     f"{self.path}: a namespace with {field} {self.fields[field]!r}: kvsnap "
                     "decodes vLLM's direct (per-worker) layout only"
                 )
+        pages = int(self.fields["blocks_per_file"])
+        if pages != 1:
+            raise LayoutError(f"blocks_per_file {pages}: kvsnap decodes one block per file")
         geometry = self.geometry()
-        tp = self.writer_tp()
-        if geometry.num_kv_heads % tp:
-            raise LayoutError(f"{geometry.num_kv_heads} KV heads do not split over TP {tp}")
-        local = geometry.num_kv_heads // tp
-        order = self.page_order(local)
+        order = self.file_order()
         path = self._block_path(block_id)
         expected = self.block_file_size()
         try:
@@ -506,24 +552,22 @@ class VLLMFsNamespace(ForeignSource):
             raise SnapshotCorruptError(
                 f"{len(data)} bytes, a block file here has {expected}", file=str(path)
             )
-        dtype = torch_dtype(geometry.dtype)
-        elements = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
-        page = order.elements
-        pages = int(self.fields["blocks_per_file"])
-        if pages != 1:
-            raise LayoutError(f"blocks_per_file {pages}: kvsnap decodes one block per file")
-        shape = (geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
-        keys = [torch.empty(shape, dtype=dtype) for _ in range(geometry.num_layers)]
-        values = [torch.empty(shape, dtype=dtype) for _ in range(geometry.num_layers)]
-        # A row is each worker's region in rank order; a region, its layers' pages in order.
-        for worker in range(tp):
-            for layer in range(geometry.num_layers):
-                start = (worker * geometry.num_layers + layer) * page
-                key, value = order.decode(elements[start : start + page])
-                heads = slice(worker * local, (worker + 1) * local)
-                keys[layer][:, heads] = key
-                values[layer][:, heads] = value
-        return ForeignBlock(block_id, tuple(keys), tuple(values))
+        keys, values = decode_bytes(data, torch_dtype(geometry.dtype), order)
+        return ForeignBlock(block_id, tuple(keys.unbind(0)), tuple(values.unbind(0)))
+
+    def file_order(self) -> FileOrder:
+        """Where every key and value element of a block file lies, built once per namespace:
+        a row is each worker's region in rank order, a region its layers' pages in order."""
+        if self._file_order is None:
+            geometry = self.geometry()
+            tp = self.writer_tp()
+            if geometry.num_kv_heads % tp:
+                raise LayoutError(f"{geometry.num_kv_heads} KV heads do not split over TP {tp}")
+            order = self.page_order(geometry.num_kv_heads // tp)
+            layers, page = geometry.num_layers, order.elements
+            starts = [[(w * layers + layer) * page for w in range(tp)] for layer in range(layers)]
+            self._file_order = tile_pages(order, starts)
+        return self._file_order
 
 
 def glob_escape(name: str) -> str:

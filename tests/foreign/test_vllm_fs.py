@@ -155,7 +155,7 @@ def test_hints_the_files_cannot_replace(tmp_path: Path) -> None:
         with pytest.raises(LayoutError, match="page order"):
             source.read_block(source.sequences()[0].block_ids[0])
     with open_foreign(_namespace(1), tokens=PROMPT, page_order="cells-nhd") as source:
-        with pytest.raises(LayoutError, match="pass the model"):
+        with pytest.raises(LayoutError, match="pass --model DIR"):
             source.geometry()
 
 
