@@ -57,7 +57,8 @@ class ForeignSequence:
 @dataclass(frozen=True)
 class ForeignBlock:
     """One block as canonical pages: per layer a key and a value tensor of shape
-    ``(block_size, num_kv_heads, head_dim)`` in the format's dtype."""
+    ``(block_size, num_kv_heads, head_dim)`` in the format's dtype; for MLA, ``keys`` are the
+    latents ``(block_size, latent_dim)`` and ``values`` is empty."""
 
     id: str
     keys: tuple[torch.Tensor, ...]
@@ -69,6 +70,12 @@ class ForeignSource(ABC):
 
     #: The format's registry name (``vllm-fs``, ``llama-state``).
     format_name: str = ""
+    #: The engine that writes it, as a converted snapshot's ``source.engine`` names it.
+    engine: str = "unknown"
+    #: Whether sequences are found only from a prompt's token ids (the ``tokens`` hint).
+    needs_tokens: bool = False
+    #: Whether the format has checksums of the KV that ``verify`` checks.
+    checks_contents: bool = False
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -242,6 +242,7 @@ class LlamaStateFile(ForeignSource):
     heads, required to decode) and ``block_size`` (cells per kvsnap block, default 16)."""
 
     format_name = FORMAT_NAME
+    engine = "llama.cpp"
 
     def __init__(
         self,

@@ -243,6 +243,8 @@ class VLLMFsNamespace(ForeignSource):
     """
 
     format_name = FORMAT_NAME
+    engine = "vllm"
+    needs_tokens = True
 
     def __init__(
         self, namespace: Path, hints: Mapping[str, Any], *, only_block: Path | None = None
