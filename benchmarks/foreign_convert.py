@@ -24,10 +24,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from kvsnap.foreign.vllm_fs import namespace_name, prefix_hashes
+from kvsnap.foreign.vllm_fs_config import namespace_name, prefix_hashes
 
 BLOCK_SIZE = 16
 HEADS = 8
@@ -70,7 +71,7 @@ def write_namespace(root: Path, *, layers: int, blocks: int) -> list[int]:
     return tokens
 
 
-def _spin(stop: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
+def _spin(stop: Any) -> None:
     value = 0
     while not stop.is_set():
         for step in range(100_000):
@@ -135,7 +136,7 @@ def main() -> None:
         load = os.getloadavg()[0]
         idle = time_convert(root, args.tp, args.runs, busy=False)
         busy = time_convert(root, args.tp, args.runs, busy=True)
-    rows = {
+    rows: dict[str, Any] = {
         "bytes": size,
         "cores": os.cpu_count(),
         "load_average_before": load,
@@ -148,7 +149,9 @@ def main() -> None:
         f"average {load:.1f} before the runs (other processes' work counts as idle)"
     )
     for name in ("idle_s", "busy_s"):
-        print(f"  {name[:-2]:<5} median {rows[name]['median']:.2f} s, min {rows[name]['min']:.2f} s")
+        print(
+            f"  {name[:-2]:<5} median {rows[name]['median']:.2f} s, min {rows[name]['min']:.2f} s"
+        )
     print(f"  busy / idle (medians): {rows['busy_over_idle']:.2f}")
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=2))

@@ -80,7 +80,6 @@ class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def host_pool(info: Any, layout: str) -> Any:
     """SGLang's MHA host pool over ``info``'s device buffers, its device copy done in torch."""
-    import torch
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     class CPUCopyHostPool(MHATokenToKVPoolHost):  # type: ignore[misc]
@@ -318,4 +317,6 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "fixtures" / "foreign" / "sglang-hicache")
+    main(
+        Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "fixtures" / "foreign" / "sglang-hicache"
+    )

@@ -98,9 +98,9 @@ def _as_dtype(words: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(words)).view(dtype)
 
 
-def decode_bytes(data: bytes | bytearray, dtype: torch.dtype, order: FileOrder) -> tuple[
-    torch.Tensor, torch.Tensor
-]:
+def decode_bytes(
+    data: bytes | bytearray, dtype: torch.dtype, order: FileOrder
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The canonical keys and values, ``(layers, block_size, heads, head_dim)`` tensors of
     ``dtype``, of a file's bytes ``data`` laid out as ``order`` says."""
     size = torch.empty(0, dtype=dtype).element_size()

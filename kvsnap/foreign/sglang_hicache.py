@@ -417,10 +417,7 @@ def _size_problems(members: list[PageFile], expected: int | None) -> list[Foreig
             for page in pages
         ]
     if len(sizes) <= 1:
-        return [
-            ForeignProblem(str(page.path), "an empty page file")
-            for page in sizes.get(0, [])
-        ]
+        return [ForeignProblem(str(page.path), "an empty page file") for page in sizes.get(0, [])]
     common = max(sizes, key=lambda size: len(sizes[size]))
     return [
         ForeignProblem(str(page.path), f"{size} bytes, the other page files have {common}")

@@ -20,7 +20,7 @@ import pytest
 
 from kvsnap.errors import LayoutError, NotASnapshotError, SnapshotCorruptError
 from kvsnap.foreign import convert_to_snapshot, open_foreign, recognise
-from kvsnap.foreign.vllm_fs import namespace_digest, namespace_name, prefix_hashes
+from kvsnap.foreign.vllm_fs_config import namespace_digest, namespace_name, prefix_hashes
 from kvsnap.snapshot import Snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
