@@ -395,7 +395,7 @@ class VLLMFsNamespace(ForeignSource):
             return (
                 f"{message}: its pages hold the heads of a TP {implied} writer, and TP "
                 f"{self.writer_tp()} was assumed (this namespace does not record it): pass "
-                f"--tp {implied} if a TP {implied} engine wrote these files"
+                f"--tp {implied} if the files are a TP {implied} engine's"
             )
         return f"{message}: its pages are a TP {implied} writer's, not TP {given}'s"
 
