@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvsnap.errors import IncompatibleSnapshotError, LayoutError
+from kvsnap.errors import IncompatibleSnapshotError
 from kvsnap.layout import KVGeometry
 from kvsnap.snapshot import Snapshot
 

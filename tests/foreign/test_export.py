@@ -87,7 +87,7 @@ def test_export_refuses_what_the_namespace_cannot_hold(tmp_path: Path) -> None:
     config = json.loads((VLLM / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 1}))
     with Snapshot.open(VLLM / "tp1" / "dump" / "0.safetensors") as dump:
-        with pytest.raises(IncompatibleSnapshotError, match="snapshot 2 x 32, .* 1 x 32"):
+        with pytest.raises(IncompatibleSnapshotError, match=r"snapshot 2 x 32, .* 1 x 32"):
             export_vllm_fs(dump, root, page_order=order, model=model)
         with pytest.raises(IncompatibleSnapshotError, match="do not split over TP 3"):
             export_vllm_fs(dump, root, page_order="cells-nhd", tp_size=3, model=VLLM)
