@@ -69,6 +69,14 @@ def export(
             help="llama-state: V stored transposed (a llama.cpp context without flash attention).",
         ),
     ] = False,
+    hf_rope: Annotated[
+        bool,
+        typer.Option(
+            "--hf-rope",
+            help="llama-state: keys from a transformers capture (rotary halves), reordered to "
+            "llama.cpp's interleaved pairs.",
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Write a kvsnap snapshot as a vLLM fs-tier namespace or a llama.cpp sequence state."""
@@ -88,7 +96,7 @@ def export(
                 )
             payload = _to_vllm_fs(source, target, page_order, config, tp, model, hash_seed)
         else:
-            payload = _to_llama_state(source, target, sequence, v_transposed)
+            payload = _to_llama_state(source, target, sequence, v_transposed, hf_rope)
     payload["seconds"] = round(time.perf_counter() - started, 3)
     for note in payload.get("notes", []):
         stderr.print(f"[yellow]note:[/] {text(note)}")
@@ -126,11 +134,13 @@ def _to_vllm_fs(
 
 
 def _to_llama_state(
-    source: Any, target: str, sequence: str | None, v_transposed: bool
+    source: Any, target: str, sequence: str | None, v_transposed: bool, hf_rope: bool
 ) -> dict[str, Any]:
     from kvsnap.foreign.llama_state_export import export_llama_state
 
     if Path(target).is_dir():
         raise UsageError(f"{target}: is a directory; llama-state writes one file")
-    tokens = export_llama_state(source, target, sequence_id=sequence, v_transposed=v_transposed)
+    tokens = export_llama_state(
+        source, target, sequence_id=sequence, v_transposed=v_transposed, hf_rope=hf_rope
+    )
     return {"path": target, "tokens": tokens, "summary": f"{tokens} tokens", "notes": []}

@@ -33,9 +33,15 @@ def export_llama_state(
     *,
     sequence_id: str | None = None,
     v_transposed: bool = False,
+    hf_rope: bool = False,
 ) -> int:
     """Write sequence ``sequence_id`` (default: the snapshot's only one) of ``snapshot`` to
     ``output`` as a llama.cpp sequence state; returns the number of tokens written.
+
+    ``hf_rope``: the keys come from a transformers model, whose rotary embedding pairs
+    dimension ``i`` with ``i + head_dim / 2``; llama.cpp, whose converted weights pair
+    ``2i`` with ``2i + 1``, keeps each head's key dimensions in that interleaved order, so they
+    are reordered (values are not rotated and keep their order).
 
     Raises :class:`~kvsnap.errors.IncompatibleSnapshotError` for what the format cannot hold
     (MLA, a dtype without a ggml type), and ``ValueError`` when the sequence is not named
@@ -102,6 +108,15 @@ def _write_header(handle: BinaryIO, tokens: np.ndarray) -> None:
     cells[:, 0] = np.arange(count)  # position
     cells[:, 1] = 1  # one sequence id per cell: sequence 0
     handle.write(cells.tobytes())
+
+
+def _interleave_halves(rows: np.ndarray, head_dim: int) -> np.ndarray:
+    """Each head's ``[x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}]`` as ``[x_0, y_0, x_1, y_1, ...]``."""
+    if head_dim % 2:
+        raise IncompatibleSnapshotError(f"head_dim {head_dim} is odd: no rotary halves")
+    tokens = rows.shape[0]
+    halves = rows.reshape(tokens, -1, 2, head_dim // 2)
+    return np.ascontiguousarray(halves.transpose(0, 1, 3, 2)).reshape(tokens, -1)
 
 
 def _rows(snapshot: Snapshot, sequence_id: str, layer: int, part: str) -> np.ndarray:
