@@ -18,6 +18,8 @@ import torch
 
 from kvsnap.errors import LayoutError
 
+from .base import ForeignProblem
+
 #: Named orders of pages whose ``(token, head)`` cells hold key then value (vLLM's CUDA
 #: attention backends, FLASH_ATTN and TRITON_ATTN): heads inside tokens (vLLM's ``LBNHC``,
 #: its CUDA default) or tokens inside heads (``LBHNC``).
@@ -136,3 +138,31 @@ def load_page_order(path: Path) -> PageOrder:
     if np.unique(both).size != both.size or both.min() < 0 or both.max() >= both.size:
         raise LayoutError(f"{path}: the offsets are not each element of the page exactly once")
     return PageOrder(key=key.astype(np.int64), value=value.astype(np.int64), name=path.name)
+
+
+def own_tensor(words: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of its own (the words may view the read-only bytes of the file)."""
+    return torch.from_numpy(np.array(words, order="C")).view(dtype)
+
+
+def size_problems(files: list[Path], expected: int | None) -> list[ForeignProblem]:
+    """Files of a size other than ``expected`` (or, unknown, than most of them have); empty ones."""
+    sizes: dict[int, list[Path]] = {}
+    for path in files:
+        sizes.setdefault(path.stat().st_size, []).append(path)
+    if expected is not None:
+        return [
+            ForeignProblem(str(page), f"{size} bytes, a file here has {expected}")
+            for size, pages in sizes.items()
+            if size != expected
+            for page in pages
+        ]
+    if len(sizes) <= 1:
+        return [ForeignProblem(str(page), "an empty file") for page in sizes.get(0, [])]
+    common = max(sizes, key=lambda size: len(sizes[size]))
+    return [
+        ForeignProblem(str(page), f"{size} bytes, the other files have {common}")
+        for size, pages in sizes.items()
+        if size != common
+        for page in pages
+    ]

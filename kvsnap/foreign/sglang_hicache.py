@@ -43,6 +43,7 @@ from .base import (
     ForeignSource,
     Recognition,
 )
+from .pages import own_tensor, size_problems
 
 FORMAT_NAME = "sglang-hicache"
 ENGINE_VERSION = "0.5.23"
@@ -305,7 +306,9 @@ class HiCacheDirectory(ForeignSource):
         ]
         for model, tp in self.groups:
             members = [page for page in self.pages if page.group == (model, tp)]
-            problems += _size_problems(members, self._expected_size(model, tp))
+            problems += size_problems(
+                [page.path for page in members], self._expected_size(model, tp)
+            )
             if tp is not None:
                 problems += _rank_problems(members, tp)
         return problems
@@ -355,12 +358,12 @@ class HiCacheDirectory(ForeignSource):
                 keys[layer].append(key)
                 values[layer].append(value)
         if geometry.is_mla:
-            latents = tuple(_tensor(parts[0], dtype) for parts in keys)
+            latents = tuple(own_tensor(parts[0], dtype) for parts in keys)
             return ForeignBlock(block_id, latents, ())
         return ForeignBlock(
             block_id,
-            tuple(_tensor(np.concatenate(parts, axis=1), dtype) for parts in keys),
-            tuple(_tensor(np.concatenate(parts, axis=1), dtype) for parts in values),
+            tuple(own_tensor(np.concatenate(parts, axis=1), dtype) for parts in keys),
+            tuple(own_tensor(np.concatenate(parts, axis=1), dtype) for parts in values),
         )
 
 
@@ -398,33 +401,6 @@ def _split(page: np.ndarray, geometry: KVGeometry, layout: str) -> list[tuple[np
     else:
         kv = page.reshape(2, layers, tokens, heads, geometry.head_dim)
     return [(kv[0, layer], kv[1, layer]) for layer in range(layers)]
-
-
-def _tensor(words: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of its own (the words may view the read-only bytes of the file)."""
-    return torch.from_numpy(np.array(words, order="C")).view(dtype)
-
-
-def _size_problems(members: list[PageFile], expected: int | None) -> list[ForeignProblem]:
-    sizes: dict[int, list[PageFile]] = {}
-    for page in members:
-        sizes.setdefault(page.path.stat().st_size, []).append(page)
-    if expected is not None:
-        return [
-            ForeignProblem(str(page.path), f"{size} bytes, a page file here has {expected}")
-            for size, pages in sizes.items()
-            if size != expected
-            for page in pages
-        ]
-    if len(sizes) <= 1:
-        return [ForeignProblem(str(page.path), "an empty page file") for page in sizes.get(0, [])]
-    common = max(sizes, key=lambda size: len(sizes[size]))
-    return [
-        ForeignProblem(str(page.path), f"{size} bytes, the other page files have {common}")
-        for size, pages in sizes.items()
-        if size != common
-        for page in pages
-    ]
 
 
 def _rank_problems(members: list[PageFile], tp: int) -> list[ForeignProblem]:

@@ -129,7 +129,7 @@ def test_damaged_directories_are_found(tmp_path: Path) -> None:
     (directory / f".{'ab' * 16}.tmp").write_bytes(b"partial")
     with open_foreign(directory) as source:
         messages = [problem.message for problem in source.verify()]
-    assert "100 bytes, the other page files have 8192" in messages
+    assert "100 bytes, the other files have 8192" in messages
     assert "a temporary file of an interrupted write" in messages
     assert any("missing rank(s) [1] of TP 2" in message for message in messages)
     hints = {"model": str(FIXTURES), "page_order": "layer_first", "tokens": PROMPT}
