@@ -66,6 +66,8 @@ def export_llama_state(
             keys = [
                 _rows(snapshot, record.id, layer, "key") for layer in range(geometry.num_layers)
             ]
+            if hf_rope:
+                keys = [_interleave_halves(rows, geometry.head_dim) for rows in keys]
             handle.write(struct.pack("<II", int(v_transposed), geometry.num_layers))
             for rows in keys:
                 handle.write(struct.pack("<iQ", kind, row_elements * geometry.element_size))

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvsnap.errors import IncompatibleSnapshotError
 from kvsnap.foreign import convert_to_snapshot, open_foreign
@@ -112,6 +113,23 @@ def test_llama_state_round_trip_is_byte_exact(tmp_path: Path, name: str, transpo
     with Snapshot.open(snapshot) as converted:
         assert export_llama_state(converted, out, v_transposed=transposed) == 40
     assert out.read_bytes() == (LLAMA / name).read_bytes()
+
+
+def test_hf_rope_interleaves_each_heads_key_halves(tmp_path: Path) -> None:
+    """llama.cpp keeps keys in interleaved rotary pairs; a transformers capture's halves are
+    reordered (values untouched): dimension 2i holds i, 2i + 1 holds i + head_dim / 2."""
+    out = tmp_path / "hf.bin"
+    with Snapshot.open(SGLANG / "reference.safetensors") as captured:
+        export_llama_state(captured, out, hf_rope=True)
+        [record] = captured.sequences
+        keys = captured.sequence_kv(record.id, "layers.1.key")
+        values = captured.sequence_kv(record.id, "layers.1.value")
+    with open_foreign(out, num_kv_heads=2, block_size=48) as source:
+        block = source.read_block("0")
+    half = keys.shape[-1] // 2
+    assert torch.equal(block.keys[1][:, :, 0::2], keys[:, :, :half])
+    assert torch.equal(block.keys[1][:, :, 1::2], keys[:, :, half:])
+    assert torch.equal(block.values[1], values)
 
 
 def test_llama_state_refusals(tmp_path: Path) -> None:

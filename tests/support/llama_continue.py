@@ -90,7 +90,7 @@ def _model(path: Path, flash: bool) -> Any:
         flash_attn=flash,
         type_k=llama_cpp.GGML_TYPE_F32,
         type_v=llama_cpp.GGML_TYPE_F32,
-        logits_all=False,
+        logits_all=True,
         verbose=False,
         seed=0,
     )
