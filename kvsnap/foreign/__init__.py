@@ -27,10 +27,17 @@ from .llama_state import LLAMA_STATE
 from .lmcache_fs import LMCACHE_FS
 from .pages import CELL_ORDERS, PageOrder, cell_order, load_page_order
 from .sglang_hicache import SGLANG_HICACHE
+from .thaw_kv import THAW_KV
 from .vllm_fs import VLLM_FS
 
 #: Every format kvsnap reads besides its own, in the order they are asked.
-FORMATS: tuple[ForeignFormat, ...] = (VLLM_FS, LLAMA_STATE, SGLANG_HICACHE, LMCACHE_FS)
+FORMATS: tuple[ForeignFormat, ...] = (
+    VLLM_FS,
+    LLAMA_STATE,
+    SGLANG_HICACHE,
+    LMCACHE_FS,
+    THAW_KV,
+)
 
 
 def __getattr__(name: str) -> Any:
