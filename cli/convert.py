@@ -19,7 +19,7 @@ def convert(
         typer.Argument(
             metavar="PATH",
             help="vLLM fs-tier namespace, rank directory, root or block file, a llama.cpp "
-            "state file, or an SGLang HiCache file-storage directory.",
+            "state file, an SGLang HiCache or LMCache fs L2 directory, or a thaw KV snapshot.",
         ),
     ],
     output: Annotated[

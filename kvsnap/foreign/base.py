@@ -74,8 +74,6 @@ class ForeignSource(ABC):
     engine: str = "unknown"
     #: Whether sequences are found only from a prompt's token ids (the ``tokens`` hint).
     needs_tokens: bool = False
-    #: Whether the format has checksums of the KV that ``verify`` checks.
-    checks_contents: bool = False
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -41,8 +41,9 @@ def convert_to_snapshot(
     for sequence in chosen:
         for block_id in sequence.block_ids:
             position.setdefault(block_id, len(position))
-    layout = _mla_cache(source, geometry, position) if geometry.is_mla else None
-    if layout is None:
+    if geometry.is_mla:
+        layout = _mla_cache(source, geometry, position)
+    else:
         layout = _contiguous_cache(source, geometry, position)
     blocks = [
         SequenceBlocks(
