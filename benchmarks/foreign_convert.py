@@ -8,7 +8,9 @@ reports it), ``--runs`` times alone and ``--runs`` times while one busy-looping 
 runs beside it (what a serving machine's other work
 does to a conversion). Torch keeps its default thread count: the point is what a user who set
 nothing gets. Reports the median and fastest wall time of each and the busy/idle ratio of the
-medians. No GPU needed. Run it with ``PYTHONPATH`` naming the tree to measure::
+medians, beside the same ratio of a single-threaded numpy gather of 64 MiB (the control: what
+the busy loops do to any work on this machine, kvsnap or not). No GPU needed. Run it with
+``PYTHONPATH`` naming the tree to measure::
 
     PYTHONPATH=. python -m benchmarks.foreign_convert [--runs 5] [--json-out FILE]
 """
@@ -28,7 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from kvsnap.foreign.vllm_fs_config import namespace_name, prefix_hashes
+try:
+    from kvsnap.foreign.vllm_fs_config import namespace_name, prefix_hashes
+except ImportError:  # a tree from before the names moved out of vllm_fs.py (a baseline run)
+    from kvsnap.foreign.vllm_fs import namespace_name, prefix_hashes  # type: ignore[no-redef]
 
 BLOCK_SIZE = 16
 HEADS = 8
@@ -121,6 +126,41 @@ def time_convert(root: Path, tp: int, runs: int, *, busy: bool) -> list[float]:
     return times
 
 
+#: A single-threaded CPU-bound control of about a conversion's size: what the machine's share of
+#: a core does to any work, whatever kvsnap does (64 MiB of 2-byte words gathered by index).
+CONTROL = (
+    "import time, numpy as np; rng = np.random.default_rng(0); "
+    "words = rng.integers(0, 2**16, 32 << 20, dtype=np.uint16); "
+    "index = rng.permutation(words.size); started = time.perf_counter(); "
+    "words.take(index); print(time.perf_counter() - started)"
+)
+
+
+def time_control(runs: int, *, busy: bool) -> list[float]:
+    """Seconds of ``runs`` fresh processes of the single-threaded control, alone or beside
+    one busy loop per core."""
+    stop = multiprocessing.Event()
+    spinners = [
+        multiprocessing.Process(target=_spin, args=(stop,), daemon=True)
+        for _ in range((os.cpu_count() or 1) if busy else 0)
+    ]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        return [
+            float(
+                subprocess.run(
+                    [sys.executable, "-c", CONTROL], check=True, capture_output=True, text=True
+                ).stdout
+            )
+            for _ in range(runs)
+        ]
+    finally:
+        stop.set()
+        for spinner in spinners:
+            spinner.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -136,6 +176,8 @@ def main() -> None:
         load = os.getloadavg()[0]
         idle = time_convert(root, args.tp, args.runs, busy=False)
         busy = time_convert(root, args.tp, args.runs, busy=True)
+        control_idle = time_control(args.runs, busy=False)
+        control_busy = time_control(args.runs, busy=True)
     rows: dict[str, Any] = {
         "bytes": size,
         "cores": os.cpu_count(),
@@ -143,6 +185,9 @@ def main() -> None:
         "idle_s": {"median": statistics.median(idle), "min": min(idle), "runs": idle},
         "busy_s": {"median": statistics.median(busy), "min": min(busy), "runs": busy},
         "busy_over_idle": statistics.median(busy) / statistics.median(idle),
+        "control_idle_s": control_idle,
+        "control_busy_s": control_busy,
+        "control_busy_over_idle": statistics.median(control_busy) / statistics.median(control_idle),
     }
     print(
         f"{size / 2**20:.0f} MiB, {args.tp} workers' pages, {os.cpu_count()} cores, load "
@@ -153,6 +198,11 @@ def main() -> None:
             f"  {name[:-2]:<5} median {rows[name]['median']:.2f} s, min {rows[name]['min']:.2f} s"
         )
     print(f"  busy / idle (medians): {rows['busy_over_idle']:.2f}")
+    print(
+        f"  single-threaded control: busy / idle {rows['control_busy_over_idle']:.2f} "
+        f"(medians {statistics.median(control_idle):.2f} s and "
+        f"{statistics.median(control_busy):.2f} s): the machine's own slowdown"
+    )
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=2))
 
