@@ -144,7 +144,8 @@ class HiCacheDirectory(ForeignSource):
     MLA latent, dtype), ``num_kv_heads``, ``head_dim``, ``dtype`` (instead of ``model``),
     ``page_order`` (the host layout: ``layer_first``, ``page_first``, ``page_first_direct``),
     ``page_size`` (default: what the file size gives), ``model_name`` (which served model's
-    files, when the directory holds several) and ``tokens``.
+    files, when the directory holds several), ``tokens`` and ``hash_seed`` (the hex digest that
+    seeds the page-hash chain of a request with an ``extra_key`` or ``cache_salt``).
     """
 
     format_name = FORMAT_NAME
@@ -307,13 +308,14 @@ class HiCacheDirectory(ForeignSource):
         for model, tp in self.groups:
             members = [page for page in self.pages if page.group == (model, tp)]
             problems += size_problems(
-                [page.path for page in members], self._expected_size(model, tp)
+                [page.path for page in members], self._expected_size()
             )
             if tp is not None:
                 problems += _rank_problems(members, tp)
         return problems
 
-    def _expected_size(self, model: str, tp: int | None) -> int | None:
+    def _expected_size(self) -> int | None:
+        """The exact page file size, when the page size is given and one deployment is here."""
         hinted = self.hints.get("page_size")
         try:
             token = self._token_bytes() if len(self.groups) == 1 else None
