@@ -91,7 +91,7 @@ def test_llama_cpp_continues_from_an_exported_transformers_capture(
     assert result["loaded"] == result["fresh"]
     assert len(set(result["fresh"])) > 1
     # The KV came from transformers' kernels, the fresh prefill from llama.cpp's: the logits
-    # differ by float32 rounding only (measured at most 1.1e-6, logits up to 3.1; 2-core VM,
-    # 2026-12-06). Keys left in transformers' rotary order differ by 1.5-2.9 and continue
-    # differently.
-    assert max(result["max_logit_difference"]) < 1e-5 * max(1.0, result["logit_scale"])
+    # differ by float32 rounding, amplified by the random weights (measured 1.1e-6 to 1.7e-3
+    # from run to run, logits up to 3.1; 2-core VM, 2026-12-06). Keys left in transformers'
+    # rotary order differ by 1.5-2.9 and continue differently.
+    assert max(result["max_logit_difference"]) < 1e-2 * max(1.0, result["logit_scale"])
