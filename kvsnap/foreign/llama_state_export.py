@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvsnap.errors import IncompatibleSnapshotError
+from kvsnap.format import SequenceRecord
 from kvsnap.snapshot import Snapshot
 
 from .llama_state import SEQ_MAGIC, VERSIONS
@@ -87,7 +88,7 @@ def export_llama_state(
     return len(tokens)
 
 
-def _one_sequence(snapshot: Snapshot, sequence_id: str | None):  # type: ignore[no-untyped-def]
+def _one_sequence(snapshot: Snapshot, sequence_id: str | None) -> SequenceRecord:
     if sequence_id is not None:
         return snapshot.sequence(sequence_id)
     records = snapshot.sequences

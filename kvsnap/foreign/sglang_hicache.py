@@ -307,9 +307,7 @@ class HiCacheDirectory(ForeignSource):
         ]
         for model, tp in self.groups:
             members = [page for page in self.pages if page.group == (model, tp)]
-            problems += size_problems(
-                [page.path for page in members], self._expected_size()
-            )
+            problems += size_problems([page.path for page in members], self._expected_size())
             if tp is not None:
                 problems += _rank_problems(members, tp)
         return problems

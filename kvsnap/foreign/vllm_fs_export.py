@@ -192,7 +192,8 @@ def _sequence_words(
     """Every layer's first ``tokens`` keys and values of a sequence, ``(layers, tokens, heads,
     dim)`` arrays of unsigned words of the KV's element size."""
     words = _WORDS[geometry.element_size]
-    keys, values = [], []
+    keys: list[np.ndarray] = []
+    values: list[np.ndarray] = []
     for layer in range(geometry.num_layers):
         for part, into in (("key", keys), ("value", values)):
             tensor = snapshot.sequence_kv(sequence_id, f"layers.{layer}.{part}")[:tokens]
