@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -82,12 +84,14 @@ def verify(
     # With --key-file: valid, unsigned, bad signature, or unchecked (the file did not open).
     signature = None if keys is None else "unchecked"
     try:
-        with Snapshot.open(location) as snap:
+        with _open_checked(location, keys) as (snap, refused):
+            if keys is not None:
+                # Opened with the keys: every page is checked against its signed BLAKE3
+                # digest (a file signed that way), and a page changed after signing is named.
+                signature = refused[0]["kind"] if refused else "valid"
+                problems += refused
             with progress_bar("verify", enabled=not as_json) as progress:
                 problems += [_problem(problem) for problem in snap.verify(progress=progress)]
-            if keys is not None:
-                signature, refused = _signature_check(snap, keys)
-                problems += refused
             if not problems and reference is not None:
                 with Snapshot.open(reference) as other:
                     comparison = snap.compare(other, atol=atol, rtol=rtol)
@@ -136,11 +140,25 @@ def _report(
         stdout.print("[bold green]OK[/]")
 
 
-def _signature_check(snap: Snapshot, keys: KeyRing) -> tuple[str, list[dict[str, Any]]]:
-    """``valid``, ``unsigned`` or ``bad signature`` for ``snap`` under ``keys``, and the
-    signature problems (one per file the keys do not vouch for)."""
-    refused = [_signature_problem(error) for error in snap.signature_problems(keys)]
-    return (refused[0]["kind"] if refused else "valid"), refused
+@contextlib.contextmanager
+def _open_checked(
+    location: str, keys: KeyRing | None
+) -> Iterator[tuple[Snapshot, list[dict[str, Any]]]]:
+    """The snapshot at ``location`` opened with ``keys`` (its signature checked, and every
+    page verified later against what its signature binds), and no signature problem; when
+    the keys do not vouch for it, opened without them (its checksums are still verified) and
+    the signature problems, one per file the keys do not vouch for."""
+    from kvsnap.snapshot import Snapshot
+
+    refused: list[dict[str, Any]] = []
+    try:
+        snap = Snapshot.open(location, keys=keys)
+    except SignatureError:
+        assert keys is not None
+        snap = Snapshot.open(location)
+        refused = [_signature_problem(error) for error in snap.signature_problems(keys)]
+    with snap:
+        yield snap, refused
 
 
 def _signature_problem(error: SignatureError) -> dict[str, Any]:

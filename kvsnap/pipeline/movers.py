@@ -38,6 +38,10 @@ class SlotMover(ABC):
     backend_name: str
     #: Whether the mover computes every page's xxh3-64 itself (else the host hashes them).
     hashes_pages: bool = False
+    #: Whether the mover computes every page's BLAKE3 digest itself: a capture's for a signed
+    #: snapshot (``page_digests``), a restore's checked against signed digests given as
+    #: ``expected`` (``(pages, 32)`` uint8); else the host computes them.
+    checks_page_digests: bool = False
     #: Whether a restore may hand ``submit`` the slot's bytes as ``uploads`` (registered host
     #: memory the device copies from) instead of the slot's own.
     takes_uploads: bool = False
