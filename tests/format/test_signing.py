@@ -179,7 +179,7 @@ def test_sharded_and_parted_snapshots_sign_every_file(tmp_path: Path) -> None:
         rows = 0
         for name in snapshot.reader.files:
             with safetensors.safe_open(name, "np") as file:
-                held = [key for key in file.keys() if key.startswith("layers.")]  # noqa: SIM118
+                held = [key for key in file.keys() if key.startswith("layers.")]
                 digests = file.get_tensor(fmt.PAGE_DIGESTS_TENSOR)
             assert digests.shape == (len(held), metadata.num_blocks, 32)
             rows += len(held)
