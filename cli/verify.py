@@ -81,27 +81,23 @@ def verify(
         models.check_device(device)
     problems: list[dict[str, Any]] = []
     comparison: Comparison | None = None
-    # With --key-file: valid, unsigned, bad signature, or unchecked (the file did not open).
-    signature = None if keys is None else "unchecked"
+    check = _SignatureCheck(keys)
     try:
-        with _open_checked(location, keys) as (snap, refused):
-            if keys is not None:
-                # Opened with the keys: every page is checked against its signed BLAKE3
-                # digest (a file signed that way), and a page changed after signing is named.
-                signature = refused[0]["kind"] if refused else "valid"
-                problems += refused
+        with _open_checked(location, check) as snap:
             with progress_bar("verify", enabled=not as_json) as progress:
                 problems += [_problem(problem) for problem in snap.verify(progress=progress)]
+            problems[:0] = check.refused
             if not problems and reference is not None:
                 with Snapshot.open(reference) as other:
                     comparison = snap.compare(other, atol=atol, rtol=rtol)
             if not problems and engine is not None:
                 comparison = _recompute(engine, snap, model, device, atol, rtol, quiet=as_json)
     except (SnapshotCorruptError, NotASnapshotError) as error:
+        problems[:0] = check.refused  # a file refused by its signature, then found damaged
         problems.append({"tensor": error.tensor, "block": error.block, "message": str(error)})
     if comparison is not None:
         problems += _comparison_problems(comparison)
-    _report(problems, comparison, as_json=as_json, signature=signature)
+    _report(problems, comparison, as_json=as_json, signature=check.verdict)
     if problems:
         raise typer.Exit(EXIT_VERIFY_FAILED)
 
@@ -140,25 +136,41 @@ def _report(
         stdout.print("[bold green]OK[/]")
 
 
+class _SignatureCheck:
+    """What ``--key-file`` found: ``verdict`` (``None`` without keys; else ``valid``,
+    ``unsigned``, ``bad signature``, or ``unchecked``: the file did not open) and the
+    signature problems, one per file the keys do not vouch for."""
+
+    def __init__(self, keys: KeyRing | None) -> None:
+        self.keys = keys
+        self.verdict: str | None = None if keys is None else "unchecked"
+        self.refused: list[dict[str, Any]] = []
+
+    def refuse(self, errors: list[SignatureError]) -> None:
+        self.refused = [_signature_problem(error) for error in errors]
+        self.verdict = self.refused[0]["kind"]
+
+
 @contextlib.contextmanager
-def _open_checked(
-    location: str, keys: KeyRing | None
-) -> Iterator[tuple[Snapshot, list[dict[str, Any]]]]:
-    """The snapshot at ``location`` opened with ``keys`` (its signature checked, and every
-    page verified later against what its signature binds), and no signature problem; when
-    the keys do not vouch for it, opened without them (its checksums are still verified) and
-    the signature problems, one per file the keys do not vouch for."""
+def _open_checked(location: str, check: _SignatureCheck) -> Iterator[Snapshot]:
+    """The snapshot at ``location`` opened with ``check``'s keys: its signature checked, and
+    every page verified later against what the signature binds (a page changed after signing
+    is named by its BLAKE3 digest). When the keys do not vouch for it, opened without them
+    (its checksums are still verified), ``check`` noting why, file by file."""
     from kvsnap.snapshot import Snapshot
 
-    refused: list[dict[str, Any]] = []
     try:
-        snap = Snapshot.open(location, keys=keys)
-    except SignatureError:
-        assert keys is not None
+        snap = Snapshot.open(location, keys=check.keys)
+    except SignatureError as error:
+        check.refuse([error])  # stands if the file does not even open without the keys
         snap = Snapshot.open(location)
-        refused = [_signature_problem(error) for error in snap.signature_problems(keys)]
+        assert check.keys is not None
+        check.refuse(snap.signature_problems(check.keys) or [error])
+    else:
+        if check.keys is not None:
+            check.verdict = "valid"
     with snap:
-        yield snap, refused
+        yield snap
 
 
 def _signature_problem(error: SignatureError) -> dict[str, Any]:

@@ -350,12 +350,14 @@ def failed_target_blocks(failed: FailedPages, target_blocks: np.ndarray) -> np.n
 
 
 def describe_failure(failed: FailedPages, names: Sequence[str], target_blocks: np.ndarray) -> str:
-    """One line: how many pages failed, and the first one."""
+    """One line: how many pages failed, the first one, and what the first failure met (a
+    page's xxh3-64, or its signed BLAKE3 digest)."""
     first = int(np.argmin(failed.positions)) if len(failed.positions) else 0
     tensor = names[int(failed.tensors[first])]
     where = f"{tensor}, target block {int(target_blocks[failed.positions[first]])}"
     blocks = failed_target_blocks(failed, target_blocks)
+    why = "" if failed.first_error is None else f": {failed.first_error.detail}"
     return (
         f"{len(failed.positions)} page(s) failed their checksum and were not restored "
-        f"({len(blocks)} target block(s), first: {where})"
+        f"({len(blocks)} target block(s), first: {where}{why})"
     )

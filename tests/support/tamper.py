@@ -50,6 +50,8 @@ class RawSnapshot:
 
     def page(self, name: str, block: int) -> np.ndarray:
         """Block ``block`` of layer tensor ``name``, a writable view of the file's bytes."""
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"block {block} of {self.num_blocks}")
         begin, _ = self.span(name)
         start = begin + block * self.page_bytes
         return np.frombuffer(memoryview(self.raw)[start : start + self.page_bytes], np.uint8)
