@@ -158,10 +158,22 @@ def verified_held(reader: SnapshotReader, progress: Callable[[int], None] | None
         return False
     table_bytes = whole[shape.table_begin : shape.table_end]
     table = table_bytes.view("<u8").reshape(shape.count, reader.num_blocks)
+    pages = whole[shape.layers_begin : shape.layers_end]
+    bound = reader.page_digest_table
+    if bound is None:
+        pages_hold = np.array_equal(fmt.block_digests(pages, page), table.reshape(-1))
+    else:
+        # Opened with keys, signed with BLAKE3 page digests: every page against its signed
+        # digest (which catches all its xxh3-64 would).
+        digests = fmt.page_digests(pages, page)
+        pages_hold = np.array_equal(digests, bound.reshape(-1, fmt.PAGE_DIGEST_BYTES))
     rows_expected = b"".join(trailer[shape.first_row : shape.first_row + shape.count])
+    signed = shape.page_digests  # a signed file's page digests, against their trailer row
     if (
-        not _pages_hold(reader, whole[shape.layers_begin : shape.layers_end], table)
-        or not _digests_hold(whole, trailer, shape.page_digests)
+        not pages_hold
+        or (
+            signed is not None and fmt.digest128(whole[signed[0] : signed[1]]) != trailer[signed[2]]
+        )
         or b"".join(map(xxhash.xxh3_128_digest, table)) != rows_expected
         or fmt.digest128(table_bytes) != trailer[shape.table_row]
         or any(whole[begin:end].any() for begin, end in shape.paddings)
@@ -173,28 +185,6 @@ def verified_held(reader: SnapshotReader, progress: Callable[[int], None] | None
     if progress is not None:
         progress(shape.layers_end - shape.layers_begin)
     return True
-
-
-def _pages_hold(reader: SnapshotReader, pages: np.ndarray, table: np.ndarray) -> bool:
-    """Whether every page (the run of layer tensors ``pages``) matches what binds it: its
-    signed BLAKE3 digest for a reader opened with keys of a file signed with those (which
-    catches all its xxh3-64 would), else its xxh3-64 in ``table``."""
-    bound = reader.page_digest_table
-    if bound is None:
-        return np.array_equal(fmt.block_digests(pages, reader.page_bytes), table.reshape(-1))
-    digests = fmt.page_digests(pages, reader.page_bytes)
-    return np.array_equal(digests, bound.reshape(-1, fmt.PAGE_DIGEST_BYTES))
-
-
-def _digests_hold(
-    whole: np.ndarray, trailer: tuple[bytes, ...], where: tuple[int, int, int] | None
-) -> bool:
-    """Whether a signed file's page digests (``where``: their bytes and trailer row; ``None``:
-    the file has none) match their trailer row."""
-    if where is None:
-        return True
-    begin, end, row = where
-    return fmt.digest128(whole[begin:end]) == trailer[row]
 
 
 def _chains_hold(reader: SnapshotReader) -> bool:

@@ -56,7 +56,7 @@ class SnapshotReader:
     signed by one of them (:class:`~kvsnap.errors.SignatureError` otherwise, before anything
     but its header and the bytes the signature covers is read); a file signed with BLAKE3 page
     digests then has every page it reads, verifies or hands to a restore checked against its
-    BLAKE3 digest (:attr:`page_digest_table`), whatever ``verify`` says, and every later read
+    BLAKE3 digest (``page_digest_table``), whatever ``verify`` says, and every later read
     of the bytes its signature covers is served from the bytes it was checked over. A local
     file of at most ``read_whole_max_bytes`` is read whole,
     with one read, as it opens, and every later read of it is a copy out of those bytes: for a
@@ -127,7 +127,13 @@ class SnapshotReader:
         # Per file opened with keys, the BLAKE3 page digests its signature covers (None for
         # an older file); joined into one table once every file is open.
         self._file_digests: list[np.ndarray | None] = []
-        self._page_digests: np.ndarray | None = None
+        #: The BLAKE3-256 of every page, ``(layer tensors, blocks, 32)`` uint8, as the files'
+        #: signatures cover them, for a reader opened with keys of a snapshot signed with
+        #: BLAKE3 page digests: every page this reader (and a restore from it) reads is then
+        #: checked against these, not against its xxh3-64. ``None`` otherwise (no keys, or an
+        #: older signed file: its pages are bound by xxh3-64 only). An attribute, not a
+        #: property: every slot of a restore asks.
+        self.page_digest_table: np.ndarray | None = None
 
     def _finish_open(self) -> None:
         geometry = self._header_metadata.geometry
@@ -136,7 +142,8 @@ class SnapshotReader:
         )
         self._page_bytes = geometry.canonical_page_size_bytes
         self._num_blocks = self._header_metadata.num_blocks
-        self._page_digests = _joined_digests(self._file_digests, len(self._names))
+        if self._keys is not None:
+            self.page_digest_table = _joined_digests(self._file_digests, len(self._names))
         self.metadata: SnapshotMetadata = self._load_metadata()
 
     # -- opening ---------------------------------------------------------------------------
@@ -367,17 +374,8 @@ class SnapshotReader:
     def verifies(self) -> bool:
         """Whether this reader checks the pages it reads: against their stored checksums
         (``verify``), or, opened with keys, against their signed BLAKE3 digests
-        (:attr:`page_digest_table`)."""
-        return self._verify or self._page_digests is not None
-
-    @property
-    def page_digest_table(self) -> np.ndarray | None:
-        """The BLAKE3-256 of every page, ``(layer tensors, blocks, 32)`` uint8, as the files'
-        signatures cover them, for a reader opened with keys of a snapshot signed with BLAKE3
-        page digests: every page this reader (and a restore from it) reads is then checked
-        against these, not against its xxh3-64. ``None`` otherwise (no keys, or an older
-        signed file: its pages are bound by xxh3-64 only)."""
-        return self._page_digests
+        (``page_digest_table``)."""
+        return self._verify or self.page_digest_table is not None
 
     @property
     def signature_algorithm(self) -> str | None:

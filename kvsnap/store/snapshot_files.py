@@ -132,8 +132,14 @@ class SnapshotFiles:
         for entry in layout.checksummed():
             if fmt.is_layer_tensor(entry.name):
                 digests.append(fmt.layer_tensor_digest(self.digests[self.tensor_index[entry.name]]))
+            elif entry.name == fmt.BLOCK_CHECKSUMS_TENSOR:
+                digests.append(fmt.digest128(self.block_checksums()))
+            elif entry.name == fmt.PAGE_DIGESTS_TENSOR:
+                digests.append(fmt.digest128(self.page_digest_bytes(shard)))
             else:
-                digests.append(fmt.digest128(self.tensor_bytes(shard, entry)))
+                static = self.static_bytes(entry)
+                assert static is not None
+                digests.append(fmt.digest128(static))
         self._trailers[shard] = fmt.encode_trailer(digests)
         return self._trailers[shard]
 

@@ -25,9 +25,6 @@ from kvsnap.store.snapshot_files import SnapshotFiles, WriteGate, WriteTarget
 from kvsnap.store.spare_files import SpareFile, spare_files
 from kvsnap.store.tracing import TraceHook, traced
 
-#: The tensors before the trailer known only once every page is hashed.
-_WRITTEN_AT_COMMIT = frozenset((fmt.BLOCK_CHECKSUMS_TENSOR, fmt.PAGE_DIGESTS_TENSOR))
-
 
 class LocalTarget(WriteTarget):
     """Local files: each written under a locked temporary name beside its final path, layer
@@ -296,8 +293,10 @@ class LocalTarget(WriteTarget):
                 zip(self.files, snapshot_files.layouts, strict=True)
             ):
                 for entry in layout.entries:
-                    if entry.name in _WRITTEN_AT_COMMIT:
-                        data = snapshot_files.tensor_bytes(shard, entry)
+                    if entry.name == fmt.BLOCK_CHECKSUMS_TENSOR:
+                        file.write(entry.begin, memoryview(snapshot_files.block_checksums()))
+                    elif entry.name == fmt.PAGE_DIGESTS_TENSOR:
+                        data = snapshot_files.page_digest_bytes(shard)
                         file.write(entry.begin, memoryview(data))
                 trailer = layout.by_name[fmt.CHECKSUMS_TENSOR]
                 file.write(trailer.begin, memoryview(snapshot_files.trailer(shard)))

@@ -251,7 +251,7 @@ class SnapshotWriter:
         if page_digests is not None and self._binds_pages:
             self._store_digests(pieces, page_digests, self._snapshot_files.page_digests)
         kinds = (digests is None, page_digests is None and self._binds_pages)
-        batches = hash_batches(pieces, tuning.SUBCHUNK_BYTES) if any(kinds) else []
+        batches = hash_batches(pieces, tuning.SUBCHUNK_BYTES) if kinds[0] or kinds[1] else []
         writes = contiguous_writes(pieces, tuning.WRITE_CHUNK_BYTES)
 
         def release() -> None:
