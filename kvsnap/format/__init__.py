@@ -11,8 +11,11 @@ This package is pure bytes-in-memory, one module per job:
 - :mod:`~kvsnap.format.header`: strict decoding of a file's header;
 - :mod:`~kvsnap.format.index`: shard file names and the sharded snapshot's index;
 - :mod:`~kvsnap.format.parts`: part file names and the parted snapshot's index (version 2);
-- :mod:`~kvsnap.format.hashing`: prefix hash chains, block dedupe, checksums, the trailer;
-- :mod:`~kvsnap.format.fingerprint`: model fingerprints (config and weights).
+- :mod:`~kvsnap.format.hashing`: prefix hash chains, block dedupe, checksums, BLAKE3 page
+  digests, the trailer;
+- :mod:`~kvsnap.format.fingerprint`: model fingerprints (config and weights);
+- :mod:`~kvsnap.format.signing`: signed files (the HMAC over every byte but the pages, which
+  their BLAKE3 digests bind).
 
 All file and object-store I/O lives in :mod:`kvsnap.store`. ``docs/format.md`` is the prose
 specification.
@@ -25,7 +28,9 @@ A snapshot file, in file order::
     kvsnap.block_hashes       U8  (num_blocks, 16)         prefix hash of every snapshot block
     layers.{i}.{part}         model dtype (num_blocks, *canonical_page_shape), each 4096-aligned
     kvsnap.block_checksums    U64 (num_layer_tensors, num_blocks)   xxh3-64 of every page
+    kvsnap.page_digests       U8  (layer tensors, num_blocks, 32)   signed files: BLAKE3-256
     kvsnap.checksums          U8  (rows, 16)               xxh3-128 trailer (see below)
+    kvsnap.signature          U8  (48,)                    signed files: key id and HMAC
 
 with ``kvsnap.padding.<next tensor>`` (U8 zeros) wherever the next tensor needs alignment.
 Everything in the header is known before the first data byte, so a writer streams the file

@@ -146,3 +146,31 @@ def test_bytes_the_signature_covered_are_what_the_reader_uses_after_the_check(
     with Snapshot.open(signed) as snapshot:  # what the file holds now, unsigned: consistent
         assert not np.array_equal(snapshot.sequences[0].token_ids, tokens)
         assert snapshot.verify() == []
+
+
+@pytest.mark.parametrize("max_shard_bytes", [None, 600])
+def test_a_signed_stream_write_is_the_local_files_byte_for_byte(
+    tmp_path: Path, max_shard_bytes: int | None
+) -> None:
+    # The fsspec target writes the page digests and signs as the local one does, and a reader
+    # of the stream checks them (its signed bytes kept from its one read of each range).
+    import fsspec
+
+    rng = np.random.default_rng(13)
+    metadata = make_metadata(
+        GEOMETRIES["bf16"],
+        [rng.integers(0, 50_000, 30, dtype=np.int64)],
+        created="2026-12-06T00:00:00Z",
+    )
+    pages = random_pages(rng, metadata)
+    local = tmp_path / "local.safetensors"
+    remote = f"memory://signed-{max_shard_bytes}/stream.safetensors"
+    for target in (local, remote):
+        write_snapshot(target, metadata, pages, keys=KEYS, max_shard_bytes=max_shard_bytes)
+    with SnapshotReader(local, keys=KEYS) as local_reader:
+        local_files = local_reader.files
+    with SnapshotReader(remote, keys=KEYS) as reader:
+        assert reader.page_digest_table is not None and reader.verify() == []
+        fs = fsspec.filesystem("memory")
+        for local_file, remote_file in zip(local_files, reader.files, strict=True):
+            assert fs.cat_file(remote_file) == Path(local_file).read_bytes()
