@@ -19,7 +19,8 @@ from kvsnap import format as fmt
 from kvsnap.errors import BadSignatureError, SnapshotCorruptError
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import Snapshot
-from kvsnap.store import SnapshotReader, reader as reader_module
+from kvsnap.store import SnapshotReader
+from kvsnap.store import reader as reader_module
 from tests.support.store_helpers import GEOMETRIES, make_metadata, random_pages, write_snapshot
 from tests.support.tamper import RawSnapshot
 
