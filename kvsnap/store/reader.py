@@ -143,7 +143,8 @@ class SnapshotReader:
         self._page_bytes = geometry.canonical_page_size_bytes
         self._num_blocks = self._header_metadata.num_blocks
         if self._keys is not None:
-            self.page_digest_table = _joined_digests(self._file_digests, len(self._names))
+            tensors = len(self._names)
+            self.page_digest_table = _joined_digests(self._file_digests, tensors, self.url)
         self.metadata: SnapshotMetadata = self._load_metadata()
 
     # -- opening ---------------------------------------------------------------------------
@@ -377,12 +378,6 @@ class SnapshotReader:
         (``page_digest_table``)."""
         return self._verify or self.page_digest_table is not None
 
-    @property
-    def signature_algorithm(self) -> str | None:
-        """The snapshot's signature algorithm as its header records it (``None``: unsigned);
-        unchecked unless the reader was opened with keys."""
-        return self._header_metadata.signature
-
     def block_checksums(self, name: str) -> np.ndarray:
         """The stored xxh3-64 of every block of layer tensor ``name`` (checked against the
         trailer; :class:`SnapshotCorruptError` if they do not match it)."""
@@ -523,7 +518,7 @@ class SnapshotReader:
         self.close()
 
 
-def _joined_digests(per_file: list[np.ndarray | None], tensors: int) -> np.ndarray | None:
+def _joined_digests(per_file: list[np.ndarray | None], tensors: int, url: str) -> np.ndarray | None:
     """One table of every layer tensor's page digests (files hold their tensors in order), or
     ``None`` unless every file has one."""
     if not per_file or any(digests is None for digests in per_file):
@@ -531,7 +526,7 @@ def _joined_digests(per_file: list[np.ndarray | None], tensors: int) -> np.ndarr
     tables = [digests for digests in per_file if digests is not None]
     table = tables[0] if len(tables) == 1 else np.concatenate(tables)
     if len(table) != tensors:
-        raise SnapshotCorruptError("the page digests do not cover every layer tensor")
+        raise SnapshotCorruptError("the page digests do not cover every layer tensor", file=url)
     return table
 
 
