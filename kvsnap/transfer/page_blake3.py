@@ -24,14 +24,11 @@ so on down (tests/transfer/test_page_blake3.py checks it for every chunk count t
 takes). Pages of more than ``LANES`` chunks go through in tiles of ``LANES`` chunks, each an
 aligned power-of-two run and so a subtree of its own, whose roots are merged the same way.
 
-A compression is 7 rounds of 8 quarter-rounds of 32-bit adds, xors and rotations on ``uint32``
-tensors, 12 instructions a quarter-round once compiled (sm_90: a rotation's two shifts become
-one funnel shift, ``a + b + m`` one three-input add). The rounds are unrolled, so the message
-permutation between them is renaming; the blocks and the tree's levels are loops, so the
-kernel holds two or three compressions (the chunks', the tree's, the tiles'). That bounds its
-compile time, which grows with the square of the kernel's size (Triton's coalescing pass walks
-the whole dataflow slice of every load and store: a kernel with one compression per tree
-level took minutes), as does loading and storing whole rows rather than word by word.
+The compression itself is :mod:`kvsnap.transfer.blake3_compress`. The blocks and the tree's
+levels are loops, so the kernel holds two or three compressions (the chunks', the tree's, the
+tiles'): Triton's coalescing pass walks the whole dataflow slice of every load and store, so
+compile time grows with the square of the kernel's size (one compression per tree level took
+minutes for 32 KiB pages) and with its loads and stores (hence whole rows at a time).
 
 :class:`KernelShape` holds the launch's knobs (pages per program, chunk lanes per page, warps,
 how a block is loaded); ``benchmarks/page_digest_cost.py`` times variants of it. Pages up to
@@ -41,33 +38,22 @@ on the host.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from kvsnap.transfer.triton_copy import kernel_for, tl, triton
 
-#: BLAKE3's chunk and block sizes.
+#: BLAKE3's chunk size.
 CHUNK_BYTES = 1024
-BLOCK_BYTES = 64
 #: The largest page the kernel hashes (1,024 chunks: the tile roots fit one program's registers).
 MAX_PAGE_BYTES = 1 << 20
 #: BLAKE3's domain flags.
 CHUNK_START, CHUNK_END, PARENT, ROOT = 1, 2, 4, 8
-#: BLAKE3's initial chaining value (SHA-256's), the key of plain hash mode.
-IV = (
-    0x6A09E667,
-    0xBB67AE85,
-    0x3C6EF372,
-    0xA54FF53A,
-    0x510E527F,
-    0x9B05688C,
-    0x1F83D9AB,
-    0x5BE0CD19,
-)
 #: Lanes a program holds in all (pages per program x chunk lanes) by default: 2 a thread with
-#: the default 4 warps, so the tree's levels, which leave lanes idle, cost about a tenth of
-#: the chunks' 16 compressions.
+#: the default 4 warps. The tree's levels run at half the lanes, so for 32 KiB pages they cost
+#: a thread 5 compressions to the chunks' 32 (at 1 lane a thread, 5 to 16).
 DEFAULT_PROGRAM_LANES = 256
 #: Chunk lanes per page by default at most (a 32 KiB page's chunks side by side).
 DEFAULT_MAX_CHUNK_LANES = 32
@@ -116,6 +102,7 @@ class KernelShape:
         return -(-count // self.pages_per_program)
 
 
+@functools.lru_cache(maxsize=64)
 def default_shape(page_bytes: int) -> KernelShape:
     """The shape used unless one is given: a lane per chunk up to
     :data:`DEFAULT_MAX_CHUNK_LANES`, pages side by side up to :data:`DEFAULT_PROGRAM_LANES`
@@ -125,72 +112,12 @@ def default_shape(page_bytes: int) -> KernelShape:
 
 
 if triton is not None:
+    from kvsnap.transfer.blake3_compress import compress, iv
 
-    @triton.jit
-    def _quarter_round(a, b, c, d, mx, my):
-        """BLAKE3's G function. Sums wrap modulo 2**32 (no overflow check: Triton's interpreter
-        would spend most of its time on it). Each rotation is written out as two shifts, which
-        the compiler makes one funnel shift (a helper call costs the interpreter more than the
-        arithmetic)."""
-        a = tl.add(tl.add(a, b, sanitize_overflow=False), mx, sanitize_overflow=False)
-        d = d ^ a
-        d = (d >> 16) | (d << 16)
-        c = tl.add(c, d, sanitize_overflow=False)
-        b = b ^ c
-        b = (b >> 12) | (b << 20)
-        a = tl.add(tl.add(a, b, sanitize_overflow=False), my, sanitize_overflow=False)
-        d = d ^ a
-        d = (d >> 8) | (d << 24)
-        c = tl.add(c, d, sanitize_overflow=False)
-        b = b ^ c
-        b = (b >> 7) | (b << 25)
-        return a, b, c, d
-
-    @triton.jit
-    def _round(
-        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
-    ):  # fmt: skip
-        """One round: the columns, then the diagonals."""
-        s0, s4, s8, s12 = _quarter_round(s0, s4, s8, s12, m0, m1)
-        s1, s5, s9, s13 = _quarter_round(s1, s5, s9, s13, m2, m3)
-        s2, s6, s10, s14 = _quarter_round(s2, s6, s10, s14, m4, m5)
-        s3, s7, s11, s15 = _quarter_round(s3, s7, s11, s15, m6, m7)
-        s0, s5, s10, s15 = _quarter_round(s0, s5, s10, s15, m8, m9)
-        s1, s6, s11, s12 = _quarter_round(s1, s6, s11, s12, m10, m11)
-        s2, s7, s8, s13 = _quarter_round(s2, s7, s8, s13, m12, m13)
-        s3, s4, s9, s14 = _quarter_round(s3, s4, s9, s14, m14, m15)
-        return s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15
-
-    @triton.jit
-    def _compress(
-        h0, h1, h2, h3, h4, h5, h6, h7,
-        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
-        counter, block_len, flags,
-    ):  # fmt: skip
-        """The first 8 words of BLAKE3's compression of block ``m`` under chaining value ``h``
-        (the next chaining value, or the digest of a ``ROOT`` compression). ``counter``'s
-        high word is 0: a page has fewer than 2**32 chunks. The rounds are unrolled (see the
-        module's docstring)."""
-        s0, s1, s2, s3, s4, s5, s6, s7 = h0, h1, h2, h3, h4, h5, h6, h7
-        s8 = tl.full(h0.shape, 0x6A09E667, tl.uint32)
-        s9 = tl.full(h0.shape, 0xBB67AE85, tl.uint32)
-        s10 = tl.full(h0.shape, 0x3C6EF372, tl.uint32)
-        s11 = tl.full(h0.shape, 0xA54FF53A, tl.uint32)
-        s12 = tl.zeros(h0.shape, tl.uint32) + counter
-        s13 = tl.zeros(h0.shape, tl.uint32)
-        s14 = tl.zeros(h0.shape, tl.uint32) + block_len
-        s15 = tl.zeros(h0.shape, tl.uint32) + flags
-        for _ in tl.static_range(7):
-            s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _round(
-                s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-                m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
-            )  # fmt: skip
-            # BLAKE3's message permutation (the last one is dead code).
-            m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = (
-                m2, m6, m3, m10, m7, m0, m4, m13, m1, m11, m12, m5, m9, m14, m15, m8,
-            )  # fmt: skip
-        return s0 ^ s8, s1 ^ s9, s2 ^ s10, s3 ^ s11, s4 ^ s12, s5 ^ s13, s6 ^ s14, s7 ^ s15
+    _CHUNK_START = tl.constexpr(CHUNK_START)
+    _CHUNK_END = tl.constexpr(CHUNK_END)
+    _PARENT = tl.constexpr(PARENT)
+    _ROOT = tl.constexpr(ROOT)
 
     @triton.jit
     def _quarters(x):
@@ -260,34 +187,28 @@ if triton is not None:
         BLOCKS: tl.constexpr = 16 if CHUNKS > 1 else LAST_BLOCKS
         # Every lane a whole chunk of the page: no masks, no per-lane flags.
         WHOLE: tl.constexpr = LAST_CHUNK_BYTES == 1024 and CHUNKS % LANES == 0
-        ROOT_FLAG: tl.constexpr = 8 if CHUNKS == 1 else 0
+        # A one-chunk page is rooted at its last block.
+        END_FLAGS: tl.constexpr = _CHUNK_END | _ROOT if CHUNKS == 1 else _CHUNK_END
         chunk = first_chunk + tl.arange(0, LANES)[None, :]
         at = base[:, None] * 2 + chunk * 256  # in 4-byte words
         counter = chunk.to(tl.uint32)
         last = chunk == CHUNKS - 1
         chunk_words = tl.where(chunk < CHUNKS - 1, 256, tl.where(last, LAST_CHUNK_BYTES // 4, 0))
-        h0 = tl.full(at.shape, 0x6A09E667, tl.uint32)
-        h1 = tl.full(at.shape, 0xBB67AE85, tl.uint32)
-        h2 = tl.full(at.shape, 0x3C6EF372, tl.uint32)
-        h3 = tl.full(at.shape, 0xA54FF53A, tl.uint32)
-        h4 = tl.full(at.shape, 0x510E527F, tl.uint32)
-        h5 = tl.full(at.shape, 0x9B05688C, tl.uint32)
-        h6 = tl.full(at.shape, 0x1F83D9AB, tl.uint32)
-        h7 = tl.full(at.shape, 0x5BE0CD19, tl.uint32)
+        h0, h1, h2, h3, h4, h5, h6, h7 = iv(at.shape)
         for block in range(BLOCKS):
             limit = chunk_words - block * 16 + tl.zeros(at.shape, tl.int32)
             m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _load_block(
                 words, at + block * 16, limit, not WHOLE, ROW_LOADS
             )
-            start = tl.where(block == 0, 1, 0)
+            start = tl.where(block == 0, _CHUNK_START, 0)
             if WHOLE:
-                flags = start | tl.where(block == 15, 2 | ROOT_FLAG, 0)
+                flags = start | tl.where(block == 15, END_FLAGS, 0)
                 block_len = 64
             else:
                 ends = tl.where(last, LAST_BLOCKS - 1, 15) == block
-                flags = start | tl.where(ends, 2 | ROOT_FLAG, 0)
+                flags = start | tl.where(ends, END_FLAGS, 0)
                 block_len = tl.where(last & ends, LAST_BLOCK_BYTES, 64)
-            n0, n1, n2, n3, n4, n5, n6, n7 = _compress(
+            n0, n1, n2, n3, n4, n5, n6, n7 = compress(
                 h0, h1, h2, h3, h4, h5, h6, h7,
                 m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
                 counter, block_len, flags,
@@ -358,14 +279,12 @@ if triton is not None:
         nodes = tl.zeros([], tl.int32) + nodes  # a count that changes in the loop below
         for _ in range(LEVELS):
             if ROOTED:
-                flags = tl.where(nodes == 2, 4 | 8, 4)
+                flags = tl.where(nodes == 2, _PARENT | _ROOT, _PARENT)
             else:
-                flags = 4
-            p0, p1, p2, p3, p4, p5, p6, p7 = _compress(
-                tl.full(l0.shape, 0x6A09E667, tl.uint32), tl.full(l0.shape, 0xBB67AE85, tl.uint32),
-                tl.full(l0.shape, 0x3C6EF372, tl.uint32), tl.full(l0.shape, 0xA54FF53A, tl.uint32),
-                tl.full(l0.shape, 0x510E527F, tl.uint32), tl.full(l0.shape, 0x9B05688C, tl.uint32),
-                tl.full(l0.shape, 0x1F83D9AB, tl.uint32), tl.full(l0.shape, 0x5BE0CD19, tl.uint32),
+                flags = _PARENT
+            k0, k1, k2, k3, k4, k5, k6, k7 = iv(l0.shape)
+            p0, p1, p2, p3, p4, p5, p6, p7 = compress(
+                k0, k1, k2, k3, k4, k5, k6, k7,
                 l0, l1, l2, l3, l4, l5, l6, l7, r0, r1, r2, r3, r4, r5, r6, r7,
                 0, 64, flags,
             )  # fmt: skip
@@ -485,18 +404,6 @@ if triton is not None:
             tl.store(out + cells, digest, mask=live[:, None])
 
 
-def _tiles(page_bytes: int, shape: KernelShape) -> int:
-    return -(-chunk_count(page_bytes) // shape.chunk_lanes)
-
-
-def _checked_launch(
-    buffer: torch.Tensor, page_words: torch.Tensor, page_bytes: int, shape: KernelShape | None
-) -> KernelShape:
-    if not supports(page_bytes):
-        raise ValueError(f"pages of {page_bytes} bytes are hashed on the host")
-    return shape if shape is not None else default_shape(page_bytes)
-
-
 def launch_page_blake3_at_words(
     buffer: torch.Tensor,
     page_words: torch.Tensor,
@@ -505,27 +412,9 @@ def launch_page_blake3_at_words(
     shape: KernelShape | None = None,
 ) -> None:
     """Enqueue, on the current stream, the BLAKE3-256 of each page at ``page_words`` (int64
-    offsets in 8-byte words) of ``buffer`` (uint8) into ``digests`` (int32, ``(count, 8)``):
-    row ``p`` is the digest's 8 little-endian 32-bit words."""
-    shape = _checked_launch(buffer, page_words, page_bytes, shape)
-    count = len(page_words)
-    if count == 0:
-        return
-    kernel_for(_page_blake3_kernel)[(shape.programs(count),)](
-        buffer.view(torch.int32),
-        page_words,
-        digests,
-        digests,
-        count,
-        PAGE_BYTES=page_bytes,
-        PAGES=shape.pages_per_program,
-        LANES=shape.chunk_lanes,
-        LANE_LEVELS=(shape.chunk_lanes - 1).bit_length(),
-        TILE_LEVELS=(_tiles(page_bytes, shape) - 1).bit_length(),
-        ROW_LOADS=shape.row_loads,
-        CHECK=False,
-        num_warps=shape.num_warps,
-    )
+    offsets in 8-byte words, on the device) of ``buffer`` (uint8) into ``digests`` (int32,
+    contiguous ``(count, 8)``): row ``p`` is the digest's 8 little-endian 32-bit words."""
+    _launch(buffer, page_words, page_bytes, digests, digests, shape, check=False)
 
 
 def launch_page_blake3_checks_at_words(
@@ -537,25 +426,40 @@ def launch_page_blake3_checks_at_words(
     shape: KernelShape | None = None,
 ) -> None:
     """Enqueue, per page at ``page_words`` (8-byte words) of ``buffer``, whether its BLAKE3
-    equals ``stored`` (int32, ``(count, 8)``, as :func:`launch_page_blake3_at_words` writes
-    it): ``page_ok`` (int64) gets 1 where it does and 0 where it does not, on the current
-    stream. One launch: a restore checks every page it scatters."""
-    shape = _checked_launch(buffer, page_words, page_bytes, shape)
+    equals ``stored`` (int32, contiguous ``(count, 8)``, as :func:`launch_page_blake3_at_words`
+    writes it): ``page_ok`` (int64) gets 1 where it does and 0 where it does not, on the
+    current stream. One launch: a restore checks every page it scatters."""
+    _launch(buffer, page_words, page_bytes, page_ok, stored, shape, check=True)
+
+
+def _launch(
+    buffer: torch.Tensor,
+    page_words: torch.Tensor,
+    page_bytes: int,
+    out: torch.Tensor,
+    stored: torch.Tensor,
+    shape: KernelShape | None,
+    check: bool,
+) -> None:
+    if not supports(page_bytes):
+        raise ValueError(f"pages of {page_bytes} bytes are hashed on the host")
+    shape = shape if shape is not None else default_shape(page_bytes)
     count = len(page_words)
     if count == 0:
         return
+    tiles = -(-chunk_count(page_bytes) // shape.chunk_lanes)
     kernel_for(_page_blake3_kernel)[(shape.programs(count),)](
         buffer.view(torch.int32),
         page_words,
-        page_ok,
+        out,
         stored,
         count,
         PAGE_BYTES=page_bytes,
         PAGES=shape.pages_per_program,
         LANES=shape.chunk_lanes,
         LANE_LEVELS=(shape.chunk_lanes - 1).bit_length(),
-        TILE_LEVELS=(_tiles(page_bytes, shape) - 1).bit_length(),
+        TILE_LEVELS=(tiles - 1).bit_length(),
         ROW_LOADS=shape.row_loads,
-        CHECK=True,
+        CHECK=check,
         num_warps=shape.num_warps,
     )

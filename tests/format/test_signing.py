@@ -240,3 +240,42 @@ def test_key_files_rotation_permissions_and_the_environment(tmp_path: Path, monk
     monkeypatch.setenv(KEY_FILE_ENV, os.fspath(key_file))
     environment = key_ring_from_environment()
     assert environment is not None and environment.signing_key_id == ring.signing_key_id
+
+
+def test_a_key_file_anyone_else_could_replace_is_refused(tmp_path: Path) -> None:
+    """ssh's rule for private keys: the file belongs to this process's user (or root), and
+    neither it nor its directory (nor, for a name that is a link, the directory it points
+    into) lets group or other users write."""
+    safe = tmp_path / "safe"
+    safe.mkdir(mode=0o700)
+    key_file = safe / "key"
+    key_file.write_text(new_key_text() + "\n")
+    key_file.chmod(0o600)
+    assert load_key_ring(key_file).keys
+    for mode in (0o777, 0o775, 0o1777):
+        safe.chmod(mode)
+        with pytest.raises(SnapshotIOError, match=f"writable by other users \\(mode {mode:o}\\)"):
+            load_key_ring(key_file)
+    safe.chmod(0o755)  # others may read and enter, not write: accepted
+    assert load_key_ring(key_file).keys
+    safe.chmod(0o700)
+    # A link in a safe directory to a key kept where anyone may replace it.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    exposed = shared / "key"
+    exposed.write_text(key_file.read_text())
+    exposed.chmod(0o600)
+    link = safe / "link"
+    link.symlink_to(exposed)
+    with pytest.raises(SnapshotIOError, match=f"{shared} is writable by other users"):
+        load_key_ring(link)
+    if os.geteuid() != 0:
+        return  # giving a file to another user needs root
+    os.chown(key_file, 65534, 65534)
+    with pytest.raises(SnapshotIOError, match="key file belongs to user id 65534"):
+        load_key_ring(key_file)
+    os.chown(key_file, 0, 0)
+    os.chown(safe, 65534, 65534)
+    with pytest.raises(SnapshotIOError, match=f"its directory {safe} belongs to user id 65534"):
+        load_key_ring(key_file)

@@ -86,7 +86,7 @@ def results() -> list[Any]:
     return interpreted([*cases, CHECK_CASE, TILED_CASE, SPREAD_CASE])
 
 
-@pytest.mark.parametrize("index", range(len(BRANCH_SIZES)))
+@pytest.mark.parametrize("index", range(len(BRANCH_SIZES)), ids=map(str, BRANCH_SIZES))
 def test_digests_are_blake3s(index: int, results: list[Any]) -> None:
     case = digest_case(BRANCH_SIZES[index])
     assert results[index] == expected_digests(case), case
