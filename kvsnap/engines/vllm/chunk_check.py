@@ -2,8 +2,9 @@
 
 :class:`ChunkChecker` opens a chunk (:meth:`kvsnap.Snapshot.open`: a single file, or a parted
 chunk through its index, every part checked against it; with signing keys every file must be
-signed by one of them) and checks what this engine needs: the model fingerprint, the KV
-geometry (the whole model's, all heads, for a parted chunk), one sequence of the expected
+signed by one of them, its pages bound by BLAKE3 digests: an older signed chunk, its pages
+bound by xxh3-64 only, is a miss) and checks what this engine needs: the model fingerprint,
+the KV geometry (the whole model's, all heads, for a parted chunk), one sequence of the expected
 length whose id names the store key it follows and its own (the chunk's name is not trusted:
 anyone who can write the store can rename a file), and token ids equal to the prompt's. With
 ``verify`` it also reads every block of every part and checks every checksum (kvsnap's
@@ -230,6 +231,13 @@ class ChunkChecker:
 
     def _fits_engine(self, metadata: fmt.SnapshotMetadata) -> str | None:
         """Why a chunk with ``metadata`` cannot be loaded into this engine, if it cannot."""
+        if self.keys is not None and metadata.signature != fmt.SIGNATURE_ALGORITHM:
+            # Signed before pages were bound by BLAKE3: its pages are bound by xxh3-64 only,
+            # whose second preimages take seconds. A miss: recomputed and saved anew.
+            return (
+                f"signed with {metadata.signature}, its pages bound by xxh3-64 only (not "
+                "collision-resistant): served only with BLAKE3 page digests"
+            )
         if metadata.source.model_fingerprint != self.fingerprint:
             return (
                 f"model fingerprint {metadata.source.model_fingerprint[:16]} differs from the "
