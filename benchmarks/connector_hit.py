@@ -22,7 +22,7 @@ the process's CPU time; the loaded blocks are compared with the saved ones.
 is the first sight; later hits find the chunks the worker or the checker kept): a hot prefix,
 loaded request after request, takes the later hits' path.
 
-Requests alternate between ``kvsnap.store.tuning.WHOLE_READ_MAX_BYTES`` at its value (a checked
+Requests alternate between ``kvsnap.store.base.tuning.WHOLE_READ_MAX_BYTES`` at its value (a checked
 chunk read whole as it opens, verified and loaded from those bytes: ``read whole``) and 0 (every
 header, trailer, metadata tensor, run and slot read from the file: ``read in pieces``), so a
 shared machine's load falls on both alike. Prints the medians and lower quartiles in ms per
@@ -104,7 +104,7 @@ def _measure(
     from kvsnap.engines.vllm import ChunkChecker, ConnectorOptions, EventLog, PrefixStore
     from kvsnap.engines.vllm.scheduler import KVSnapScheduler
     from kvsnap.engines.vllm.worker import KVSnapWorker
-    from kvsnap.store import tuning
+    from kvsnap.store.base import tuning
 
     blocks = (tokens - 1) // BLOCK_SIZE
     saved = _save_prompts(root, num_layers, prompts, tokens)

@@ -67,8 +67,8 @@ from benchmarks.engine import (
     median_ms,
     prefill,
 )
-from kvsnap.store import tuning
-from kvsnap.store.hot import configure_hot_tier, hot_tier
+from kvsnap.store.base import tuning
+from kvsnap.store.hot.tier import configure_hot_tier, hot_tier
 
 
 def profiled_calls(run: Callable[[], object], warmup: int, repeat: int) -> cProfile.Profile:
@@ -475,7 +475,7 @@ class _CaptureCase:
 
     def remove(self) -> None:
         """Drop the spares and the directories."""
-        from kvsnap.store.spare_files import drop_spare_files
+        from kvsnap.store.hot.spare_files import drop_spare_files
 
         background_settled()
         for path in self.paths.values():
@@ -486,8 +486,8 @@ class _CaptureCase:
 def background_settled() -> float:
     """Wait until no spare file is being made and no mapping waits to be released; the ms
     waited (what the background still had to do)."""
-    from kvsnap.store.mapping_release import wait_for_releases
-    from kvsnap.store.spare_files import spare_files
+    from kvsnap.store.hot.mapping_release import wait_for_releases
+    from kvsnap.store.hot.spare_files import spare_files
 
     started = time.perf_counter()
     spare_files().wait()

@@ -53,7 +53,7 @@ from kvsnap.engines.vllm.eviction import STAGE_MARKER, prune_store, store_bytes
 from kvsnap.engines.vllm.registration import registered_cache
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.engines.vllm.worker import KVSnapWorker
-from kvsnap.store import publish
+from kvsnap.store.files import publish
 
 BLOCK, HEADS, HEAD_DIM, LAYERS = 16, 2, 32, 2
 CHUNK_BLOCKS = 2

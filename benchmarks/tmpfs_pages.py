@@ -7,7 +7,7 @@ benchmarks.tmpfs_pages --dir /dev/shm --sizes 64,256,1024`` times, per file size
 on a new file, medians of ``--repeat`` rounds in ms:
 
 * ``populate_1`` / ``populate_N``: ``MADV_POPULATE_WRITE`` over a fresh mapping (what
-  :meth:`kvsnap.store.mapped_file.MappedFile.populate` does) on one thread and on
+  :meth:`kvsnap.store.hot.mapped_file.MappedFile.populate` does) on one thread and on
   ``tuning.POPULATE_THREADS``;
 * ``fallocate``: ``fallocate(fd, 0, 0, size)`` (tmpfs allocates and zeroes the pages without
   mapping them), and ``populate_after_fallocate``: the populate that follows on the same file
@@ -40,10 +40,10 @@ from kvsnap.host_registration import (
     register_host_range,
     unregister_host_range,
 )
-from kvsnap.store import tuning
-from kvsnap.store.local_file import preallocate
-from kvsnap.store.mapped_file import MappedFile
-from kvsnap.store.pools import cpu_count, shared_executor
+from kvsnap.store.base import tuning
+from kvsnap.store.base.pools import cpu_count, shared_executor
+from kvsnap.store.hot.mapped_file import MappedFile
+from kvsnap.store.write.local_file import preallocate
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]

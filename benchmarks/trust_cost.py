@@ -147,7 +147,7 @@ def side_by_side(device: str, tokens: int, repeat: int) -> dict[str, float]:
 
     from benchmarks.engine import kv_shaped_llama
     from kvsnap.engines import transformers as kt
-    from kvsnap.store.hot import configure_hot_tier
+    from kvsnap.store.hot.tier import configure_hot_tier
 
     model = kv_shaped_llama(device)
     keys = KeyRing([bytes(range(32))])

@@ -71,7 +71,7 @@ medians of CPU time.
 blocks (``--read-blocks``) and of chunks (``--read-chunks``), a kept ``Pipeline``'s restore of
 that many blocks of each of that many snapshots on ``/dev/shm`` (one slot each, as a hit's
 chunks) into a host cache, the slots read and checked on the read threads or on the calling
-thread (``kvsnap.store.tuning.INLINE_READ_MAX_BYTES`` set to 0 or past the slot), alternating,
+thread (``kvsnap.store.base.tuning.INLINE_READ_MAX_BYTES`` set to 0 or past the slot), alternating,
 ``--read-repeat`` times each; medians of wall and CPU time. Only this tree (the bound does not
 exist before it).
 """
@@ -226,7 +226,7 @@ SPANS = {
     "worker: restore_chunks": ("kvsnap.pipeline.pipeline", "Pipeline", "restore_chunks"),
     "Snapshot.open": ("kvsnap.snapshot", "Snapshot", "open"),
     # What every open of a single-file snapshot runs, however it is reached.
-    "SnapshotReader.opened": ("kvsnap.store.reader", "SnapshotReader", "opened"),
+    "SnapshotReader.opened": ("kvsnap.store.read.reader", "SnapshotReader", "opened"),
     "Snapshot.verify": ("kvsnap.snapshot", "Snapshot", "verify"),
     "vLLM: schedule": ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
     "vLLM: execute_model": ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
@@ -816,7 +816,7 @@ def _read_alone(
     from kvsnap import format as fmt
     from kvsnap.pipeline import Pipeline
     from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-    from kvsnap.store import tuning
+    from kvsnap.store.base import tuning
 
     most, chunks = max(block_counts), max(chunk_counts)
     saved = _host_cache(num_layers, chunks * most, seed=num_layers)
@@ -855,7 +855,7 @@ def _time_read_variants(
     ``restore_chunks`` of ``count`` blocks of each of ``snapshots``, the variants alternating."""
     import numpy as np
 
-    from kvsnap.store import tuning
+    from kvsnap.store.base import tuning
 
     variants = {"threads": 0, "inline": 1 << 40}  # INLINE_READ_MAX_BYTES of each
     jobs = [
@@ -890,7 +890,7 @@ def torch_equal(one: Any, other: Any) -> bool:
 def _forget_headers() -> None:
     """Drop what a process keeps per file (decoded headers, checked checksum tables), so the
     next open of a file is its first again; what is kept per layout stays."""
-    from kvsnap.store import checksums, opening
+    from kvsnap.store.read import checksums, opening
 
     opening._HEADER_CACHE.clear()
     checksums._TABLES.clear()

@@ -66,7 +66,7 @@ from kvsnap.engines.vllm.specs import ChunkLoad, KVSnapConnectorMetadata, LoadSp
 from kvsnap.engines.vllm.worker import KVSnapWorker
 from kvsnap.layout import vllm_legacy_layout
 from kvsnap.pipeline import options as staging_defaults
-from kvsnap.store import slot_reads
+from kvsnap.store.read import slot_reads
 
 FINGERPRINT = "ab" * 16
 SOURCE = fmt.SourceInfo("benchmark", torch.__version__, "synthetic", None, FINGERPRINT)

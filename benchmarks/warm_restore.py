@@ -57,7 +57,7 @@ from benchmarks.pcie_floor import (
     profile_report,
     profiled_calls,
 )
-from kvsnap.store.hot import configure_hot_tier
+from kvsnap.store.hot.tier import configure_hot_tier
 
 
 def one_prefix(model, tokens: int, directory: Path, repeat: int) -> dict:

@@ -70,7 +70,7 @@ def key_ring(key_files: list[Path] | None) -> KeyRing | None:
     one other users can read, or a line that is not a key is refused (exit 2)."""
     if not key_files:
         return None
-    from kvsnap.store.keys import load_key_ring
+    from kvsnap.store.files.keys import load_key_ring
 
     return load_key_ring(key_files)
 
@@ -90,8 +90,8 @@ def snapshot_location(location: str) -> str:
     """
     if is_url(location):
         return location
-    from kvsnap.store.location import locate
-    from kvsnap.store.resolve import committed_file
+    from kvsnap.store.files.location import locate
+    from kvsnap.store.files.resolve import committed_file
 
     found = committed_file(locate(location, None))
     if found is None:

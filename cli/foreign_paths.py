@@ -41,7 +41,7 @@ def _holds_no_snapshot(path: Path) -> bool:
     namespace without its config.json, a root holding two namespaces)."""
     if not path.is_dir():
         return False
-    from kvsnap.store.resolve import is_index_name
+    from kvsnap.store.files.resolve import is_index_name
 
     try:
         names = [child.name for child in path.iterdir()]
@@ -53,7 +53,7 @@ def _holds_no_snapshot(path: Path) -> bool:
 def _looks_like_kvsnap(path: Path) -> bool:
     """A kvsnap index by name, or a file laid out as safetensors (a length that fits the
     file, then JSON)."""
-    from kvsnap.store.resolve import is_index_name
+    from kvsnap.store.files.resolve import is_index_name
 
     if is_index_name(path.name):
         return True

@@ -121,7 +121,7 @@ _SHOWN_KEY_DIGITS = 16
 def _entry_name(path: str) -> str:
     """An entry's file name without the suffix every chunk file shares, a store key shortened
     to its first :data:`_SHOWN_KEY_DIGITS` digits."""
-    from kvsnap.store.resolve import snapshot_stem
+    from kvsnap.store.files.resolve import snapshot_stem
 
     name = snapshot_stem(Path(path).name)
     if _STORE_KEY.fullmatch(name):

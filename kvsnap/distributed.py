@@ -52,9 +52,10 @@ from kvsnap.pipeline import (
 )
 from kvsnap.snapshot import Snapshot
 from kvsnap.store import TraceHook
-from kvsnap.store.location import locate
-from kvsnap.store.parts import discard_parts, publish_parts_index
-from kvsnap.store.resolve import committed_file
+from kvsnap.store.files.location import locate
+from kvsnap.store.files.part_files import discard_parts
+from kvsnap.store.files.resolve import committed_file
+from kvsnap.store.write.parts_index import publish_parts_index
 
 __all__ = ["DistributedCapture", "capture", "restore"]
 

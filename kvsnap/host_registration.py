@@ -2,8 +2,8 @@
 
 A pinned staging pool (:mod:`~kvsnap.transfer.pinned`) registers its own memory. A mapped file
 registered with the driver is memory the GPU's copy engines reach directly: the hot tier
-(:mod:`~kvsnap.store.hot`) registers snapshot files read-only and uploads from them; a capture
-into a memory-backed file (:mod:`~kvsnap.store.mapped_file`) registers the new file writable and
+(:mod:`~kvsnap.store.hot.tier`) registers snapshot files read-only and uploads from them; a capture
+into a memory-backed file (:mod:`~kvsnap.store.hot.mapped_file`) registers the new file writable and
 the device copies its pages straight to their final offsets. Registering pins and faults every
 page of the range, so it costs time in proportion to its size.
 

@@ -3,9 +3,9 @@
 * :func:`capture_part` is what one rank runs: it writes part ``i`` of ``k`` (its heads, through
   :func:`kvsnap.layout.part_layout`) under the write's new name and returns the
   :class:`~kvsnap.format.PartRecord` the index needs. Once every part is durable one process
-  calls :func:`kvsnap.store.parts.publish_parts_index` (the commit point); a failed write's
-  parts go with :func:`kvsnap.store.parts.discard_parts`. ``kvsnap.distributed`` runs that
-  protocol over ``torch.distributed``.
+  calls :func:`kvsnap.store.write.parts_index.publish_parts_index` (the commit point); a failed
+  write's parts go with :func:`kvsnap.store.files.part_files.discard_parts`.
+  ``kvsnap.distributed`` runs that protocol over ``torch.distributed``.
 * :func:`capture_parts` does all of it in one process holding every rank (``kvsnap.capture(...,
   per_rank_parts=True)``).
 
@@ -36,7 +36,8 @@ from kvsnap.pipeline import (
 )
 from kvsnap.pipeline.options import staging_options
 from kvsnap.store import TraceHook
-from kvsnap.store.parts import discard_parts, part_path, publish_parts_index
+from kvsnap.store.files.part_files import discard_parts, part_path
+from kvsnap.store.write.parts_index import publish_parts_index
 from kvsnap.transfer.pinned import PinnedPool
 
 if TYPE_CHECKING:
@@ -79,7 +80,8 @@ def capture_part(
 
     The file is a complete single-file snapshot of those heads (format version 2, metadata key
     ``part``), published atomically under its new name; nothing else at ``path`` changes
-    until :func:`~kvsnap.store.parts.publish_parts_index` publishes the index. Every rank of
+    until :func:`~kvsnap.store.write.parts_index.publish_parts_index` publishes the index.
+    Every rank of
     one write passes the same ``generation`` (:func:`kvsnap.format.new_generation`, made once
     and shared), ``count`` (``len(part_assignments(...))``) and ``sequences``. ``part`` comes from
     :func:`kvsnap.layout.part_assignments`; ``layout`` must hold those heads (a superset is fine).

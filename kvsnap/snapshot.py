@@ -20,7 +20,7 @@ from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry, torch_dtype
 from kvsnap.store import SnapshotReader, TraceHook
-from kvsnap.store.head_parts import HeadPart, OpenedSnapshot, open_snapshot, whole_snapshot
+from kvsnap.store.read.head_parts import HeadPart, OpenedSnapshot, open_snapshot, whole_snapshot
 
 if TYPE_CHECKING:
     import torch
@@ -123,7 +123,7 @@ def capture(
             each from the first rank holding it, then the index ``path + ".index.json"``.
             ``max_shard_bytes`` and ``progress`` do not apply. Default ``False``.
         keys: Sign every file with the first key of this ``KeyRing``
-            (``kvsnap.store.keys.load_key_ring``): an HMAC-SHA256 over its header and every
+            (``kvsnap.store.files.keys.load_key_ring``): an HMAC-SHA256 over its header and every
             byte but its pages, the pages bound by their BLAKE3 digests, which
             ``Snapshot.open`` checks when given the keys (and every page read later against
             its digest). Default ``None``: unsigned.
@@ -224,7 +224,7 @@ class Snapshot:
             path: A local path or an fsspec URL.
             verify: Check every block read later against its checksum. Default ``True``.
             keys: Require every file to be signed by one of these keys
-                (``kvsnap.store.keys.load_key_ring``), checked here; a snapshot signed with
+                (``kvsnap.store.files.keys.load_key_ring``), checked here; a snapshot signed with
                 BLAKE3 page digests then has every page read, verified or restored checked
                 against its signed digest (``page_binding``). Default ``None``: signatures
                 are not checked.
@@ -397,7 +397,7 @@ class Snapshot:
         """Why ``keys`` do not vouch for each file of the snapshot, if they do not.
 
         Args:
-            keys: The keys a file must be signed by (``kvsnap.store.keys.load_key_ring``).
+            keys: The keys a file must be signed by (``kvsnap.store.files.keys.load_key_ring``).
 
         Returns:
             One ``UnsignedSnapshotError`` or ``BadSignatureError`` per file that fails; an

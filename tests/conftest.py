@@ -68,7 +68,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
     """A fresh directory on a memory-backed filesystem (/dev/shm), removed afterwards."""
-    from kvsnap.store.local_file import memory_backed
+    from kvsnap.store.write.local_file import memory_backed
 
     if not os.path.isdir("/dev/shm") or not memory_backed("/dev/shm"):
         pytest.skip("no memory-backed /dev/shm here")
@@ -81,8 +81,8 @@ def shm_dir() -> Iterator[Path]:
 def _drop_spares(directory: Path) -> None:
     """Remove the spare capture files a test's DMA captures left in ``directory`` (they hold
     memory until dropped) and wait for their mappings' releases."""
-    from kvsnap.store.mapping_release import wait_for_releases
-    from kvsnap.store.spare_files import drop_spare_files
+    from kvsnap.store.hot.mapping_release import wait_for_releases
+    from kvsnap.store.hot.spare_files import drop_spare_files
 
     drop_spare_files(str(directory))
     wait_for_releases()
@@ -92,7 +92,7 @@ def _drop_spares(directory: Path) -> None:
 def mapped_from_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Map every snapshot written to a memory-backed file, however small (the production
     bound, ``tuning.MAPPED_WRITE_MIN_BYTES``, is some MiB)."""
-    from kvsnap.store import tuning
+    from kvsnap.store.base import tuning
 
     monkeypatch.setattr(tuning, "MAPPED_WRITE_MIN_BYTES", 0)
 
@@ -101,6 +101,6 @@ def mapped_from_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
 def spare_capture_files(monkeypatch: pytest.MonkeyPatch) -> None:
     """Spare capture files on (``tuning.SPARE_CAPTURE_FILES_BYTES``, off by default), at the
     2 GiB the design is drawn for."""
-    from kvsnap.store import tuning
+    from kvsnap.store.base import tuning
 
     monkeypatch.setattr(tuning, "SPARE_CAPTURE_FILES_BYTES", 2 << 30)

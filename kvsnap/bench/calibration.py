@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsnap.bench.cases import BATCH_COPY_SHARE, CALIBRATION_LAYOUT, Measurement, MiB
-from kvsnap.store.publish import publish_bytes
+from kvsnap.store.files.publish import publish_bytes
 from kvsnap.transfer.plan import Direction
 from kvsnap.transfer.policy import (
     CALIBRATION_VERSION,

@@ -19,7 +19,7 @@ The key id is the first 16 bytes of ``HMAC-SHA256(key, "kvsnap-key-id-v1")``: it
 without revealing it, so a reader holding several keys (rotation) knows which one to try.
 docs/format.md ("Signed snapshots") says how any reader checks it.
 
-Bytes in memory only: :mod:`kvsnap.store.keys` reads key files.
+Bytes in memory only: :mod:`kvsnap.store.files.keys` reads key files.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ import numpy as np
 from kvsnap.errors import SnapshotCorruptError, TransferFailedError
 from kvsnap.pipeline.restore import FailedPages
 from kvsnap.store import SnapshotReader, TraceHook, traced
-from kvsnap.store.slot_reads import held_page_failures
+from kvsnap.store.read.slot_reads import held_page_failures
 from kvsnap.transfer.cpu import copy_page_fragments
 from kvsnap.transfer.page_table import GroupRows, PageTable
 from kvsnap.transfer.strided import StridedPattern, fragment_dtype, pages_view

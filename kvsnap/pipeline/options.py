@@ -93,7 +93,7 @@ class StagingOptions:
     a pool or slot shape of the caller's is kept for them too.
 
     ``hot`` (restores on CUDA): whether the snapshot's files may be served from the hot tier
-    (:mod:`kvsnap.store.hot`: the files mapped from the page cache and registered with CUDA,
+    (:mod:`kvsnap.store.hot.tier`: the files mapped from the page cache and registered with CUDA,
     copied to the device without being read). ``None``: as the tier decides (a file is
     registered on its ``register_after``-th use); ``True``: register them now if they fit (the
     caller knows they will be hit again); ``False``: read them, and count no hit.

@@ -2,7 +2,7 @@
 
 A restore names one snapshot (``Pipeline.restore``, ``restore_blocks``) or several
 (``restore_chunks``: an engine loading a prompt's prefix stored as chunk files, each its own
-snapshot). Every snapshot is a list of head-range parts (:mod:`kvsnap.store.head_parts`): one
+snapshot). Every snapshot is a list of head-range parts (:mod:`kvsnap.store.read.head_parts`): one
 part of every head for a single-file or sharded snapshot, one per file for a parted one. Each
 part goes to the pipeline over the target ranks holding its heads (a part no rank holds is
 never read), and all the parts one pipeline moves go through one staging loop
@@ -23,12 +23,12 @@ from kvsnap import format as fmt
 from kvsnap.errors import RestoreIncompleteError
 from kvsnap.pipeline.jobs import RestoreResult
 from kvsnap.pipeline.restore import FailedPages, describe_failure, failed_target_blocks
-from kvsnap.store.head_parts import HeadPart
+from kvsnap.store.read.head_parts import HeadPart
 
 
 class RestorableSnapshot(Protocol):
     """What a restore reads of an open snapshot (a :class:`kvsnap.Snapshot`, or the store's
-    :class:`~kvsnap.store.head_parts.OpenedSnapshot`): where it is, the whole snapshot's
+    :class:`~kvsnap.store.read.head_parts.OpenedSnapshot`): where it is, the whole snapshot's
     metadata, and its head-range parts."""
 
     @property

@@ -54,7 +54,7 @@ from kvsnap.pipeline.restore import (
 from kvsnap.pipeline.shared_tables import shared_page_table
 from kvsnap.pipeline.slot_restore import restore_through_slots
 from kvsnap.store import TraceHook
-from kvsnap.store.head_parts import HeadPart, open_snapshot
+from kvsnap.store.read.head_parts import HeadPart, open_snapshot
 from kvsnap.transfer import TransferHandler
 from kvsnap.transfer.plan import Direction
 

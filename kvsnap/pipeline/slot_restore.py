@@ -21,8 +21,8 @@ from kvsnap.pipeline.slots import slot_loads
 from kvsnap.pipeline.snapshot_pages import SnapshotPages, lease_hot_files
 from kvsnap.pipeline.staging import staging_ring
 from kvsnap.store import TraceHook, traced
-from kvsnap.store.hot import HotFile, hot_tier
-from kvsnap.store.reader import SnapshotReader
+from kvsnap.store.hot.tier import HotFile, hot_tier
+from kvsnap.store.read.reader import SnapshotReader
 
 
 def restore_through_slots(

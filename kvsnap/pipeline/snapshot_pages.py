@@ -13,8 +13,8 @@ import numpy as np
 
 from kvsnap.pipeline.slots import SlotLoad
 from kvsnap.store import SnapshotReader, TraceHook
-from kvsnap.store.hot import HotFile, hot_tier
-from kvsnap.store.slot_reads import PageRuns
+from kvsnap.store.hot.tier import HotFile, hot_tier
+from kvsnap.store.read.slot_reads import PageRuns
 
 
 class SnapshotPages:
@@ -143,7 +143,7 @@ def hot_spans(
 
 def lease_hot_files(reader: SnapshotReader, *, admit: bool) -> list[HotFile] | None:
     """Every file of ``reader``'s snapshot from the process-wide hot tier, leased (give each
-    back with :meth:`~kvsnap.store.hot.HotTier.release`), or ``None``: a file is not local or
+    back with :meth:`~kvsnap.store.hot.tier.HotTier.release`), or ``None``: a file is not local or
     not (yet) held (all or nothing; each lookup counts a hit). ``admit``: register the files
     now (the caller's word) rather than on the tier's ``register_after``-th hit."""
     tier = hot_tier()

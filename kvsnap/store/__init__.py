@@ -29,52 +29,43 @@ reader's threads, so a caller keeps the disk busy while it consumes the previous
 An optional :data:`TraceHook` receives a span for every hash, write, read and verification and
 for the commit's phases; without one the pipeline only pays a ``None`` check per piece.
 
-The package, one module per job:
+The package is five rooms, each a sub-package whose name says what changes there
+(docs/architecture.md draws them; tests/project/test_import_layers.py holds the order):
 
-- :mod:`~kvsnap.store.resolve`: which of the three forms (single file, sharded, parted) a path
-  holds, with at most two stats and one read of the index, and the one retry when a
-  replacement removed a file; :mod:`~kvsnap.store.head_parts`: :func:`open_snapshot`, any
-  form opened in one step as its head-range parts (`HeadPart`, `OpenedSnapshot`);
-- :mod:`~kvsnap.store.writer`: :class:`SnapshotWriter` (public API, hashing beside writing),
-  holding one target chosen once, :mod:`~kvsnap.store.write_local` or
-  :mod:`~kvsnap.store.write_stream`; :mod:`~kvsnap.store.snapshot_files` the files' layouts, the
-  digests that complete them and the target interface; :mod:`~kvsnap.store.slot_writes` many
-  tensors' pages per call; :mod:`~kvsnap.store.write_order` the order the pages must come in,
-  and how far they got;
-- :mod:`~kvsnap.store.reader`: :class:`SnapshotReader`, composed of
-  :mod:`~kvsnap.store.checksums` (trailers and block-checksum rows),
-  :mod:`~kvsnap.store.page_reads` (one tensor's pages), :mod:`~kvsnap.store.slot_reads` (many
-  tensors' pages into one staging slot) and :mod:`~kvsnap.store.verify` (the full check);
-  :mod:`~kvsnap.store.opening` what it checks as it opens a file;
-  :mod:`~kvsnap.store.source` random-access reads of one file;
-- :mod:`~kvsnap.store.pools`: the process-wide thread pools;
-- :mod:`~kvsnap.store.local_file`, :mod:`~kvsnap.store.stream_file`: one output file, local or
-  through fsspec;
-- :mod:`~kvsnap.store.publish`: temporary names, atomic publish (:func:`publish_bytes`) and
-  the cleanup of dead writers' temporary files;
-- :mod:`~kvsnap.store.overwrite`: what a writer may delete when it replaces a snapshot;
-- :mod:`~kvsnap.store.location`: local paths and fsspec URLs;
-- :mod:`~kvsnap.store.tracing`, :mod:`~kvsnap.store.completion`, :mod:`~kvsnap.store.tuning`:
-  the trace hook, split futures, pipeline sizes;
-- :mod:`~kvsnap.store.hot`: the hot tier (snapshot files mapped from the page cache and
-  registered with CUDA, so that restores copy straight out of it; :func:`configure_hot_tier`,
-  :func:`hot_tier`), and :mod:`~kvsnap.store.residency` (whether a range is page-cached);
-- :mod:`~kvsnap.store.mapped_file`: a capture's new memory-backed file mapped, populated and
-  registered for the device's copies; :mod:`~kvsnap.store.mapping_release` its release after
-  the publish, in the background; :mod:`~kvsnap.store.spare_files` the next capture's file per
-  directory, made in the background; :mod:`~kvsnap.host_registration` the one
-  ``cudaHostRegister``.
+- :mod:`~kvsnap.store.base`: thread pools, pipeline sizes, the trace hook, split futures;
+- :mod:`~kvsnap.store.files`: locations, which form a path holds, temporary names and the
+  atomic publish, what a replacement deletes, part file names, signing-key files;
+- :mod:`~kvsnap.store.hot`: the page cache as a tier (mapped, registered, resident files, the
+  capture's memory-backed file and the next one's spare);
+- :mod:`~kvsnap.store.read`: :class:`SnapshotReader` and its parts, the opening of sharded and
+  parted snapshots;
+- :mod:`~kvsnap.store.write`: :class:`SnapshotWriter`, its targets and files, the write order,
+  a parted snapshot's index publish.
+
+Each imports only the rooms listed before it. The modules that lived directly in
+``kvsnap/store/`` before the split still import under their old names
+(``kvsnap.store.reader``, ...), with a :class:`DeprecationWarning` (but ``kvsnap.store.hot``,
+now the package that re-exports its old names): :data:`MOVED` maps each old
+name to its new module(s), and one import hook (:class:`_MovedModules`) serves them.
 """
 
 from __future__ import annotations
 
-from kvsnap.store.head_parts import HeadPart, OpenedSnapshot, open_snapshot
-from kvsnap.store.hot import HotStats, configure_hot_tier, hot_tier
-from kvsnap.store.publish import publish_bytes
-from kvsnap.store.reader import SnapshotReader
-from kvsnap.store.tracing import TraceHook, traced
-from kvsnap.store.tuning import DEFAULT_MAX_INFLIGHT_BYTES
-from kvsnap.store.writer import SnapshotInfo, SnapshotWriter
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+import warnings
+from collections.abc import Sequence
+
+from kvsnap.store.base.tracing import TraceHook, traced
+from kvsnap.store.base.tuning import DEFAULT_MAX_INFLIGHT_BYTES
+from kvsnap.store.files.publish import publish_bytes
+from kvsnap.store.hot.tier import HotStats, configure_hot_tier, hot_tier
+from kvsnap.store.read.head_parts import HeadPart, OpenedSnapshot, open_snapshot
+from kvsnap.store.read.reader import SnapshotReader
+from kvsnap.store.write.writer import SnapshotInfo, SnapshotWriter
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
@@ -91,3 +82,100 @@ __all__ = [
     "publish_bytes",
     "traced",
 ]
+
+#: Each module that lived directly in ``kvsnap/store/`` before the split, and the modules (under
+#: ``kvsnap.store``) its names live in now; ``parts`` was split three ways.
+MOVED: dict[str, tuple[str, ...]] = {
+    "tracing": ("base.tracing",),
+    "completion": ("base.completion",),
+    "tuning": ("base.tuning",),
+    "pools": ("base.pools",),
+    "location": ("files.location",),
+    "resolve": ("files.resolve",),
+    "publish": ("files.publish",),
+    "overwrite": ("files.overwrite",),
+    "keys": ("files.keys",),
+    "residency": ("hot.residency",),
+    "spare_files": ("hot.spare_files",),
+    "mapped_file": ("hot.mapped_file",),
+    "mapping_release": ("hot.mapping_release",),
+    "reader": ("read.reader",),
+    "checksums": ("read.checksums",),
+    "page_reads": ("read.page_reads",),
+    "slot_reads": ("read.slot_reads",),
+    "verify": ("read.verify",),
+    "held_verify": ("read.held_verify",),
+    "opening": ("read.opening",),
+    "source": ("read.source",),
+    "kvikio_reads": ("read.kvikio_reads",),
+    "signatures": ("read.signatures",),
+    "head_parts": ("read.head_parts",),
+    "parts": ("read.parts", "files.part_files", "write.parts_index"),
+    "writer": ("write.writer",),
+    "write_local": ("write.local_target",),
+    "write_stream": ("write.stream_target",),
+    "snapshot_files": ("write.snapshot_files",),
+    "slot_writes": ("write.slot_writes",),
+    "write_order": ("write.order",),
+    "local_file": ("write.local_file",),
+    "stream_file": ("write.stream_file",),
+    "lanes": ("write.lanes",),
+}
+
+
+class _MovedModule(types.ModuleType):
+    """An old module name: every attribute is read from the new modules, first hit wins."""
+
+    def __init__(self, name: str, targets: Sequence[str]) -> None:
+        super().__init__(name)
+        self.__targets = tuple(targets)
+
+    def __getattr__(self, name: str) -> object:
+        for target in self.__targets:
+            module = importlib.import_module(target)
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+
+    def __dir__(self) -> list[str]:
+        names: set[str] = set()
+        for target in self.__targets:
+            names.update(dir(importlib.import_module(target)))
+        return sorted(names)
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """The import hook behind :data:`MOVED`: ``kvsnap.store.OLD`` imports as a
+    :class:`_MovedModule` of its new modules and warns once, where it is imported."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        package, _, old = fullname.rpartition(".")
+        if package != __name__ or old not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        old = spec.name.rpartition(".")[2]
+        targets = [f"{__name__}.{target}" for target in MOVED[old]]
+        warnings.warn(
+            f"{spec.name} moved to {' and '.join(targets)}; import it from there",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _MovedModule(spec.name, targets)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Nothing to run: the module's names are read from its new modules."""
+
+
+def __getattr__(name: str) -> types.ModuleType:
+    # ``kvsnap.store.reader`` as an attribute (``import kvsnap.store`` then the dotted name)
+    if name in MOVED:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())

@@ -5,7 +5,7 @@ save plan found them stored; the benchmark refuses anything else), timed in both
 from __future__ import annotations
 
 from benchmarks.connector_hit import BLOCKS_TIMED, connector_hit
-from kvsnap.store import tuning
+from kvsnap.store.base import tuning
 
 
 def test_a_short_run_times_real_hits_read_whole_and_in_pieces() -> None:

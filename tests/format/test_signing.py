@@ -27,7 +27,12 @@ from kvsnap.errors import (
 )
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import Snapshot
-from kvsnap.store.keys import KEY_FILE_ENV, key_ring_from_environment, load_key_ring, new_key_text
+from kvsnap.store.files.keys import (
+    KEY_FILE_ENV,
+    key_ring_from_environment,
+    load_key_ring,
+    new_key_text,
+)
 from tests.support.parts_helpers import parted_snapshot
 from tests.support.store_helpers import (
     GEOMETRIES,

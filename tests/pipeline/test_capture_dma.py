@@ -18,10 +18,11 @@ from kvsnap.errors import SignatureError
 from kvsnap.format.signing import KeyRing
 from kvsnap.pipeline import Pipeline, StagingOptions
 from kvsnap.snapshot import Snapshot, capture
-from kvsnap.store import mapping_release, tuning
-from kvsnap.store.hot import configure_hot_tier, hot_tier
-from kvsnap.store.mapped_file import MappedFile
-from kvsnap.store.spare_files import spare_files
+from kvsnap.store.base import tuning
+from kvsnap.store.hot import mapping_release
+from kvsnap.store.hot.mapped_file import MappedFile
+from kvsnap.store.hot.spare_files import spare_files
+from kvsnap.store.hot.tier import configure_hot_tier, hot_tier
 from tests.support.pipeline_caches import SOURCE, assert_restored, caches, sequences
 from tests.support.store_helpers import spare_names, stored_and_actual_digests, temp_files
 
@@ -120,7 +121,7 @@ def test_a_pipeline_kept_warm_captures_by_dma_each_time(shm_dir: Path) -> None:
 def test_a_disk_or_a_small_capture_keeps_the_staged_path(
     shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvsnap.store.local_file import memory_backed
+    from kvsnap.store.write.local_file import memory_backed
 
     sources, _ = caches("vllm-nhd", layers=4, heads=8, head_dim=64, blocks=40, device="cuda")
     layouts = [sources[0].layout]

@@ -15,7 +15,7 @@ from kvsnap.pipeline import Pipeline, SequenceBlocks
 from kvsnap.pipeline.pipeline import Pipeline as WarmPipeline
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store import SnapshotReader
-from kvsnap.store.source import Source
+from kvsnap.store.read.source import Source
 from kvsnap.testing.caches import random_content, same_bytes
 from tests.support.parts_helpers import SOURCE, caches
 

@@ -23,7 +23,7 @@ from kvsnap.errors import KVSnapError, RestoreIncompleteError
 from kvsnap.format.signing import KeyRing
 from kvsnap.pipeline import Pipeline, slot_restore
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-from kvsnap.store.head_parts import open_snapshot
+from kvsnap.store.read.head_parts import open_snapshot
 from tests.support.snapshot_layouts import (
     BLOCK,
     FACTORIES,

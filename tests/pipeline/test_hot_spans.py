@@ -10,7 +10,7 @@ from kvsnap.pipeline.slots import SlotLoad, slot_loads
 from kvsnap.pipeline.snapshot_pages import hot_spans
 from kvsnap.snapshot import capture
 from kvsnap.store import SnapshotReader
-from kvsnap.store.slot_reads import PageRuns
+from kvsnap.store.read.slot_reads import PageRuns
 from tests.support.pipeline_caches import SOURCE, caches, sequences
 
 

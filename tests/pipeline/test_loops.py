@@ -22,8 +22,10 @@ from kvsnap.pipeline.fused import FusedMover
 from kvsnap.pipeline.slots import slot_loads
 from kvsnap.pipeline.staging import StagingRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-from kvsnap.store import SnapshotReader, SnapshotWriter, TraceHook, slot_reads, tuning
-from kvsnap.store.head_parts import open_snapshot
+from kvsnap.store import SnapshotReader, SnapshotWriter, TraceHook
+from kvsnap.store.base import tuning
+from kvsnap.store.read import slot_reads
+from kvsnap.store.read.head_parts import open_snapshot
 from kvsnap.transfer import TransferHandler
 from kvsnap.transfer.pinned import PinnedPool
 from tests.support.snapshot_layouts import LAYERS, SOURCE, FailingCopies, sequences_for, split_nhd

@@ -17,7 +17,7 @@ from kvsnap.engines.vllm import BlockOrder, vllm_layout
 from kvsnap.errors import IncompatibleSnapshotError, RestoreIncompleteError
 from kvsnap.pipeline import Pipeline, StagingOptions, fused, shared_tables
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-from kvsnap.store import tuning
+from kvsnap.store.base import tuning
 from kvsnap.testing.caches import make_cache, same_bytes
 from kvsnap.transfer import page_copy, page_table, pinned
 from tests.support.pipeline_caches import (
@@ -283,7 +283,7 @@ def test_restore_refuses_bad_requests_before_writing_anything(tmp_path):
 
 
 def test_a_slot_of_whole_tensors_is_one_file_write_and_verifies(tmp_path, monkeypatch):
-    from kvsnap.store.writer import SnapshotWriter
+    from kvsnap.store.write.writer import SnapshotWriter
 
     writes: list[int] = []
     real = SnapshotWriter._submit_write

@@ -178,7 +178,7 @@ def test_a_corrupt_page_in_a_late_piece_of_a_slot_is_not_written(tmp_path, monke
     # page refused in the slot's second piece, with the pages before and after it (the first
     # piece, other slots) written, straight from the registered file or through the pinned
     # slot.
-    from kvsnap.store.hot import configure_hot_tier
+    from kvsnap.store.hot.tier import configure_hot_tier
 
     monkeypatch.setattr(slot_pieces, "UPLOAD_CHUNKS_PER_SLOT", 4)
     monkeypatch.setattr(slot_pieces, "MIN_UPLOAD_CHUNK_BYTES", 1 << 20)
@@ -223,7 +223,7 @@ def test_slots_released_piece_by_piece_restore_exactly(tmp_path, monkeypatch, pi
     # being hashed or scattered (refused pages, or wrong bytes written). Every check sleeps
     # ~1 ms on the device first, so the host enqueues the next slot's uploads well before the
     # pages they would overwrite are read (checked failing with the waits removed).
-    from kvsnap.store.hot import configure_hot_tier
+    from kvsnap.store.hot.tier import configure_hot_tier
     from kvsnap.transfer import page_hash
     from kvsnap.transfer.pinned import PinnedPool
 
@@ -343,7 +343,7 @@ def test_hot_chunks_share_slots_and_a_damaged_one_fails_only_its_block(
 
     import numpy as np
 
-    from kvsnap.store.hot import configure_hot_tier
+    from kvsnap.store.hot.tier import configure_hot_tier
 
     geometry = {"layers": 4, "heads": 8, "head_dim": 64, "blocks": 48, "device": "cuda"}
     sources, content = caches("vllm-nhd", **geometry)  # 4 KiB pages: 256 KiB a chunk
@@ -394,7 +394,7 @@ def test_a_hot_restore_loads_as_much_as_the_device_buffer_whatever_the_job_size(
     # LARGE_DEVICE_RESTORE_JOB_BYTES), but nothing is read into a slot of hot files: one load
     # of up to the device buffer's size.
     from kvsnap.pipeline import options
-    from kvsnap.store.hot import configure_hot_tier
+    from kvsnap.store.hot.tier import configure_hot_tier
 
     probe, _ = caches("vllm-nhd", layers=8, heads=8, head_dim=64, blocks=1, fill=False)
     geometry_of = probe[0].layout.geometry

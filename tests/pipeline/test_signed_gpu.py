@@ -22,7 +22,7 @@ from kvsnap.format.signing import KeyRing
 from kvsnap.pipeline import Pipeline, StagingOptions, fused
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.store import SnapshotReader
-from kvsnap.store.hot import configure_hot_tier
+from kvsnap.store.hot.tier import configure_hot_tier
 from kvsnap.transfer import page_blake3
 from tests.support.pipeline_caches import SOURCE, assert_restored, caches, sequences
 from tests.support.xxh3_forgery import forge_page

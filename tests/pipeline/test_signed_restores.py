@@ -24,8 +24,9 @@ from kvsnap.errors import RestoreIncompleteError
 from kvsnap.format.signing import KeyRing
 from kvsnap.pipeline import fused
 from kvsnap.snapshot import Snapshot, capture
-from kvsnap.store import SnapshotReader, tuning
-from kvsnap.store.head_parts import open_snapshot
+from kvsnap.store import SnapshotReader
+from kvsnap.store.base import tuning
+from kvsnap.store.read.head_parts import open_snapshot
 from tests.support.pipeline_caches import (
     SOURCE,
     assert_restored,

@@ -15,8 +15,9 @@ from kvsnap.format import canonical, container, header
 from kvsnap.layout import cache as layout_cache
 from kvsnap.layout import heads, mapping
 from kvsnap.snapshot import Snapshot
-from kvsnap.store import checksums, hot, opening
-from kvsnap.store.hot import HotTier
+from kvsnap.store.hot import tier as hot
+from kvsnap.store.hot.tier import HotTier
+from kvsnap.store.read import checksums, opening
 from kvsnap.transfer import policy
 from tests.support.parts_helpers import (
     TARGETS,

@@ -82,7 +82,7 @@ TORCH_FREE_START = {
         "kvsnap.pipeline",
         "kvsnap.pipeline.options",
     },
-    "kvsnap.store.slot_writes": {"kvsnap.transfer.pinned"},
+    "kvsnap.store.write.slot_writes": {"kvsnap.transfer.pinned"},
 }
 
 

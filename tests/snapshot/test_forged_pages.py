@@ -25,14 +25,14 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
 import kvsnap
 from kvsnap import format as fmt
+from kvsnap.cli.app import app
 from kvsnap.errors import KVSnapError
 from kvsnap.snapshot import SequenceBlocks, Snapshot
-from kvsnap.store.keys import load_key_ring, new_key_text
+from kvsnap.store.files.keys import load_key_ring, new_key_text
 from tests.support.xxh3_forgery import forge_page, forged_word_offsets
 
 LAYERS, CACHE_BLOCKS, BLOCK, HEADS, HEAD_DIM = 2, 4, 16, 8, 128

@@ -119,7 +119,7 @@ def test_tp1_only_layouts_restore_parts_and_capture_a_superset(tmp_path: Path, k
         ).record
         for part in plan
     ]
-    from kvsnap.store.parts import publish_parts_index
+    from kvsnap.store.write.parts_index import publish_parts_index
 
     publish_parts_index(again, records)
     with Snapshot.open(path) as first, Snapshot.open(again) as second:

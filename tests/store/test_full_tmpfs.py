@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from kvsnap.errors import SnapshotIOError
-from kvsnap.store import SnapshotWriter, tuning
-from kvsnap.store.mapped_file import MappedFile
+from kvsnap.store import SnapshotWriter
+from kvsnap.store.base import tuning
+from kvsnap.store.hot.mapped_file import MappedFile
 from tests.support.store_helpers import build, mounted_tmpfs, temp_files
 
 #: Size of the small tmpfs: room for a snapshot of geometry "f16-32k", not for two.

@@ -1,4 +1,4 @@
-"""``verify`` of a file read whole, in one pass (``kvsnap/store/held_verify.py``): taken for an
+"""``verify`` of a file read whole, in one pass (``kvsnap/store/read/held_verify.py``): taken for an
 intact chunk-shaped file, and the same verdict as the general verify of the same file read in
 pieces on every damaged, cut, extended or wrongly signed copy."""
 
@@ -16,7 +16,7 @@ from kvsnap.errors import KVSnapError
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry
 from kvsnap.store import SnapshotReader
-from kvsnap.store.held_verify import verified_held
+from kvsnap.store.read.held_verify import verified_held
 from tests.support.store_helpers import make_metadata, random_pages, write_snapshot
 
 #: A vLLM chunk's shape in small: pages of 4096 bytes, every layer tensor back to back.

@@ -26,7 +26,8 @@ from kvsnap.errors import (
     SnapshotIOError,
     UnsupportedVersionError,
 )
-from kvsnap.store import SnapshotReader, SnapshotWriter, publish
+from kvsnap.store import SnapshotReader, SnapshotWriter
+from kvsnap.store.files import publish
 from tests.support.store_helpers import (
     GEOMETRIES,
     make_metadata,

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsnap.store import tuning
-from kvsnap.store.hot import HotFile, HotTier
-from kvsnap.store.local_file import memory_backed
-from kvsnap.store.location import locate
-from kvsnap.store.residency import resident
-from kvsnap.store.source import Source
+from kvsnap.store.base import tuning
+from kvsnap.store.files.location import locate
+from kvsnap.store.hot.residency import resident
+from kvsnap.store.hot.tier import HotFile, HotTier
+from kvsnap.store.read.source import Source
+from kvsnap.store.write.local_file import memory_backed
 
 PAGE = 4096
 

@@ -15,7 +15,7 @@ from kvsnap.errors import RestoreIncompleteError
 from kvsnap.pipeline import Pipeline
 from kvsnap.pipeline.snapshot_pages import SnapshotPages
 from kvsnap.snapshot import Snapshot, capture
-from kvsnap.store.hot import configure_hot_tier, hot_tier
+from kvsnap.store.hot.tier import configure_hot_tier, hot_tier
 from kvsnap.testing.caches import same_bytes
 from tests.support.pipeline_caches import SOURCE, assert_restored, caches, flip_byte, sequences
 

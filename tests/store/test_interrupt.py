@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
+
+from kvsnap.cli.app import app
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).resolve().parents[1] / "support" / "interrupt_child.py"
@@ -146,7 +147,8 @@ def test_an_abort_waiting_on_a_stuck_write_gives_way_to_a_third_interrupt(
 
     import numpy as np
 
-    from kvsnap.store import SnapshotWriter, local_file
+    from kvsnap.store import SnapshotWriter
+    from kvsnap.store.write import local_file
     from tests.support.store_helpers import (
         GEOMETRIES,
         make_metadata,

@@ -3,7 +3,7 @@ reads themselves are tested in ``test_kvikio_reads_gpu.py``)."""
 
 from __future__ import annotations
 
-from kvsnap.store import kvikio_reads
+from kvsnap.store.read import kvikio_reads
 
 
 def test_a_small_slot_read_is_cut_over_the_threads_and_a_large_one_left_to_kvikio():

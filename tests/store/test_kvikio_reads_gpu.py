@@ -12,9 +12,9 @@ import pytest
 from kvsnap.errors import RestoreIncompleteError, SnapshotCorruptError
 from kvsnap.pipeline import Pipeline
 from kvsnap.snapshot import Snapshot, capture
-from kvsnap.store import kvikio_reads
-from kvsnap.store.hot import configure_hot_tier
-from kvsnap.store.slot_reads import read_executor, read_threads
+from kvsnap.store.hot.tier import configure_hot_tier
+from kvsnap.store.read import kvikio_reads
+from kvsnap.store.read.slot_reads import read_executor, read_threads
 from tests.support.pipeline_caches import SOURCE, assert_restored, caches, flip_byte, sequences
 
 pytestmark = pytest.mark.gpu

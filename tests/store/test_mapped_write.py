@@ -21,9 +21,10 @@ from kvsnap import format as fmt
 from kvsnap.errors import SignatureError
 from kvsnap.format.signing import KeyRing
 from kvsnap.host_registration import cuda_unavailable_reason
-from kvsnap.store import SnapshotReader, SnapshotWriter, tuning
-from kvsnap.store.mapped_file import POPULATE_CHUNK_BYTES, MappedFile
-from kvsnap.store.pools import shared_executor
+from kvsnap.store import SnapshotReader, SnapshotWriter
+from kvsnap.store.base import tuning
+from kvsnap.store.base.pools import shared_executor
+from kvsnap.store.hot.mapped_file import POPULATE_CHUNK_BYTES, MappedFile
 from tests.support.store_helpers import (
     build,
     stored_and_actual_digests,
@@ -111,7 +112,7 @@ def test_mapping_is_refused_where_it_does_not_pay(
         assert writer.info is not None and not writer.info.mapped
         with SnapshotReader(shm_dir / "no-cuda.safetensors") as reader:
             assert reader.verify() == []
-    from kvsnap.store.local_file import memory_backed
+    from kvsnap.store.write.local_file import memory_backed
 
     if not memory_backed(str(tmp_path)):
         with SnapshotWriter(tmp_path / "disk.safetensors", metadata) as writer:
@@ -183,7 +184,7 @@ def test_an_aborted_mapped_write_leaves_the_old_snapshot(shm_dir: Path) -> None:
 
 def _write_mapped_and_die(path: str, stage: str) -> None:
     """Child: a mapped write of snapshot 39 that SIGKILLs itself at ``stage``."""
-    from kvsnap.store import publish
+    from kvsnap.store.files import publish
 
     tuning.MAPPED_WRITE_MIN_BYTES = 0
     metadata, pages = build("f16-32k", seed=39)

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsnap.store.slot_reads import TensorExtents, page_runs
+from kvsnap.store.read.slot_reads import TensorExtents, page_runs
 
 
 def _walk(files, file_offsets, page_offsets, page):

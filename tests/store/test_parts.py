@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 import kvsnap.parted
-import kvsnap.store.parts
+import kvsnap.store.read.parts
 from kvsnap import format as fmt
 from kvsnap import layout as L
 from kvsnap.errors import SnapshotCorruptError
 from kvsnap.parted import capture_part
 from kvsnap.snapshot import Snapshot, capture
-from kvsnap.store.parts import discard_parts, publish_parts_index
+from kvsnap.store.files.part_files import discard_parts
+from kvsnap.store.write.parts_index import publish_parts_index
 from kvsnap.testing.caches import same_bytes
 from tests.support.parts_helpers import SOURCE, filled, sequences
 
@@ -183,7 +184,7 @@ def test_an_open_racing_a_replacement_starts_over_and_finds_the_new_snapshot(
 ) -> None:
     path = tmp_path / "snap.safetensors"
     _write(path, "parted", seed=1)
-    real_open_once = kvsnap.store.parts._open_once
+    real_open_once = kvsnap.store.read.parts._open_once
     attempts = []
 
     def replaced_meanwhile(*args, **kwargs):
@@ -196,7 +197,7 @@ def test_an_open_racing_a_replacement_starts_over_and_finds_the_new_snapshot(
         return real_open_once(*args, **kwargs)
 
     replaced: list = []
-    monkeypatch.setattr(kvsnap.store.parts, "_open_once", replaced_meanwhile)
+    monkeypatch.setattr(kvsnap.store.read.parts, "_open_once", replaced_meanwhile)
     with Snapshot.open(path) as snap:
         assert len(attempts) == 1  # the retry, after the first attempt found a part gone
         assert all(

@@ -21,7 +21,10 @@ import pytest
 
 from kvsnap import format as fmt
 from kvsnap.errors import SnapshotCorruptError, SnapshotIOError
-from kvsnap.store import SnapshotReader, SnapshotWriter, local_file, tuning, write_local
+from kvsnap.store import SnapshotReader, SnapshotWriter
+from kvsnap.store.base import tuning
+from kvsnap.store.write import local_file
+from kvsnap.store.write import local_target as write_local
 from tests.support.store_helpers import build, page_of, temp_files
 
 WAIT_S = 10

@@ -20,7 +20,7 @@ from kvsnap import format as fmt
 from kvsnap.caches import clear_caches
 from kvsnap.errors import KVSnapError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
 from kvsnap.store import SnapshotReader
-from kvsnap.store.source import Source
+from kvsnap.store.read.source import Source
 from tests.support.reads import record_preadv
 from tests.support.store_helpers import build, page_of, write_snapshot
 

@@ -19,9 +19,9 @@ from kvsnap import format as fmt
 from kvsnap.errors import NotASnapshotError, SnapshotIOError
 from kvsnap.snapshot import Snapshot
 from kvsnap.store import SnapshotReader
-from kvsnap.store.head_parts import OpenedSnapshot, open_snapshot
-from kvsnap.store.location import locate
-from kvsnap.store.resolve import Form, committed_file, resolve
+from kvsnap.store.files.location import locate
+from kvsnap.store.files.resolve import Form, committed_file, resolve
+from kvsnap.store.read.head_parts import OpenedSnapshot, open_snapshot
 from tests.support.parts_helpers import parted_snapshot
 from tests.support.store_helpers import (
     GEOMETRIES,

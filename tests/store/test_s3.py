@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvsnap.store import SnapshotReader, SnapshotWriter, tuning
+from kvsnap.store import SnapshotReader, SnapshotWriter
+from kvsnap.store.base import tuning
 from tests.support.store_helpers import (
     GEOMETRIES,
     make_metadata,

@@ -20,7 +20,7 @@ from kvsnap.errors import BadSignatureError, SnapshotCorruptError
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import Snapshot
 from kvsnap.store import SnapshotReader
-from kvsnap.store import reader as reader_module
+from kvsnap.store.read import reader as reader_module
 from tests.support.store_helpers import GEOMETRIES, make_metadata, random_pages, write_snapshot
 from tests.support.tamper import RawSnapshot
 

@@ -25,10 +25,13 @@ import pytest
 
 import kvsnap
 from kvsnap.snapshot import Snapshot
-from kvsnap.store import SnapshotReader, mapping_release, publish, spare_files, tuning
-from kvsnap.store.mapped_file import MappedFile
-from kvsnap.store.pools import shared_executor
-from kvsnap.store.spare_files import SPARE_SIZE_STEP
+from kvsnap.store import SnapshotReader
+from kvsnap.store.base import tuning
+from kvsnap.store.base.pools import shared_executor
+from kvsnap.store.files import publish
+from kvsnap.store.hot import mapping_release, spare_files
+from kvsnap.store.hot.mapped_file import MappedFile
+from kvsnap.store.hot.spare_files import SPARE_SIZE_STEP
 from tests.support.store_helpers import (
     build,
     mounted_tmpfs,
@@ -216,9 +219,9 @@ def threading_name() -> str:
 _EXIT_CHILD = textwrap.dedent(
     """
     import sys, time
-    from kvsnap.store import tuning
-    from kvsnap.store.mapped_file import MappedFile
-    from kvsnap.store.spare_files import spare_files
+    from kvsnap.store.base import tuning
+    from kvsnap.store.hot.mapped_file import MappedFile
+    from kvsnap.store.hot.spare_files import spare_files
     from tests.support.store_helpers import build, write_mapped
 
     tuning.MAPPED_WRITE_MIN_BYTES = 0
@@ -309,7 +312,7 @@ def small_tmpfs() -> Iterator[Path]:
 def _fill_then_capture(directory: str) -> dict[str, object]:
     """Child: a mapped write that leaves a spare, the filesystem filled, another mapped write;
     what happened to the spares."""
-    from kvsnap.store import spare_files as spares
+    from kvsnap.store.hot import spare_files as spares
 
     tuning.MAPPED_WRITE_MIN_BYTES = 0
     tuning.SPARE_CAPTURE_FILES_BYTES = 2 << 30

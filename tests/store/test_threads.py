@@ -20,8 +20,9 @@ import torch
 from kvsnap import format as fmt
 from kvsnap.pipeline import Pipeline
 from kvsnap.snapshot import SequenceBlocks
-from kvsnap.store import SnapshotReader, SnapshotWriter, local_file
-from kvsnap.store.lanes import SerialLane, TaskGroup
+from kvsnap.store import SnapshotReader, SnapshotWriter
+from kvsnap.store.write import local_file
+from kvsnap.store.write.lanes import SerialLane, TaskGroup
 from kvsnap.testing.caches import make_cache, random_content
 from tests.support.store_helpers import GEOMETRIES, SOURCE, make_metadata, random_pages
 
@@ -235,7 +236,7 @@ def test_streamed_snapshots_start_no_thread(started_threads: list[str]) -> None:
 # not know of, so its exit hook never wakes it. The process must still exit.
 _ORPHANED_WORKER = """
 import concurrent.futures.thread as pool_threads
-from kvsnap.store.pools import shared_executor
+from kvsnap.store.base.pools import shared_executor
 
 pools = [shared_executor("write", 2), shared_executor("read", 3)]
 for executor in pools:

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from kvsnap import format as fmt
 from kvsnap.errors import NotASnapshotError, SnapshotCorruptError, SnapshotIOError
-from kvsnap.store import SnapshotReader, SnapshotWriter, local_file
+from kvsnap.store import SnapshotReader, SnapshotWriter
+from kvsnap.store.write import local_file
 from kvsnap.transfer.pinned import PinnedPool
 from tests.support.store_helpers import (
     GEOMETRIES,

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvsnap.store import write_local
+from kvsnap.store.write import local_target as write_local
 from kvsnap.testing import synthetic
 
 

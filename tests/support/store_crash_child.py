@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap.store import local_file, publish
+from kvsnap.store.files import publish
+from kvsnap.store.write import local_file
 from tests.support.store_helpers import (
     GEOMETRIES,
     make_metadata,

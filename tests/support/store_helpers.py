@@ -156,7 +156,7 @@ def temp_files(directory: Path) -> list[str]:
 def spare_names(directory: Path) -> list[str]:
     """The names of this process's spare capture files in ``directory``, once none is being
     made."""
-    from kvsnap.store.spare_files import spare_files
+    from kvsnap.store.hot.spare_files import spare_files
 
     spare_files().wait()
     return sorted(

@@ -34,7 +34,7 @@ from pathlib import Path
 from kvsnap.engines.vllm.eviction import ORPHAN_GRACE_S, StoreEntry, prune_measured, prune_store
 from kvsnap.engines.vllm.prefix_store import committed_file
 from kvsnap.engines.vllm.store_directories import directory_fd, relative_parts
-from kvsnap.store import publish
+from kvsnap.store.files import publish
 
 #: The store-wide lock file (at the store root) that serializes commits within the bound.
 CAPACITY_LOCK = ".kvsnap-capacity.lock"

@@ -36,7 +36,7 @@ was checked (device, inode, size, modification and change times, of the path and
 descriptor alike; the scheduler's own record of the chunk's use moves the change time, and
 only that, which :meth:`~kvsnap.engines.open_snapshots.OpenSnapshots.touched` accepts); the
 worker still checks every page it copies against the checksums that open read. A chunk of at
-most :data:`~kvsnap.store.tuning.WHOLE_READ_MAX_BYTES` that is verified or handed over is read
+most :data:`~kvsnap.store.base.tuning.WHOLE_READ_MAX_BYTES` that is verified or handed over is read
 whole as it opens, and its checks and the worker's load are served from those bytes (one read
 per chunk, not one per header, trailer, metadata tensor and run of pages).
 
@@ -58,10 +58,10 @@ from kvsnap.engines.vllm.prefix_store import ChunkRef, chunk_sequence_id
 from kvsnap.errors import KVSnapError, SignatureError
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import Snapshot
-from kvsnap.store import tuning
-from kvsnap.store.head_parts import open_snapshot
-from kvsnap.store.location import INDEX_SUFFIX, Location
-from kvsnap.store.resolve import committed_file, is_index_name
+from kvsnap.store.base import tuning
+from kvsnap.store.files.location import INDEX_SUFFIX, Location
+from kvsnap.store.files.resolve import committed_file, is_index_name
+from kvsnap.store.read.head_parts import open_snapshot
 
 #: What identifies one version of a chunk's committing file: device, inode, size,
 #: modification and change times, and whether it is a parted chunk's index.
@@ -71,7 +71,7 @@ FileKey = tuple[int, int, int, int, int, bool]
 def file_key(path: str) -> FileKey | None:
     """The version now of the file committing the chunk at ``path`` (``HASH.safetensors``, a
     local path, or its index): the single file's, or a parted chunk's index's (``None``: there
-    is neither). At most two ``stat`` calls (:func:`kvsnap.store.resolve.committed_file`).
+    is neither). At most two ``stat`` calls (:func:`kvsnap.store.files.resolve.committed_file`).
     Works on the path's text: the scheduler asks twice per chunk of every hit, and parsing the
     path and building ``Path`` objects cost more than the ``stat``."""
     text = os.fspath(path)

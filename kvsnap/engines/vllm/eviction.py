@@ -66,10 +66,10 @@ from kvsnap.engines.vllm.store_directories import (
     relative_parts,
     walk_directories,
 )
-from kvsnap.store import publish
-from kvsnap.store.hot import hot_tier
-from kvsnap.store.location import INDEX_SUFFIX
-from kvsnap.store.resolve import snapshot_stem
+from kvsnap.store.files import publish
+from kvsnap.store.files.location import INDEX_SUFFIX
+from kvsnap.store.files.resolve import snapshot_stem
+from kvsnap.store.hot.tier import hot_tier
 
 #: Seconds after its last modification from which a part named by no index is garbage.
 ORPHAN_GRACE_S = 600.0

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvsnap.engines.vllm.prefix_store import DEFAULT_CHUNK_BLOCKS
 from kvsnap.format.signing import KeyRing
-from kvsnap.store.keys import key_ring_from_environment, load_key_ring
+from kvsnap.store.files.keys import key_ring_from_environment, load_key_ring
 
 MODES = ("persist", "dump", "persist+dump")
 
@@ -72,7 +72,7 @@ class ConnectorOptions:
       verifies every checksum of a chunk (once per file) before offering it, so a damaged
       chunk is a miss instead of a failed load. ``auto`` turns it on unless
       ``kv_load_failure_policy`` is ``recompute`` (where vLLM recomputes failed loads).
-    * ``key_file``: a key file (or a list of them; :mod:`kvsnap.store.keys`) to sign every
+    * ``key_file``: a key file (or a list of them; :mod:`kvsnap.store.files.keys`) to sign every
       chunk with and to check every chunk against: unsigned or badly signed chunks are misses.
       Default: the files ``KVSNAP_KEY_FILE`` names, else none (chunks are not signed).
     * ``shared_store``: ``false`` (default) refuses a store directory that other users may

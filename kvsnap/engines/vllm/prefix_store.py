@@ -44,9 +44,9 @@ from kvsnap.engines.vllm.store_directories import (
     relative_parts,
 )
 from kvsnap.errors import KVSnapError
-from kvsnap.store import resolve
-from kvsnap.store.location import INDEX_SUFFIX, Location
-from kvsnap.store.resolve import Committed, snapshot_names
+from kvsnap.store.files import resolve
+from kvsnap.store.files.location import INDEX_SUFFIX, Location
+from kvsnap.store.files.resolve import Committed, snapshot_names
 
 #: Suffix of every chunk file.
 CHUNK_SUFFIX = ".safetensors"
@@ -82,7 +82,7 @@ def _names(path: str | os.PathLike[str]) -> tuple[Path, Path]:
 
 
 def _committing(path: str | os.PathLike[str], *, regular: bool) -> Committed | None:
-    """:func:`kvsnap.store.resolve.committed_file` of the chunk ``path`` names (either name).
+    """:func:`kvsnap.store.files.resolve.committed_file` of the chunk ``path`` names (either name).
 
     Works on the path's text: a scheduler asks this several times per chunk of every prompt,
     and building ``Path`` objects for both names cost several times the ``stat`` itself."""
@@ -459,7 +459,7 @@ def make_directories(directory: Path, root: Path) -> None:
     """Create ``directory`` and its missing parents up to ``root`` with the root's permission
     bits exactly (``0700`` for a private store; a shared store's group bits), whatever the
     process umask (a missing root is created ``0700``); files created in them get no more
-    access than they grant (:func:`kvsnap.store.publish.create_temp`).
+    access than they grant (:func:`kvsnap.store.files.publish.create_temp`).
 
     Every component below the root is opened without following a link: a link or a file
     where one of them belongs raises ``OSError`` (``ELOOP``, ``ENOTDIR``), so a save never

@@ -74,7 +74,7 @@ from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry
 from kvsnap.pipeline import Pipeline
 from kvsnap.snapshot import Snapshot
-from kvsnap.store.spare_files import drop_spare_files
+from kvsnap.store.hot.spare_files import drop_spare_files
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -236,7 +236,7 @@ class KVSnapWorker:
         """Keep ``snapshot``, just loaded, open for the next load of ``chunk`` (whether it was
         kept). A chunk held in memory whole (the scheduler's hand-over of a small chunk) goes
         back to the hand-over (:data:`~kvsnap.engines.vllm.open_chunks.CHECKED_CHUNKS`, at
-        most 8: the worker does not hold such bytes, up to :data:`~kvsnap.store.tuning.
+        most 8: the worker does not hold such bytes, up to :data:`~kvsnap.store.base.tuning.
         WHOLE_READ_MAX_BYTES` each, for longer), whose scheduler then offers the chunk again
         from those verified bytes without reading the file."""
         if any(part.reader.held_file() is not None for part in snapshot.parts):

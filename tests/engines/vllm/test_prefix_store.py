@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvsnap.cli.store import app as store_app
 from typer.testing import CliRunner
 
 from kvsnap import format as fmt
+from kvsnap.cli.store import app as store_app
 from kvsnap.engines.open_snapshots import OpenSnapshots
 from kvsnap.engines.vllm import (
     CacheIdentity,
@@ -40,8 +40,10 @@ from kvsnap.engines.vllm.prefix_store import committed_file, index_path
 from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata, LoadSpec
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-from kvsnap.store import hot, publish, tuning
-from kvsnap.store.hot import HotTier
+from kvsnap.store.base import tuning
+from kvsnap.store.files import publish
+from kvsnap.store.hot import tier as hot
+from kvsnap.store.hot.tier import HotTier
 from tests.support.reads import record_preadv
 from tests.support.vllm_worker_helpers import (
     cache_blocks,
@@ -331,7 +333,7 @@ def test_a_chunk_is_found_and_touched_by_either_of_its_names(tmp_path: Path) -> 
 
 _DEAD_WRITER = """
 import os, sys
-from kvsnap.store import publish
+from kvsnap.store.files import publish
 fd, temp = publish.create_temp(sys.argv[1])
 publish.write_all(fd, b"x" * 4096)
 os._exit(0)  # killed mid-write: the temporary file stays, its lock dies with the process

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvsnap.cli.store import app as store_app
 from typer.testing import CliRunner
 
 from kvsnap import format as fmt
+from kvsnap.cli.store import app as store_app
 from kvsnap.engines.vllm import (
     CacheIdentity,
     ChunkChecker,
@@ -30,7 +30,7 @@ from kvsnap.engines.vllm import (
 )
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-from kvsnap.store.keys import new_key_text
+from kvsnap.store.files.keys import new_key_text
 from tests.support.signed_v1 import write_v1_signed
 from tests.support.tamper import RawSnapshot
 

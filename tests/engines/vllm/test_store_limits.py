@@ -29,7 +29,7 @@ from kvsnap.engines.vllm import (
 )
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.snapshot import Snapshot
-from kvsnap.store import local_file
+from kvsnap.store.write import local_file
 from tests.support.vllm_worker_helpers import (
     BLOCK,
     BLOCKS,

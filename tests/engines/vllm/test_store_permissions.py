@@ -22,7 +22,7 @@ from kvsnap.engines.vllm import (
 from kvsnap.engines.vllm.prefix_store import DEFAULT_CHUNK_BLOCKS
 from kvsnap.layout import vllm_split_layout
 from kvsnap.snapshot import SequenceBlocks, capture
-from kvsnap.store.publish import file_mode
+from kvsnap.store.files.publish import file_mode
 
 BLOCK = 4
 GEOMETRY = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": BLOCK}

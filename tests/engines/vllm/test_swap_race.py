@@ -25,7 +25,7 @@ import torch
 
 from kvsnap.engines.vllm import read_events
 from kvsnap.format.signing import KeyRing
-from kvsnap.store.keys import new_key_text
+from kvsnap.store.files.keys import new_key_text
 from tests.support.connector_requests import Connector, make_connector, random_prompt
 
 HELPERS = Path(__file__).resolve().parents[2] / "support"

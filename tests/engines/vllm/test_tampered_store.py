@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsnap.store.keys import new_key_text
+from kvsnap.store.files.keys import new_key_text
 from tests.support.vllm_engines import HELPERS, PYTHON, EngineRun, run_engine
 
 pytestmark = pytest.mark.vllm

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from kvsnap.engines.vllm import read_events
 from kvsnap.snapshot import Snapshot
 from kvsnap.store import SnapshotWriter
-from kvsnap.store.keys import new_key_text
+from kvsnap.store.files.keys import new_key_text
 from tests.support.vllm_engines import (
     HELPERS,
     PYTHON,

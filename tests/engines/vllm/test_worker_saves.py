@@ -342,7 +342,7 @@ def test_shutdown_drops_the_spare_capture_files_in_the_store(
 ) -> None:
     """A DMA save leaves a spare file in its chunk's directory (store/spare_files.py); the
     worker's shutdown removes the spares under its store, and only those."""
-    from kvsnap.store import tuning
+    from kvsnap.store.base import tuning
     from tests.support.store_helpers import build, spare_names, write_mapped
 
     monkeypatch.setattr(tuning, "MAPPED_WRITE_MIN_BYTES", 0)
