@@ -44,11 +44,9 @@ of 2,048 tokens (no spares) with that many threads faulting the new file's pages
 from __future__ import annotations
 
 import argparse
-import cProfile
 import io
 import json
 import os
-import pstats
 import shutil
 import statistics
 import time
@@ -67,32 +65,9 @@ from benchmarks.engine import (
     median_ms,
     prefill,
 )
+from benchmarks.profiling import SpanTotals, profile_report, profiled_calls
 from kvsnap.store.base import tuning
 from kvsnap.store.hot.tier import configure_hot_tier, hot_tier
-
-
-def profiled_calls(run: Callable[[], object], warmup: int, repeat: int) -> cProfile.Profile:
-    """cProfile of ``repeat`` calls of ``run`` on CUDA, after ``warmup`` calls and with the
-    device idle at both ends (the profile then holds what the calls cost the host)."""
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(repeat):
-        run()
-    torch.cuda.synchronize()
-    profiler.disable()
-    return profiler
-
-
-def profile_report(profiler: cProfile.Profile, top_own: int = 30, top_cumulative: int = 45) -> str:
-    """The functions with most time of their own, then most time in all, as pstats prints them."""
-    text = io.StringIO()
-    if top_own:
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top_own)
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top_cumulative)
-    return text.getvalue()
 
 
 def _kvikio() -> object | None:
@@ -241,10 +216,7 @@ def engine_path(tokens: int, directory: Path, profile_out: Path | None = None) -
 def _profile_engine(pipeline, path: Path, ids: np.ndarray, out: Path) -> None:
     from kvsnap.snapshot import Snapshot
 
-    spans: dict[str, float] = {}
-
-    def trace(kind: str, started: float, finished: float, nbytes: int) -> None:
-        spans[kind] = spans.get(kind, 0.0) + (finished - started) * 1e3
+    trace = SpanTotals()
 
     def restore() -> None:
         with Snapshot.open(path) as snap:
@@ -254,8 +226,8 @@ def _profile_engine(pipeline, path: Path, ids: np.ndarray, out: Path) -> None:
     profiler = profiled_calls(restore, warmup=0, repeat=10)
     text = io.StringIO()
     text.write(f"10 hot restores in {(time.perf_counter() - started) * 1e3:.1f} ms (profiled)\n")
-    for kind, total in sorted(spans.items(), key=lambda item: -item[1]):
-        text.write(f"{kind:>24}: {total / 10:8.3f} ms per restore\n")
+    for kind, milliseconds in trace.per_call_ms(10):
+        text.write(f"{kind:>24}: {milliseconds:8.3f} ms per restore\n")
     text.write(profile_report(profiler, top_own=0))
     out.write_text(text.getvalue())
 

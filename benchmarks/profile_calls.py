@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.profiling import SpanTotals, synchronize
 from kvsnap.format import SourceInfo
 from kvsnap.format.hashing import block_digests
 from kvsnap.layout import contiguous_layout
@@ -46,11 +47,6 @@ from kvsnap.layout.allocate import allocate_cache
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 
 SOURCE = SourceInfo(engine="benchmark", model_id="synthetic")
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def profile(label: str, call: Callable[[Callable | None], object], repeat: int, top: int) -> None:
@@ -61,25 +57,21 @@ def profile(label: str, call: Callable[[Callable | None], object], repeat: int, 
         call(None)
     wall, cpu = [], []
     for _ in range(repeat):
-        _synchronize()
+        synchronize()
         started, started_cpu = time.perf_counter(), time.process_time()
         call(None)
-        _synchronize()
+        synchronize()
         wall.append(time.perf_counter() - started)
         cpu.append(time.process_time() - started_cpu)
-    spans: dict[str, float] = defaultdict(float)
-
-    def trace(kind: str, started: float, finished: float, nbytes: int) -> None:
-        spans[kind] += finished - started
-
+    trace = SpanTotals()
     times = []
     profiler = cProfile.Profile()
     for _ in range(repeat):
-        _synchronize()
+        synchronize()
         started = time.perf_counter()
         profiler.enable()
         call(trace)
-        _synchronize()
+        synchronize()
         profiler.disable()
         times.append(time.perf_counter() - started)
     stats = pstats.Stats(profiler)
@@ -88,8 +80,8 @@ def profile(label: str, call: Callable[[Callable | None], object], repeat: int, 
         f"{statistics.median(cpu) * 1e3:.2f} ms; {stats.total_calls / repeat:.0f} Python calls "
         f"per call, median {statistics.median(times) * 1e3:.2f} ms profiled"
     )
-    for kind, seconds in sorted(spans.items(), key=lambda item: -item[1]):
-        print(f"  span {kind:<18} {seconds / repeat * 1e3:8.3f} ms/call")
+    for kind, milliseconds in trace.per_call_ms(repeat):
+        print(f"  span {kind:<18} {milliseconds:8.3f} ms/call")
     stats.sort_stats("tottime").print_stats(top)
 
 

@@ -49,14 +49,8 @@ from benchmarks.engine import (
     median_ms,
     prefill,
 )
-from benchmarks.pcie_floor import (
-    _exact,
-    _raw_copies,
-    engine_path,
-    fixed,
-    profile_report,
-    profiled_calls,
-)
+from benchmarks.pcie_floor import _exact, _raw_copies, engine_path, fixed
+from benchmarks.profiling import profile_report, profiled_calls
 from kvsnap.store.hot.tier import configure_hot_tier
 
 

@@ -110,9 +110,6 @@ def _print_entries(rows: list[dict[str, Any]], title: str) -> None:
         stdout.print(table)
 
 
-#: A chunk's store key (``kvsnap.engines.vllm.identity.KEY_PATTERN``; not imported from there:
-#: the vLLM package loads torch, and the CLI starts without it).
-_STORE_KEY = re.compile(r"[0-9a-f]{64}")
 #: Hex digits of a chunk's 64-digit store key shown by ``list``: unique in practice (like a git
 #: short hash), and the row then fits 80 columns; ``--json`` gives whole paths.
 _SHOWN_KEY_DIGITS = 16
@@ -121,10 +118,11 @@ _SHOWN_KEY_DIGITS = 16
 def _entry_name(path: str) -> str:
     """An entry's file name without the suffix every chunk file shares, a store key shortened
     to its first :data:`_SHOWN_KEY_DIGITS` digits."""
+    from kvsnap.engines.vllm.identity import KEY_PATTERN
     from kvsnap.store.files.resolve import snapshot_stem
 
     name = snapshot_stem(Path(path).name)
-    if _STORE_KEY.fullmatch(name):
+    if KEY_PATTERN.fullmatch(name):
         return name[:_SHOWN_KEY_DIGITS] + "…"
     return name
 

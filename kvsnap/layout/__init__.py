@@ -10,7 +10,7 @@ path; instead this package describes each cache once:
   token-major, or ``(block_size, latent_dim)`` for MLA).
 * :mod:`~kvsnap.layout.mapping`: :class:`CopyRun` and :class:`CanonicalPageMapping` (local page
   bytes onto canonical page bytes), :func:`strided_page_runs`, TP head assignment and writer
-  election (:func:`head_shard`), :func:`check_tiling`.
+  election (:func:`head_shard`); :mod:`~kvsnap.layout.tiling`: :func:`check_tiling`.
 * :mod:`~kvsnap.layout.heads`: head ranges of parted snapshots (:func:`part_layout`,
   :func:`part_assignments`, :func:`head_range`).
 * :mod:`~kvsnap.layout.cache`: :class:`CacheTensor`, :class:`PageRef`, :class:`CacheLayout`.
@@ -42,11 +42,11 @@ from kvsnap.layout.mapping import (
     CanonicalPageMapping,
     CopyRun,
     HeadShard,
-    check_tiling,
     fold_fragments,
     head_shard,
     strided_page_runs,
 )
+from kvsnap.layout.tiling import check_tiling
 
 if TYPE_CHECKING:  # what type checkers see of the names below, imported on first use
     from kvsnap.layout.cache import CacheLayout, CacheTensor, PageRef

@@ -10,23 +10,15 @@ per slot: a 2k prefix of eight 32 MiB chunks is four 64 MiB slots, not eight
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvsnap.pipeline.movers import SlotMover
+from kvsnap.pipeline.restore_run import Checked, Group, RestoreRun
 from kvsnap.pipeline.slots import SlotLoad
 from kvsnap.store import traced
 from kvsnap.transfer.pinned import Slot
-
-if TYPE_CHECKING:
-    from kvsnap.pipeline.restore import RestoreRun
-
-#: One slot's work: the loads it carries, each with its restore (several only when packed).
-Group = list[tuple["RestoreRun", SlotLoad]]
-#: A slot the device checks: its ticket, and per load carried its restore, the load and the
-#: load's first page in the slot.
-Checked = tuple[Any, list[tuple["RestoreRun", SlotLoad, int]]]
 
 
 def packed_groups(pairs: Iterator[tuple[RestoreRun, SlotLoad]], slot_bytes: int) -> Iterator[Group]:

@@ -99,7 +99,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "spare_files": ("hot.spare_files",),
     "mapped_file": ("hot.mapped_file",),
     "mapping_release": ("hot.mapping_release",),
-    "reader": ("read.reader",),
+    "reader": ("read.reader", "read.opened"),
     "checksums": ("read.checksums",),
     "page_reads": ("read.page_reads",),
     "slot_reads": ("read.slot_reads",),

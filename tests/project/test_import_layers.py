@@ -12,6 +12,10 @@ The layers, lowest first (docs/architecture.md draws them)::
     distributed, engines, foreign,     clients of the public API
     testing, bench, cli
 
+Inside ``kvsnap.store`` the rooms (sub-packages) have an order of their own
+(:data:`STORE_ROOMS`, each with its reason). Loops are refused everywhere, counting the imports
+under ``if TYPE_CHECKING:`` too (see the loop test's docstring).
+
 Every ``kvsnap`` import counts, at module level or inside a function. A function-level
 ``kvsnap`` import is refused outside the CLI (whose commands import the library inside the
 command so that ``--help`` starts without torch) and the few places named below, each with its
@@ -128,14 +132,15 @@ def _type_checking_only(node: ast.If) -> bool:
     return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
-def _imports(module: str) -> list[tuple[str, int, bool]]:
-    """``(imported module, line, inside a function)`` for every kvsnap import of ``module``."""
+def _imports(module: str, type_checking: bool = False) -> list[tuple[str, int, bool]]:
+    """``(imported module, line, inside a function)`` for every kvsnap import of ``module``;
+    with ``type_checking``, those under ``if TYPE_CHECKING:`` too."""
     tree = ast.parse(MODULES[module].read_text())
     found: list[tuple[str, int, bool]] = []
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking_only(child):
+            if isinstance(child, ast.If) and _type_checking_only(child) and not type_checking:
                 continue
             nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
             if isinstance(child, (ast.Import, ast.ImportFrom)):
@@ -228,3 +233,71 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
         if node not in index:
             connect(node)
     return components
+
+
+#: The rooms of ``kvsnap.store``, lowest first: a module of one room imports only modules of
+#: its own room and of the rooms before it. ``kvsnap/store/__init__.py`` is the store's front
+#: door, which re-exports from every room and which no room imports.
+STORE_ROOMS = {
+    # What every room uses (thread pools, sizes, the trace hook, split futures): nothing of
+    # the store's, so any room can use it without reaching into another.
+    "base": 0,
+    # Where files live and how they are published or replaced: names and bytes on storage,
+    # never a snapshot's tensors, so readers, writers and the hot tier all stand on it.
+    "files": 1,
+    # The page cache as a tier: it maps and registers files it finds through `files`, and
+    # makes the capture's memory-backed file; it parses no header and checks no checksum.
+    "hot": 2,
+    # Reading: asks `hot` whether a range is resident; never writes, publishes or deletes.
+    "read": 3,
+    # Writing: uses `hot` for memory-backed files and `read` only through
+    # read.parts.parts_index_bytes, to compare a parted index with the parts on disk.
+    "write": 4,
+}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["kvsnap", "store"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+def test_every_store_module_lives_in_a_room() -> None:
+    loose = [
+        str(MODULES[module].relative_to(REPO))
+        for module in MODULES
+        if module.startswith("kvsnap.store.") and _room(module) not in STORE_ROOMS
+    ]
+    assert not loose, "store modules outside the rooms of STORE_ROOMS:\n" + "\n".join(loose)
+
+
+def test_store_rooms_import_only_rooms_before_them_and_never_the_front_door() -> None:
+    wrong = []
+    for module in MODULES:
+        room = _room(module)
+        if room not in STORE_ROOMS:
+            continue  # outside the store, or loose (the test above names it)
+        for imported, line, _ in _imports(module, type_checking=True):
+            target = _room(imported)
+            where = f"{MODULES[module].relative_to(REPO)}:{line} imports {imported}"
+            if imported == "kvsnap.store":
+                wrong.append(where + " (the front door)")
+            elif target in STORE_ROOMS and STORE_ROOMS[target] > STORE_ROOMS[room]:
+                wrong.append(where)
+    assert not wrong, "store imports against the rooms' order:\n" + "\n".join(wrong)
+
+
+def test_there_is_no_import_loop_even_through_type_checking_imports() -> None:
+    """A module reading another only for its types still depends on it: to understand one
+    file of a loop a reader must read the other, and the loop comes back as soon as a name
+    is used at run time. So loops are counted with ``if TYPE_CHECKING:`` imports too, inside
+    any folder and across folders; only a module's import of its own package's ``__init__``
+    (a re-export) is not an edge, as in the test above."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module in MODULES:
+        for imported, _, _ in _imports(module, type_checking=True):
+            if not module.startswith(imported + "."):
+                graph[module].add(imported)
+    cycles = _strongly_connected(graph)
+    assert not cycles, "import loops:\n" + "\n".join(" <-> ".join(c) for c in cycles)

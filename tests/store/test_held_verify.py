@@ -51,12 +51,14 @@ def test_an_intact_chunk_read_whole_is_verified_in_one_pass(tmp_path: Path) -> N
     path = tmp_path / "chunk.safetensors"
     size = len(_chunk(path, seed=1))
     with SnapshotReader(path, read_whole_max_bytes=size) as reader:
-        assert verified_held(reader)
+        assert verified_held(reader.opened_files, reader.checksums)
         # It keeps the checked table for the restore, as the general verify does.
         assert reader.checksums.table().shape == (2 * GEOMETRY.num_layers, 6)
         assert reader.verify() == []
     with SnapshotReader(path, read_whole_max_bytes=size - 1) as reader:
-        assert not verified_held(reader)  # not read whole: the general verify's
+        assert not verified_held(
+            reader.opened_files, reader.checksums
+        )  # not read whole: the general verify's
         assert reader.verify() == []
 
 
@@ -70,10 +72,11 @@ def test_an_intact_signed_chunk_read_whole_is_checked_in_one_pass_against_its_di
     monkeypatch.setattr(fmt, "page_digests", lambda *a: hashed.append(1) or real(*a))
     with SnapshotReader(path, keys=KeyRing([KEY]), read_whole_max_bytes=size) as reader:
         assert reader.page_digest_table is not None
-        assert verified_held(reader) and hashed == [1]  # every page, in one call
+        # every page, in one call
+        assert verified_held(reader.opened_files, reader.checksums) and hashed == [1]
     with SnapshotReader(path, read_whole_max_bytes=size) as reader:  # no key: xxh3-64 only
         hashed.clear()
-        assert verified_held(reader) and hashed == []
+        assert verified_held(reader.opened_files, reader.checksums) and hashed == []
 
 
 @pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed-with-key"])

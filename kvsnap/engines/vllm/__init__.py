@@ -43,8 +43,9 @@ their public names:
   (:func:`vllm_layout`, :class:`BlockOrder`, :func:`probe_block_order`);
 * :mod:`~kvsnap.engines.vllm.prefix_store`: the prefix store (:class:`PrefixStore`,
   :class:`StoreMatch`, :class:`ChunkRef`, :func:`store_namespace`);
-  :mod:`~kvsnap.engines.vllm.eviction`: a store's entries and LRU pruning
-  (:func:`store_entries`, :func:`prune_store`); :mod:`~kvsnap.engines.vllm.chunk_check`: the
+  :mod:`~kvsnap.engines.vllm.store_entries`: a store's entries and sizes
+  (:func:`store_entries`); :mod:`~kvsnap.engines.vllm.eviction`: LRU pruning
+  (:func:`prune_store`); :mod:`~kvsnap.engines.vllm.chunk_check`: the
   scheduler's check of a chunk (:class:`ChunkChecker`);
 * :mod:`~kvsnap.engines.vllm.options`: :class:`ConnectorOptions` (``kv_connector_extra_config``);
 * :mod:`~kvsnap.engines.vllm.events`: :class:`EventLog`, :func:`read_events`,
@@ -62,50 +63,117 @@ their public names:
 
 Only the connector class and the helpers that take vLLM objects need vLLM; this package, the
 layout constructor :func:`vllm_layout`, the store, its eviction and the chunk checks import and
-work without it.
+work without it. The names are imported on first use (:data:`_MODULE_OF`): importing the
+package, or one of its modules that needs no torch (the store key of
+:mod:`~kvsnap.engines.vllm.identity`, which the CLI reads), loads no torch.
 """
 
-from kvsnap.engines.vllm.chunk_check import ChunkChecker
-from kvsnap.engines.vllm.compat import VLLM_IMPORT_ERROR
-from kvsnap.engines.vllm.connector import KVSnapConnector
-from kvsnap.engines.vllm.events import EventLog, count_events, read_events
-from kvsnap.engines.vllm.eviction import StoreEntry, prune_store, store_bytes, store_entries
-from kvsnap.engines.vllm.identity import (
-    CacheIdentity,
-    MultimodalInput,
-    adapter_digest,
-    identity_of,
-    store_key_chain,
-)
-from kvsnap.engines.vllm.layout import (
-    BACKEND_KV_PACKING,
-    KV_CELLS,
-    KV_PLANES,
-    LAYER_AXIS_ORDER,
-    BlockOrder,
-    BlockWriter,
-    probe_block_order,
-    vllm_layout,
-)
-from kvsnap.engines.vllm.options import MODES, ConnectorOptions
-from kvsnap.engines.vllm.prefix_store import (
-    ChunkRef,
-    PrefixStore,
-    StoreMatch,
-    check_store_directory,
-    chunk_sequence_id,
-    safe_name,
-    store_namespace,
-)
-from kvsnap.engines.vllm.registration import RegisteredCache, registered_cache
-from kvsnap.engines.vllm.specs import (
-    ChunkLoad,
-    KVSnapConnectorMetadata,
-    KVSnapWorkerMetadata,
-    LoadSpec,
-    SaveSpec,
-    external_request_id,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: Each exported name and the module it is imported from, on first use.
+_MODULE_OF = {
+    "ChunkChecker": "kvsnap.engines.vllm.chunk_check",
+    "VLLM_IMPORT_ERROR": "kvsnap.engines.vllm.compat",
+    "KVSnapConnector": "kvsnap.engines.vllm.connector",
+    "EventLog": "kvsnap.engines.vllm.events",
+    "count_events": "kvsnap.engines.vllm.events",
+    "read_events": "kvsnap.engines.vllm.events",
+    "StoreEntry": "kvsnap.engines.vllm.store_entries",
+    "prune_store": "kvsnap.engines.vllm.eviction",
+    "store_bytes": "kvsnap.engines.vllm.store_entries",
+    "store_entries": "kvsnap.engines.vllm.store_entries",
+    "CacheIdentity": "kvsnap.engines.vllm.identity",
+    "MultimodalInput": "kvsnap.engines.vllm.identity",
+    "adapter_digest": "kvsnap.engines.vllm.identity",
+    "identity_of": "kvsnap.engines.vllm.identity",
+    "store_key_chain": "kvsnap.engines.vllm.identity",
+    "BACKEND_KV_PACKING": "kvsnap.engines.vllm.layout",
+    "KV_CELLS": "kvsnap.engines.vllm.layout",
+    "KV_PLANES": "kvsnap.engines.vllm.layout",
+    "LAYER_AXIS_ORDER": "kvsnap.engines.vllm.layout",
+    "BlockOrder": "kvsnap.engines.vllm.layout",
+    "BlockWriter": "kvsnap.engines.vllm.layout",
+    "probe_block_order": "kvsnap.engines.vllm.layout",
+    "vllm_layout": "kvsnap.engines.vllm.layout",
+    "MODES": "kvsnap.engines.vllm.options",
+    "ConnectorOptions": "kvsnap.engines.vllm.options",
+    "ChunkRef": "kvsnap.engines.vllm.prefix_store",
+    "PrefixStore": "kvsnap.engines.vllm.prefix_store",
+    "StoreMatch": "kvsnap.engines.vllm.prefix_store",
+    "check_store_directory": "kvsnap.engines.vllm.prefix_store",
+    "chunk_sequence_id": "kvsnap.engines.vllm.prefix_store",
+    "safe_name": "kvsnap.engines.vllm.prefix_store",
+    "store_namespace": "kvsnap.engines.vllm.prefix_store",
+    "RegisteredCache": "kvsnap.engines.vllm.registration",
+    "registered_cache": "kvsnap.engines.vllm.registration",
+    "ChunkLoad": "kvsnap.engines.vllm.specs",
+    "KVSnapConnectorMetadata": "kvsnap.engines.vllm.specs",
+    "KVSnapWorkerMetadata": "kvsnap.engines.vllm.specs",
+    "LoadSpec": "kvsnap.engines.vllm.specs",
+    "SaveSpec": "kvsnap.engines.vllm.specs",
+    "external_request_id": "kvsnap.engines.vllm.specs",
+}
+
+if TYPE_CHECKING:
+    from kvsnap.engines.vllm.chunk_check import ChunkChecker
+    from kvsnap.engines.vllm.compat import VLLM_IMPORT_ERROR
+    from kvsnap.engines.vllm.connector import KVSnapConnector
+    from kvsnap.engines.vllm.events import (
+        EventLog,
+        count_events,
+        read_events,
+    )
+    from kvsnap.engines.vllm.eviction import prune_store
+    from kvsnap.engines.vllm.identity import (
+        CacheIdentity,
+        MultimodalInput,
+        adapter_digest,
+        identity_of,
+        store_key_chain,
+    )
+    from kvsnap.engines.vllm.layout import (
+        BACKEND_KV_PACKING,
+        KV_CELLS,
+        KV_PLANES,
+        LAYER_AXIS_ORDER,
+        BlockOrder,
+        BlockWriter,
+        probe_block_order,
+        vllm_layout,
+    )
+    from kvsnap.engines.vllm.options import MODES, ConnectorOptions
+    from kvsnap.engines.vllm.prefix_store import (
+        ChunkRef,
+        PrefixStore,
+        StoreMatch,
+        check_store_directory,
+        chunk_sequence_id,
+        safe_name,
+        store_namespace,
+    )
+    from kvsnap.engines.vllm.registration import RegisteredCache, registered_cache
+    from kvsnap.engines.vllm.specs import (
+        ChunkLoad,
+        KVSnapConnectorMetadata,
+        KVSnapWorkerMetadata,
+        LoadSpec,
+        SaveSpec,
+        external_request_id,
+    )
+    from kvsnap.engines.vllm.store_entries import StoreEntry, store_bytes, store_entries
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BACKEND_KV_PACKING",

@@ -74,6 +74,8 @@ from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry
 from kvsnap.pipeline import Pipeline
 from kvsnap.snapshot import Snapshot
+from kvsnap.store.files.location import locate
+from kvsnap.store.files.resolve import open_retrying
 from kvsnap.store.hot.spare_files import drop_spare_files
 
 if TYPE_CHECKING:
@@ -361,14 +363,13 @@ def _open_chunk(path: str, keys: KeyRing | None, kept: OpenSnapshots | None = No
         taken = kept.take(path, keys)
     if taken is not None:
         return taken
-    for _ in range(_OPEN_ATTEMPTS - 1):
-        try:
-            return Snapshot.open(path, keys=keys)
-        except (FileNotFoundError, SnapshotIOError) as error:
-            if not _is_missing(error):
-                raise
-            time.sleep(_OPEN_RETRY_S)
-    return Snapshot.open(path, keys=keys)
+    return open_retrying(
+        locate(path, None),
+        lambda _: Snapshot.open(path, keys=keys),
+        attempts=_OPEN_ATTEMPTS,
+        pause_s=_OPEN_RETRY_S,
+        missing=_is_missing,
+    )
 
 
 def _is_missing(error: Exception) -> bool:

@@ -25,6 +25,7 @@ import enum
 import errno
 import os
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -292,23 +293,40 @@ def _open_index(location: Location, keep_atime: bool) -> tuple[int, os.stat_resu
     return fd, status, real_directory(fd, location.path)
 
 
-def open_retrying(location: Location, attempt: Callable[[Resolved], _T]) -> _T:
-    """``attempt(resolve(location))``, from the start again (up to :data:`OPEN_ATTEMPTS`
-    times in all) when a file it was about to open vanished: the snapshot was replaced
-    meanwhile, and the replacement's index (or single file) names only files that exist.
-    ``attempt`` closes whatever it opened before it raises. A member still missing at the last
-    attempt makes the snapshot incomplete (:func:`~kvsnap.store.files.location.missing_member`)."""
-    for number in range(1, OPEN_ATTEMPTS + 1):
+def open_retrying(
+    location: Location,
+    attempt: Callable[[Resolved], _T],
+    *,
+    attempts: int = OPEN_ATTEMPTS,
+    pause_s: float = 0.0,
+    missing: Callable[[Exception], bool] | None = None,
+) -> _T:
+    """``attempt(resolve(location))``, from the start again (up to ``attempts`` times in all)
+    when a file it was about to open vanished: the snapshot was replaced meanwhile, and the
+    replacement's index (or single file) names only files that exist. ``attempt`` closes
+    whatever it opened before it raises. A member still missing at the last attempt makes the
+    snapshot incomplete (:func:`~kvsnap.store.files.location.missing_member`).
+
+    The package's one retry loop: a caller that expects a missing file back (a chunk a pruner
+    set aside for an instant) passes ``pause_s`` to wait between attempts, and ``missing``,
+    which errors mean a file is not there (default: a :class:`SnapshotIOError` caused by
+    ``FileNotFoundError``)."""
+    vanished = _vanished if missing is None else missing
+    for number in range(1, attempts + 1):
         try:
             return attempt(resolve(location))
-        except SnapshotIOError as error:
-            if not _vanished(error):
+        except Exception as error:
+            if not vanished(error):
                 raise
-            if number == OPEN_ATTEMPTS:
+            if number == attempts:
+                if not isinstance(error, SnapshotIOError):
+                    raise
                 raise missing_member(error, *snapshot_names(location)) from error.__cause__
+            if pause_s:
+                time.sleep(pause_s)
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def _vanished(error: KVSnapError) -> bool:
+def _vanished(error: Exception) -> bool:
     """Whether ``error`` says a file was not there (it vanished, or never was)."""
     return isinstance(error, SnapshotIOError) and isinstance(error.__cause__, FileNotFoundError)

@@ -4,9 +4,9 @@ Every file ends with its trailer (``kvsnap.checksums``: the xxh3-128 of its head
 tensor it holds); a sharded snapshot's index records the xxh3-128 of each shard's trailer; the
 ``kvsnap.block_checksums`` tensor holds one row of xxh3-64 block checksums per layer tensor,
 each row committed to by that tensor's trailer digest. :class:`Checksums` loads and checks
-these for a :class:`~kvsnap.store.read.reader.SnapshotReader`, keeps the rows it checked, and keeps
-the whole table of rows process-wide (by the files' trailers, which commit to it), so an
-engine opening the same stored prefix again skips the read and the checks.
+these for an open snapshot (:class:`~kvsnap.store.read.opened.OpenedFiles`), keeps the rows it
+checked, and keeps the whole table of rows process-wide (by the files' trailers, which commit
+to it), so an engine opening the same stored prefix again skips the read and the checks.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvsnap.errors import SnapshotCorruptError
 
 if TYPE_CHECKING:
     from kvsnap.format import TensorEntry
-    from kvsnap.store.read.reader import SnapshotReader
+    from kvsnap.store.read.opened import OpenedFiles
     from kvsnap.store.read.source import OpenFile
 
 #: Checked block-checksum tables by the digest of their files' trailers, least recently used
@@ -36,16 +36,13 @@ _DECODED: BoundedLRU[bytes, tuple[bytes, ...]] = BoundedLRU(256)
 
 
 class Checksums:
-    """The trailers, the index's trailer digests and the block-checksum rows of the snapshot
-    ``reader`` opens, which it reaches through the reader's named accessors (``open_files``,
-    ``placement``, ``layer_names``, ``num_blocks``). ``index_digests``: per shard, the
-    xxh3-128 of its trailer as a sharded snapshot's index records it."""
+    """The trailers, the index's trailer digests and the block-checksum rows of the open
+    snapshot ``files`` (its ``open_files``, ``placement``, ``layer_names``, ``num_blocks``
+    and, sharded, ``index_digests``: per shard, the xxh3-128 of its trailer as the index
+    records it)."""
 
-    def __init__(
-        self, reader: SnapshotReader, index_digests: tuple[str, ...] | None = None
-    ) -> None:
-        self._reader = reader
-        self._index_digests = index_digests
+    def __init__(self, files: OpenedFiles) -> None:
+        self._files = files
         self._trailers: dict[int, tuple[bytes, ...]] = {}  # by file position
         self._rows_of: dict[int, dict[str, int]] = {}
         # Files whose trailer came from bytes read whole as they opened, and the tensors of
@@ -62,7 +59,7 @@ class Checksums:
         """Read file ``position``'s trailer and check it against itself and its header
         (:class:`SnapshotCorruptError` otherwise); from then on its tensors' digests are
         known."""
-        open_file = self._reader.open_files[position]
+        open_file = self._files.open_files[position]
         layout = open_file.layout
         entry = layout.by_name[fmt.CHECKSUMS_TENSOR]
         raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.CHECKSUMS_TENSOR)
@@ -120,22 +117,22 @@ class Checksums:
 
     def ensure_trailers(self) -> None:
         """Load the trailers not loaded yet (a reader opened without verification)."""
-        for position in range(len(self._reader.open_files)):
+        for position in range(len(self._files.open_files)):
             if position not in self._trailers:
                 self.load_trailer(position)
 
     @property
     def sharded(self) -> bool:
         """Whether an index records the files' trailer digests."""
-        return self._index_digests is not None
+        return self._files.index_digests is not None
 
     def check_index_digest(self, position: int) -> None:
         """Check shard ``position``'s trailer against the digest the index records for it."""
-        assert self._index_digests is not None
-        open_file = self._reader.open_files[position]
+        assert self._files.index_digests is not None
+        open_file = self._files.open_files[position]
         entry = open_file.layout.by_name[fmt.CHECKSUMS_TENSOR]
         raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.CHECKSUMS_TENSOR)
-        if xxhash.xxh3_128_hexdigest(raw) != self._index_digests[position]:
+        if xxhash.xxh3_128_hexdigest(raw) != self._files.index_digests[position]:
             raise SnapshotCorruptError(
                 "shard does not match the index (a shard of another snapshot, or a partly "
                 "published overwrite)",
@@ -147,7 +144,7 @@ class Checksums:
         """The stored xxh3-128 of tensor ``name`` (a row of the trailer of the file at
         ``position``, looked up when not given); ``None`` while that trailer is not loaded."""
         if position is None:
-            position, _ = self._reader.placement(name)
+            position, _ = self._files.placement(name)
         trailer = self._trailers.get(position)
         if trailer is None:
             return None
@@ -158,7 +155,7 @@ class Checksums:
     def stored_row(self, tensor: int) -> np.ndarray:
         """Layer tensor ``tensor``'s stored block checksums as read, unchecked."""
         open_file, entry = self._block_checksums()
-        row_bytes = self._reader.num_blocks * 8
+        row_bytes = self._files.num_blocks * 8
         raw = open_file.source.read(
             entry.begin + tensor * row_bytes, row_bytes, tensor=fmt.BLOCK_CHECKSUMS_TENSOR
         )
@@ -168,16 +165,16 @@ class Checksums:
         """The stored block checksums of layer tensors ``first .. first + count`` as read,
         unchecked, ``(count, blocks)``: one read."""
         open_file, entry = self._block_checksums()
-        row_bytes = self._reader.num_blocks * 8
+        row_bytes = self._files.num_blocks * 8
         raw = open_file.source.read(
             entry.begin + first * row_bytes, count * row_bytes, tensor=fmt.BLOCK_CHECKSUMS_TENSOR
         )
-        return np.frombuffer(raw, dtype="<u8").reshape(count, self._reader.num_blocks)
+        return np.frombuffer(raw, dtype="<u8").reshape(count, self._files.num_blocks)
 
     def rows_trusted(self, first: int, rows: np.ndarray) -> list[bool | None]:
         """:meth:`row_trusted` of each row of ``rows``, the stored checksums of layer tensors
         ``first, first + 1, ...`` (as :meth:`stored_rows` gives them), in one pass."""
-        names = self._reader.layer_names
+        names = self._files.layer_names
         verdicts: list[bool | None] = []
         for offset in range(len(rows)):
             expected = self.digest(names[first + offset])
@@ -188,7 +185,7 @@ class Checksums:
     def row_trusted(self, tensor: int, row: np.ndarray) -> bool | None:
         """Whether ``row`` matches layer tensor ``tensor``'s digest in the trailer; ``None``
         when that trailer is not loaded (nothing to check it against)."""
-        expected = self.digest(self._reader.layer_names[tensor])
+        expected = self.digest(self._files.layer_names[tensor])
         return None if expected is None else fmt.layer_tensor_digest(row) == expected
 
     def row(self, tensor: int) -> np.ndarray:
@@ -217,8 +214,8 @@ class Checksums:
         digest (:meth:`row_trusted`); once every row is kept, the table is kept process-wide
         as :meth:`table` keeps it (a full verify leaves it for the restore that follows)."""
         self._rows[tensor] = row
-        tensors = len(self._reader.layer_names)
-        every_trailer = len(self._trailers) == len(self._reader.open_files)
+        tensors = len(self._files.layer_names)
+        every_trailer = len(self._trailers) == len(self._files.open_files)
         if self._table is None and every_trailer and len(self._rows) == tensors:
             table = np.stack([self._rows[index] for index in range(tensors)])
             self._table = _keep_table(self._table_key(), table)
@@ -226,10 +223,10 @@ class Checksums:
     def remember_rows(self, first: int, rows: np.ndarray) -> None:
         """:meth:`remember_row` of each row of ``rows`` (layer tensors ``first, first + 1,
         ...``, every one found trusted); the whole table when ``rows`` is all of it."""
-        tensors = len(self._reader.layer_names)
+        tensors = len(self._files.layer_names)
         for offset in range(len(rows)):
             self._rows[first + offset] = rows[offset]
-        every_trailer = len(self._trailers) == len(self._reader.open_files)
+        every_trailer = len(self._trailers) == len(self._files.open_files)
         if self._table is None and every_trailer and len(self._rows) == tensors:
             whole = first == 0 and len(rows) == tensors and rows.dtype == np.dtype("<u8")
             table = rows if whole else np.stack([self._rows[index] for index in range(tensors)])
@@ -237,14 +234,14 @@ class Checksums:
 
     def _table_key(self) -> bytes:
         """The digest of every file's trailer (all loaded), which commit to the table."""
-        trailers = [self._trailers[position] for position in range(len(self._reader.open_files))]
+        trailers = [self._trailers[position] for position in range(len(self._files.open_files))]
         return fmt.digest128(b"".join(map(b"".join, trailers)))
 
     def _read_table(self) -> np.ndarray:
         open_file, entry = self._block_checksums()
         raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.BLOCK_CHECKSUMS_TENSOR)
-        names = self._reader.layer_names
-        table = np.frombuffer(raw, dtype="<u8").reshape(len(names), self._reader.num_blocks)
+        names = self._files.layer_names
+        table = np.frombuffer(raw, dtype="<u8").reshape(len(names), self._files.num_blocks)
         return np.stack([self._checked(tensor, table[tensor]) for tensor in range(len(names))])
 
     def _checked(self, tensor: int, row: np.ndarray) -> np.ndarray:
@@ -252,7 +249,7 @@ class Checksums:
         if not self.row_trusted(tensor, row):
             open_file, _ = self._block_checksums()
             raise SnapshotCorruptError(
-                f"the stored block checksums of {self._reader.layer_names[tensor]} do not "
+                f"the stored block checksums of {self._files.layer_names[tensor]} do not "
                 "match their xxh3-128 checksum",
                 file=open_file.source.url,
                 tensor=fmt.BLOCK_CHECKSUMS_TENSOR,
@@ -261,8 +258,8 @@ class Checksums:
         return row
 
     def _block_checksums(self) -> tuple[OpenFile, TensorEntry]:
-        position, entry = self._reader.placement(fmt.BLOCK_CHECKSUMS_TENSOR)
-        return self._reader.open_files[position], entry
+        position, entry = self._files.placement(fmt.BLOCK_CHECKSUMS_TENSOR)
+        return self._files.open_files[position], entry
 
 
 def _row_digest(row: np.ndarray) -> bytes:

@@ -3,7 +3,7 @@
 A vLLM prefix chunk is a file of a few hundred KiB that the scheduler reads whole
 (``read_whole_max_bytes``) and verifies before it offers it. The general
 :func:`~kvsnap.store.read.verify.verify_snapshot` walks such a file entry by entry, batching layer
-tensors, checking rows one by one against the trailer, through the reader's accessors: most of
+tensors, checking rows one by one against the trailer: most of
 its time went to that walk, not to the bytes. Here everything a file's *shape* fixes (where
 its run of layer tensors lies, its checksum table, its padding, their trailer rows) is worked
 out once per entries tuple (:class:`HeldShape`: the layouts of one shape share that tuple,
@@ -44,7 +44,8 @@ from kvsnap.caches import BoundedLRU
 from kvsnap.format import TensorEntry
 
 if TYPE_CHECKING:
-    from kvsnap.store.read.reader import SnapshotReader
+    from kvsnap.store.read.checksums import Checksums
+    from kvsnap.store.read.opened import OpenedFiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,31 +136,33 @@ def _work_out(
     )
 
 
-def verified_held(reader: SnapshotReader, progress: Callable[[int], None] | None = None) -> bool:
-    """Whether ``reader``'s snapshot, one file read whole as it opened, passes every check
+def verified_held(
+    opened: OpenedFiles, checksums: Checksums, progress: Callable[[int], None] | None = None
+) -> bool:
+    """Whether the open snapshot ``opened`` (its stored ``checksums``), one file read whole as
+    it opened, passes every check
     :func:`~kvsnap.store.read.verify.verify_snapshot` makes (see the module's docstring), checked in
     one pass over its held bytes; then its checksum table is kept as the general verify keeps
     it, and ``progress`` receives the layer bytes checked. ``False`` when anything is not
     exactly right, or the file is not of a shape this covers: the caller runs the general
     verify, which names the problems."""
-    checksums = reader.checksums
-    files = reader.open_files
+    files = opened.open_files
     if len(files) != 1 or checksums.sharded or not checksums.trailer_held(0):
         return False
     open_file = files[0]
     layout = open_file.layout
     whole = open_file.source.held(0, open_file.source.size)
     trailer = checksums.trailer(0)
-    page = reader.page_bytes
-    shape = held_shape(layout.entries, layout.checksum_rows, reader.layer_names, page)
+    page = opened.page_bytes
+    shape = held_shape(layout.entries, layout.checksum_rows, opened.layer_names, page)
     if whole is None or trailer is None or shape is None:
         return False
     if not checksums.held_matches(0, shape.metadata_tensors):
         return False
     table_bytes = whole[shape.table_begin : shape.table_end]
-    table = table_bytes.view("<u8").reshape(shape.count, reader.num_blocks)
+    table = table_bytes.view("<u8").reshape(shape.count, opened.num_blocks)
     pages = whole[shape.layers_begin : shape.layers_end]
-    bound = reader.page_digest_table
+    bound = opened.page_digest_table
     if bound is None:
         pages_hold = np.array_equal(fmt.block_digests(pages, page), table.reshape(-1))
     else:
@@ -177,7 +180,7 @@ def verified_held(reader: SnapshotReader, progress: Callable[[int], None] | None
         or b"".join(map(xxhash.xxh3_128_digest, table)) != rows_expected
         or fmt.digest128(table_bytes) != trailer[shape.table_row]
         or any(whole[begin:end].any() for begin, end in shape.paddings)
-        or not _chains_hold(reader)
+        or not _chains_hold(opened)
     ):
         return False
     # A copy: the table is kept process-wide, the held bytes only while the file is open.
@@ -187,13 +190,13 @@ def verified_held(reader: SnapshotReader, progress: Callable[[int], None] | None
     return True
 
 
-def _chains_hold(reader: SnapshotReader) -> bool:
+def _chains_hold(opened: OpenedFiles) -> bool:
     """Whether every sequence's token ids hash to its stored prefix hashes and every block of
     the snapshot belongs to a sequence (the general verify also accepts an unreferenced block
     whose stored hash is zero: it is left to it)."""
-    metadata = reader.metadata
+    metadata = opened.opened_metadata()
     block_size = metadata.geometry.block_size
-    referenced = np.zeros(reader.num_blocks, dtype=bool)
+    referenced = np.zeros(opened.num_blocks, dtype=bool)
     for record in metadata.sequences:
         referenced[record.block_ids] = True
         chain = fmt.prefix_hash_chain(record.token_ids, block_size)

@@ -1,13 +1,13 @@
 """Reads of one layer tensor's pages: coalesced ranges, checked block by block, on the
-reader's own threads (:meth:`SnapshotReader.read_pages <kvsnap.store.read.reader.SnapshotReader.
-read_pages>` and ``read_pages_async``). Reads of many tensors' pages into one staging slot
-are :mod:`kvsnap.store.read.slot_reads`."""
+reader's own threads (:meth:`SnapshotReader.read_pages
+<kvsnap.store.read.reader.SnapshotReader.read_pages>` and ``read_pages_async``). Reads of many
+tensors' pages into one staging slot are :mod:`kvsnap.store.read.slot_reads`."""
 
 from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -16,31 +16,37 @@ from kvsnap.store.base import tuning
 from kvsnap.store.base.completion import Completion
 from kvsnap.store.base.pools import cpu_count
 from kvsnap.store.base.tracing import TraceHook, traced
+from kvsnap.store.read.checksums import Checksums
+from kvsnap.store.read.opened import OpenedFiles
 from kvsnap.store.read.source import check_blocks, check_page_digests
-
-if TYPE_CHECKING:
-    from kvsnap.store.read.reader import SnapshotReader
 
 #: A coalesced read: ``(first_block, num_blocks, output_page)``.
 Piece = tuple[int, int, int]
 
 
 class PageReads:
-    """Page reads of ``reader``'s layer tensors on up to ``threads`` threads of its own
-    (default: CPUs, 2 to 8; started on first concurrent use, stopped by :meth:`close`). The
-    reader is reached through its named accessors (``layer``, ``num_blocks``, ``page_bytes``,
-    ``verifies``, ``checksums``)."""
+    """Page reads of the layer tensors of the open snapshot ``files`` on up to ``threads``
+    threads of its own (default: CPUs, 2 to 8; started on first concurrent use, stopped by
+    :meth:`close`); each read checks its pages against the ``checksums`` it is given."""
 
-    def __init__(self, reader: SnapshotReader, threads: int | None) -> None:
-        self._reader = reader
+    def __init__(self, files: OpenedFiles, threads: int | None) -> None:
+        self._files = files
         self._threads = threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def read(self, name: str, block_ids: np.ndarray | Sequence[int], out: np.ndarray) -> None:
+    def read(
+        self,
+        name: str,
+        block_ids: np.ndarray | Sequence[int],
+        out: np.ndarray,
+        checksums: Checksums,
+    ) -> None:
         """Blocks ``block_ids`` of layer tensor ``name`` into ``out``, now (see
         :meth:`SnapshotReader.read_pages`)."""
-        read_piece, pieces, concurrent_ok = self._piece_reader(name, block_ids, out, None)
-        nbytes = sum(count for _, count, _ in pieces) * self._reader.page_bytes
+        read_piece, pieces, concurrent_ok = self._piece_reader(
+            name, block_ids, out, checksums, None
+        )
+        nbytes = sum(count for _, count, _ in pieces) * self._files.page_bytes
         # Small reads stay on the calling thread: a handoff costs more than it saves.
         if concurrent_ok and len(pieces) > 1 and nbytes > tuning.SUBCHUNK_BYTES:
             self._submit(read_piece, pieces).result()
@@ -53,10 +59,11 @@ class PageReads:
         name: str,
         block_ids: np.ndarray | Sequence[int],
         out: np.ndarray,
+        checksums: Checksums,
         trace: TraceHook | None,
     ) -> concurrent.futures.Future[None]:
         """:meth:`read` queued on the threads (see :meth:`SnapshotReader.read_pages_async`)."""
-        read_piece, pieces, _ = self._piece_reader(name, block_ids, out, trace)
+        read_piece, pieces, _ = self._piece_reader(name, block_ids, out, checksums, trace)
         return self._submit(read_piece, pieces)
 
     def pieces(self, block_ids: np.ndarray) -> list[Piece]:
@@ -67,7 +74,7 @@ class PageReads:
         breaks = np.flatnonzero(np.diff(block_ids) != 1) + 1
         starts = np.concatenate(([0], breaks))
         stops = np.concatenate((breaks, [len(block_ids)]))
-        per = max(1, tuning.SUBCHUNK_BYTES // self._reader.page_bytes)
+        per = max(1, tuning.SUBCHUNK_BYTES // self._files.page_bytes)
         pieces = []
         for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
             for position in range(start, stop, per):
@@ -100,7 +107,7 @@ class PageReads:
     def _submit(
         self, read_piece: Callable[[Piece], None], pieces: list[Piece]
     ) -> concurrent.futures.Future[None]:
-        url = self._reader.url
+        url = self._files.url
         done = Completion(
             len(pieces),
             cancelled=lambda: SnapshotIOError("skipped after an earlier failure", file=url),
@@ -115,11 +122,12 @@ class PageReads:
         name: str,
         block_ids: np.ndarray | Sequence[int],
         out: np.ndarray,
+        checksums: Checksums,
         trace: TraceHook | None,
     ) -> tuple[Callable[[Piece], None], list[Piece], bool]:
         """Check a read of ``block_ids`` into ``out``; the function that reads (and verifies)
         one piece, the pieces, and whether pieces may run concurrently."""
-        reader = self._reader
+        reader = self._files
         tensor, open_file, entry = reader.layer(name)
         ids = _checked_ids(name, block_ids, reader.num_blocks)
         if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or not out.flags.c_contiguous:
@@ -131,7 +139,7 @@ class PageReads:
         flat = out.reshape(-1)
         table = reader.page_digest_table
         bound = None if table is None else table[tensor]
-        row = reader.checksums.row(tensor) if reader.verifies and bound is None else None
+        row = checksums.row(tensor) if reader.verifies and bound is None else None
         source = open_file.source
 
         def read_piece(piece: Piece) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -21,17 +20,17 @@ import numpy as np
 import xxhash
 
 from kvsnap import format as fmt
-from kvsnap.caches import BoundedLRU, register_cache_clear
+from kvsnap.caches import register_cache_clear
 from kvsnap.dtypes import SAFETENSORS_TYPES
 from kvsnap.errors import NotASnapshotError, SignatureError, SnapshotCorruptError
 from kvsnap.format import Problem, SnapshotMetadata, TensorEntry
 from kvsnap.format.signing import KeyRing
-from kvsnap.layout import KVGeometry
 from kvsnap.store.base.tracing import TraceHook
 from kvsnap.store.files.location import INDEX_SUFFIX, Location, locate
 from kvsnap.store.files.resolve import Form, Resolved, open_retrying
 from kvsnap.store.read import slot_reads
 from kvsnap.store.read.checksums import Checksums
+from kvsnap.store.read.opened import OpenedFiles, joined_digests, placements
 from kvsnap.store.read.opening import decoded_header
 from kvsnap.store.read.page_reads import PageReads
 from kvsnap.store.read.signatures import checked_page_digests, signature_problem, signing_key_id
@@ -118,10 +117,9 @@ class SnapshotReader:
     ) -> None:
         self.url = url
         self._read_whole_max_bytes = read_whole_max_bytes
-        self._verify = verify
         self._keys = keys
-        self._page_reads = PageReads(self, io_threads)
-        self._files: list[OpenFile] = []
+        self._opened = OpenedFiles(url, verify)
+        self._page_reads = PageReads(self._opened, io_threads)
         self._checksums: Checksums  # made as the files open: a sharded one's knows the index
         self._extents: slot_reads.TensorExtents | None = None
         # Per file opened with keys, the BLAKE3 page digests its signature covers (None for
@@ -136,16 +134,19 @@ class SnapshotReader:
         self.page_digest_table: np.ndarray | None = None
 
     def _finish_open(self) -> None:
+        opened = self._opened
         geometry = self._header_metadata.geometry
-        self._where, self._names, self._tensor_index = _placements(
-            tuple(open_file.layout for open_file in self._files), geometry
+        opened.where, opened.layer_names, opened.tensor_index = placements(
+            tuple(open_file.layout for open_file in opened.open_files), geometry
         )
-        self._page_bytes = geometry.canonical_page_size_bytes
-        self._num_blocks = self._header_metadata.num_blocks
+        opened.page_bytes = geometry.canonical_page_size_bytes
+        opened.num_blocks = self._header_metadata.num_blocks
         if self._keys is not None:
-            tensors = len(self._names)
-            self.page_digest_table = _joined_digests(self._file_digests, tensors, self.url)
+            tensors = len(opened.layer_names)
+            table = joined_digests(self._file_digests, tensors, self.url)
+            self.page_digest_table = opened.page_digest_table = table
         self.metadata: SnapshotMetadata = self._load_metadata()
+        opened.metadata = self.metadata
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -161,16 +162,18 @@ class SnapshotReader:
                     file=resolved.index_location.url,
                 )
             if resolved.form is Form.SINGLE:
-                self._checksums = Checksums(self)
+                self._opened.index_digests = None
+                self._checksums = Checksums(self._opened)
                 self._open_single(resolved)
             else:
                 assert isinstance(resolved.index, fmt.ShardIndex)
-                self._checksums = Checksums(self, resolved.index.trailer_digests)
+                self._opened.index_digests = resolved.index.trailer_digests
+                self._checksums = Checksums(self._opened)
                 self._open_sharded(resolved)
         except BaseException:
-            for open_file in self._files:
+            for open_file in self._opened.open_files:
                 open_file.source.close()
-            self._files = []
+            self._opened.open_files = []
             self._file_digests = []
             raise
 
@@ -200,9 +203,9 @@ class SnapshotReader:
         except BaseException:
             source.close()
             raise
-        self._files.append(open_file)
-        if self._verify:
-            self._checksums.load_trailer(len(self._files) - 1)
+        self._opened.open_files.append(open_file)
+        if self._opened.verify:
+            self._checksums.load_trailer(len(self._opened.open_files) - 1)
         return header
 
     def _open_sharded(self, resolved: Resolved) -> None:
@@ -222,14 +225,14 @@ class SnapshotReader:
                 )
             if header.metadata.unsharded_document() != index.metadata.document:
                 raise SnapshotCorruptError("metadata differs from the index's", file=location.url)
-            held = [entry.name for entry in self._files[-1].layout.layer_entries]
+            held = [entry.name for entry in self._opened.open_files[-1].layout.layer_entries]
             expected = [spec.name for spec in specs[position : position + len(held)]]
             if held != expected or any(index.weight_map[name] != location.name for name in held):
                 raise SnapshotCorruptError(
                     "holds other tensors than the index assigns it", file=location.url
                 )
             position += len(held)
-            if self._verify:
+            if self._opened.verify:
                 self._checksums.check_index_digest(number - 1)
         if position != len(specs):
             raise SnapshotCorruptError(
@@ -255,19 +258,25 @@ class SnapshotReader:
     def signature_problems(self, keys: KeyRing) -> list[SignatureError]:
         """Why ``keys`` do not vouch for each file of the snapshot (empty: every file is signed
         by one of them over exactly its header and trailer)."""
-        found = (signature_problem(open_file, keys) for open_file in self._files)
+        found = (signature_problem(open_file, keys) for open_file in self._opened.open_files)
         return [problem for problem in found if problem is not None]
 
     def signing_key_ids(self) -> list[str | None]:
         """Per file, the hex id of the key that signed it, unchecked (``None``: unsigned)."""
-        return [signing_key_id(open_file) for open_file in self._files]
+        return [signing_key_id(open_file) for open_file in self._opened.open_files]
 
     # -- what the store's modules reach the reader through ------------------------------------
 
     @property
     def open_files(self) -> Sequence[OpenFile]:
         """The open data files, in order (one, or the shards)."""
-        return self._files
+        return self._opened.open_files
+
+    @property
+    def opened_files(self) -> OpenedFiles:
+        """The open snapshot as the reader's parts receive it
+        (:class:`~kvsnap.store.read.opened.OpenedFiles`)."""
+        return self._opened
 
     @property
     def checksums(self) -> Checksums:
@@ -282,50 +291,41 @@ class SnapshotReader:
 
     def placement(self, name: str) -> tuple[int, TensorEntry]:
         """Which of :attr:`open_files` holds tensor ``name``, and its entry there."""
-        try:
-            return self._where[name]
-        except KeyError:
-            raise KeyError(f"no tensor {name!r} in {self.url}") from None
+        return self._opened.placement(name)
 
     def layer(self, name: str) -> tuple[int, OpenFile, TensorEntry]:
         """Layer tensor ``name``'s number (its index in :attr:`layer_names`), file and entry."""
-        tensor = self._tensor_index.get(name)
-        if tensor is None:
-            raise KeyError(
-                f"{name!r} is not a layer tensor of {self.url} (they are {self._names[0]}, ...)"
-            )
-        position, entry = self.placement(name)
-        return tensor, self._files[position], entry
+        return self._opened.layer(name)
 
     @property
     def layer_names(self) -> tuple[str, ...]:
         """Layer tensor names, in file order."""
-        return self._names
+        return self._opened.layer_names
 
     @property
     def num_blocks(self) -> int:
         """Blocks of every layer tensor."""
-        return self._num_blocks
+        return self._opened.num_blocks
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one block of a layer tensor (one canonical page)."""
-        return self._page_bytes
+        return self._opened.page_bytes
 
     def extents(self) -> slot_reads.TensorExtents:
         """Where each layer tensor's pages lie, worked out once."""
         if self._extents is None:
-            sources = [open_file.source for open_file in self._files]
-            located = [self._where[name] for name in self._names]
-            self._extents = slot_reads.tensor_extents(sources, located, self._page_bytes)
+            sources = [open_file.source for open_file in self._opened.open_files]
+            located = [self._opened.where[name] for name in self._opened.layer_names]
+            self._extents = slot_reads.tensor_extents(sources, located, self._opened.page_bytes)
         return self._extents
 
     def _read_checked(self, name: str) -> bytes:
         """A whole non-layer tensor's bytes, checked against the trailer when verifying."""
-        position, entry = self.placement(name)
-        source = self._files[position].source
+        position, entry = self._opened.placement(name)
+        source = self._opened.open_files[position].source
         raw = source.read(entry.begin, entry.nbytes, tensor=name)
-        expected = self._checksums.digest(name, position) if self._verify else None
+        expected = self._checksums.digest(name, position) if self._opened.verify else None
         if expected is not None:
             if fmt.digest128(raw) != expected:
                 raise SnapshotCorruptError(
@@ -345,9 +345,9 @@ class SnapshotReader:
     def trailer_digest(self) -> str:
         """xxh3-128 (32 hex digits) of a single-file snapshot's checksum trailer, read from the
         file: what a parted snapshot's index records for each part."""
-        if len(self._files) != 1:
+        if len(self._opened.open_files) != 1:
             raise ValueError("trailer_digest is defined for a single-file snapshot")
-        open_file = self._files[0]
+        open_file = self._opened.open_files[0]
         entry = open_file.layout.by_name[fmt.CHECKSUMS_TENSOR]
         raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.CHECKSUMS_TENSOR)
         return xxhash.xxh3_128_hexdigest(raw)
@@ -355,33 +355,33 @@ class SnapshotReader:
     @property
     def files(self) -> list[str]:
         """The data files, in order (one, or the shards)."""
-        return [open_file.source.url for open_file in self._files]
+        return [open_file.source.url for open_file in self._opened.open_files]
 
     def locate(self, name: str) -> tuple[str, TensorEntry]:
         """The file holding tensor ``name`` and its entry (absolute file offsets)."""
-        position, entry = self.placement(name)
-        return self._files[position].source.url, entry
+        position, entry = self._opened.placement(name)
+        return self._opened.open_files[position].source.url, entry
 
     def page_size_bytes(self, name: str) -> int:
         """Bytes of one block of layer tensor ``name``."""
-        self.layer(name)
-        return self._page_bytes
+        self._opened.layer(name)
+        return self._opened.page_bytes
 
     def tensor_names(self) -> list[str]:
         """Layer tensor names, in file order."""
-        return list(self._names)
+        return list(self._opened.layer_names)
 
     @property
     def verifies(self) -> bool:
         """Whether this reader checks the pages it reads: against their stored checksums
         (``verify``), or, opened with keys, against their signed BLAKE3 digests
         (``page_digest_table``)."""
-        return self._verify or self.page_digest_table is not None
+        return self._opened.verifies
 
     def block_checksums(self, name: str) -> np.ndarray:
         """The stored xxh3-64 of every block of layer tensor ``name`` (checked against the
         trailer; :class:`SnapshotCorruptError` if they do not match it)."""
-        tensor, _, _ = self.layer(name)
+        tensor, _, _ = self._opened.layer(name)
         return self._checksums.row(tensor)
 
     def stored_checksums(self, page_tensors: np.ndarray, page_blocks: np.ndarray) -> np.ndarray:
@@ -398,7 +398,7 @@ class SnapshotReader:
         tensor by index, non-zero padding, and sequences whose token ids do not hash to the
         stored prefix hashes. ``progress`` receives the KV (layer) bytes checked so far.
         """
-        return verify_snapshot(self, progress)
+        return verify_snapshot(self._opened, self._checksums, self._page_reads, progress)
 
     def read_pages(self, name: str, block_ids: np.ndarray | Sequence[int], out: np.ndarray) -> None:
         """Read blocks ``block_ids`` of layer tensor ``name``, in that order, into ``out``.
@@ -408,7 +408,7 @@ class SnapshotReader:
         read as one range and only the blocks asked for are read. With ``verify`` every block
         is checked against its xxh3-64 (:class:`SnapshotCorruptError` naming the block).
         """
-        self._page_reads.read(name, block_ids, out)
+        self._page_reads.read(name, block_ids, out, self._checksums)
 
     def read_pages_async(
         self,
@@ -426,7 +426,7 @@ class SnapshotReader:
         it consumes the previous buffer. ``trace`` receives a ``read`` and a ``verify`` span
         per piece.
         """
-        return self._page_reads.read_async(name, block_ids, out, trace)
+        return self._page_reads.read_async(name, block_ids, out, self._checksums, trace)
 
     def read_slot_async(
         self,
@@ -449,8 +449,10 @@ class SnapshotReader:
         ``page_tensors`` index :meth:`tensor_names`; the arrays must be int64 and in range
         (``IndexError`` otherwise), ``out`` large enough (``ValueError``).
         """
-        return slot_reads.read_reader_slot(
-            self,
+        return slot_reads.read_opened_slot(
+            self._opened,
+            self._checksums,
+            self.extents(),
             page_tensors,
             page_blocks,
             page_offsets,
@@ -473,9 +475,9 @@ class SnapshotReader:
         valid while the reader is open; page ``b`` of layer tensor ``t`` lies at
         ``extents().begin[t] + b * page_bytes``); ``None`` for a snapshot of several files or
         one not read whole."""
-        if len(self._files) != 1:
+        if len(self._opened.open_files) != 1:
             return None
-        source = self._files[0].source
+        source = self._opened.open_files[0].source
         return source.held(0, source.size)
 
     def local_files(self) -> list[tuple[str, int, os.stat_result]] | None:
@@ -483,7 +485,7 @@ class SnapshotReader:
         descriptor this reader checked it through, and that descriptor's ``fstat``; ``None``
         unless every file is local."""
         files = []
-        for open_file in self._files:
+        for open_file in self._opened.open_files:
             entry = open_file.source.local_file()
             if entry is None:
                 return None
@@ -495,20 +497,20 @@ class SnapshotReader:
         when the reader verifies."""
         import torch  # not at module level: verifying and inspecting a snapshot need no torch
 
-        _, entry = self.placement(name)
+        _, entry = self._opened.placement(name)
         dtype = SAFETENSORS_TYPES[entry.dtype].torch
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=dtype)
         buffer = np.empty(entry.nbytes, dtype=np.uint8)
-        if name in self._tensor_index:
-            self.read_pages(name, np.arange(self._num_blocks), buffer)
+        if name in self._opened.tensor_index:
+            self.read_pages(name, np.arange(self._opened.num_blocks), buffer)
         else:
             buffer[:] = np.frombuffer(self._read_checked(name), dtype=np.uint8)
         return torch.from_numpy(buffer).view(dtype).reshape(entry.shape)
 
     def close(self) -> None:
         """Close every file and stop the reader's threads."""
-        for open_file in self._files:
+        for open_file in self._opened.open_files:
             open_file.source.close()
         self._page_reads.close()
 
@@ -517,18 +519,6 @@ class SnapshotReader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _joined_digests(per_file: list[np.ndarray | None], tensors: int, url: str) -> np.ndarray | None:
-    """One table of every layer tensor's page digests (files hold their tensors in order), or
-    ``None`` unless every file has one."""
-    if not per_file or any(digests is None for digests in per_file):
-        return None
-    tables = [digests for digests in per_file if digests is not None]
-    table = tables[0] if len(tables) == 1 else np.concatenate(tables)
-    if len(table) != tensors:
-        raise SnapshotCorruptError("the page digests do not cover every layer tensor", file=url)
-    return table
 
 
 @functools.lru_cache(maxsize=16)
@@ -540,36 +530,3 @@ def _metadata_names(sequences: int) -> tuple[str, ...]:
 
 
 register_cache_clear(_metadata_names.cache_clear)
-
-
-#: A reader's placements of a snapshot's layer tensors: by name, their file and entry; their
-#: names in order; by name, their number.
-Placements = tuple[dict[str, tuple[int, TensorEntry]], tuple[str, ...], dict[str, int]]
-#: Placements per tuple of the files' entries, by identity (the layouts of one shape share
-#: their entries: :func:`kvsnap.format.container.pack_file`), and geometry: worked out once
-#: per shape, not on every open of a new file (~1 us a tensor).
-_PLACEMENTS: BoundedLRU[
-    tuple[int, ...], tuple[tuple[tuple[TensorEntry, ...], ...], KVGeometry, Placements]
-]
-_PLACEMENTS = BoundedLRU(64)
-
-
-def _placements(layouts: tuple[fmt.FileLayout, ...], geometry: KVGeometry) -> Placements:
-    """Where each layer tensor of the files ``layouts`` lies (file position and entry), the
-    layer names of ``geometry`` in order, and each name's number; shared by every reader of
-    files with these entries (do not change them)."""
-    entries = tuple(layout.entries for layout in layouts)
-    key = tuple(map(id, entries))
-    known = _PLACEMENTS.get(key)
-    # The kept entries are held, so no other object can have their ids meanwhile.
-    if known is not None and known[1] == geometry and all(map(operator.is_, known[0], entries)):
-        return known[2]
-    where = {
-        entry.name: (index, entry)
-        for index, layout in enumerate(layouts)
-        for entry in layout.layer_entries
-    }
-    names = tuple(geometry.tensor_names())
-    placements = (where, names, {name: index for index, name in enumerate(names)})
-    _PLACEMENTS.put(key, (entries, geometry, placements))
-    return placements

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,7 +30,8 @@ from kvsnap.store.read.source import Source
 
 if TYPE_CHECKING:
     from kvsnap.format import TensorEntry
-    from kvsnap.store.read.reader import SnapshotReader
+    from kvsnap.store.read.checksums import Checksums
+    from kvsnap.store.read.opened import OpenedFiles
 
 #: Smallest and largest piece one read thread takes.
 MIN_PIECE_BYTES = 256 << 10
@@ -364,7 +366,7 @@ def tensor_extents(
 
 
 def read_reader_slot(
-    reader: SnapshotReader,
+    reader: Any,
     page_tensors: np.ndarray,
     page_blocks: np.ndarray,
     page_offsets: np.ndarray,
@@ -374,11 +376,39 @@ def read_reader_slot(
     trace: TraceHook | None,
     inline: bool = False,
 ) -> concurrent.futures.Future[np.ndarray]:
-    """:meth:`SnapshotReader.read_slot_async <kvsnap.store.read.reader.SnapshotReader.
-    read_slot_async>`: the pages checked to lie in ``reader``'s snapshot and ``out``, then
-    :func:`read_slot_async` with the reader's checked checksum table (when it and the caller
-    verify; its signed BLAKE3 page digests instead when it has them), on this thread when
-    ``inline`` allows it."""
+    """Deprecated: :meth:`SnapshotReader.read_slot_async
+    <kvsnap.store.read.reader.SnapshotReader.read_slot_async>` of ``reader`` (which now reads
+    through :func:`read_opened_slot`, with what it needs rather than the reader)."""
+    warnings.warn(
+        "read_reader_slot is deprecated: call reader.read_slot_async",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return reader.read_slot_async(  # type: ignore[no-any-return]
+        page_tensors, page_blocks, page_offsets, out, verify=verify, trace=trace, inline=inline
+    )
+
+
+def read_opened_slot(
+    files: OpenedFiles,
+    stored: Checksums,
+    extents: TensorExtents,
+    page_tensors: np.ndarray,
+    page_blocks: np.ndarray,
+    page_offsets: np.ndarray,
+    out: np.ndarray,
+    *,
+    verify: bool,
+    trace: TraceHook | None,
+    inline: bool = False,
+) -> concurrent.futures.Future[np.ndarray]:
+    """:meth:`SnapshotReader.read_slot_async
+    <kvsnap.store.read.reader.SnapshotReader.read_slot_async>`: the pages checked to lie in
+    the open snapshot ``files`` (whose layer tensors lie at ``extents``) and ``out``, then
+    :func:`read_slot_async` with the checked checksum table of ``stored`` (when the snapshot
+    and the caller verify; its signed BLAKE3 page digests instead when it has them), on this
+    thread when ``inline`` allows it."""
+    reader = files
     num_tensors, num_blocks = len(reader.layer_names), reader.num_blocks
     if len(page_tensors) and (
         page_tensors.min() < 0
@@ -390,9 +420,9 @@ def read_reader_slot(
     if len(page_offsets) and page_offsets.max() + reader.page_bytes > out.nbytes:
         raise ValueError(f"out holds {out.nbytes} bytes, the pages reach further")
     digests = reader.page_digest_table if verify else None
-    checksums = reader.checksums.table() if verify and digests is None and reader.verifies else None
+    checksums = stored.table() if verify and digests is None and reader.verifies else None
     return read_slot_async(
-        reader.extents(),
+        extents,
         checksums,
         page_tensors,
         page_blocks,

@@ -1,15 +1,15 @@
 """Full verification of an open snapshot: every checksum, padding, prefix hash chains.
 
-:func:`verify_snapshot` is :meth:`SnapshotReader.verify <kvsnap.store.read.reader.SnapshotReader.
-verify>`; it reaches the reader through its named accessors (``open_files``, ``checksums``,
-``placement``, ``page_reads``).
+:func:`verify_snapshot` is :meth:`SnapshotReader.verify
+<kvsnap.store.read.reader.SnapshotReader.verify>`; it receives what it checks (the open files,
+their stored checksums, the page reads and their threads), not the reader.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -18,27 +18,41 @@ from kvsnap import format as fmt
 from kvsnap.errors import SnapshotCorruptError
 from kvsnap.format import Problem, TensorEntry
 from kvsnap.store.base import tuning
+from kvsnap.store.read.checksums import Checksums
 from kvsnap.store.read.held_verify import verified_held
+from kvsnap.store.read.opened import OpenedFiles
+from kvsnap.store.read.page_reads import PageReads
 from kvsnap.store.read.source import OpenFile
 
-if TYPE_CHECKING:
-    from kvsnap.store.read.reader import SnapshotReader
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What a full check reads: the open files, their stored checksums, the page reads."""
+
+    files: OpenedFiles
+    checksums: Checksums
+    page_reads: PageReads
 
 
 def verify_snapshot(
-    reader: SnapshotReader, progress: Callable[[int], None] | None = None
+    files: OpenedFiles,
+    checksums: Checksums,
+    page_reads: PageReads,
+    progress: Callable[[int], None] | None = None,
 ) -> list[Problem]:
-    """Every checksum and the structure of ``reader``'s snapshot checked, reading it once in
-    bounded pieces; ``[]`` means intact (see :meth:`SnapshotReader.verify`). A file read
+    """Every checksum and the structure of the open snapshot ``files`` checked against its
+    stored ``checksums``, reading it once in bounded pieces (on the threads of
+    ``page_reads``); ``[]`` means intact (see :meth:`SnapshotReader.verify`). A file read
     whole as it opened is checked in one pass over its bytes first
-    (:func:`~kvsnap.store.read.held_verify.verified_held`); only one that does not pass it (or is of
-    a shape it does not cover) is walked here, entry by entry, to name its problems."""
-    if verified_held(reader, progress):
+    (:func:`~kvsnap.store.read.held_verify.verified_held`); only one that does not pass it (or
+    is of a shape it does not cover) is walked here, entry by entry, to name its problems."""
+    if verified_held(files, checksums, progress):
         return []
-    problems = _check_trailers(reader)
-    checksums = reader.checksums
-    layers = _LayerBatches(reader, problems, progress)
-    for position, open_file in enumerate(reader.open_files):
+    snapshot = _Snapshot(files, checksums, page_reads)
+    problems = _check_trailers(snapshot)
+    checksums = snapshot.checksums
+    layers = _LayerBatches(snapshot, problems, progress)
+    for position, open_file in enumerate(snapshot.files.open_files):
         for entry in open_file.layout.entries:
             if entry.name in (fmt.CHECKSUMS_TENSOR, fmt.SIGNATURE_TENSOR):
                 continue  # the trailer was checked above; a signature needs the keys
@@ -51,18 +65,18 @@ def verify_snapshot(
                 elif checksums.has_trailer(position) and not checksums.held_match(
                     position, entry.name
                 ):
-                    problems += _verify_whole(reader, position, entry)
+                    problems += _verify_whole(snapshot, position, entry)
             except SnapshotCorruptError as error:
                 problems.append(Problem(error.tensor or entry.name, error.block, str(error)))
         layers.flush()
-    problems += _verify_hash_chains(reader)
+    problems += _verify_hash_chains(snapshot)
     return problems
 
 
 #: Consecutive layer tensors of one file are read and hashed together up to this many bytes: a
 #: prefix chunk of a small model is dozens of tensors of a few pages each, where a read and a
 #: digest call per tensor cost more than the bytes (a 12-layer chunk: 24 tensors of 64 KiB).
-#: A larger tensor is read on its own, in pieces on the reader's threads.
+#: A larger tensor is read on its own, in pieces on the snapshot's threads.
 LAYER_BATCH_BYTES = 8 << 20
 #: Tensors this close apart (the alignment padding between them) are read as one run, the
 #: padding with them (it is checked on its own as well).
@@ -75,14 +89,14 @@ class _LayerBatches:
 
     def __init__(
         self,
-        reader: SnapshotReader,
+        snapshot: _Snapshot,
         problems: list[Problem],
         progress: Callable[[int], None] | None,
     ) -> None:
-        self._reader = reader
+        self._snapshot = snapshot
         self._problems = problems
         self._progress = progress
-        self._index = {name: tensor for tensor, name in enumerate(reader.layer_names)}
+        self._index = {name: tensor for tensor, name in enumerate(snapshot.files.layer_names)}
         self._file: OpenFile | None = None
         self._entries: list[TensorEntry] = []
         self._done = 0
@@ -99,7 +113,7 @@ class _LayerBatches:
             size = entry.end - self._entries[0].begin
             if not follows or size > LAYER_BATCH_BYTES:
                 self.flush()
-        whole = entry.nbytes == self._reader.num_blocks * self._reader.page_bytes
+        whole = entry.nbytes == self._snapshot.files.num_blocks * self._snapshot.files.page_bytes
         if entry.nbytes > LAYER_BATCH_BYTES or not whole:
             self._verify_alone(open_file, entry)
             return
@@ -113,7 +127,7 @@ class _LayerBatches:
             return
         assert self._file is not None
         try:
-            self._problems += _verify_run(self._reader, self._file, entries, self._index)
+            self._problems += _verify_run(self._snapshot, self._file, entries, self._index)
         except SnapshotCorruptError as error:
             first = entries[0].name
             self._problems.append(Problem(error.tensor or first, error.block, str(error)))
@@ -121,8 +135,8 @@ class _LayerBatches:
 
     def _verify_alone(self, open_file: OpenFile, entry: TensorEntry) -> None:
         try:
-            row, trusted = _stored_row(self._reader, entry.name, self._problems)
-            self._problems += _verify_layer(self._reader, open_file, entry, row, trusted)
+            row, trusted = _stored_row(self._snapshot, entry.name, self._problems)
+            self._problems += _verify_layer(self._snapshot, open_file, entry, row, trusted)
         except SnapshotCorruptError as error:
             self._problems.append(Problem(error.tensor or entry.name, error.block, str(error)))
         self._advance(entry.nbytes)
@@ -134,7 +148,7 @@ class _LayerBatches:
 
 
 def _verify_run(
-    reader: SnapshotReader,
+    snapshot: _Snapshot,
     open_file: OpenFile,
     entries: list[TensorEntry],
     index: dict[str, int],
@@ -143,7 +157,7 @@ def _verify_run(
     against their stored block checksums with one read of their bytes (and the padding between
     them) and one of their rows; tensors that follow each other with no padding (a small
     model's chunk: every layer) are hashed as one buffer and compared as one array."""
-    checksums = reader.checksums
+    checksums = snapshot.checksums
     first = index[entries[0].name]
     rows = checksums.stored_rows(first, len(entries))
     low = entries[0].begin
@@ -152,10 +166,10 @@ def _verify_run(
     if buffer is None:
         buffer = np.empty(entries[-1].end - low, dtype=np.uint8)
         open_file.source.read_into(low, memoryview(buffer), tensor=entries[0].name)
-    page = reader.page_bytes
-    bound = reader.page_digest_table
+    page = snapshot.files.page_bytes
+    bound = snapshot.files.page_digest_table
     digest = fmt.block_digests if bound is None else fmt.page_digests
-    shape = (len(entries), reader.num_blocks, 1 if bound is None else fmt.PAGE_DIGEST_BYTES)
+    shape = (len(entries), snapshot.files.num_blocks, 1 if bound is None else fmt.PAGE_DIGEST_BYTES)
     if all(entry.begin == before.end for before, entry in itertools.pairwise(entries)):
         computed = digest(buffer, page).reshape(shape)
     else:
@@ -174,7 +188,7 @@ def _verify_run(
     for offset, entry in enumerate(entries):
         trusted = verdicts[offset]
         if trusted is False:
-            problems.append(_untrusted_row(reader, entry.name))
+            problems.append(_untrusted_row(snapshot, entry.name))
         elif trusted and not every_row_trusted:
             checksums.remember_row(first + offset, rows[offset])
         if differs[offset]:
@@ -188,13 +202,13 @@ def _verify_run(
     return problems
 
 
-def _check_trailers(reader: SnapshotReader) -> list[Problem]:
+def _check_trailers(snapshot: _Snapshot) -> list[Problem]:
     """Every file's trailer read again and checked (and against the index, sharded); a file
     whose trailer fails has its tensors' digests unknown from then on. A trailer loaded from
     the bytes a file was read whole into is not read again: it would be those bytes."""
-    checksums = reader.checksums
+    checksums = snapshot.checksums
     problems = []
-    for position in range(len(reader.open_files)):
+    for position in range(len(snapshot.files.open_files)):
         try:
             if not checksums.trailer_held(position):
                 checksums.load_trailer(position)
@@ -206,23 +220,21 @@ def _check_trailers(reader: SnapshotReader) -> list[Problem]:
     return problems
 
 
-def _stored_row(
-    reader: SnapshotReader, name: str, problems: list[Problem]
-) -> tuple[np.ndarray, bool]:
+def _stored_row(snapshot: _Snapshot, name: str, problems: list[Problem]) -> tuple[np.ndarray, bool]:
     """Layer tensor ``name``'s stored block checksums, and whether they match their own
     checksum (a trusted row). An untrusted row still names the blocks that disagree."""
-    tensor = reader.layer_names.index(name)
-    row = reader.checksums.stored_row(tensor)
-    trusted = reader.checksums.row_trusted(tensor, row)
+    tensor = snapshot.files.layer_names.index(name)
+    row = snapshot.checksums.stored_row(tensor)
+    trusted = snapshot.checksums.row_trusted(tensor, row)
     if trusted is False:
-        problems.append(_untrusted_row(reader, name))
+        problems.append(_untrusted_row(snapshot, name))
     return row, bool(trusted)
 
 
-def _untrusted_row(reader: SnapshotReader, name: str) -> Problem:
+def _untrusted_row(snapshot: _Snapshot, name: str) -> Problem:
     """The problem of layer tensor ``name``'s stored block checksums not matching the trailer."""
-    position, _ = reader.placement(fmt.BLOCK_CHECKSUMS_TENSOR)
-    url = reader.open_files[position].source.url
+    position, _ = snapshot.files.placement(fmt.BLOCK_CHECKSUMS_TENSOR)
+    url = snapshot.files.open_files[position].source.url
     return Problem(
         fmt.BLOCK_CHECKSUMS_TENSOR,
         None,
@@ -241,9 +253,9 @@ def _verify_padding(open_file: OpenFile, entry: TensorEntry) -> list[Problem]:
     return []
 
 
-def _verify_whole(reader: SnapshotReader, position: int, entry: TensorEntry) -> list[Problem]:
-    open_file = reader.open_files[position]
-    expected = reader.checksums.digest(entry.name, position)
+def _verify_whole(snapshot: _Snapshot, position: int, entry: TensorEntry) -> list[Problem]:
+    open_file = snapshot.files.open_files[position]
+    expected = snapshot.checksums.digest(entry.name, position)
     if _digest128(open_file, entry) != expected:
         url = open_file.source.url
         return [
@@ -268,16 +280,16 @@ def _digest128(open_file: OpenFile, entry: TensorEntry) -> bytes:
 
 
 def _verify_layer(
-    reader: SnapshotReader,
+    snapshot: _Snapshot,
     open_file: OpenFile,
     entry: TensorEntry,
     stored: np.ndarray,
     trusted: bool,
 ) -> list[Problem]:
     name = entry.name
-    page = reader.page_bytes
+    page = snapshot.files.page_bytes
 
-    bound = reader.page_digest_table
+    bound = snapshot.files.page_digest_table
     digest = fmt.block_digests if bound is None else fmt.page_digests
 
     def digest_piece(piece: tuple[int, int, int]) -> np.ndarray:
@@ -286,11 +298,11 @@ def _verify_layer(
         open_file.source.read_into(entry.begin + block * page, memoryview(buffer), tensor=name)
         return digest(buffer, page)
 
-    pieces = reader.page_reads.pieces(np.arange(reader.num_blocks, dtype=np.int64))
-    parts = reader.page_reads.run(digest_piece, pieces, open_file.source.concurrent, entry.nbytes)
+    pieces = snapshot.page_reads.pieces(np.arange(snapshot.files.num_blocks, dtype=np.int64))
+    parts = snapshot.page_reads.run(digest_piece, pieces, open_file.source.concurrent, entry.nbytes)
     url = open_file.source.url
     if bound is not None:
-        tensor = reader.layer_names.index(name)
+        tensor = snapshot.files.layer_names.index(name)
         computed = np.concatenate(parts) if parts else bound[tensor, :0]
         return _digest_problems(url, name, computed, bound[tensor])
     computed = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
@@ -340,11 +352,12 @@ def _digest_problems(
     return problems
 
 
-def _verify_hash_chains(reader: SnapshotReader) -> list[Problem]:
+def _verify_hash_chains(snapshot: _Snapshot) -> list[Problem]:
+    url = snapshot.files.url
     problems = []
-    metadata = reader.metadata
+    metadata = snapshot.files.opened_metadata()
     block_size = metadata.geometry.block_size
-    referenced = np.zeros(reader.num_blocks, dtype=bool)
+    referenced = np.zeros(snapshot.files.num_blocks, dtype=bool)
     for index, record in enumerate(metadata.sequences):
         referenced[record.block_ids] = True
         chain = fmt.prefix_hash_chain(record.token_ids, block_size)
@@ -355,7 +368,7 @@ def _verify_hash_chains(reader: SnapshotReader) -> list[Problem]:
                     Problem(
                         f"sequences.{index}.token_ids",
                         None,
-                        f"{reader.url}: sequence {record.id!r}: its tokens hash to {got} at "
+                        f"{url}: sequence {record.id!r}: its tokens hash to {got} at "
                         f"block position {position}, {fmt.BLOCK_HASHES_TENSOR} holds "
                         f"{stored} for snapshot block {block}",
                     )
@@ -363,21 +376,21 @@ def _verify_hash_chains(reader: SnapshotReader) -> list[Problem]:
                 break
     unreferenced = np.flatnonzero(~referenced)
     if len(unreferenced):
-        problems += _unreferenced_hashes(reader, unreferenced)
+        problems += _unreferenced_hashes(snapshot, unreferenced)
     return problems
 
 
-def _unreferenced_hashes(reader: SnapshotReader, unreferenced: np.ndarray) -> list[Problem]:
+def _unreferenced_hashes(snapshot: _Snapshot, unreferenced: np.ndarray) -> list[Problem]:
     """Blocks no sequence references that carry a prefix hash anyway."""
-    position, entry = reader.placement(fmt.BLOCK_HASHES_TENSOR)
-    source = reader.open_files[position].source
+    position, entry = snapshot.files.placement(fmt.BLOCK_HASHES_TENSOR)
+    source = snapshot.files.open_files[position].source
     hashes = source.read(entry.begin, entry.nbytes, tensor=fmt.BLOCK_HASHES_TENSOR)
     nonzero = [int(b) for b in unreferenced.tolist() if any(hashes[16 * b : 16 * b + 16])]
     return [
         Problem(
             fmt.BLOCK_HASHES_TENSOR,
             block,
-            f"{reader.url}: block {block} belongs to no sequence but has a prefix hash",
+            f"{snapshot.files.url}: block {block} belongs to no sequence but has a prefix hash",
         )
         for block in nonzero[: tuning.MAX_PROBLEMS_PER_TENSOR]
     ]
