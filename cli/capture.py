@@ -103,7 +103,13 @@ def capture(
             reproducible=reproducible,
             keys=keys,
         )
-    finished = time.perf_counter()
+    _report(result, (started, loaded_at, prefilled_at, time.perf_counter()), as_json)
+
+
+def _report(result: Any, moments: tuple[float, float, float, float], as_json: bool) -> None:
+    """Print what a capture wrote (``--json``: as JSON), with each phase's time from
+    ``moments``: started, model loaded, prefill done, snapshot written."""
+    started, loaded_at, prefilled_at, finished = moments
     payload = {
         "path": result.path,
         "sequences": result.num_sequences,

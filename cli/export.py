@@ -20,6 +20,62 @@ class Target(str, Enum):
     LLAMA_STATE = "llama-state"
 
 
+_PageOrderOption = Annotated[
+    str | None,
+    typer.Option(
+        "--page-order",
+        metavar="ORDER",
+        help="vllm-fs: the engine's page order: cells-nhd, cells-hnd, or an .npz file.",
+    ),
+]
+
+_ConfigOption = Annotated[
+    str | None,
+    typer.Option(
+        "--config",
+        metavar="FILE",
+        help="vllm-fs: a namespace config.json, for a root that holds none yet.",
+    ),
+]
+
+_TpOption = Annotated[
+    int | None,
+    typer.Option("--tp", min=1, help="vllm-fs: TP size of the engine that will read it."),
+]
+
+_ModelOption = Annotated[
+    str | None,
+    typer.Option("--model", "-m", metavar="DIR", help="vllm-fs: model directory to check."),
+]
+
+_HashSeedOption = Annotated[
+    str | None,
+    typer.Option("--hash-seed", metavar="S", help="vllm-fs: the engine's PYTHONHASHSEED."),
+]
+
+_SequenceOption = Annotated[
+    str | None,
+    typer.Option("--sequence", metavar="ID", help="llama-state: the sequence to write."),
+]
+
+_VTransposedOption = Annotated[
+    bool,
+    typer.Option(
+        "--v-transposed",
+        help="llama-state: V stored transposed (a llama.cpp context without flash attention).",
+    ),
+]
+
+_HfRopeOption = Annotated[
+    bool,
+    typer.Option(
+        "--hf-rope",
+        help="llama-state: keys from a transformers capture (rotary halves), reordered to "
+        "llama.cpp's interleaved pairs.",
+    ),
+]
+
+
 def export(
     snapshot: Annotated[str, typer.Argument(metavar="SNAPSHOT", help="kvsnap snapshot to export.")],
     to: Annotated[Target, typer.Option("--to", help="The format to write.")],
@@ -30,53 +86,14 @@ def export(
             help="vllm-fs: the fs tier's root or namespace; llama-state: the file to write.",
         ),
     ],
-    page_order: Annotated[
-        str | None,
-        typer.Option(
-            "--page-order",
-            metavar="ORDER",
-            help="vllm-fs: the engine's page order: cells-nhd, cells-hnd, or an .npz file.",
-        ),
-    ] = None,
-    config: Annotated[
-        str | None,
-        typer.Option(
-            "--config",
-            metavar="FILE",
-            help="vllm-fs: a namespace config.json, for a root that holds none yet.",
-        ),
-    ] = None,
-    tp: Annotated[
-        int | None,
-        typer.Option("--tp", min=1, help="vllm-fs: TP size of the engine that will read it."),
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option("--model", "-m", metavar="DIR", help="vllm-fs: model directory to check."),
-    ] = None,
-    hash_seed: Annotated[
-        str | None,
-        typer.Option("--hash-seed", metavar="S", help="vllm-fs: the engine's PYTHONHASHSEED."),
-    ] = None,
-    sequence: Annotated[
-        str | None,
-        typer.Option("--sequence", metavar="ID", help="llama-state: the sequence to write."),
-    ] = None,
-    v_transposed: Annotated[
-        bool,
-        typer.Option(
-            "--v-transposed",
-            help="llama-state: V stored transposed (a llama.cpp context without flash attention).",
-        ),
-    ] = False,
-    hf_rope: Annotated[
-        bool,
-        typer.Option(
-            "--hf-rope",
-            help="llama-state: keys from a transformers capture (rotary halves), reordered to "
-            "llama.cpp's interleaved pairs.",
-        ),
-    ] = False,
+    page_order: _PageOrderOption = None,
+    config: _ConfigOption = None,
+    tp: _TpOption = None,
+    model: _ModelOption = None,
+    hash_seed: _HashSeedOption = None,
+    sequence: _SequenceOption = None,
+    v_transposed: _VTransposedOption = False,
+    hf_rope: _HfRopeOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Write a kvsnap snapshot as a vLLM fs-tier namespace or a llama.cpp sequence state."""

@@ -1,5 +1,9 @@
 """The facade users hold: ``capture``, and ``Snapshot`` (open, verify, compare, restore).
 
+``capture`` lives in :mod:`kvsnap.snapshot_capture` and the methods that read KV back as
+tensors in :mod:`kvsnap.snapshot_tensors` (:class:`~kvsnap.snapshot_tensors.SnapshotTensors`,
+which ``Snapshot`` inherits); both are imported from here.
+
 It owns no mechanism: capture and restore run on ``kvsnap.pipeline.Pipeline`` (the staging
 loop over slots that span tensors), reading and writing go through ``kvsnap.store``, and
 whether a snapshot fits a target is ``kvsnap.format.fit``'s call.
@@ -18,13 +22,13 @@ from kvsnap import format as fmt
 from kvsnap.errors import UnknownSequenceError
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
-from kvsnap.layout import KVGeometry, torch_dtype
+from kvsnap.layout import KVGeometry
+from kvsnap.snapshot_capture import capture
+from kvsnap.snapshot_tensors import SnapshotTensors
 from kvsnap.store import SnapshotReader, TraceHook
 from kvsnap.store.read.head_parts import HeadPart, OpenedSnapshot, open_snapshot, whole_snapshot
 
 if TYPE_CHECKING:
-    import torch
-
     from kvsnap.analysis import Comparison, LayerDifference
     from kvsnap.errors import SignatureError
     from kvsnap.layout import CacheLayout
@@ -70,122 +74,7 @@ __all__ = [
 ]
 
 
-def capture(
-    layout: CacheLayout | Sequence[CacheLayout],
-    sequences: Sequence[SequenceBlocks],
-    path: str | Path,
-    *,
-    source: fmt.SourceInfo | None = None,
-    transfer: TransferOptions | None = None,
-    staging: StagingOptions | PinnedPool | None = None,
-    reproducible: bool = False,
-    max_shard_bytes: int | None = None,
-    direct_io: bool | None = None,
-    progress: ProgressCallback | None = None,
-    trace: TraceHook | None = None,
-    per_rank_parts: bool = False,
-    keys: KeyRing | None = None,
-) -> CaptureResult:
-    """Write the KV of ``sequences`` from the cache ``layout`` describes to a snapshot file.
-
-    With one layout per TP rank held by this process, each rank contributes the canonical
-    fragments it is elected for, and the snapshot is the complete TP-free one. Blocks whose
-    prefix hash chains coincide are stored once. The snapshot is published atomically: on any
-    error the previous file at ``path`` is untouched. Repeated calls are warm; a caller
-    capturing from the same caches many times may keep a ``Pipeline`` instead.
-
-    Args:
-        layout: The engine cache, described by a layout constructor such as
-            ``vllm_split_layout``, or a list with one such layout per TP rank held here.
-        sequences: The sequences to capture: each one's token ids and the device blocks
-            holding their KV (``SequenceBlocks``).
-        path: Where the snapshot goes: a local path or an fsspec URL.
-        source: Where the KV came from (engine, model id, model fingerprint). Default
-            ``None``: unknown, and restores then skip the fingerprint check.
-        transfer: How pages move (``TransferOptions``: a named backend, an SM budget).
-            Default ``None``: the fused page copy.
-        staging: The host memory pages stage through: ``StagingOptions``, or a
-            ``PinnedPool`` the caller keeps. Default ``None``: kvsnap's process-wide slots,
-            pinned once.
-        reproducible: Record nothing time- or host-dependent, so that the same KV always
-            gives the same bytes. Default ``False``.
-        max_shard_bytes: Split the snapshot into shard files of at most this many bytes.
-            Default ``None``: one file.
-        direct_io: ``True`` requires ``O_DIRECT`` writes of the KV, ``False`` never uses
-            them. Default ``None``: ``O_DIRECT`` where the filesystem accepts it.
-        progress: ``progress(done_bytes, total_bytes)``, called as data moves. Default
-            ``None``.
-        trace: ``trace(kind, started, finished, nbytes)``, called with a span for each step
-            (setup, slot waits, transfers, checksums, writes, commit phases;
-            ``benchmarks/e2e.py --timeline`` shows them). Default ``None``.
-        per_rank_parts: With one layout per TP rank, write a parted snapshot
-            (docs/format.md, "Parted snapshots"): one part file per distinct head range,
-            each from the first rank holding it, then the index ``path + ".index.json"``.
-            ``max_shard_bytes`` and ``progress`` do not apply. Default ``False``.
-        keys: Sign every file with the first key of this ``KeyRing``
-            (``kvsnap.store.files.keys.load_key_ring``): an HMAC-SHA256 over its header and every
-            byte but its pages, the pages bound by their BLAKE3 digests, which
-            ``Snapshot.open`` checks when given the keys (and every page read later against
-            its digest). Default ``None``: unsigned.
-
-    Returns:
-        A ``CaptureResult``: the path written (a parted snapshot's index), the numbers of
-        sequences, tokens, blocks and bytes, the seconds taken and the copy backend used.
-
-    Raises:
-        ValueError: Sequences that break the rules (no tokens, duplicate ids, not exactly
-            ``ceil(tokens / block_size)`` block ids), or ``per_rank_parts`` with
-            ``max_shard_bytes`` or ``progress``.
-        LayoutError: Layouts of TP ranks that do not describe one model's cache.
-        SnapshotIOError: Writing failed (disk full, permission denied, a lost connection).
-        TransferFailedError: A copy out of the cache failed.
-
-    Example:
-        Two layers of a vLLM-style cache on the CPU, 8 blocks of 16 tokens, 2 KV heads of 64
-        dimensions; a 40-token prompt in blocks 4, 1 and 6:
-
-        >>> import numpy as np, torch, kvsnap
-        >>> _ = torch.manual_seed(0)
-        >>> kv_caches = [torch.randn(8, 2, 16, 2, 64) for _ in range(2)]
-        >>> layout = kvsnap.vllm_split_layout(kv_caches)
-        >>> prompt = kvsnap.SequenceBlocks("seq-0", np.arange(40), np.array([4, 1, 6]))
-        >>> result = kvsnap.capture(layout, [prompt], "prefix.safetensors")
-        >>> result.num_sequences, result.num_tokens, result.num_blocks
-        (1, 40, 3)
-    """
-    from kvsnap.layout import CacheLayout
-    from kvsnap.pipeline import Pipeline
-    from kvsnap.pipeline.options import staging_options
-
-    common: dict[str, Any] = {
-        "source": source,
-        "reproducible": reproducible,
-        "direct_io": direct_io,
-        "keys": keys,
-    }
-    if per_rank_parts:
-        from kvsnap.parted import capture_parts
-
-        if max_shard_bytes is not None or progress is not None:
-            raise ValueError(
-                "per_rank_parts writes one file per head range: no shards, no progress"
-            )
-        layouts = [layout] if isinstance(layout, CacheLayout) else layout
-        return capture_parts(
-            layouts, sequences, path, transfer=transfer, staging=staging, trace=trace, **common
-        )
-    return Pipeline(layout, transfer=transfer).capture(
-        sequences,
-        path,
-        staging=staging_options(staging),
-        max_shard_bytes=max_shard_bytes,
-        progress=progress,
-        trace=trace,
-        **common,
-    )
-
-
-class Snapshot:
+class Snapshot(SnapshotTensors):
     """An open snapshot: its metadata, its sequences, and what can be done with them.
 
     Made by ``Snapshot.open``, never directly; a ``Snapshot`` is a context manager that
@@ -495,94 +384,6 @@ class Snapshot:
 
     # -- data ------------------------------------------------------------------------------
 
-    def read_tensor(self, name: str) -> torch.Tensor:
-        """A whole canonical tensor, every block of it, checksums verified.
-
-        Args:
-            name: The tensor, ``layers.{layer}.{part}`` with part ``key``, ``value`` or
-                ``latent`` (MLA).
-
-        Returns:
-            A CPU tensor of the snapshot's dtype, ``(num_blocks, block_size, num_kv_heads,
-            head_dim)`` (``(num_blocks, block_size, latent_dim)`` for MLA).
-
-        Raises:
-            KeyError: No tensor of that name.
-            SnapshotCorruptError: A block failed its checksum (with ``verify``).
-            SnapshotIOError: Reading failed.
-
-        Example:
-            >>> import kvsnap
-            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
-            ...     tuple(snap.read_tensor("layers.1.value").shape)
-            (3, 16, 2, 64)
-        """
-        if len(self.parts) == 1:
-            return self.parts[0].reader.read_tensor(name)
-        import torch
-
-        # Parts hold head ranges: the head axis of the canonical page is the third.
-        return torch.cat([part.reader.read_tensor(name) for part in self.parts], dim=2)
-
-    def sequence_kv(self, sequence_id: str, name: str) -> torch.Tensor:
-        """One sequence's KV of tensor ``name``, token by token, checksums verified.
-
-        Args:
-            sequence_id: The sequence.
-            name: The tensor, ``layers.{layer}.{part}`` (see ``read_tensor``).
-
-        Returns:
-            A CPU tensor ``(num_tokens, num_kv_heads, head_dim)``, or ``(num_tokens,
-            latent_dim)`` for MLA.
-
-        Raises:
-            UnknownSequenceError: No sequence of that id.
-            KeyError: No tensor of that name.
-            SnapshotCorruptError: A block failed its checksum (with ``verify``).
-
-        Example:
-            >>> import kvsnap
-            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
-            ...     tuple(snap.sequence_kv("seq-0", "layers.0.key").shape)
-            (40, 2, 64)
-        """
-        import torch
-
-        record = self.sequence(sequence_id)
-        if len(self.parts) == 1:
-            return _sequence_kv(self.parts[0].reader, record, name)
-        return torch.cat([_sequence_kv(part.reader, record, name) for part in self.parts], dim=1)
-
-    def compare(self, other: Snapshot, *, atol: float = 0.0, rtol: float = 0.0) -> Comparison:
-        """Compare this snapshot's KV with a reference snapshot, token by token.
-
-        The layers, KV heads and head size must match; dtype and block size may differ.
-        Sequences are paired by id (by position when no id matches, which a note says); an
-        element mismatches when ``|a - b| > atol + rtol * |b|`` or exactly one is NaN
-        (``kvsnap.analysis.compare``).
-
-        Args:
-            other: The reference snapshot.
-            atol: Absolute tolerance. Default ``0.0``: exact.
-            rtol: Relative tolerance. Default ``0.0``.
-
-        Returns:
-            A ``Comparison``: ``ok``, the structural ``problems``, per tensor the largest
-            difference and mismatch count (``layers``), and ``notes``; ``report()`` prints it.
-
-        Raises:
-            SnapshotCorruptError: A block failed its checksum.
-
-        Example:
-            >>> import kvsnap
-            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
-            ...     snap.compare(snap).ok
-            True
-        """
-        from kvsnap import analysis
-
-        return analysis.compare(self, other, atol=atol, rtol=rtol)
-
     def restore(
         self,
         layout: CacheLayout | Sequence[CacheLayout],
@@ -653,76 +454,6 @@ class Snapshot:
 
     # -- statistics ------------------------------------------------------------------------
 
-    def valid_tokens_per_block(self) -> np.ndarray:
-        """How many leading tokens of each snapshot block hold real KV.
-
-        A sequence's last block may be partial; a block no sequence references counts 0
-        (``kvsnap.analysis.valid_tokens_per_block``).
-
-        Returns:
-            An int64 array, one count per snapshot block.
-
-        Example:
-            >>> import kvsnap
-            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
-            ...     snap.valid_tokens_per_block().tolist()
-            [16, 16, 8]
-        """
-        from kvsnap import analysis
-
-        return analysis.valid_tokens_per_block(self)
-
-    def tensor_stats(self, name: str) -> dict[str, float | int]:
-        """Statistics of one tensor over the tokens that hold real KV.
-
-        Args:
-            name: The tensor, ``layers.{layer}.{part}`` (see ``read_tensor``).
-
-        Returns:
-            ``absmax``, ``mean``, ``std`` (population; of the finite values) and the ``nan``
-            and ``inf`` counts; all zero when no token holds KV
-            (``kvsnap.analysis.tensor_stats``).
-
-        Raises:
-            KeyError: No tensor of that name.
-            SnapshotCorruptError: A block failed its checksum.
-
-        Example:
-            >>> import kvsnap
-            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
-            ...     stats = snap.tensor_stats("layers.0.key")
-            >>> sorted(stats), stats["nan"]
-            (['absmax', 'inf', 'mean', 'nan', 'std'], 0)
-        """
-        from kvsnap import analysis
-
-        return analysis.tensor_stats(self, name)
-
-    def token_norms(self, sequence_id: str) -> dict[str, np.ndarray]:
-        """The L2 norm of each token's KV in each layer, of one sequence.
-
-        Args:
-            sequence_id: The sequence.
-
-        Returns:
-            Per part (``key`` and ``value``, or ``latent``), a float32 ``(num_layers,
-            num_tokens)`` array (``kvsnap.analysis.token_norms``).
-
-        Raises:
-            UnknownSequenceError: No sequence of that id.
-            SnapshotCorruptError: A block failed its checksum.
-
-        Example:
-            >>> import kvsnap
-            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
-            ...     norms = snap.token_norms("seq-0")
-            >>> {part: array.shape for part, array in norms.items()}
-            {'key': (2, 40), 'value': (2, 40)}
-        """
-        from kvsnap import analysis
-
-        return analysis.token_norms(self, sequence_id)
-
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -746,18 +477,3 @@ class Snapshot:
 
 #: :attr:`Snapshot.page_binding` by the metadata's signature algorithm.
 _PAGE_BINDINGS = {fmt.SIGNATURE_ALGORITHM: "blake3", fmt.SIGNATURE_ALGORITHM_V1: "xxh3-64"}
-
-
-def _sequence_kv(reader: SnapshotReader, record: fmt.SequenceRecord, name: str) -> torch.Tensor:
-    """The KV of tensor ``name`` of the sequence ``record`` from ``reader``'s snapshot (a part
-    of one: its heads), ``(num_tokens, heads, head_dim)`` or ``(num_tokens, latent_dim)``."""
-    import torch
-
-    geometry = reader.metadata.geometry
-    page_bytes = reader.page_size_bytes(name)
-    pages = np.empty(len(record.block_ids) * page_bytes, dtype=np.uint8)
-    reader.read_pages(name, record.block_ids, pages)
-    shape = geometry.canonical_page_shape
-    tensor = torch.from_numpy(pages).view(torch_dtype(geometry.dtype))
-    tokens = tensor.reshape(len(record.block_ids) * shape[0], *shape[1:])
-    return tokens[: len(record.token_ids)]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -55,10 +54,12 @@ from .vllm_fs_config import (
     NAMESPACE_DIR,
     ROW_ALIGNMENT,
     block_path,
+    glob_escape,
     namespace_digest,
     namespace_name,
     namespace_of,
     namespaces_under,
+    placement_problems,
     prefix_hashes,
     read_config,
 )
@@ -276,7 +277,7 @@ class VLLMFsNamespace(ForeignSource):
         sizes: dict[int, int] = {}
         groups = len(self.fields["kv_cache_groups"])
         for path, digest, group in self.block_files():
-            problems += _placement_problems(path, digest, group, groups)
+            problems += placement_problems(path, digest, group, groups)
             try:
                 actual = path.stat().st_size
             except OSError as error:
@@ -457,30 +458,6 @@ class VLLMFsNamespace(ForeignSource):
             starts = [[(w * layers + layer) * page for w in range(tp)] for layer in range(layers)]
             self._file_order = tile_pages(order, starts)
         return self._file_order
-
-
-def glob_escape(name: str) -> str:
-    """``name`` with glob's special characters escaped."""
-    return re.sub(r"([*?\[])", r"[\1]", name)
-
-
-def _placement_problems(path: Path, digest: str, group: int, groups: int) -> list[ForeignProblem]:
-    """Problems with where a block file sits: vLLM derives the two directories from its hash."""
-    problems = []
-    if path.parent.parent.name != digest[:3] or not path.parent.name.startswith(f"{digest[3:5]}_g"):
-        problems.append(
-            ForeignProblem(
-                str(path),
-                f"misplaced: block {digest} belongs under {digest[:3]}/{digest[3:5]}_g<group>/",
-            )
-        )
-    if not 0 <= group < groups:
-        problems.append(
-            ForeignProblem(
-                str(path), f"KV cache group {group} is not one of the {groups} in config.json"
-            )
-        )
-    return problems
 
 
 VLLM_FS = ForeignFormat(

@@ -17,6 +17,8 @@ from typing import Any
 
 from kvsnap.errors import NotASnapshotError, SnapshotCorruptError, SnapshotIOError
 
+from .base import ForeignProblem
+
 ENGINE_VERSION = "0.32"
 CONFIG_NAME = "config.json"
 #: vLLM pads each host-region row, and so each block file, to the page size.
@@ -149,3 +151,27 @@ def namespaces_under(root: Path) -> list[Path]:
 def block_path(rank_dir: Path, digest: str, group: int = 0) -> Path:
     """Where vLLM keeps block ``digest`` (hex) of KV cache group ``group`` in ``rank_dir``."""
     return rank_dir / digest[:3] / f"{digest[3:5]}_g{group}" / f"{digest}.bin"
+
+
+def glob_escape(name: str) -> str:
+    """``name`` with glob's special characters escaped."""
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def placement_problems(path: Path, digest: str, group: int, groups: int) -> list[ForeignProblem]:
+    """Problems with where a block file sits: vLLM derives the two directories from its hash."""
+    problems = []
+    if path.parent.parent.name != digest[:3] or not path.parent.name.startswith(f"{digest[3:5]}_g"):
+        problems.append(
+            ForeignProblem(
+                str(path),
+                f"misplaced: block {digest} belongs under {digest[:3]}/{digest[3:5]}_g<group>/",
+            )
+        )
+    if not 0 <= group < groups:
+        problems.append(
+            ForeignProblem(
+                str(path), f"KV cache group {group} is not one of the {groups} in config.json"
+            )
+        )
+    return problems

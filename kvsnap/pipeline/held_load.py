@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvsnap.errors import SnapshotCorruptError, TransferFailedError
-from kvsnap.pipeline.restore import FailedPages
+from kvsnap.pipeline.restore_run import FailedPages
 from kvsnap.store import SnapshotReader, TraceHook, traced
 from kvsnap.store.read.slot_reads import held_page_failures
 from kvsnap.transfer.cpu import copy_page_fragments

@@ -22,7 +22,8 @@ import numpy as np
 from kvsnap import format as fmt
 from kvsnap.errors import RestoreIncompleteError
 from kvsnap.pipeline.jobs import RestoreResult
-from kvsnap.pipeline.restore import FailedPages, describe_failure, failed_target_blocks
+from kvsnap.pipeline.restore import describe_failure, failed_target_blocks
+from kvsnap.pipeline.restore_run import FailedPages
 from kvsnap.store.read.head_parts import HeadPart
 
 

@@ -16,7 +16,8 @@ from kvsnap.pipeline.fused import FusedMover
 from kvsnap.pipeline.movers import SlotMover
 from kvsnap.pipeline.options import LARGE_SLOT_BYTES, StagingOptions
 from kvsnap.pipeline.part_jobs import PartMove
-from kvsnap.pipeline.restore import FailedPages, RestoreSource, restore_slots
+from kvsnap.pipeline.restore import RestoreSource, restore_slots
+from kvsnap.pipeline.restore_run import FailedPages
 from kvsnap.pipeline.slots import slot_loads
 from kvsnap.pipeline.snapshot_pages import SnapshotPages, lease_hot_files
 from kvsnap.pipeline.staging import staging_ring

@@ -99,6 +99,12 @@ if triton is not None:
         return acc_even, acc_odd
 
     @triton.jit
+    def _scramble(acc, keys, prime32_1):
+        """The scramble at the end of each 1 KiB block: ``acc`` with its top bits folded in,
+        xored with the scramble keys at ``keys``, times PRIME32_1."""
+        return ((acc ^ (acc >> 47)) ^ tl.load(keys).to(tl.uint64, bitcast=True)) * prime32_1
+
+    @triton.jit
     def _fold(left, right, low32):
         """The low 64 bits xor the high 64 bits of each 128-bit product ``left * right``."""
         left_lo, left_hi = left & low32, left >> 32
@@ -146,14 +152,8 @@ if triton is not None:
                     half,
                     low32,
                 )
-            acc_even = (acc_even ^ (acc_even >> 47)) ^ tl.load(constants + 128 + half).to(
-                tl.uint64, bitcast=True
-            )
-            acc_odd = (acc_odd ^ (acc_odd >> 47)) ^ tl.load(constants + 129 + half).to(
-                tl.uint64, bitcast=True
-            )
-            acc_even = acc_even * prime32_1
-            acc_odd = acc_odd * prime32_1
+            acc_even = _scramble(acc_even, constants + 128 + half, prime32_1)
+            acc_odd = _scramble(acc_odd, constants + 129 + half, prime32_1)
         last_stripes: tl.constexpr = ((PAGE_BYTES - 1) - 1024 * num_blocks) // 64
         for stripe in tl.static_range(last_stripes):
             acc_even, acc_odd = _accumulate(

@@ -44,6 +44,8 @@ LAYER = {
     "store": 2,
     "pipeline": 3,
     "snapshot": 4,
+    "snapshot_capture": 4,
+    "snapshot_tensors": 4,
     "parted": 4,
     "analysis": 4,
     "distributed": 5,
@@ -86,6 +88,14 @@ TORCH_FREE_START = {
         "kvsnap.pipeline",
         "kvsnap.pipeline.options",
     },
+    # The facade's capture and its tensor reads, imported by kvsnap.snapshot at its start.
+    "kvsnap.snapshot_capture": {
+        "kvsnap.layout",
+        "kvsnap.parted",
+        "kvsnap.pipeline",
+        "kvsnap.pipeline.options",
+    },
+    "kvsnap.snapshot_tensors": {"kvsnap.analysis"},
     "kvsnap.store.write.slot_writes": {"kvsnap.transfer.pinned"},
 }
 

@@ -11,16 +11,13 @@ named accessors: :class:`~kvsnap.store.read.checksums.Checksums` (trailers, bloc
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xxhash
 
 from kvsnap import format as fmt
-from kvsnap.caches import register_cache_clear
 from kvsnap.dtypes import SAFETENSORS_TYPES
 from kvsnap.errors import NotASnapshotError, SignatureError, SnapshotCorruptError
 from kvsnap.format import Problem, SnapshotMetadata, TensorEntry
@@ -31,7 +28,13 @@ from kvsnap.store.files.resolve import Form, Resolved, open_retrying
 from kvsnap.store.read import slot_reads
 from kvsnap.store.read.checksums import Checksums
 from kvsnap.store.read.opened import OpenedFiles, joined_digests, placements
-from kvsnap.store.read.opening import decoded_header
+from kvsnap.store.read.opening import (
+    check_shard,
+    decoded_header,
+    metadata_names,
+    parted_index_refused,
+    trailer_digest,
+)
 from kvsnap.store.read.page_reads import PageReads
 from kvsnap.store.read.signatures import checked_page_digests, signature_problem, signing_key_id
 from kvsnap.store.read.source import OpenFile, Source
@@ -155,12 +158,7 @@ class SnapshotReader:
         error close those opened."""
         try:
             if resolved.form is Form.PARTED:
-                assert resolved.index_location is not None
-                raise NotASnapshotError(
-                    "is the index of a parted snapshot (one file per head range): open it with "
-                    "kvsnap.Snapshot.open, or open one part file",
-                    file=resolved.index_location.url,
-                )
+                raise parted_index_refused(resolved)
             if resolved.form is Form.SINGLE:
                 self._opened.index_digests = None
                 self._checksums = Checksums(self._opened)
@@ -214,24 +212,10 @@ class SnapshotReader:
         self._header_metadata = index.metadata
         specs = fmt.specs_for(index.metadata)
         position = 0
-        count = len(index.files)
         for number, location in enumerate(resolved.members, start=1):
             header = self._open_file(location, resolved.directory)
-            if header.metadata.shard != (number, count):
-                raise SnapshotCorruptError(
-                    f"claims to be shard {header.metadata.shard}, "
-                    f"the index lists it as {number} of {count}",
-                    file=location.url,
-                )
-            if header.metadata.unsharded_document() != index.metadata.document:
-                raise SnapshotCorruptError("metadata differs from the index's", file=location.url)
-            held = [entry.name for entry in self._opened.open_files[-1].layout.layer_entries]
-            expected = [spec.name for spec in specs[position : position + len(held)]]
-            if held != expected or any(index.weight_map[name] != location.name for name in held):
-                raise SnapshotCorruptError(
-                    "holds other tensors than the index assigns it", file=location.url
-                )
-            position += len(held)
+            layout = self._opened.open_files[-1].layout
+            position = check_shard(index, number, location, header, layout, specs, position)
             if self._opened.verify:
                 self._checksums.check_index_digest(number - 1)
         if position != len(specs):
@@ -242,7 +226,7 @@ class SnapshotReader:
 
     def _load_metadata(self) -> SnapshotMetadata:
         header = self._header_metadata
-        names = _metadata_names(len(header.sequences))
+        names = metadata_names(len(header.sequences))
         tensors: dict[str, np.ndarray] = {}
         for name in names:
             raw = self._read_checked(name)
@@ -345,12 +329,7 @@ class SnapshotReader:
     def trailer_digest(self) -> str:
         """xxh3-128 (32 hex digits) of a single-file snapshot's checksum trailer, read from the
         file: what a parted snapshot's index records for each part."""
-        if len(self._opened.open_files) != 1:
-            raise ValueError("trailer_digest is defined for a single-file snapshot")
-        open_file = self._opened.open_files[0]
-        entry = open_file.layout.by_name[fmt.CHECKSUMS_TENSOR]
-        raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.CHECKSUMS_TENSOR)
-        return xxhash.xxh3_128_hexdigest(raw)
+        return trailer_digest(self._opened.open_files)
 
     @property
     def files(self) -> list[str]:
@@ -519,14 +498,3 @@ class SnapshotReader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-@functools.lru_cache(maxsize=16)
-def _metadata_names(sequences: int) -> tuple[str, ...]:
-    """The metadata tensors of a snapshot of ``sequences`` sequences, in file order."""
-    parts = ("token_ids", "block_ids")
-    per_sequence = [f"sequences.{index}.{part}" for index in range(sequences) for part in parts]
-    return (*per_sequence, fmt.BLOCK_HASHES_TENSOR)
-
-
-register_cache_clear(_metadata_names.cache_clear)

@@ -15,12 +15,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import math
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,40 +30,18 @@ from kvsnap.format import SnapshotMetadata
 from kvsnap.format.signing import KeyRing
 from kvsnap.store.base import tuning
 from kvsnap.store.base.completion import Completion
+from kvsnap.store.base.interrupts import uninterrupted
 from kvsnap.store.base.pools import cpu_count, shared_executor
 from kvsnap.store.base.tracing import TraceHook, traced
 from kvsnap.store.files.location import io_error, locate
+from kvsnap.store.write.info import SnapshotInfo
 from kvsnap.store.write.lanes import TaskGroup
 from kvsnap.store.write.local_target import LocalTarget
 from kvsnap.store.write.order import WriteOrder
+from kvsnap.store.write.page_hashing import PageHashing
 from kvsnap.store.write.slot_writes import SlotPiece, all_done, contiguous_writes, hash_batches
 from kvsnap.store.write.snapshot_files import SnapshotFiles, WriteGate, WriteTarget
 from kvsnap.store.write.stream_target import StreamTarget
-
-
-@dataclass(frozen=True)
-class SnapshotInfo:
-    """What :meth:`SnapshotWriter.commit` published.
-
-    ``path`` is what :class:`SnapshotReader` opens (the file, or the index of a sharded
-    snapshot); ``files`` the data files in order; ``num_bytes`` their total size; ``kv_bytes``
-    the layer tensors' bytes. ``direct_io`` tells whether O_DIRECT carried layer data.
-    """
-
-    path: str
-    files: tuple[str, ...]
-    num_bytes: int
-    kv_bytes: int
-    num_blocks: int
-    direct_io: bool
-    fallback_reason: str | None
-    seconds: float
-    #: xxh3-128 (hex) of each file's checksum trailer, in ``files`` order: what an index
-    #: records to bind itself to exactly these files.
-    trailers: tuple[str, ...] = ()
-    #: Whether the layer data was placed in the mapped files by the caller's device copies
-    #: (:meth:`SnapshotWriter.map_for_device`) rather than written.
-    mapped: bool = False
 
 
 class SnapshotWriter:
@@ -133,6 +109,7 @@ class SnapshotWriter:
         self._page_bytes = self._snapshot_files.page_bytes
         self._num_blocks = self._snapshot_files.num_blocks
         self._binds_pages = self._snapshot_files.page_digests is not None
+        self._hashing = PageHashing(self._snapshot_files, trace)
         self._order = WriteOrder(
             self._snapshot_files.names, self._snapshot_files.tensor_index, self._num_blocks
         )
@@ -197,8 +174,8 @@ class SnapshotWriter:
             empty.set_result(None)
             return empty
         self._gate.admit(flat.nbytes)
-        hash_parts = self._split(first, count, tuning.SUBCHUNK_BYTES)
-        write_parts = self._split(first, count, tuning.WRITE_CHUNK_BYTES)
+        hash_parts = self._hashing.split(first, count, tuning.SUBCHUNK_BYTES)
+        write_parts = self._hashing.split(first, count, tuning.WRITE_CHUNK_BYTES)
         done = Completion(
             len(hash_parts) + len(write_parts),
             on_done=lambda: self._gate.release(flat.nbytes),
@@ -207,12 +184,12 @@ class SnapshotWriter:
         # The file write does not need the checksums: hashing and writing read the same buffer
         # at once, so the disk starts as soon as the buffer arrives.
         for block, blocks in hash_parts:
-            view = self._pages_view(flat, first, block, blocks)
-            hashed = self._submit_hash(self._hash, tensor, block, view)
+            view = self._hashing.pages_view(flat, first, block, blocks)
+            hashed = self._submit_hash(self._hashing.hash, tensor, block, view)
             self._target.hashed(shard, hashed)
             done.watch(hashed)
         for block, blocks in write_parts:
-            view = self._pages_view(flat, first, block, blocks)
+            view = self._hashing.pages_view(flat, first, block, blocks)
             done.watch(self._submit_write(shard, entry.begin + block * self._page_bytes, view))
         if self._order.count(tensor, count):
             self._target.tensor_done(self._order.due())
@@ -248,9 +225,9 @@ class SnapshotWriter:
         total = sum(piece[2].nbytes for piece in pieces)
         self._gate.admit(total)
         if digests is not None:
-            self._store_digests(pieces, digests, self._snapshot_files.digests)
+            self._hashing.store_digests(pieces, digests, self._snapshot_files.digests)
         if page_digests is not None and self._binds_pages:
-            self._store_digests(pieces, page_digests, self._snapshot_files.page_digests)
+            self._hashing.store_digests(pieces, page_digests, self._snapshot_files.page_digests)
         kinds = (digests is None, page_digests is None and self._binds_pages)
         batches = hash_batches(pieces, tuning.SUBCHUNK_BYTES) if kinds[0] or kinds[1] else []
         writes = contiguous_writes(pieces, tuning.WRITE_CHUNK_BYTES)
@@ -266,7 +243,7 @@ class SnapshotWriter:
             cancelled=lambda: SnapshotIOError("the writer was aborted", file=self._location.url),
         )
         for batch in batches:
-            done.watch(self._submit_hash(self._hash_batch, batch, *kinds))
+            done.watch(self._submit_hash(self._hashing.hash_batch, batch, *kinds))
         for shard, offset, view in writes:
             done.watch(self._submit_write(shard, offset, view))
         return done.future
@@ -438,7 +415,7 @@ class SnapshotWriter:
         self._state = "aborted"
         self._gate.fail(SnapshotIOError("the writer was aborted", file=self._location.url))
         self._target.unlink_temporaries()
-        interrupted = _uninterrupted(lambda: self._shutdown_threads(cancel=True))
+        interrupted = uninterrupted(lambda: self._shutdown_threads(cancel=True))
         self._target.discard()
         if interrupted is not None:
             raise interrupted
@@ -465,60 +442,11 @@ class SnapshotWriter:
             raise RuntimeError(f"the snapshot writer is {self._state}")
         self._gate.raise_error()
 
-    def _split(self, first: int, count: int, unit_bytes: int) -> list[tuple[int, int]]:
-        """Pieces ``(first_block, num_blocks)`` of about ``unit_bytes``; when pages are not
-        4096-multiples, piece sizes stay multiples of 4096 so O_DIRECT keeps alignment."""
-        per = max(1, unit_bytes // self._page_bytes)
-        step = fmt.DATA_ALIGNMENT // math.gcd(self._page_bytes, fmt.DATA_ALIGNMENT)
-        per = -(-per // step) * step
-        return [
-            (block, min(per, first + count - block)) for block in range(first, first + count, per)
-        ]
-
     def _report(self, nbytes: int) -> None:
         with self._progress_lock:
             self._layer_bytes_done += nbytes
             if self._progress is not None:
                 self._progress(self._layer_bytes_done)
-
-    def _hash(
-        self, tensor: int, block: int, view: np.ndarray, xxh3: bool = True, blake3: bool = True
-    ) -> None:
-        """Hash pages ``view`` (blocks ``block`` onwards of layer tensor ``tensor``): their
-        xxh3-64 (``xxh3``) and, for a signed snapshot, their BLAKE3 digests (``blake3``)."""
-        files = self._snapshot_files
-        with traced(self._trace, "hash", view.nbytes):
-            if xxh3:
-                digests = fmt.block_digests(view, self._page_bytes)
-                files.digests[tensor, block : block + len(digests)] = digests
-            if blake3 and files.page_digests is not None:
-                bound = fmt.page_digests(view, self._page_bytes)
-                files.page_digests[tensor, block : block + len(bound)] = bound
-
-    def _hash_batch(
-        self, batch: Sequence[tuple[int, int, np.ndarray]], xxh3: bool, blake3: bool
-    ) -> None:
-        for tensor, block, view in batch:
-            self._hash(tensor, block, view, xxh3, blake3)
-
-    def _store_digests(
-        self, pieces: Sequence[SlotPiece], digests: np.ndarray, table: np.ndarray | None
-    ) -> None:
-        """Record digests computed elsewhere into ``table`` (tensors x blocks, of xxh3-64 or
-        of BLAKE3 digests), page by page in the order of ``pieces``."""
-        assert table is not None
-        page = 0
-        for tensor, first, flat, _, _ in pieces:
-            count = flat.nbytes // self._page_bytes
-            table[tensor, first : first + count] = digests[page : page + count]
-            page += count
-        if page != len(digests):
-            raise ValueError(f"{len(digests)} digests for {page} pages")
-
-    def _pages_view(self, flat: np.ndarray, first: int, block: int, count: int) -> np.ndarray:
-        """Blocks ``block .. block+count`` of a buffer whose first page is block ``first``."""
-        page = self._page_bytes
-        return flat[(block - first) * page : (block - first + count) * page]
 
     def _submit_hash(
         self, work: Callable[..., None], *args: Any
@@ -546,23 +474,3 @@ class SnapshotWriter:
         cancel those not started first); the pools keep running for other writers."""
         self._hash_pool.shutdown(wait=True, cancel_futures=cancel)
         self._target.shutdown(cancel)
-
-
-#: ``KeyboardInterrupt``s an abort's wait absorbs before it lets the next one through.
-_ABSORBED_INTERRUPTS = 2
-
-
-def _uninterrupted(work: Callable[[], None]) -> KeyboardInterrupt | None:
-    """Run ``work`` to its end even when ``KeyboardInterrupt`` arrives meanwhile (``work`` is
-    then run again: it must be a wait that may be repeated); returns the last interrupt. After
-    :data:`_ABSORBED_INTERRUPTS` of them the next one propagates: a wait that cannot end must
-    not make Ctrl-C powerless."""
-    interrupted: KeyboardInterrupt | None = None
-    for _ in range(_ABSORBED_INTERRUPTS):
-        try:
-            work()
-            return interrupted
-        except KeyboardInterrupt as error:
-            interrupted = error
-    work()
-    return interrupted
