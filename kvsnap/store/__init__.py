@@ -32,7 +32,8 @@ for the commit's phases; without one the pipeline only pays a ``None`` check per
 The package is five rooms, each a sub-package whose name says what changes there
 (docs/architecture.md draws them; tests/project/test_import_layers.py holds the order):
 
-- :mod:`~kvsnap.store.base`: thread pools, pipeline sizes, the trace hook, split futures;
+- :mod:`~kvsnap.store.base`: thread pools, pipeline sizes, the trace hook, split futures, a
+  wait Ctrl-C does not cut short;
 - :mod:`~kvsnap.store.files`: locations, which form a path holds, temporary names and the
   atomic publish, what a replacement deletes, part file names, signing-key files;
 - :mod:`~kvsnap.store.hot`: the page cache as a tier (mapped, registered, resident files, the

@@ -145,7 +145,7 @@ def page_of(pages: np.ndarray, page_bytes: int, block: int) -> bytes:
 
 def temp_files(directory: Path) -> list[str]:
     """The writers' temporary files in ``directory``, but for this process's spare capture
-    files (``store/spare_files.py``: made in the background after a DMA capture, waited for
+    files (``store/hot/spare_files.py``: made in the background after a DMA capture, waited for
     here; :func:`spare_names` lists them)."""
     spares = set(spare_names(directory))
     return sorted(

@@ -329,7 +329,7 @@ class KVSnapWorker:
         """Finish the queued snapshot writes within the drain bound, abandon the rest
         (``save_abandoned``: nothing of them is published), log a ``shutdown`` event, then
         drop the pipeline and the spare capture files its DMA saves left in the store's
-        directories (``store/spare_files.py``).
+        directories (``store/hot/spare_files.py``).
 
         The bound is ``shutdown_drain_s``, else the window vLLM gives its workers to exit
         (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``), so that the worker ends before vLLM kills

@@ -340,7 +340,7 @@ def test_engines_sharing_a_store_hold_its_bound(tmp_path: Path) -> None:
 def test_shutdown_drops_the_spare_capture_files_in_the_store(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A DMA save leaves a spare file in its chunk's directory (store/spare_files.py); the
+    """A DMA save leaves a spare file in its chunk's directory (store/hot/spare_files.py); the
     worker's shutdown removes the spares under its store, and only those."""
     from kvsnap.store.base import tuning
     from tests.support.store_helpers import build, spare_names, write_mapped
