@@ -71,6 +71,11 @@ def test_type_checkers_see_every_lazy_export_where_it_is_imported_from() -> None
     assert _type_checking_imports(kvsnap.testing) == testing
     reexported = {(module, name) for name, module in kvsnap.snapshot._REEXPORTS.items()}
     assert reexported <= _type_checking_imports(kvsnap.snapshot)
+    import kvsnap.engines.vllm
+
+    assert _type_checking_imports(kvsnap.engines.vllm) == set(
+        (module, name) for name, module in kvsnap.engines.vllm._MODULE_OF.items()
+    )
 
 
 def test_all_lists_each_export_once_and_every_export_resolves() -> None:

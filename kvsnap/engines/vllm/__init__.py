@@ -43,7 +43,7 @@ their public names:
   (:func:`vllm_layout`, :class:`BlockOrder`, :func:`probe_block_order`);
 * :mod:`~kvsnap.engines.vllm.prefix_store`: the prefix store (:class:`PrefixStore`,
   :class:`StoreMatch`, :class:`ChunkRef`, :func:`store_namespace`);
-  :mod:`~kvsnap.engines.vllm.store_entries`: a store's entries and sizes
+  :mod:`~kvsnap.engines.vllm.store_listing`: a store's entries and sizes
   (:func:`store_entries`); :mod:`~kvsnap.engines.vllm.eviction`: LRU pruning
   (:func:`prune_store`); :mod:`~kvsnap.engines.vllm.chunk_check`: the
   scheduler's check of a chunk (:class:`ChunkChecker`);
@@ -81,10 +81,10 @@ _MODULE_OF = {
     "EventLog": "kvsnap.engines.vllm.events",
     "count_events": "kvsnap.engines.vllm.events",
     "read_events": "kvsnap.engines.vllm.events",
-    "StoreEntry": "kvsnap.engines.vllm.store_entries",
+    "StoreEntry": "kvsnap.engines.vllm.store_listing",
     "prune_store": "kvsnap.engines.vllm.eviction",
-    "store_bytes": "kvsnap.engines.vllm.store_entries",
-    "store_entries": "kvsnap.engines.vllm.store_entries",
+    "store_bytes": "kvsnap.engines.vllm.store_listing",
+    "store_entries": "kvsnap.engines.vllm.store_listing",
     "CacheIdentity": "kvsnap.engines.vllm.identity",
     "MultimodalInput": "kvsnap.engines.vllm.identity",
     "adapter_digest": "kvsnap.engines.vllm.identity",
@@ -163,7 +163,7 @@ if TYPE_CHECKING:
         SaveSpec,
         external_request_id,
     )
-    from kvsnap.engines.vllm.store_entries import StoreEntry, store_bytes, store_entries
+    from kvsnap.engines.vllm.store_listing import StoreEntry, store_bytes, store_entries
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,6 @@
 """A prefix store as a whole: its entries, their sizes and last use, and LRU pruning.
 
-:func:`~kvsnap.engines.vllm.store_entries.store_entries` lists every chunk, quarantined chunk
+:func:`~kvsnap.engines.vllm.store_listing.store_entries` lists every chunk, quarantined chunk
 and leftover under a store root (all namespaces), a parted chunk as one entry (its index and
 parts); :func:`prune_store` deletes leftover temporary files, abandoned parts and quarantined
 chunks first, then chunks in order of last use, until the store fits a byte bound. A chunk's
@@ -58,7 +58,7 @@ from kvsnap.engines.vllm.store_directories import (
     lstat_at,
     relative_parts,
 )
-from kvsnap.engines.vllm.store_entries import (
+from kvsnap.engines.vllm.store_listing import (
     ORPHAN_GRACE_S,
     STAGE_MARKER,
     StoreEntry,
@@ -70,7 +70,7 @@ from kvsnap.engines.vllm.store_entries import (
 from kvsnap.store.files import publish
 from kvsnap.store.hot.tier import hot_tier
 
-# The entries' names are read from here too, where they lived before store_entries.py.
+# The entries' names are read from here too, where they lived before store_listing.py.
 __all__ = [
     "ORPHAN_GRACE_S",
     "STAGE_MARKER",
