@@ -6,8 +6,9 @@ of the metadata tensors it loads, and a single file's trailer digest."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import xxhash
 
 from kvsnap import format as fmt
@@ -130,6 +131,22 @@ def trailer_digest(open_files: Sequence[OpenFile]) -> str:
     entry = open_file.layout.by_name[fmt.CHECKSUMS_TENSOR]
     raw = open_file.source.read(entry.begin, entry.nbytes, tensor=fmt.CHECKSUMS_TENSOR)
     return xxhash.xxh3_128_hexdigest(raw)
+
+
+def loaded_metadata(
+    header: fmt.HeaderMetadata, read_checked: Callable[[str], bytes], url: str
+) -> fmt.SnapshotMetadata:
+    """``header`` (the metadata a header holds) completed with its metadata tensors (every
+    sequence's token and block ids, the block hashes), each read with ``read_checked``."""
+    tensors: dict[str, np.ndarray] = {}
+    for name in metadata_names(len(header.sequences)):
+        raw = read_checked(name)
+        dtype = np.dtype("<i8") if name.startswith("sequences.") else np.dtype(np.uint8)
+        array = np.frombuffer(raw, dtype=dtype)
+        tensors[name] = (
+            array.reshape(-1, fmt.DIGEST_BYTES) if name == fmt.BLOCK_HASHES_TENSOR else array
+        )
+    return header.with_tensors(tensors, file=url)
 
 
 @functools.lru_cache(maxsize=16)

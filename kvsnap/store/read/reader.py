@@ -1,8 +1,8 @@
 """The snapshot reader: strict header checks, coalesced verified reads, queued reads.
 
 :class:`SnapshotReader` opens the files (one resolution, one open each) and owns them; the
-jobs around them are objects and functions of their own that reach the reader through its
-named accessors: :class:`~kvsnap.store.read.checksums.Checksums` (trailers, block-checksum rows),
+jobs around them receive what they need (:class:`~kvsnap.store.read.opened.OpenedFiles`, the
+checksums), never the reader: :class:`~kvsnap.store.read.checksums.Checksums` (trailers, rows),
 :class:`~kvsnap.store.read.page_reads.PageReads` (one tensor's pages),
 :mod:`~kvsnap.store.read.slot_reads` (many tensors' pages per staging slot) and
 :mod:`~kvsnap.store.read.verify` (the full check).
@@ -31,7 +31,7 @@ from kvsnap.store.read.opened import OpenedFiles, joined_digests, placements
 from kvsnap.store.read.opening import (
     check_shard,
     decoded_header,
-    metadata_names,
+    loaded_metadata,
     parted_index_refused,
     trailer_digest,
 )
@@ -148,7 +148,8 @@ class SnapshotReader:
             tensors = len(opened.layer_names)
             table = joined_digests(self._file_digests, tensors, self.url)
             self.page_digest_table = opened.page_digest_table = table
-        self.metadata: SnapshotMetadata = self._load_metadata()
+        header = self._header_metadata
+        self.metadata: SnapshotMetadata = loaded_metadata(header, self._read_checked, self.url)
         opened.metadata = self.metadata
 
     # -- opening ---------------------------------------------------------------------------
@@ -223,19 +224,6 @@ class SnapshotReader:
                 f"the shards hold {position} of {len(specs)} tensors",
                 file=resolved.index_location.url,
             )
-
-    def _load_metadata(self) -> SnapshotMetadata:
-        header = self._header_metadata
-        names = metadata_names(len(header.sequences))
-        tensors: dict[str, np.ndarray] = {}
-        for name in names:
-            raw = self._read_checked(name)
-            dtype = np.dtype("<i8") if name.startswith("sequences.") else np.dtype(np.uint8)
-            array = np.frombuffer(raw, dtype=dtype)
-            tensors[name] = (
-                array.reshape(-1, fmt.DIGEST_BYTES) if name == fmt.BLOCK_HASHES_TENSOR else array
-            )
-        return header.with_tensors(tensors, file=self.url)
 
     # -- signatures ------------------------------------------------------------------------
 
