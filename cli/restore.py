@@ -62,7 +62,7 @@ def restore(
     with Snapshot.open(location, keys=keys) as snap:
         loaded = models.load(model, dtype=_model_dtype(snap), device=device, quiet=as_json)
         # Refuse before anything is allocated or written, naming both sides.
-        models.check_fits(engine, snap, loaded, force=force)
+        models.check_fits(engine, snap, loaded, force=force, command="restore")
         started = time.perf_counter()
         restored = []
         with progress_bar("restore", enabled=not as_json) as progress:

@@ -1,0 +1,233 @@
+"""Compare two snapshots' KV, streaming: :func:`compare` reads both a bounded step at a time
+(the next step read while this one is reduced) and folds every step into per-tensor, per-head
+numbers (:mod:`kvsnap.analysis.diff_kernel`), whatever the snapshots' size."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvsnap import format as fmt
+from kvsnap.analysis.comparison import Comparison, DiffProfile, LayerDifference
+from kvsnap.analysis.diff_kernel import Piece, TensorDiff, TopDifferences
+from kvsnap.analysis.pairing import (
+    SequencePair,
+    geometry_problem,
+    layout_notes,
+    pair_sequences,
+    source_differences,
+)
+from kvsnap.analysis.readable import ReadableSnapshot
+from kvsnap.analysis.reads import BlockSource, prefetched, token_blocks, tokens_per_step
+from kvsnap.analysis.values import compute_dtype, decoder
+
+#: ``progress(done_bytes, total_bytes)``: bytes of stored KV read, of both snapshots.
+Progress = Callable[[int, int], None]
+#: Token bins of a profile (``kvsnap diff --plot``): a longer sequence is binned.
+PROFILE_BINS = 1024
+
+
+def compare(
+    a: ReadableSnapshot,
+    b: ReadableSnapshot,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    top: int = 10,
+    profile_sequence: str | None = None,
+    progress: Progress | None = None,
+) -> Comparison:
+    """Compare snapshot ``a``'s KV with reference ``b``, reading both once, in bounded memory.
+
+    The layers, KV heads and head size (or MLA latent width) must match (otherwise the only
+    problem names the differing fields, and nothing is read); the dtype and the block size
+    may differ. Sequences are paired by id, by position when no id is in both (a note says
+    so); a sequence only in one snapshot, a different count, length or token ids is one
+    problem each. Paired sequences are compared token by token over the tokens both hold, in
+    float32 (float64 when either is float64). An element is beyond the tolerance when
+    ``|a - b| > atol + rtol * |b|``, or when it is NaN or Inf in one snapshot and not the same
+    in the other. ``top`` largest differences are kept; ``profile_sequence`` (a sequence id
+    of ``a``; default the first pair holding tokens) gets a per-token profile.
+    """
+    paths = (a.path, b.path)
+    problem = geometry_problem(a, b)
+    sources = source_differences(a, b)
+    if problem is not None:
+        return Comparison(False, [], [problem], sources=sources, paths=paths)
+    pairs, problems, notes = pair_sequences(a, b)
+    notes = layout_notes(a, b, atol, rtol) + notes
+    if not pairs:
+        problems.append(fmt.Problem(None, None, "the snapshots share no sequence"))
+        return Comparison(False, [], problems, notes, sources, paths=paths)
+    run = _Run(a, b, pairs, atol, rtol, top, _profiled(pairs, profile_sequence))
+    layers = run.layers(progress)
+    ok = not problems and all(layer.num_mismatches == 0 for layer in layers)
+    return Comparison(
+        ok,
+        layers,
+        problems,
+        notes,
+        sources,
+        run.top.entries,
+        atol,
+        rtol,
+        paths,
+        run.profile(),
+    )
+
+
+def _profiled(pairs: list[SequencePair], sequence_id: str | None) -> int:
+    """The index of the pair a profile is kept for: ``sequence_id``'s (an id of ``a``), else
+    the first pair holding tokens."""
+    if sequence_id is not None:
+        for index, (mine, _) in enumerate(pairs):
+            if mine.id == sequence_id:
+                return index
+        known = ", ".join(repr(mine.id) for mine, _ in pairs[:8])
+        raise KeyError(f"no compared sequence {sequence_id!r} (compared: {known})")
+    for index, (mine, theirs) in enumerate(pairs):
+        if min(len(mine.token_ids), len(theirs.token_ids)):
+            return index
+    return 0
+
+
+@dataclass(frozen=True)
+class _Step:
+    tensor: str
+    pair: int
+    start: int
+    stop: int
+
+
+class _Run:
+    """One comparison: the steps over every tensor and sequence pair, their buffers, and the
+    running numbers."""
+
+    def __init__(
+        self,
+        a: ReadableSnapshot,
+        b: ReadableSnapshot,
+        pairs: list[SequencePair],
+        atol: float,
+        rtol: float,
+        top: int,
+        profiled: int,
+    ) -> None:
+        self.sources = (BlockSource(a), BlockSource(b))
+        self.pairs = pairs
+        self.atol, self.rtol = atol, rtol
+        self.top = TopDifferences(top)
+        self.dtype = compute_dtype(a.geometry.dtype, b.geometry.dtype)
+        self.decoders = [decoder(s.geometry.dtype, self.dtype) for s in self.sources]
+        heads, dim = self.sources[0].heads, self.sources[0].dim
+        self.shape = (heads, dim)
+        token_bytes = max(source.token_bytes for source in self.sources)
+        self.step_tokens = tokens_per_step(
+            token_bytes, a.geometry.block_size, b.geometry.block_size
+        )
+        self.raw = [
+            [np.empty(self._raw_bytes(source), dtype=np.uint8) for _ in range(2)]
+            for source in self.sources
+        ]
+        elements = self.step_tokens * heads * dim
+        self.work = [np.empty(elements, dtype=self.dtype) for _ in range(3)]
+        self.profiled = profiled
+        self._profile: dict[str, np.ndarray] = {}
+        self._bins = _bin_starts(_pair_tokens(pairs[profiled]))
+
+    def _raw_bytes(self, source: BlockSource) -> int:
+        blocks = self.step_tokens // source.block_size + 1
+        return blocks * source.page_bytes
+
+    def steps(self) -> list[_Step]:
+        steps = []
+        for tensor in self.sources[0].geometry.tensor_names():
+            for index, pair in enumerate(self.pairs):
+                count = _pair_tokens(pair)
+                for start in range(0, count, self.step_tokens):
+                    steps.append(_Step(tensor, index, start, min(count, start + self.step_tokens)))
+        return steps
+
+    def _start(self, step: _Step, slot: int) -> Callable[[], None]:
+        waits = []
+        for side, source in enumerate(self.sources):
+            record = self.pairs[step.pair][side]
+            blocks = token_blocks(record, source.block_size, step.start, step.stop)
+            waits.append(source.start(step.tensor, blocks, self.raw[side][slot], slot))
+
+        def wait_both() -> None:
+            for wait in waits:
+                wait()
+
+        return wait_both
+
+    def layers(self, progress: Progress | None) -> list[LayerDifference]:
+        steps = self.steps()
+        token_bytes = sum(source.token_bytes for source in self.sources)
+        total = sum(step.stop - step.start for step in steps) * token_bytes
+        done = 0
+        tensors: dict[str, TensorDiff] = {}
+        for number, (step, _) in enumerate(prefetched(steps, self._start)):
+            diff = tensors.get(step.tensor)
+            if diff is None:
+                diff = TensorDiff(step.tensor, *self.shape, self.atol, self.rtol, self.top)
+                tensors[step.tensor] = diff
+            relative = diff.add(self._piece(step, number % 2))
+            if step.pair == self.profiled:
+                self._add_profile(step, relative)
+            done += (step.stop - step.start) * token_bytes
+            if progress is not None:
+                progress(done, total)
+        names = self.sources[0].geometry.tensor_names()
+        return [
+            tensors[name].result() if name in tensors else _empty(name, self.shape[0])
+            for name in names
+        ]
+
+    def _piece(self, step: _Step, slot: int) -> Piece:
+        count = step.stop - step.start
+        shape = (count, *self.shape)
+        size = count * self.shape[0] * self.shape[1]
+        decoded = []
+        for side, source in enumerate(self.sources):
+            raw = self.raw[side][slot][: count * source.token_bytes]
+            out = self.work[side][:size]
+            self.decoders[side](raw, out)
+            decoded.append(out.reshape(shape))
+        sequence = self.pairs[step.pair][0].id
+        scratch = self.work[2][:size].reshape(shape)
+        return Piece(step.tensor, sequence, step.start, decoded[0], decoded[1], scratch)
+
+    def _add_profile(self, step: _Step, relative: np.ndarray) -> None:
+        layer, part = step.tensor.split(".")[1:]
+        layers = self.sources[0].geometry.num_layers
+        values = self._profile.setdefault(part, np.zeros((layers, len(self._bins), self.shape[0])))
+        tokens = np.arange(step.start, step.stop)
+        bins = np.searchsorted(self._bins, tokens, side="right") - 1
+        firsts = np.flatnonzero(np.diff(bins, prepend=-1))
+        # np.maximum keeps NaN: a bin holding a NaN or Inf vector stays marked.
+        largest = np.maximum.reduceat(relative, firsts, axis=0)
+        row = values[int(layer)]
+        row[bins[firsts]] = np.maximum(row[bins[firsts]], largest)
+
+    def profile(self) -> DiffProfile | None:
+        if not self._profile:
+            return None
+        pair = self.pairs[self.profiled]
+        return DiffProfile(pair[0].id, _pair_tokens(pair), self._bins, self._profile)
+
+
+def _pair_tokens(pair: SequencePair) -> int:
+    return min(len(pair[0].token_ids), len(pair[1].token_ids))
+
+
+def _bin_starts(count: int) -> np.ndarray:
+    bins = max(1, min(count, PROFILE_BINS))
+    return (np.arange(bins, dtype=np.int64) * count) // bins
+
+
+def _empty(name: str, heads: int) -> LayerDifference:
+    """A tensor no token was compared in (every paired sequence empty)."""
+    return LayerDifference(name, 0.0, 0, None)

@@ -1,0 +1,140 @@
+"""Per-tensor statistics of a snapshot's real tokens, streaming: every layer tensor is read a
+bounded step at a time (the next step read while this one is reduced), so ``kvsnap inspect
+--stats`` runs in the same memory for a 1 MB and a 100 GB snapshot.
+
+Each step's statistics are merged into the running ones with the pairwise update of Chan,
+Golub and LeVeque (counts, means and sums of squared deviations), which stays exact where a
+running sum of squares would cancel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvsnap.analysis.readable import ReadableSnapshot
+from kvsnap.analysis.reads import STEP_BYTES, BlockSource, prefetched
+from kvsnap.analysis.values import compute_dtype, decoder
+
+#: ``progress(done_bytes, total_bytes)``: bytes of stored KV read.
+Progress = Callable[[int, int], None]
+
+
+def valid_tokens_per_block(snapshot: ReadableSnapshot) -> np.ndarray:
+    """How many leading tokens of each snapshot block hold real KV (partial last blocks; a
+    block no sequence references counts 0)."""
+    valid = np.zeros(snapshot.num_blocks, dtype=np.int64)
+    block_size = snapshot.geometry.block_size
+    for record in snapshot.sequences:
+        if len(record.block_ids) == 0:  # a sequence without tokens holds no block
+            continue
+        counts = np.full(len(record.block_ids), block_size, dtype=np.int64)
+        counts[-1] = len(record.token_ids) - block_size * (len(record.block_ids) - 1)
+        np.maximum.at(valid, np.asarray(record.block_ids, dtype=np.int64), counts)
+    return valid
+
+
+@dataclass
+class _Running:
+    """Count, mean and sum of squared deviations of the finite values; absmax; NaN, Inf."""
+
+    count: int = 0
+    mean: float = 0.0
+    squares: float = 0.0
+    absmax: float = 0.0
+    nan: int = 0
+    inf: int = 0
+
+    def add(self, values: np.ndarray, scratch: np.ndarray) -> None:
+        total = float(np.add.reduce(values, dtype=values.dtype))
+        if not np.isfinite(total):
+            finite = np.isfinite(values)
+            nan = int(np.isnan(values).sum())
+            self.nan += nan
+            self.inf += int(values.size - finite.sum()) - nan
+            values = values[finite]
+            total = float(np.add.reduce(values, dtype=np.float64))
+        count = values.size
+        if not count:
+            return
+        mean = total / count
+        centred = np.subtract(values, mean, out=scratch[:count])
+        squares = float(np.dot(centred, centred))
+        self.absmax = max(self.absmax, float(values.max()), -float(values.min()))
+        merged = self.count + count
+        delta = mean - self.mean
+        self.squares += squares + delta * delta * self.count * count / merged
+        self.mean += delta * count / merged
+        self.count = merged
+
+    def result(self) -> dict[str, float | int]:
+        std = (self.squares / self.count) ** 0.5 if self.count else 0.0
+        return {
+            "absmax": self.absmax,
+            "mean": self.mean if self.count else 0.0,
+            "std": std,
+            "nan": self.nan,
+            "inf": self.inf,
+        }
+
+
+def snapshot_stats(
+    snapshot: ReadableSnapshot,
+    names: Sequence[str] | None = None,
+    *,
+    progress: Progress | None = None,
+) -> dict[str, dict[str, float | int]]:
+    """Per layer tensor (``names``, default every one): absmax, mean, std (population), NaN
+    and Inf counts over the tokens that hold real KV (mean and std of the finite values; all
+    zero when no token does). Reads each block holding real KV once, a bounded step at a
+    time; ``progress`` gets the bytes read."""
+    source = BlockSource(snapshot)
+    valid = valid_tokens_per_block(snapshot)
+    used = np.flatnonzero(valid).astype(np.int64)
+    chosen = list(snapshot.geometry.tensor_names() if names is None else names)
+    per_step = max(1, STEP_BYTES // source.page_bytes)
+    steps = [
+        (name, used[start : start + per_step])
+        for name in chosen
+        for start in range(0, len(used), per_step)
+    ]
+    dtype = compute_dtype(snapshot.geometry.dtype)
+    decode = decoder(snapshot.geometry.dtype, dtype)
+    raw = [np.empty(per_step * source.page_bytes, dtype=np.uint8) for _ in range(2)]
+    elements = per_step * source.page_bytes // source.element_size
+    values, scratch = np.empty(elements, dtype=dtype), np.empty(elements, dtype=dtype)
+    running = {name: _Running() for name in chosen}
+    total = len(steps) and len(used) * source.page_bytes * len(chosen)
+    done = 0
+
+    def start(step: tuple[str, np.ndarray], slot: int) -> Callable[[], None]:
+        return source.start(step[0], step[1], raw[slot], slot)
+
+    for number, ((name, blocks), _) in enumerate(prefetched(steps, start)):
+        size = len(blocks) * source.page_bytes
+        decoded = values[: size // source.element_size]
+        decode(raw[number % 2][:size], decoded)
+        running[name].add(_real_tokens(decoded, valid[blocks], source), scratch)
+        done += size
+        if progress is not None:
+            progress(done, total)
+    return {name: running[name].result() for name in chosen}
+
+
+def _real_tokens(decoded: np.ndarray, valid: np.ndarray, source: BlockSource) -> np.ndarray:
+    """The values of ``decoded`` blocks' real tokens (all of a full block, the first
+    ``valid`` of a partial one), as one flat array."""
+    if (valid == source.block_size).all():
+        return decoded
+    per_token = source.heads * source.dim
+    tokens = decoded.reshape(len(valid) * source.block_size, per_token)
+    keep = (np.arange(source.block_size)[None, :] < valid[:, None]).reshape(-1)
+    return tokens[keep].reshape(-1)
+
+
+def tensor_stats(snapshot: ReadableSnapshot, name: str) -> dict[str, float | int]:
+    """absmax, mean, std (population), NaN and Inf counts of tensor ``name`` over the tokens
+    that hold real KV; all zero when there is no such token (:func:`snapshot_stats`)."""
+    return snapshot_stats(snapshot, [name])[name]
