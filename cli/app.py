@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import click
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperGroup
 
 from kvsnap import __version__
 
@@ -32,6 +32,27 @@ from .output import EXIT_INTERRUPTED, EXIT_USAGE, handle_errors, report_error, s
 from .restore import restore
 from .store import app as store_app
 from .verify import verify
+
+
+def _keep_argument_help() -> None:
+    """Give arguments their help text back: typer 0.25 sets ``help`` before calling
+    ``click.Argument.__init__``, which since click 8.5 takes a ``help`` of its own and resets
+    it to ``None``, so ``--help`` showed no description of ``SNAPSHOT``."""
+    initialise = TyperArgument.__init__
+    if getattr(initialise, "keeps_help", False):
+        return
+
+    def keeping_help(
+        self: TyperArgument, *args: Any, help: str | None = None, **kwargs: Any
+    ) -> None:
+        initialise(self, *args, help=help, **kwargs)
+        self.help = help
+
+    keeping_help.keeps_help = True  # type: ignore[attr-defined]
+    TyperArgument.__init__ = keeping_help  # type: ignore[method-assign]
+
+
+_keep_argument_help()
 
 #: Raised after the help of a group called without a command was printed (click 8.2 and later).
 _NO_ARGS_IS_HELP: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())

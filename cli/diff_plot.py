@@ -77,9 +77,8 @@ def _scale(plt: Any, profile: DiffProfile) -> Any:
 
 
 def _cmap(plt: Any) -> Any:
-    cmap = plt.get_cmap("inferno").copy()
-    cmap.set_bad(SAME_COLOUR)  # masked: an error of exactly 0
-    return cmap
+    # Masked cells (an error of exactly 0) in the colour of "identical".
+    return plt.get_cmap("inferno").with_extremes(bad=SAME_COLOUR)
 
 
 def _panel(axis: Any, cells: np.ndarray, norm: Any, profile: DiffProfile, part: str) -> Any:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvsnap.errors import IncompatibleSnapshotError
 
-from .output import UsageError, stderr
+from .output import UsageError, stderr, text
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +100,11 @@ def load(model: str | None, *, dtype: torch.dtype, device: str, quiet: bool) -> 
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-    return load_model(model, dtype=dtype, device=device)
+    loaded = load_model(model, dtype=dtype, device=device)
+    if not quiet:  # with --json the command's JSON carries them
+        for note in loaded.notes:
+            stderr.print(f"[yellow]note:[/] {text(note)}")
+    return loaded
 
 
 def model_advice(snap: Snapshot) -> str:

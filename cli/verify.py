@@ -74,8 +74,10 @@ def verify(
     key_file: KeyFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Check structure and every checksum (and, with --key-file, the signature); optionally
-    compare with another snapshot or prefill."""
+    """Check snapshots' structure and every checksum, or compare one with another.
+
+    With --key-file also the signature; --against compares with a reference snapshot (the
+    report of kvsnap diff), --recompute with a fresh prefill of its tokens."""
     if len(snapshot) == 1 and is_foreign(snapshot[0]):
         unsupported = {
             "--against": against is not None,

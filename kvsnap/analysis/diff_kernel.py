@@ -175,8 +175,9 @@ class TensorDiff:
         """Fold one step in; returns each vector's relative error ``(tokens, heads)`` (NaN
         where a vector holds NaN or Inf), for a per-token profile."""
         a, b = piece.a, piece.b
-        diff = np.subtract(a, b, out=piece.scratch)
-        norms = _squared_norms(diff, a, b)
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN and Inf are handled below
+            diff = np.subtract(a, b, out=piece.scratch)
+            norms = _squared_norms(diff, a, b)
         valid: np.ndarray | None = None
         unequal: np.ndarray | None = None
         if not (np.isfinite(norms[1]).all() and np.isfinite(norms[2]).all()):

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 #: The report's width.
 WIDTH = 100
+#: Hex digits of a model fingerprint shown (``kvsnap inspect`` shows as many).
+FINGERPRINT_DIGITS = 16
 #: Characters of a sequence id shown in a table cell.
 ID_WIDTH = 10
 
@@ -82,7 +84,10 @@ def _header(comparison: Comparison) -> list[str]:
     first, second = comparison.paths
     lines = [*_wrap(first, "A: "), *_wrap(second, "B: ")]
     for difference in comparison.sources:
-        lines += _wrap(f"{difference.field}: {difference.a} (A) vs {difference.b} (B)", "differs: ")
+        first, second = difference.a, difference.b
+        if difference.field == "model fingerprint":  # as inspect shows it; --json has it whole
+            first, second = first[:FINGERPRINT_DIGITS], second[:FINGERPRINT_DIGITS]
+        lines += _wrap(f"{difference.field}: {first} (A) vs {second} (B)", "differs: ")
     for note in comparison.notes:
         lines += _wrap(note, "note: ")
     for problem in comparison.problems:

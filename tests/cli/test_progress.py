@@ -53,7 +53,7 @@ def test_capture_shows_its_phases_in_one_unit_and_reports_the_total_time(tmp_pat
     )
     assert code == 0, drawn
     assert "loading the model (built-in)" in drawn
-    assert re.search(r"prefill\b.*\b[0-2]/2\b.*prompt [12]", drawn), drawn
+    assert re.search(r"prefill\b.*\b[0-2]/2\b.*sequence [12]", drawn), drawn
     assert "prefill" in drawn and "2/2" in drawn
     assert re.search(r"writing\b.*\bKiB\b", drawn), drawn
     # Sizes and speeds in binary units only, as in the summary.
