@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
-from kvsnap.cli.app import app
 from kvsnap.snapshot import Snapshot
 from kvsnap.testing.golden import KVData, KVSequenceData, write_kv_snapshot
 
@@ -141,7 +141,8 @@ def test_json_carries_the_numbers_the_text_shows_within_a_tolerance(one_weight: 
     code, out, _ = run("verify", changed, "--against", base, "--atol", "1", "--json")
     payload = json.loads(out)
     assert code == 0 and payload["ok"] and payload["problems"] == []
-    key = next(l for l in payload["comparison"]["layers"] if l["tensor"] == "layers.1.key")
+    layers = payload["comparison"]["layers"]
+    key = next(layer for layer in layers if layer["tensor"] == "layers.1.key")
     code, text_out, _ = run("verify", changed, "--against", base, "--atol", "1")
     assert code == 0
     row = next(line for line in text_out.splitlines() if line.startswith("layers.1.key"))

@@ -172,7 +172,7 @@ def test_reads_are_bounded_by_the_step_whatever_the_tensor(
             reader = snapshot.parts[0].reader
             original = reader.read_pages_async
 
-            def recording(name, block_ids, out, *, trace=None, original=original):  # noqa: ANN001, ANN202
+            def recording(name, block_ids, out, *, trace=None, original=original):
                 sizes.append(out.nbytes)
                 return original(name, block_ids, out, trace=trace)
 
