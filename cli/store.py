@@ -313,7 +313,7 @@ def prune(
             min=0.0,
             show_default=False,
             help="Keep parts named by no index that were written this recently (a parted "
-            "write may still be publishing its index). [default: 600]",
+            "write may still be publishing its index); default 600 s.",
         ),
     ] = None,
     as_json: JsonOption = False,

@@ -195,8 +195,8 @@ _PROBE = "Hello, world: the kvsnap tokenizer check 2026."
 
 def tokenizer_problem(tokenizer: Any) -> str | None:
     """Why ``tokenizer`` does not work (transformers 5 returns an empty tokenizer for a model
-    directory without tokenizer files rather than failing), or ``None``: it must turn plain
-    text into known tokens that decode back to it."""
+    directory without tokenizer files rather than failing: one that encodes plain text to
+    nothing, or to the unknown token only), or ``None``."""
     try:
         ids = [int(token) for token in tokenizer.encode(_PROBE, add_special_tokens=False)]
     except (TypeError, ValueError, KeyError, AttributeError) as error:
@@ -204,10 +204,10 @@ def tokenizer_problem(tokenizer: Any) -> str | None:
     if not ids:
         return "its tokenizer encodes text to no tokens"
     unknown = getattr(tokenizer, "unk_token_id", None)
-    if unknown is not None and unknown in ids:
+    if unknown is not None and all(token == unknown for token in ids):
         return f"its tokenizer encodes plain text to the unknown token {tokenizer.unk_token!r}"
-    if "Hello" not in decode_with(tokenizer, ids):
-        return "its tokenizer does not decode what it encodes"
+    if not decode_with(tokenizer, ids).strip():
+        return "its tokenizer decodes what it encodes to nothing"
     return None
 
 
@@ -219,8 +219,9 @@ def prompt_problem(loaded: LoadedModel, prompt: str, ids: Sequence[int]) -> str 
     special = set(getattr(tokenizer, "all_special_ids", ()) or ())
     if isinstance(tokenizer, ByteTokenizer):
         special = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
-    ordinary = [int(token) for token in ids if int(token) not in special]
     unknown = getattr(tokenizer, "unk_token_id", None)
+    special.discard(unknown)  # transformers counts the unknown token as special: it is not
+    ordinary = [int(token) for token in ids if int(token) not in special]
     name = f"model {loaded.model_id!r}"
     if not ordinary:
         return f"encodes to no tokens with the tokenizer of {name}"

@@ -94,4 +94,4 @@ def test_store_prune_shows_the_stores_own_orphan_grace_default() -> None:
     prune = get_command(app).commands["store"].commands["prune"]  # type: ignore[attr-defined]
     [option] = [param for param in prune.params if param.name == "orphan_grace_s"]
     # Shown as a plain number (a string show_default printed as "(600)").
-    assert option.help.endswith(f"[default: {ORPHAN_GRACE_S:g}]") and not option.show_default
+    assert option.help.endswith(f"default {ORPHAN_GRACE_S:g} s.") and not option.show_default
