@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
+from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
-from kvsnap.cli.app import app
 from kvsnap.engines import transformers as kt
 from kvsnap.engines.default_model import ByteTokenizer, load_model
 from kvsnap.errors import ModelLoadError
@@ -52,7 +52,7 @@ def test_a_model_without_tokenizer_files_gets_byte_ids_and_one_note(
 
 def test_a_model_too_small_for_byte_ids_is_refused_in_one_line(tmp_path: Path) -> None:
     directory = save_model(tmp_path / "small", "qwen2", vocab_size=200)
-    with pytest.raises(ModelLoadError, match="no working tokenizer .* vocabulary of 200 ids"):
+    with pytest.raises(ModelLoadError, match=r"no working tokenizer .* vocabulary of 200 ids"):
         load_model(str(directory))
     result = runner.invoke(
         app, ["capture", "-o", str(tmp_path / "x.safetensors"), "-m", str(directory)]
