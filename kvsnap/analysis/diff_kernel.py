@@ -64,7 +64,23 @@ class _VectorStats:
     def add(self, values: np.ndarray, valid: np.ndarray | None, piece: Piece) -> None:
         """Fold ``values`` ``(tokens, heads)`` in, those where ``valid`` is false left out."""
         if valid is not None:
-            values = np.where(valid, values, np.nan)
+            self._add_some(np.where(valid, values, np.nan), piece)
+            return
+        self.head_count += values.shape[0]
+        self.count += values.size
+        self.head_total += values.sum(axis=0)
+        self.total = float(self.head_total.sum())
+        if self.largest:
+            extremes = values.max(axis=0)
+            np.fmax(self.head_extreme, extremes, out=self.head_extreme)
+            self._locate(values, piece, float(extremes.max()))
+        else:
+            extremes = values.min(axis=0)
+            np.fmin(self.head_extreme, extremes, out=self.head_extreme)
+            self._locate(values, piece, float(extremes.min()))
+
+    def _add_some(self, values: np.ndarray, piece: Piece) -> None:
+        """:meth:`add` of ``values`` holding NaN where a vector is left out."""
         finite = ~np.isnan(values)
         counts = finite.sum(axis=0)
         self.head_count += counts
@@ -73,15 +89,20 @@ class _VectorStats:
         self.total = float(self.head_total.sum())
         if not counts.any():
             return
-        pick = np.nanargmax if self.largest else np.nanargmin
         reduce = np.fmax if self.largest else np.fmin
         self.head_extreme = reduce(self.head_extreme, pick_each(values, self.largest))
-        token, head = np.unravel_index(int(pick(values)), values.shape)
-        value = float(values[token, head])
-        better = value > self.extreme if self.largest else value < self.extreme
-        if self.at is None or better:
-            self.extreme = value
-            self.at = VectorLocation(piece.sequence, piece.token + int(token), int(head), value)
+        best = np.nanmax(values) if self.largest else np.nanmin(values)
+        self._locate(np.nan_to_num(values, nan=-np.inf if self.largest else np.inf), piece, best)
+
+    def _locate(self, values: np.ndarray, piece: Piece, best: float) -> None:
+        """Keep where the extreme is when ``best`` (``values``' extreme) beats it."""
+        better = best > self.extreme if self.largest else best < self.extreme
+        if self.at is not None and not better:
+            return
+        index = np.argmax(values) if self.largest else np.argmin(values)
+        token, head = np.unravel_index(int(index), values.shape)
+        self.extreme = best
+        self.at = VectorLocation(piece.sequence, piece.token + int(token), int(head), best)
 
     def mean(self) -> float:
         return self.total / self.count if self.count else float("nan")

@@ -153,5 +153,7 @@ def test_the_parted_write_sketch_uses_only_names_it_defines() -> None:
     sketch = text[text.index("**Writing.**") :]
     sketch = sketch[sketch.index("```text") : sketch.index("```", sketch.index("```text") + 3)]
     assigned = set(re.findall(r"^(\w+) = ", sketch, flags=re.MULTILINE))
-    indexed = set(re.findall(r"(?<![\w.])(\w+)\[", sketch)) | set(re.findall(r"len\((\w+)\)", sketch))
+    indexed = set(re.findall(r"(?<![\w.])(\w+)\[", sketch)) | set(
+        re.findall(r"len\((\w+)\)", sketch)
+    )
     assert indexed and indexed <= assigned, indexed - assigned

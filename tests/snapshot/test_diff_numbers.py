@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvsnap.analysis import reads
+from kvsnap.analysis import diff, reads
 from kvsnap.snapshot import Snapshot
 from kvsnap.testing.golden import KVData, KVSequenceData, write_kv_snapshot
 
@@ -87,11 +87,19 @@ def _reference(a: dict, b: dict, name: str, atol: float, rtol: float) -> dict:
     }
 
 
-@pytest.mark.parametrize("step_bytes", [reads.STEP_BYTES, 256], ids=["whole", "tiny-steps"])
+@pytest.mark.parametrize(
+    ("step_bytes", "piece_elements"),
+    [(reads.STEP_BYTES, diff.PIECE_ELEMENTS), (256, diff.PIECE_ELEMENTS), (4096, 100)],
+    ids=["whole", "tiny-steps", "steps-in-pieces"],
+)
 def test_every_number_matches_a_float64_reference(
-    pair: tuple[Path, Path, dict, dict], step_bytes: int, monkeypatch: pytest.MonkeyPatch
+    pair: tuple[Path, Path, dict, dict],
+    step_bytes: int,
+    piece_elements: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(reads, "STEP_BYTES", step_bytes)
+    monkeypatch.setattr(diff, "PIECE_ELEMENTS", piece_elements)
     path_a, path_b, a, b = pair
     with Snapshot.open(path_a) as first, Snapshot.open(path_b) as second:
         comparison = first.compare(second, atol=1e-3, rtol=1e-2, top=5)
