@@ -119,13 +119,9 @@ def capture(
     started = time.perf_counter()
     with status(f"loading the model ({model or 'built-in'})", enabled=not as_json):
         loaded = models.load(model, dtype=model_dtype, device=device, quiet=as_json)
-    check_token_ids(loaded, token_lists)
-    sequences = encode_prompts(loaded, prompts, chat=chat) + token_lists
-    lengths = [len(ids) for ids in sequences]
-    warning = position_warning(loaded, lengths, force=force, what="a sequence")
-    notes = [*loaded.notes, *([] if warning is None else [warning])]
-    if warning is not None and not as_json:
-        stderr.print(f"[yellow]warning:[/] {text(warning)}")
+    sequences, notes = _sequences(loaded, prompts, token_lists, chat=chat, force=force)
+    if len(notes) > len(loaded.notes) and not as_json:
+        stderr.print(f"[yellow]warning:[/] {text(notes[-1])}")
     loaded_at = time.perf_counter()
     prefilled = _prefill(engine, loaded, sequences, force=force, show_progress=not as_json)
     prefilled_at = time.perf_counter()
@@ -158,6 +154,18 @@ def capture(
         f"in {finished - started:.2f} s (model load {loaded_at - started:.2f} s, prefill "
         f"{prefilled_at - loaded_at:.2f} s, write {finished - prefilled_at:.2f} s)"
     )
+
+
+def _sequences(
+    loaded: Any, prompts: list[str], token_lists: list[list[int]], *, chat: bool, force: bool
+) -> tuple[list[list[int]], list[str]]:
+    """The token ids to capture (the prompts', then ``--tokens``'), each checked, and the notes
+    to give: the model's own, then the warning for a sequence past its positions (``force``)."""
+    check_token_ids(loaded, token_lists)
+    sequences = encode_prompts(loaded, prompts, chat=chat) + token_lists
+    lengths = [len(ids) for ids in sequences]
+    warning = position_warning(loaded, lengths, force=force, what="a sequence")
+    return sequences, [*loaded.notes, *([] if warning is None else [warning])]
 
 
 def _prefill(

@@ -92,7 +92,8 @@ def test_vllm_dump_agrees_with_transformers_and_names_a_perturbed_layer(
     # Two bf16 engines with different kernels agree within a few bf16 steps (|KV| < 16).
     tolerance = ["--atol", "0.25"]
     code, report = _cli("verify", str(dump), "--against", str(reference), *tolerance)
-    assert (code, report) == (0, {"ok": True, "problems": []}), report
+    assert code == 0 and report["ok"] and report["problems"] == [], report
+    assert report["comparison"]["first_divergent_layer"] is None
     code, report = _cli("verify", str(dump), "--against", str(perturbed), *tolerance)
     assert code != 0 and not report["ok"]
     assert {problem["tensor"] for problem in report["problems"]} == {"layers.1.key"}, report
