@@ -75,7 +75,6 @@ BAD_INPUTS = [
     ("capture-prompts-file-blank", "capture -o {out} --prompts-file {blank_prompts}"),
     ("capture-model-dir", "capture -o {out} --model {dir}/no-model"),
     ("inspect-missing", "inspect {missing}"),
-    ("inspect-dir", "inspect {dir}"),
     ("inspect-plot-no-extension", "inspect {fixture} --plot {dir}/noext"),
     ("inspect-plot-dir", "inspect {fixture} --plot {dir}"),
     ("inspect-unknown-sequence", "inspect {fixture} --plot {dir}/p.png --sequence nope"),
@@ -136,7 +135,8 @@ def test_the_messages_say_what_is_wrong(files: dict[str, str]) -> None:
         "capture", "-o", files["out"], "--prompts-file", files["empty_prompts"]
     )
     assert "is a directory" in error("fixture", files["dir"])
-    assert "is a directory" in error("inspect", files["dir"])
+    assert "is a directory" in error("verify", files["dir"])  # inspect DIR lists it
+    assert "a directory is listed on its own" in error("inspect", files["fixture"], files["dir"])
     assert "not a torch device" in error("capture", "-o", files["out"], "--device", "gpu")
     assert "--backend triton cannot run with --device cpu" in error(
         "capture", "-o", files["out"], "--backend", "triton"
