@@ -20,7 +20,15 @@ from kvsnap.analysis.pairing import (
     source_differences,
 )
 from kvsnap.analysis.readable import ReadableSnapshot
-from kvsnap.analysis.reads import BlockSource, prefetched, token_blocks, tokens_per_step
+from kvsnap.analysis.reads import (
+    LANES,
+    BlockSource,
+    ByteCounter,
+    in_lanes,
+    prefetched,
+    token_blocks,
+    tokens_per_step,
+)
 from kvsnap.analysis.values import compute_dtype, decoder
 
 #: ``progress(done_bytes, total_bytes)``: bytes of stored KV read, of both snapshots.
@@ -106,8 +114,8 @@ class _Step:
 
 
 class _Run:
-    """One comparison: the steps over every tensor and sequence pair, their buffers, and the
-    running numbers."""
+    """One comparison: what every lane shares (the pairs, the tolerance, the step and piece
+    sizes, the profile), the tensors split over the lanes, and their results put together."""
 
     def __init__(
         self,
@@ -119,46 +127,101 @@ class _Run:
         top: int,
         profiled: int,
     ) -> None:
-        self.sources = (BlockSource(a), BlockSource(b))
+        self.snapshots = (a, b)
         self.pairs = pairs
         self.atol, self.rtol = atol, rtol
+        self.count = top
         self.top = TopDifferences(top)
         self.dtype = compute_dtype(a.geometry.dtype, b.geometry.dtype)
-        self.decoders = [decoder(s.geometry.dtype, self.dtype) for s in self.sources]
-        heads, dim = self.sources[0].heads, self.sources[0].dim
+        geometry = a.geometry
+        self.names = geometry.tensor_names()
+        heads = 1 if geometry.is_mla else geometry.num_kv_heads
+        dim = geometry.latent_dim if geometry.is_mla else geometry.head_dim
         self.shape = (heads, dim)
-        token_bytes = max(source.token_bytes for source in self.sources)
+        sources = (BlockSource(a), BlockSource(b))
+        self.token_bytes = [source.token_bytes for source in sources]
         self.step_tokens = tokens_per_step(
-            token_bytes, a.geometry.block_size, b.geometry.block_size
+            max(self.token_bytes), a.geometry.block_size, b.geometry.block_size
         )
-        self.raw = [
-            [np.empty(self._raw_bytes(source), dtype=np.uint8) for _ in range(2)]
-            for source in self.sources
-        ]
         self.piece_tokens = max(1, PIECE_ELEMENTS // (heads * dim))
-        elements = min(self.step_tokens, self.piece_tokens) * heads * dim
-        self.work = [np.empty(elements, dtype=self.dtype) for _ in range(3)]
         self.profiled = profiled
-        self._profile: dict[str, np.ndarray] = {}
-        self._bins = _bin_starts(_pair_tokens(pairs[profiled]))
+        self.bins = _bin_starts(_pair_tokens(pairs[profiled]))
+        self.profile_values = {
+            part: np.zeros((geometry.num_layers, len(self.bins), heads)) for part in geometry.parts
+        }
 
-    def _raw_bytes(self, source: BlockSource) -> int:
-        blocks = self.step_tokens // source.block_size + 1
-        return blocks * source.page_bytes
-
-    def steps(self) -> list[_Step]:
+    def steps(self, names: list[str]) -> list[_Step]:
         steps = []
-        for tensor in self.sources[0].geometry.tensor_names():
+        for tensor in names:
             for index, pair in enumerate(self.pairs):
                 count = _pair_tokens(pair)
                 for start in range(0, count, self.step_tokens):
                     steps.append(_Step(tensor, index, start, min(count, start + self.step_tokens)))
         return steps
 
+    def layers(self, progress: Progress | None) -> list[LayerDifference]:
+        """Every tensor's result: the tensors split over the lanes, which run at once."""
+        total = sum(step.stop - step.start for step in self.steps(self.names)) * sum(
+            self.token_bytes
+        )
+        counter = ByteCounter(total, progress)
+        lanes = [_Lane(self, self.names[lane::LANES]) for lane in range(LANES)]
+        results = in_lanes([lane.run for lane in lanes], counter)
+        tensors = {name: diff for lane_result in results for name, diff in lane_result.items()}
+        entries = sorted(
+            (entry for lane in lanes for entry in lane.top.entries),
+            key=lambda location: location.abs_diff,
+            reverse=True,
+        )
+        self.top.entries = entries[: self.count]
+        return [
+            tensors[name].result() if name in tensors else _empty(name, self.shape[0])
+            for name in self.names
+        ]
+
+    def add_profile(self, tensor: str, start: int, stop: int, relative: np.ndarray) -> None:
+        """Fold a piece's vector relative errors into the profile (each tensor is one lane's:
+        lanes write rows of their own)."""
+        layer, part = tensor.split(".")[1:]
+        tokens = np.arange(start, stop)
+        bins = np.searchsorted(self.bins, tokens, side="right") - 1
+        firsts = np.flatnonzero(np.diff(bins, prepend=-1))
+        # np.maximum keeps NaN: a bin holding a NaN or Inf vector stays marked.
+        largest = np.maximum.reduceat(relative, firsts, axis=0)
+        row = self.profile_values[part][int(layer)]
+        row[bins[firsts]] = np.maximum(row[bins[firsts]], largest)
+
+    def profile(self) -> DiffProfile | None:
+        pair = self.pairs[self.profiled]
+        if not _pair_tokens(pair):
+            return None
+        return DiffProfile(pair[0].id, _pair_tokens(pair), self.bins, self.profile_values)
+
+
+class _Lane:
+    """The tensors one thread compares, step by step, with buffers and readers of its own (two
+    raw buffers per snapshot, one decoded piece of each and their difference)."""
+
+    def __init__(self, run: _Run, names: list[str]) -> None:
+        self.shared, self.names = run, names
+        self.sources = tuple(BlockSource(snapshot) for snapshot in run.snapshots)
+        self.decoders = [decoder(s.geometry.dtype, run.dtype) for s in self.sources]
+        self.top = TopDifferences(run.count)
+        self.raw = [
+            [np.empty(self._raw_bytes(source), dtype=np.uint8) for _ in range(2)]
+            for source in self.sources
+        ]
+        heads, dim = run.shape
+        elements = min(run.step_tokens, run.piece_tokens) * heads * dim
+        self.work = [np.empty(elements, dtype=run.dtype) for _ in range(3)]
+
+    def _raw_bytes(self, source: BlockSource) -> int:
+        return (self.shared.step_tokens // source.block_size + 1) * source.page_bytes
+
     def _start(self, step: _Step, slot: int) -> Callable[[], None]:
         waits = []
         for side, source in enumerate(self.sources):
-            record = self.pairs[step.pair][side]
+            record = self.shared.pairs[step.pair][side]
             blocks = token_blocks(record, source.block_size, step.start, step.stop)
             waits.append(source.start(step.tensor, blocks, self.raw[side][slot], slot))
 
@@ -168,36 +231,30 @@ class _Run:
 
         return wait_both
 
-    def layers(self, progress: Progress | None) -> list[LayerDifference]:
-        steps = self.steps()
-        token_bytes = sum(source.token_bytes for source in self.sources)
-        total = sum(step.stop - step.start for step in steps) * token_bytes
-        done = 0
+    def run(self, advance: Callable[[int], bool]) -> dict[str, TensorDiff]:
+        """Compare this lane's tensors; ``advance(bytes)`` counts progress and says whether
+        to go on (another lane failed: stop)."""
+        run = self.shared
         tensors: dict[str, TensorDiff] = {}
-        for number, (step, _) in enumerate(prefetched(steps, self._start)):
+        for number, (step, _) in enumerate(prefetched(run.steps(self.names), self._start)):
             diff = tensors.get(step.tensor)
             if diff is None:
-                diff = TensorDiff(step.tensor, *self.shape, self.atol, self.rtol, self.top)
+                diff = TensorDiff(step.tensor, *run.shape, run.atol, run.rtol, self.top)
                 tensors[step.tensor] = diff
-            for first in range(step.start, step.stop, self.piece_tokens):
-                last = min(step.stop, first + self.piece_tokens)
+            for first in range(step.start, step.stop, run.piece_tokens):
+                last = min(step.stop, first + run.piece_tokens)
                 relative = diff.add(self._piece(step, number % 2, first, last))
-                if step.pair == self.profiled:
-                    self._add_profile(step.tensor, first, last, relative)
-            done += (step.stop - step.start) * token_bytes
-            if progress is not None:
-                progress(done, total)
-        names = self.sources[0].geometry.tensor_names()
-        return [
-            tensors[name].result() if name in tensors else _empty(name, self.shape[0])
-            for name in names
-        ]
+                if step.pair == run.profiled:
+                    run.add_profile(step.tensor, first, last, relative)
+            if not advance((step.stop - step.start) * sum(run.token_bytes)):
+                break
+        return tensors
 
     def _piece(self, step: _Step, slot: int, first: int, last: int) -> Piece:
         """Tokens ``[first, last)`` of ``step`` (read into buffer ``slot``), decoded."""
         count = last - first
-        shape = (count, *self.shape)
-        size = count * self.shape[0] * self.shape[1]
+        shape = (count, *self.shared.shape)
+        size = count * self.shared.shape[0] * self.shared.shape[1]
         decoded = []
         for side, source in enumerate(self.sources):
             offset = (first - step.start) * source.token_bytes
@@ -205,29 +262,9 @@ class _Run:
             out = self.work[side][:size]
             self.decoders[side](raw, out)
             decoded.append(out.reshape(shape))
-        sequence = self.pairs[step.pair][0].id
+        sequence = self.shared.pairs[step.pair][0].id
         scratch = self.work[2][:size].reshape(shape)
         return Piece(step.tensor, sequence, first, decoded[0], decoded[1], scratch)
-
-    def _add_profile(self, tensor: str, start: int, stop: int, relative: np.ndarray) -> None:
-        layer, part = tensor.split(".")[1:]
-        values = self._profile.get(part)
-        if values is None:
-            layers = self.sources[0].geometry.num_layers
-            values = self._profile[part] = np.zeros((layers, len(self._bins), self.shape[0]))
-        tokens = np.arange(start, stop)
-        bins = np.searchsorted(self._bins, tokens, side="right") - 1
-        firsts = np.flatnonzero(np.diff(bins, prepend=-1))
-        # np.maximum keeps NaN: a bin holding a NaN or Inf vector stays marked.
-        largest = np.maximum.reduceat(relative, firsts, axis=0)
-        row = values[int(layer)]
-        row[bins[firsts]] = np.maximum(row[bins[firsts]], largest)
-
-    def profile(self) -> DiffProfile | None:
-        if not self._profile:
-            return None
-        pair = self.pairs[self.profiled]
-        return DiffProfile(pair[0].id, _pair_tokens(pair), self._bins, self._profile)
 
 
 def _pair_tokens(pair: SequencePair) -> int:

@@ -9,7 +9,9 @@ caller reduces step ``i``. Memory stays at two buffers per snapshot, whatever it
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
@@ -20,8 +22,11 @@ from kvsnap.analysis.readable import ReadableSnapshot
 from kvsnap.dtypes import kv_element
 
 #: Bytes of stored KV one step reads from one snapshot (two such buffers per snapshot are in
-#: use at a time: the one being reduced and the one being read).
+#: use at a time in each lane: the one being reduced and the one being read).
 STEP_BYTES = 4 << 20
+#: Threads that reduce at once, each its own share of the tensors: numpy lets go of the GIL
+#: inside its loops, so two lanes keep both cores of a small machine busy.
+LANES = 2
 
 Step = TypeVar("Step")
 Result = TypeVar("Result")
@@ -119,3 +124,37 @@ def prefetched(
                 pending()
             except Exception:  # the caller's own error is the one to report
                 pass
+
+
+class ByteCounter:
+    """Progress of several lanes as one count: ``add(bytes)`` from any thread, passed on to
+    ``progress(done, total)``; it answers ``False`` once a lane has failed (the others stop)."""
+
+    def __init__(self, total: int, progress: Callable[[int, int], None] | None) -> None:
+        self.total = total
+        self.done = 0
+        self.failed = False
+        self._progress = progress
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> bool:
+        with self._lock:
+            self.done += nbytes
+            if self._progress is not None:
+                self._progress(self.done, self.total)
+            return not self.failed
+
+
+def in_lanes(
+    work: Sequence[Callable[[Callable[[int], bool]], Result]], counter: ByteCounter
+) -> list[Result]:
+    """Run each ``work(advance)`` on a thread of its own and return their results in order;
+    the first error is raised once every lane has stopped (told to by ``advance``)."""
+    if len(work) == 1:
+        return [work[0](counter.add)]
+    with concurrent.futures.ThreadPoolExecutor(len(work), "kvsnap-analysis") as pool:
+        futures = [pool.submit(lane, counter.add) for lane in work]
+        for future in concurrent.futures.as_completed(futures):
+            if future.exception() is not None:
+                counter.failed = True
+        return [future.result() for future in futures]

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvsnap.analysis.readable import ReadableSnapshot
-from kvsnap.analysis.reads import STEP_BYTES, BlockSource, prefetched
+from kvsnap.analysis.reads import (
+    LANES,
+    STEP_BYTES,
+    BlockSource,
+    ByteCounter,
+    in_lanes,
+    prefetched,
+)
 from kvsnap.analysis.values import compute_dtype, decoder
 
 #: ``progress(done_bytes, total_bytes)``: bytes of stored KV read.
@@ -89,38 +96,55 @@ def snapshot_stats(
     """Per layer tensor (``names``, default every one): absmax, mean, std (population), NaN
     and Inf counts over the tokens that hold real KV (mean and std of the finite values; all
     zero when no token does). Reads each block holding real KV once, a bounded step at a
-    time; ``progress`` gets the bytes read."""
-    source = BlockSource(snapshot)
+    time, the tensors split over :data:`~kvsnap.analysis.reads.LANES` threads; ``progress``
+    gets the bytes read."""
     valid = valid_tokens_per_block(snapshot)
     used = np.flatnonzero(valid).astype(np.int64)
     chosen = list(snapshot.geometry.tensor_names() if names is None else names)
-    per_step = max(1, STEP_BYTES // source.page_bytes)
-    steps = [
-        (name, used[start : start + per_step])
-        for name in chosen
-        for start in range(0, len(used), per_step)
-    ]
-    dtype = compute_dtype(snapshot.geometry.dtype)
-    decode = decoder(snapshot.geometry.dtype, dtype)
-    raw = [np.empty(per_step * source.page_bytes, dtype=np.uint8) for _ in range(2)]
-    elements = per_step * source.page_bytes // source.element_size
-    values, scratch = np.empty(elements, dtype=dtype), np.empty(elements, dtype=dtype)
-    running = {name: _Running() for name in chosen}
-    total = len(steps) and len(used) * source.page_bytes * len(chosen)
-    done = 0
-
-    def start(step: tuple[str, np.ndarray], slot: int) -> Callable[[], None]:
-        return source.start(step[0], step[1], raw[slot], slot)
-
-    for number, ((name, blocks), _) in enumerate(prefetched(steps, start)):
-        size = len(blocks) * source.page_bytes
-        decoded = values[: size // source.element_size]
-        decode(raw[number % 2][:size], decoded)
-        running[name].add(_real_tokens(decoded, valid[blocks], source), scratch)
-        done += size
-        if progress is not None:
-            progress(done, total)
+    page_bytes = BlockSource(snapshot).page_bytes
+    counter = ByteCounter(len(used) * page_bytes * len(chosen), progress)
+    lanes = [_StatsLane(snapshot, chosen[lane::LANES], used, valid) for lane in range(LANES)]
+    results = in_lanes([lane.run for lane in lanes if lane.names], counter)
+    running = {name: stats for result in results for name, stats in result.items()}
     return {name: running[name].result() for name in chosen}
+
+
+class _StatsLane:
+    """The tensors one thread measures, with a reader and buffers of its own."""
+
+    def __init__(
+        self, snapshot: ReadableSnapshot, names: list[str], used: np.ndarray, valid: np.ndarray
+    ) -> None:
+        self.names, self.used, self.valid = names, used, valid
+        self.source = source = BlockSource(snapshot)
+        self.per_step = max(1, STEP_BYTES // source.page_bytes)
+        dtype = compute_dtype(snapshot.geometry.dtype)
+        self.decode = decoder(snapshot.geometry.dtype, dtype)
+        self.raw = [np.empty(self.per_step * source.page_bytes, dtype=np.uint8) for _ in range(2)]
+        elements = self.per_step * source.page_bytes // source.element_size
+        self.values, self.scratch = np.empty(elements, dtype=dtype), np.empty(elements, dtype)
+
+    def _start(self, step: tuple[str, np.ndarray], slot: int) -> Callable[[], None]:
+        return self.source.start(step[0], step[1], self.raw[slot], slot)
+
+    def run(self, advance: Callable[[int], bool]) -> dict[str, _Running]:
+        """Measure this lane's tensors; ``advance(bytes)`` counts progress and says whether to
+        go on."""
+        source, used = self.source, self.used
+        steps = [
+            (name, used[start : start + self.per_step])
+            for name in self.names
+            for start in range(0, len(used), self.per_step)
+        ]
+        running = {name: _Running() for name in self.names}
+        for number, ((name, blocks), _) in enumerate(prefetched(steps, self._start)):
+            size = len(blocks) * source.page_bytes
+            decoded = self.values[: size // source.element_size]
+            self.decode(self.raw[number % 2][:size], decoded)
+            running[name].add(_real_tokens(decoded, self.valid[blocks], source), self.scratch)
+            if not advance(size):
+                break
+        return running
 
 
 def _real_tokens(decoded: np.ndarray, valid: np.ndarray, source: BlockSource) -> np.ndarray:
