@@ -180,3 +180,16 @@ def test_a_picture_of_8000_tokens_is_binned_and_marks_nan(tmp_path: Path) -> Non
     bin_of_nan = int(np.searchsorted(profile.bin_starts, 5000, side="right")) - 1
     assert np.isnan(values[1, bin_of_nan, 1]) and np.isnan(values).sum() == 1
     assert (profile.values["key"] > 0).all()
+
+
+def test_a_damaged_block_stops_the_diff_with_one_line(one_weight: dict, tmp_path: Path) -> None:
+    """Both snapshots are checked block by block as they are read: a flipped byte is named, in
+    one line, whichever thread reads it, and nothing is reported as compared."""
+    data = bytearray(one_weight["base"].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(bytes(data))
+    code, out, err = run("diff", str(one_weight["changed"]), str(damaged))
+    assert code == 1 and out == ""
+    [line] = err.strip().splitlines()
+    assert re.search(r"tensor layers\.\d+\.(key|value), block \d+: xxh3-64", line), line
