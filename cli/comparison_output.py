@@ -1,10 +1,10 @@
 """How ``kvsnap diff`` and ``kvsnap verify --against`` show a comparison: the library's report
 (``Comparison.report``, at most 100 columns) on stdout, its verdict coloured, and the same
-numbers as JSON (``Comparison.to_dict``)."""
+numbers as JSON (``Comparison.to_dict``, which the commands print as it is)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -36,10 +36,3 @@ def print_report(comparison: Comparison, *, top: int, verdict: bool = True) -> N
             stdout.print(f"[bold {colour}]{word}[/]:{text(rest)}")
         else:
             stdout.print(text(line))
-
-
-def comparison_json(comparison: Comparison, top: int) -> dict[str, Any]:
-    """``Comparison.to_dict`` with only the ``top`` largest differences."""
-    payload = comparison.to_dict()
-    payload["top"] = payload["top"][:top]
-    return payload

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from .common import JsonOption, snapshot_location
-from .comparison_output import AtolOption, RtolOption, TopOption, comparison_json, print_report
+from .comparison_output import AtolOption, RtolOption, TopOption, print_report
 from .foreign_paths import is_foreign
 from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, progress_bar, stdout, text
 from .plot import check_plot_path
@@ -77,7 +77,7 @@ def diff(
 
         written = plot_comparison(comparison, plot)
     if as_json:
-        emit_json({**comparison_json(comparison, top), **({"plot": written} if written else {})})
+        emit_json({**comparison.to_dict(), **({"plot": written} if written else {})})
     else:
         print_report(comparison, top=top)
         if written:

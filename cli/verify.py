@@ -26,7 +26,7 @@ from .common import (
     key_ring,
     snapshot_location,
 )
-from .comparison_output import AtolOption, RtolOption, TopOption, comparison_json, print_report
+from .comparison_output import AtolOption, RtolOption, TopOption, print_report
 from .foreign_paths import is_foreign, verify_foreign
 from .output import (
     EXIT_VERIFY_FAILED,
@@ -166,7 +166,7 @@ class _Check:
             "problems": problems,
             **({"signature": signature} if signature is not None else {}),
             **({"notes": notes} if notes else {}),
-            **({"comparison": comparison_json(comparison, self.top)} if comparison else {}),
+            **({"comparison": comparison.to_dict()} if comparison else {}),
         }
 
     def _compare(self, snap: Snapshot) -> Comparison | None:

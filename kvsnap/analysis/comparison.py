@@ -10,6 +10,7 @@ zero, at most 2) and its *cosine* ``a . b / (|a| |b|)`` (1 when both are zero, 0
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -214,7 +215,11 @@ class Comparison:
         return "\n".join(report_lines(self, top=top))
 
     def to_dict(self) -> dict[str, Any]:
-        """Every number of the comparison as JSON-ready values (``kvsnap diff --json``)."""
+        """Every number of the comparison as JSON-ready values (``kvsnap diff --json``; a
+        number that is not finite, which strict JSON cannot hold, as ``None``)."""
+        return _finite(self._fields())
+
+    def _fields(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
             "a": self.paths[0],
@@ -234,3 +239,14 @@ class Comparison:
             "layers": [layer.to_dict() for layer in self.layers],
             "top": [location.to_dict() for location in self.top],
         }
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by ``None``, recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
