@@ -68,6 +68,7 @@ def diff(
                 atol=atol,
                 rtol=rtol,
                 top=top,
+                profile=plot is not None,
                 profile_sequence=sequence,
                 progress=progress,
             )

@@ -535,6 +535,7 @@ class Snapshot:
         atol: float = 0.0,
         rtol: float = 0.0,
         top: int = 10,
+        profile: bool = False,
         profile_sequence: str | None = None,
         progress: ProgressCallback | None = None,
     ) -> Comparison:
@@ -551,8 +552,10 @@ class Snapshot:
             atol: Absolute tolerance. Default ``0.0``: exact.
             rtol: Relative tolerance. Default ``0.0``.
             top: How many of the largest element differences to keep. Default ``10``.
+            profile: Keep one sequence's per-token errors, for a picture (``profile``).
+                Default ``False``.
             profile_sequence: The sequence (an id of this snapshot) whose per-token errors
-                are kept for a picture. Default ``None``: the first holding tokens.
+                are kept (implies ``profile``). Default ``None``: the first holding tokens.
             progress: ``progress(done_bytes, total_bytes)``, the KV bytes of both snapshots
                 read so far. Default ``None``.
 
@@ -582,6 +585,7 @@ class Snapshot:
             atol=atol,
             rtol=rtol,
             top=top,
+            profile=profile,
             profile_sequence=profile_sequence,
             progress=progress,
         )

@@ -174,7 +174,7 @@ class Comparison:
     size: stated up front, not failures); ``problems`` the structural differences, each stated
     once; ``notes`` what is worth knowing without being a difference; ``layers`` the numbers
     per tensor; ``top`` the largest element differences over every tensor, largest first;
-    ``profile`` one sequence's per-token errors (for ``kvsnap diff --plot``).
+    ``profile`` one sequence's per-token errors when asked for (``kvsnap diff --plot``).
     """
 
     ok: bool

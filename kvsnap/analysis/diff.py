@@ -48,6 +48,7 @@ def compare(
     atol: float = 0.0,
     rtol: float = 0.0,
     top: int = 10,
+    profile: bool = False,
     profile_sequence: str | None = None,
     progress: Progress | None = None,
 ) -> Comparison:
@@ -60,8 +61,9 @@ def compare(
     problem each. Paired sequences are compared token by token over the tokens both hold, in
     float32 (float64 when either is float64). An element is beyond the tolerance when
     ``|a - b| > atol + rtol * |b|``, or when it is NaN or Inf in one snapshot and not the same
-    in the other. ``top`` largest differences are kept; ``profile_sequence`` (a sequence id
-    of ``a``; default the first pair holding tokens) gets a per-token profile.
+    in the other. ``top`` largest differences are kept. With ``profile`` (or a
+    ``profile_sequence``, a sequence id of ``a``; default the first pair holding tokens) one
+    sequence's per-token errors are kept for a picture.
     """
     paths = (a.path, b.path)
     problem = geometry_problem(a, b)
@@ -73,7 +75,8 @@ def compare(
     if not pairs:
         problems.append(fmt.Problem(None, None, "the snapshots share no sequence"))
         return Comparison(False, [], problems, notes, sources, paths=paths)
-    run = _Run(a, b, pairs, atol, rtol, top, _profiled(pairs, profile_sequence))
+    wanted = profile or profile_sequence is not None
+    run = _Run(a, b, pairs, atol, rtol, top, _profiled(pairs, profile_sequence) if wanted else None)
     layers = run.layers(progress)
     ok = not problems and all(layer.num_mismatches == 0 for layer in layers)
     return Comparison(
@@ -125,7 +128,7 @@ class _Run:
         atol: float,
         rtol: float,
         top: int,
-        profiled: int,
+        profiled: int | None,
     ) -> None:
         self.snapshots = (a, b)
         self.pairs = pairs
@@ -145,9 +148,11 @@ class _Run:
         )
         self.piece_tokens = max(1, PIECE_ELEMENTS // (heads * dim))
         self.profiled = profiled
-        self.bins = _bin_starts(_pair_tokens(pairs[profiled]))
+        self.bins = _bin_starts(0 if profiled is None else _pair_tokens(pairs[profiled]))
+        layers, bins = geometry.num_layers, len(self.bins)
         self.profile_values = {
-            part: np.zeros((geometry.num_layers, len(self.bins), heads)) for part in geometry.parts
+            part: np.zeros((layers, bins, heads))
+            for part in (geometry.parts if profiled is not None else ())
         }
 
     def steps(self, names: list[str]) -> list[_Step]:
@@ -192,6 +197,8 @@ class _Run:
         row[bins[firsts]] = np.maximum(row[bins[firsts]], largest)
 
     def profile(self) -> DiffProfile | None:
+        if self.profiled is None:
+            return None
         pair = self.pairs[self.profiled]
         if not _pair_tokens(pair):
             return None

@@ -173,7 +173,8 @@ def test_a_picture_of_8000_tokens_is_binned_and_marks_nan(tmp_path: Path) -> Non
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 20_000
     assert f"plot written to {picture}" in " ".join(out.split())
     with Snapshot.open(paths[0]) as first, Snapshot.open(paths[1]) as second:
-        profile = first.compare(second).profile
+        assert first.compare(second).profile is None  # kept only when asked for
+        profile = first.compare(second, profile=True).profile
     assert profile is not None and profile.num_tokens == tokens
     values = profile.values["value"]
     assert values.shape == (2, 1024, 2)  # 2 layers, 1024 bins of about 8 tokens, 2 heads
