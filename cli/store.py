@@ -181,23 +181,37 @@ def _last_use_kept(path: Path) -> Iterator[None]:
                 os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
-def _verify_one(path: Path, keys: KeyRing | None) -> tuple[str, list[str]]:
+def _verify_one(path: Path, keys: KeyRing | None, *, named: bool) -> tuple[str, list[str]]:
     """The state of the chunk at ``path``, a single file or a parted chunk's index (every part
-    checked), and its problems: ``ok``; ``corrupt`` (structure or checksums); with ``keys``,
-    ``unsigned`` or ``bad signature`` (intact, but not written with one of the keys: never
-    served by an engine holding them). Its last use (access time) is left as it was."""
-    from kvsnap.errors import UnsignedSnapshotError
+    checked), and its problems: ``ok``; ``corrupt`` (structure, checksums or, with ``keys``,
+    a page that does not match its signed BLAKE3 digest); with ``keys``, ``unsigned``, ``bad
+    signature`` or ``weak signature`` (signed before pages were bound by BLAKE3): intact,
+    but never served by an engine holding the keys; with ``named``, ``misnamed`` (its one
+    sequence's id names another chunk: a chunk copied under another's name, never served under
+    it). Its last use (access time) is left as it was."""
+    from kvsnap.engines.vllm.prefix_store import name_problem
+    from kvsnap.errors import SignatureError, UnsignedSnapshotError
     from kvsnap.snapshot import Snapshot
 
+    refused: list[SignatureError] = []
     try:
-        with _last_use_kept(path), Snapshot.open(path) as snap:
-            problems = [
-                f"{problem.tensor} block {problem.block}: {problem.message}"
-                if problem.tensor
-                else problem.message
-                for problem in snap.verify()
-            ]
-            refused = snap.signature_problems(keys) if keys is not None else []
+        with _last_use_kept(path):
+            try:
+                # With the keys every page is checked against its signed BLAKE3 digest.
+                snap = Snapshot.open(path, keys=keys)
+            except SignatureError:
+                assert keys is not None
+                snap = Snapshot.open(path)
+                refused = snap.signature_problems(keys)
+            with snap:
+                problems = [
+                    f"{problem.tensor} block {problem.block}: {problem.message}"
+                    if problem.tensor
+                    else problem.message
+                    for problem in snap.verify()
+                ]
+                binding = snap.page_binding
+                misnamed = name_problem(path, snap.metadata.sequences) if named else None
     except (KVSnapError, OSError) as error:
         return "corrupt", [str(error)]
     if problems:
@@ -205,7 +219,17 @@ def _verify_one(path: Path, keys: KeyRing | None) -> tuple[str, list[str]]:
     if refused:
         unsigned = isinstance(refused[0], UnsignedSnapshotError)
         return ("unsigned" if unsigned else "bad signature"), [str(error) for error in refused]
+    if keys is not None and binding != "blake3":
+        return "weak signature", [_WEAK_SIGNATURE]
+    if misnamed is not None:
+        return "misnamed", [misnamed]
     return "ok", []
+
+
+_WEAK_SIGNATURE = (
+    "signed before pages were bound by BLAKE3 (hmac-sha256: pages bound by xxh3-64 only, not "
+    "collision-resistant): an engine holding the key recomputes it and saves it anew"
+)
 
 
 @app.command("verify")
@@ -213,9 +237,9 @@ def _verify_one(path: Path, keys: KeyRing | None) -> tuple[str, list[str]]:
 def verify_entries(
     directory: StoreArgument, key_file: KeyFileOption = None, as_json: JsonOption = False
 ) -> None:
-    """Check every chunk's structure and checksums (and, with --key-file, its signature).
-
-    A parted chunk's over every part; exit 1 if any chunk is bad.
+    """Check every chunk's structure and checksums (a parted chunk's over every part), that it
+    is the chunk its name says (its sequence id names that key) and, with --key-file, its
+    signature; exit 1 if any chunk is bad.
 
     Quarantined chunks and orphan parts are listed but not checked: they are known bad or
     unused, and never served.
@@ -231,7 +255,11 @@ def verify_entries(
     results = []
     for entry in entries:
         checked = not (entry.quarantined or entry.orphan)
-        state, problems = _verify_one(entry.path, keys) if checked else ("not checked", [])
+        state, problems = (
+            _verify_one(entry.path, keys, named=not entry.legacy)
+            if checked
+            else ("not checked", [])
+        )
         results.append(
             {
                 "path": str(entry.path.relative_to(root)),

@@ -15,6 +15,11 @@ kept snapshot whose file is gone is closed as soon as another is kept anew (its 
 would keep the file's space). A rewrite in place that forged the modification time back is no
 wrong KV either: every restore checks every page it copies against the checksum table read
 when the snapshot opened, which the new bytes fail.
+
+With ``follow_name=False`` (the vLLM scheduler's checked chunks, handed to its worker) the path
+is not looked at again: what was opened and checked is what is served, whatever has been
+renamed over its name since. A snapshot read whole as it opened is served from those bytes;
+any other while its descriptor still names the version opened.
 """
 
 from __future__ import annotations
@@ -55,11 +60,16 @@ def _key_ids(keys: KeyRing | None) -> frozenset[bytes] | None:
 class OpenSnapshots:
     """Open single-file snapshots by path: at most ``capacity`` (the oldest is closed), each taken
     once. ``change_time``: whether a moved change time alone (a ``touch`` recording a hit, a
-    ``chmod``) makes the file another version."""
+    ``chmod``) makes the file another version. ``follow_name``: whether a snapshot is served
+    only while its path still names the version opened (else it is served as opened, see the
+    module's notes)."""
 
-    def __init__(self, capacity: int = 8, *, change_time: bool = True) -> None:
+    def __init__(
+        self, capacity: int = 8, *, change_time: bool = True, follow_name: bool = True
+    ) -> None:
         self.capacity = capacity
         self._compared = 5 if change_time else 4
+        self._follow_name = follow_name
         self._lock = threading.Lock()
         self._open: collections.OrderedDict[
             str, tuple[Snapshot, FileVersion, frozenset[bytes] | None]
@@ -82,7 +92,9 @@ class OpenSnapshots:
             replaced = self._open.pop(path, None)
             self._open[path] = (snapshot, version, _key_ids(keys))
             evicted = [self._open.popitem(last=False)[1][0] for _ in range(self._over())]
-            if replaced is None:  # kept anew: the others' files may have gone meanwhile
+            if replaced is None and self._follow_name:
+                # Kept anew: the others' files may have gone meanwhile. (Snapshots served as
+                # opened stay: what they hold is what was checked; at most ``capacity``.)
                 evicted += self._pop_removed()
         if replaced is not None and replaced[0] is not snapshot:
             evicted.append(replaced[0])
@@ -115,16 +127,44 @@ class OpenSnapshots:
         if kept is None:
             return None
         snapshot, version, key_ids = kept
+        if key_ids == _key_ids(keys) and self._unchanged(path, snapshot, version):
+            return snapshot
+        snapshot.close()
+        return None
+
+    def _unchanged(self, path: str, snapshot: Snapshot, version: FileVersion) -> bool:
+        """Whether the kept ``snapshot`` (opened as ``version`` of ``path``) may be served."""
+        if not self._follow_name and snapshot.parts[0].reader.held_file() is not None:
+            return True  # its bytes, read whole and checked, are in memory
         status = _descriptor_status(snapshot)
+        if status is None or not self._same(file_version(status), version):
+            return False
+        if not self._follow_name:
+            return True
         try:
             current: FileVersion | None = file_version(os.stat(path))
         except OSError:
             current = None
-        same = status is not None and self._same(file_version(status), version)
-        if same and self._same(current, version) and key_ids == _key_ids(keys):
-            return snapshot
-        snapshot.close()
-        return None
+        return self._same(current, version)
+
+    def holds(self, path: str, version: tuple[int, ...]) -> bool:
+        """Whether a snapshot read whole is kept for ``path``, opened as the file version that
+        starts with ``version`` (device, inode, size, modification time): its bytes, checked
+        when it opened, are in memory."""
+        with self._lock:  # not closed meanwhile by another thread's keep
+            kept = self._open.get(path)
+            if kept is None or kept[0].parts[0].reader.held_file() is None:
+                return False
+            return kept[1][: len(version)] == tuple(version)
+
+    def give_back(self, path: str, snapshot: Snapshot, keys: KeyRing | None) -> bool:
+        """Keep ``snapshot``, taken from here and used, for the next :meth:`take` of ``path``
+        again, unless another is kept for ``path`` meanwhile (a newer check's); whether it
+        was kept (else the caller closes it)."""
+        with self._lock:
+            if path in self._open:
+                return False
+        return self.keep(path, snapshot, keys)
 
     def touched(self, path: str) -> None:
         """After this process recorded a use of the file at ``path`` in its access time (vLLM's
@@ -136,6 +176,8 @@ class OpenSnapshots:
             if kept is None:
                 return
             snapshot, version, key_ids = kept
+            if not self._follow_name and snapshot.parts[0].reader.held_file() is not None:
+                return  # served from the bytes read: a change of the file does not matter
             status = _descriptor_status(snapshot)
             now = None if status is None else file_version(status)
             if now is not None and now[:4] == version[:4]:

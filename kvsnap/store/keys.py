@@ -5,7 +5,10 @@ and lines starting with ``#`` are skipped. Across files and lines the first key 
 key verifies (rotation: put the new key first). Make one with :func:`new_key_text`, e.g.
 ``python -c "from kvsnap.store.keys import new_key_text; print(new_key_text())" > key``,
 then ``chmod 600 key``: a key file that other users can read is refused, as ssh refuses a
-private key they can read.
+private key they can read. As ssh does, a key file is also refused unless it belongs to this
+process's user (or root) and neither it nor its directory (the one its name is in, and the one
+it really is in when the name is a link) lets group or other users write: whoever can replace
+the key can sign chunks.
 """
 
 from __future__ import annotations
@@ -52,6 +55,25 @@ def key_ring_from_environment() -> KeyRing | None:
     return load_key_ring(paths) if paths else None
 
 
+def _check_owner(path: str, status: os.stat_result, what: str) -> None:
+    """Refuse (``SnapshotIOError``) a key file whose ``what`` (the file or a directory holding
+    it) belongs to another user than this process's and root."""
+    if status.st_uid not in (os.geteuid(), 0):
+        raise SnapshotIOError(
+            f"{what} belongs to user id {status.st_uid}, not to this process's user "
+            f"({os.geteuid()}) or root: whoever owns it can replace the key",
+            file=path,
+        )
+
+
+def _directories_of(path: str) -> list[str]:
+    """The directory the name ``path`` is in, and the one the file really is in when that
+    differs (the name is a link, or under one)."""
+    named = os.path.dirname(os.path.abspath(path))
+    real = os.path.dirname(os.path.realpath(path))
+    return [named] if real == named else [named, real]
+
+
 def _keys_in(path: str) -> list[bytes]:
     try:
         with open(path, "rb") as file:
@@ -65,6 +87,23 @@ def _keys_in(path: str) -> list[bytes]:
             f"run: chmod 600 {path}",
             file=path,
         )
+    _check_owner(path, status, "key file")
+    for directory in _directories_of(path):
+        try:
+            held_in = os.stat(directory)
+        except OSError as error:
+            raise SnapshotIOError(
+                f"cannot check the key file's directory {directory}: {error.strerror}", file=path
+            ) from error
+        _check_owner(path, held_in, f"its directory {directory}")
+        if held_in.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            mode = stat.S_IMODE(held_in.st_mode)
+            raise SnapshotIOError(
+                f"the key file's directory {directory} is writable by other users (mode "
+                f"{mode:o}), who could replace the key; run: chmod go-w {directory}, or keep "
+                "the key elsewhere",
+                file=path,
+            )
     keys = []
     for number, line in enumerate(raw.decode("ascii", "replace").splitlines(), start=1):
         text = line.strip()

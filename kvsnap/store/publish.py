@@ -196,15 +196,16 @@ def _is_ours(temp: str, owns: Callable[[str], bool], owner: str) -> bool:
     return owns(final)
 
 
-def remove_if_unlocked(path: str) -> bool:
-    """Remove the regular file ``path`` if no process holds its lock; whether it was removed."""
-    fd = _open_existing(path)
+def remove_if_unlocked(path: str, *, dir_fd: int | None = None) -> bool:
+    """Remove the regular file ``path`` (relative to the open directory ``dir_fd``, when given)
+    if no process holds its lock; whether it was removed."""
+    fd = _open_existing(path, dir_fd)
     if fd is None:
         return False
     try:
-        if _lock_if_free(fd, path, without_locks=False) is None:
+        if _lock_if_free(fd, path, without_locks=False, dir_fd=dir_fd) is None:
             return False
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
         return True
     except OSError:
         return False
@@ -251,18 +252,22 @@ def leftover_status(path: str) -> os.stat_result | None:
         os.close(fd)  # closing releases a lock taken here
 
 
-def _open_existing(path: str) -> int | None:
-    """A read-only descriptor on the file ``path`` (not through a symlink), or ``None``."""
+def _open_existing(path: str, dir_fd: int | None = None) -> int | None:
+    """A read-only descriptor on the file ``path`` (not through a symlink; relative to the
+    open directory ``dir_fd`` when given), or ``None``."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return os.open(path, flags, dir_fd=dir_fd)
     except OSError:
         return None
 
 
-def _lock_if_free(fd: int, path: str, *, without_locks: bool) -> os.stat_result | None:
-    """Take the ``flock`` of ``fd``, opened as ``path``, unless another holds it; the file's
-    status when it is a regular file whose lock was free and ``path`` still names it, else
-    ``None``. On a filesystem without ``flock`` the file counts as free when
+def _lock_if_free(
+    fd: int, path: str, *, without_locks: bool, dir_fd: int | None = None
+) -> os.stat_result | None:
+    """Take the ``flock`` of ``fd``, opened as ``path`` (in ``dir_fd``), unless another holds
+    it; the file's status when it is a regular file whose lock was free and ``path`` still
+    names it, else ``None``. On a filesystem without ``flock`` the file counts as free when
     ``without_locks``, as held otherwise."""
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -275,7 +280,7 @@ def _lock_if_free(fd: int, path: str, *, without_locks: bool) -> os.stat_result 
         status = os.fstat(fd)
         # Still the file locked here? One renamed away meanwhile was a live writer's, and
         # another file now under the name is not the one whose lock was free.
-        if os.stat(path, follow_symlinks=False).st_ino != status.st_ino:
+        if os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_ino != status.st_ino:
             return None
         return status
     except OSError:

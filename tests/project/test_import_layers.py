@@ -4,7 +4,8 @@ The layers, lowest first (docs/architecture.md draws them)::
 
     errors, dtypes, caches,            nothing of kvsnap's but each other
     host_registration
-    format, layout                     format may read layout, never the other way round
+    format, layout, encoding           format may read layout, never the other way round;
+                                       encoding reads neither (bytes and tensors in memory)
     transfer, store                    store may use transfer's pinned memory; transfer never store
     pipeline                           the one staging loop
     snapshot, parted, analysis         the facade; analysis reads a Protocol, not the facade
@@ -34,6 +35,7 @@ LAYER = {
     "host_registration": 0,
     "format": 1,
     "layout": 1,
+    "encoding": 1,
     "transfer": 2,
     "store": 2,
     "pipeline": 3,
@@ -51,6 +53,8 @@ LAYER = {
 #: Imports between parts of one layer that the drawing forbids: (importer, imported).
 SIDEWAYS_FORBIDDEN = {
     ("layout", "format"),
+    ("encoding", "format"),
+    ("encoding", "layout"),
     ("transfer", "store"),
     ("parted", "snapshot"),
     ("analysis", "snapshot"),

@@ -195,7 +195,10 @@ def test_connector_worker_at_tp2_saves_parted_chunks_a_tp1_worker_loads(tmp_path
     for path in paths:
         with kvsnap.Snapshot.open(path) as snapshot:
             count = snapshot.num_blocks
-        chunks.append(ChunkLoad(path, np.arange(count), np.asarray(target[start : start + count])))
+            (checked,) = snapshot.metadata.sequences  # what the scheduler's check reads
+        chunks.append(
+            ChunkLoad(path, np.arange(count), np.asarray(target[start : start + count]), checked)
+        )
         start += count
     loader.start_load_kv(
         KVSnapConnectorMetadata(loads=[LoadSpec("r3", tuple(chunks), len(blocks) * WORKER_BLOCK)])
@@ -205,3 +208,15 @@ def test_connector_worker_at_tp2_saves_parted_chunks_a_tp1_worker_loads(tmp_path
     for layer, cache in zip(cells, loader.cache.caches, strict=True):
         restored = cache.permute(0, 2, 1, 3)  # back to [blocks, tokens, heads, key ‖ value]
         assert same_bytes(restored[target], layer[blocks]), WORKER_HEAD_DIM
+    # A parted chunk that is not the one the scheduler checked (here: the scheduler's check read
+    # the second chunk's sequence, the first chunk's file is what the name holds now) loads
+    # nothing: a miss, its blocks reported for recomputing.
+    for cache in loader.cache.caches:
+        cache[target] = 0
+    first = chunks[0]
+    other = ChunkLoad(first.path, first.snapshot_blocks, first.target_blocks, chunks[1].checked)
+    loader.start_load_kv(
+        KVSnapConnectorMetadata(loads=[LoadSpec("r4", (other,), 2 * WORKER_BLOCK)])
+    )
+    assert loader.get_block_ids_with_load_errors() == set(target[:2])
+    assert not any(cache[target].any() for cache in loader.cache.caches)

@@ -293,7 +293,14 @@ def test_the_prefix_store_finds_a_chunk_with_one_stat_or_two(tmp_path: Path, cal
     assert not store.has_chunk(store.chunk_path("c" * 64)) and calls.total_stats == 1 + 2 + 2
     assert calls.opens == Counter() and calls.parses == 0
     index = Path(f"{parted}.index.json").stat()
-    assert file_key(str(parted)) == (index.st_ino, index.st_size, index.st_mtime_ns)
+    assert file_key(str(parted)) == (
+        index.st_dev,
+        index.st_ino,
+        index.st_size,
+        index.st_mtime_ns,
+        index.st_ctime_ns,
+        True,
+    )
 
 
 @pytest.mark.parametrize("form", ["single", "sharded"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,8 @@ class EngineRun:
     dumps: Path
     labels: dict[str, str]  # vLLM's external request id -> prompt label
     startup_seconds: float
+    #: Request label -> vLLM's finish reason (``length``; an error is not).
+    finished: dict[str, str | None] = field(default_factory=dict)
 
     def events_for(self, name: str, label: str) -> list[dict[str, Any]]:
         return [
@@ -66,7 +68,10 @@ def write_job(
     none: no connector), ``tp``, ``policy`` (``kv_load_failure_policy``), ``enable_lora``,
     ``no_persist`` (labels kept out of the store), ``extras`` (label -> more request
     fields: ``lora`` ``{"name", "id", "path"}``, ``cache_salt``) and ``fsync_delay_s`` (every
-    ``fsync`` under the connector's ``path`` waits that long: a slow disk)."""
+    ``fsync`` under the connector's ``path`` waits that long: a slow disk), ``executor``
+    (vLLM's ``distributed_executor_backend``), ``sequential`` (one prompt at a time),
+    ``tamper`` (what ``vllm_tampering_connector.TamperingConnector``, then the connector, does
+    to the store)."""
     connector = options.pop("connector", None)
     job = {
         "model": str(model),
@@ -85,7 +90,13 @@ def write_job(
         "max_tokens": 8,
         "output": str(tmp / f"{name}.out.json"),
         "fsync_delay_s": options.pop("fsync_delay_s", 0.0),
+        "executor": options.pop("executor", None),
+        "sequential": options.pop("sequential", False),
     }
+    tamper = options.pop("tamper", None)
+    if tamper is not None:
+        job["connector_class"] = "tampering"
+        job["tamper"] = tamper
     path = tmp / f"{name}.job.json"
     path.write_text(json.dumps(job))
     return path, job
@@ -123,8 +134,9 @@ def finish_engine(
     by_label = {str(index): label for index, label in enumerate(labels)}
     tokens = {by_label[out["request_id"]]: out["token_ids"] for out in result["outputs"]}
     cached = {by_label[out["request_id"]]: out["num_cached_tokens"] for out in result["outputs"]}
+    finished = {by_label[out["request_id"]]: out.get("finish_reason") for out in result["outputs"]}
     return EngineRun(
-        tokens, cached, read_events(events), dumps, by_label, result["startup_seconds"]
+        tokens, cached, read_events(events), dumps, by_label, result["startup_seconds"], finished
     )
 
 

@@ -7,7 +7,9 @@ Usage: ``python vllm_run_engine.py JOB.json`` with the vLLM virtualenv's Python.
      "prompts": [{"token_ids": [...], "persist": true, "dump": false,
                   "lora": {"name": ..., "id": 1, "path": DIR} (optional),
                   "cache_salt": "..." (optional)}, ...],
-     "max_tokens": 8, "output": PATH, "fsync_delay_s": 0.0}
+     "max_tokens": 8, "output": PATH, "fsync_delay_s": 0.0,
+     "executor": null | "mp", "sequential": false, "connector_class": null | "tampering",
+     "tamper": {...} (optional)}
 
 ``connector`` is KVSnapConnector's ``kv_connector_extra_config`` (null: no KV connector at
 all); ``load_failure_policy`` vLLM's ``kv_load_failure_policy`` (default ``recompute``; null
@@ -16,7 +18,14 @@ a fresh ``LLM``).
 ``fsync_delay_s`` (optional) makes every ``fsync`` under the connector's ``path`` in the
 engine's processes wait that long (``tests/support/slow_fsync.py``): a slow disk under the
 store, so that saves are still being written when the engine shuts down.
-The output holds, per prompt, the generated token ids and vLLM's ``num_cached_tokens``.
+``executor`` (optional) is vLLM's ``distributed_executor_backend`` (``mp``: the worker in a
+process of its own even at TP 1, vLLM's default on CPU; ``uni``: in the scheduler's process,
+with the engine core in this one, which vLLM's CPU platform needs for it); ``sequential``
+(optional) sends the prompts one at a time, each request finished before the next is sent;
+``connector_class`` ``"tampering"`` runs ``vllm_tampering_connector.TamperingConnector`` with
+``tamper`` as what it does.
+The output holds, per prompt, the generated token ids, vLLM's ``num_cached_tokens`` and the
+finish reason.
 """
 
 from __future__ import annotations
@@ -45,6 +54,10 @@ def main() -> None:
         from tests.support.slow_fsync import slow_down_fsync_everywhere
 
         slow_down_fsync_everywhere(float(job["fsync_delay_s"]), job["connector"]["path"])
+    if job.get("executor") == "uni":
+        # vLLM's CPU platform runs its workers through the mp executor unless the engine core
+        # runs in this process: then "uni" keeps the worker in the scheduler's process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if tensor_parallel > 1:
         os.environ.setdefault(
             "VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tensor_parallel)))
@@ -53,11 +66,16 @@ def main() -> None:
     from vllm.config import KVTransferConfig
 
     transfer = None
+    if job.get("tamper") is not None:
+        os.environ["KVSNAP_TEST_TAMPER"] = json.dumps(job["tamper"])  # the workers' too
+    tampering = job.get("connector_class") == "tampering"
     if job.get("connector") is not None:
         policy = job.get("load_failure_policy", "recompute")
         transfer = KVTransferConfig(
-            kv_connector="KVSnapConnector",
-            kv_connector_module_path="kvsnap.engines.vllm",
+            kv_connector="TamperingConnector" if tampering else "KVSnapConnector",
+            kv_connector_module_path=(
+                "tests.support.vllm_tampering_connector" if tampering else "kvsnap.engines.vllm"
+            ),
             kv_role="kv_both",
             kv_connector_extra_config=job["connector"],
             **({} if policy is None else {"kv_load_failure_policy": policy}),
@@ -74,6 +92,7 @@ def main() -> None:
         # Every reuse in these runs must come from kvsnap, so vLLM's own prefix cache is off.
         enable_prefix_caching=False,
         kv_transfer_config=transfer,
+        **({"distributed_executor_backend": job["executor"]} if job.get("executor") else {}),
         **(
             {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
             if job.get("enable_lora")
@@ -107,7 +126,12 @@ def main() -> None:
             )
         )
     outputs = []
-    for start, end in _adapter_runs(adapters):
+    runs = (
+        [(index, index + 1) for index in range(len(prompts))]
+        if job.get("sequential")
+        else _adapter_runs(adapters)
+    )
+    for start, end in runs:
         # vLLM 0.32's CPU LoRA path computes other tokens for a request without an adapter
         # batched with adapter requests (seen here: the same prompt alone and in such a batch
         # differ): each run of prompts with adapters, or without, is its own batch.
@@ -124,6 +148,7 @@ def main() -> None:
                 "request_id": output.request_id,
                 "token_ids": list(output.outputs[0].token_ids),
                 "num_cached_tokens": output.num_cached_tokens,
+                "finish_reason": output.outputs[0].finish_reason,
             }
             for output in outputs
         ],

@@ -144,15 +144,27 @@ def gate_captures(worker: KVSnapWorker, monkeypatch: pytest.MonkeyPatch) -> thre
     return gate
 
 
+def checked_sequence(spec: SaveSpec) -> fmt.SequenceRecord:
+    """The one sequence of the chunk ``spec`` saves, as the scheduler's check reads it back
+    (the chunk's blocks are numbered from 0)."""
+    count = len(spec.block_ids)
+    return fmt.SequenceRecord(spec.sequence_id, spec.token_ids, np.arange(count), ())
+
+
+def chunk_load(spec: SaveSpec, target: list[int]) -> ChunkLoad:
+    """The load of every block of the chunk ``spec`` saved into engine blocks ``target``, as
+    the scheduler plans it after checking the chunk."""
+    count = len(spec.block_ids)
+    return ChunkLoad(spec.path, np.arange(count), np.asarray(target), checked_sequence(spec))
+
+
 def load_saves(worker: KVSnapWorker, saves: list[SaveSpec], target: list[int]) -> None:
     """Load the chunks ``saves`` wrote into blocks ``target`` of the worker's cache, in order;
     every block must load."""
     chunks, offset = [], 0
     for spec in saves:
         count = len(spec.block_ids)
-        chunks.append(
-            ChunkLoad(spec.path, np.arange(count), np.asarray(target[offset : offset + count]))
-        )
+        chunks.append(chunk_load(spec, target[offset : offset + count]))
         offset += count
     worker.start_load_kv(KVSnapConnectorMetadata(loads=[LoadSpec("load", tuple(chunks), 0)]))
     assert worker.get_block_ids_with_load_errors() == set()

@@ -2,16 +2,31 @@
 
 :class:`ChunkChecker` opens a chunk (:meth:`kvsnap.Snapshot.open`: a single file, or a parted
 chunk through its index, every part checked against it; with signing keys every file must be
-signed by one of them) and checks what this engine needs: the model fingerprint, the KV
-geometry (the whole model's, all heads, for a parted chunk), one sequence of the expected
+signed by one of them, its pages bound by BLAKE3 digests: an older signed chunk, its pages
+bound by xxh3-64 only, is a miss) and checks what this engine needs: the model fingerprint,
+the KV geometry (the whole model's, all heads, for a parted chunk), one sequence of the expected
 length whose id names the store key it follows and its own (the chunk's name is not trusted:
 anyone who can write the store can rename a file), and token ids equal to the prompt's. With
 ``verify`` it also reads every block of every part and checks every checksum (kvsnap's
 ``verify``), so a damaged chunk is a miss before any load is planned. A chunk that passes is
-remembered by the identity (inode, size, modification time) of its committing file (a parted
-chunk's index: its parts are never rewritten, a new write gets new part names and a new
-index), so each version of a chunk is read once per process while it is among the last
-:data:`MAX_REMEMBERED_CHUNKS` that passed.
+remembered by the version (device, inode, size, modification and change times) of its
+committing file (a parted chunk's index: its parts are never rewritten, a new write gets new
+part names and a new index), so each version of a chunk is read once per process while it is
+among the last :data:`MAX_REMEMBERED_CHUNKS` that passed. The change time is the one the
+scheduler's own record of a hit left (:meth:`ChunkChecker.touched`): any write to the file
+since, a rewrite in place that put its size and modification time back included, moves it and
+makes the file a new version, checked again.
+
+Bytes can still change with no trace in the file's times (bit rot on the disk, read back once
+the page cache dropped them). So with ``verify`` a chunk about to be offered to vLLM
+(``before_hit``) is read and verified again every time, unless the worker loads it from bytes
+verified in memory: those the scheduler's hand-over still holds for that version (a chunk
+handed over and read whole, :meth:`ChunkChecker.reads_what_loads`; the worker gives a chunk it
+loaded from them back, :meth:`~kvsnap.engines.open_snapshots.OpenSnapshots.give_back`). A
+worker that reads the file itself (in a process of its own, or a chunk too large to be read
+whole) then reads, within the step, the bytes just verified. A chunk damaged on the disk
+since its last check is a miss, never a failed load (under vLLM's ``fail`` policy, a failed
+request).
 
 Where the worker runs in the scheduler's process (vLLM's ``uni`` executor, a TP size of 1),
 a single-file chunk that passed is handed to it open (:data:`~kvsnap.engines.vllm.open_chunks.
@@ -48,12 +63,13 @@ from kvsnap.store.head_parts import open_snapshot
 from kvsnap.store.location import INDEX_SUFFIX, Location
 from kvsnap.store.resolve import committed_file, is_index_name
 
-#: What identifies one version of a file: inode, size, modification time.
-FileKey = tuple[int, int, int]
+#: What identifies one version of a chunk's committing file: device, inode, size,
+#: modification and change times, and whether it is a parted chunk's index.
+FileKey = tuple[int, int, int, int, int, bool]
 
 
 def file_key(path: str) -> FileKey | None:
-    """The identity now of the file committing the chunk at ``path`` (``HASH.safetensors``, a
+    """The version now of the file committing the chunk at ``path`` (``HASH.safetensors``, a
     local path, or its index): the single file's, or a parted chunk's index's (``None``: there
     is neither). At most two ``stat`` calls (:func:`kvsnap.store.resolve.committed_file`).
     Works on the path's text: the scheduler asks twice per chunk of every hit, and parsing the
@@ -64,7 +80,15 @@ def file_key(path: str) -> FileKey | None:
     found = committed_file(Location(text, text))
     if found is None or found.status is None:
         return None
-    return found.status.st_ino, found.status.st_size, found.status.st_mtime_ns
+    status = found.status
+    return (
+        status.st_dev,
+        status.st_ino,
+        status.st_size,
+        status.st_mtime_ns,
+        status.st_ctime_ns,
+        found.indexed,
+    )
 
 
 #: Chunks a :class:`ChunkChecker` remembers as passed (the least recently matched dropped past
@@ -100,15 +124,31 @@ class ChunkChecker:
         self._passed: BoundedLRU[str, tuple[FileKey, fmt.SequenceRecord]] = BoundedLRU(remember)
 
     def check(
-        self, chunk: ChunkRef, prompt: np.ndarray, chain: Sequence[str]
+        self,
+        chunk: ChunkRef,
+        prompt: np.ndarray,
+        chain: Sequence[str],
+        *,
+        before_hit: bool = False,
     ) -> fmt.SequenceRecord | str:
         """The chunk's sequence record, or why the chunk cannot serve ``prompt``, whose store
-        keys (under the request's identity) are ``chain`` (at least up to the chunk's end)."""
+        keys (under the request's identity) are ``chain`` (at least up to the chunk's end).
+        ``before_hit``: the chunk is about to be offered to vLLM: one whose check reads what
+        the worker loads is verified again (see the module's notes)."""
         key = file_key(chunk.path)
         if key is None:
             return "the chunk is gone"
         remembered = self._passed.get(chunk.path)
-        if remembered is not None and remembered[0] == key:
+        # A worker that reads the file again would meet bytes changed with no trace in the
+        # file's times (bit rot read back from the disk) as a failed load, a failed request
+        # under vLLM's "fail": so a chunk about to be offered is verified again, unless the
+        # worker loads it from bytes verified in memory (the hand-over still holds them).
+        again = (
+            before_hit
+            and self.verify
+            and not (self.reads_what_loads(key) and CHECKED_CHUNKS.holds(chunk.path, key[:4]))
+        )
+        if remembered is not None and remembered[0] == key and not again:
             record = remembered[1]
         else:
             result = self._read(chunk.path)
@@ -124,6 +164,29 @@ class ChunkChecker:
     def forget(self, path: str) -> None:
         """Check the chunk at ``path`` again next time (a load of it failed)."""
         self._passed.discard(path)
+
+    def reads_what_loads(self, key: FileKey) -> bool:
+        """Whether verifying the chunk whose committing file is ``key`` reads the bytes the
+        worker then loads: verified, handed over to a worker in this process, and one file
+        small enough to be read whole (the worker loads from the bytes the check read)."""
+        size, indexed = key[2], key[5]
+        return (
+            self.verify and self.hand_over and not indexed and size <= tuning.WHOLE_READ_MAX_BYTES
+        )
+
+    def touched(self, path: str) -> None:
+        """After the scheduler recorded a use of the chunk at ``path`` (its access time, which
+        moves the change time and nothing else): remember the chunk's change time as it is
+        now, if the rest of its version is still the one that passed, so that only another
+        change makes it a new version."""
+        remembered = self._passed.get(path)
+        if remembered is None:
+            return
+        now = file_key(path)
+        if now is not None and now[:4] == remembered[0][:4] and now[5] == remembered[0][5]:
+            self._passed.put(path, (now, remembered[1]))
+        else:
+            self._passed.discard(path)
 
     def _read(self, path: str) -> fmt.SequenceRecord | str:
         # Verifying reads every byte, and a chunk handed over is loaded from the same open
@@ -168,6 +231,13 @@ class ChunkChecker:
 
     def _fits_engine(self, metadata: fmt.SnapshotMetadata) -> str | None:
         """Why a chunk with ``metadata`` cannot be loaded into this engine, if it cannot."""
+        if self.keys is not None and metadata.signature != fmt.SIGNATURE_ALGORITHM:
+            # Signed before pages were bound by BLAKE3: its pages are bound by xxh3-64 only,
+            # whose second preimages take seconds. A miss: recomputed and saved anew.
+            return (
+                f"signed with {metadata.signature}, its pages bound by xxh3-64 only (not "
+                "collision-resistant): served only with BLAKE3 page digests"
+            )
         if metadata.source.model_fingerprint != self.fingerprint:
             return (
                 f"model fingerprint {metadata.source.model_fingerprint[:16]} differs from the "

@@ -33,6 +33,7 @@ from kvsnap.engines.vllm.prefix_store import PrefixStore, check_store_directory,
 from kvsnap.engines.vllm.registration import refuse_dropping_caches
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata, KVSnapWorkerMetadata
+from kvsnap.engines.vllm.store_guard import StoreGuard
 from kvsnap.engines.vllm.worker import KVSnapWorker
 
 if TYPE_CHECKING:
@@ -107,18 +108,30 @@ class KVSnapConnector(KVConnectorBase_V1):
                 block_size=block_size,
                 checker=checker,
                 block_ids_of=self._block_ids_of,
+                guard=self._guard(events, keys is not None),
             )
             self._warn_of_settings(events, store, policy, verify)
         else:
+            events = EventLog(self.options.event_log, "worker", tp_rank())
             self.connector_worker = KVSnapWorker(
                 self.options,
                 store,
-                EventLog(self.options.event_log, "worker", tp_rank()),
+                events,
                 vllm_config=vllm_config,
                 fingerprint=fingerprint,
                 source=source_info(vllm_config, fingerprint),
                 keys=keys,
+                guard=self._guard(events, keys is not None),
             )
+
+    def _guard(self, events: EventLog, signed: bool) -> StoreGuard | None:
+        """The check of the store's mode and owner repeated while the engine runs (none
+        without a store: ``dump`` alone)."""
+        if not self.options.persist:
+            return None
+        return StoreGuard(
+            self.options.path, events, shared=self.options.shared_store, signed=signed
+        )
 
     def _warn_of_settings(
         self, events: EventLog, store: PrefixStore, policy: str, verify: bool

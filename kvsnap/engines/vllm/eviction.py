@@ -7,10 +7,17 @@ order of last use, until the store fits a byte bound. A chunk's last use is the 
 access and modification times (a parted chunk's: its index's):
 :meth:`~kvsnap.engines.vllm.prefix_store.PrefixStore.touch` sets the access time on every hit, and
 the writer's publish sets both. With ``store_capacity_bytes`` the connector commits each chunk
-through :func:`commit_within_capacity` (under the store-wide :func:`capacity_lock`: the store
-is measured by listing it, pruned to make room, then the staged chunk is renamed into place),
-so the bound holds however many engines share the store; ``kvsnap store prune`` prunes by
-hand.
+through :func:`~kvsnap.engines.vllm.capacity.commit_within_capacity` (under the store-wide
+capacity lock: the store is measured by listing it, pruned to make room, then the staged chunk
+is renamed into place), so the bound holds however many engines share the store;
+``kvsnap store prune`` prunes by hand.
+
+**Links.** Listing and pruning never follow a symbolic link: namespaces, ``chunks``,
+``quarantine`` and their subdirectories are opened below the root with ``O_NOFOLLOW``
+(:mod:`~kvsnap.engines.vllm.store_directories`), a link among them is not listed, and every
+file is renamed or deleted by name relative to its directory's descriptor, opened again from
+the root when it is deleted. A link planted after the listing fails that open: the entry is
+skipped. Nothing outside the store root is ever deleted.
 
 **Orphan parts.** A part file that no index beside it names is a failed or abandoned parted
 write's leftover (its ranks died before the index was published, or a pruner or quarantine
@@ -48,12 +55,17 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvsnap import format as fmt
-from kvsnap.engines.vllm.prefix_store import CHUNK_SUFFIX, LEGACY_KEY, committed_file, part_files
+from kvsnap.engines.vllm.prefix_store import CHUNK_SUFFIX, LEGACY_KEY, part_files
+from kvsnap.engines.vllm.store_directories import (
+    directory_fd,
+    lstat_at,
+    relative_parts,
+    walk_directories,
+)
 from kvsnap.store import publish
 from kvsnap.store.hot import hot_tier
 from kvsnap.store.location import INDEX_SUFFIX
@@ -68,8 +80,6 @@ _HOST = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
 _STAGED = re.compile(
     re.escape(STAGE_MARKER) + r"(?P<host>[A-Za-z0-9_]+)-(?P<pid>[0-9]+)-[0-9a-f]{16}"
 )
-#: The store-wide lock file (at the store root) that serializes commits within the bound.
-CAPACITY_LOCK = ".kvsnap-capacity.lock"
 #: A part file name's stem (docs/format.md, "Parted snapshots"); :func:`_is_part` checks the
 #: rest with :func:`kvsnap.format.is_part_of`.
 _PART_STEM = re.compile(r"(.+)-g[0-9a-f]{12}-part-[0-9]{5}-of-[0-9]{5}" + re.escape(CHUNK_SUFFIX))
@@ -108,19 +118,6 @@ class StoreEntry:
     def age(self, now: float | None = None) -> float:
         """Seconds since the entry was last used."""
         return (time.time() if now is None else now) - self.last_used
-
-
-def _directories(directory: Path) -> Iterator[tuple[Path, list[os.DirEntry[str]]]]:
-    """Every directory under ``directory`` (itself included) with its files, dot names
-    (temporary and staged files) included."""
-    try:
-        listing = list(os.scandir(directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    yield (directory, [item for item in listing if not item.is_dir(follow_symlinks=False)])
-    for item in listing:
-        if item.is_dir(follow_symlinks=False):
-            yield from _directories(Path(item.path))
 
 
 def _stat(path: str | os.PathLike[str]) -> os.stat_result | None:
@@ -249,14 +246,16 @@ def store_entries(
     entries = []
     base = Path(root)
     try:
-        namespaces = sorted(item for item in base.iterdir() if item.is_dir())
-    except FileNotFoundError:
+        with os.scandir(base) as listing:
+            # A namespace that is a link (to a directory outside the store) is not the store's.
+            namespaces = sorted(item.name for item in listing if item.is_dir(follow_symlinks=False))
+    except (FileNotFoundError, NotADirectoryError):
         return []
     for namespace in namespaces:
         for kind, quarantined in (("chunks", False), ("quarantine", True)):
-            for directory, files in _directories(namespace / kind):
+            for directory, files in walk_directories(base, (namespace, kind)):
                 entries += _directory_entries(
-                    directory, files, namespace.name, quarantined, orphan_grace_s
+                    directory, files, namespace, quarantined, orphan_grace_s
                 )
     entries.sort(key=lambda entry: (entry.last_used, str(entry.path)))
     return entries
@@ -292,86 +291,108 @@ def _removable(entry: StoreEntry, moment: float, min_idle_s: float, orphan_grace
     return entry.quarantined or entry.age(moment) >= min_idle_s
 
 
-def _delete_temp(entry: StoreEntry) -> bool:
-    """Delete a leftover temporary file, unless its lock is held (then it is not a leftover);
-    a staged chunk past its grace goes plainly."""
-    if publish.TEMP_MARKER in entry.path.name:
-        return publish.remove_if_unlocked(str(entry.path))
+def _delete_temp(directory: int, entry: StoreEntry) -> bool:
+    """Delete a leftover temporary file in the open ``directory``, unless its lock is held
+    (then it is not a leftover); a staged chunk past its grace goes plainly."""
+    name = entry.path.name
+    if publish.TEMP_MARKER in name:
+        return publish.remove_if_unlocked(name, dir_fd=directory)
     try:
-        entry.path.unlink()
+        os.unlink(name, dir_fd=directory)
     except FileNotFoundError:
         return False
     return True
 
 
-def _set_aside(path: Path) -> tuple[int, Path] | None:
-    """Rename the file ``path`` to a temporary name beside it whose lock this process holds
-    (so no other pruner removes it meanwhile); ``(fd holding the lock, new path)``, or ``None``
-    when it is gone or another pruner holds it."""
+def _set_aside(directory: int, name: str) -> tuple[int, str] | None:
+    """Rename the file ``name`` of the open ``directory`` to a temporary name beside it whose
+    lock this process holds (so no other pruner removes it meanwhile); ``(fd holding the
+    lock, new name)``, or ``None`` when it is gone or another pruner holds it."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(name, flags, dir_fd=directory)
     except OSError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        aside = path.with_name(publish.temp_name(path.name))
-        os.rename(path, aside)
-        if os.stat(aside, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
-            os.rename(aside, path)  # renamed another file than the one locked: leave it
-            raise FileNotFoundError(path)
+        aside = publish.temp_name(name)
+        os.rename(name, aside, src_dir_fd=directory, dst_dir_fd=directory)
+        if os.stat(aside, dir_fd=directory, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
+            # Renamed another file than the one locked: leave it.
+            os.rename(aside, name, src_dir_fd=directory, dst_dir_fd=directory)
+            raise FileNotFoundError(name)
     except OSError:
         os.close(fd)
         return None
     return fd, aside
 
 
-def _still_idle(entry: StoreEntry, aside: Path, moment: float, min_idle_s: float) -> bool:
-    """Whether the chunk set aside at ``aside`` was not used since it was listed (``entry``)
-    nor in the last ``min_idle_s`` seconds, reading its last use again now."""
-    try:
-        status = os.stat(aside, follow_symlinks=False)
-    except FileNotFoundError:
+def _still_idle(
+    entry: StoreEntry, directory: int, aside: str, moment: float, min_idle_s: float
+) -> bool:
+    """Whether the chunk set aside as ``aside`` in ``directory`` was not used since it was
+    listed (``entry``) nor in the last ``min_idle_s`` seconds, reading its last use again."""
+    status = lstat_at(directory, aside)
+    if status is None:
         return True
     last_used = max(status.st_atime, status.st_mtime)
     return last_used <= entry.last_used and moment - last_used >= min_idle_s
 
 
-def _delete(entry: StoreEntry, min_idle_s: float = 0.0) -> bool:
+def _delete(root: str | os.PathLike[str], entry: StoreEntry, min_idle_s: float = 0.0) -> bool:
     """Delete ``entry``'s files, the committing one first; ``False`` (nothing deleted) when it
     is gone already (another process evicted or quarantined it, and its parts are that
-    process's to move or delete) or was used since it was listed.
+    process's to move or delete), was used since it was listed, or its directory is no longer
+    the store's (a link planted since the listing: nothing is deleted through it).
 
     A chunk's committing file is first set aside and its last use read again
     (:func:`_still_idle`): used since the listing or within ``min_idle_s``, it is renamed back
     and kept."""
-    if entry.temp:
-        return _delete_temp(entry)
-    if entry.orphan or entry.quarantined:
-        try:
-            entry.path.unlink()
-        except FileNotFoundError:
-            return False
-    else:
-        held = _set_aside(entry.path)
-        if held is None:
-            return False
-        fd, aside = held
-        try:
-            if not _still_idle(entry, aside, time.time(), min_idle_s):
-                os.replace(aside, entry.path)  # used meanwhile: put it back
+    try:
+        with directory_fd(root, relative_parts(root, entry.path.parent)) as directory:
+            if not _delete_files(directory, entry, min_idle_s):
                 return False
-            aside.unlink()
-        finally:
-            os.close(fd)
+    except (OSError, ValueError):
+        return False
     tier = hot_tier()
     tier.forget(str(entry.path))  # its registered pages are freed now, not at the next prune
     for part in entry.parts:
         tier.forget(str(part))
-        with contextlib.suppress(FileNotFoundError):
-            part.unlink()
     if entry.quarantined and entry.parts:
-        with contextlib.suppress(OSError):  # not empty: something else is in it, keep it
-            entry.path.parent.rmdir()  # the parted chunk's own quarantine/HASH.T/
+        # The parted chunk's own quarantine/HASH.T/; not empty: something else is in it.
+        with contextlib.suppress(OSError, ValueError):
+            parent = entry.path.parent
+            with directory_fd(root, relative_parts(root, parent.parent)) as above:
+                os.rmdir(parent.name, dir_fd=above)
+    return True
+
+
+def _delete_files(directory: int, entry: StoreEntry, min_idle_s: float) -> bool:
+    """:func:`_delete`'s work in the entry's open ``directory``."""
+    name = entry.path.name
+    if entry.temp:
+        return _delete_temp(directory, entry)
+    if entry.orphan or entry.quarantined:
+        try:
+            os.unlink(name, dir_fd=directory)
+        except FileNotFoundError:
+            return False
+    else:
+        held = _set_aside(directory, name)
+        if held is None:
+            return False
+        fd, aside = held
+        try:
+            if not _still_idle(entry, directory, aside, time.time(), min_idle_s):
+                # Used meanwhile: put it back.
+                os.replace(aside, name, src_dir_fd=directory, dst_dir_fd=directory)
+                return False
+            os.unlink(aside, dir_fd=directory)
+        finally:
+            os.close(fd)
+    for part in entry.parts:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(part.name, dir_fd=directory)
     return True
 
 
@@ -395,18 +416,19 @@ def prune_store(
     Orphan parts modified in the last ``orphan_grace_s`` seconds are kept: they may be a write
     in progress.
     """
-    removed, _ = _prune_to(root, max_bytes, min_idle_s, orphan_grace_s, now)
+    removed, _ = prune_measured(root, max_bytes, min_idle_s, orphan_grace_s, now)
     return removed
 
 
-def _prune_to(
+def prune_measured(
     root: str | os.PathLike[str],
     max_bytes: int,
     min_idle_s: float,
     orphan_grace_s: float,
     now: float | None,
 ) -> tuple[list[StoreEntry], int]:
-    """:func:`prune_store`'s work; also the bytes the store holds after it."""
+    """:func:`prune_store`, returning also the bytes the store holds after it (what a commit
+    within the bound needs: :mod:`~kvsnap.engines.vllm.capacity`)."""
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
     entries = store_entries(root, orphan_grace_s=orphan_grace_s)
@@ -419,7 +441,7 @@ def _prune_to(
             break
         if not _removable(entry, moment, min_idle_s, orphan_grace_s):
             continue
-        if _delete(entry, min_idle_s):
+        if _delete(root, entry, min_idle_s):
             removed.append(entry)
             total -= entry.size
         elif not _exists(entry.path):
@@ -433,70 +455,10 @@ def _exists(path: Path) -> bool:
 
 def staged_path(path: str | os.PathLike[str]) -> Path:
     """A fresh name beside the chunk ``path`` (``HASH.safetensors``) to write it under before
-    :func:`commit_within_capacity` commits it:
+    :func:`~kvsnap.engines.vllm.capacity.commit_within_capacity` commits it:
     ``.HASH.kvsnap-stage-HOST-PID-TOKEN.safetensors`` (host and pid tell a dead stager's
     leftover from a commit to come)."""
     final = Path(path)
     stem = final.name[: -len(CHUNK_SUFFIX)]
     token = f"{_HOST}-{os.getpid()}-{secrets.token_hex(8)}"
     return final.with_name(f".{stem}{STAGE_MARKER}{token}{CHUNK_SUFFIX}")
-
-
-@contextlib.contextmanager
-def capacity_lock(root: str | os.PathLike[str]) -> Iterator[None]:
-    """Hold the store-wide lock that serializes commits within the bound (every engine on the
-    store takes it; a dead holder's lock is released by the kernel)."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-    fd = os.open(Path(root) / CAPACITY_LOCK, flags, publish.file_mode(os.fspath(root)))
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def commit_within_capacity(
-    root: str | os.PathLike[str],
-    staged: str | os.PathLike[str],
-    path: str | os.PathLike[str],
-    max_bytes: int,
-    *,
-    min_idle_s: float = 0.0,
-) -> tuple[bool, list[StoreEntry]]:
-    """Commit the chunk written at ``staged`` as ``path`` so that the store ``root`` stays
-    within ``max_bytes``; returns whether it was committed and the entries pruned for it.
-
-    Under the store-wide :func:`capacity_lock`: when the store holds the chunk already (another
-    engine committed it) the staged file is dropped; otherwise the store, measured by listing
-    it (every engine's chunks), is pruned to ``max_bytes`` less the chunk's size, then the
-    chunk is renamed into place, unless pruning could not make room (the chunks left were all
-    used within ``min_idle_s``): then the staged file is dropped and the save skipped, a cache
-    that is full of chunks in use keeps them. So however many engines share the store, a
-    commit never takes it over the bound.
-    """
-    staged, final = Path(staged), Path(path)
-    with capacity_lock(root):
-        if committed_file_exists(final):
-            staged.unlink()
-            return False, []
-        size = staged.stat().st_size
-        removed, held = _prune_to(root, max(max_bytes - size, 0), min_idle_s, ORPHAN_GRACE_S, None)
-        if held + size > max_bytes:
-            staged.unlink()
-            return False, removed
-        publish.replace_and_sync(str(staged), str(final))
-    return True, removed
-
-
-def prune_locked(
-    root: str | os.PathLike[str], max_bytes: int, *, min_idle_s: float = 0.0
-) -> list[StoreEntry]:
-    """:func:`prune_store` under the store-wide :func:`capacity_lock` (after a write committed
-    without staging: a parted chunk, whose index rank 0 publishes)."""
-    with capacity_lock(root):
-        return prune_store(root, max_bytes, min_idle_s=min_idle_s)
-
-
-def committed_file_exists(path: Path) -> bool:
-    """Whether the chunk ``path`` is stored, as a single file or a parted chunk's index."""
-    return committed_file(path) is not None

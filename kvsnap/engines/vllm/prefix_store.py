@@ -38,6 +38,11 @@ from typing import Any
 
 from kvsnap import format as fmt
 from kvsnap.engines.vllm.identity import KEY_PATTERN
+from kvsnap.engines.vllm.store_directories import (
+    DIRECTORY_BELOW,
+    directory_fd,
+    relative_parts,
+)
 from kvsnap.errors import KVSnapError
 from kvsnap.store import resolve
 from kvsnap.store.location import INDEX_SUFFIX, Location
@@ -129,6 +134,31 @@ def chunk_sequence_id(first_block: int, parent: str | None, key: str) -> str:
     can be changed by anyone who can write the store; its (signed) sequence id cannot, so a
     chunk copied under another identity's name never passes the check."""
     return f"prefix@{first_block}:{parent or 'root'}>{key}"
+
+
+_CHUNK_ID = re.compile(r"prefix@(?P<first>[0-9]+):(?P<parent>root|[0-9a-f]+)>(?P<key>[0-9a-f]+)")
+
+
+def name_problem(
+    path: str | os.PathLike[str], sequences: Sequence[fmt.SequenceRecord]
+) -> str | None:
+    """Why the chunk at ``path`` (``HASH.safetensors`` or its index) is not the chunk its name
+    says, if it is not: it holds one sequence whose (signed) id names ``HASH`` as its own key
+    (:func:`chunk_sequence_id`). A chunk copied under another chunk's name fails this; the
+    scheduler refuses it as a miss, ``kvsnap store verify`` reports it."""
+    name = snapshot_path(path).name
+    stem = name[: -len(CHUNK_SUFFIX)]
+    if len(sequences) != 1:
+        return f"{name} holds {len(sequences)} sequences, a chunk one"
+    found = _CHUNK_ID.fullmatch(sequences[0].id)
+    if found is None:
+        return f"{name} holds sequence {sequences[0].id!r}, not a chunk's"
+    if found.group("key") != stem:
+        return (
+            f"{name} holds the chunk {found.group('key')} (sequence {sequences[0].id!r}): "
+            "a chunk copied or renamed under another chunk's name"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -261,13 +291,18 @@ class PrefixStore:
                 return False  # gone (evicted, quarantined)
             assert found.status is not None
             try:
-                os.utime(found.location.path, ns=(time.time_ns(), found.status.st_mtime_ns))
+                # Never through a link: a planted one must not have a file elsewhere touched.
+                os.utime(
+                    found.location.path,
+                    ns=(time.time_ns(), found.status.st_mtime_ns),
+                    follow_symlinks=False,
+                )
             except FileNotFoundError:
                 continue
             except OSError as error:
-                if error.errno not in _CANNOT_WRITE:
-                    raise
                 # A store this process cannot write is not pruned by it: no record needed.
+                # Any other error (a directory where the chunk was, a link loop): a miss.
+                return error.errno in _CANNOT_WRITE
             return True
         return False
 
@@ -283,6 +318,13 @@ class PrefixStore:
         file (a parted chunk's index), or ``None`` when the chunk is gone already (another
         process moved or evicted it) or cannot be moved (a store this process cannot write:
         the chunk is checked, and missed, again when next matched).
+
+        Both directories are opened below the root without following links
+        (:mod:`~kvsnap.engines.vllm.store_directories`): where the store's directories are not
+        what they should be (a file or a link where ``quarantine`` or ``chunks/HH`` belongs,
+        a link to another filesystem or outside the store) this raises ``OSError`` and moves
+        nothing; nothing outside the store is ever written (:class:`~kvsnap.engines.vllm.
+        quarantine.Quarantine` turns that into a logged, skipped quarantine).
         """
         try:
             return self._quarantine(path)
@@ -293,33 +335,46 @@ class PrefixStore:
 
     def _quarantine(self, path: str | os.PathLike[str]) -> Path | None:
         single = snapshot_path(path)
-        make_directories(self.quarantined, self.root)
         moment = time.time_ns()
         stem = single.name[: -len(CHUNK_SUFFIX)]
-        if not resolve.is_index_name(Path(path).name):
-            target = self.quarantined / f"{stem}.{moment}{CHUNK_SUFFIX}"
-            with contextlib.suppress(FileNotFoundError):  # no single file: parted, or gone
-                os.replace(single, target)
-                return target
-        return self._quarantine_parted(index_path(single), self.quarantined / f"{stem}.{moment}")
+        mode = stat.S_IMODE(os.stat(self.root).st_mode)
+        with (
+            directory_fd(self.root, relative_parts(self.root, single.parent)) as source,
+            directory_fd(
+                self.root, relative_parts(self.root, self.quarantined), create_mode=mode
+            ) as target,
+        ):
+            if not resolve.is_index_name(Path(path).name):
+                name = f"{stem}.{moment}{CHUNK_SUFFIX}"
+                with contextlib.suppress(FileNotFoundError):  # no single file: parted, or gone
+                    os.replace(single.name, name, src_dir_fd=source, dst_dir_fd=target)
+                    return self.quarantined / name
+            return self._quarantine_parted(
+                source, target, index_path(single).name, f"{stem}.{moment}"
+            )
 
-    def _quarantine_parted(self, index: Path, directory: Path) -> Path | None:
-        """Move the parted chunk whose index is ``index`` into the new ``directory``."""
-        directory.mkdir(mode=0o700)
-        target = directory / index.name
+    def _quarantine_parted(
+        self, source: int, target: int, index: str, directory: str
+    ) -> Path | None:
+        """Move the parted chunk whose index is named ``index`` in the open directory
+        ``source`` into the new ``directory`` in the open quarantine directory ``target``."""
+        os.mkdir(directory, 0o700, dir_fd=target)
+        moved = os.open(directory, DIRECTORY_BELOW, dir_fd=target)
         try:
-            os.replace(index, target)
-        except FileNotFoundError:
-            directory.rmdir()
-            return None
-        # The parts the moved index names (read after the move: a write replacing the chunk
-        # meanwhile has parts of another generation, which stay with their own index).
-        for moved in part_files(target):
             try:
-                os.replace(index.parent / moved.name, moved)
+                os.replace(index, index, src_dir_fd=source, dst_dir_fd=moved)
             except FileNotFoundError:
-                continue  # removed by a pruner or a replacing write: nothing left to keep
-        return target
+                os.rmdir(directory, dir_fd=target)
+                return None
+            moved_index = self.quarantined / directory / index
+            # The parts the moved index names (read after the move: a write replacing the
+            # chunk meanwhile has parts of another generation, which stay with their index).
+            for part in part_files(moved_index):
+                with contextlib.suppress(FileNotFoundError):  # gone: a pruner, a new write
+                    os.replace(part.name, part.name, src_dir_fd=source, dst_dir_fd=moved)
+            return moved_index
+        finally:
+            os.close(moved)
 
 
 #: errno values of a write refused by the filesystem or the permissions.
@@ -404,18 +459,13 @@ def make_directories(directory: Path, root: Path) -> None:
     """Create ``directory`` and its missing parents up to ``root`` with the root's permission
     bits exactly (``0700`` for a private store; a shared store's group bits), whatever the
     process umask (a missing root is created ``0700``); files created in them get no more
-    access than they grant (:func:`kvsnap.store.publish.create_temp`)."""
-    if directory.is_dir():
-        return
+    access than they grant (:func:`kvsnap.store.publish.create_temp`).
+
+    Every component below the root is opened without following a link: a link or a file
+    where one of them belongs raises ``OSError`` (``ELOOP``, ``ENOTDIR``), so a save never
+    writes through a link planted in the store."""
     if not root.is_dir():
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
     mode = stat.S_IMODE(root.stat().st_mode)
-    missing = []
-    for candidate in (directory, *directory.parents):
-        if candidate == root or candidate.is_dir():
-            break
-        missing.append(candidate)
-    for candidate in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
-            candidate.mkdir(mode=mode)
-            os.chmod(candidate, mode)
+    with directory_fd(root, relative_parts(root, directory), create_mode=mode):
+        pass

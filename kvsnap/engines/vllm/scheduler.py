@@ -25,6 +25,7 @@ from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.identity import identity_of, store_key_chain
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.prefix_store import ChunkRef, PrefixStore, chunk_sequence_id, safe_name
+from kvsnap.engines.vllm.quarantine import Quarantine
 from kvsnap.engines.vllm.specs import (
     ChunkLoad,
     KVSnapConnectorMetadata,
@@ -33,6 +34,7 @@ from kvsnap.engines.vllm.specs import (
     SaveSpec,
     external_request_id,
 )
+from kvsnap.engines.vllm.store_guard import StoreGuard
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -86,12 +88,17 @@ class KVSnapScheduler:
         block_size: int,
         checker: ChunkChecker,
         block_ids_of: BlockIdsOf,
+        guard: StoreGuard | None = None,
     ) -> None:
         self.options = options
         self.store = store
         self.events = events
         self.block_size = block_size
         self.checker = checker
+        self._quarantined = Quarantine(store, events)
+        #: The store's mode and owner, checked again while the engine runs: while the store
+        #: fails the check nothing is matched in it or planned for saving to it.
+        self.guard = guard
         self._block_ids_of = block_ids_of
         self._matches: dict[str, tuple[int, list[tuple[ChunkRef, fmt.SequenceRecord]]]] = {}
         self._pending_loads: list[LoadSpec] = []
@@ -153,7 +160,7 @@ class KVSnapScheduler:
         match = self.store.longest_prefix(chain)
         usable: list[tuple[ChunkRef, fmt.SequenceRecord]] = []
         for chunk in match.chunks if match is not None else ():
-            record = self.checker.check(chunk, prompt, chain)
+            record = self.checker.check(chunk, prompt, chain, before_hit=True)
             if isinstance(record, str):
                 self.events.emit(
                     "miss", logging.WARNING, request=request_id, path=chunk.path, reason=record
@@ -165,17 +172,8 @@ class KVSnapScheduler:
 
     def _quarantine(self, request_id: str, path: str, reason: str) -> None:
         """Move the chunk at ``path`` aside so it is never matched again, and log it."""
-        moved = self.store.quarantine(path)
+        self._quarantined(request=request_id, path=path, reason=reason)
         self.checker.forget(path)
-        if moved is not None:
-            self.events.emit(
-                "quarantine",
-                logging.WARNING,
-                request=request_id,
-                path=path,
-                moved_to=str(moved),
-                reason=reason,
-            )
 
     def _stored_and_sound(
         self, request_id: str, prompt: np.ndarray, chain: list[str], span: tuple[int, int]
@@ -207,7 +205,7 @@ class KVSnapScheduler:
         matched ones, it only remembers the answer for :meth:`update_state_after_alloc`.
         """
         self._matches.pop(request.request_id, None)
-        if not self.options.persist:
+        if not self.options.persist or not self._store_allowed():
             return 0, False
         prompt = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
         loadable_blocks = max(len(prompt) - 1, 0) // self.block_size
@@ -230,6 +228,11 @@ class KVSnapScheduler:
         )
         return matched - num_computed_tokens, False
 
+    def _store_allowed(self) -> bool:
+        """Whether the store may be used: it still passes the start-up check of its mode and
+        owner (:class:`~kvsnap.engines.vllm.store_guard.StoreGuard`)."""
+        return self.guard is None or self.guard.allows()
+
     def _touched(
         self, usable: list[tuple[ChunkRef, fmt.SequenceRecord]]
     ) -> list[tuple[ChunkRef, fmt.SequenceRecord]]:
@@ -238,6 +241,7 @@ class KVSnapScheduler:
         for position, (chunk, _) in enumerate(usable):
             if not self.store.touch(chunk.path):
                 return usable[:position]
+            self.checker.touched(chunk.path)
             if self.checker.hand_over:
                 CHECKED_CHUNKS.touched(chunk.path)
         return usable
@@ -266,6 +270,7 @@ class KVSnapScheduler:
                     path=chunk.path,
                     snapshot_blocks=np.asarray(record.block_ids[inside], dtype=np.int64),
                     target_blocks=np.asarray(block_ids[low:high], dtype=np.int64),
+                    checked=record,
                 )
             )
         spec = LoadSpec(request.request_id, tuple(loads), (end - first) * self.block_size)
@@ -323,7 +328,11 @@ class KVSnapScheduler:
         # The blocks a later prompt can load: never the one holding the last prompt token.
         num_blocks = max(len(prompt) - 1, 0) // self.block_size
         extra = getattr(request.sampling_params, "extra_args", None) or {}
-        unwanted = extra.get("kvsnap_persist") is False or self.store.read_only
+        unwanted = (
+            extra.get("kvsnap_persist") is False
+            or self.store.read_only
+            or not self._store_allowed()
+        )
         if num_blocks < self.options.min_blocks or unwanted:
             tracked.persisted = True
             return

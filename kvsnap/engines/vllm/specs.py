@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvsnap import format as fmt
 from kvsnap.engines.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 _INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
@@ -27,11 +28,19 @@ def external_request_id(request_id: str) -> str:
 
 @dataclass(frozen=True)
 class ChunkLoad:
-    """Load blocks ``snapshot_blocks`` of the chunk ``path`` into engine ``target_blocks``."""
+    """Load blocks ``snapshot_blocks`` of the chunk ``path`` into engine ``target_blocks``.
+
+    ``checked`` is the chunk's one sequence as the scheduler checked it against the request:
+    its id names the span and the store keys under the request's identity, its token ids are
+    the prompt's, its block ids are those ``snapshot_blocks`` were taken from. The worker loads
+    the chunk only from a file that holds that very sequence: anything else found under the
+    name by the time it loads (a file renamed over it since the check) is a miss.
+    """
 
     path: str
     snapshot_blocks: np.ndarray
     target_blocks: np.ndarray
+    checked: fmt.SequenceRecord
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.prefix_store import PrefixStore
+from kvsnap.engines.vllm.quarantine import Quarantine
 from kvsnap.engines.vllm.registration import RegisteredCache, register_caches
 from kvsnap.engines.vllm.specs import (
     ChunkLoad,
@@ -57,6 +58,7 @@ from kvsnap.engines.vllm.specs import (
     KVSnapWorkerMetadata,
     LoadSpec,
 )
+from kvsnap.engines.vllm.store_guard import StoreGuard
 from kvsnap.engines.vllm.worker_saves import WorkerSaves
 from kvsnap.errors import (
     IncompatibleSnapshotError,
@@ -110,10 +112,14 @@ class KVSnapWorker:
         fingerprint: str,
         source: fmt.SourceInfo | None,
         keys: KeyRing | None = None,
+        guard: StoreGuard | None = None,
     ) -> None:
         self.options = options
         self.store = store
         self.events = events
+        #: The store's mode and owner, checked again before saves (:class:`StoreGuard`).
+        self.guard = guard
+        self._quarantined = Quarantine(store, events)
         self.fingerprint = fingerprint
         #: Signs every save, and every chunk loaded must be signed by one of them.
         self.keys = keys
@@ -155,6 +161,7 @@ class KVSnapWorker:
             group=group,
             source=self._source,
             keys=self.keys,
+            guard=self.guard,
         )
         self.events.emit(
             "registered",
@@ -207,6 +214,7 @@ class KVSnapWorker:
                     snapshot = _open_chunk(chunk.path, self.keys, self._kept)
                     opened.append(snapshot)
                     _check_fits(snapshot.metadata, geometry, self.fingerprint, chunk.path)
+                    _check_is_the_checked_chunk(snapshot.metadata, chunk)
                 except Exception as error:  # any failure: the blocks from here on are recomputed
                     failure = (position, error)
                     break
@@ -226,18 +234,35 @@ class KVSnapWorker:
 
     def _keep(self, chunk: ChunkLoad, snapshot: Snapshot) -> bool:
         """Keep ``snapshot``, just loaded, open for the next load of ``chunk`` (whether it was
-        kept). Not a chunk held in memory whole (the scheduler's hand-over of a small chunk):
-        the worker would hold its bytes, up to :data:`~kvsnap.store.tuning.
-        WHOLE_READ_MAX_BYTES` each, for as long."""
+        kept). A chunk held in memory whole (the scheduler's hand-over of a small chunk) goes
+        back to the hand-over (:data:`~kvsnap.engines.vllm.open_chunks.CHECKED_CHUNKS`, at
+        most 8: the worker does not hold such bytes, up to :data:`~kvsnap.store.tuning.
+        WHOLE_READ_MAX_BYTES` each, for longer), whose scheduler then offers the chunk again
+        from those verified bytes without reading the file."""
         if any(part.reader.held_file() is not None for part in snapshot.parts):
-            return False
+            return CHECKED_CHUNKS.give_back(chunk.path, snapshot, self.keys)
         return self._kept.keep(chunk.path, snapshot, self.keys)
 
     def _load_failed(self, spec: LoadSpec, position: int, error: Exception) -> None:
-        """Report the blocks of ``spec`` from chunk ``position`` on; quarantine a bad file."""
+        """Report the blocks of ``spec`` from chunk ``position`` on; quarantine a bad file.
+
+        A chunk whose file holds another sequence than the one the scheduler checked (renamed
+        over its name since) is a ``miss``: recomputed, never loaded, and left where it is
+        (the scheduler's next check of the name quarantines a file that does not belong
+        there; a valid replacement stays)."""
         failed = spec.chunks[position]
         blocks = np.concatenate([chunk.target_blocks for chunk in spec.chunks[position:]])
         self._load_errors.update(int(block) for block in blocks)
+        if isinstance(error, NotTheCheckedChunkError):
+            self.events.emit(
+                "miss",
+                logging.WARNING,
+                request=spec.request_id,
+                path=failed.path,
+                blocks=len(blocks),
+                reason=str(error),
+            )
+            return
         message = f"{type(error).__name__}: {error}"
         self.events.emit(
             "load_failed",
@@ -248,16 +273,7 @@ class KVSnapWorker:
             error=message,
         )
         if isinstance(error, _FILE_ERRORS):
-            moved = self.store.quarantine(failed.path)
-            if moved is not None:
-                self.events.emit(
-                    "quarantine",
-                    logging.WARNING,
-                    request=spec.request_id,
-                    path=failed.path,
-                    moved_to=str(moved),
-                    reason=message,
-                )
+            self._quarantined(request=spec.request_id, path=failed.path, reason=message)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; vLLM recomputes them."""
@@ -374,6 +390,36 @@ def _failed_chunk(spec: LoadSpec, error: Exception) -> int:
         if named is not None and Path(named).name.startswith(Path(chunk.path).stem):
             return position
     return 0
+
+
+class NotTheCheckedChunkError(Exception):
+    """The file a worker opened for a planned load holds another sequence than the one the
+    scheduler checked for the request (a file renamed over the chunk's name since the check,
+    or another version of it): the load is a miss."""
+
+
+def _check_is_the_checked_chunk(metadata: fmt.SnapshotMetadata, chunk: ChunkLoad) -> None:
+    """Refuse (:class:`NotTheCheckedChunkError`) a chunk whose one sequence is not the one the
+    scheduler checked (``chunk.checked``): another id (another span, prefix or identity: the
+    name is anyone's to change who can write the store, the signed id is not), other token
+    ids, or other block ids (which ``chunk.snapshot_blocks`` were taken from). With a key, the
+    sequence is signed: only the key holder's chunk of this request's prefix passes."""
+    checked = chunk.checked
+    found = metadata.sequences[0] if len(metadata.sequences) == 1 else None
+    if found is None or found.id != checked.id:
+        name = None if found is None else found.id
+        raise NotTheCheckedChunkError(
+            f"the file now at {chunk.path} holds sequence {name!r}, not the {checked.id!r} "
+            "the scheduler checked (replaced since the check)"
+        )
+    if not (
+        np.array_equal(found.token_ids, checked.token_ids)
+        and np.array_equal(found.block_ids, checked.block_ids)
+    ):
+        raise NotTheCheckedChunkError(
+            f"the file now at {chunk.path} holds other token or block ids than the version "
+            "the scheduler checked (replaced since the check)"
+        )
 
 
 def _check_fits(

@@ -8,9 +8,14 @@ where each is one capture straight from the cache through the worker's warm
 :func:`kvsnap.distributed.capture`), its copies ordered after that event. A chunk the store
 already holds is never copied again; with ``store_capacity_bytes`` a chunk is written under a
 staged name and committed once the store has room for it
-(:func:`~kvsnap.engines.vllm.eviction.commit_within_capacity`); a full disk is said once
-(``store_full``) and the save skipped. :meth:`WorkerSaves.shutdown` waits for the queued saves
-up to a bound and abandons the rest.
+(:func:`~kvsnap.engines.vllm.capacity.commit_within_capacity`); a full disk is said once
+(``store_full``) and the save skipped. A capacity lock another process keeps past
+:data:`~kvsnap.engines.vllm.capacity.LOCK_WAIT_S` (or one that is a link, not a regular file,
+another user's) is said once (``store_locked``) and the save skipped; while it stays so, each
+later save asks for the lock once, without waiting, before it copies anything, and is skipped
+at once if it cannot have it: the save thread never waits on another process for longer than
+one save's wait, so neither does the engine's step behind a full queue.
+:meth:`WorkerSaves.shutdown` waits for the queued saves up to a bound and abandons the rest.
 """
 
 from __future__ import annotations
@@ -28,18 +33,21 @@ import torch
 
 from kvsnap import distributed
 from kvsnap import format as fmt
-from kvsnap.engines.vllm.events import EventLog
-from kvsnap.engines.vllm.eviction import (
-    StoreEntry,
+from kvsnap.engines.vllm.capacity import (
+    LOCK_WAIT_S,
+    CapacityLockError,
     commit_within_capacity,
+    lock_is_free,
     prune_locked,
-    staged_path,
 )
+from kvsnap.engines.vllm.events import EventLog
+from kvsnap.engines.vllm.eviction import StoreEntry, staged_path
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.prefix_store import PrefixStore
 from kvsnap.engines.vllm.registration import RegisteredCache
 from kvsnap.engines.vllm.saves import PendingSave, SaveQueue
 from kvsnap.engines.vllm.specs import SaveSpec
+from kvsnap.engines.vllm.store_guard import StoreGuard
 from kvsnap.errors import SaveAbandonedError, SnapshotIOError
 from kvsnap.format.signing import KeyRing
 from kvsnap.pipeline import Pipeline, ProgressCallback
@@ -65,8 +73,13 @@ class WorkerSaves:
         group: Any,
         source: fmt.SourceInfo | None,
         keys: KeyRing | None,
+        guard: StoreGuard | None = None,
     ) -> None:
         self.options = options
+        #: The store's mode and owner, checked again while the engine runs (at TP 1: at
+        #: TP > 1 the scheduler plans no save into a store that fails it, and every rank
+        #: must meet the collectives of a save that was planned).
+        self.guard = guard
         self.store = store
         self.events = events
         self.cache = cache
@@ -77,6 +90,11 @@ class WorkerSaves:
         self._queue = SaveQueue(events, options.max_pending_writes)
         #: Whether the last save met a full disk (said once, until a save fits again).
         self._store_full = False
+        #: Whether the last commit could not have the capacity lock (said once, until one
+        #: has it again); meanwhile a save that cannot have it at once is skipped at once.
+        self._lock_unavailable = False
+        #: How long a commit waits for the capacity lock.
+        self.lock_wait_s = LOCK_WAIT_S
 
     @property
     def abandoning(self) -> threading.Event:
@@ -159,6 +177,12 @@ class WorkerSaves:
             raise SaveAbandonedError("the worker is shutting down", file=spec.path)
         if layout.tp_size == 1 and persist and self.store.has_chunk(spec.path):
             return
+        if layout.tp_size == 1 and persist and self.guard is not None and not self.guard.allows():
+            return  # the store is open to others now (said once, by the guard)
+        if layout.tp_size == 1 and persist and self._lock_still_unavailable():
+            # Skipped before anything is copied (said once). At TP > 1 only rank 0's prune
+            # after the commit takes the lock: every rank still meets the collectives.
+            return
         started = time.perf_counter()
         if persist:
             self.store.chunk_directory(spec.path)
@@ -203,11 +227,45 @@ class WorkerSaves:
         """Commit the chunk staged at ``staged`` as ``path`` within the store's bound
         (:func:`~kvsnap.engines.vllm.eviction.commit_within_capacity`); log what pruning
         removed for it; whether it was committed."""
-        committed, removed = commit_within_capacity(
-            self.store.root, staged, path, capacity, min_idle_s=self.options.store_min_idle_s
-        )
+        try:
+            committed, removed = commit_within_capacity(
+                self.store.root,
+                staged,
+                path,
+                capacity,
+                min_idle_s=self.options.store_min_idle_s,
+                wait_s=self.lock_wait_s,
+                shared=self.options.shared_store,
+            )
+        except CapacityLockError as error:
+            self._lock_failed(path, error)
+            return False
+        self._lock_unavailable = False
         self._evicted(removed)
         return committed
+
+    def _lock_still_unavailable(self) -> bool:
+        """While the capacity lock could not be had: whether it still cannot be had at once
+        (asked without waiting). Only with a capacity bound, where commits take the lock."""
+        if not self._lock_unavailable or self.options.store_capacity_bytes is None:
+            return False
+        if lock_is_free(self.store.root, shared=self.options.shared_store):
+            self._lock_unavailable = False
+            return False
+        return True
+
+    def _lock_failed(self, path: str, error: CapacityLockError) -> None:
+        """A commit (or a prune) could not have the capacity lock: the save is skipped, said
+        once until a commit has the lock again."""
+        if not self._lock_unavailable:
+            self.events.emit(
+                "store_locked",
+                logging.WARNING,
+                path=path,
+                error=str(error),
+                message="saves are skipped while the store's capacity lock cannot be had",
+            )
+        self._lock_unavailable = True
 
     def _saved(
         self, spec: SaveSpec, path: str, num_blocks: int, num_bytes: int, started: float
@@ -225,11 +283,19 @@ class WorkerSaves:
         capacity = self.options.store_capacity_bytes
         if spec.kind == "persist" and capacity is not None:
             if self.cache.layout.tp_size > 1:  # a parted chunk, committed by its index
-                self._evicted(
-                    prune_locked(
-                        self.store.root, capacity, min_idle_s=self.options.store_min_idle_s
+                try:
+                    removed = prune_locked(
+                        self.store.root,
+                        capacity,
+                        min_idle_s=self.options.store_min_idle_s,
+                        wait_s=self.lock_wait_s,
+                        shared=self.options.shared_store,
                     )
-                )
+                except CapacityLockError as error:
+                    self._lock_failed(path, error)
+                    return
+                self._lock_unavailable = False
+                self._evicted(removed)
 
     def _evicted(self, removed: list[StoreEntry]) -> None:
         """Log the entries pruning removed."""

@@ -1,7 +1,8 @@
 """A worker keeps the chunks it loaded open for their next load, and serves a kept chunk only
-while its file is the version it opened: a chunk replaced by a rename is opened anew, a byte
-changed in place (the modification time put back) is refused by the page checks, and a
-removed chunk's descriptor is closed."""
+while its file is the version it opened: a chunk replaced by a rename is opened anew (and,
+being another chunk than the one the scheduler checked, loads nothing: a miss), a byte changed
+in place (the modification time put back) is refused by the page checks, and a removed
+chunk's descriptor is closed."""
 
 from __future__ import annotations
 
@@ -10,15 +11,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
-from kvsnap.engines.vllm import ChunkLoad, KVSnapConnectorMetadata, LoadSpec
+from kvsnap.engines.vllm import KVSnapConnectorMetadata, LoadSpec, read_events
 from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from tests.support.file_versions import count_snapshot_opens, rewrite_in_place_keeping_times
 from tests.support.vllm_worker_helpers import (
     cache_blocks,
+    chunk_load,
     distinct_chunk_saves,
     load_saves,
     make_worker,
@@ -62,25 +63,37 @@ def test_a_worker_keeps_the_chunks_it_loaded_open_and_serves_them_only_unchanged
     assert opened == paths
     assert _equal(worker, TARGET, [1, 2, 3, 4])
 
-    # A new version published by rename under the first chunk's name (here: the second
-    # chunk's bytes) is opened and loaded, never the kept old one.
+    # Another chunk (the second one, valid and signed as any) renamed over the first chunk's
+    # name: the kept chunk is not served, the new file is opened, and it is not the chunk the
+    # scheduler checked for this request. Nothing of it is loaded: a miss, every block of the
+    # request from there on reported for recomputing, the file left where it is.
+    original = tmp_path / "original.safetensors"
+    shutil.copyfile(paths[0], original)
     replacement = tmp_path / "replacement.safetensors"
     shutil.copyfile(paths[1], replacement)
     os.replace(replacement, paths[0])
     _scrub(worker, TARGET)
-    load_saves(worker, saves, TARGET)
+    loads = tuple(
+        chunk_load(spec, blocks) for spec, blocks in zip(saves, ([9, 10], [11, 12]), strict=True)
+    )
+    worker.start_load_kv(KVSnapConnectorMetadata(loads=[LoadSpec("swapped", loads, 0)]))
     assert opened == [*paths, paths[0]]
-    assert _equal(worker, TARGET, [3, 4, 3, 4])
+    assert worker.get_block_ids_with_load_errors() == set(TARGET)
+    assert all(not cache[TARGET].any() for cache in cache_blocks(worker, list(range(16))))
+    (miss,) = [
+        event for event in read_events(tmp_path / "events.jsonl") if event["event"] == "miss"
+    ]
+    assert miss["request"] == "swapped" and miss["path"] == paths[0] and miss["blocks"] == 4
+    assert "not the" in miss["reason"] and Path(paths[0]).exists()
+    os.replace(original, paths[0])
 
     # A byte changed in place with the modification time put back: the kept chunk is taken
     # (the same version by its times) and its page checks refuse the changed page.
+    load_saves(worker, saves, TARGET)
+    opened.clear()
     rewrite_in_place_keeping_times(Path(paths[1]), flip=True)
-    loads = tuple(
-        ChunkLoad(path, np.arange(2), np.asarray(blocks))
-        for path, blocks in zip(paths, ([9, 10], [11, 12]), strict=True)
-    )
     worker.start_load_kv(KVSnapConnectorMetadata(loads=[LoadSpec("again", loads, 0)]))
-    assert opened == [*paths, paths[0]]
+    assert opened == []
     assert worker.get_block_ids_with_load_errors() == {11, 12}
     assert len(worker._kept) == 0  # a failed load keeps nothing open
 

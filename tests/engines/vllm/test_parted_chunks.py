@@ -255,9 +255,12 @@ def test_checker_reads_parted_chunks_through_their_index(tmp_path: Path) -> None
     (chunk,) = store.longest_prefix(_chain(prompt)).chunks
     index_status = _index(path).stat()
     assert file_key(chunk.path) == (
+        index_status.st_dev,
         index_status.st_ino,
         index_status.st_size,
         index_status.st_mtime_ns,
+        index_status.st_ctime_ns,
+        True,  # a parted chunk's index
     )
     checker = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=True)
     record = checker.check(chunk, prompt, _chain(prompt))

@@ -25,6 +25,7 @@ from kvsnap.engines.vllm import (
     ChunkChecker,
     ConnectorOptions,
     PrefixStore,
+    chunk_check,
     chunk_sequence_id,
     eviction,
     prune_store,
@@ -36,14 +37,15 @@ from kvsnap.engines.vllm import (
 from kvsnap.engines.vllm import worker as worker_module
 from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from kvsnap.engines.vllm.prefix_store import committed_file, index_path
-from kvsnap.engines.vllm.specs import ChunkLoad, KVSnapConnectorMetadata, LoadSpec
+from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata, LoadSpec
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-from kvsnap.store import hot, publish
+from kvsnap.store import hot, publish, tuning
 from kvsnap.store.hot import HotTier
 from tests.support.reads import record_preadv
 from tests.support.vllm_worker_helpers import (
     cache_blocks,
+    chunk_load,
     load_saves,
     make_worker,
     stored_chunks,
@@ -199,28 +201,44 @@ def test_checker_refuses_damaged_foreign_and_misplaced_chunks(tmp_path: Path) ->
     assert "unreadable chunk" in checker.check(later, prompt, chain)
 
 
-def test_a_checker_remembers_only_the_last_chunks_that_passed(tmp_path: Path) -> None:
-    # A chunk remembered as passed is not read again while its file version is unchanged: a
-    # byte flipped with the modification time put back is served from that memory. Past the
-    # bound the least recently matched chunk is forgotten, read again, and refused.
+def test_a_checker_remembers_only_the_last_chunks_that_passed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A chunk remembered as passed is not read again while its file's version (device, inode,
+    # size, modification and change times) is unchanged. Past the bound the least recently
+    # matched chunk is forgotten and read again. A rewrite in place that put the size and the
+    # modification time back still moves the change time: read again and refused.
     store = PrefixStore(tmp_path, "ns", chunk_blocks=2)
     prompts = [_prompt(2, seed=40 + number) for number in range(3)]
     paths = [_write_chunk(store, prompt, 0, 2) for prompt in prompts]
     chunks = [store.longest_prefix(_chain(prompt)).chunks[0] for prompt in prompts]
-    for remember, served in ((3, True), (2, False)):
+    opened = []
+    real_open = chunk_check.open_snapshot
+    monkeypatch.setattr(
+        chunk_check,
+        "open_snapshot",
+        lambda path, **kw: opened.append(path) or real_open(path, **kw),
+    )
+    for remember, read_again in ((3, False), (2, True)):
         checker = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=True, remember=remember)
         for prompt, chunk in zip(prompts, chunks, strict=True):
             assert not isinstance(checker.check(chunk, prompt, _chain(prompt)), str)
-        status = paths[0].stat()
-        original = paths[0].read_bytes()
-        _flip_kv_byte(paths[0])
-        os.utime(paths[0], ns=(status.st_atime_ns, status.st_mtime_ns))
+        opened.clear()
         again = checker.check(chunks[0], prompts[0], _chain(prompts[0]))
-        assert isinstance(again, str) != served, again
-        if not served:
-            assert "failed verification" in again
-        paths[0].write_bytes(original)
-        os.utime(paths[0], ns=(status.st_atime_ns, status.st_mtime_ns))
+        assert not isinstance(again, str), again
+        assert opened == ([chunks[0].path] if read_again else [])
+    status = paths[0].stat()
+    time.sleep(0.02)  # past a tick of the coarse clock the kernel stamps change times from
+    _flip_kv_byte(paths[0])
+    os.utime(paths[0], ns=(status.st_atime_ns, status.st_mtime_ns))
+    after = paths[0].stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        status.st_ino,
+        status.st_size,
+        status.st_mtime_ns,
+    )
+    reason = checker.check(chunks[0], prompts[0], _chain(prompts[0]))
+    assert isinstance(reason, str) and "failed verification" in reason
 
 
 def test_quarantined_chunks_are_never_matched_again(tmp_path: Path) -> None:
@@ -505,14 +523,15 @@ def test_evicting_a_chunk_drops_it_from_the_hot_tier(tmp_path: Path, monkeypatch
     assert tier.stats().files == 1
 
 
-def test_a_checked_chunk_is_handed_to_the_worker_of_the_process_while_unchanged(
-    tmp_path: Path,
+def test_a_checked_chunk_is_handed_to_the_worker_of_the_process_as_it_was_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = PrefixStore(tmp_path, "ns", chunk_blocks=2)
     prompt = _prompt(4, seed=11)
     chain = _chain(prompt)
     path = _write_chunk(store, prompt, 0, 2)
     _write_chunk(store, prompt, 2, 4)
+    other = _write_chunk(store, _prompt(4, seed=12), 0, 2)  # another prompt's first chunk
     first, second = store.longest_prefix(chain).chunks
     CHECKED_CHUNKS.clear()
     # A checker whose worker runs elsewhere keeps nothing open.
@@ -531,26 +550,52 @@ def test_a_checked_chunk_is_handed_to_the_worker_of_the_process_while_unchanged(
     again = worker_module._open_chunk(first.path, None)
     assert again is not handed
     again.close()
-    # Not for a worker with other keys; not once the file changed (rewritten in place, the
-    # same size): the kept snapshot is closed, never served.
+    # Not for a worker with other keys.
     assert not isinstance(checker.check(second, prompt, chain), str)
     assert CHECKED_CHUNKS.take(second.path, KeyRing([b"k" * 32])) is None
-    checker.forget(first.path)
-    assert not isinstance(checker.check(first, prompt, chain), str)
-    kept = CHECKED_CHUNKS._open[first.path][0]
-    _flip_kv_byte(path)
-    # A rewrite within one tick of the kernel's coarse clock keeps the change time (see
-    # docs/benchmarks.md): move the modification time on, so this one is seen every time.
-    status = path.stat()
-    os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns + 10**9))
-    assert CHECKED_CHUNKS.take(first.path, None) is None
-    assert kept.parts[0].reader.local_files() is None  # closed
-    # Nor once another file took its name (a new version published by rename).
-    checker.forget(first.path)
-    _write_chunk(store, prompt, 0, 2, path=path)
-    assert not isinstance(checker.check(first, prompt, chain), str)
-    _write_chunk(store, prompt, 0, 2, path=path)
-    assert CHECKED_CHUNKS.take(first.path, None) is None
+    # A chunk read whole is handed over as checked whatever happens to its file since: a
+    # byte flipped in place, or another prompt's chunk renamed over its name. The worker
+    # loads the bytes the check verified, never the file's new ones.
+    for change in ("rewritten in place", "replaced by a rename"):
+        checker.forget(first.path)
+        assert not isinstance(checker.check(first, prompt, chain), str)
+        kept = CHECKED_CHUNKS._open[first.path][0]
+        if change == "rewritten in place":
+            _flip_kv_byte(path)
+        else:
+            replacement = tmp_path / "replacement.safetensors"
+            replacement.write_bytes(other.read_bytes())
+            os.replace(replacement, path)
+        assert store.touch(first.path)
+        CHECKED_CHUNKS.touched(first.path)
+        taken = CHECKED_CHUNKS.take(first.path, None)
+        assert taken is kept, change
+        assert taken.metadata.sequences[0] == record and taken.verify() == [], change
+        taken.close()
+        _write_chunk(store, prompt, 0, 2, path=path)  # the chunk as it was
+    # A chunk not read whole is served through the descriptor the check opened: a file renamed
+    # over its name since does not matter, a change of the file itself (its modification time
+    # moved by a rewrite) does: the snapshot is closed, never served.
+    monkeypatch.setattr(tuning, "WHOLE_READ_MAX_BYTES", 0)
+    for change in ("replaced by a rename", "rewritten in place"):
+        checker.forget(first.path)
+        assert not isinstance(checker.check(first, prompt, chain), str)
+        kept = CHECKED_CHUNKS._open[first.path][0]
+        assert kept.parts[0].reader.held_file() is None
+        if change == "replaced by a rename":
+            replacement = tmp_path / "replacement.safetensors"
+            replacement.write_bytes(other.read_bytes())
+            os.replace(replacement, path)
+            taken = CHECKED_CHUNKS.take(first.path, None)
+            assert taken is kept and taken.metadata.sequences[0] == record
+            assert taken.verify() == []
+            taken.close()
+            _write_chunk(store, prompt, 0, 2, path=path)
+        else:
+            status = path.stat()
+            os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns + 10**9))
+            assert CHECKED_CHUNKS.take(first.path, None) is None
+            assert kept.parts[0].reader.local_files() is None  # closed
     # The scheduler's record of the chunk's use moves its change time only: still handed over.
     # A chunk rewritten before the record is not.
     checker.forget(second.path)
@@ -616,7 +661,7 @@ def test_a_handed_over_chunk_is_read_once_and_every_page_it_loads_is_checked(
     entry = reader.open_files[0].layout.by_name["layers.1.value"]
     reader.open_files[0].source._whole[entry.begin + 5] ^= 0x40
     reads.clear()
-    load = ChunkLoad(chunks[1].path, np.arange(2), np.asarray([13, 14]))
+    load = chunk_load(saves[1], [13, 14])
     worker.start_load_kv(KVSnapConnectorMetadata(loads=[LoadSpec("again", (load,), 8)]))
     assert worker.get_block_ids_with_load_errors() == {13, 14}
     assert reads == []

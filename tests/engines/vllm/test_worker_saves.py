@@ -33,7 +33,7 @@ from kvsnap.engines.vllm import (
     vllm_layout,
 )
 from kvsnap.engines.vllm import scheduler as scheduler_module
-from kvsnap.engines.vllm.eviction import capacity_lock
+from kvsnap.engines.vllm.capacity import capacity_lock
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.pipeline import Pipeline, TransferOptions
 from kvsnap.snapshot import SequenceBlocks, Snapshot

@@ -1,0 +1,162 @@
+"""fp8 e4m3 pages with one fp32 scale per (block, head): quantized where the KV lies, and the
+host twin of the device's dequantization.
+
+A layer tensor of pages ``(num_blocks, block_size, num_heads, head_dim)`` (an MLA tensor
+``(num_blocks, block_size, latent_dim)`` is one head of ``latent_dim``) becomes
+
+* ``values``: ``uint8`` of the same shape, each the bits of a ``float8_e4m3fn``;
+* ``scales``: ``float32`` ``(num_blocks, num_heads)``;
+
+with ``value = e4m3(values) * scale``. Quantizing, in fp32:
+
+1. ``amax`` of each (block, head) over its tokens and dims, finite elements only (and, given
+   ``token_counts``, only a block's first ``token_counts[b]`` tokens: the rest of a partly
+   filled block is whatever its previous user left);
+2. ``scale = max(amax / 448, 2**-126)`` where ``amax > 0``, else ``1`` (an all-zero, or
+   all-non-finite, head of a block): never zero, never NaN or infinite, never subnormal;
+3. ``values = e4m3(clamp(x / scale, -448, 448))``, rounded to nearest even. NaN stays NaN
+   (the code ``0x7f``/``0xff``); an infinity becomes ``±448``, the block's largest magnitude
+   (e4m3fn has no infinity); the error report counts both (``non_finite``).
+
+``granularity`` ``"head"`` (one scale per head over the whole tensor, vLLM's per-head scales)
+and ``"tensor"`` (one scale per tensor) exist to measure the baselines; their scales are laid
+out the same way, so everything downstream is the same.
+
+Dequantizing (:func:`dequantize`, and the device kernel :mod:`kvsnap.transfer.page_dequant`,
+bit-identical): ``e4m3 -> fp32`` (exact), times the scale in fp32 (rounded to nearest even),
+then to the cache's dtype rounded to nearest even; any NaN becomes the dtype's canonical quiet
+NaN (:data:`CANONICAL_NAN_BITS`), whatever its sign and payload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvsnap.errors import SnapshotCorruptError
+
+#: The largest finite e4m3fn magnitude.
+FP8_MAX = 448.0
+#: The smallest scale: fp32's smallest normal number (a subnormal scale loses precision).
+MIN_SCALE = 2.0**-126
+#: The name recorded for this encoding.
+NAME = "kvsnap-fp8-e4m3-v1"
+#: How many values share a scale.
+GRANULARITIES = ("block-head", "head", "tensor")
+#: Bits every NaN decodes to, per cache dtype (a positive quiet NaN).
+CANONICAL_NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000}
+#: Cache dtypes fp8 pages decode into.
+DECODED_DTYPES = tuple(CANONICAL_NAN_BITS)
+#: Integer views of those dtypes, for writing NaN bits.
+_BITS_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+@dataclass(frozen=True)
+class Fp8Pages:
+    """Quantized pages: ``values`` (``uint8``, e4m3fn bits, the pages' shape) and ``scales``
+    (``float32``, ``(num_blocks, num_heads)``), on the device of the pages they came from."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.values.numel() + 4 * self.scales.numel()
+
+
+def as_heads(pages: torch.Tensor) -> torch.Tensor:
+    """``pages`` as ``(num_blocks, block_size, num_heads, head_dim)``: an MLA tensor
+    ``(num_blocks, block_size, latent_dim)`` as one head."""
+    if pages.dim() == 3:
+        return pages.unsqueeze(2)
+    if pages.dim() != 4:
+        raise ValueError(f"pages of shape {tuple(pages.shape)}: expected 3 or 4 dimensions")
+    return pages
+
+
+def token_mask(
+    token_counts: torch.Tensor | None, num_blocks: int, block_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """``(num_blocks, block_size)`` booleans: the first ``token_counts[b]`` tokens of block
+    ``b`` (every token when ``token_counts`` is ``None``)."""
+    if token_counts is None:
+        return None
+    counts = torch.as_tensor(token_counts, device=device).reshape(num_blocks, 1)
+    return torch.arange(block_size, device=device)[None, :] < counts
+
+
+def block_head_amax(
+    pages: torch.Tensor, token_counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(amax, x)``: the largest finite magnitude of each (block, head) of ``pages`` (4-D),
+    over the tokens ``token_counts`` keeps, and the pages in fp32."""
+    x = pages.float()
+    magnitude = torch.where(torch.isfinite(x), x.abs(), 0.0)
+    mask = token_mask(token_counts, x.shape[0], x.shape[1], x.device)
+    if mask is not None:
+        magnitude = magnitude * mask[:, :, None, None]
+    return magnitude.amax(dim=(1, 3)), x
+
+
+def scales_for(amax: torch.Tensor, granularity: str = "block-head") -> torch.Tensor:
+    """The scales of a ``(num_blocks, num_heads)`` amax at ``granularity``, same shape."""
+    if granularity == "head":
+        amax = amax.amax(dim=0, keepdim=True).expand_as(amax)
+    elif granularity == "tensor":
+        amax = amax.amax().expand_as(amax)
+    elif granularity != "block-head":
+        raise ValueError(f"granularity {granularity!r}: one of {', '.join(GRANULARITIES)}")
+    scale = torch.clamp(amax / FP8_MAX, min=MIN_SCALE)
+    return torch.where(amax > 0, scale, torch.ones_like(scale)).contiguous()
+
+
+def quantize(
+    pages: torch.Tensor,
+    *,
+    granularity: str = "block-head",
+    token_counts: torch.Tensor | None = None,
+) -> Fp8Pages:
+    """Quantize a layer tensor of pages (bf16, fp16 or fp32; 3-D MLA or 4-D) on its own
+    device (torch ops only: CPU and CUDA alike, nothing leaves the device)."""
+    if pages.dtype not in DECODED_DTYPES:
+        raise ValueError(f"fp8 quantizes bfloat16, float16 or float32 pages, not {pages.dtype}")
+    heads = as_heads(pages)
+    amax, x = block_head_amax(heads, token_counts)
+    scales = scales_for(amax, granularity)
+    scaled = torch.clamp(x / scales[:, None, :, None], -FP8_MAX, FP8_MAX)
+    values = scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(pages.shape)
+    return Fp8Pages(values, scales)
+
+
+def check_scales(scales: torch.Tensor, tensor: str | None = None) -> None:
+    """Refuse (``SnapshotCorruptError``) scales a quantizer cannot have written: not fp32,
+    not 2-D, or any that is not a finite number of at least :data:`MIN_SCALE`."""
+    if scales.dtype != torch.float32 or scales.dim() != 2:
+        raise SnapshotCorruptError(
+            f"fp8 scales of {scales.dtype} {tuple(scales.shape)}", tensor=tensor
+        )
+    bad = ~(torch.isfinite(scales) & (scales >= MIN_SCALE))
+    if bool(bad.any()):
+        block, head = (int(i) for i in torch.nonzero(bad)[0])
+        raise SnapshotCorruptError(
+            f"fp8 scale of head {head} is {float(scales[block, head]):.6g} (a scale is a finite "
+            f"number of at least 2**-126)",
+            tensor=tensor,
+            block=block,
+        )
+
+
+def dequantize(
+    values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """The pages ``values`` (``uint8`` e4m3fn bits, 3-D or 4-D) times ``scales``, in ``dtype``:
+    the host twin of the device kernel, bit for bit (NaNs canonical)."""
+    if dtype not in DECODED_DTYPES:
+        raise ValueError(f"fp8 pages decode to bfloat16, float16 or float32, not {dtype}")
+    heads = as_heads(values)
+    decoded = heads.view(torch.float8_e4m3fn).float() * scales[:, None, :, None]
+    bits = decoded.to(dtype).view(_BITS_VIEW[dtype])
+    canonical = torch.tensor(CANONICAL_NAN_BITS[dtype], dtype=bits.dtype, device=bits.device)
+    bits = torch.where(torch.isnan(decoded), canonical, bits)
+    return bits.view(dtype).reshape(values.shape)

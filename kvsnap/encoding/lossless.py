@@ -1,0 +1,434 @@
+"""Lossless encoding of a layer tensor: byte planes, entropy-coded in independent chunks.
+
+A floating-point page's bytes are far from random in one place only: the byte holding the sign
+and the exponent's high bits (byte 1 of a little-endian bf16 or fp16 word, byte 3 of an fp32
+one) carries about 2.6-3.6 of its 8 bits, the mantissa bytes close to 8. So a tensor of pages is
+cut into chunks of whole pages (:data:`CHUNK_BYTES` of pages, the last one shorter), each
+chunk's words are split into byte planes (plane ``b`` holds byte ``b`` of every word, in
+order), and each plane is stored zstd-coded where that saves at least :data:`MIN_SAVING` of
+it, raw otherwise. A chunk is independent of every other (its own zstd frames, its own
+checksum), so chunks decode in parallel on threads (zstandard and numpy release the GIL) and a
+read of some blocks decodes only the chunks holding them.
+
+The stored bytes of a tensor are its chunks one after the other; chunk ``c``'s bytes are its
+planes in order ``0 .. word_bytes - 1``. The chunk table (:func:`columns` ``uint64`` columns,
+one row per chunk) says where everything lies::
+
+    first_page, num_pages, offset, xxh3_64, then per plane b: codec_b, length_b
+
+``first_page`` and ``offset`` are the running sums of ``num_pages`` and of the chunk's stored
+length (the sum of its planes' lengths): a table whose chunks overlap, leave a gap, or run past
+the stored bytes is refused by :func:`check_chunk_table` before anything is decoded.
+``xxh3_64`` covers the chunk's stored bytes, so a corrupt chunk is found before zstd sees it.
+A coded plane is one zstd frame declaring its content size, which must be the plane's size:
+nothing ever decodes to more than its declared output.
+
+A tensor whose chunks together do not save :data:`MIN_SAVING` of its bytes is not encoded at
+all (:func:`encode_pages` returns ``None``): it is stored as it is. One-byte dtypes (fp8, int8)
+are never encoded: their bytes are mostly mantissa.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvsnap.errors import SnapshotCorruptError
+
+try:
+    import zstandard
+except ImportError:  # pragma: no cover - a base dependency; absent only in foreign images
+    zstandard = None  # type: ignore[assignment]
+
+#: Raw bytes of pages per chunk (rounded down to whole pages, at least one page).
+CHUNK_BYTES = 2 << 20
+#: A chunk's raw bytes may be at most this (a table declaring more is refused): the most one
+#: chunk's decode can be asked to produce, whatever its pages.
+MAX_CHUNK_BYTES = 64 << 20
+#: A plane (and a tensor) is kept coded only when coding saves at least this share of it.
+MIN_SAVING = 0.05
+#: zstd's parameters: its fastest strategy, a 128 KiB window (a channel's next token lies a page
+#: row away) and matches of at least 7 bytes (short matches cost more than the literals they
+#: replace in an exponent plane). On real KV they gave 5-10% more than level 1 (same speed or
+#: better; docs/benchmarks.md, "Encodings").
+ZSTD_PARAMETERS = {
+    "strategy": 1,  # zstandard.STRATEGY_FAST
+    "window_log": 17,
+    "hash_log": 10,
+    "min_match": 7,
+    "search_log": 1,
+    "target_length": 0,
+}
+#: A plane whose first bytes do not shrink is stored raw without coding the rest.
+SAMPLE_BYTES = 64 << 10
+
+#: Plane codecs.
+CODEC_RAW = 0
+CODEC_ZSTD = 1
+#: The name recorded for this encoding.
+NAME = "kvsnap-planes-zstd-v1"
+
+#: Columns of a chunk table row before the per-plane pairs.
+FIRST_PAGE, NUM_PAGES, OFFSET, CHECKSUM = 0, 1, 2, 3
+PLANES_START = 4
+
+
+def columns(word_bytes: int) -> int:
+    """Columns of a chunk table for words of ``word_bytes``."""
+    return PLANES_START + 2 * word_bytes
+
+
+#: Element sizes that are encoded (16-, 32- and 64-bit floats); one-byte dtypes stay raw.
+ENCODED_WORD_BYTES = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class LosslessTensor:
+    """A tensor of ``num_pages`` pages of ``page_bytes`` each, words of ``word_bytes``, stored
+    as ``data`` (its chunks back to back) described by ``chunk_table``."""
+
+    word_bytes: int
+    page_bytes: int
+    num_pages: int
+    chunk_table: np.ndarray
+    data: np.ndarray
+
+    @property
+    def raw_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def stored_bytes(self) -> int:
+        return len(self.data)
+
+    @property
+    def ratio(self) -> float:
+        """Raw bytes per stored byte (1.5 means a third smaller)."""
+        return self.raw_bytes / max(self.stored_bytes, 1)
+
+
+def chunk_pages(page_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Pages per chunk for pages of ``page_bytes``: whole pages, at least one."""
+    return max(1, chunk_bytes // page_bytes)
+
+
+_LOCAL = threading.local()
+
+
+def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    """This thread's zstd contexts (an instance must not be shared between threads)."""
+    if zstandard is None:
+        raise RuntimeError("lossless snapshots need the zstandard package: pip install zstandard")
+    contexts = getattr(_LOCAL, "contexts", None)
+    if contexts is None:
+        parameters = zstandard.ZstdCompressionParameters(**ZSTD_PARAMETERS, write_content_size=True)
+        compressor = zstandard.ZstdCompressor(compression_params=parameters)
+        contexts = _LOCAL.contexts = (compressor, zstandard.ZstdDecompressor())
+    return contexts
+
+
+def split_planes(words: np.ndarray, word_bytes: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``(word_bytes, n)``: byte ``b`` of each of the ``n`` words of the ``uint8`` array
+    ``words`` in row ``b`` (into ``out`` when given, ``word_bytes * n`` bytes)."""
+    shape = (word_bytes, len(words) // word_bytes)
+    planes = np.empty(shape, dtype=np.uint8) if out is None else out.reshape(shape)
+    if word_bytes == 2:
+        # Shifts over 16-bit words, cast down, beat a strided byte copy (about 2.5x).
+        as_words = words.view("<u2")
+        np.right_shift(as_words, 8, out=planes[1], casting="unsafe")
+        np.copyto(planes[0], as_words, casting="unsafe")
+        return planes
+    np.copyto(planes, words.reshape(-1, word_bytes).T)
+    return planes
+
+
+def join_planes(planes: Sequence[np.ndarray], out: np.ndarray) -> None:
+    """The inverse of :func:`split_planes` into the contiguous ``uint8`` array ``out``."""
+    if len(planes) == 2:
+        # Two vectorized passes over 16-bit words beat a strided byte copy (about 1.7x).
+        words = out.view("<u2")
+        np.left_shift(planes[1], 8, out=words, dtype=np.uint16)
+        np.bitwise_or(words, planes[0], out=words)
+        return
+    as_words = out.reshape(-1, len(planes))
+    for index, plane in enumerate(planes):
+        as_words[:, index] = plane
+
+
+def _code_plane(plane: np.ndarray) -> tuple[int, bytes | np.ndarray]:
+    """A plane's codec and stored bytes: zstd where that saves :data:`MIN_SAVING`."""
+    compressor = _zstd()[0]
+    if len(plane) > 2 * SAMPLE_BYTES:
+        sample = compressor.compress(plane[:SAMPLE_BYTES].data)
+        if len(sample) > (1 - MIN_SAVING) * SAMPLE_BYTES:
+            return CODEC_RAW, plane
+    coded = compressor.compress(plane.data)
+    if len(coded) > (1 - MIN_SAVING) * len(plane):
+        return CODEC_RAW, plane
+    return CODEC_ZSTD, coded
+
+
+def encode_chunk(pages: np.ndarray, word_bytes: int) -> tuple[np.ndarray, list]:
+    """One chunk's table row (first page and offset left 0) and its stored pieces, planes in
+    order. ``pages``: ``uint8`` ``(num_pages, page_bytes)``."""
+    # Split into this thread's scratch buffer, reused chunk after chunk.
+    planes = split_planes(pages.reshape(-1), word_bytes, _scratch(-1, pages.size))
+    row = np.zeros(columns(word_bytes), dtype=np.uint64)
+    row[NUM_PAGES] = len(pages)
+    pieces = []
+    hasher = xxhash.xxh3_64()
+    for index, plane in enumerate(planes):
+        codec, stored = _code_plane(plane)
+        row[PLANES_START + 2 * index] = codec
+        row[PLANES_START + 2 * index + 1] = len(stored)
+        hasher.update(stored if isinstance(stored, bytes) else stored.data)
+        # A raw plane is a view of the scratch buffer: copied before the thread's next chunk.
+        pieces.append(bytes(stored) if codec == CODEC_RAW else stored)
+    row[CHECKSUM] = hasher.intdigest()
+    return row, pieces
+
+
+def encode_pages(
+    pages: np.ndarray,
+    word_bytes: int,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    executor: Executor | None = None,
+) -> LosslessTensor | None:
+    """Encode a tensor of pages (``uint8``, ``(num_pages, page_bytes)``, C-contiguous) whose
+    elements are ``word_bytes`` wide; ``None`` when it is not worth it (one-byte elements, or
+    a saving under :data:`MIN_SAVING`): store the tensor as it is. Chunks are coded on
+    ``executor``'s threads when one is given."""
+    if pages.ndim != 2 or pages.dtype != np.uint8 or not pages.flags.c_contiguous:
+        raise ValueError("pages must be a C-contiguous uint8 array (num_pages, page_bytes)")
+    num_pages, page_bytes = pages.shape
+    if word_bytes not in ENCODED_WORD_BYTES or num_pages == 0:
+        return None
+    if page_bytes % word_bytes:
+        raise ValueError(f"a page of {page_bytes} bytes is not whole {word_bytes}-byte words")
+    step = chunk_pages(page_bytes, chunk_bytes)
+    slices = [pages[first : first + step] for first in range(0, num_pages, step)]
+    if executor is None:
+        results = [encode_chunk(chunk, word_bytes) for chunk in slices]
+    else:
+        results = list(executor.map(encode_chunk, slices, [word_bytes] * len(slices)))
+    table = np.stack([row for row, _ in results])
+    stored_lengths = table[:, PLANES_START + 1 :: 2].sum(axis=1)
+    table[:, FIRST_PAGE] = np.concatenate([[0], np.cumsum(table[:-1, NUM_PAGES])])
+    table[:, OFFSET] = np.concatenate([[0], np.cumsum(stored_lengths[:-1])])
+    total = int(stored_lengths.sum())
+    if total > (1 - MIN_SAVING) * num_pages * page_bytes:
+        return None
+    data = np.empty(total, dtype=np.uint8)
+    position = 0
+    for _, pieces in results:
+        for piece in pieces:
+            length = len(piece)
+            data[position : position + length] = np.frombuffer(piece, dtype=np.uint8)
+            position += length
+    return LosslessTensor(word_bytes, page_bytes, num_pages, table, data)
+
+
+def _corrupt(message: str, tensor: str | None, chunk: int | None = None) -> SnapshotCorruptError:
+    where = "" if chunk is None else f"chunk {chunk}: "
+    return SnapshotCorruptError(where + message, tensor=tensor)
+
+
+def check_chunk_table(
+    table: np.ndarray,
+    *,
+    word_bytes: int,
+    page_bytes: int,
+    num_pages: int,
+    stored_bytes: int,
+    tensor: str | None = None,
+) -> None:
+    """Refuse (``SnapshotCorruptError``, naming ``tensor`` and the chunk) a chunk table that
+    does not describe exactly ``num_pages`` pages stored in exactly ``stored_bytes`` bytes:
+    chunks out of order, overlapping, leaving gaps or running past the data, a chunk larger
+    than :data:`MAX_CHUNK_BYTES`, an unknown codec, or a plane length its codec cannot have.
+    Vectorized: a table of a million rows is checked in milliseconds."""
+    if word_bytes not in ENCODED_WORD_BYTES or page_bytes <= 0 or page_bytes % word_bytes:
+        raise _corrupt(f"{word_bytes}-byte words in {page_bytes}-byte pages", tensor)
+    if table.dtype != np.uint64 or table.ndim != 2 or table.shape[1] != columns(word_bytes):
+        raise _corrupt(f"a chunk table of {table.dtype} {table.shape}", tensor)
+    if len(table) == 0 or len(table) > num_pages:
+        raise _corrupt(f"{len(table)} chunks for {num_pages} pages", tensor)
+    limit = max(1, MAX_CHUNK_BYTES // page_bytes)
+    pages = table[:, NUM_PAGES]
+    _first_bad(tensor, (pages == 0) | (pages > limit), "holds {} pages", pages)
+    starts = np.concatenate([[0], np.cumsum(pages[:-1], dtype=np.uint64)])
+    _first_bad(tensor, table[:, FIRST_PAGE] != starts, "starts at page {}", table[:, FIRST_PAGE])
+    if int(pages.sum(dtype=np.uint64)) != num_pages:
+        raise _corrupt(f"the chunks hold {int(pages.sum())} pages, not {num_pages}", tensor)
+    codecs, lengths = table[:, PLANES_START::2], table[:, PLANES_START + 1 :: 2]
+    plane_bytes = pages * np.uint64(page_bytes // word_bytes)
+    bad_codec = (codecs != CODEC_RAW) & (codecs != CODEC_ZSTD)
+    _first_bad(tensor, bad_codec.any(axis=1), "has codec {}", codecs.max(axis=1))
+    raw_wrong = (codecs == CODEC_RAW) & (lengths != plane_bytes[:, None])
+    coded_wrong = (codecs == CODEC_ZSTD) & ((lengths == 0) | (lengths >= plane_bytes[:, None]))
+    _first_bad(tensor, (raw_wrong | coded_wrong).any(axis=1), "has plane lengths {}", lengths)
+    chunk_lengths = lengths.sum(axis=1, dtype=np.uint64)
+    offsets = np.concatenate([[0], np.cumsum(chunk_lengths[:-1], dtype=np.uint64)])
+    _first_bad(tensor, table[:, OFFSET] != offsets, "starts at byte {}", table[:, OFFSET])
+    total = int(chunk_lengths.sum(dtype=np.uint64))
+    if total != stored_bytes:
+        raise _corrupt(f"the chunks fill {total} bytes, the data holds {stored_bytes}", tensor)
+
+
+def _first_bad(tensor: str | None, bad: np.ndarray, message: str, values: np.ndarray) -> None:
+    if bad.any():
+        chunk = int(np.argmax(bad))
+        shown = values[chunk]
+        shown = shown.tolist() if isinstance(shown, np.ndarray) else int(shown)
+        raise _corrupt(message.format(shown), tensor, chunk)
+
+
+def chunks_covering(table: np.ndarray, first_page: int, stop_page: int) -> range:
+    """The chunks holding pages ``first_page`` to ``stop_page`` (exclusive) of a checked
+    table."""
+    if stop_page <= first_page:
+        return range(0)
+    starts = table[:, FIRST_PAGE]
+    low = int(np.searchsorted(starts, first_page, side="right")) - 1
+    high = int(np.searchsorted(starts, stop_page, side="left"))
+    return range(max(low, 0), high)
+
+
+def decode_chunk(
+    row: np.ndarray,
+    stored: np.ndarray,
+    out: np.ndarray,
+    *,
+    word_bytes: int,
+    tensor: str | None = None,
+    chunk: int | None = None,
+    verify: bool = True,
+) -> None:
+    """Decode one chunk (``row`` of a checked table, its stored bytes ``stored``) into
+    ``out``, its pages' bytes (``uint8``, contiguous, ``num_pages * page_bytes`` long).
+
+    Raises ``SnapshotCorruptError`` when the bytes do not match the row's checksum (with
+    ``verify``) or do not decode to exactly the plane's size."""
+    if len(stored) != int(row[PLANES_START + 1 :: 2].sum()):
+        raise ValueError(f"chunk {chunk}: {len(stored)} stored bytes, not the row's")
+    if verify and xxhash.xxh3_64_intdigest(stored.data) != int(row[CHECKSUM]):
+        raise _corrupt("the stored bytes do not match their checksum", tensor, chunk)
+    plane_bytes = len(out) // word_bytes
+    planes = []
+    position = 0
+    for index in range(word_bytes):
+        codec = int(row[PLANES_START + 2 * index])
+        length = int(row[PLANES_START + 2 * index + 1])
+        piece = stored[position : position + length]
+        position += length
+        if codec == CODEC_RAW:
+            planes.append(piece)
+        else:
+            planes.append(_decode_plane(piece, plane_bytes, index, tensor, chunk))
+    join_planes(planes, out)
+
+
+def _decode_plane(
+    piece: np.ndarray, plane_bytes: int, index: int, tensor: str | None, chunk: int | None
+) -> np.ndarray:
+    """One zstd frame that must decode to exactly ``plane_bytes`` and fill ``piece``: decoded
+    into this thread's scratch buffer for plane ``index`` (valid until this thread's next
+    decode)."""
+    decompressor = _zstd()[1]
+    try:
+        declared = zstandard.frame_content_size(piece.data)
+        if declared != plane_bytes:
+            raise _corrupt(f"a plane declares {declared} bytes, not {plane_bytes}", tensor, chunk)
+        if frame_length(piece) != len(piece):
+            raise _corrupt("a plane is not exactly one zstd frame", tensor, chunk)
+        scratch = _scratch(index, plane_bytes)
+        # Into a buffer kept per thread: decompress(), a new output object per plane, decoded
+        # at less than half this rate (docs/architecture.md, "Encodings").
+        with decompressor.stream_reader(piece.data) as reader:
+            decoded = reader.readinto(scratch)
+            if decoded != plane_bytes or reader.read(1):
+                raise _corrupt("a plane does not decode to its declared size", tensor, chunk)
+    except zstandard.ZstdError as error:
+        raise _corrupt(f"a plane does not decode ({error})", tensor, chunk) from None
+    return scratch
+
+
+def _scratch(index: int, size: int) -> np.ndarray:
+    buffers = getattr(_LOCAL, "scratch", None)
+    if buffers is None:
+        buffers = _LOCAL.scratch = {}
+    buffer = buffers.get(index)
+    if buffer is None or len(buffer) < size:
+        buffer = buffers[index] = np.empty(size, dtype=np.uint8)
+    return buffer[:size]
+
+
+def frame_length(frame: np.ndarray) -> int:
+    """The length of the zstd frame starting ``frame`` (RFC 8878: its header, then blocks of a
+    3-byte header each until the last, then a 4-byte checksum when the header says so).
+    Raises ``zstandard.ZstdError`` when the bytes end first."""
+    position = zstandard.frame_header_size(frame.data)
+    has_checksum = bool(frame[4] & 0x04)
+    while True:
+        if position + 3 > len(frame):
+            raise zstandard.ZstdError("the frame ends inside a block header")
+        header = int.from_bytes(bytes(frame[position : position + 3]), "little")
+        last, kind, size = header & 1, (header >> 1) & 3, header >> 3
+        position += 3 + (1 if kind == 1 else size)
+        if kind == 3:
+            raise zstandard.ZstdError("a reserved block type")
+        if last:
+            return position + (4 if has_checksum else 0)
+
+
+def decode_pages(
+    encoded: LosslessTensor,
+    out: np.ndarray,
+    *,
+    executor: Executor | None = None,
+    tensor: str | None = None,
+    verify: bool = True,
+) -> None:
+    """Decode every page of ``encoded`` into ``out`` (``uint8``, ``(num_pages, page_bytes)``,
+    C-contiguous), chunks on ``executor``'s threads when one is given. The table is checked
+    first (:func:`check_chunk_table`)."""
+    check_chunk_table(
+        encoded.chunk_table,
+        word_bytes=encoded.word_bytes,
+        page_bytes=encoded.page_bytes,
+        num_pages=encoded.num_pages,
+        stored_bytes=encoded.stored_bytes,
+        tensor=tensor,
+    )
+    if out.shape != (encoded.num_pages, encoded.page_bytes) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous {(encoded.num_pages, encoded.page_bytes)}")
+    flat = out.reshape(-1)
+
+    def one(chunk: int) -> None:
+        row = encoded.chunk_table[chunk]
+        first, count = int(row[FIRST_PAGE]), int(row[NUM_PAGES])
+        offset = int(row[OFFSET])
+        length = int(row[PLANES_START + 1 :: 2].sum())
+        decode_chunk(
+            row,
+            encoded.data[offset : offset + length],
+            flat[first * encoded.page_bytes : (first + count) * encoded.page_bytes],
+            word_bytes=encoded.word_bytes,
+            tensor=tensor,
+            chunk=chunk,
+            verify=verify,
+        )
+
+    indices = range(len(encoded.chunk_table))
+    if executor is None:
+        for chunk in indices:
+            one(chunk)
+    else:
+        for _ in executor.map(one, indices):
+            pass

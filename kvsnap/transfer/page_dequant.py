@@ -1,0 +1,266 @@
+"""fp8 pages dequantized into the cache as they are scattered: one launch per fragment group.
+
+A restore of an fp8 snapshot stages the stored pages (``uint8`` e4m3fn bits, one byte per
+element: half the bytes of bf16 over PCIe) and their scales (``float32`` per page and head).
+The kernel here is the fused page copy (:mod:`kvsnap.transfer.page_copy`) with the
+dequantization inside: each element of a fragment is read as one byte, turned into fp32
+(``e4m3 -> fp32`` is exact, built from its bits), multiplied by its page's scale for its head,
+rounded to nearest even into the cache's dtype (bf16 by its bits, fp16 by the hardware's
+``cvt.rn``, fp32 as it is) and written to the cache's address for it. Every NaN is written as
+the dtype's canonical quiet NaN. :func:`kvsnap.encoding.fp8.dequantize` is its host twin, bit
+for bit (tests/transfer/test_page_dequant.py compares them on every code and on scales that
+make subnormal and overflowing results).
+
+The copy arrays are the page table's own, built with every staging address 0
+(:func:`dequant_copies`): a page's source base is then the byte offset of its first fragment
+in the canonical page of the cache's dtype, from which the kernel finds the element, its head
+and its byte in the staged fp8 page (``page_starts[slot_page]`` into ``fp8``). So one table
+serves every layout the page table does (vLLM split NHD/HND, packed, MLA, cross-layer, a TP
+rank's head slice), with the same ``page_ok`` flags and page ranges as the plain copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvsnap.encoding.fp8 import dequantize
+from kvsnap.transfer.page_copy import kernel_arrays, kernel_table, run_on_cpu
+from kvsnap.transfer.plan import Direction
+from kvsnap.transfer.triton_copy import interpreting, kernel_for, tl, triton
+
+if TYPE_CHECKING:
+    from kvsnap.transfer.page_table import GroupCopy, PageTable
+
+#: Elements one program handles per step (ROWS x BLOCK).
+STEP_ELEMENTS = 4096
+#: Programs per streaming multiprocessor of a launch without a bound.
+PROGRAMS_PER_SM = 4
+#: The kernel's code for each cache dtype, and its element size.
+OUT_KINDS = {torch.bfloat16: (0, 2), torch.float16: (1, 2), torch.float32: (2, 4)}
+
+if triton is not None:
+
+    def _dequant_copy_kernel(
+        src_bases,
+        dst_bases,
+        src_offsets,
+        dst_offsets,
+        slot_pages,
+        page_ok,
+        fp8,
+        page_starts,
+        scales,
+        num_items,
+        num_fragments,
+        OUT_KIND: tl.constexpr,
+        OUT_BYTES: tl.constexpr,
+        FRAGMENT_ELEMENTS: tl.constexpr,
+        HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ROWS: tl.constexpr,
+        CHECKED: tl.constexpr,
+    ):
+        """Item ``i`` is fragment ``i % num_fragments`` of page ``i // num_fragments``: its
+        elements start at canonical byte ``src_bases[page] + src_offsets[fragment]`` of slot
+        page ``slot_pages[page]`` (whose fp8 bytes start at ``fp8 + page_starts[slot_page]``
+        and whose scales at ``scales + slot_page * HEADS``) and go to byte address
+        ``dst_bases[page] + dst_offsets[fragment]``. With ``CHECKED``, a page whose slot page
+        has ``page_ok`` 0 is not written."""
+        program = tl.program_id(0)
+        num_programs = tl.num_programs(0)
+        rows = tl.arange(0, ROWS)
+        columns = tl.arange(0, BLOCK)
+        for first in range(program * ROWS, num_items, num_programs * ROWS):
+            items = first + rows
+            live = items < num_items
+            page = items // num_fragments
+            fragment = items - page * num_fragments
+            slot_page = tl.load(slot_pages + page, mask=live, other=0)
+            if CHECKED:
+                live = live & (tl.load(page_ok + slot_page, mask=live, other=0) != 0)
+            element = tl.load(src_bases + page, mask=live, other=0)
+            element = (element + tl.load(src_offsets + fragment, mask=live, other=0)) // OUT_BYTES
+            dst = tl.load(dst_bases + page, mask=live, other=0)
+            dst += tl.load(dst_offsets + fragment, mask=live, other=0)
+            source = fp8 + tl.load(page_starts + slot_page, mask=live, other=0)
+            scale_row = scales + slot_page * HEADS
+            if OUT_BYTES == 4:
+                out = dst.to(tl.pointer_type(tl.int32))
+            else:
+                out = dst.to(tl.pointer_type(tl.int16))
+            for start in range(0, FRAGMENT_ELEMENTS, BLOCK):
+                offsets = start + columns
+                mask = live[:, None] & (offsets[None, :] < FRAGMENT_ELEMENTS)
+                elements = element[:, None] + offsets[None, :]
+                codes = tl.load(source[:, None] + elements, mask=mask, other=0).to(tl.int32)
+                scale = tl.load(scale_row[:, None] + (elements // HEAD_DIM) % HEADS, mask=mask)
+                # e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinity.
+                exponent = (codes >> 3) & 15
+                mantissa = codes & 7
+                normal = ((exponent + 120) << 23) | (mantissa << 20)
+                magnitude = tl.where(
+                    exponent == 0,
+                    mantissa.to(tl.float32) * 0.001953125,  # subnormal: mantissa x 2**-9
+                    normal.to(tl.float32, bitcast=True),
+                )
+                value = tl.where((codes & 128) != 0, -magnitude, magnitude) * scale
+                nan = ((codes & 127) == 127) | (value != value)
+                if OUT_KIND == 0:
+                    # bf16: the top half of the fp32 bits, rounded to nearest even.
+                    bits = value.to(tl.uint32, bitcast=True)
+                    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+                    word = tl.where(nan, 0x7FC0, bits).to(tl.uint16).to(tl.int16, bitcast=True)
+                elif OUT_KIND == 1:
+                    half = value.to(tl.float16).to(tl.int16, bitcast=True)
+                    word = tl.where(nan, 0x7E00, half.to(tl.int32)).to(tl.int16)
+                else:
+                    word = tl.where(nan, 0x7FC00000, value.to(tl.int32, bitcast=True))
+                tl.store(out[:, None] + offsets[None, :], word, mask=mask)
+
+
+def dequant_copies(
+    table: PageTable, page_tensors: np.ndarray, device_blocks: np.ndarray
+) -> list[GroupCopy]:
+    """The copies that put slot page ``i`` (tensor ``page_tensors[i]``) into device block
+    ``device_blocks[i]``, as the dequantizing kernel reads them (staging addresses 0)."""
+    zeros = np.zeros(len(page_tensors), dtype=np.int64)
+    return table.copies(Direction.HOST_TO_DEVICE, page_tensors, device_blocks, zeros)
+
+
+def tile_shape(fragment_elements: int) -> tuple[int, int]:
+    """``(BLOCK, ROWS)``: ``BLOCK`` elements per fragment row (a power of two covering the
+    fragment, at most one step), ``ROWS`` fragments per step."""
+    block = min(1 << max(fragment_elements - 1, 0).bit_length(), STEP_ELEMENTS)
+    return block, max(1, STEP_ELEMENTS // block)
+
+
+def heads_of(table: PageTable) -> tuple[int, int]:
+    """``(heads, head_dim)`` of the table's canonical page (an MLA page: one head)."""
+    geometry = table.geometry
+    if geometry.is_mla:
+        return 1, geometry.latent_dim
+    return geometry.num_kv_heads, geometry.head_dim
+
+
+def launch_dequant(
+    copies: Sequence[GroupCopy],
+    table: torch.Tensor,
+    page_table: PageTable,
+    fp8: torch.Tensor,
+    page_starts: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    max_programs: int | None = None,
+    page_ok: torch.Tensor | None = None,
+    slot_pages: tuple[int, int] | None = None,
+) -> None:
+    """Enqueue ``copies`` (:func:`dequant_copies`) on the current stream of the cache's device,
+    one launch per group: ``table`` holds their :func:`~kvsnap.transfer.page_copy.kernel_table`
+    on the device (on the host under the interpreter), ``fp8`` the staged pages (``uint8``),
+    ``page_starts`` each slot page's first byte in it (``int64``), ``scales`` each slot page's
+    scales (``float32``, ``(slot pages, heads)``). ``page_ok`` and ``slot_pages`` as for
+    :func:`~kvsnap.transfer.page_copy.launch_kernel`."""
+    dtype = page_table.geometry.dtype
+    out_kind, out_bytes = OUT_KINDS.get(getattr(torch, dtype), (None, 0))
+    if out_kind is None:
+        raise ValueError(f"fp8 pages decode into bfloat16, float16 or float32, not {dtype}")
+    heads, head_dim = heads_of(page_table)
+    if max_programs is None:
+        max_programs = PROGRAMS_PER_SM * _multiprocessors(fp8.device)
+    position = 0
+    for copy in copies:
+        views = []
+        for values in kernel_arrays([copy]):
+            views.append(table[position : position + len(values)])
+            position += len(values)
+        if slot_pages is not None:
+            low, high = np.searchsorted(copy.slot_pages, slot_pages).tolist()
+            if low == high:
+                continue
+            views = [views[0][low:high], views[1][low:high], views[2], views[3], views[4][low:high]]
+        fragment_elements = copy.group.fragment_bytes // out_bytes
+        block, rows = tile_shape(fragment_elements)
+        num_items = len(views[0]) * copy.group.num_fragments
+        grid = (max(1, min(-(-num_items // rows), max_programs)),)
+        kernel_for(_dequant_copy_kernel)[grid](
+            *views,
+            views[4] if page_ok is None else page_ok,
+            fp8,
+            page_starts,
+            scales,
+            num_items,
+            copy.group.num_fragments,
+            OUT_KIND=out_kind,
+            OUT_BYTES=out_bytes,
+            FRAGMENT_ELEMENTS=fragment_elements,
+            HEADS=heads,
+            HEAD_DIM=head_dim,
+            BLOCK=block,
+            ROWS=rows,
+            CHECKED=page_ok is not None,
+        )
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dequant_scatter(
+    page_table: PageTable,
+    page_tensors: np.ndarray,
+    device_blocks: np.ndarray,
+    fp8_pages: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    page_ok: torch.Tensor | None = None,
+) -> None:
+    """Dequantize fp8 pages (``uint8``, ``(num_pages, *canonical page shape)``, on the cache's
+    device) with their ``scales`` (``float32``, ``(num_pages, heads)``) into the caches of
+    ``page_table``: page ``i`` is tensor ``page_tensors[i]``'s block ``device_blocks[i]``.
+
+    On CUDA (and on host memory under ``TRITON_INTERPRET=1``) one kernel launch per fragment
+    group; on host memory otherwise, the twin: :func:`kvsnap.encoding.fp8.dequantize` into
+    canonical pages, then the page copy's host path."""
+    page_tensors = np.asarray(page_tensors, dtype=np.int64)
+    device_blocks = np.asarray(device_blocks, dtype=np.int64)
+    num_pages = len(page_tensors)
+    elements = int(np.prod(page_table.geometry.canonical_page_shape))
+    if fp8_pages.dtype != torch.uint8 or fp8_pages.numel() != num_pages * elements:
+        raise ValueError(f"fp8 pages must be uint8, {num_pages} pages of {elements} elements")
+    if fp8_pages.device.type == "cpu" and not interpreting():
+        _scatter_on_host(page_table, page_tensors, device_blocks, fp8_pages, scales, page_ok)
+        return
+    copies = dequant_copies(page_table, page_tensors, device_blocks)
+    table = torch.from_numpy(kernel_table(copies)).to(fp8_pages.device)
+    starts = torch.arange(num_pages, dtype=torch.int64, device=fp8_pages.device) * elements
+    launch_dequant(
+        copies, table, page_table, fp8_pages.reshape(-1), starts, scales, page_ok=page_ok
+    )
+
+
+def _scatter_on_host(
+    page_table: PageTable,
+    page_tensors: np.ndarray,
+    device_blocks: np.ndarray,
+    fp8_pages: torch.Tensor,
+    scales: torch.Tensor,
+    page_ok: torch.Tensor | None,
+) -> None:
+    dtype: Any = getattr(torch, page_table.geometry.dtype)
+    shape = (len(page_tensors), *page_table.geometry.canonical_page_shape)
+    pages = dequantize(fp8_pages.reshape(shape), scales, dtype).contiguous()
+    keep = np.ones(len(page_tensors), dtype=bool) if page_ok is None else page_ok.numpy() != 0
+    page_bytes = page_table.page_size_bytes
+    staging = pages.data_ptr() + np.arange(len(page_tensors), dtype=np.int64) * page_bytes
+    run_on_cpu(
+        page_table.copies(
+            Direction.HOST_TO_DEVICE, page_tensors[keep], device_blocks[keep], staging[keep]
+        )
+    )
