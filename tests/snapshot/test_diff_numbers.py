@@ -212,3 +212,16 @@ def test_a_parted_snapshot_compares_as_the_whole_one(tmp_path: Path) -> None:
         layer.to_dict() for layer in from_file.layers
     ]
     assert from_parts.top == from_file.top and from_parts.top
+
+
+def test_the_dtype_and_block_size_differences_are_stated_up_front(
+    pair: tuple[Path, Path, dict, dict],
+) -> None:
+    path_a, path_b, _, _ = pair
+    with Snapshot.open(path_a) as first, Snapshot.open(path_b) as second:
+        comparison = first.compare(second, atol=1.0)
+        same = first.compare(first)
+    stated = {(source.field, source.a, source.b) for source in comparison.sources}
+    assert {("dtype", "bfloat16", "float32"), ("block size", "8", "16")} <= stated
+    assert "dtype" in comparison.report().split("\n\n")[0]
+    assert same.sources == []
