@@ -4,7 +4,8 @@ Per part (key and value, or the MLA latent) two panels: layers down and tokens a
 largest relative error of the (token, head) vectors of each cell (tokens binned: at most
 1,024 columns, so 8k tokens read as well as 80); and layers down, heads across, the largest
 over the tokens. A logarithmic colour scale (relative errors span decades); identical cells
-in light grey, cells holding NaN or Inf in magenta, both named in a legend. The title names
+in light grey, cells holding NaN or Inf in magenta (in the token panels also pointed out by a
+magenta marker, as a column may be narrower than a pixel), both named in a legend. The title names
 both files and the sequence.
 """
 
@@ -96,6 +97,7 @@ def _panel(axis: Any, cells: np.ndarray, norm: Any, profile: DiffProfile, part: 
         extent=extent,
     )
     _mark_nonfinite(axis, cells, extent)
+    _point_out_nonfinite(axis, cells, profile.num_tokens)
     binned = (
         f", {profile.num_tokens / bins:.3g} tokens per column" if bins < profile.num_tokens else ""
     )
@@ -137,6 +139,28 @@ def _mark_nonfinite(axis: Any, cells: np.ndarray, extent: tuple[float, ...]) -> 
     overlay = np.zeros((*cells.shape, 4))
     overlay[mask] = to_rgba(NAN_COLOUR)
     axis.imshow(overlay, aspect="auto", interpolation="nearest", extent=extent)
+
+
+def _point_out_nonfinite(axis: Any, cells: np.ndarray, num_tokens: int) -> None:
+    """A marker over each token column holding NaN or Inf: at thousands of tokens a column is
+    narrower than a pixel, and its colour alone may not be drawn at all."""
+    layers, columns = np.nonzero(np.isnan(cells))
+    if not layers.size:
+        return
+    limits = axis.get_xlim(), axis.get_ylim()
+    width = num_tokens / cells.shape[1]
+    axis.scatter(
+        (columns + 0.5) * width,
+        layers,
+        marker="v",
+        s=64,
+        color=NAN_COLOUR,
+        edgecolors="black",
+        linewidths=0.6,
+        zorder=3,
+    )
+    axis.set_xlim(*limits[0])
+    axis.set_ylim(*limits[1])
 
 
 def _ticks(count: int) -> list[int]:
