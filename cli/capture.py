@@ -25,15 +25,25 @@ from .common import (
     key_ring,
     output_location,
 )
-from .output import UsageError, emit_json, progress_bar, status, stdout, step_progress, text
+from .output import (
+    UsageError,
+    emit_json,
+    progress_bar,
+    status,
+    stderr,
+    stdout,
+    step_progress,
+    text,
+)
+from .prompts import check_token_ids, encode_prompts, position_warning, read_token_file
 
 #: What ``kvsnap capture`` runs when given no prompt.
 DEFAULT_PROMPT = "kvsnap keeps the KV cache of this prompt, bit for bit, across restarts."
 
 
-def _prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[str]:
+def _prompts(prompt: list[str] | None, prompts_file: Path | None, *, default: bool) -> list[str]:
     """The prompts to capture: ``--prompt``s, then the file's non-blank lines; the built-in
-    prompt only when neither option is given. An empty ``--prompt`` and a file without a
+    prompt only when none is given and ``default``. An empty ``--prompt`` and a file without a
     prompt are refused alike: both ask for a capture of nothing."""
     prompts = list(prompt or [])
     if not all(prompt_text.strip() for prompt_text in prompts):
@@ -48,40 +58,75 @@ def _prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[str]:
                 "a prompt must not be empty"
             )
         prompts += lines
-    return prompts or [DEFAULT_PROMPT]
+    return prompts or ([DEFAULT_PROMPT] if default else [])
+
+
+_OutputOption = Annotated[
+    str, typer.Option("--output", "-o", metavar="PATH", help="Snapshot file or URL to write.")
+]
+
+_PromptOption = Annotated[
+    list[str] | None,
+    typer.Option("--prompt", "-p", help="A prompt (repeat for several sequences)."),
+]
+
+_PromptsFileOption = Annotated[
+    Path | None, typer.Option("--prompts-file", help="A file with one prompt per line.")
+]
+
+_TokensOption = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--tokens",
+        metavar="FILE",
+        help="Token ids to capture: a JSON list (of lists), or one sequence per line.",
+    ),
+]
+
+_ChatOption = Annotated[
+    bool, typer.Option("--chat", help="Wrap each prompt in the model's chat template.")
+]
+
+_BlockSizeOption = Annotated[int, typer.Option("--block-size", min=1, help="Tokens per KV block.")]
+
+_ReproducibleOption = Annotated[
+    bool, typer.Option("--reproducible", help="Leave out everything time- or host-dependent.")
+]
+
+_ForceOption = Annotated[
+    bool,
+    typer.Option("--force", help="Capture a sequence longer than the model's positions."),
+]
 
 
 def capture(
-    output: Annotated[
-        str, typer.Option("--output", "-o", metavar="PATH", help="Snapshot file or URL to write.")
-    ],
+    output: _OutputOption,
     model: ModelOption = None,
-    prompt: Annotated[
-        list[str] | None,
-        typer.Option("--prompt", "-p", help="A prompt (repeat for several sequences)."),
-    ] = None,
-    prompts_file: Annotated[
-        Path | None, typer.Option("--prompts-file", help="A file with one prompt per line.")
-    ] = None,
+    prompt: _PromptOption = None,
+    prompts_file: _PromptsFileOption = None,
+    tokens: _TokensOption = None,
+    chat: _ChatOption = False,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
-    block_size: Annotated[
-        int, typer.Option("--block-size", min=1, help="Tokens per KV block.")
-    ] = 16,
-    reproducible: Annotated[
-        bool, typer.Option("--reproducible", help="Leave out everything time- or host-dependent.")
-    ] = False,
+    block_size: _BlockSizeOption = 16,
+    reproducible: _ReproducibleOption = False,
     backend: BackendOption = "auto",
     key_file: KeyFileOption = None,
+    force: _ForceOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Run prefill for each prompt on the model and write the KV cache as a snapshot (signed
-    with --key-file)."""
+    """Run prefill on each prompt and write the KV cache as a snapshot.
+
+    The prompts are text (--prompt, --prompts-file; --chat wraps them in the model's chat
+    template) or token ids (--tokens); with --key-file the snapshot is signed."""
     from kvsnap.pipeline import TransferOptions
 
     target = output_location(output, option="--output")
     keys = key_ring(key_file)
-    prompts = _prompts(prompt, prompts_file)
+    prompts = _prompts(prompt, prompts_file, default=not tokens)
+    if chat and not prompts:
+        raise UsageError("--chat wraps --prompt text in the chat template: give a --prompt")
+    token_lists = [ids for path in tokens or [] for ids in read_token_file(path)]
     model_dtype = models.torch_dtype(dtype)
     engine = models.transformers_engine("capture")
     models.check_device(device)
@@ -89,8 +134,11 @@ def capture(
     started = time.perf_counter()
     with status(f"loading the model ({model or 'built-in'})", enabled=not as_json):
         loaded = models.load(model, dtype=model_dtype, device=device, quiet=as_json)
+    sequences, notes = _sequences(loaded, prompts, token_lists, chat=chat, force=force)
+    if len(notes) > len(loaded.notes) and not as_json:
+        stderr.print(f"[yellow]warning:[/] {text(notes[-1])}")
     loaded_at = time.perf_counter()
-    prefilled = _prefill(engine, loaded, prompts, show_progress=not as_json)
+    prefilled = _prefill(engine, loaded, sequences, force=force, show_progress=not as_json)
     prefilled_at = time.perf_counter()
     with progress_bar("writing", enabled=not as_json) as progress:
         result = engine.capture_dynamic_caches(
@@ -103,12 +151,14 @@ def capture(
             reproducible=reproducible,
             keys=keys,
         )
-    _report(result, (started, loaded_at, prefilled_at, time.perf_counter()), as_json)
+    _report(result, notes, (started, loaded_at, prefilled_at, time.perf_counter()), as_json)
 
 
-def _report(result: Any, moments: tuple[float, float, float, float], as_json: bool) -> None:
-    """Print what a capture wrote (``--json``: as JSON), with each phase's time from
-    ``moments``: started, model loaded, prefill done, snapshot written."""
+def _report(
+    result: Any, notes: list[str], moments: tuple[float, float, float, float], as_json: bool
+) -> None:
+    """Print what a capture wrote (``--json``: as JSON, with its ``notes``), with each phase's
+    time from ``moments``: started, model loaded, prefill done, snapshot written."""
     started, loaded_at, prefilled_at, finished = moments
     payload = {
         "path": result.path,
@@ -116,6 +166,7 @@ def _report(result: Any, moments: tuple[float, float, float, float], as_json: bo
         "tokens": result.num_tokens,
         "bytes": result.num_bytes,
         "seconds": round(result.seconds, 6),
+        **({"notes": notes} if notes else {}),
     }
     if as_json:
         emit_json(payload)
@@ -128,12 +179,26 @@ def _report(result: Any, moments: tuple[float, float, float, float], as_json: bo
     )
 
 
-def _prefill(engine: Any, loaded: Any, prompts: list[str], *, show_progress: bool) -> list[Any]:
-    """Prefill each prompt on its own (as ``engine.prefill`` does), counting them on a bar."""
+def _sequences(
+    loaded: Any, prompts: list[str], token_lists: list[list[int]], *, chat: bool, force: bool
+) -> tuple[list[list[int]], list[str]]:
+    """The token ids to capture (the prompts', then ``--tokens``'), each checked, and the notes
+    to give: the model's own, then the warning for a sequence past its positions (``force``)."""
+    check_token_ids(loaded, token_lists)
+    sequences = encode_prompts(loaded, prompts, chat=chat) + token_lists
+    lengths = [len(ids) for ids in sequences]
+    warning = position_warning(loaded, lengths, force=force, what="a sequence")
+    return sequences, [*loaded.notes, *([] if warning is None else [warning])]
+
+
+def _prefill(
+    engine: Any, loaded: Any, sequences: list[list[int]], *, force: bool, show_progress: bool
+) -> list[Any]:
+    """Prefill each sequence on its own, counting them on a bar."""
     prefilled: list[Any] = []
     with step_progress("prefill", enabled=show_progress) as progress:
-        for number, prompt_text in enumerate(prompts):
-            progress(number, len(prompts), f"prompt {number + 1}")
-            prefilled += engine.prefill(loaded, [prompt_text])
-        progress(len(prompts), len(prompts), "")
+        for number, token_ids in enumerate(sequences):
+            progress(number, len(sequences), f"sequence {number + 1}")
+            prefilled += engine.prefill_token_ids(loaded, [token_ids], force=force)
+        progress(len(sequences), len(sequences), "")
     return prefilled

@@ -12,52 +12,70 @@ import typer
 from .common import JsonOption, output_location
 from .output import UsageError, emit_json, stderr, stdout, text
 
+_PathOption = Annotated[
+    str,
+    typer.Argument(
+        metavar="PATH",
+        help="vLLM fs-tier namespace, rank directory, root or block file, a llama.cpp "
+        "state file, an SGLang HiCache or LMCache fs L2 directory, or a thaw KV snapshot.",
+    ),
+]
+
+_OutputOption = Annotated[
+    str, typer.Option("--output", "-o", metavar="PATH", help="Snapshot file to write.")
+]
+
+_TokensOption = Annotated[
+    str | None,
+    typer.Option(
+        "--tokens", metavar="FILE", help="The prompt's token ids (JSON list or whitespace)."
+    ),
+]
+
+_ModelOption = Annotated[
+    str | None,
+    typer.Option("--model", "-m", metavar="DIR", help="Model directory (its config.json)."),
+]
+
+_PageOrderOption = Annotated[
+    str | None,
+    typer.Option(
+        "--page-order",
+        metavar="ORDER",
+        help="How the engine laid out each page: cells-nhd, cells-hnd, or an .npz file "
+        "(vLLM); layer_first, page_first or page_first_direct (SGLang HiCache).",
+    ),
+]
+
+_KvHeadsOption = Annotated[
+    int | None,
+    typer.Option("--kv-heads", min=1, help="KV heads per layer (llama.cpp state files)."),
+]
+
+_TpOption = Annotated[
+    int | None, typer.Option("--tp", min=1, help="TP size of the engine that wrote it.")
+]
+
+_HashSeedOption = Annotated[
+    str | None,
+    typer.Option("--hash-seed", metavar="S", help="The writer's PYTHONHASHSEED, if set."),
+]
+
+_ReproducibleOption = Annotated[
+    bool, typer.Option("--reproducible", help="Leave out time-dependent metadata.")
+]
+
 
 def convert(
-    path: Annotated[
-        str,
-        typer.Argument(
-            metavar="PATH",
-            help="vLLM fs-tier namespace, rank directory, root or block file, a llama.cpp "
-            "state file, an SGLang HiCache or LMCache fs L2 directory, or a thaw KV snapshot.",
-        ),
-    ],
-    output: Annotated[
-        str, typer.Option("--output", "-o", metavar="PATH", help="Snapshot file to write.")
-    ],
-    tokens: Annotated[
-        str | None,
-        typer.Option(
-            "--tokens", metavar="FILE", help="The prompt's token ids (JSON list or whitespace)."
-        ),
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option("--model", "-m", metavar="DIR", help="Model directory (its config.json)."),
-    ] = None,
-    page_order: Annotated[
-        str | None,
-        typer.Option(
-            "--page-order",
-            metavar="ORDER",
-            help="How the engine laid out each page: cells-nhd, cells-hnd, or an .npz file "
-            "(vLLM); layer_first, page_first or page_first_direct (SGLang HiCache).",
-        ),
-    ] = None,
-    kv_heads: Annotated[
-        int | None,
-        typer.Option("--kv-heads", min=1, help="KV heads per layer (llama.cpp state files)."),
-    ] = None,
-    tp: Annotated[
-        int | None, typer.Option("--tp", min=1, help="TP size of the engine that wrote it.")
-    ] = None,
-    hash_seed: Annotated[
-        str | None,
-        typer.Option("--hash-seed", metavar="S", help="The writer's PYTHONHASHSEED, if set."),
-    ] = None,
-    reproducible: Annotated[
-        bool, typer.Option("--reproducible", help="Leave out time-dependent metadata.")
-    ] = False,
+    path: _PathOption,
+    output: _OutputOption,
+    tokens: _TokensOption = None,
+    model: _ModelOption = None,
+    page_order: _PageOrderOption = None,
+    kv_heads: _KvHeadsOption = None,
+    tp: _TpOption = None,
+    hash_seed: _HashSeedOption = None,
+    reproducible: _ReproducibleOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Convert another engine's persisted KV into a checksummed kvsnap snapshot."""
@@ -73,11 +91,67 @@ def convert(
         "tokens": token_ids,
         "hash_seed": hash_seed,
     }
-    _write(path, target, hints, reproducible=reproducible, as_json=as_json)
+    expected = _config_heads(path, hints)
+    _write(path, target, hints, reproducible=reproducible, as_json=as_json, expected=expected)
+
+
+def _config_heads(path: str, hints: dict[str, Any]) -> tuple[int, int] | None:
+    """For a llama.cpp state file, which does not record its KV heads: the ``(KV heads, head
+    size)`` of ``--model DIR``'s config.json (the ``model`` hint is used up here), which
+    ``--kv-heads`` defaults to and must agree with; ``None`` without ``--model``."""
+    from kvsnap.foreign import recognise
+    from kvsnap.foreign.llama_state import FORMAT_NAME
+
+    found = recognise(path)
+    if found is None or found.name != FORMAT_NAME or hints["model"] is None:
+        return None
+    model = hints.pop("model")
+    config_path = Path(model) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+        text_config = config.get("text_config", config)
+        attention = int(text_config["num_attention_heads"])
+        heads = int(text_config.get("num_key_value_heads") or attention)
+        dim = int(text_config.get("head_dim") or int(text_config["hidden_size"]) // attention)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(
+            f"--model {model}: no model config with KV heads there ({error})"
+        ) from None
+    if hints["num_kv_heads"] is None:
+        hints["num_kv_heads"] = heads
+    return heads, dim
+
+
+def _check_head_split(source: Any, expected: tuple[int, int] | None) -> None:
+    """Refuse a split of the rows into heads that does not fit: another one than the model
+    config's, or heads of an odd size (a head's dimensions come in RoPE pairs)."""
+    geometry = source.geometry()
+    if geometry.is_mla:
+        return
+    heads, dim = geometry.num_kv_heads, geometry.head_dim
+    split = f"{heads} KV heads of {dim} dimensions (rows of {heads * dim} elements)"
+    if expected is not None and (heads, dim) != expected:
+        raise UsageError(
+            f"--kv-heads {heads} splits the KV into {split}, and the model config has "
+            f"{expected[0]} KV heads of {expected[1]}: pass --kv-heads {expected[0]}, or the "
+            "model the file was written by"
+        )
+    if dim % 2:
+        raise UsageError(
+            f"--kv-heads {heads} splits the KV into {split}: a head's size is even (RoPE "
+            "rotates its dimensions in pairs); pass the model's KV heads (num_key_value_heads "
+            "in its config.json), or --model DIR to take them from there"
+        )
 
 
 def _write(
-    path: str, target: str, hints: dict[str, Any], *, reproducible: bool, as_json: bool
+    path: str,
+    target: str,
+    hints: dict[str, Any],
+    *,
+    reproducible: bool,
+    as_json: bool,
+    expected: tuple[int, int] | None = None,
 ) -> None:
     """Open ``path`` with ``hints``, write the snapshot to ``target`` and report it."""
     from kvsnap.foreign import convert_to_snapshot, open_foreign
@@ -85,6 +159,7 @@ def _write(
     token_ids = hints["tokens"]
     started = time.perf_counter()
     with open_foreign(path, **hints) as source:
+        _check_head_split(source, expected)
         if token_ids is None and source.needs_tokens:
             raise UsageError(
                 f"--tokens FILE is required: {source.version} holds no token ids (its blocks "

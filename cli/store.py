@@ -143,8 +143,10 @@ def _no_entries_hint(root: Path) -> str | None:
 @app.command("list")
 @handle_errors
 def list_entries(directory: StoreArgument, as_json: JsonOption = False) -> None:
-    """List every chunk, quarantined chunk and orphan part, least recently used first, with
-    size and age; a parted chunk is one entry (its index) with its parts count."""
+    """List every chunk, quarantined chunk and orphan part, least recently used first.
+
+    Each with its size and age; a parted chunk is one entry (its index) with its parts
+    count."""
     root = _require_store(directory)
     now = time.time()
     from kvsnap.engines.vllm.eviction import store_entries
@@ -245,6 +247,9 @@ def verify_entries(
     from kvsnap.engines.vllm.eviction import store_entries
 
     entries = store_entries(root)
+    hint = None if entries else _no_entries_hint(root)
+    if hint is not None:  # nothing of a store was checked: not "OK"
+        raise UsageError(hint)
     results = []
     for entry in entries:
         checked = not (entry.quarantined or entry.orphan)
@@ -332,16 +337,18 @@ def prune(
         typer.Option(
             "--orphan-grace-s",
             min=0.0,
-            show_default="600",
+            show_default=False,
             help="Keep parts named by no index that were written this recently (a parted "
-            "write may still be publishing its index).",
+            "write may still be publishing its index); default 600 s.",
         ),
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Delete leftover temporary files and chunks of the old key scheme (whatever the bound),
-    orphan parts and quarantined chunks, then the least recently used chunks, until the store
-    fits; a parted chunk goes whole (its index first, then its parts)."""
+    """Delete leftovers, then the least recently used chunks, until the store fits.
+
+    First leftover temporary files and chunks of the old key scheme (whatever the bound),
+    orphan parts and quarantined chunks; a parted chunk goes whole (its index first, then its
+    parts)."""
     from kvsnap.engines.vllm.eviction import ORPHAN_GRACE_S, prune_store, store_entries
 
     if orphan_grace_s is None:
