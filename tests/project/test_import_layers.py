@@ -311,3 +311,27 @@ def test_there_is_no_import_loop_even_through_type_checking_imports() -> None:
                 graph[module].add(imported)
     cycles = _strongly_connected(graph)
     assert not cycles, "import loops:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_nothing_imports_a_store_module_by_its_old_flat_name() -> None:
+    """The old names serve callers outside the project (with a DeprecationWarning); the
+    project's own code, tests and benchmarks use the rooms' names (tests/store/test_rooms.py,
+    which checks the old names, excepted)."""
+    from kvsnap.store import MOVED
+
+    old = {f"kvsnap.store.{name}" for name in MOVED}
+    found = []
+    roots = [REPO / "kvsnap", REPO / "cli", REPO / "tests", REPO / "benchmarks"]
+    for path in sorted(p for root in roots for p in root.rglob("*.py")):
+        if (REPO / "kvsnap" / "cli") in path.parents or path.name == "test_rooms.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.Import):
+                names = {alias.name for alias in node.names}
+            else:
+                continue
+            if names & old:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, "imports of a store module by its old name:\n" + "\n".join(found)
