@@ -27,14 +27,14 @@ from kvsnap.store.files.location import INDEX_SUFFIX, Location, locate
 from kvsnap.store.files.resolve import Form, Resolved, open_retrying
 from kvsnap.store.read import slot_reads
 from kvsnap.store.read.checksums import Checksums
-from kvsnap.store.read.opened import OpenedFiles, joined_digests, placements
-from kvsnap.store.read.opening import (
+from kvsnap.store.read.members import (
     check_shard,
-    decoded_header,
     loaded_metadata,
     parted_index_refused,
     trailer_digest,
 )
+from kvsnap.store.read.opened import OpenedFiles, joined_digests, placements
+from kvsnap.store.read.opening import decoded_header
 from kvsnap.store.read.page_reads import PageReads
 from kvsnap.store.read.signatures import checked_page_digests, signature_problem, signing_key_id
 from kvsnap.store.read.source import OpenFile, Source
