@@ -5,7 +5,9 @@ every chunk's structure and checksums (exit 1 if any is bad), ``prune`` deletes 
 and quarantined chunks, then the least recently used chunks, until the store fits a size. A
 parted chunk (TP > 1: an index and one part per head range) is one entry everywhere: listed
 with its parts count, verified over every part, pruned whole. A thin client of
-:mod:`kvsnap.engines.vllm.eviction` and :class:`kvsnap.snapshot.Snapshot`.
+:mod:`kvsnap.engines.vllm.eviction` and :class:`kvsnap.snapshot.Snapshot`. Given a URL (the
+connector's ``remote_url``), each command works on that remote tier instead
+(``store_remote.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from rich.text import Text
 
 from kvsnap.errors import KVSnapError
 
-from .common import JsonOption, KeyFileOption, format_bytes, key_ring
+from .common import JsonOption, KeyFileOption, format_bytes, is_url, key_ring
 from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, handle_errors, stdout, text
 
 app = typer.Typer(
@@ -40,13 +42,21 @@ if TYPE_CHECKING:
     from kvsnap.engines.vllm.eviction import StoreEntry
     from kvsnap.format.signing import KeyRing
 
-StoreArgument = Annotated[Path, typer.Argument(help="The store directory (the connector's path).")]
+StoreArgument = Annotated[
+    str,
+    typer.Argument(
+        metavar="STORE",
+        help="The store directory (the connector's path), or its remote tier's URL "
+        "(remote_url: s3://bucket/prefix).",
+    ),
+]
 
 
-def _require_store(directory: Path) -> Path:
-    if not directory.is_dir():
+def _require_store(directory: str) -> Path:
+    path = Path(directory)
+    if not path.is_dir():
         raise UsageError(f"no store directory at {directory}")
-    return directory
+    return path
 
 
 def _entry_json(entry: StoreEntry, root: Path, now: float) -> dict[str, Any]:
@@ -81,7 +91,7 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-def _print_entries(rows: list[dict[str, Any]], title: str) -> None:
+def print_entry_table(rows: list[dict[str, Any]], title: str) -> None:
     """``title``, then one table per namespace (named once, above it) whose rows name each
     entry by its file name without ``.safetensors`` (a chunk: its hash): a namespace is a long
     model fingerprint, and with it in every row nothing else fitted at 80-100 columns."""
@@ -105,7 +115,7 @@ def _print_entries(rows: list[dict[str, Any]], title: str) -> None:
                 str(row["parts"]) if row["parts"] else "-",
                 format_bytes(row["bytes"]),
                 f"{_age(row['age_s'])} ago",
-                _state(row),
+                row["state"] if "state" in row else _state(row),
             )
         stdout.print(table)
 
@@ -146,7 +156,13 @@ def _no_entries_hint(root: Path) -> str | None:
 @handle_errors
 def list_entries(directory: StoreArgument, as_json: JsonOption = False) -> None:
     """List every chunk, quarantined chunk and orphan part, least recently used first, with
-    size and age; a parted chunk is one entry (its index) with its parts count."""
+    size and age; a parted chunk is one entry (its index) with its parts count. On a remote
+    tier (a URL): every chunk, with the later of its upload and its last recorded fetch."""
+    if is_url(directory):
+        from .store_remote import list_remote
+
+        list_remote(directory, as_json)
+        return
     root = _require_store(directory)
     now = time.time()
     from kvsnap.engines.vllm.eviction import store_entries
@@ -156,7 +172,7 @@ def list_entries(directory: StoreArgument, as_json: JsonOption = False) -> None:
     if as_json:
         emit_json({"store": str(root), "entries": rows, "count": len(rows), "bytes": total})
         return
-    _print_entries(rows, f"{root}: {len(rows)} entries, {format_bytes(total)}")
+    print_entry_table(rows, f"{root}: {len(rows)} entries, {format_bytes(total)}")
     hint = None if rows else _no_entries_hint(root)
     if hint is not None:
         stdout.print(f"[yellow]note:[/] {text(hint)}")
@@ -179,19 +195,23 @@ def _last_use_kept(path: Path) -> Iterator[None]:
                 os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
-def _verify_one(path: Path, keys: KeyRing | None, *, named: bool) -> tuple[str, list[str]]:
+def verify_chunk(
+    path: Path | str, keys: KeyRing | None, *, named: bool
+) -> tuple[str, list[str]]:
     """The state of the chunk at ``path``, a single file or a parted chunk's index (every part
-    checked), and its problems: ``ok``; ``corrupt`` (structure or checksums); with ``keys``,
-    ``unsigned`` or ``bad signature`` (intact, but not written with one of the keys: never
-    served by an engine holding them); with ``named``, ``misnamed`` (its one sequence's id
-    names another chunk: a chunk copied under another's name, never served under it). Its
-    last use (access time) is left as it was."""
+    checked), or a remote tier's chunk object (a URL), and its problems: ``ok``; ``corrupt``
+    (structure or checksums); with ``keys``, ``unsigned`` or ``bad signature`` (intact, but
+    not written with one of the keys: never served by an engine holding them); with ``named``,
+    ``misnamed`` (its one sequence's id names another chunk: a chunk copied under another's
+    name, never served under it). A local chunk's last use (access time) is left as it
+    was."""
     from kvsnap.engines.vllm.prefix_store import name_problem
     from kvsnap.errors import UnsignedSnapshotError
     from kvsnap.snapshot import Snapshot
 
     try:
-        with _last_use_kept(path), Snapshot.open(path) as snap:
+        kept = contextlib.nullcontext() if isinstance(path, str) else _last_use_kept(path)
+        with kept, Snapshot.open(path) as snap:
             problems = [
                 f"{problem.tensor} block {problem.block}: {problem.message}"
                 if problem.tensor
@@ -219,13 +239,19 @@ def verify_entries(
 ) -> None:
     """Check every chunk's structure and checksums (a parted chunk's over every part), that it
     is the chunk its name says (its sequence id names that key) and, with --key-file, its
-    signature; exit 1 if any chunk is bad.
+    signature; exit 1 if any chunk is bad. On a remote tier (a URL) every chunk object is read
+    and checked the same way.
 
     Quarantined chunks and orphan parts are listed but not checked: they are known bad or
     unused, and never served.
     """
-    root = _require_store(directory)
     keys = key_ring(key_file)
+    if is_url(directory):
+        from .store_remote import verify_remote
+
+        verify_remote(directory, keys, as_json)
+        return
+    root = _require_store(directory)
     from kvsnap.engines.vllm.eviction import store_entries
 
     entries = store_entries(root)
@@ -233,7 +259,7 @@ def verify_entries(
     for entry in entries:
         checked = not (entry.quarantined or entry.orphan)
         state, problems = (
-            _verify_one(entry.path, keys, named=not entry.legacy)
+            verify_chunk(entry.path, keys, named=not entry.legacy)
             if checked
             else ("not checked", [])
         )
@@ -325,7 +351,13 @@ def prune(
 ) -> None:
     """Delete leftover temporary files and chunks of the old key scheme (whatever the bound),
     orphan parts and quarantined chunks, then the least recently used chunks, until the store
-    fits; a parted chunk goes whole (its index first, then its parts)."""
+    fits; a parted chunk goes whole (its index first, then its parts). On a remote tier (a
+    URL): chunks least recently fetched or written first, each with its record of use."""
+    if is_url(directory):
+        from .store_remote import prune_remote_store
+
+        prune_remote_store(directory, max_bytes, min_idle_s, as_json)
+        return
     from kvsnap.engines.vllm.eviction import ORPHAN_GRACE_S, prune_store, store_entries
 
     if orphan_grace_s is None:
@@ -349,5 +381,5 @@ def prune(
         )
         return
     if rows:
-        _print_entries(rows, f"removed {len(rows)} entries, {format_bytes(freed)}")
+        print_entry_table(rows, f"removed {len(rows)} entries, {format_bytes(freed)}")
     stdout.print(f"{root} holds {format_bytes(remaining)} (bound {format_bytes(max_bytes)})")
