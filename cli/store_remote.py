@@ -39,7 +39,7 @@ def _row(entry: RemoteEntry, now: float) -> dict[str, Any]:
 
 
 def _print_rows(rows: list[dict[str, Any]], title: str) -> None:
-    from .store import print_entry_table
+    from .store_common import print_entry_table
 
     shown = [
         {
@@ -71,7 +71,7 @@ def _verify_object(fs: Any, path: str, keys: KeyRing | None) -> tuple[str, list[
     """The state of the chunk object at ``path`` (in ``fs``) and its problems, as ``kvsnap
     store verify`` names them for a local chunk: the object is read in one request into a
     scratch file of its own name, then checked there."""
-    from .store import verify_chunk
+    from .store_common import verify_chunk
 
     try:
         data = fs.cat_file(path)
