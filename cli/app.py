@@ -1,4 +1,5 @@
-"""The ``kvsnap`` command line: capture, inspect, verify, restore, fixture, bench.
+"""The ``kvsnap`` command line: capture, inspect, verify, restore, fixture, bench, convert,
+export.
 
 Every command is a thin client of the library (one module per command): it parses options,
 calls :mod:`kvsnap`, and formats the answer as rich tables (people) or one JSON object
@@ -24,6 +25,7 @@ from kvsnap import __version__
 from .bench import bench
 from .capture import capture
 from .convert import convert
+from .export import export
 from .fixture import fixture
 from .inspection import inspect
 from .output import EXIT_INTERRUPTED, EXIT_USAGE, handle_errors, report_error, settings, stdout
@@ -136,7 +138,7 @@ def main_options(
     settings.debug = debug
 
 
-for _command in (capture, inspect, verify, restore, fixture, bench, convert):
+for _command in (capture, inspect, verify, restore, fixture, bench, convert, export):
     app.command()(handle_errors(_command))
 app.add_typer(store_app, name="store")
 

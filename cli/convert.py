@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from .common import JsonOption, output_location
-from .output import UsageError, emit_json, stdout, text
+from .output import UsageError, emit_json, stderr, stdout, text
 
 
 def convert(
@@ -18,8 +18,8 @@ def convert(
         str,
         typer.Argument(
             metavar="PATH",
-            help="vLLM fs-tier namespace, rank directory, root or block file, or a llama.cpp "
-            "state file.",
+            help="vLLM fs-tier namespace, rank directory, root or block file, a llama.cpp "
+            "state file, an SGLang HiCache or LMCache fs L2 directory, or a thaw KV snapshot.",
         ),
     ],
     output: Annotated[
@@ -40,7 +40,8 @@ def convert(
         typer.Option(
             "--page-order",
             metavar="ORDER",
-            help="How the engine laid out each page: cells-nhd, cells-hnd, or an .npz file.",
+            help="How the engine laid out each page: cells-nhd, cells-hnd, or an .npz file "
+            "(vLLM); layer_first, page_first or page_first_direct (SGLang HiCache).",
         ),
     ] = None,
     kv_heads: Annotated[
@@ -84,14 +85,19 @@ def _write(
     token_ids = hints["tokens"]
     started = time.perf_counter()
     with open_foreign(path, **hints) as source:
-        if token_ids is None and source.format_name == "vllm-fs":
-            raise UsageError("--tokens FILE is required: the vLLM fs tier holds no token ids")
+        if token_ids is None and source.needs_tokens:
+            raise UsageError(
+                f"--tokens FILE is required: {source.version} holds no token ids (its blocks "
+                "are found by the prompt's hashes)"
+            )
         info = source.describe()
-        engine = "vllm" if source.format_name == "vllm-fs" else "llama.cpp"
         model_id = info.get("config", {}).get("model_name") or info.get("architecture") or "unknown"
         result = convert_to_snapshot(
-            source, target, engine=engine, model_id=model_id, reproducible=reproducible
+            source, target, engine=source.engine, model_id=model_id, reproducible=reproducible
         )
+        notes = source.notes()
+    for note in notes:
+        stderr.print(f"[yellow]note:[/] {text(note)}")
     payload = {
         "path": result.path,
         "sequences": result.num_sequences,
@@ -99,6 +105,7 @@ def _write(
         "blocks": result.num_blocks,
         "bytes": result.num_bytes,
         "seconds": round(time.perf_counter() - started, 3),
+        "notes": notes,
     }
     if as_json:
         emit_json(payload)

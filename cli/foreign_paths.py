@@ -32,7 +32,22 @@ def is_foreign(location: str) -> bool:
         return False
     from kvsnap.foreign import recognise
 
-    return recognise(location) is not None
+    return recognise(location) is not None or _holds_no_snapshot(path)
+
+
+def _holds_no_snapshot(path: Path) -> bool:
+    """A directory with no kvsnap snapshot in it: the foreign readers' refusal, which names
+    what each found there, says more than "is a directory" (an empty directory, a vLLM
+    namespace without its config.json, a root holding two namespaces)."""
+    if not path.is_dir():
+        return False
+    from kvsnap.store.resolve import is_index_name
+
+    try:
+        names = [child.name for child in path.iterdir()]
+    except OSError:
+        return False
+    return not any(name.endswith(".safetensors") or is_index_name(name) for name in names)
 
 
 def _looks_like_kvsnap(path: Path) -> bool:
@@ -111,6 +126,7 @@ def _notes(source: ForeignSource) -> list[str]:
         f"{source.version}: structure, sizes and names checked; the KV contents cannot be "
         "checked: the format has no checksums",
         *(f"cannot tell: {sentence}" for sentence in source.cannot_tell[1:]),
+        *source.notes(),
     ]
 
 

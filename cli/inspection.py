@@ -102,8 +102,14 @@ def describe(snap: Snapshot) -> dict[str, Any]:
         ],
         "num_blocks": snap.num_blocks,
         "total_bytes": snap.kv_bytes,
-        # Who signed it, as written (checking needs the key: kvsnap verify --key-file).
-        "signature": {"algorithm": meta.signature, "key_ids": snap.signing_key_ids()},
+        # Who signed it, as written (checking needs the key: kvsnap verify --key-file), and
+        # how the signature binds the pages.
+        "signature": {
+            "algorithm": meta.signature,
+            "key_ids": snap.signing_key_ids(),
+            "page_binding": snap.page_binding,
+            "binding": _BINDINGS.get(snap.page_binding),
+        },
         **_parts_json(snap),
     }
 
@@ -180,11 +186,19 @@ def _metadata_table(payload: dict[str, Any]) -> Table:
     return table
 
 
+#: What each page binding means, as inspect says it.
+_BINDINGS = {
+    "blake3": "pages bound by BLAKE3",
+    "xxh3-64": "pages bound by xxh3-64 only: not collision-resistant",
+}
+
+
 def _signature_row(signature: dict[str, Any]) -> str:
     if signature["algorithm"] is None:
         return "unsigned"
     keys = ", ".join(sorted({key_id[:16] for key_id in signature["key_ids"] if key_id}))
-    return f"{signature['algorithm']} by key {keys} (check it: verify --key-file)"
+    binding = signature["binding"]
+    return f"{signature['algorithm']} by key {keys}, {binding} (check it: verify --key-file)"
 
 
 def _print_inspect(payload: dict[str, Any]) -> None:

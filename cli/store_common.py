@@ -105,29 +105,38 @@ def _last_use_kept(path: Path) -> Iterator[None]:
                 os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
-def verify_chunk(path: Path | str, keys: KeyRing | None, *, named: bool) -> tuple[str, list[str]]:
+def verify_chunk(path: Path, keys: KeyRing | None, *, named: bool) -> tuple[str, list[str]]:
     """The state of the chunk at ``path``, a single file or a parted chunk's index (every part
-    checked), or a remote tier's chunk object (a URL), and its problems: ``ok``; ``corrupt``
-    (structure or checksums); with ``keys``, ``unsigned`` or ``bad signature`` (intact, but
-    not written with one of the keys: never served by an engine holding them); with ``named``,
-    ``misnamed`` (its one sequence's id names another chunk: a chunk copied under another's
-    name, never served under it). A local chunk's last use (access time) is left as it
-    was."""
+    checked), and its problems: ``ok``; ``corrupt`` (structure, checksums or, with ``keys``,
+    a page that does not match its signed BLAKE3 digest); with ``keys``, ``unsigned``, ``bad
+    signature`` or ``weak signature`` (signed before pages were bound by BLAKE3): intact,
+    but never served by an engine holding the keys; with ``named``, ``misnamed`` (its one
+    sequence's id names another chunk: a chunk copied under another's name, never served under
+    it). Its last use (access time) is left as it was. A remote tier's object is checked here
+    too, from a scratch copy of its bytes."""
     from kvsnap.engines.vllm.prefix_store import name_problem
-    from kvsnap.errors import UnsignedSnapshotError
+    from kvsnap.errors import SignatureError, UnsignedSnapshotError
     from kvsnap.snapshot import Snapshot
 
+    refused: list[SignatureError] = []
     try:
-        kept = contextlib.nullcontext() if isinstance(path, str) else _last_use_kept(path)
-        with kept, Snapshot.open(path) as snap:
-            problems = [
-                f"{problem.tensor} block {problem.block}: {problem.message}"
-                if problem.tensor
-                else problem.message
-                for problem in snap.verify()
-            ]
-            refused = snap.signature_problems(keys) if keys is not None else []
-            misnamed = name_problem(path, snap.metadata.sequences) if named else None
+        with _last_use_kept(path):
+            try:
+                # With the keys every page is checked against its signed BLAKE3 digest.
+                snap = Snapshot.open(path, keys=keys)
+            except SignatureError:
+                assert keys is not None
+                snap = Snapshot.open(path)
+                refused = snap.signature_problems(keys)
+            with snap:
+                problems = [
+                    f"{problem.tensor} block {problem.block}: {problem.message}"
+                    if problem.tensor
+                    else problem.message
+                    for problem in snap.verify()
+                ]
+                binding = snap.page_binding
+                misnamed = name_problem(path, snap.metadata.sequences) if named else None
     except (KVSnapError, OSError) as error:
         return "corrupt", [str(error)]
     if problems:
@@ -135,6 +144,14 @@ def verify_chunk(path: Path | str, keys: KeyRing | None, *, named: bool) -> tupl
     if refused:
         unsigned = isinstance(refused[0], UnsignedSnapshotError)
         return ("unsigned" if unsigned else "bad signature"), [str(error) for error in refused]
+    if keys is not None and binding != "blake3":
+        return "weak signature", [_WEAK_SIGNATURE]
     if misnamed is not None:
         return "misnamed", [misnamed]
     return "ok", []
+
+
+_WEAK_SIGNATURE = (
+    "signed before pages were bound by BLAKE3 (hmac-sha256: pages bound by xxh3-64 only, not "
+    "collision-resistant): an engine holding the key recomputes it and saves it anew"
+)

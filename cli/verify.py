@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -79,25 +81,23 @@ def verify(
         models.check_device(device)
     problems: list[dict[str, Any]] = []
     comparison: Comparison | None = None
-    # With --key-file: valid, unsigned, bad signature, or unchecked (the file did not open).
-    signature = None if keys is None else "unchecked"
+    check = _SignatureCheck(keys)
     try:
-        with Snapshot.open(location) as snap:
+        with _open_checked(location, check) as snap:
             with progress_bar("verify", enabled=not as_json) as progress:
                 problems += [_problem(problem) for problem in snap.verify(progress=progress)]
-            if keys is not None:
-                signature, refused = _signature_check(snap, keys)
-                problems += refused
+            problems[:0] = check.refused
             if not problems and reference is not None:
                 with Snapshot.open(reference) as other:
                     comparison = snap.compare(other, atol=atol, rtol=rtol)
             if not problems and engine is not None:
                 comparison = _recompute(engine, snap, model, device, atol, rtol, quiet=as_json)
     except (SnapshotCorruptError, NotASnapshotError) as error:
+        problems[:0] = check.refused  # a file refused by its signature, then found damaged
         problems.append({"tensor": error.tensor, "block": error.block, "message": str(error)})
     if comparison is not None:
         problems += _comparison_problems(comparison)
-    _report(problems, comparison, as_json=as_json, signature=signature)
+    _report(problems, comparison, as_json=as_json, signature=check.verdict)
     if problems:
         raise typer.Exit(EXIT_VERIFY_FAILED)
 
@@ -136,11 +136,41 @@ def _report(
         stdout.print("[bold green]OK[/]")
 
 
-def _signature_check(snap: Snapshot, keys: KeyRing) -> tuple[str, list[dict[str, Any]]]:
-    """``valid``, ``unsigned`` or ``bad signature`` for ``snap`` under ``keys``, and the
-    signature problems (one per file the keys do not vouch for)."""
-    refused = [_signature_problem(error) for error in snap.signature_problems(keys)]
-    return (refused[0]["kind"] if refused else "valid"), refused
+class _SignatureCheck:
+    """What ``--key-file`` found: ``verdict`` (``None`` without keys; else ``valid``,
+    ``unsigned``, ``bad signature``, or ``unchecked``: the file did not open) and the
+    signature problems, one per file the keys do not vouch for."""
+
+    def __init__(self, keys: KeyRing | None) -> None:
+        self.keys = keys
+        self.verdict: str | None = None if keys is None else "unchecked"
+        self.refused: list[dict[str, Any]] = []
+
+    def refuse(self, errors: list[SignatureError]) -> None:
+        self.refused = [_signature_problem(error) for error in errors]
+        self.verdict = self.refused[0]["kind"]
+
+
+@contextlib.contextmanager
+def _open_checked(location: str, check: _SignatureCheck) -> Iterator[Snapshot]:
+    """The snapshot at ``location`` opened with ``check``'s keys: its signature checked, and
+    every page verified later against what the signature binds (a page changed after signing
+    is named by its BLAKE3 digest). When the keys do not vouch for it, opened without them
+    (its checksums are still verified), ``check`` noting why, file by file."""
+    from kvsnap.snapshot import Snapshot
+
+    try:
+        snap = Snapshot.open(location, keys=check.keys)
+    except SignatureError as error:
+        check.refuse([error])  # stands if the file does not even open without the keys
+        snap = Snapshot.open(location)
+        assert check.keys is not None
+        check.refuse(snap.signature_problems(check.keys) or [error])
+    else:
+        if check.keys is not None:
+            check.verdict = "valid"
+    with snap:
+        yield snap
 
 
 def _signature_problem(error: SignatureError) -> dict[str, Any]:

@@ -123,9 +123,10 @@ def capture(
             each from the first rank holding it, then the index ``path + ".index.json"``.
             ``max_shard_bytes`` and ``progress`` do not apply. Default ``False``.
         keys: Sign every file with the first key of this ``KeyRing``
-            (``kvsnap.store.keys.load_key_ring``): an HMAC-SHA256 over its header and
-            checksum trailer, which ``Snapshot.open`` checks when given the keys. Default
-            ``None``: unsigned.
+            (``kvsnap.store.keys.load_key_ring``): an HMAC-SHA256 over its header and every
+            byte but its pages, the pages bound by their BLAKE3 digests, which
+            ``Snapshot.open`` checks when given the keys (and every page read later against
+            its digest). Default ``None``: unsigned.
 
     Returns:
         A ``CaptureResult``: the path written (a parted snapshot's index), the numbers of
@@ -223,8 +224,10 @@ class Snapshot:
             path: A local path or an fsspec URL.
             verify: Check every block read later against its checksum. Default ``True``.
             keys: Require every file to be signed by one of these keys
-                (``kvsnap.store.keys.load_key_ring``). Default ``None``: signatures are not
-                checked.
+                (``kvsnap.store.keys.load_key_ring``), checked here; a snapshot signed with
+                BLAKE3 page digests then has every page read, verified or restored checked
+                against its signed digest (``page_binding``). Default ``None``: signatures
+                are not checked.
 
         Returns:
             The open ``Snapshot``; close it, or use it as a context manager.
@@ -356,7 +359,9 @@ class Snapshot:
         """Check the structure and every checksum, reading the whole snapshot once.
 
         Beyond checksums it checks that padding is zero, that every sequence's token ids hash
-        to its stored prefix hashes, and that unused blocks carry no hash.
+        to its stored prefix hashes, and that unused blocks carry no hash. A snapshot opened
+        with ``keys`` and signed with BLAKE3 page digests has every page checked against its
+        signed digest instead of its xxh3-64 (a page changed after signing is named).
 
         Args:
             progress: ``progress(done_bytes, total_bytes)``, called as data is read. Default
@@ -396,8 +401,9 @@ class Snapshot:
 
         Returns:
             One ``UnsignedSnapshotError`` or ``BadSignatureError`` per file that fails; an
-            empty list when every file is signed by one of the keys over exactly its header
-            and checksum trailer.
+            empty list when every file is signed by one of the keys over exactly the bytes
+            its signature covers (its pages are checked by ``verify`` of a snapshot opened
+            with the keys).
 
         Example:
             >>> import kvsnap
@@ -422,6 +428,25 @@ class Snapshot:
             [None]
         """
         return [key_id for part in self.parts for key_id in part.reader.signing_key_ids()]
+
+    @property
+    def page_binding(self) -> str | None:
+        """How a signed snapshot's signature binds its pages (unchecked: only a snapshot
+        opened with ``keys`` had its signature checked).
+
+        ``"blake3"``: each page by its BLAKE3 digest, which the signature covers; opened with
+        ``keys``, every page read, verified or restored is checked against it (what kvsnap
+        writes). ``"xxh3-64"``: an older signed snapshot, its pages bound by xxh3-64
+        checksums only, which are not collision-resistant. ``None``: unsigned.
+
+        Example:
+            >>> import kvsnap
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     snap.page_binding is None  # captured without keys
+            True
+        """
+        signature = self.metadata.signature
+        return None if signature is None else _PAGE_BINDINGS.get(signature)
 
     @property
     def reader(self) -> SnapshotReader:
@@ -717,6 +742,10 @@ class Snapshot:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+#: :attr:`Snapshot.page_binding` by the metadata's signature algorithm.
+_PAGE_BINDINGS = {fmt.SIGNATURE_ALGORITHM: "blake3", fmt.SIGNATURE_ALGORITHM_V1: "xxh3-64"}
 
 
 def _sequence_kv(reader: SnapshotReader, record: fmt.SequenceRecord, name: str) -> torch.Tensor:

@@ -36,8 +36,8 @@ pip=("$venv/bin/python" -m pip install -q)
 # remove them, so that the older typer breaks no installed requirement and pip reports none.
 "$venv/bin/python" -m pip uninstall -q -y fastapi-cli fastapi-cloud-cli
 # kvsnap's own light dependencies (those vLLM does not already install), then kvsnap itself.
-"${pip[@]}" xxhash fsspec safetensors "typer>=0.15,<0.26" rich jsonschema fastjsonschema zstandard
+"${pip[@]}" xxhash blake3 fsspec safetensors "typer>=0.15,<0.26" rich jsonschema fastjsonschema zstandard
 "${pip[@]}" --no-deps -e "$root"
-"$venv/bin/python" -c "import vllm, kvsnap, xxhash, fsspec, safetensors, typer, rich, jsonschema, fastjsonschema, zstandard"
+"$venv/bin/python" -c "import vllm, kvsnap, xxhash, blake3, fsspec, safetensors, typer, rich, jsonschema, fastjsonschema, zstandard"
 echo "$script_sum" > "$stamp"
 echo "vLLM virtualenv is ready: $venv"

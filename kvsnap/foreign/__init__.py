@@ -3,7 +3,7 @@
 One module per format registers a :class:`ForeignFormat` in :data:`FORMATS`;
 :func:`open_foreign` asks each whether it reads a path and opens it with the first that does.
 A path no reader takes is refused with one line naming what each found there. Adding a format
-(SGLang HiCache, LMCache) is one new module with a ``ForeignFormat`` and one line here
+is one new module with a ``ForeignFormat`` and one line here
 (docs/architecture.md, "Foreign formats").
 """
 
@@ -24,11 +24,20 @@ from .base import (
     Recognition,
 )
 from .llama_state import LLAMA_STATE
+from .lmcache_fs import LMCACHE_FS
 from .pages import CELL_ORDERS, PageOrder, cell_order, load_page_order
+from .sglang_hicache import SGLANG_HICACHE
+from .thaw_kv import THAW_KV
 from .vllm_fs import VLLM_FS
 
 #: Every format kvsnap reads besides its own, in the order they are asked.
-FORMATS: tuple[ForeignFormat, ...] = (VLLM_FS, LLAMA_STATE)
+FORMATS: tuple[ForeignFormat, ...] = (
+    VLLM_FS,
+    LLAMA_STATE,
+    SGLANG_HICACHE,
+    LMCACHE_FS,
+    THAW_KV,
+)
 
 
 def __getattr__(name: str) -> Any:

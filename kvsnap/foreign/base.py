@@ -57,7 +57,8 @@ class ForeignSequence:
 @dataclass(frozen=True)
 class ForeignBlock:
     """One block as canonical pages: per layer a key and a value tensor of shape
-    ``(block_size, num_kv_heads, head_dim)`` in the format's dtype."""
+    ``(block_size, num_kv_heads, head_dim)`` in the format's dtype; for MLA, ``keys`` are the
+    latents ``(block_size, latent_dim)`` and ``values`` is empty."""
 
     id: str
     keys: tuple[torch.Tensor, ...]
@@ -69,6 +70,10 @@ class ForeignSource(ABC):
 
     #: The format's registry name (``vllm-fs``, ``llama-state``).
     format_name: str = ""
+    #: The engine that writes it, as a converted snapshot's ``source.engine`` names it.
+    engine: str = "unknown"
+    #: Whether sequences are found only from a prompt's token ids (the ``tokens`` hint).
+    needs_tokens: bool = False
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -104,6 +109,11 @@ class ForeignSource(ABC):
     @abstractmethod
     def read_block(self, block_id: str) -> ForeignBlock:
         """One block's KV as canonical pages."""
+
+    def notes(self) -> list[str]:
+        """What a reader assumed or found worth saying that is not a problem (an empty store, a
+        hint's default taken), one sentence each; ``[]`` when there is nothing to say."""
+        return []
 
     def close(self) -> None:
         """Release what the reader holds (nothing, for readers that open files per read)."""

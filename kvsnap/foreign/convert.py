@@ -15,7 +15,7 @@ import torch
 from kvsnap.dtypes import kv_torch_dtype
 from kvsnap.errors import LayoutError
 from kvsnap.format import SourceInfo
-from kvsnap.layout import contiguous_layout
+from kvsnap.layout import CacheLayout, KVGeometry, contiguous_layout, mla_layout
 from kvsnap.snapshot import CaptureResult, SequenceBlocks, capture
 
 from .base import ForeignSequence, ForeignSource
@@ -41,6 +41,26 @@ def convert_to_snapshot(
     for sequence in chosen:
         for block_id in sequence.block_ids:
             position.setdefault(block_id, len(position))
+    if geometry.is_mla:
+        layout = _mla_cache(source, geometry, position)
+    else:
+        layout = _contiguous_cache(source, geometry, position)
+    blocks = [
+        SequenceBlocks(
+            sequence.id,
+            np.asarray(sequence.token_ids, dtype=np.int64),
+            np.asarray([position[b] for b in sequence.block_ids], dtype=np.int64),
+        )
+        for sequence in chosen
+    ]
+    info = SourceInfo(engine=engine, engine_version=source.version, model_id=model_id)
+    return capture(layout, blocks, output, source=info, reproducible=reproducible)
+
+
+def _contiguous_cache(
+    source: ForeignSource, geometry: KVGeometry, position: dict[str, int]
+) -> CacheLayout:
+    """The blocks side by side as one ``(1, heads, tokens, head_dim)`` cache per layer."""
     shape = (1, geometry.num_kv_heads, len(position) * geometry.block_size, geometry.head_dim)
     dtype = kv_torch_dtype(geometry.dtype)
     keys = [torch.empty(shape, dtype=dtype) for _ in range(geometry.num_layers)]
@@ -52,14 +72,18 @@ def convert_to_snapshot(
             # Canonical (tokens, heads, dim) pages into the (batch, heads, seq, dim) cache.
             keys[layer][0, :, tokens] = block.keys[layer].transpose(0, 1)
             values[layer][0, :, tokens] = block.values[layer].transpose(0, 1)
-    layout = contiguous_layout(keys, values, block_size=geometry.block_size)
-    blocks = [
-        SequenceBlocks(
-            sequence.id,
-            np.asarray(sequence.token_ids, dtype=np.int64),
-            np.asarray([position[b] for b in sequence.block_ids], dtype=np.int64),
-        )
-        for sequence in chosen
-    ]
-    info = SourceInfo(engine=engine, engine_version=source.version, model_id=model_id)
-    return capture(layout, blocks, output, source=info, reproducible=reproducible)
+    return contiguous_layout(keys, values, block_size=geometry.block_size)
+
+
+def _mla_cache(
+    source: ForeignSource, geometry: KVGeometry, position: dict[str, int]
+) -> CacheLayout:
+    """The blocks' latents as one ``(blocks, block_size, latent_dim)`` MLA cache per layer."""
+    shape = (len(position), geometry.block_size, geometry.latent_dim)
+    dtype = kv_torch_dtype(geometry.dtype)
+    latents = [torch.empty(shape, dtype=dtype) for _ in range(geometry.num_layers)]
+    for block_id, index in position.items():
+        block = source.read_block(block_id)
+        for layer in range(geometry.num_layers):
+            latents[layer][index] = block.keys[layer]
+    return mla_layout(latents)

@@ -59,6 +59,8 @@ GGML_TYPES = {
     30: ("bfloat16", torch.bfloat16),
 }
 _MAX_STREAMS = 256
+#: The largest number taken for a format version (llama.cpp's are small counters).
+_MAX_VERSION = 255
 _MAX_LAYERS = 4096
 _MAX_SEQ_IDS = 1 << 16
 _DEFAULT_BLOCK = 16
@@ -151,6 +153,14 @@ def _read_header(cursor: _Cursor) -> tuple[int, int, np.ndarray, str | None]:
     magic, version = cursor.unpack("II", "the magic and version")
     if magic not in VERSIONS:
         raise NotASnapshotError("not a llama.cpp state file", file=cursor.name)
+    if not 0 < version <= _MAX_VERSION:
+        # llama.cpp numbers its state formats 1, 2, 3...: anything else is damage after a
+        # valid magic, not a newer format.
+        raise SnapshotCorruptError(
+            f"damaged: llama.cpp {KINDS[magic]} magic followed by version {version}, not a "
+            "version llama.cpp writes",
+            file=cursor.name,
+        )
     if version != VERSIONS[magic]:
         raise UnsupportedVersionError(
             f"llama.cpp {KINDS[magic]} version {version}: kvsnap reads version {VERSIONS[magic]}",
@@ -232,6 +242,7 @@ class LlamaStateFile(ForeignSource):
     heads, required to decode) and ``block_size`` (cells per kvsnap block, default 16)."""
 
     format_name = FORMAT_NAME
+    engine = "llama.cpp"
 
     def __init__(
         self,
@@ -320,7 +331,8 @@ class LlamaStateFile(ForeignSource):
         heads = self.hints.get("num_kv_heads")
         if heads is None:
             raise LayoutError(
-                f"{self.path}: a llama.cpp state does not record the KV heads: pass num_kv_heads"
+                f"{self.path}: a llama.cpp state does not record the KV heads: pass --kv-heads N "
+                "(num_kv_heads=N from Python)"
             )
         elements = first.row_bytes // torch.empty(0, dtype=dtype).element_size()
         if elements % int(heads):

@@ -14,13 +14,11 @@ says the page layout, the heads or the token ids: see docs/foreign.md.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import pickle
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,21 +37,33 @@ from .base import (
     ForeignSource,
     Recognition,
 )
-from .pages import CELL_ORDERS, PageOrder, cell_order, load_page_order
+from .pages import (
+    CELL_ORDERS,
+    FileOrder,
+    PageOrder,
+    cell_order,
+    decode_bytes,
+    load_page_order,
+    tile_pages,
+)
+from .vllm_fs_config import (
+    BLOCK_NAME,
+    CONFIG_NAME,
+    DEFAULT_HASH_SEED,
+    ENGINE_VERSION,
+    GROUP_DIR,
+    NAMESPACE_DIR,
+    ROW_ALIGNMENT,
+    block_path,
+    namespace_digest,
+    namespace_name,
+    namespace_of,
+    namespaces_under,
+    prefix_hashes,
+    read_config,
+)
 
 FORMAT_NAME = "vllm-fs"
-ENGINE_VERSION = "0.32"
-CONFIG_NAME = "config.json"
-#: vLLM pads each host-region row, and so each block file, to the page size.
-ROW_ALIGNMENT = 4096
-#: vLLM's fixed NONE_HASH seed for its cryptographic prefix hashes when PYTHONHASHSEED is unset.
-DEFAULT_HASH_SEED = "vllm-none-hash"
-_INT_FIELDS = ("tokens_per_hash", "blocks_per_file", "tp_size", "pp_size", "pcp_size", "dcp_size")
-_BLOCK_NAME = re.compile(r"^([0-9a-f]{16,128})\.bin$")
-#: A namespace directory's name ends with ``_`` and 12 hex digits (its config's hash).
-_NAMESPACE_DIR = re.compile(r"_[0-9a-f]{12}$")
-_GROUP_DIR = re.compile(r"^([0-9a-f]{2})_g([0-9]+)$")
-_MAX_CONFIG_BYTES = 1 << 20
 
 CANNOT_TELL = (
     "no checksums: a flipped bit in a block file is invisible; only names, sizes and the "
@@ -67,134 +77,24 @@ CANNOT_TELL = (
 )
 
 
-def namespace_digest(fields: Mapping[str, Any]) -> str:
-    """The 12 hex digits vLLM names a namespace by: SHA-256 of the compact, sorted JSON."""
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:12]
-
-
-def namespace_name(fields: Mapping[str, Any]) -> str:
-    """The namespace directory's name: the model name with ``/`` as ``_``, then the digest."""
-    return f"{str(fields['model_name']).replace('/', '_')}_{namespace_digest(fields)}"
-
-
-def prefix_hashes(
-    token_ids: Sequence[int], block_size: int, seed: str = DEFAULT_HASH_SEED
-) -> list[bytes]:
-    """vLLM's ``sha256`` prefix-cache hashes of the full blocks of a plain text prompt.
-
-    ``h_0 = SHA-256(pickle(seed))``, then per block ``h = SHA-256(pickle((parent, tokens,
-    None)))`` with pickle's highest protocol (no LoRA, multimodal input or cache salt).
-    """
-    parent = hashlib.sha256(pickle.dumps(seed, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-    hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = tuple(int(token) for token in token_ids[start : start + block_size])
-        payload = pickle.dumps((parent, block, None), protocol=pickle.HIGHEST_PROTOCOL)
-        parent = hashlib.sha256(payload).digest()
-        hashes.append(parent)
-    return hashes
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    """The namespace's ``config.json``, checked field by field."""
-    try:
-        size = path.stat().st_size
-        if size > _MAX_CONFIG_BYTES:
-            raise NotASnapshotError(
-                f"{size} bytes, too large for a vLLM namespace config", file=str(path)
-            )
-        fields = json.loads(path.read_bytes())
-    except OSError as error:
-        raise SnapshotIOError(f"cannot read: {error.strerror or error}", file=str(path)) from None
-    except (ValueError, UnicodeDecodeError) as error:
-        raise SnapshotCorruptError(f"not JSON ({error})", file=str(path)) from None
-    problem = _config_problem(fields)
-    if problem is not None:
-        raise SnapshotCorruptError(
-            f"not a vLLM fs-tier namespace config: {problem}", file=str(path)
-        )
-    return fields
-
-
-def _config_problem(fields: object) -> str | None:
-    """What makes ``fields`` something else than vLLM 0.32's namespace fields, or ``None``."""
-    if not isinstance(fields, dict):
-        return "not a JSON object"
-    if fields.get("inference_engine") != "vllm":
-        return f"inference_engine is {fields.get('inference_engine')!r}, not 'vllm'"
-    if not isinstance(fields.get("model_name"), str) or not isinstance(fields.get("dtype"), str):
-        return "model_name and dtype must be strings"
-    for name in _INT_FIELDS:
-        value = fields.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            return f"{name} must be a positive integer, found {value!r}"
-    groups = fields.get("kv_cache_groups")
-    if not isinstance(groups, list) or not groups:
-        return "kv_cache_groups must be a non-empty list"
-    for group in groups:
-        names = group.get("layer_names") if isinstance(group, dict) else None
-        tokens = group.get("tokens_per_block") if isinstance(group, dict) else None
-        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-            return "each KV cache group needs a non-empty list of layer_names"
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-            return "each KV cache group needs a positive tokens_per_block"
-    return None
-
-
-def _namespace_of(path: Path) -> Path | None:
-    """The namespace directory (holding ``config.json``) that ``path`` is or belongs to."""
-    if path.is_file() and _BLOCK_NAME.match(path.name):
-        rank_dir = path.parent.parent.parent
-        base, _, rank = rank_dir.name.rpartition("_r")
-        if base and rank.isdigit() and (rank_dir.with_name(base) / CONFIG_NAME).is_file():
-            return rank_dir.with_name(base)
-        return None
-    if not path.is_dir():
-        return None
-    if (path / CONFIG_NAME).is_file() and (
-        _NAMESPACE_DIR.search(path.name) or _is_vllm_config(path / CONFIG_NAME)
-    ):
-        return path
-    base, _, rank = path.name.rpartition("_r")
-    if base and rank.isdigit() and (path.with_name(base) / CONFIG_NAME).is_file():
-        return path.with_name(base)
-    return None
-
-
-def _is_vllm_config(config: Path) -> bool:
-    """Whether ``config`` is a small JSON object naming vLLM as its inference engine."""
-    try:
-        if config.stat().st_size > _MAX_CONFIG_BYTES:
-            return False
-        fields = json.loads(config.read_bytes())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(fields, dict) and fields.get("inference_engine") == "vllm"
-
-
-def _namespaces_under(root: Path) -> list[Path]:
-    """Directories right under ``root`` holding a config.json that vLLM would have written."""
-    try:
-        children = sorted(root.iterdir())
-    except OSError:
-        return []
-    return [child for child in children if child.is_dir() and _is_vllm_config(child / CONFIG_NAME)]
-
-
 def recognise(path: Path) -> Recognition:
     """Whether ``path`` is a vLLM fs-tier namespace, a rank directory, a block file or a root
     holding exactly one namespace."""
-    if _namespace_of(path) is not None:
+    if namespace_of(path) is not None:
         return Recognition(True, "a vLLM fs-tier namespace")
     if path.is_dir():
-        spaces = _namespaces_under(path)
+        spaces = namespaces_under(path)
         if len(spaces) == 1:
             return Recognition(True, "a vLLM fs-tier root with one namespace")
         if spaces:
             names = ", ".join(space.name for space in spaces)
             return Recognition(
                 False, f"a vLLM fs-tier root with {len(spaces)} namespaces ({names}): open one"
+            )
+        base, _, rank = path.name.rpartition("_r")
+        if base and rank.isdigit() and NAMESPACE_DIR.search(base):
+            return Recognition(
+                False, f"a vLLM rank directory whose namespace {base}/config.json is missing"
             )
         return Recognition(False, "a directory without a vLLM fs-tier config.json")
     return Recognition(False, "not a vLLM fs-tier block file (<hash>.bin under <ns>_r<rank>/)")
@@ -203,10 +103,10 @@ def recognise(path: Path) -> Recognition:
 def open_vllm_fs(path: Path, hints: Mapping[str, Any]) -> VLLMFsNamespace:
     """Open the namespace ``path`` is, belongs to, or (a root) holds; ``hints`` as for
     :class:`VLLMFsNamespace`."""
-    namespace = _namespace_of(path)
+    namespace = namespace_of(path)
     only = None
     if namespace is None and path.is_dir():
-        spaces = _namespaces_under(path)
+        spaces = namespaces_under(path)
         if len(spaces) != 1:
             raise NotASnapshotError(recognise(path).found, file=str(path))
         namespace = spaces[0]
@@ -230,6 +130,8 @@ class VLLMFsNamespace(ForeignSource):
     """
 
     format_name = FORMAT_NAME
+    engine = "vllm"
+    needs_tokens = True
 
     def __init__(
         self, namespace: Path, hints: Mapping[str, Any], *, only_block: Path | None = None
@@ -237,7 +139,7 @@ class VLLMFsNamespace(ForeignSource):
         super().__init__(namespace)
         self.hints = dict(hints)
         self.config_path = namespace / CONFIG_NAME
-        self.fields = _read_config(self.config_path)
+        self.fields = read_config(self.config_path)
         expected = namespace_name(self.fields)
         if namespace.name != expected:
             raise SnapshotCorruptError(
@@ -251,6 +153,7 @@ class VLLMFsNamespace(ForeignSource):
             key=lambda p: p.name,
         )
         self._model_config = self._load_model_config()
+        self._file_order: FileOrder | None = None
 
     @property
     def version(self) -> str:
@@ -307,7 +210,8 @@ class VLLMFsNamespace(ForeignSource):
         if heads is None:
             raise LayoutError(
                 f"{self.path}: the fs tier does not record the KV heads or head size and "
-                f"{self.fields['model_name']} is not a local model directory: pass the model"
+                f"{self.fields['model_name']} is not a local model directory: pass --model DIR "
+                "(model=DIR from Python)"
             )
         group = self.group
         return KVGeometry(
@@ -344,16 +248,16 @@ class VLLMFsNamespace(ForeignSource):
     def block_files(self) -> list[tuple[Path, str, int]]:
         """Every block file as ``(path, hash hex, group)``, rank directories in order."""
         if self.only_block is not None:
-            match = _BLOCK_NAME.match(self.only_block.name)
-            group = _GROUP_DIR.match(self.only_block.parent.name)
+            match = BLOCK_NAME.match(self.only_block.name)
+            group = GROUP_DIR.match(self.only_block.parent.name)
             assert match is not None
             return [(self.only_block, match.group(1), int(group.group(2)) if group else 0)]
         files = []
         for rank_dir in self.rank_dirs:
             for root, _, names in os.walk(rank_dir):
                 for name in sorted(names):
-                    match = _BLOCK_NAME.match(name)
-                    group = _GROUP_DIR.match(Path(root).name)
+                    match = BLOCK_NAME.match(name)
+                    group = GROUP_DIR.match(Path(root).name)
                     if match is not None:
                         files.append(
                             (
@@ -365,11 +269,9 @@ class VLLMFsNamespace(ForeignSource):
         return files
 
     def verify(self) -> list[ForeignProblem]:
-        problems = []
-        if not self.rank_dirs:
-            problems.append(
-                ForeignProblem(str(self.path), "no rank directory (<ns>_r<rank>) beside it")
-            )
+        # A namespace without rank directories is a tier that has stored nothing yet
+        # (notes() says so): vLLM writes config.json at start and <ns>_r0 at its first store.
+        problems: list[ForeignProblem] = []
         size = self.block_file_size()
         sizes: dict[int, int] = {}
         groups = len(self.fields["kv_cache_groups"])
@@ -457,7 +359,7 @@ class VLLMFsNamespace(ForeignSource):
         return wanted
 
     def _block_path(self, digest: str, group: int = 0) -> Path:
-        return self._rank_dir() / digest[:3] / f"{digest[3:5]}_g{group}" / f"{digest}.bin"
+        return block_path(self._rank_dir(), digest, group)
 
     def page_order(self, local_heads: int) -> PageOrder:
         """The order that decodes one worker's page (``local_heads`` heads)."""
@@ -473,11 +375,45 @@ class VLLMFsNamespace(ForeignSource):
         elif not isinstance(order, PageOrder):
             order = load_page_order(Path(order))
         if order.shape != (geometry.block_size, local_heads, geometry.head_dim):
-            raise LayoutError(
-                f"the page order is for pages of {order.shape} (tokens, heads, dims), each "
-                f"worker here holds {(geometry.block_size, local_heads, geometry.head_dim)}"
-            )
+            raise LayoutError(self._order_mismatch(order.shape, local_heads))
         return order
+
+    def _order_mismatch(self, shape: tuple[int, int, int], local_heads: int) -> str:
+        """Why a page order does not fit, naming the TP size its head count reveals."""
+        geometry = self.geometry()
+        wanted = (geometry.block_size, local_heads, geometry.head_dim)
+        message = (
+            f"the page order is for pages of {shape} (tokens, heads, dims), each worker here "
+            f"holds {wanted}"
+        )
+        block, heads, dim = shape
+        if (block, dim) != (wanted[0], wanted[2]) or geometry.num_kv_heads % heads:
+            return message
+        implied = geometry.num_kv_heads // heads
+        given = self.hints.get("tp_size")
+        if given is None:
+            return (
+                f"{message}: its pages hold the heads of a TP {implied} writer, and TP "
+                f"{self.writer_tp()} was assumed (this namespace does not record it): pass "
+                f"--tp {implied} if the files are a TP {implied} engine's"
+            )
+        return f"{message}: its pages are a TP {implied} writer's, not TP {given}'s"
+
+    def notes(self) -> list[str]:
+        notes = []
+        if not self.rank_dirs:
+            notes.append(
+                "no block stored yet: vLLM creates the rank directory (<ns>_r0) at its first "
+                "store, so a freshly started tier has only config.json"
+            )
+        decoded = self._file_order is not None
+        if decoded and self.parallel_agnostic and self.hints.get("tp_size") is None:
+            notes.append(
+                "TP 1 assumed: this namespace is parallel-agnostic and does not record the "
+                "writer's TP size; files a TP N engine wrote decode right only with --tp N "
+                "(a wrong TP gives wrong KV, which nothing in the files shows)"
+            )
+        return notes
 
     def read_block(self, block_id: str) -> ForeignBlock:
         for field in ("canonical_format", "replicated_layout"):
@@ -486,12 +422,11 @@ class VLLMFsNamespace(ForeignSource):
                     f"{self.path}: a namespace with {field} {self.fields[field]!r}: kvsnap "
                     "decodes vLLM's direct (per-worker) layout only"
                 )
+        pages = int(self.fields["blocks_per_file"])
+        if pages != 1:
+            raise LayoutError(f"blocks_per_file {pages}: kvsnap decodes one block per file")
         geometry = self.geometry()
-        tp = self.writer_tp()
-        if geometry.num_kv_heads % tp:
-            raise LayoutError(f"{geometry.num_kv_heads} KV heads do not split over TP {tp}")
-        local = geometry.num_kv_heads // tp
-        order = self.page_order(local)
+        order = self.file_order()
         path = self._block_path(block_id)
         expected = self.block_file_size()
         try:
@@ -506,24 +441,22 @@ class VLLMFsNamespace(ForeignSource):
             raise SnapshotCorruptError(
                 f"{len(data)} bytes, a block file here has {expected}", file=str(path)
             )
-        dtype = torch_dtype(geometry.dtype)
-        elements = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
-        page = order.elements
-        pages = int(self.fields["blocks_per_file"])
-        if pages != 1:
-            raise LayoutError(f"blocks_per_file {pages}: kvsnap decodes one block per file")
-        shape = (geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
-        keys = [torch.empty(shape, dtype=dtype) for _ in range(geometry.num_layers)]
-        values = [torch.empty(shape, dtype=dtype) for _ in range(geometry.num_layers)]
-        # A row is each worker's region in rank order; a region, its layers' pages in order.
-        for worker in range(tp):
-            for layer in range(geometry.num_layers):
-                start = (worker * geometry.num_layers + layer) * page
-                key, value = order.decode(elements[start : start + page])
-                heads = slice(worker * local, (worker + 1) * local)
-                keys[layer][:, heads] = key
-                values[layer][:, heads] = value
-        return ForeignBlock(block_id, tuple(keys), tuple(values))
+        keys, values = decode_bytes(data, torch_dtype(geometry.dtype), order)
+        return ForeignBlock(block_id, tuple(keys.unbind(0)), tuple(values.unbind(0)))
+
+    def file_order(self) -> FileOrder:
+        """Where every key and value element of a block file lies, built once per namespace:
+        a row is each worker's region in rank order, a region its layers' pages in order."""
+        if self._file_order is None:
+            geometry = self.geometry()
+            tp = self.writer_tp()
+            if geometry.num_kv_heads % tp:
+                raise LayoutError(f"{geometry.num_kv_heads} KV heads do not split over TP {tp}")
+            order = self.page_order(geometry.num_kv_heads // tp)
+            layers, page = geometry.num_layers, order.elements
+            starts = [[(w * layers + layer) * page for w in range(tp)] for layer in range(layers)]
+            self._file_order = tile_pages(order, starts)
+        return self._file_order
 
 
 def glob_escape(name: str) -> str:

@@ -11,8 +11,11 @@ This package is pure bytes-in-memory, one module per job:
 - :mod:`~kvsnap.format.header`: strict decoding of a file's header;
 - :mod:`~kvsnap.format.index`: shard file names and the sharded snapshot's index;
 - :mod:`~kvsnap.format.parts`: part file names and the parted snapshot's index (version 2);
-- :mod:`~kvsnap.format.hashing`: prefix hash chains, block dedupe, checksums, the trailer;
-- :mod:`~kvsnap.format.fingerprint`: model fingerprints (config and weights).
+- :mod:`~kvsnap.format.hashing`: prefix hash chains, block dedupe, checksums, BLAKE3 page
+  digests, the trailer;
+- :mod:`~kvsnap.format.fingerprint`: model fingerprints (config and weights);
+- :mod:`~kvsnap.format.signing`: signed files (the HMAC over every byte but the pages, which
+  their BLAKE3 digests bind).
 
 All file and object-store I/O lives in :mod:`kvsnap.store`. ``docs/format.md`` is the prose
 specification.
@@ -25,7 +28,9 @@ A snapshot file, in file order::
     kvsnap.block_hashes       U8  (num_blocks, 16)         prefix hash of every snapshot block
     layers.{i}.{part}         model dtype (num_blocks, *canonical_page_shape), each 4096-aligned
     kvsnap.block_checksums    U64 (num_layer_tensors, num_blocks)   xxh3-64 of every page
+    kvsnap.page_digests       U8  (layer tensors, num_blocks, 32)   signed files: BLAKE3-256
     kvsnap.checksums          U8  (rows, 16)               xxh3-128 trailer (see below)
+    kvsnap.signature          U8  (48,)                    signed files: key id and HMAC
 
 with ``kvsnap.padding.<next tensor>`` (U8 zeros) wherever the next tensor needs alignment.
 Everything in the header is known before the first data byte, so a writer streams the file
@@ -57,9 +62,14 @@ from kvsnap.format.constants import (
     NHD_ENCODING,
     NO_HASH,
     PADDING_PREFIX,
+    PAGE_DIGEST,
+    PAGE_DIGEST_BYTES,
+    PAGE_DIGESTS_TENSOR,
     PARTS_FORMAT_VERSION,
     ROOT_DIGEST,
     SIGNATURE_ALGORITHM,
+    SIGNATURE_ALGORITHM_V1,
+    SIGNATURE_ALGORITHMS,
     SIGNATURE_BYTES,
     SIGNATURE_TENSOR,
     SUPPORTED_VERSIONS,
@@ -70,8 +80,10 @@ from kvsnap.format.container import (
     TensorEntry,
     TensorSpec,
     file_layouts,
+    file_specs,
     is_container_tensor,
     is_layer_tensor,
+    is_signed_bytes_tensor,
     pack_file,
     snapshot_specs,
     specs_for,
@@ -94,6 +106,8 @@ from kvsnap.format.hashing import (
     digest128,
     encode_trailer,
     layer_tensor_digest,
+    page_digest_failures,
+    page_digests,
     prefix_hash_chain,
 )
 from kvsnap.format.header import (
@@ -143,7 +157,7 @@ from kvsnap.format.schema import (
     metadata_schema,
     strict_json_loads,
 )
-from kvsnap.format.signing import KeyRing, SigningKey
+from kvsnap.format.signing import KeyRing, SigningKey, signed_entries
 
 __all__ = [
     "BLOCK_CHECKSUM",
@@ -162,10 +176,15 @@ __all__ = [
     "NHD_ENCODING",
     "NO_HASH",
     "PADDING_PREFIX",
+    "PAGE_DIGEST",
+    "PAGE_DIGESTS_TENSOR",
+    "PAGE_DIGEST_BYTES",
     "PARTS_FORMAT_VERSION",
     "PARTS_KEY",
     "ROOT_DIGEST",
     "SIGNATURE_ALGORITHM",
+    "SIGNATURE_ALGORITHMS",
+    "SIGNATURE_ALGORITHM_V1",
     "SIGNATURE_BYTES",
     "SIGNATURE_TENSOR",
     "SUPPORTED_VERSIONS",
@@ -205,12 +224,14 @@ __all__ = [
     "encode_trailer",
     "expected_layout",
     "file_layouts",
+    "file_specs",
     "header_length",
     "is_container_tensor",
     "is_layer_tensor",
     "is_part_of",
     "is_parts_index",
     "is_shard_of",
+    "is_signed_bytes_tensor",
     "layer_tensor_digest",
     "locate_trailer",
     "metadata_schema",
@@ -218,12 +239,15 @@ __all__ = [
     "model_fingerprint_with_weights",
     "new_generation",
     "pack_file",
+    "page_digest_failures",
+    "page_digests",
     "parse_metadata_document",
     "parse_metadata_json",
     "part_file_name",
     "prefix_hash_chain",
     "sample_windows",
     "shard_file_name",
+    "signed_entries",
     "snapshot_specs",
     "specs_for",
     "split_shards",

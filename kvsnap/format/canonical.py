@@ -48,7 +48,9 @@ def canonical_header(
     found = split_metadata(kvsnap_json)
     layout = _packed_like_known(header, file_size, kvsnap_json, found)
     if layout is None:
-        layout = pack_file(specs_for(metadata), kvsnap_json, signed=metadata.signature is not None)
+        layout = pack_file(
+            specs_for(metadata), kvsnap_json, metadata.signature, int(metadata.num_blocks)
+        )
         if layout.header != header or layout.file_size != file_size:
             return None
         _remember_packing(layout, found)

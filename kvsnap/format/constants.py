@@ -29,7 +29,18 @@ CHECKSUMS_TENSOR = "kvsnap.checksums"
 PADDING_PREFIX = "kvsnap.padding."
 #: A signed file's last tensor, after the trailer: key id, then the HMAC (docs/format.md).
 SIGNATURE_TENSOR = "kvsnap.signature"
-SIGNATURE_ALGORITHM = "hmac-sha256"
+#: What new signed files are: an HMAC over the header and every byte but the pages, which are
+#: bound by their BLAKE3 digests (:data:`PAGE_DIGESTS_TENSOR`).
+SIGNATURE_ALGORITHM = "hmac-sha256-blake3"
+#: Signed files written before pages were bound by BLAKE3: an HMAC over the header and the
+#: checksum trailer, pages bound by xxh3-64 only (still read).
+SIGNATURE_ALGORITHM_V1 = "hmac-sha256"
+SIGNATURE_ALGORITHMS = (SIGNATURE_ALGORITHM, SIGNATURE_ALGORITHM_V1)
+#: A file signed with :data:`SIGNATURE_ALGORITHM` holds this tensor right before its trailer:
+#: the BLAKE3-256 of every page of its layer tensors, ``(layer tensors, blocks, 32)``.
+PAGE_DIGESTS_TENSOR = "kvsnap.page_digests"
+PAGE_DIGEST = "blake3"
+PAGE_DIGEST_BYTES = 32
 KEY_ID_BYTES = 16
 SIGNATURE_BYTES = KEY_ID_BYTES + 32
 

@@ -18,6 +18,9 @@ from kvsnap.format.constants import (
     HEADER_PREFIX,
     METADATA_KEY,
     PADDING_PREFIX,
+    PAGE_DIGEST_BYTES,
+    PAGE_DIGESTS_TENSOR,
+    SIGNATURE_ALGORITHM,
     SIGNATURE_BYTES,
     SIGNATURE_TENSOR,
 )
@@ -66,9 +69,21 @@ def is_layer_tensor(name: str) -> bool:
 
 
 def is_container_tensor(name: str) -> bool:
-    """Padding, the per-file checksum trailer and the signature: part of one file, not of the
-    snapshot."""
-    return name in (CHECKSUMS_TENSOR, SIGNATURE_TENSOR) or name.startswith(PADDING_PREFIX)
+    """Padding, the per-file checksum trailer, the signature and a signed file's page digests:
+    part of one file, not of the snapshot."""
+    return name in _PER_FILE or name.startswith(PADDING_PREFIX)
+
+
+_PER_FILE = frozenset((CHECKSUMS_TENSOR, SIGNATURE_TENSOR, PAGE_DIGESTS_TENSOR))
+
+
+def is_signed_bytes_tensor(name: str) -> bool:
+    """Whether a file signed with :data:`SIGNATURE_ALGORITHM` signs tensor ``name``'s bytes
+    directly: every tensor but the layer tensors (bound through their page digests), the
+    padding and the signature itself."""
+    return not (
+        name.startswith("layers.") or name.startswith(PADDING_PREFIX) or name == SIGNATURE_TENSOR
+    )
 
 
 @dataclass(frozen=True)
@@ -97,8 +112,9 @@ class FileLayout:
         return _entry_tables(self.entries)[0]
 
     def checksummed(self) -> list[TensorEntry]:
-        """Entries with a trailer row, in row order (after the header's row 0)."""
-        return list(self.layer_entries)
+        """Entries with a trailer row, in row order (after the header's row 0): the snapshot's
+        tensors in this file, then a signed file's page digests."""
+        return list(_entry_tables(self.entries)[3])
 
     @property
     def checksum_rows(self) -> dict[str, int]:
@@ -116,21 +132,26 @@ class FileLayout:
 #: What :class:`FileLayout` derives from its entries, by the entries tuple itself: the layouts
 #: of one shape and data start share one tuple (:meth:`_Packing.placed`), and a chunk store
 #: opens thousands of files of a few shapes.
-_EntryTables = tuple[dict[str, TensorEntry], tuple[TensorEntry, ...], dict[str, int]]
+_EntryTables = tuple[
+    dict[str, TensorEntry], tuple[TensorEntry, ...], dict[str, int], tuple[TensorEntry, ...]
+]
 _ENTRY_TABLES: BoundedLRU[int, tuple[tuple[TensorEntry, ...], _EntryTables]] = BoundedLRU(64)
 
 
 def _entry_tables(entries: tuple[TensorEntry, ...]) -> _EntryTables:
-    """The entries by name, the layer entries in file order and their trailer rows, worked
-    out once per entries tuple (kept with the tuple, so its id is not reused meanwhile)."""
+    """The entries by name, the snapshot's tensors in file order, the trailer rows of those
+    and of a signed file's page digests, and those entries in row order; worked out once per
+    entries tuple (kept with the tuple, so its id is not reused meanwhile)."""
     known = _ENTRY_TABLES.get(id(entries))
     if known is not None and known[0] is entries:
         return known[1]
     layers = tuple(entry for entry in entries if not is_container_tensor(entry.name))
+    rowed = layers + tuple(entry for entry in entries if entry.name == PAGE_DIGESTS_TENSOR)
     tables = (
         {entry.name: entry for entry in entries},
         layers,
-        {entry.name: row for row, entry in enumerate(layers, start=1)},
+        {entry.name: row for row, entry in enumerate(rowed, start=1)},
+        rowed,
     )
     _ENTRY_TABLES.put(id(entries), (entries, tables))
     return tables
@@ -178,17 +199,33 @@ def _cached_specs(
 register_cache_clear(_cached_specs.cache_clear)
 
 
+def file_specs(
+    specs: Sequence[TensorSpec], signature: str | None, num_blocks: int
+) -> list[TensorSpec]:
+    """Every tensor of one file holding the snapshot tensors ``specs``, in file order, padding
+    excluded: ``specs``; with ``signature`` :data:`SIGNATURE_ALGORITHM`, the page digests of
+    the file's layer tensors (``(layer tensors, num_blocks, 32)``, with a trailer row); the
+    checksum trailer; with any ``signature``, the signature."""
+    digests = []
+    if signature == SIGNATURE_ALGORITHM:
+        layers = sum(1 for spec in specs if is_layer_tensor(spec.name))
+        shape = (layers, num_blocks, PAGE_DIGEST_BYTES)
+        digests = [TensorSpec(PAGE_DIGESTS_TENSOR, "U8", shape)]
+    rows = len(specs) + len(digests) + 2
+    trailer = TensorSpec(CHECKSUMS_TENSOR, "U8", (rows, DIGEST_BYTES))
+    signed = [TensorSpec(SIGNATURE_TENSOR, "U8", (SIGNATURE_BYTES,))] if signature else []
+    return [*specs, *digests, trailer, *signed]
+
+
 class _Packing:
     """Where ``specs`` go in a file, relative to its data start, and their header entries as
     JSON: everything of :func:`pack_file` but the metadata string, which changes per snapshot
     (ids, time) while the specs repeat for every capture of one shape."""
 
-    def __init__(self, specs: tuple[TensorSpec, ...], signed: bool) -> None:
-        trailer = TensorSpec(CHECKSUMS_TENSOR, "U8", (len(specs) + 2, DIGEST_BYTES))
-        signature = [TensorSpec(SIGNATURE_TENSOR, "U8", (SIGNATURE_BYTES,))] if signed else []
+    def __init__(self, specs: tuple[TensorSpec, ...], signature: str | None, blocks: int) -> None:
         relative: list[TensorEntry] = []
         offset = 0
-        for spec in [*specs, trailer, *signature]:
+        for spec in file_specs(specs, signature, blocks):
             aligned = -(-offset // spec.alignment) * spec.alignment
             if aligned > offset:
                 relative.append(
@@ -228,8 +265,11 @@ class _Packing:
 
 
 @functools.lru_cache(maxsize=512)
-def _packing(specs: tuple[TensorSpec, ...], signed: bool = False) -> _Packing:
-    return _Packing(specs, signed)
+def _packing(
+    specs: tuple[TensorSpec, ...], signature: str | None = None, num_blocks: int = 0
+) -> _Packing:
+    # Only the page digests' shape depends on the block count.
+    return _Packing(specs, signature, num_blocks if signature == SIGNATURE_ALGORITHM else 0)
 
 
 register_cache_clear(_packing.cache_clear)
@@ -244,9 +284,16 @@ def _pack(packing: _Packing, kvsnap_json: str) -> FileLayout:
     return FileLayout(header, packing.placed(data_start), kvsnap_json)
 
 
-def pack_file(specs: Sequence[TensorSpec], kvsnap_json: str, signed: bool = False) -> FileLayout:
+def pack_file(
+    specs: Sequence[TensorSpec],
+    kvsnap_json: str,
+    signature: str | None = None,
+    num_blocks: int = 0,
+) -> FileLayout:
     """Lay out one file holding ``specs`` in order, plus padding and its checksum trailer, and
-    with ``signed`` the signature after the trailer (:data:`SIGNATURE_TENSOR`).
+    with ``signature`` (the metadata's algorithm) the signature after the trailer
+    (:data:`SIGNATURE_TENSOR`), for :data:`SIGNATURE_ALGORITHM` with the page digests of the
+    file's layer tensors (``num_blocks`` blocks) before it (:func:`file_specs`).
 
     Offsets relative to the data start do not depend on the header length, and the data
     start is a multiple of :data:`DATA_ALIGNMENT`, so aligning relative offsets aligns file
@@ -255,7 +302,7 @@ def pack_file(specs: Sequence[TensorSpec], kvsnap_json: str, signed: bool = Fals
     last few layouts (a reader packs a file's header twice as it checks it: for its bounds and
     against its bytes).
     """
-    packing = _packing(tuple(specs), signed)
+    packing = _packing(tuple(specs), signature, num_blocks)
     key = (packing, kvsnap_json)
     layout = _RECENT_LAYOUTS.get(key)
     if layout is None:
@@ -294,11 +341,11 @@ def _cached_file_layouts(
     num_blocks: int,
     shapes: tuple[tuple[int, int], ...],
     max_shard_bytes: int | None,
-    signed: bool,
+    signature: str | None,
 ) -> tuple[_Packing, ...]:
     """The packings of a snapshot's files: pure in its arguments, so computed once each."""
     groups = split_shards(snapshot_specs(geometry, num_blocks, shapes), max_shard_bytes)
-    return tuple(_packing(tuple(group), signed) for group in groups)
+    return tuple(_packing(tuple(group), signature, num_blocks) for group in groups)
 
 
 register_cache_clear(_cached_file_layouts.cache_clear)
@@ -313,9 +360,8 @@ def file_layouts(
     the sequences' shapes and ``max_shard_bytes``; it is computed once per process for each.
     """
     shapes = tuple((record.num_tokens, len(record.block_ids)) for record in metadata.sequences)
-    signed = metadata.signature is not None
     packings = _cached_file_layouts(
-        metadata.geometry, int(metadata.num_blocks), shapes, max_shard_bytes, signed
+        metadata.geometry, int(metadata.num_blocks), shapes, max_shard_bytes, metadata.signature
     )
     if len(packings) == 1:
         return [_pack(packings[0], metadata.to_json())]

@@ -1,11 +1,13 @@
-"""Prefix hash chains, block dedupe, page checksums and the checksum trailer."""
+"""Prefix hash chains, block dedupe, page checksums and digests, and the checksum trailer."""
 
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import blake3
 import numpy as np
 import xxhash
 
@@ -15,6 +17,7 @@ from kvsnap.format.constants import (
     CHECKSUMS_TENSOR,
     DIGEST_BYTES,
     HEX32,
+    PAGE_DIGEST_BYTES,
     ROOT_DIGEST,
 )
 
@@ -127,6 +130,31 @@ def block_digests(pages: np.ndarray | memoryview, page_bytes: int) -> np.ndarray
     # The pages as slices kept per shape, hashed by map: no Python frame per page.
     pages_of = map(view.__getitem__, _page_slices(count, page_bytes))
     return np.fromiter(map(xxhash.xxh3_64_intdigest, pages_of), dtype=np.uint64, count=count)
+
+
+_DIGEST = operator.methodcaller("digest")
+
+
+def page_digests(pages: np.ndarray | memoryview, page_bytes: int) -> np.ndarray:
+    """BLAKE3-256 (plain hash mode) of every ``page_bytes`` page of a contiguous buffer, as a
+    ``(pages, 32)`` uint8 array: what a signed file binds each page with
+    (``kvsnap.page_digests``). ``blake3`` releases the GIL while it hashes a page, so read and
+    write threads hash side by side."""
+    view = memoryview(pages).cast("B")
+    if page_bytes <= 0 or len(view) % page_bytes:
+        raise ValueError(f"{len(view)} bytes are not a whole number of {page_bytes}-byte pages")
+    count = len(view) // page_bytes
+    pages_of = map(view.__getitem__, _page_slices(count, page_bytes))
+    joined = b"".join(map(_DIGEST, map(blake3.blake3, pages_of)))
+    return np.frombuffer(joined, dtype=np.uint8).reshape(count, PAGE_DIGEST_BYTES)
+
+
+def page_digest_failures(
+    pages: np.ndarray | memoryview, page_bytes: int, stored: np.ndarray
+) -> np.ndarray:
+    """The indices of the pages of ``pages`` whose BLAKE3-256 differs from ``stored`` (one
+    32-byte row per page), sorted."""
+    return np.flatnonzero((page_digests(pages, page_bytes) != stored).any(axis=1))
 
 
 @functools.lru_cache(maxsize=64)

@@ -238,8 +238,8 @@ def _check_header_bounds(
     its metadata allows: at most two entries (the tensor and its padding) per snapshot tensor
     and for the trailer, and at most three times the bytes of the whole snapshot's header."""
     specs = specs_for(metadata)
-    # Every tensor and the trailer, each with padding, and the signature.
-    most_entries = 2 * (len(specs) + 1) + 1
+    # Every tensor, the page digests and the trailer, each with padding, and the signature.
+    most_entries = 2 * (len(specs) + 2) + 1
     # Every entry has a "data_offsets" key; JSON strings cannot hide an unescaped quote.
     entries = header.count(b'"data_offsets"', HEADER_PREFIX.size)
     if entries > most_entries:
@@ -357,9 +357,9 @@ def expected_layout(
     """
     metadata = decoded.metadata
     specs = specs_for(metadata)
-    signed = metadata.signature is not None
+    signature, blocks = metadata.signature, int(metadata.num_blocks)
     if header is not None and metadata.shard is None:
-        whole = pack_file(specs, decoded.kvsnap_json, signed=signed)
+        whole = pack_file(specs, decoded.kvsnap_json, signature, blocks)
         if whole.header == header:
             return whole, 0, len(specs)
     position = {spec.name: index for index, spec in enumerate(specs)}
@@ -382,7 +382,7 @@ def expected_layout(
     if metadata.shard is None and (first, stop) != (0, len(specs)):
         missing = specs[stop].name if stop < len(specs) else specs[0].name
         raise SnapshotCorruptError("missing (the metadata implies it)", file=file, tensor=missing)
-    layout = pack_file(run, decoded.kvsnap_json, signed=signed)
+    layout = pack_file(run, decoded.kvsnap_json, signature, blocks)
     found = {entry.name: entry for entry in decoded.entries}
     for entry in layout.entries:
         actual = found.get(entry.name)

@@ -79,7 +79,7 @@ def encode_index(
     weight_map: dict[str, str] = {}
     total = 0
     for name, layout in zip(files, layouts, strict=True):
-        for entry in layout.checksummed():
+        for entry in layout.layer_entries:  # the snapshot's tensors, not the per-file ones
             weight_map[entry.name] = name
             total += entry.nbytes
     document = {

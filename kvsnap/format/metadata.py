@@ -258,8 +258,10 @@ class SnapshotMetadata:
     created: str | None = None
     #: Set in the metadata of one part of a parted snapshot (its ``geometry`` is the part's).
     part: PartInfo | None = None
-    #: ``"hmac-sha256"`` when every file of the snapshot ends with a signature
-    #: (:data:`~kvsnap.format.constants.SIGNATURE_TENSOR`); ``None`` for an unsigned one.
+    #: When every file of the snapshot ends with a signature
+    #: (:data:`~kvsnap.format.constants.SIGNATURE_TENSOR`), its algorithm:
+    #: ``"hmac-sha256-blake3"`` (pages bound by their BLAKE3 digests), or
+    #: ``"hmac-sha256"`` (older files: pages bound by xxh3-64 only); ``None`` when unsigned.
     signature: str | None = None
 
     def __eq__(self, other: object) -> bool:

@@ -169,6 +169,10 @@ def map_for_device(
     :meth:`SnapshotWriter.map_for_device`); else ``None`` and why not."""
     if not mover.takes_downloads:
         return None, "the pages are not copied and hashed on a CUDA device"
+    if writer.wants_page_digests and not mover.checks_page_digests:
+        # A signed snapshot binds every page by its BLAKE3 digest: the host would have to read
+        # the mapping back to compute them.
+        return None, "the pages' BLAKE3 digests are not computed on the device"
     reason = writer.map_for_device()
     if reason is not None:
         return None, reason
@@ -196,6 +200,8 @@ def capture_slots(
     """
     page_bytes = writer.page_size_bytes
     names = writer.tensor_order()
+    # A signed capture's BLAKE3 digests, computed beside the xxh3-64 where the mover can.
+    page_digests = writer.wants_page_digests and mover.checks_page_digests
     inflight: deque[_InFlight] = deque()
     try:
         for load in loads:
@@ -218,7 +224,12 @@ def capture_slots(
                         else _file_runs(writer, names, load, mapped_files, page_bytes)
                     )
                     ticket = mover.submit(
-                        load, slot, device_blocks[positions], positions, downloads=downloads
+                        load,
+                        slot,
+                        device_blocks[positions],
+                        positions,
+                        downloads=downloads,
+                        page_digests=page_digests,
                     )
             except BaseException:
                 ring.release(slot)
@@ -261,7 +272,7 @@ def _hand_over(
         assert digests is not None  # a mover that takes downloads hashes pages
         placed = [(names[segment.tensor], segment.num_pages) for segment in item.load.segments]
         with traced(trace, "writer.placed", item.load.num_bytes(page_bytes)):
-            writer.placed_slot(placed, digests)
+            writer.placed_slot(placed, digests, mover.page_digests(item.ticket))
         return
     data = item.slot.as_numpy()
     segments = [
@@ -274,7 +285,8 @@ def _hand_over(
     written: list[Future[None]] = []
     try:
         with traced(trace, "writer.enqueue", item.load.num_bytes(page_bytes)):
-            written.append(writer.write_slot(segments, mover.digests(item.ticket)))
+            digests = mover.digests(item.ticket)
+            written.append(writer.write_slot(segments, digests, mover.page_digests(item.ticket)))
     finally:
         _release_when_done(ring, item.slot, written)
 

@@ -3,9 +3,12 @@
 On CUDA a slot goes through the device staging buffer: at capture one page-copy kernel gathers
 the slot's pages there, the page-digest kernel hashes them, and one DMA each brings the pages
 and their digests to pinned memory (the pages, given ``downloads``, straight into a registered
-snapshot file instead); at restore the slot goes up in pieces, one DMA each, the digest kernel
-checks each piece against the stored digests and the page-copy kernel scatters only the pages
-whose digest matched, so a corrupt page never reaches the cache and the host hashes nothing.
+snapshot file instead), and for a signed capture the BLAKE3 kernel digests them too; at
+restore the slot goes up in pieces (:mod:`~kvsnap.pipeline.slot_pieces`), one DMA each, the
+digest kernel checks each piece against the stored digests (the signed BLAKE3 digests, for a
+snapshot opened with keys and signed with them: :mod:`~kvsnap.pipeline.page_checks`) and the
+page-copy kernel scatters only the pages whose digest matched, so a corrupt or forged page never
+reaches the cache and the host hashes nothing.
 Kernels run on the staging stream, restores' uploads on its upload stream; the slot's event
 marks its completion. On a cache in host memory the copies run at once on the host (the host
 then hashes, as the store does).
@@ -13,8 +16,6 @@ then hashes, as the store does).
 
 from __future__ import annotations
 
-import functools
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,10 +26,11 @@ import torch
 from kvsnap.errors import LayoutError, TransferFailedError
 from kvsnap.layout import CacheLayout, check_tiling
 from kvsnap.pipeline.movers import SlotMover
-from kvsnap.pipeline.options import MIN_UPLOAD_CHUNK_BYTES, UPLOAD_CHUNKS_PER_SLOT
+from kvsnap.pipeline.page_checks import PageChecks, hash_constants
+from kvsnap.pipeline.slot_pieces import slot_extent, upload_chunks, upload_range
 from kvsnap.pipeline.slots import SlotLoad
 from kvsnap.pipeline.staging import DeviceStaging, device_staging
-from kvsnap.transfer import page_hash
+from kvsnap.transfer import page_blake3, page_hash
 from kvsnap.transfer.page_copy import (
     kernel_arrays,
     kernel_table,
@@ -46,10 +48,11 @@ from kvsnap.transfer.triton_copy import interpreting
 class FusedTicket:
     """A submitted slot: its completion event (``None`` once done on the host) and a result per
     page: its digest, in pinned memory (capture), or 1/0 for written/refused, on the device
-    (restore)."""
+    (restore); a signed capture's BLAKE3 digests too (pinned int32 ``(pages, 8)``)."""
 
     event: torch.cuda.Event | None
     results: torch.Tensor | None
+    page_digests: torch.Tensor | None = None
 
 
 class FusedMover(SlotMover):
@@ -68,6 +71,10 @@ class FusedMover(SlotMover):
         self.copies_on_host = self._staging is None
         page_bytes = table.page_size_bytes
         self.hashes_pages = self._staging is not None and page_hash.supports(page_bytes)
+        # BLAKE3 of pages addressed in 8-byte words, as the xxh3 kernel's are.
+        self.checks_page_digests = (
+            self.hashes_pages and page_bytes % 8 == 0 and page_blake3.supports(page_bytes)
+        )
         # Restores on CUDA may upload straight from registered host memory (the hot tier).
         self.takes_uploads = self._staging is not None and direction is Direction.HOST_TO_DEVICE
         # Captures on CUDA may copy straight into a registered, mapped snapshot file; the
@@ -75,7 +82,7 @@ class FusedMover(SlotMover):
         self.takes_downloads = self.hashes_pages and direction is Direction.DEVICE_TO_HOST
         self._constants: torch.Tensor | None = None
         if self.hashes_pages:
-            self._constants = _hash_constants(self.device, page_bytes)
+            self._constants = hash_constants(self.device, page_bytes)
 
     def begin(self, after: torch.cuda.Event | None = None) -> None:
         if self._staging is None:
@@ -98,6 +105,7 @@ class FusedMover(SlotMover):
         expected: np.ndarray | None = None,
         uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
         downloads: Sequence[tuple[torch.Tensor, int]] | None = None,
+        page_digests: bool = False,
     ) -> FusedTicket:
         if uploads is not None and not self.takes_uploads:
             raise ValueError("this mover copies from its staging slot only")
@@ -108,7 +116,14 @@ class FusedMover(SlotMover):
                 self._copy_on_host(load, slot, device_blocks, snapshot_blocks)
                 return FusedTicket(None, None)
             return self._enqueue_on_device(
-                load, slot, device_blocks, snapshot_blocks, expected, uploads, downloads
+                load,
+                slot,
+                device_blocks,
+                snapshot_blocks,
+                expected,
+                uploads,
+                downloads,
+                page_digests and self.checks_page_digests,
             )
         except (RuntimeError, OSError, ValueError) as error:
             raise TransferFailedError(f"the fused page copy failed: {error}") from error
@@ -137,12 +152,14 @@ class FusedMover(SlotMover):
         expected: np.ndarray | None,
         uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
         downloads: Sequence[tuple[torch.Tensor, int]] | None = None,
+        page_digests: bool = False,
     ) -> FusedTicket:
         assert self._staging is not None
+        bound = None
         with self._staging.use(slot_extent(load, self.table.page_size_bytes)) as buffer:
             if self.direction is Direction.DEVICE_TO_HOST:
-                results = self._enqueue_capture(
-                    load, slot, device_blocks, snapshot_blocks, buffer, downloads
+                results, bound = self._enqueue_capture(
+                    load, slot, device_blocks, snapshot_blocks, buffer, downloads, page_digests
                 )
             else:
                 results = self._enqueue_restore(
@@ -150,7 +167,7 @@ class FusedMover(SlotMover):
                 )
             done = torch.cuda.Event()
             done.record(self._staging.stream)
-        return FusedTicket(done, results)
+        return FusedTicket(done, results, bound)
 
     def _device_table(
         self,
@@ -177,7 +194,8 @@ class FusedMover(SlotMover):
         # Hashed pages are a multiple of 8 bytes long (page_hash.supports), so whole words.
         parts.append(load.page_offsets // 8)
         if expected is not None:
-            parts.append(np.asarray(expected).view(np.int64))
+            # xxh3-64 (uint64 a page) or signed BLAKE3 digests (32 bytes a page), as int64.
+            parts.append(np.ascontiguousarray(expected).reshape(-1).view(np.int64))
         # Up from pinned memory of this slot's own (free whenever the slot is: a slot is
         # reused only after its last copy completed); from pageable memory the upload would
         # wait for the stream, that is for the previous slot's copies. Written in place.
@@ -196,10 +214,12 @@ class FusedMover(SlotMover):
         snapshot_blocks: np.ndarray,
         buffer: torch.Tensor,
         downloads: Sequence[tuple[torch.Tensor, int]] | None,
-    ) -> torch.Tensor | None:
+        page_digests: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Gather, hash and bring down one slot (into the slot, or with ``downloads`` straight
         into the registered snapshot file, one DMA per run of pages): the pages' digests, in
-        pinned memory."""
+        pinned memory, and with ``page_digests`` their BLAKE3 digests (pinned int32
+        ``(pages, 8)``: a signed capture)."""
         assert self._staging is not None
         num_pages = load.num_pages
         num_bytes = slot_extent(load, self.table.page_size_bytes)
@@ -207,16 +227,24 @@ class FusedMover(SlotMover):
             load, slot, device_blocks, snapshot_blocks, buffer, None
         )
         launch_kernel(copies, device_table, self.device, self.sm_budget)
-        results = None
+        results = bound = None
         if self.hashes_pages:
             # Read by the capture right after this slot's event, before it is reused.
             results = self._staging.pinned(("digests", slot.data_ptr), None, num_pages)
             results.copy_(self._digests(buffer, tail[:num_pages]), non_blocking=True)
+        if page_digests:
+            digests = torch.empty((num_pages, 8), dtype=torch.int32, device=self.device)
+            page_blake3.launch_page_blake3_at_words(
+                buffer, tail[:num_pages], self.table.page_size_bytes, digests
+            )
+            pinned = self._staging.pinned(("blake3", slot.data_ptr), None, num_pages * 4)
+            bound = pinned.view(torch.int32).view(num_pages, 8)
+            bound.copy_(digests, non_blocking=True)
         if downloads is None:
             slot.tensor[:num_bytes].copy_(buffer[:num_bytes], non_blocking=True)
         for mapped, offset in downloads or ():
             mapped.copy_(buffer[offset : offset + mapped.numel()], non_blocking=True)
-        return results
+        return results, bound
 
     def _enqueue_restore(
         self,
@@ -246,7 +274,10 @@ class FusedMover(SlotMover):
         staging = self._staging
         page_bytes = self.table.page_size_bytes
         chunks = upload_chunks(load.page_offsets, page_bytes)
-        checked = expected is not None and self.hashes_pages
+        # Stored xxh3-64 (one per page) or signed BLAKE3 digests (32 bytes a page).
+        blake3 = expected is not None and np.asarray(expected).ndim == 2
+        checks_here = self.checks_page_digests if blake3 else self.hashes_pages
+        checked = expected is not None and checks_here
         copies, device_table, tail, arrived = self._upload_pieces(
             load,
             slot,
@@ -258,30 +289,42 @@ class FusedMover(SlotMover):
             chunks,
         )
         stream = staging.stream
-        page_ok = None
-        if checked:
-            num_pages = load.num_pages
-            words, stored = tail[:num_pages], tail[num_pages:]
-            # Kept on the device (one flag a page) until the restore collects them.
-            page_ok = torch.empty(num_pages, dtype=torch.int64, device=self.device)
+        checks = self._page_checks(tail, load.num_pages, blake3) if checked else None
         released = 0
         for (first, stop, _, high), event in zip(chunks, arrived, strict=True):
             stream.wait_event(event)
-            if page_ok is not None:
-                assert self._constants is not None
-                page_hash.launch_page_checks_at_words(
-                    buffer,
-                    words[first:stop],
-                    page_bytes,
-                    self._constants,
-                    stored[first:stop],
-                    page_ok[first:stop],
-                )
-            launch_kernel(copies, device_table, self.device, self.sm_budget, page_ok, (first, stop))
+            self.check_and_scatter(buffer, copies, device_table, checks, first, stop)
             # From the end of the previous piece: together the pieces cover the slot's bytes.
             staging.release_bytes(released, high)
             released = high
-        return page_ok
+        return None if checks is None else checks.page_ok
+
+    def _page_checks(self, tail: torch.Tensor, num_pages: int, blake3: bool) -> PageChecks:
+        """The slot's checks from the tail of its table: the pages' words, then what they are
+        checked against; the verdicts kept on the device (one flag a page) until the restore
+        collects them."""
+        words, stored = tail[:num_pages], tail[num_pages:]
+        if blake3:
+            stored = stored.view(torch.int32).view(num_pages, 8)
+        page_ok = torch.empty(num_pages, dtype=torch.int64, device=self.device)
+        return PageChecks(words, stored, page_ok, blake3)
+
+    def check_and_scatter(
+        self,
+        buffer: torch.Tensor,
+        copies: Any,
+        device_table: torch.Tensor,
+        checks: PageChecks | None,
+        first: int,
+        stop: int,
+    ) -> None:
+        """Enqueue one piece of a restore's slot (its pages ``first`` to ``stop``, arrived in
+        ``buffer``): the pages checked (``checks``: digest and compare in one launch, xxh3-64
+        or BLAKE3), then the scatter of those that passed (all, unchecked) into the cache."""
+        if checks is not None:
+            checks.launch(buffer, self.table.page_size_bytes, self._constants, slice(first, stop))
+        page_ok = None if checks is None else checks.page_ok
+        launch_kernel(copies, device_table, self.device, self.sm_budget, page_ok, (first, stop))
 
     def _upload_pieces(
         self,
@@ -315,14 +358,14 @@ class FusedMover(SlotMover):
         try:
             _, _, low, high = chunks[0]
             staging.wait_for_bytes(upload_stream, low, high)
-            _upload_range(buffer, uploads, low, high)
+            upload_range(buffer, uploads, low, high)
             copies, device_table, tail = self._device_table(
                 load, slot, device_blocks, snapshot_blocks, buffer, expected
             )
             arrived[0].record(upload_stream)
             for (_, _, low, high), event in zip(chunks[1:], arrived[1:], strict=True):
                 staging.wait_for_bytes(upload_stream, low, high)
-                _upload_range(buffer, uploads, low, high)
+                upload_range(buffer, uploads, low, high)
                 event.record(upload_stream)
         finally:
             torch.cuda.set_stream(staging.stream)
@@ -368,6 +411,11 @@ class FusedMover(SlotMover):
             return None
         return ticket.results.numpy().view(np.uint64).copy()
 
+    def page_digests(self, ticket: FusedTicket) -> np.ndarray | None:
+        if ticket.page_digests is None:
+            return None
+        return ticket.page_digests.numpy().view(np.uint8).copy()
+
     def failed_pages(self, ticket: FusedTicket) -> np.ndarray:
         if self.direction is not Direction.HOST_TO_DEVICE or ticket.results is None:
             return np.empty(0, dtype=np.int64)
@@ -396,84 +444,6 @@ class FusedMover(SlotMover):
         if self._staging is not None and self.direction is Direction.HOST_TO_DEVICE:
             # Whatever the caller runs next on its stream sees the restored blocks.
             torch.cuda.current_stream(self.device).wait_stream(self._staging.stream)
-
-
-def _upload_range(
-    buffer: torch.Tensor, uploads: Sequence[tuple[torch.Tensor, int]], low: int, high: int
-) -> None:
-    """Enqueue, on the current stream, the bytes ``[low, high)`` of a slot whose host bytes
-    are ``uploads`` (each at its offset in the slot) into the same bytes of ``buffer``."""
-    if len(uploads) == 1 and uploads[0][1] == 0:
-        # The slot's bytes are one run (a slot of one file, or the staging slot itself).
-        buffer[low:high].copy_(uploads[0][0][low:high], non_blocking=True)
-        return
-    for source, offset in uploads:
-        start, stop = max(low, offset), min(high, offset + source.numel())
-        if start < stop:
-            buffer[start:stop].copy_(source[start - offset : stop - offset], non_blocking=True)
-
-
-def slot_extent(load: SlotLoad, page_size_bytes: int) -> int:
-    """The bytes of a slot up to the end of ``load``'s last page (pages a host check refused
-    leave gaps: a load's pages keep their offsets)."""
-    return int(load.page_offsets[-1]) + page_size_bytes if load.num_pages else 0
-
-
-def upload_chunks(
-    page_offsets: np.ndarray, page_size_bytes: int
-) -> Sequence[tuple[int, int, int, int]]:
-    """A slot's pages (at ``page_offsets``, increasing) cut into up to
-    ``UPLOAD_CHUNKS_PER_SLOT`` runs of whole pages of at least ``MIN_UPLOAD_CHUNK_BYTES``:
-    per run its first and stop page and its bytes ``[low, high)`` in the slot."""
-    num_pages = len(page_offsets)
-    if num_pages == 0:
-        return [(0, 0, 0, 0)]
-    pieces, min_bytes = UPLOAD_CHUNKS_PER_SLOT, MIN_UPLOAD_CHUNK_BYTES
-    if int(page_offsets[-1]) == (num_pages - 1) * page_size_bytes:
-        # Increasing multiples of the page size from 0 with no gap (no page refused by a host
-        # check): the usual slot, whose cut depends on its length alone.
-        return _gapless_chunks(num_pages, page_size_bytes, pieces, min_bytes)
-    return _cut_chunks(page_offsets, page_size_bytes, pieces, min_bytes)
-
-
-@functools.lru_cache(maxsize=256)
-def _gapless_chunks(
-    num_pages: int, page_size_bytes: int, pieces: int, min_bytes: int
-) -> tuple[tuple[int, int, int, int], ...]:
-    offsets = np.arange(num_pages, dtype=np.int64) * page_size_bytes
-    return tuple(_cut_chunks(offsets, page_size_bytes, pieces, min_bytes))
-
-
-def _cut_chunks(
-    page_offsets: np.ndarray, page_size_bytes: int, pieces: int, min_bytes: int
-) -> list[tuple[int, int, int, int]]:
-    num_pages = len(page_offsets)
-    end = int(page_offsets[-1]) + page_size_bytes
-    chunk_bytes = max(-(-end // pieces), min_bytes)
-    # A chunk ends at the first page starting at or past its share of the slot's bytes.
-    bounds = np.searchsorted(page_offsets, np.arange(chunk_bytes, end, chunk_bytes))
-    edges = [0, *(int(bound) for bound in np.unique(bounds) if 0 < bound < num_pages), num_pages]
-    chunks = []
-    for first, stop in itertools.pairwise(edges):
-        low = int(page_offsets[first])
-        chunks.append((first, stop, low, int(page_offsets[stop - 1]) + page_size_bytes))
-    return chunks
-
-
-_CONSTANTS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _hash_constants(device: torch.device, page_bytes: int) -> torch.Tensor:
-    """The digest kernel's constants for ``page_bytes`` on ``device``, uploaded once: a mover
-    is made per ``Snapshot.restore`` call, and an upload from pageable memory waits for
-    everything the caller's stream holds (a forward pass, say). Never written: kernels on any
-    stream may read it."""
-    key = (device, page_bytes)
-    constants = _CONSTANTS.get(key)
-    if constants is None:
-        constants = torch.from_numpy(page_hash.constant_table(page_bytes)).to(device)
-        _CONSTANTS[key] = constants
-    return constants
 
 
 def fused_unavailable(layouts: Sequence[CacheLayout], direction: Direction) -> str | None:

@@ -18,10 +18,12 @@ chunk costs the same hundred-odd Python calls whatever its layers:
   evenly spaced;
 * per chunk: the stored checksums of the pages loaded (one fancy index), their xxh3-64 (one
   call per run of pages that follow each other in the file: one per chunk as captures lay them
-  out), and per group one numpy assignment: a strided view of the held bytes (every page of
-  every row, when nothing failed and the blocks follow each other) scattered into the cache
-  view at the target blocks. A page that fails its check is not copied and is reported, as a
-  slot's are (:class:`~kvsnap.pipeline.restore.FailedPages`).
+  out; for a reader opened with keys of a file signed with BLAKE3 page digests, their BLAKE3
+  digests against the signed ones instead), and per group one numpy assignment: a strided
+  view of the held bytes (every page of every row, when nothing failed and the blocks follow
+  each other) scattered into the cache view at the target blocks. A page that fails its
+  check is not copied and is reported, as a slot's are
+  (:class:`~kvsnap.pipeline.restore.FailedPages`).
 """
 
 from __future__ import annotations
@@ -101,9 +103,13 @@ class HeldLoader:
         nbytes = len(begin) * count * page
         with traced(trace, "verify", nbytes):
             offsets = begin[:, None] + snapshot_blocks * page
-            stored = reader.stored_checksums(_column(len(begin)), snapshot_blocks)
-            bad = held_page_failures(whole, offsets.ravel(), page, stored.ravel())
-        failed = _failed_pages(reader, self.names, snapshot_blocks, bad, count)
+            table = reader.page_digest_table
+            if table is None:
+                stored = reader.stored_checksums(_column(len(begin)), snapshot_blocks).ravel()
+            else:  # opened with keys: every page against its signed BLAKE3 digest
+                stored = table[:, snapshot_blocks].reshape(-1, table.shape[-1])
+            bad = held_page_failures(whole, offsets.ravel(), page, stored)
+        failed = _failed_pages(reader, self.names, snapshot_blocks, bad, count, table is None)
         keep = None
         if len(bad):
             keep = np.ones(len(begin) * count, dtype=bool)
@@ -259,19 +265,24 @@ def _failed_pages(
     snapshot_blocks: np.ndarray,
     bad: np.ndarray,
     count: int,
+    by_checksum: bool = True,
 ) -> FailedPages:
     """The pages ``bad`` (indices into the ``(tensor, position)`` pages, ``count`` positions a
-    tensor) as :class:`FailedPages`, with the first one's error."""
+    tensor) as :class:`FailedPages`, with the first one's error; ``by_checksum``: they failed
+    their xxh3-64, else their signed BLAKE3 digest."""
     tensors, positions = np.divmod(bad, count) if len(bad) else (bad, bad)
     error = None
     if len(bad):
         error = SnapshotCorruptError(
-            "xxh3-64 does not match the stored checksum",
+            "xxh3-64 does not match the stored checksum" if by_checksum else _BLAKE3_FAILED,
             file=reader.url,
             tensor=names[int(tensors[0])],
             block=int(snapshot_blocks[positions[0]]),
         )
     return FailedPages(tensors, positions, error)
+
+
+_BLAKE3_FAILED = "BLAKE3 digest does not match the signed page digest (changed after signing)"
 
 
 def _column(length: int) -> np.ndarray:

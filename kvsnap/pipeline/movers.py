@@ -38,6 +38,10 @@ class SlotMover(ABC):
     backend_name: str
     #: Whether the mover computes every page's xxh3-64 itself (else the host hashes them).
     hashes_pages: bool = False
+    #: Whether the mover computes every page's BLAKE3 digest itself: a capture's for a signed
+    #: snapshot (``page_digests``), a restore's checked against signed digests given as
+    #: ``expected`` (``(pages, 32)`` uint8); else the host computes them.
+    checks_page_digests: bool = False
     #: Whether a restore may hand ``submit`` the slot's bytes as ``uploads`` (registered host
     #: memory the device copies from) instead of the slot's own.
     takes_uploads: bool = False
@@ -65,11 +69,15 @@ class SlotMover(ABC):
         expected: np.ndarray | None = None,
         uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
         downloads: Sequence[tuple[torch.Tensor, int]] | None = None,
+        page_digests: bool = False,
     ) -> Any:
         """Enqueue the copies of ``load``'s pages: page ``i`` is device block
         ``device_blocks[i]`` (snapshot block ``snapshot_blocks[i]``), at
         ``load.page_offsets[i]`` in ``slot``. ``expected`` (restores, movers that hash pages
-        only) holds each page's stored xxh3-64. ``uploads`` (restores, movers with
+        only) holds each page's stored xxh3-64, or (movers that check page digests) its signed
+        BLAKE3 digest (``(pages, 32)`` uint8). ``page_digests`` (captures): compute the pages'
+        BLAKE3 digests too (:meth:`page_digests`; ignored by a mover that does not check
+        page digests). ``uploads`` (restores, movers with
         :attr:`takes_uploads` only): the slot's bytes are not in ``slot`` but in these registered
         host tensors, each going to its offset in the slot. ``downloads`` (captures, movers with
         :attr:`takes_downloads` only): the pages go not to ``slot`` but into these registered
@@ -86,6 +94,11 @@ class SlotMover(ABC):
 
     def digests(self, ticket: Any) -> np.ndarray | None:
         """A finished capture slot's page digests, if the mover hashed them (else ``None``)."""
+        return None
+
+    def page_digests(self, ticket: Any) -> np.ndarray | None:
+        """A finished capture slot's BLAKE3 page digests (``(pages, 32)`` uint8), if the mover
+        computed them (``submit(..., page_digests=True)``; else ``None``)."""
         return None
 
     def failed_pages(self, ticket: Any) -> np.ndarray:
@@ -125,6 +138,7 @@ class HandlerMover(SlotMover):
         expected: np.ndarray | None = None,
         uploads: Sequence[tuple[torch.Tensor, int]] | None = None,
         downloads: Sequence[tuple[torch.Tensor, int]] | None = None,
+        page_digests: bool = False,
     ) -> list[tuple[TransferHandler, int]]:
         if uploads is not None or downloads is not None:
             raise ValueError("a transfer handler copies through its staging slot only")

@@ -37,7 +37,10 @@ def packed_groups(pairs: Iterator[tuple[RestoreRun, SlotLoad]], slot_bytes: int)
     group_bytes = 0
     for run, load in pairs:
         load_bytes = load.num_bytes(run.pages.page_size_bytes)
-        if group and (not run.packs or group_bytes + load_bytes > slot_bytes):
+        # A slot's pages are checked one way: against xxh3-64, or against BLAKE3 digests.
+        if group and (
+            not run.packs or group_bytes + load_bytes > slot_bytes or run.bound != group[0][0].bound
+        ):
             yield group
             group, group_bytes = [], 0
         group.append((run, load))
@@ -112,4 +115,4 @@ def collect_device_checks(mover: SlotMover, checked: list[Checked]) -> None:
         for run, load, first_page in parts:
             mine = bad[(bad >= first_page) & (bad < first_page + load.num_pages)] - first_page
             if len(mine):
-                run.fail(load, mine, "xxh3-64 does not match the stored checksum (device)")
+                run.fail(load, mine, f"{run.mismatch} (device)")

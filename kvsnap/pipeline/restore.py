@@ -39,6 +39,9 @@ from kvsnap.pipeline.staging import StagingRing
 from kvsnap.store import TraceHook, traced
 from kvsnap.transfer.pinned import Slot
 
+_XXH3_MISMATCH = "xxh3-64 does not match the stored checksum"
+_BLAKE3_MISMATCH = "BLAKE3 digest does not match the signed page digest (changed after signing)"
+
 
 @dataclass(frozen=True)
 class FailedPages:
@@ -226,7 +229,13 @@ class RestoreRun:
         self.hot_slot_bytes = hot_slot_bytes
         self.snapshot_blocks, self.target_blocks = blocks
         self.progress = progress
-        self.on_device = mover.hashes_pages and pages.reader.verifies
+        # Opened with keys, a file signed with BLAKE3 page digests has every page checked
+        # against those, where it lands: on the device where the mover computes BLAKE3 there,
+        # else on the read threads (never against its xxh3-64 alone).
+        self.bound = pages.reader.page_digest_table is not None
+        device_checks = mover.checks_page_digests if self.bound else mover.hashes_pages
+        self.on_device = device_checks and pages.reader.verifies
+        self.mismatch = _BLAKE3_MISMATCH if self.bound else _XXH3_MISMATCH
         # Hot files are only ever read by the device: never through a host read or host check.
         self.hot = (
             pages.hot is not None
@@ -302,7 +311,7 @@ class RestoreRun:
         bad = read.result()
         if not len(bad):
             return load
-        self.fail(load, bad, "xxh3-64 does not match the stored checksum")
+        self.fail(load, bad, self.mismatch)
         keep = np.ones(load.num_pages, dtype=bool)
         keep[bad] = False
         return load.subset(keep)
@@ -341,12 +350,14 @@ def failed_target_blocks(failed: FailedPages, target_blocks: np.ndarray) -> np.n
 
 
 def describe_failure(failed: FailedPages, names: Sequence[str], target_blocks: np.ndarray) -> str:
-    """One line: how many pages failed, and the first one."""
+    """One line: how many pages failed, the first one, and what the first failure met (a
+    page's xxh3-64, or its signed BLAKE3 digest)."""
     first = int(np.argmin(failed.positions)) if len(failed.positions) else 0
     tensor = names[int(failed.tensors[first])]
     where = f"{tensor}, target block {int(target_blocks[failed.positions[first]])}"
     blocks = failed_target_blocks(failed, target_blocks)
+    why = "" if failed.first_error is None else f": {failed.first_error.detail}"
     return (
         f"{len(failed.positions)} page(s) failed their checksum and were not restored "
-        f"({len(blocks)} target block(s), first: {where})"
+        f"({len(blocks)} target block(s), first: {where}{why})"
     )

@@ -86,9 +86,12 @@ def _hot_files(
     reader: SnapshotReader, mover: SlotMover, staging: StagingOptions | None
 ) -> list[HotFile] | None:
     """``reader``'s files leased from the hot tier when this restore can copy straight out
-    of them (a CUDA mover that takes uploads and checks pages on the device, or a reader that
-    checks nothing), and the caller did not turn the tier off (``StagingOptions.hot``)."""
+    of them (a CUDA mover that takes uploads and checks pages on the device, against their
+    signed BLAKE3 digests where the reader has them, or a reader that checks nothing), and the
+    caller did not turn the tier off (``StagingOptions.hot``)."""
     wish = staging.hot if staging is not None else None
-    if wish is False or not mover.takes_uploads or not (mover.hashes_pages or not reader.verifies):
+    bound = reader.page_digest_table is not None
+    checks = mover.checks_page_digests if bound else mover.hashes_pages
+    if wish is False or not mover.takes_uploads or not (checks or not reader.verifies):
         return None
     return lease_hot_files(reader, admit=wish is True)

@@ -79,8 +79,12 @@ class SnapshotPages:
         )
 
     def stored(self, load: SlotLoad, page_blocks: np.ndarray) -> np.ndarray:
-        """The stored xxh3-64 of ``load``'s pages (page ``i`` is snapshot block
-        ``page_blocks[i]``)."""
+        """What ``load``'s pages (page ``i`` is snapshot block ``page_blocks[i]``) are checked
+        against: their stored xxh3-64 (uint64), or, for a reader opened with keys of a file
+        signed with BLAKE3 page digests, their signed digests (``(pages, 32)`` uint8)."""
+        table = self.reader.page_digest_table
+        if table is not None:
+            return table[load.page_tensors, page_blocks]
         return self.reader.stored_checksums(load.page_tensors, page_blocks)
 
 

@@ -10,7 +10,9 @@ out once per entries tuple (:class:`HeldShape`: the layouts of one shape share t
 which the format derives from the specs the metadata implies), and per file only what differs
 is checked, each in one pass over the held bytes:
 
-- the xxh3-64 of every page of every layer tensor, against the stored checksum table;
+- the xxh3-64 of every page of every layer tensor, against the stored checksum table (opened
+  with keys, a file signed with BLAKE3 page digests: the BLAKE3 digest of every page, against
+  the signed digests, and the digests against their trailer row);
 - every row of that table against its layer tensor's trailer digest, and the table as a whole
   against its own;
 - every padding byte zero;
@@ -62,6 +64,8 @@ class HeldShape:
     paddings: tuple[tuple[int, int], ...]
     #: The tensors the open checked from the held bytes (``held_match``): the rest.
     metadata_tensors: frozenset[str]
+    #: A signed file's page digests ``[begin, end)`` and their trailer row (``None``: none).
+    page_digests: tuple[int, int, int] | None = None
 
 
 #: Shapes by the entries tuple they were worked out from (kept with it, so its id is not reused
@@ -99,7 +103,14 @@ def _work_out(
     in_row_order = row_numbers == list(range(row_numbers[0], row_numbers[0] + len(placed)))
     if not back_to_back or not in_row_order or any(entry.nbytes % page for entry in placed):
         return None
-    other = {fmt.CHECKSUMS_TENSOR, fmt.SIGNATURE_TENSOR, fmt.BLOCK_CHECKSUMS_TENSOR, *names}
+    other = {
+        fmt.CHECKSUMS_TENSOR,
+        fmt.SIGNATURE_TENSOR,
+        fmt.BLOCK_CHECKSUMS_TENSOR,
+        fmt.PAGE_DIGESTS_TENSOR,
+        *names,
+    }
+    digests = by_name.get(fmt.PAGE_DIGESTS_TENSOR)
     return HeldShape(
         layers_begin=placed[0].begin,
         layers_end=placed[-1].end,
@@ -118,6 +129,9 @@ def _work_out(
             for entry in entries
             if entry.name not in other and not entry.name.startswith(fmt.PADDING_PREFIX)
         ),
+        page_digests=None
+        if digests is None
+        else (digests.begin, digests.end, rows[fmt.PAGE_DIGESTS_TENSOR]),
     )
 
 
@@ -144,10 +158,22 @@ def verified_held(reader: SnapshotReader, progress: Callable[[int], None] | None
         return False
     table_bytes = whole[shape.table_begin : shape.table_end]
     table = table_bytes.view("<u8").reshape(shape.count, reader.num_blocks)
-    pages = fmt.block_digests(whole[shape.layers_begin : shape.layers_end], page)
+    pages = whole[shape.layers_begin : shape.layers_end]
+    bound = reader.page_digest_table
+    if bound is None:
+        pages_hold = np.array_equal(fmt.block_digests(pages, page), table.reshape(-1))
+    else:
+        # Opened with keys, signed with BLAKE3 page digests: every page against its signed
+        # digest (which catches all its xxh3-64 would).
+        digests = fmt.page_digests(pages, page)
+        pages_hold = np.array_equal(digests, bound.reshape(-1, fmt.PAGE_DIGEST_BYTES))
     rows_expected = b"".join(trailer[shape.first_row : shape.first_row + shape.count])
+    signed = shape.page_digests  # a signed file's page digests, against their trailer row
     if (
-        not np.array_equal(pages, table.reshape(-1))
+        not pages_hold
+        or (
+            signed is not None and fmt.digest128(whole[signed[0] : signed[1]]) != trailer[signed[2]]
+        )
         or b"".join(map(xxhash.xxh3_128_digest, table)) != rows_expected
         or fmt.digest128(table_bytes) != trailer[shape.table_row]
         or any(whole[begin:end].any() for begin, end in shape.paddings)

@@ -15,7 +15,7 @@ from kvsnap.errors import SnapshotIOError
 from kvsnap.store import tuning
 from kvsnap.store.completion import Completion
 from kvsnap.store.pools import cpu_count
-from kvsnap.store.source import check_blocks
+from kvsnap.store.source import check_blocks, check_page_digests
 from kvsnap.store.tracing import TraceHook, traced
 
 if TYPE_CHECKING:
@@ -129,7 +129,9 @@ class PageReads:
         if out.nbytes < needed:
             raise ValueError(f"out holds {out.nbytes} bytes, {len(ids)} pages need {needed}")
         flat = out.reshape(-1)
-        row = reader.checksums.row(tensor) if reader.verifies else None
+        table = reader.page_digest_table
+        bound = None if table is None else table[tensor]
+        row = reader.checksums.row(tensor) if reader.verifies and bound is None else None
         source = open_file.source
 
         def read_piece(piece: Piece) -> None:
@@ -137,7 +139,10 @@ class PageReads:
             view = flat[position * page : (position + count) * page]
             with traced(trace, "read", view.nbytes):
                 source.read_into(entry.begin + block * page, memoryview(view), tensor=name)
-            if row is not None:
+            if bound is not None:
+                with traced(trace, "verify", view.nbytes):
+                    check_page_digests(view, page, bound, block, source.url, name)
+            elif row is not None:
                 with traced(trace, "verify", view.nbytes):
                     check_blocks(view, page, row, block, source.url, name)
 

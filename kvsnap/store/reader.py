@@ -33,7 +33,7 @@ from kvsnap.store.location import INDEX_SUFFIX, Location, locate
 from kvsnap.store.opening import decoded_header
 from kvsnap.store.page_reads import PageReads
 from kvsnap.store.resolve import Form, Resolved, open_retrying
-from kvsnap.store.signatures import signature_problem, signing_key_id
+from kvsnap.store.signatures import checked_page_digests, signature_problem, signing_key_id
 from kvsnap.store.source import OpenFile, Source
 from kvsnap.store.tracing import TraceHook
 from kvsnap.store.verify import verify_snapshot
@@ -54,7 +54,11 @@ class SnapshotReader:
     ``url`` may name the ``.safetensors`` file, a sharded snapshot's ``.index.json``, or the
     ``.safetensors`` name a sharded snapshot was written to. With ``keys`` every file must be
     signed by one of them (:class:`~kvsnap.errors.SignatureError` otherwise, before anything
-    but its header is read). A local file of at most ``read_whole_max_bytes`` is read whole,
+    but its header and the bytes the signature covers is read); a file signed with BLAKE3 page
+    digests then has every page it reads, verifies or hands to a restore checked against its
+    BLAKE3 digest (``page_digest_table``), whatever ``verify`` says, and every later read
+    of the bytes its signature covers is served from the bytes it was checked over. A local
+    file of at most ``read_whole_max_bytes`` is read whole,
     with one read, as it opens, and every later read of it is a copy out of those bytes: for a
     caller about to read all of a small snapshot (a checked chunk: docs/benchmarks.md).
     """
@@ -120,6 +124,16 @@ class SnapshotReader:
         self._files: list[OpenFile] = []
         self._checksums: Checksums  # made as the files open: a sharded one's knows the index
         self._extents: slot_reads.TensorExtents | None = None
+        # Per file opened with keys, the BLAKE3 page digests its signature covers (None for
+        # an older file); joined into one table once every file is open.
+        self._file_digests: list[np.ndarray | None] = []
+        #: The BLAKE3-256 of every page, ``(layer tensors, blocks, 32)`` uint8, as the files'
+        #: signatures cover them, for a reader opened with keys of a snapshot signed with
+        #: BLAKE3 page digests: every page this reader (and a restore from it) reads is then
+        #: checked against these, not against its xxh3-64. ``None`` otherwise (no keys, or an
+        #: older signed file: its pages are bound by xxh3-64 only). An attribute, not a
+        #: property: every slot of a restore asks.
+        self.page_digest_table: np.ndarray | None = None
 
     def _finish_open(self) -> None:
         geometry = self._header_metadata.geometry
@@ -128,6 +142,9 @@ class SnapshotReader:
         )
         self._page_bytes = geometry.canonical_page_size_bytes
         self._num_blocks = self._header_metadata.num_blocks
+        if self._keys is not None:
+            tensors = len(self._names)
+            self.page_digest_table = _joined_digests(self._file_digests, tensors, self.url)
         self.metadata: SnapshotMetadata = self._load_metadata()
 
     # -- opening ---------------------------------------------------------------------------
@@ -154,6 +171,7 @@ class SnapshotReader:
             for open_file in self._files:
                 open_file.source.close()
             self._files = []
+            self._file_digests = []
             raise
 
     def _open_single(self, resolved: Resolved) -> None:
@@ -178,9 +196,7 @@ class SnapshotReader:
             header, layout = decoded_header(source, header_bytes)
             open_file = OpenFile(source, layout)
             if self._keys is not None:
-                problem = signature_problem(open_file, self._keys)
-                if problem is not None:
-                    raise problem
+                self._file_digests.append(checked_page_digests(open_file, self._keys))
         except BaseException:
             source.close()
             raise
@@ -206,7 +222,7 @@ class SnapshotReader:
                 )
             if header.metadata.unsharded_document() != index.metadata.document:
                 raise SnapshotCorruptError("metadata differs from the index's", file=location.url)
-            held = [entry.name for entry in self._files[-1].layout.checksummed()]
+            held = [entry.name for entry in self._files[-1].layout.layer_entries]
             expected = [spec.name for spec in specs[position : position + len(held)]]
             if held != expected or any(index.weight_map[name] != location.name for name in held):
                 raise SnapshotCorruptError(
@@ -357,8 +373,10 @@ class SnapshotReader:
 
     @property
     def verifies(self) -> bool:
-        """Whether this reader checks what it reads against the stored checksums."""
-        return self._verify
+        """Whether this reader checks the pages it reads: against their stored checksums
+        (``verify``), or, opened with keys, against their signed BLAKE3 digests
+        (``page_digest_table``)."""
+        return self._verify or self.page_digest_table is not None
 
     def block_checksums(self, name: str) -> np.ndarray:
         """The stored xxh3-64 of every block of layer tensor ``name`` (checked against the
@@ -498,6 +516,18 @@ class SnapshotReader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _joined_digests(per_file: list[np.ndarray | None], tensors: int, url: str) -> np.ndarray | None:
+    """One table of every layer tensor's page digests (files hold their tensors in order), or
+    ``None`` unless every file has one."""
+    if not per_file or any(digests is None for digests in per_file):
+        return None
+    tables = [digests for digests in per_file if digests is not None]
+    table = tables[0] if len(tables) == 1 else np.concatenate(tables)
+    if len(table) != tensors:
+        raise SnapshotCorruptError("the page digests do not cover every layer tensor", file=url)
+    return table
 
 
 @functools.lru_cache(maxsize=16)

@@ -185,14 +185,17 @@ def read_slot_async(
     trace: TraceHook | None = None,
     *,
     inline: bool = False,
+    digests: np.ndarray | None = None,
 ) -> concurrent.futures.Future[np.ndarray]:
     """Read page ``i`` (block ``page_blocks[i]`` of tensor ``page_tensors[i]``) into ``out`` at
     ``page_offsets[i]``, on the shared read threads.
 
-    With ``checksums`` (``(tensors, blocks)`` stored xxh3-64) every page is verified. The
-    future completes once no thread touches ``out``: with the sorted indices of the pages that
-    failed their checksum (empty when all passed), or the first I/O error (truncation, a
-    vanished file), after which pieces not started are skipped.
+    With ``checksums`` (``(tensors, blocks)`` stored xxh3-64) every page is verified; with
+    ``digests`` (``(tensors, blocks, 32)`` signed BLAKE3 digests) every page is checked
+    against those instead, on the thread that read it. The future completes once no thread
+    touches ``out``: with the sorted indices of the pages that failed their check (empty when
+    all passed), or the first I/O error (truncation, a vanished file), after which pieces not
+    started are skipped.
 
     ``inline``: the caller may be kept waiting (it has no device work to keep fed). Then a slot
     of at most :data:`~kvsnap.store.tuning.INLINE_READ_MAX_BYTES` is read and checked on this
@@ -202,7 +205,7 @@ def read_slot_async(
     page = extents.page_size_bytes
     flat = out.reshape(-1)
     inline = inline and len(page_tensors) * page <= tuning.INLINE_READ_MAX_BYTES
-    if checksums is None and not inline:
+    if checksums is None and digests is None and not inline:
         by_kvikio = _read_by_kvikio(extents, page_tensors, page_blocks, page_offsets, flat, trace)
         if by_kvikio is not None:
             return by_kvikio
@@ -213,12 +216,17 @@ def read_slot_async(
         view = flat[piece.slot_offset : piece.slot_offset + len(piece.pages) * page]
         with traced(trace, "read", view.nbytes):
             piece.source.read_into(piece.file_offset, memoryview(view))
-        if checksums is None:
+        if digests is not None:
+            with traced(trace, "verify", view.nbytes):
+                signed = digests[page_tensors[piece.pages], page_blocks[piece.pages]]
+                failed = piece.pages[fmt.page_digest_failures(view, page, signed)]
+        elif checksums is None:
             return
-        with traced(trace, "verify", view.nbytes):
-            got = fmt.block_digests(view, page)
-            stored = checksums[page_tensors[piece.pages], page_blocks[piece.pages]]
-            failed = piece.pages[got != stored]
+        else:
+            with traced(trace, "verify", view.nbytes):
+                got = fmt.block_digests(view, page)
+                stored = checksums[page_tensors[piece.pages], page_blocks[piece.pages]]
+                failed = piece.pages[got != stored]
         if len(failed):
             with lock:
                 bad.append(failed)
@@ -233,27 +241,31 @@ def held_page_failures(
     whole: np.ndarray, offsets: np.ndarray, page_bytes: int, stored: np.ndarray
 ) -> np.ndarray:
     """The sorted indices of the pages at ``offsets`` in ``whole`` (a file's bytes read whole:
-    :meth:`SnapshotReader.held_file`) whose xxh3-64 differs from ``stored``; each run of
+    :meth:`SnapshotReader.held_file`) whose xxh3-64 differs from ``stored`` (or, ``stored``
+    being ``(pages, 32)`` signed BLAKE3 digests, whose BLAKE3 digest differs); each run of
     pages that follow each other there is hashed as one buffer."""
     if not len(offsets):
         return np.empty(0, dtype=np.int64)
+    digest = fmt.block_digests if stored.ndim == 1 else fmt.page_digests
     apart = np.diff(offsets) != page_bytes
     if not apart.any():  # one run: every page of a chunk's layer tensors, as files lay them
         first = int(offsets[0])
-        got = fmt.block_digests(whole[first : first + len(offsets) * page_bytes], page_bytes)
-        return np.flatnonzero(got != stored)
-    breaks = np.flatnonzero(apart) + 1
-    starts = np.concatenate(([0], breaks)).tolist()
-    stops = np.append(breaks, len(offsets)).tolist()
-    got = np.concatenate(
-        [
-            fmt.block_digests(
-                whole[offsets[start] : offsets[start] + (stop - start) * page_bytes], page_bytes
-            )
-            for start, stop in zip(starts, stops, strict=True)
-        ]
-    )
-    return np.flatnonzero(got != stored)
+        got = digest(whole[first : first + len(offsets) * page_bytes], page_bytes)
+    else:
+        breaks = np.flatnonzero(apart) + 1
+        starts = np.concatenate(([0], breaks)).tolist()
+        stops = np.append(breaks, len(offsets)).tolist()
+        got = np.concatenate(
+            [
+                digest(
+                    whole[offsets[start] : offsets[start] + (stop - start) * page_bytes],
+                    page_bytes,
+                )
+                for start, stop in zip(starts, stops, strict=True)
+            ]
+        )
+    differs = got != stored
+    return np.flatnonzero(differs if stored.ndim == 1 else differs.any(axis=1))
 
 
 def _read_on_threads(
@@ -365,7 +377,8 @@ def read_reader_slot(
     """:meth:`SnapshotReader.read_slot_async <kvsnap.store.reader.SnapshotReader.
     read_slot_async>`: the pages checked to lie in ``reader``'s snapshot and ``out``, then
     :func:`read_slot_async` with the reader's checked checksum table (when it and the caller
-    verify), on this thread when ``inline`` allows it."""
+    verify; its signed BLAKE3 page digests instead when it has them), on this thread when
+    ``inline`` allows it."""
     num_tensors, num_blocks = len(reader.layer_names), reader.num_blocks
     if len(page_tensors) and (
         page_tensors.min() < 0
@@ -376,7 +389,8 @@ def read_reader_slot(
         raise IndexError(f"pages outside {num_tensors} tensors of {num_blocks} blocks")
     if len(page_offsets) and page_offsets.max() + reader.page_bytes > out.nbytes:
         raise ValueError(f"out holds {out.nbytes} bytes, the pages reach further")
-    checksums = reader.checksums.table() if reader.verifies and verify else None
+    digests = reader.page_digest_table if verify else None
+    checksums = reader.checksums.table() if verify and digests is None and reader.verifies else None
     return read_slot_async(
         reader.extents(),
         checksums,
@@ -386,4 +400,5 @@ def read_reader_slot(
         out,
         trace,
         inline=inline,
+        digests=digests,
     )

@@ -27,8 +27,10 @@ class SnapshotFiles:
     where each tensor goes, the bytes known before any data, and, once the data is hashed, the
     checksums, trailers, signatures and index that complete them.
 
-    ``digests`` (tensors x blocks, xxh3-64) is filled by the writer's hashing as pages arrive;
-    :meth:`trailer` and what depends on it are read only once every page is hashed.
+    ``digests`` (tensors x blocks, xxh3-64) is filled by the writer's hashing as pages arrive,
+    and so is ``page_digests`` (tensors x blocks x 32, BLAKE3-256) for a snapshot signed with
+    :data:`~kvsnap.format.constants.SIGNATURE_ALGORITHM` (``None`` otherwise); :meth:`trailer`
+    and what depends on it are read only once every page is hashed.
     """
 
     def __init__(
@@ -60,6 +62,10 @@ class SnapshotFiles:
             for name, array in metadata.metadata_tensors().items()
         }
         self.digests = np.zeros((len(self.names), self.num_blocks), dtype=np.uint64)
+        self.page_digests: np.ndarray | None = None
+        if metadata.signature == fmt.SIGNATURE_ALGORITHM:
+            shape = (len(self.names), self.num_blocks, fmt.PAGE_DIGEST_BYTES)
+            self.page_digests = np.zeros(shape, dtype=np.uint8)
         self._keys = keys
         self._trailers: dict[int, bytes] = {}
 
@@ -94,6 +100,27 @@ class SnapshotFiles:
         """The ``kvsnap.block_checksums`` tensor's bytes."""
         return self.digests.astype("<u8").tobytes()
 
+    def page_digest_bytes(self, shard: int) -> bytes:
+        """File ``shard``'s ``kvsnap.page_digests`` bytes: the rows of its layer tensors, in
+        file order (a file signed with BLAKE3 page digests only)."""
+        assert self.page_digests is not None
+        entries = self.layouts[shard].layer_entries
+        rows = [self.tensor_index[e.name] for e in entries if fmt.is_layer_tensor(e.name)]
+        return self.page_digests[rows].tobytes()
+
+    def tensor_bytes(self, shard: int, entry: TensorEntry) -> bytes | np.ndarray:
+        """The bytes of file ``shard``'s entry ``entry``, other than a layer tensor or the
+        signature; those written at commit once every page is hashed."""
+        if entry.name == fmt.BLOCK_CHECKSUMS_TENSOR:
+            return self.block_checksums()
+        if entry.name == fmt.PAGE_DIGESTS_TENSOR:
+            return self.page_digest_bytes(shard)
+        if entry.name == fmt.CHECKSUMS_TENSOR:
+            return self.trailer(shard)
+        static = self.static_bytes(entry)
+        assert static is not None, entry.name
+        return static
+
     def trailer(self, shard: int) -> bytes:
         """File ``shard``'s checksum trailer; computed once all data is hashed (commit), then
         reused by the index and the info."""
@@ -107,6 +134,8 @@ class SnapshotFiles:
                 digests.append(fmt.layer_tensor_digest(self.digests[self.tensor_index[entry.name]]))
             elif entry.name == fmt.BLOCK_CHECKSUMS_TENSOR:
                 digests.append(fmt.digest128(self.block_checksums()))
+            elif entry.name == fmt.PAGE_DIGESTS_TENSOR:
+                digests.append(fmt.digest128(self.page_digest_bytes(shard)))
             else:
                 static = self.static_bytes(entry)
                 assert static is not None
@@ -115,9 +144,14 @@ class SnapshotFiles:
         return self._trailers[shard]
 
     def signature(self, shard: int) -> bytes:
-        """File ``shard``'s signature over its header and trailer (a signing writer only)."""
-        assert self._keys is not None
-        return self._keys.sign(self.layouts[shard].header, self.trailer(shard))
+        """File ``shard``'s signature (a signing writer only): an HMAC over its header and its
+        signed tensors' bytes (:func:`~kvsnap.format.signing.signed_entries`)."""
+        assert self._keys is not None and self.metadata.signature is not None
+        layout = self.layouts[shard]
+        algorithm = self.metadata.signature
+        parts = [layout.header]
+        parts += [self.tensor_bytes(shard, e) for e in fmt.signed_entries(layout, algorithm)]
+        return self._keys.sign([memoryview(part) for part in parts], algorithm)
 
     def index_bytes(self) -> bytes:
         """A sharded snapshot's index, binding it to its shards' trailers."""

@@ -61,6 +61,22 @@ def check_blocks(
         )
 
 
+def check_page_digests(
+    view: np.ndarray, page: int, table: np.ndarray, block: int, url: str, name: str
+) -> None:
+    """Raise :class:`SnapshotCorruptError` naming the first page of ``view`` (block ``block``
+    onwards) whose BLAKE3 digest differs from the signed one in ``table`` (``(blocks, 32)``):
+    a page changed after signing."""
+    bad = fmt.page_digest_failures(view, page, table[block : block + len(view) // page])
+    if len(bad):
+        raise SnapshotCorruptError(
+            "BLAKE3 digest does not match the signed page digest (changed after signing)",
+            file=url,
+            tensor=name,
+            block=block + int(bad[0]),
+        )
+
+
 class Source:
     """Random-access reads of one file: ``pread`` for local files, seek+read for fsspec, or
     copies out of the file's bytes read whole at open (``read_whole_max_bytes``)."""
@@ -82,6 +98,8 @@ class Source:
         self._status: os.stat_result | None = None
         self._kvikio: KvikioFile | None = None
         self._whole: np.ndarray | None = None
+        #: Ranges read once and kept (:meth:`keep`): ``(offset, bytes)``.
+        self._kept: list[tuple[int, bytes]] = []
         try:
             if location.is_local:
                 self._fd, status = open_regular(location, inside=inside)
@@ -136,6 +154,19 @@ class Source:
             return None
         return whole[offset : offset + size]
 
+    def keep(self, offset: int, data: bytes) -> None:
+        """Serve every later read that lies within ``[offset, offset + len(data))`` from
+        ``data`` (bytes of this file read once, a signature checked over them): such a read
+        gets exactly those bytes, whatever the file holds by then."""
+        self._kept.append((offset, data))
+
+    def _kept_bytes(self, offset: int, size: int) -> memoryview | None:
+        """The kept bytes ``[offset, offset + size)``, if one kept range holds them all."""
+        for start, data in self._kept:
+            if start <= offset and offset + size <= start + len(data):
+                return memoryview(data)[offset - start : offset - start + size]
+        return None
+
     @property
     def holds_whole(self) -> bool:
         """Whether the file was read whole at open and every read is served from those
@@ -174,6 +205,11 @@ class Source:
         """Fill ``out`` from ``offset``; a short file is a :class:`SnapshotCorruptError`."""
         wanted = len(out)
         done = 0
+        if self._kept:
+            kept = self._kept_bytes(offset, wanted)
+            if kept is not None:
+                out[:] = kept
+                return
         try:
             if self._whole is not None:
                 done = max(0, min(wanted, len(self._whole) - offset))
@@ -223,12 +259,17 @@ class Source:
         """``size`` bytes from ``offset``; a short file is a :class:`SnapshotCorruptError`."""
         if self._whole is not None and offset + size <= len(self._whole):
             return self._whole[offset : offset + size].tobytes()
+        if self._kept:
+            kept = self._kept_bytes(offset, size)
+            if kept is not None:
+                return kept.tobytes()
         buffer = bytearray(size)
         self.read_into(offset, memoryview(buffer), tensor=tensor)
         return bytes(buffer)
 
     def close(self) -> None:
         self._whole = None
+        self._kept = []
         if self._kvikio is not None:
             self._kvikio.close()
             self._kvikio = None

@@ -51,7 +51,7 @@ def verify_snapshot(
                 elif checksums.has_trailer(position) and not checksums.held_match(
                     position, entry.name
                 ):
-                    problems += _verify_whole(reader, open_file, entry)
+                    problems += _verify_whole(reader, position, entry)
             except SnapshotCorruptError as error:
                 problems.append(Problem(error.tensor or entry.name, error.block, str(error)))
         layers.flush()
@@ -153,16 +153,19 @@ def _verify_run(
         buffer = np.empty(entries[-1].end - low, dtype=np.uint8)
         open_file.source.read_into(low, memoryview(buffer), tensor=entries[0].name)
     page = reader.page_bytes
+    bound = reader.page_digest_table
+    digest = fmt.block_digests if bound is None else fmt.page_digests
+    shape = (len(entries), reader.num_blocks, 1 if bound is None else fmt.PAGE_DIGEST_BYTES)
     if all(entry.begin == before.end for before, entry in itertools.pairwise(entries)):
-        computed = fmt.block_digests(buffer, page).reshape(rows.shape)
+        computed = digest(buffer, page).reshape(shape)
     else:
         computed = np.stack(
-            [
-                fmt.block_digests(buffer[entry.begin - low : entry.end - low], page)
-                for entry in entries
-            ]
-        )
-    differs = (computed != rows).any(axis=1)
+            [digest(buffer[entry.begin - low : entry.end - low], page) for entry in entries]
+        ).reshape(shape)
+    # Signed with BLAKE3 page digests and opened with keys: the pages are checked against
+    # those (they catch all xxh3-64 would), the block checksums' rows against the trailer.
+    stored = rows[:, :, None] if bound is None else bound[first : first + len(entries)]
+    differs = (computed != stored).any(axis=(1, 2))
     verdicts = checksums.rows_trusted(first, rows)
     every_row_trusted = all(verdicts)
     if every_row_trusted:
@@ -176,8 +179,11 @@ def _verify_run(
             checksums.remember_row(first + offset, rows[offset])
         if differs[offset]:
             url = open_file.source.url
+            if bound is not None:
+                problems += _digest_problems(url, entry.name, computed[offset], stored[offset])
+                continue
             problems += _block_problems(
-                url, entry.name, computed[offset], rows[offset], bool(trusted)
+                url, entry.name, computed[offset, :, 0], rows[offset], bool(trusted)
             )
     return problems
 
@@ -235,8 +241,9 @@ def _verify_padding(open_file: OpenFile, entry: TensorEntry) -> list[Problem]:
     return []
 
 
-def _verify_whole(reader: SnapshotReader, open_file: OpenFile, entry: TensorEntry) -> list[Problem]:
-    expected = reader.checksums.digest(entry.name)
+def _verify_whole(reader: SnapshotReader, position: int, entry: TensorEntry) -> list[Problem]:
+    open_file = reader.open_files[position]
+    expected = reader.checksums.digest(entry.name, position)
     if _digest128(open_file, entry) != expected:
         url = open_file.source.url
         return [
@@ -270,15 +277,22 @@ def _verify_layer(
     name = entry.name
     page = reader.page_bytes
 
+    bound = reader.page_digest_table
+    digest = fmt.block_digests if bound is None else fmt.page_digests
+
     def digest_piece(piece: tuple[int, int, int]) -> np.ndarray:
         block, count, _ = piece
         buffer = np.empty(count * page, dtype=np.uint8)
         open_file.source.read_into(entry.begin + block * page, memoryview(buffer), tensor=name)
-        return fmt.block_digests(buffer, page)
+        return digest(buffer, page)
 
     pieces = reader.page_reads.pieces(np.arange(reader.num_blocks, dtype=np.int64))
     parts = reader.page_reads.run(digest_piece, pieces, open_file.source.concurrent, entry.nbytes)
     url = open_file.source.url
+    if bound is not None:
+        tensor = reader.layer_names.index(name)
+        computed = np.concatenate(parts) if parts else bound[tensor, :0]
+        return _digest_problems(url, name, computed, bound[tensor])
     computed = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
     return _block_problems(url, name, computed, stored, trusted)
 
@@ -302,6 +316,27 @@ def _block_problems(
     if len(bad) > tuning.MAX_PROBLEMS_PER_TENSOR:
         more = len(bad) - tuning.MAX_PROBLEMS_PER_TENSOR
         problems.append(Problem(blamed, None, f"{url}: tensor {name}: {more} more corrupt blocks"))
+    return problems
+
+
+def _digest_problems(
+    url: str, name: str, computed: np.ndarray, stored: np.ndarray
+) -> list[Problem]:
+    """The blocks of layer tensor ``name`` whose BLAKE3 digest ``computed`` differs from the
+    signed one, ``stored`` (``(blocks, 32)`` each): pages changed after signing."""
+    bad = np.flatnonzero((computed != stored).any(axis=1))
+    problems = [
+        Problem(
+            name,
+            block,
+            f"{url}: tensor {name}, block {block}: BLAKE3 {computed[block].tobytes().hex()}, "
+            f"signed {stored[block].tobytes().hex()}",
+        )
+        for block in bad[: tuning.MAX_PROBLEMS_PER_TENSOR].tolist()
+    ]
+    if len(bad) > tuning.MAX_PROBLEMS_PER_TENSOR:
+        more = len(bad) - tuning.MAX_PROBLEMS_PER_TENSOR
+        problems.append(Problem(name, None, f"{url}: tensor {name}: {more} more corrupt blocks"))
     return problems
 
 

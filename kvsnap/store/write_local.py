@@ -295,6 +295,9 @@ class LocalTarget(WriteTarget):
                 for entry in layout.entries:
                     if entry.name == fmt.BLOCK_CHECKSUMS_TENSOR:
                         file.write(entry.begin, memoryview(snapshot_files.block_checksums()))
+                    elif entry.name == fmt.PAGE_DIGESTS_TENSOR:
+                        data = snapshot_files.page_digest_bytes(shard)
+                        file.write(entry.begin, memoryview(data))
                 trailer = layout.by_name[fmt.CHECKSUMS_TENSOR]
                 file.write(trailer.begin, memoryview(snapshot_files.trailer(shard)))
                 signature = layout.by_name.get(fmt.SIGNATURE_TENSOR)

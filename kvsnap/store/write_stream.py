@@ -18,7 +18,7 @@ from kvsnap.store.stream_file import StreamFile
 from kvsnap.store.tracing import TraceHook, traced
 
 #: One thing to write, in file order: (kind, file, entry); kind is one of header, static,
-#: layer, blocksums, trailer.
+#: layer, blocksums (the block checksums or page digests), trailer.
 _Item = tuple[str, int, TensorEntry | None]
 
 
@@ -64,7 +64,7 @@ class StreamTarget(WriteTarget):
             for entry in layout.entries:
                 if fmt.is_layer_tensor(entry.name):
                     kind = "layer"
-                elif entry.name == fmt.BLOCK_CHECKSUMS_TENSOR:
+                elif entry.name in (fmt.BLOCK_CHECKSUMS_TENSOR, fmt.PAGE_DIGESTS_TENSOR):
                     kind = "blocksums"
                 elif entry.name == fmt.CHECKSUMS_TENSOR:
                     kind = "trailer"
@@ -116,7 +116,8 @@ class StreamTarget(WriteTarget):
         elif kind == "blocksums":
             concurrent.futures.wait([f for futures in self._hash_futures for f in futures])
             self._gate.raise_error()
-            self._stream_write(shard, entry.begin, memoryview(snapshot_files.block_checksums()))
+            data = snapshot_files.tensor_bytes(shard, entry)
+            self._stream_write(shard, entry.begin, memoryview(data))
         elif kind == "trailer":
             concurrent.futures.wait(self._hash_futures[shard])
             self._gate.raise_error()

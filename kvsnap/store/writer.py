@@ -95,7 +95,9 @@ class SnapshotWriter:
         storage_options: passed to fsspec for URLs (e.g. an S3 ``endpoint_url``).
         trace: receives ``hash`` and ``write`` spans per piece and ``commit.*`` spans.
         keys: sign every file with the first key (:mod:`kvsnap.format.signing`): the
-            metadata's ``signature`` is set, and each file ends with its signature.
+            metadata's ``signature`` is set to ``"hmac-sha256-blake3"``, every page's BLAKE3
+            digest is computed beside its xxh3-64 (or taken from the caller: ``write_slot``,
+            ``placed_slot``) and each file ends with its page digests, trailer and signature.
     """
 
     def __init__(
@@ -129,6 +131,7 @@ class SnapshotWriter:
         self._snapshot_files = SnapshotFiles(self._location, metadata, max_shard_bytes, keys)
         self._page_bytes = self._snapshot_files.page_bytes
         self._num_blocks = self._snapshot_files.num_blocks
+        self._binds_pages = self._snapshot_files.page_digests is not None
         self._order = WriteOrder(
             self._snapshot_files.names, self._snapshot_files.tensor_index, self._num_blocks
         )
@@ -214,10 +217,17 @@ class SnapshotWriter:
             self._target.tensor_done(self._order.due())
         return done.future
 
+    @property
+    def wants_page_digests(self) -> bool:
+        """Whether every page's BLAKE3 digest is part of the snapshot (a signed one): a caller
+        that hashes pages itself passes them to :meth:`write_slot` and :meth:`placed_slot`."""
+        return self._binds_pages
+
     def write_slot(
         self,
         segments: Sequence[tuple[str, np.ndarray]],
         digests: np.ndarray | None = None,
+        page_digests: np.ndarray | None = None,
     ) -> concurrent.futures.Future[None]:
         """:meth:`write_pages` of several tensors' pages at once, in order.
 
@@ -227,16 +237,21 @@ class SnapshotWriter:
         tensors, back to back) go to the file as one write: a call's cost does not grow with
         the number of tensors it spans. The future completes once every page may be reused.
         ``digests``, the pages' xxh3-64 in order (computed where the pages were, on the
-        device), replaces the hashing.
+        device), replaces the hashing; so does ``page_digests``, their BLAKE3 digests
+        (``(pages, 32)`` uint8), of a signed snapshot (:attr:`wants_page_digests`): whichever
+        is not given is computed here.
         """
         if not self._target.merges_tensors:
             return all_done([self.write_pages(name, pages) for name, pages in segments])
         pieces = self._slot_pieces(segments)
         total = sum(piece[2].nbytes for piece in pieces)
         self._gate.admit(total)
-        batches = hash_batches(pieces, tuning.SUBCHUNK_BYTES) if digests is None else []
         if digests is not None:
-            self._store_digests(pieces, digests)
+            self._store_digests(pieces, digests, self._snapshot_files.digests)
+        if page_digests is not None and self._binds_pages:
+            self._store_digests(pieces, page_digests, self._snapshot_files.page_digests)
+        kinds = (digests is None, page_digests is None and self._binds_pages)
+        batches = hash_batches(pieces, tuning.SUBCHUNK_BYTES) if kinds[0] or kinds[1] else []
         writes = contiguous_writes(pieces, tuning.WRITE_CHUNK_BYTES)
 
         def release() -> None:
@@ -250,7 +265,7 @@ class SnapshotWriter:
             cancelled=lambda: SnapshotIOError("the writer was aborted", file=self._location.url),
         )
         for batch in batches:
-            done.watch(self._submit_hash(self._hash_batch, batch))
+            done.watch(self._submit_hash(self._hash_batch, batch, *kinds))
         for shard, offset, view in writes:
             done.watch(self._submit_write(shard, offset, view))
         return done.future
@@ -285,12 +300,19 @@ class SnapshotWriter:
         shard, entry = self._snapshot_files.placement[name]
         return shard, entry.begin + block * self._page_bytes
 
-    def placed_slot(self, segments: Sequence[tuple[str, int]], digests: np.ndarray) -> None:
+    def placed_slot(
+        self,
+        segments: Sequence[tuple[str, int]],
+        digests: np.ndarray,
+        page_digests: np.ndarray | None = None,
+    ) -> None:
         """Count pages the caller placed in the mapped files as written.
 
         Each ``(name, num_pages)`` continues its tensor as :meth:`write_slot`'s segments do;
-        ``digests`` are the pages' xxh3-64 in order, computed where the pages were. The
-        caller's copies must be complete (commit reads nothing back).
+        ``digests`` are the pages' xxh3-64 in order, computed where the pages were, and
+        ``page_digests`` their BLAKE3 digests (``(pages, 32)`` uint8), which a signed snapshot
+        requires (:attr:`wants_page_digests`). The caller's copies must be complete (commit
+        reads nothing back).
         """
         self._check_open()
         if not self._target.mapped:
@@ -298,6 +320,9 @@ class SnapshotWriter:
         total = sum(num_pages for _, num_pages in segments)
         if total != len(digests):
             raise ValueError(f"{len(digests)} digests for {total} pages")
+        bound = self._snapshot_files.page_digests
+        if bound is not None and (page_digests is None or len(page_digests) != total):
+            raise ValueError(f"a signed snapshot needs the BLAKE3 digests of all {total} pages")
         pieces: list[tuple[int, int, int]] = []
         for name, num_pages in segments:
             tensor = self._order.checked(name, num_pages)
@@ -308,6 +333,9 @@ class SnapshotWriter:
             self._snapshot_files.digests[tensor, first : first + count] = digests[
                 page : page + count
             ]
+            if bound is not None:
+                assert page_digests is not None
+                bound[tensor, first : first + count] = page_digests[page : page + count]
             page += count
         self._report(page * self._page_bytes)
 
@@ -452,23 +480,36 @@ class SnapshotWriter:
             if self._progress is not None:
                 self._progress(self._layer_bytes_done)
 
-    def _hash(self, tensor: int, block: int, view: np.ndarray) -> None:
+    def _hash(
+        self, tensor: int, block: int, view: np.ndarray, xxh3: bool = True, blake3: bool = True
+    ) -> None:
+        """Hash pages ``view`` (blocks ``block`` onwards of layer tensor ``tensor``): their
+        xxh3-64 (``xxh3``) and, for a signed snapshot, their BLAKE3 digests (``blake3``)."""
+        files = self._snapshot_files
         with traced(self._trace, "hash", view.nbytes):
-            digests = fmt.block_digests(view, self._page_bytes)
-        self._snapshot_files.digests[tensor, block : block + len(digests)] = digests
+            if xxh3:
+                digests = fmt.block_digests(view, self._page_bytes)
+                files.digests[tensor, block : block + len(digests)] = digests
+            if blake3 and files.page_digests is not None:
+                bound = fmt.page_digests(view, self._page_bytes)
+                files.page_digests[tensor, block : block + len(bound)] = bound
 
-    def _hash_batch(self, batch: Sequence[tuple[int, int, np.ndarray]]) -> None:
+    def _hash_batch(
+        self, batch: Sequence[tuple[int, int, np.ndarray]], xxh3: bool, blake3: bool
+    ) -> None:
         for tensor, block, view in batch:
-            self._hash(tensor, block, view)
+            self._hash(tensor, block, view, xxh3, blake3)
 
-    def _store_digests(self, pieces: Sequence[SlotPiece], digests: np.ndarray) -> None:
-        """Record digests computed elsewhere, page by page in the order of ``pieces``."""
+    def _store_digests(
+        self, pieces: Sequence[SlotPiece], digests: np.ndarray, table: np.ndarray | None
+    ) -> None:
+        """Record digests computed elsewhere into ``table`` (tensors x blocks, of xxh3-64 or
+        of BLAKE3 digests), page by page in the order of ``pieces``."""
+        assert table is not None
         page = 0
         for tensor, first, flat, _, _ in pieces:
             count = flat.nbytes // self._page_bytes
-            self._snapshot_files.digests[tensor, first : first + count] = digests[
-                page : page + count
-            ]
+            table[tensor, first : first + count] = digests[page : page + count]
             page += count
         if page != len(digests):
             raise ValueError(f"{len(digests)} digests for {page} pages")

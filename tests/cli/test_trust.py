@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from kvsnap.engines.default_model import build_default_model
 from kvsnap.store.keys import new_key_text
+from tests.support.tamper import RawSnapshot
 
 runner = CliRunner()
 
@@ -44,11 +45,21 @@ def signed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
 def test_capture_signs_and_inspect_names_the_key(signed) -> None:
     signed_path, plain_path, _ = signed
     code, described = run("inspect", str(signed_path))
-    assert code == 0 and described["signature"]["algorithm"] == "hmac-sha256"
+    assert code == 0 and described["signature"]["algorithm"] == "hmac-sha256-blake3"
+    assert described["signature"]["page_binding"] == "blake3"
+    assert described["signature"]["binding"] == "pages bound by BLAKE3"
     (key_id,) = set(described["signature"]["key_ids"])
     assert len(key_id) == 32
     code, described = run("inspect", str(plain_path))
-    assert described["signature"] == {"algorithm": None, "key_ids": [None]}
+    assert described["signature"] == {
+        "algorithm": None,
+        "key_ids": [None],
+        "page_binding": None,
+        "binding": None,
+    }
+    result = runner.invoke(app, ["inspect", str(signed_path)], env={"COLUMNS": "240"})
+    assert "hmac-sha256-blake3 by key" in result.stdout
+    assert "pages bound by BLAKE3" in result.stdout
 
 
 def test_verify_tells_a_valid_an_unsigned_and_a_badly_signed_snapshot_apart(
@@ -69,15 +80,40 @@ def test_verify_tells_a_valid_an_unsigned_and_a_badly_signed_snapshot_apart(
     # Rotation: the old key after the new one still verifies.
     code, report = run("verify", str(signed_path), "--key-file", str(other), "--key-file", str(key))
     assert code == 0 and report["signature"] == "valid"
-    # Corruption stays corruption, and the signature still passes: the header and trailer are
-    # intact, a page is not.
+    # A page changed after signing: the signature still passes (it covers every byte but the
+    # pages), and the page is named by its BLAKE3 digest.
     damaged = tmp_path / "damaged.safetensors"
-    raw = bytearray(signed_path.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    damaged.write_bytes(bytes(raw))
+    raw = RawSnapshot(signed_path)
+    raw.page("layers.1.value", 0)[100] ^= 0xFF
+    raw.path = damaged
+    raw.save()
     code, report = run("verify", str(damaged), "--key-file", str(key))
     assert code == 1 and report["signature"] == "valid"
-    assert report["problems"] and all("kind" not in problem for problem in report["problems"])
+    (problem,) = report["problems"]
+    assert (problem["tensor"], problem["block"]) == ("layers.1.value", 0)
+    assert "BLAKE3" in problem["message"] and "kind" not in problem
+    # Anything else changed breaks the signature, reported as such (the checksums as well).
+    raw = RawSnapshot(signed_path)
+    raw.array("sequences.0.token_ids", "<i8")[0] += 1
+    raw.path = damaged
+    raw.save()
+    code, report = run("verify", str(damaged), "--key-file", str(key))
+    assert code == 1 and report["signature"] == "bad signature"
+    kinds = [problem.get("kind") for problem in report["problems"]]
+    assert kinds[0] == "bad signature" and None in kinds
+
+
+def test_restore_with_a_key_refuses_a_page_changed_after_signing(signed, tmp_path: Path) -> None:
+    signed_path, _, key = signed
+    damaged = tmp_path / "damaged.safetensors"
+    raw = RawSnapshot(signed_path)
+    raw.page("layers.0.key", 0)[7] ^= 0x01
+    raw.path = damaged
+    raw.save()
+    result = runner.invoke(app, ["restore", str(damaged), "--key-file", str(key)])
+    assert result.exit_code == 1, result.output
+    assert "BLAKE3" in result.stderr and "layers.0.key" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_restore_with_a_key_refuses_an_unsigned_snapshot_in_one_line(signed) -> None:

@@ -85,13 +85,19 @@ def test_layer0_kv_is_what_the_weights_give(name: str) -> None:
 
 
 def test_every_writer_stores_the_same_kv() -> None:
-    """Flash attention on and off and the session save hold one KV, V by rows or transposed."""
+    """The session save (flash attention on) holds the sequence save's KV bit for bit. Flash
+    attention off stores layer 0 bit for bit too (V transposed); layer 1 differs by rounding,
+    since layer 0's attention output, which feeds it, is computed by another kernel: measured
+    at most 0.0059 (2-core VM, 2026-12-06; f16 keys and values of magnitude up to ~4)."""
     reference_keys, reference_values = _all_pages("seq-flash.bin")
-    for name in FILES[1:]:
-        keys, values = _all_pages(name)
-        for layer in range(2):
-            assert torch.allclose(keys[layer].float(), reference_keys[layer].float(), atol=2e-2)
-            assert torch.allclose(values[layer].float(), reference_values[layer].float(), atol=2e-2)
+    keys, values = _all_pages("session.bin")
+    assert all(torch.equal(a, b) for a, b in zip(keys, reference_keys, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(values, reference_values, strict=True))
+    keys, values = _all_pages("seq-noflash.bin")
+    assert torch.equal(keys[0], reference_keys[0]) and torch.equal(values[0], reference_values[0])
+    for got, want in ((keys[1], reference_keys[1]), (values[1], reference_values[1])):
+        difference = (got.float() - want.float()).abs().max().item()
+        assert 0 < difference <= 8e-3
 
 
 def test_converted_snapshot_holds_the_cells(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from kvsnap.errors import LayoutError, NotASnapshotError, SnapshotCorruptError
 from kvsnap.foreign import convert_to_snapshot, open_foreign, recognise
-from kvsnap.foreign.vllm_fs import namespace_digest, namespace_name, prefix_hashes
+from kvsnap.foreign.vllm_fs_config import namespace_digest, namespace_name, prefix_hashes
 from kvsnap.snapshot import Snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,7 +155,7 @@ def test_hints_the_files_cannot_replace(tmp_path: Path) -> None:
         with pytest.raises(LayoutError, match="page order"):
             source.read_block(source.sequences()[0].block_ids[0])
     with open_foreign(_namespace(1), tokens=PROMPT, page_order="cells-nhd") as source:
-        with pytest.raises(LayoutError, match="pass the model"):
+        with pytest.raises(LayoutError, match="pass --model DIR"):
             source.geometry()
 
 

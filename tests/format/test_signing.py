@@ -1,4 +1,5 @@
-"""Signed snapshots: an HMAC over each file's header and trailer, checked where keys are given."""
+"""Signed snapshots: an HMAC over each file's header and every byte but its pages, the pages
+bound by their BLAKE3 digests, checked where keys are given."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import shutil
 import struct
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 import safetensors.torch
@@ -53,29 +55,62 @@ def test_a_signed_snapshot_opens_with_its_key_and_any_safetensors_reader(signed)
     path, metadata, pages = signed
     with Snapshot.open(path, keys=KeyRing([KEY])) as snapshot:
         assert snapshot.verify() == []
-        assert snapshot.metadata.signature == "hmac-sha256"
+        assert snapshot.metadata.signature == "hmac-sha256-blake3"
+        assert snapshot.page_binding == "blake3"
+        assert snapshot.reader.page_digest_table is not None
         assert snapshot.signing_key_ids() == [KeyRing([KEY]).signing_key_id]
         assert snapshot.signature_problems(KeyRing([KEY])) == []
+    with Snapshot.open(path) as snapshot:  # without keys: nothing checked against the digests
+        assert snapshot.page_binding == "blake3" and snapshot.reader.page_digest_table is None
+        assert snapshot.verify() == []
     loaded = safetensors.torch.load_file(path)
     assert tuple(loaded[fmt.SIGNATURE_TENSOR].shape) == (fmt.SIGNATURE_BYTES,)
-    name = metadata.geometry.tensor_names()[0]
+    names = metadata.geometry.tensor_names()
+    name = names[0]
     assert loaded[name].contiguous().view(torch.uint8).numpy().tobytes() == pages[name].tobytes()
+    # The page digests: BLAKE3-256 of every page, one row per layer tensor in file order.
+    digests = loaded[fmt.PAGE_DIGESTS_TENSOR].numpy()
+    page_bytes = metadata.geometry.canonical_page_size_bytes
+    assert digests.shape == (len(names), metadata.num_blocks, 32)
+    for row, tensor in enumerate(names):
+        for block in range(metadata.num_blocks):
+            page = pages[tensor][block * page_bytes : (block + 1) * page_bytes].tobytes()
+            assert digests[row, block].tobytes() == blake3.blake3(page).digest()
 
 
 def test_the_signature_is_the_documented_hmac(signed) -> None:
+    # Computed from the raw bytes with hashlib and hmac, as docs/format.md says: the header,
+    # then every tensor but the layer tensors, the padding and the signature, in file order.
     path, _, _ = signed
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + length])
     data_start = 8 + length
-    begin, end = header[fmt.CHECKSUMS_TENSOR]["data_offsets"]
-    trailer = raw[data_start + begin : data_start + end]
+    entries = sorted(
+        (offsets["data_offsets"], name)
+        for name, offsets in header.items()
+        if name != "__metadata__"
+    )
+    signed_names = [
+        name
+        for _, name in entries
+        if not name.startswith(("layers.", "kvsnap.padding.")) and name != fmt.SIGNATURE_TENSOR
+    ]
+    assert signed_names[-3:] == [
+        fmt.BLOCK_CHECKSUMS_TENSOR,
+        fmt.PAGE_DIGESTS_TENSOR,
+        fmt.CHECKSUMS_TENSOR,
+    ]
+    assert signed_names[0] == "sequences.0.token_ids"
+    message = b"kvsnap-signature-v2\0" + raw[:data_start]
+    for name in signed_names:
+        begin, end = header[name]["data_offsets"]
+        message += raw[data_start + begin : data_start + end]
     sig_begin, sig_end = header[fmt.SIGNATURE_TENSOR]["data_offsets"]
-    assert sig_begin == end and data_start + sig_end == len(raw)
+    assert data_start + sig_end == len(raw)
     signature = raw[data_start + sig_begin :]
     key_id = hmac.new(KEY, b"kvsnap-key-id-v1", hashlib.sha256).digest()[:16]
-    mac = hmac.new(KEY, b"kvsnap-signature-v1\0" + raw[:data_start] + trailer, hashlib.sha256)
-    assert signature == key_id + mac.digest()
+    assert signature == key_id + hmac.new(KEY, message, hashlib.sha256).digest()
 
 
 def test_another_key_is_a_bad_signature_and_rotation_accepts_the_old_one(signed) -> None:
@@ -140,11 +175,23 @@ def test_sharded_and_parted_snapshots_sign_every_file(tmp_path: Path) -> None:
         ids = snapshot.signing_key_ids()
         assert len(ids) > 1 and set(ids) == {KeyRing([KEY]).signing_key_id}
         assert snapshot.verify() == []
+        # Every shard carries the page digests of its own layer tensors (none: zero rows).
+        rows = 0
+        for name in snapshot.reader.files:
+            with safetensors.safe_open(name, "np") as file:
+                held = [key for key in file.keys() if key.startswith("layers.")]
+                digests = file.get_tensor(fmt.PAGE_DIGESTS_TENSOR)
+            assert digests.shape == (len(held), metadata.num_blocks, 32)
+            rows += len(held)
+        assert rows == len(metadata.geometry.tensor_names())
+        table = snapshot.reader.page_digest_table
+        assert table is not None and table.shape[0] == rows
     parted = tmp_path / "parted.safetensors"
     parted_snapshot(parted, keys=KeyRing([KEY]))
     with Snapshot.open(parted, keys=KeyRing([KEY])) as snapshot:
         assert len(snapshot.signing_key_ids()) == 2
         assert snapshot.verify() == []
+        assert all(part.reader.page_digest_table is not None for part in snapshot.parts)
     with pytest.raises(BadSignatureError):
         Snapshot.open(parted, keys=KeyRing([OTHER_KEY]))
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvsnap.errors import RestoreIncompleteError
-from kvsnap.pipeline import Pipeline, StagingOptions, fused
+from kvsnap.pipeline import Pipeline, StagingOptions, fused, slot_pieces
 from kvsnap.snapshot import Snapshot, capture
 from kvsnap.testing.caches import same_bytes
 from tests.support.pipeline_caches import (
@@ -180,8 +180,8 @@ def test_a_corrupt_page_in_a_late_piece_of_a_slot_is_not_written(tmp_path, monke
     # slot.
     from kvsnap.store.hot import configure_hot_tier
 
-    monkeypatch.setattr(fused, "UPLOAD_CHUNKS_PER_SLOT", 4)
-    monkeypatch.setattr(fused, "MIN_UPLOAD_CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(slot_pieces, "UPLOAD_CHUNKS_PER_SLOT", 4)
+    monkeypatch.setattr(slot_pieces, "MIN_UPLOAD_CHUNK_BYTES", 1 << 20)
 
     geometry = {"layers": 8, "heads": 8, "head_dim": 64, "blocks": 256, "device": "cuda"}
     sources, content = caches("vllm-nhd", **geometry)  # 4 KiB pages, 16 MiB: 4 slots
@@ -227,8 +227,8 @@ def test_slots_released_piece_by_piece_restore_exactly(tmp_path, monkeypatch, pi
     from kvsnap.transfer import page_hash
     from kvsnap.transfer.pinned import PinnedPool
 
-    monkeypatch.setattr(fused, "UPLOAD_CHUNKS_PER_SLOT", pieces)
-    monkeypatch.setattr(fused, "MIN_UPLOAD_CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(slot_pieces, "UPLOAD_CHUNKS_PER_SLOT", pieces)
+    monkeypatch.setattr(slot_pieces, "MIN_UPLOAD_CHUNK_BYTES", 1 << 20)
     geometry = {"layers": 8, "heads": 8, "head_dim": 64, "blocks": 256, "device": "cuda"}
     sources, content = caches("vllm-nhd", **geometry)  # 4 KiB pages, 16 MiB: 4 slots
     blocks = list(range(256))

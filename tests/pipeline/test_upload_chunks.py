@@ -1,6 +1,6 @@
 """How a restore slot is cut into pieces that go up to the device one after the other
-(``kvsnap.pipeline.fused.upload_chunks``): every page in exactly one piece, whole and in order,
-pieces no smaller than the minimum and no more of them than the slot's share."""
+(``kvsnap.pipeline.slot_pieces.upload_chunks``): every page in exactly one piece, whole and in
+order, pieces no smaller than the minimum and no more of them than the slot's share."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsnap.pipeline.fused import slot_extent, upload_chunks
 from kvsnap.pipeline.options import MIN_UPLOAD_CHUNK_BYTES, UPLOAD_CHUNKS_PER_SLOT
+from kvsnap.pipeline.slot_pieces import slot_extent, upload_chunks
 from kvsnap.pipeline.slots import slot_loads
 
 

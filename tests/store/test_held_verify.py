@@ -31,8 +31,6 @@ def _chunk(path: Path, seed: int, *, signed: bool = False) -> bytes:
     tokens = rng.integers(0, 50_000, size=6 * GEOMETRY.block_size)
     metadata = make_metadata(GEOMETRY, [tokens], created="2026-12-02T08:00:00.000000Z")
     keys = KeyRing([KEY]) if signed else None
-    if signed:
-        metadata = dataclasses.replace(metadata, signature="hmac-sha256")
     write_snapshot(path, metadata, random_pages(rng, metadata), keys=keys)
     return path.read_bytes()
 
@@ -62,13 +60,32 @@ def test_an_intact_chunk_read_whole_is_verified_in_one_pass(tmp_path: Path) -> N
         assert reader.verify() == []
 
 
-def test_every_damaged_copy_gets_the_general_verdict(tmp_path: Path) -> None:
-    """Flips in every region (header JSON, metadata string, padding, token ids, block ids,
-    prefix hashes, pages, checksum table, trailer), the file cut short or extended: the one
-    pass accepts none of them, and open and verify give what they give from the file read in
-    pieces, refusal for refusal, problem for problem."""
+def test_an_intact_signed_chunk_read_whole_is_checked_in_one_pass_against_its_digests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "chunk.safetensors"
-    original = _chunk(path, seed=2)
+    size = len(_chunk(path, seed=7, signed=True))
+    hashed: list[int] = []
+    real = fmt.page_digests
+    monkeypatch.setattr(fmt, "page_digests", lambda *a: hashed.append(1) or real(*a))
+    with SnapshotReader(path, keys=KeyRing([KEY]), read_whole_max_bytes=size) as reader:
+        assert reader.page_digest_table is not None
+        assert verified_held(reader) and hashed == [1]  # every page, in one call
+    with SnapshotReader(path, read_whole_max_bytes=size) as reader:  # no key: xxh3-64 only
+        hashed.clear()
+        assert verified_held(reader) and hashed == []
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed-with-key"])
+def test_every_damaged_copy_gets_the_general_verdict(tmp_path: Path, signed: bool) -> None:
+    """Flips in every region (header JSON, metadata string, padding, token ids, block ids,
+    prefix hashes, pages, checksum table, page digests, trailer, signature), the file cut
+    short or extended: the one pass accepts none of them, and open and verify give what they
+    give from the file read in pieces, refusal for refusal, problem for problem (signed and
+    opened with the key: a page against its BLAKE3 digest, the rest by the signature)."""
+    path = tmp_path / "chunk.safetensors"
+    original = _chunk(path, seed=2, signed=signed)
+    keys = KeyRing([KEY]) if signed else None
     (layout,) = [SnapshotReader(path).open_files[0].layout]
     rng = np.random.default_rng(3)
     positions = [int(p) for p in rng.integers(0, len(original), 150)]
@@ -82,13 +99,13 @@ def test_every_damaged_copy_gets_the_general_verdict(tmp_path: Path) -> None:
         flipped = bytearray(original)
         flipped[position] ^= 1 << int(rng.integers(0, 8))
         damaged.write_bytes(bytes(flipped))
-        whole, pieces = _outcome(damaged, True), _outcome(damaged, False)
+        whole, pieces = _outcome(damaged, True, keys), _outcome(damaged, False, keys)
         assert whole == pieces, position
         assert whole != ("problems", []), f"a flip at {position} went unnoticed"
         kinds.add(whole[0])
     for size in (len(original) - 1, len(original) - 4096, len(original) + 1, 8):
         damaged.write_bytes((original + b"\0" * 8)[:size])
-        assert _outcome(damaged, True) == _outcome(damaged, False) != ("problems", [])
+        assert _outcome(damaged, True, keys) == _outcome(damaged, False, keys) != ("problems", [])
     assert kinds == {"refused", "problems"}
 
 

@@ -176,8 +176,9 @@ def write_mapped(
 ) -> SnapshotInfo:
     """Write ``pages`` as a capture from a CUDA cache into a memory-backed file does, with the
     host in the device's place: the files mapped (not registered), every tensor's pages copied
-    to where ``page_placement`` says and reported with their xxh3-64 (``placed_slot``).
-    ``after_tensor(index)`` runs after each tensor is placed."""
+    to where ``page_placement`` says and reported with their xxh3-64 (``placed_slot``), and
+    their BLAKE3 digests when the writer signs. ``after_tensor(index)`` runs after each tensor
+    is placed."""
     page = metadata.geometry.canonical_page_size_bytes
     with SnapshotWriter(path, metadata, **writer_options) as writer:  # type: ignore[arg-type]
         refused = writer.map_for_device(register=False)
@@ -187,7 +188,8 @@ def write_mapped(
             shard, offset = writer.page_placement(name, 0)
             data = pages[name]
             files[shard][offset : offset + data.nbytes] = data
-            writer.placed_slot([(name, data.nbytes // page)], fmt.block_digests(data, page))
+            bound = fmt.page_digests(data, page) if writer.wants_page_digests else None
+            writer.placed_slot([(name, data.nbytes // page)], fmt.block_digests(data, page), bound)
             if after_tensor is not None:
                 after_tensor(index)
         del files

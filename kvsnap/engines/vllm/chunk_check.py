@@ -2,8 +2,9 @@
 
 :class:`ChunkChecker` opens a chunk (:meth:`kvsnap.Snapshot.open`: a single file, or a parted
 chunk through its index, every part checked against it; with signing keys every file must be
-signed by one of them) and checks what this engine needs: the model fingerprint, the KV
-geometry (the whole model's, all heads, for a parted chunk), one sequence of the expected
+signed by one of them, its pages bound by BLAKE3 digests: an older signed chunk, its pages
+bound by xxh3-64 only, is a miss) and checks what this engine needs: the model fingerprint,
+the KV geometry (the whole model's, all heads, for a parted chunk), one sequence of the expected
 length whose id names the store key it follows and its own (the chunk's name is not trusted:
 anyone who can write the store can rename a file), and token ids equal to the prompt's. With
 ``verify`` it also reads every block of every part and checks every checksum (kvsnap's
@@ -17,13 +18,15 @@ since, a rewrite in place that put its size and modification time back included,
 makes the file a new version, checked again.
 
 Bytes can still change with no trace in the file's times (bit rot on the disk, read back once
-the page cache dropped them). A chunk whose check reads the very bytes the worker loads (handed
-over and read whole, :meth:`ChunkChecker.reads_what_loads`) is therefore offered (``before_hit``)
-only from bytes verified in memory: those the hand-over still holds for that version (the
-worker gives a chunk it loaded from them back,
-:meth:`~kvsnap.engines.open_snapshots.OpenSnapshots.give_back`), else the file is read and
-verified again. What loads is then what was verified; a chunk damaged on the disk since its
-last check is a miss, never a failed load (under vLLM's ``fail`` policy, a failed request).
+the page cache dropped them). So with ``verify`` a chunk about to be offered to vLLM
+(``before_hit``) is read and verified again every time, unless the worker loads it from bytes
+verified in memory: those the scheduler's hand-over still holds for that version (a chunk
+handed over and read whole, :meth:`ChunkChecker.reads_what_loads`; the worker gives a chunk it
+loaded from them back, :meth:`~kvsnap.engines.open_snapshots.OpenSnapshots.give_back`). A
+worker that reads the file itself (in a process of its own, or a chunk too large to be read
+whole) then reads, within the step, the bytes just verified. A chunk damaged on the disk
+since its last check is a miss, never a failed load (under vLLM's ``fail`` policy, a failed
+request).
 
 Where the worker runs in the scheduler's process (vLLM's ``uni`` executor, a TP size of 1),
 a single-file chunk that passed is handed to it open (:data:`~kvsnap.engines.vllm.open_chunks.
@@ -136,10 +139,14 @@ class ChunkChecker:
         if key is None:
             return "the chunk is gone"
         remembered = self._passed.get(chunk.path)
+        # A worker that reads the file again would meet bytes changed with no trace in the
+        # file's times (bit rot read back from the disk) as a failed load, a failed request
+        # under vLLM's "fail": so a chunk about to be offered is verified again, unless the
+        # worker loads it from bytes verified in memory (the hand-over still holds them).
         again = (
             before_hit
-            and self.reads_what_loads(key)
-            and not CHECKED_CHUNKS.holds(chunk.path, key[:4])
+            and self.verify
+            and not (self.reads_what_loads(key) and CHECKED_CHUNKS.holds(chunk.path, key[:4]))
         )
         if remembered is not None and remembered[0] == key and not again:
             record = remembered[1]
@@ -224,6 +231,13 @@ class ChunkChecker:
 
     def _fits_engine(self, metadata: fmt.SnapshotMetadata) -> str | None:
         """Why a chunk with ``metadata`` cannot be loaded into this engine, if it cannot."""
+        if self.keys is not None and metadata.signature != fmt.SIGNATURE_ALGORITHM:
+            # Signed before pages were bound by BLAKE3: its pages are bound by xxh3-64 only,
+            # whose second preimages take seconds. A miss: recomputed and saved anew.
+            return (
+                f"signed with {metadata.signature}, its pages bound by xxh3-64 only (not "
+                "collision-resistant): served only with BLAKE3 page digests"
+            )
         if metadata.source.model_fingerprint != self.fingerprint:
             return (
                 f"model fingerprint {metadata.source.model_fingerprint[:16]} differs from the "

@@ -96,9 +96,7 @@ def _listing(
     return fs, root, dict(found)
 
 
-def remote_entries(
-    url: str, storage_options: Mapping[str, Any] | None = None
-) -> list[RemoteEntry]:
+def remote_entries(url: str, storage_options: Mapping[str, Any] | None = None) -> list[RemoteEntry]:
     """Every object under ``url`` as an entry (a chunk's ``used`` object folded into the
     chunk's), least recently used first."""
     return _entries(*_listing(url, storage_options))[0]

@@ -306,6 +306,30 @@ def test_a_chunk_that_rots_after_its_first_check_is_recomputed_not_failed(
         connector.shutdown()
 
 
+def test_a_chunk_that_rots_with_no_trace_in_its_times_is_a_miss_for_a_worker_reading_the_file(
+    tmp_path: Path,
+) -> None:
+    # Bit rot read back from the disk moves none of a file's times. A worker that reads the
+    # file itself (vLLM's mp executor, any TP > 1: no hand-over) must never meet it as a
+    # failed load (under "fail", a failed request): the scheduler verifies a chunk again each
+    # time it offers it. The rot is a real rewrite of the file in place, its size and
+    # modification time put back; its change time is then taken as the scheduler takes the
+    # one its own record of a hit leaves (``touched``), so that nothing in the file's times
+    # tells the chunk apart from the version that passed, as with rot on the disk.
+    connector = make_connector(tmp_path / "store", hand_over=False)
+    prompt = random_prompt(seed=13)
+    chunks = _stored(connector, prompt)
+    assert connector.serve("first", prompt, TARGET).loaded == TARGET
+    rewrite_in_place_keeping_times(chunks[1], flip=True)
+    connector.scheduler.checker.touched(str(chunks[1]))
+    served = connector.serve("second", prompt, TARGET)
+    assert served.failed == set()  # no failed load: no failed request
+    assert served.loaded == TARGET[:2]  # the first chunk still serves
+    (quarantined,) = _events(connector, "quarantine")
+    assert quarantined["path"] == str(chunks[1]) and "failed verification" in quarantined["reason"]
+    connector.shutdown()
+
+
 def test_store_verify_reports_a_chunk_copied_under_another_chunks_name(tmp_path: Path) -> None:
     connector = make_connector(tmp_path / "store")
     chunks = _stored(connector, random_prompt(seed=11))

@@ -216,7 +216,7 @@ def test_a_planted_unsigned_chunk_is_never_served(trust: Trust) -> None:
     # The prompt was computed and stored again, signed.
     (save,) = t.events_for("save", "Q")
     with Snapshot.open(save["path"]) as snapshot:
-        assert snapshot.metadata.signature == "hmac-sha256"
+        assert snapshot.metadata.signature == "hmac-sha256-blake3"
 
 
 def test_a_fine_tune_of_the_same_architecture_misses_the_base_models_store(
