@@ -49,6 +49,7 @@ from tests.support.remote_nodes import (
     prompts,
     serve,
 )
+from tests.support.signed_v1 import rewrite_as_v1_signed
 
 pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
@@ -246,12 +247,13 @@ def test_a_planted_object_is_never_served_nor_stored(
     s3: LoopbackS3, proxy: FaultProxy, keys: KeyRing, tmp_path: Path, request: Any
 ) -> None:
     prefix, url = _prefix(request), _url(s3, request)
-    kinds = ("unsigned", "another key", "another chunk", "garbage")
+    kinds = ("unsigned", "another key", "older signature", "another chunk", "garbage")
     targets = prompts(5, len(kinds) + 1)
     donor = targets.pop()
     signers = {
         "unsigned": None,
         "another key": _key_ring(tmp_path / "other"),
+        "older signature": keys,  # this key, pages bound by xxh3-64 only (hmac-sha256)
         "another chunk": keys,
     }
     planted = {}
@@ -262,7 +264,10 @@ def test_a_planted_object_is_never_served_nor_stored(
             writer = make_node(tmp_path / f"writer-{len(planted)}", signers[kind])
             source = donor if kind == "another chunk" else target
             serve(writer, source, "w0")
-            data = local_chunk(writer, chunk_keys(source)[0]).read_bytes()
+            chunk = local_chunk(writer, chunk_keys(source)[0])
+            if kind == "older signature":
+                rewrite_as_v1_signed(chunk, keys)
+            data = chunk.read_bytes()
         planted[kind] = data
         _plant(s3, prefix, chunk_keys(target)[0], data)
     b = make_node(tmp_path / "b", keys, url)
