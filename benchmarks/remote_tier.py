@@ -110,6 +110,13 @@ def _time_scheduler_calls(calls: dict[str, list[list[float]]]) -> None:
 
     for name in ("get_num_new_matched_tokens", "build_connector_meta", "update_connector_output"):
         setattr(KVSnapScheduler, name, timed(name, getattr(KVSnapScheduler, name)))
+    # A fetch's parts, on the fetch threads: the GET, the check and publish, the record of use.
+    from kvsnap.engines.vllm import remote_publish
+    from kvsnap.engines.vllm.remote_store import RemoteStore
+
+    for name in ("read", "record_use"):
+        setattr(RemoteStore, name, timed(f"fetch: {name}", getattr(RemoteStore, name)))
+    remote_publish._publish = timed("fetch: check and publish", remote_publish._publish)
 
 
 def run_child(job_path: str) -> None:
@@ -166,20 +173,47 @@ def _checked_hits(rows: list[dict[str, Any]], tokens: list[int], loadable: int, 
             raise SystemExit(f"{name}: not a hit ({row['cached']} cached, token {row['token']})")
 
 
+def _quantile_ms(values: list[float], fraction: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] * 1e3, 3)
+
+
 def _step_costs(calls: dict[str, list[list[float]]]) -> dict[str, float]:
-    """Median and max ms of the scheduler calls an engine step makes while a fetch is in
-    flight ("not yet" answers) and of ``build_connector_meta``."""
+    """Median, 99th percentile and max ms of the scheduler calls an engine step makes while a
+    fetch is in flight ("not yet" answers), and of ``build_connector_meta``."""
     waiting = [seconds for seconds, flag in calls.get("get_num_new_matched_tokens", []) if flag]
     meta = [seconds for seconds, _ in calls.get("build_connector_meta", [])]
     output = [seconds for seconds, _ in calls.get("update_connector_output", [])]
-    return {
-        "not_yet_answers": len(waiting),
-        "not_yet_median_ms": _ms(waiting),
-        "not_yet_max_ms": round(max(waiting) * 1e3, 3) if waiting else float("nan"),
-        "build_connector_meta_median_ms": _ms(meta),
-        "build_connector_meta_max_ms": round(max(meta) * 1e3, 3) if meta else float("nan"),
-        "update_connector_output_median_ms": _ms(output),
-    }
+    result: dict[str, float] = {"not_yet_answers": len(waiting)}
+    for name, values in (("not_yet", waiting), ("build_connector_meta", meta)):
+        result[f"{name}_median_ms"] = _quantile_ms(values, 0.5)
+        result[f"{name}_p99_ms"] = _quantile_ms(values, 0.99)
+        result[f"{name}_max_ms"] = _quantile_ms(values, 1.0)
+    result["update_connector_output_median_ms"] = _quantile_ms(output, 0.5)
+    for name in ("fetch: read", "fetch: check and publish", "fetch: record_use"):
+        result[f"{name} median_ms"] = _quantile_ms([row[0] for row in calls.get(name, [])], 0.5)
+    return result
+
+
+def _raw_gets(s3: Any, proxy: Any, repeat: int) -> dict[str, float]:
+    """Median ms of one ``GET`` of a chunk object with s3fs alone (no kvsnap), straight to the
+    server and through the proxy: the loopback server's share of a fetch."""
+    import s3fs
+
+    direct = s3.filesystem()
+    through = s3fs.S3FileSystem(**s3.storage_options(proxy.endpoint))
+    name = next(path for path in direct.find(f"{s3.bucket}/tier") if "/chunks/" in path)
+    result = {"object_bytes": float(direct.size(name))}
+    for label, fs in (("direct", direct), ("proxy", through)):
+        seconds = []
+        for _ in range(repeat):
+            started = time.perf_counter()
+            fs.cat_file(name)
+            seconds.append(time.perf_counter() - started)
+        result[f"get_{label}_ms"] = _ms(seconds)
+    return result
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -222,6 +256,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         _checked_hits(remote["rows"], tokens, loadable, "remote hit")
         local = _run({**base, "store": str(work / "a"), "again": False}, work, "local", env)
         _checked_hits(local["rows"], tokens, loadable, "local hit")
+        raw = _raw_gets(s3, proxy, 21)
         proxy.set_faults(Fault(method="GET", delay_s=args.slow_s))
         slow = _run({**base, "store": str(work / "c"), "again": False}, work, "slow", env)
         _checked_hits(slow["rows"], tokens, loadable, "slow fetch")
@@ -229,7 +264,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         proxy.stop()
         s3.stop()
     fetches = [event for event in remote["events"] if event["event"] == "fetch"]
+    lookups = [event for event in remote["events"] if event["event"] == "remote_lookup"]
     return {
+        "load_average": list(os.getloadavg()),
         "layers": args.layers,
         "tokens": args.tokens,
         "loadable_tokens": loadable,
@@ -240,6 +277,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "local_hit_ms": _ms([row["seconds"] for row in local["rows"]]),
         "slow_fetch_hit_ms": _ms([row["seconds"] for row in slow["rows"]]),
         "fetch_seconds_median_ms": _ms([event["seconds"] for event in fetches]),
+        "lookup_seconds_median_ms": _ms([event["seconds"] for event in lookups]),
+        "s3fs_get_alone": raw,
         "chunks_per_hit": len(fetches) / count,
         "bytes_per_hit": sum(event["bytes"] for event in fetches) / count,
         "http_requests_per_hit": {method: n / count for method, n in sorted(requests.items())},
@@ -259,7 +298,8 @@ def print_table(result: dict[str, Any]) -> None:
     print(
         f"per remote hit: {result['chunks_per_hit']} chunks, {result['bytes_per_hit']:.0f} bytes, "
         f"HTTP requests {result['http_requests_per_hit']}; one fetch "
-        f"{result['fetch_seconds_median_ms']} ms"
+        f"{result['fetch_seconds_median_ms']} ms, one lookup {result['lookup_seconds_median_ms']} "
+        f"ms; s3fs alone: {result['s3fs_get_alone']}"
     )
     print(f"while fetches are in flight: {result['step_while_fetching']}")
 

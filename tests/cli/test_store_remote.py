@@ -92,6 +92,7 @@ def test_list_verify_and_prune_a_remote_tier(s3: LoopbackS3, tmp_path: Path) -> 
     time.sleep(1.1)  # S3's modification times are whole seconds
     b = make_node(tmp_path / "b", keys, url)
     b_counts = serve(b, uploaded, "b0")
+    b.scheduler.remote.wait_for_records()
     b.worker.shutdown()
     assert b_counts["loaded_blocks"] > 0 and b_counts["wrong_kv"] == 0
     kept = expected

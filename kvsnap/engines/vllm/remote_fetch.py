@@ -33,13 +33,19 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.remote_health import RemoteHealth, failure_kind
-from kvsnap.engines.vllm.remote_publish import FetchTarget, LocalPublish, fetch_into_store
+from kvsnap.engines.vllm.remote_publish import (
+    FetchTarget,
+    LocalPublish,
+    fetch_into_store,
+    record_fetch,
+)
 from kvsnap.engines.vllm.remote_store import RemoteStore
 
 #: Fetches queued or running, per fetch thread, past which no lookup starts.
@@ -81,6 +87,9 @@ class RemoteFetcher:
         self.health = RemoteHealth(events, remote.url)
         self._max_queued = QUEUED_PER_THREAD * fetches
         self._pool = ThreadPoolExecutor(max_workers=fetches, thread_name_prefix="kvsnap-fetch")
+        #: Records of fetches (one ``PUT`` each), on a thread of their own: a lookup never
+        #: waits for them, and they never hold a fetch thread.
+        self._records = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsnap-record")
         self._lock = threading.Lock()
         #: Fetches queued or running, by store key: shared by the lookups that need them.
         self._inflight: dict[str, Future[bool]] = {}
@@ -162,11 +171,31 @@ class RemoteFetcher:
         if future is not None:
             return future
         future = self._pool.submit(
-            fetch_into_store, target, self.remote, self.local, self.health, self.events
+            fetch_into_store,
+            target,
+            self.remote,
+            self.local,
+            self.health,
+            self.events,
+            record=self._record_later,
         )
         self._inflight[target.key] = future
         future.add_done_callback(lambda _: self._fetched(target.key, future))
         return future
+
+    def _record_later(self, target: FetchTarget) -> None:
+        self._records.submit(record_fetch, target, self.remote, self.health)
+
+    def wait_for_fetches(self) -> None:
+        """Block until the fetches queued or running now are done (those of lookups that
+        ended already included)."""
+        with self._lock:
+            futures = list(self._inflight.values())
+        wait_for_futures(futures)
+
+    def wait_for_records(self) -> None:
+        """Block until the records of the fetches done so far are written."""
+        self._records.submit(lambda: None).result()
 
     def _fetched(self, key: str, future: Future[bool]) -> None:
         with self._lock:
@@ -234,5 +263,7 @@ class RemoteFetcher:
             self._finish(lookup, "abandoned")
 
     def shutdown(self) -> None:
-        """Stop the fetch threads, dropping the fetches not yet begun."""
+        """Stop the fetch threads, dropping the fetches not yet begun (and records of fetches
+        not yet written: only LRU times are lost)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._records.shutdown(wait=False, cancel_futures=True)

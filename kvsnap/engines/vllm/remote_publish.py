@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,10 +74,14 @@ def fetch_into_store(
     local: LocalPublish,
     health: RemoteHealth,
     events: EventLog,
+    *,
+    record: Callable[[FetchTarget], object] | None = None,
 ) -> bool:
     """Bring ``target`` from ``remote`` into the local store; whether the store holds it now
     (it did already, or it was fetched, checked and published). A failure is counted by
-    ``health`` and is a miss; nothing here raises."""
+    ``health`` and is a miss; nothing here raises. A fetch is recorded on the remote
+    (:func:`record_fetch`, with ``local.record_use``) by ``record`` (which queues it: the
+    request waiting for this fetch does not wait for that ``PUT`` too), or here without it."""
     store = local.store
     if store.has_chunk(target.path):
         return True  # another engine of this node published it meanwhile
@@ -99,11 +103,6 @@ def fetch_into_store(
         return False
     if not published:
         return store.has_chunk(target.path)
-    if local.record_use:
-        try:
-            remote.record_use(target.key)
-        except Exception as error:  # the fetch worked; only the LRU record was lost
-            health.failed(failure_kind(error), error, path=target.path)
     events.emit(
         "fetch",
         request=target.request_id,
@@ -111,7 +110,21 @@ def fetch_into_store(
         bytes=len(data),
         seconds=round(time.perf_counter() - started, 6),
     )
+    if local.record_use:
+        if record is None:
+            record_fetch(target, remote, health)
+        else:
+            record(target)
     return True
+
+
+def record_fetch(target: FetchTarget, remote: RemoteStore, health: RemoteHealth) -> None:
+    """Record on the remote that ``target``'s chunk was fetched now (its ``used`` object: the
+    last use ``kvsnap store prune URL`` goes by). A failure loses only that record."""
+    try:
+        remote.record_use(target.key)
+    except Exception as error:
+        health.failed(failure_kind(error), error, path=target.path)
 
 
 def _publish(
