@@ -10,6 +10,7 @@ delegates.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +32,7 @@ from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.prefix_store import PrefixStore, check_store_directory, store_namespace
 from kvsnap.engines.vllm.registration import refuse_dropping_caches
+from kvsnap.engines.vllm.remote_tier import check_remote_options, remote_fetcher
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata, KVSnapWorkerMetadata
 from kvsnap.engines.vllm.store_guard import StoreGuard
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvsnap.format.signing import KeyRing
 
 
 class KVSnapConnector(KVConnectorBase_V1):
@@ -75,10 +79,10 @@ class KVSnapConnector(KVConnectorBase_V1):
         refuse_dropping_caches(kv_cache_config)
         transfer = self._kv_transfer_config
         self.options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config or {})
-        block_size = vllm_config.cache_config.block_size
         fingerprint = model_fingerprint(vllm_config)
         geometry = expected_geometry(vllm_config)
         keys = self.options.key_ring()
+        check_remote_options(self.options, keys)
         if self.options.persist:
             check_store_directory(
                 self.options.path, shared=self.options.shared_store, signed=keys is not None
@@ -91,26 +95,7 @@ class KVSnapConnector(KVConnectorBase_V1):
         self.connector_scheduler: KVSnapScheduler | None = None
         self.connector_worker: KVSnapWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            policy = str(transfer.kv_load_failure_policy)
-            verify = self.options.verifies_before_load(policy)
-            events = EventLog(self.options.event_log, "scheduler", 0)
-            # vLLM's "uni" executor runs the one worker in this process: a chunk the checker
-            # opened is handed to it rather than opened again.
-            parallel = vllm_config.parallel_config
-            hand_over = parallel.world_size == 1 and parallel.distributed_executor_backend == "uni"
-            checker = ChunkChecker(
-                fingerprint, geometry, block_size, verify=verify, keys=keys, hand_over=hand_over
-            )
-            self.connector_scheduler = KVSnapScheduler(
-                self.options,
-                store,
-                events,
-                block_size=block_size,
-                checker=checker,
-                block_ids_of=self._block_ids_of,
-                guard=self._guard(events, keys is not None),
-            )
-            self._warn_of_settings(events, store, policy, verify)
+            self._start_scheduler(vllm_config, store, fingerprint, geometry, keys)
         else:
             events = EventLog(self.options.event_log, "worker", tp_rank())
             self.connector_worker = KVSnapWorker(
@@ -123,6 +108,43 @@ class KVSnapConnector(KVConnectorBase_V1):
                 keys=keys,
                 guard=self._guard(events, keys is not None),
             )
+
+    def _start_scheduler(
+        self,
+        vllm_config: VllmConfig,
+        store: PrefixStore,
+        fingerprint: str,
+        geometry: Mapping[str, Any],
+        keys: KeyRing | None,
+    ) -> None:
+        """The scheduler side: its chunk checker, the remote tier's fetcher when configured,
+        and one warning per limiting setting."""
+        transfer = self._kv_transfer_config
+        block_size = vllm_config.cache_config.block_size
+        policy = str(transfer.kv_load_failure_policy)
+        verify = self.options.verifies_before_load(policy)
+        events = EventLog(self.options.event_log, "scheduler", 0)
+        # vLLM's "uni" executor runs the one worker in this process: a chunk the checker
+        # opened is handed to it rather than opened again.
+        parallel = vllm_config.parallel_config
+        hand_over = parallel.world_size == 1 and parallel.distributed_executor_backend == "uni"
+        checker = ChunkChecker(
+            fingerprint, geometry, block_size, verify=verify, keys=keys, hand_over=hand_over
+        )
+        remote = remote_fetcher(self.options, store, checker, events)
+        self.connector_scheduler = KVSnapScheduler(
+            self.options,
+            store,
+            events,
+            block_size=block_size,
+            checker=checker,
+            block_ids_of=self._block_ids_of,
+            guard=self._guard(events, keys is not None),
+            remote=remote,
+        )
+        self._warn_of_settings(events, store, policy, verify)
+        if remote is not None:
+            remote.probe()  # says whether the remote answers; the start never waits
 
     def _guard(self, events: EventLog, signed: bool) -> StoreGuard | None:
         """The check of the store's mode and owner repeated while the engine runs (none
@@ -144,6 +166,16 @@ class KVSnapConnector(KVConnectorBase_V1):
                 logging.WARNING,
                 message=f"the store {self.options.path} is read-only for this engine: "
                 "stored chunks are loaded, no chunk is saved",
+            )
+        if (
+            self.options.remote_writes
+            and self._vllm_config.parallel_config.tensor_parallel_size > 1
+        ):
+            events.emit(
+                "config",
+                logging.WARNING,
+                message="chunks saved at TP > 1 are parted and stay in the local store: this "
+                "engine fetches from the remote tier and uploads nothing",
             )
         if policy != "recompute" and not verify:
             events.emit(
@@ -253,6 +285,9 @@ class KVSnapConnector(KVConnectorBase_V1):
         return self._worker().build_connector_worker_meta()
 
     def shutdown(self) -> None:
-        """Finish every queued snapshot write and release the worker's memory."""
+        """Finish every queued snapshot write (and upload, within the drain bound) and release
+        the worker's memory; stop the scheduler's remote lookups."""
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()
