@@ -52,7 +52,10 @@ def snapshots(work: Path, gib: float) -> tuple[Path, Path]:
 
 
 def _env(tree: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(tree)}
+    # The tree measured comes first; what the caller's path adds (a folder of wheels installed
+    # with --target, say) stays after it.
+    inherited = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), inherited]))}
 
 
 def _warm(*paths: Path) -> None:
