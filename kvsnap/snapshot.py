@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap.errors import UnknownSequenceError
+from kvsnap.errors import UnknownSequenceError, UnsupportedVersionError
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry, torch_dtype
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvsnap.analysis import Comparison, LayerDifference
+    from kvsnap.encoded.read import EncodedFile
     from kvsnap.errors import SignatureError
     from kvsnap.layout import CacheLayout
     from kvsnap.pipeline import (
@@ -209,6 +210,9 @@ class Snapshot:
             reader if isinstance(reader, OpenedSnapshot) else whole_snapshot(reader, path)
         )
         self.path = path
+        #: The encoded file this snapshot was decoded from (``None``: an ordinary file).
+        self.encoded: EncodedFile | None = None
+        self._decoded_url: str | None = None
 
     @classmethod
     def open(
@@ -250,7 +254,18 @@ class Snapshot:
             ...
             kvsnap.errors.SnapshotIOError: no-such.safetensors: no such file...
         """
-        return cls(open_snapshot(path, verify=verify, keys=keys), str(path))
+        try:
+            return cls(open_snapshot(path, verify=verify, keys=keys), str(path))
+        except UnsupportedVersionError:
+            # An encoded snapshot (format version 3) opens as the ordinary one it decodes to.
+            from kvsnap.encoded.opening import open_decoded
+
+            decoded = open_decoded(path, keys)
+            if decoded is None:
+                raise
+            snapshot = cls(open_snapshot(decoded[0], verify=verify), str(path))
+            snapshot.encoded, snapshot._decoded_url = decoded[1], decoded[0]
+            return snapshot
 
     # -- metadata --------------------------------------------------------------------------
 
@@ -736,6 +751,11 @@ class Snapshot:
             >>> snap.close()
         """
         self._opened.close()
+        if self._decoded_url is not None:
+            from kvsnap.encoded.opening import release
+
+            release(self._decoded_url)
+            self._decoded_url = None
 
     def __enter__(self) -> Snapshot:
         return self

@@ -41,6 +41,7 @@ LAYER = {
     "pipeline": 3,
     "snapshot": 4,
     "parted": 4,
+    "encoded": 4,
     "analysis": 4,
     "distributed": 5,
     "engines": 5,
@@ -77,12 +78,15 @@ LATE_IMPORTS_ALLOWED = {
 TORCH_FREE_START = {
     "kvsnap.snapshot": {
         "kvsnap.analysis",
+        "kvsnap.encoded.opening",
         "kvsnap.layout",
         "kvsnap.parted",
         "kvsnap.pipeline",
         "kvsnap.pipeline.options",
     },
     "kvsnap.store.slot_writes": {"kvsnap.transfer.pinned"},
+    # An encoded snapshot's lossless pages decode without torch; only fp8 pages need it.
+    "kvsnap.encoded.read": {"kvsnap.encoded.fp8_pages"},
 }
 
 

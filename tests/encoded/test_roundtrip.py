@@ -1,0 +1,125 @@
+"""Encoded snapshots of real KV (the built-in model's prefill), captured from one layout and
+restored into every other, each dtype: ``lossless`` gives back the original file byte for byte
+and restores exactly what was captured; ``fp8`` restores exactly what its host decode says, and
+the error recorded at encoding is the error measured again from the two files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvsnap
+from kvsnap.encoded.read import decode, read_encoded
+from kvsnap.encoded.write import encode_file
+from kvsnap.encoding import measure
+from kvsnap.encoding.report import ErrorBounds
+from kvsnap.testing.caches import KVContent, make_cache, same_bytes
+from tests.support.encoded_files import capture_real
+from tests.support.pipeline_caches import LAYOUTS
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _encoded(tmp_path, kind: str, dtype: torch.dtype, encoding: str):
+    source = tmp_path / "original.safetensors"
+    capture_real(source, "mla" if kind == "mla" else "vllm-nhd", dtype)
+    target = tmp_path / f"{encoding}.safetensors"
+    return source, target, encode_file(source, target, encoding)
+
+
+def _restore_everywhere(snapshot, kind: str, tp_size: int, dtype: torch.dtype):
+    """Restore both sequences into fresh caches of ``kind`` (one per TP rank), blocks
+    reversed, and return the caches and the target blocks per snapshot block."""
+    geometry = snapshot.geometry
+    shape = (
+        {"latent_dim": geometry.latent_dim}
+        if geometry.is_mla
+        else {"num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim}
+    )
+    caches = [
+        make_cache(
+            kind,
+            num_layers=geometry.num_layers,
+            num_blocks=snapshot.num_blocks + 2,
+            block_size=geometry.block_size,
+            dtype=dtype,
+            tp_rank=rank,
+            tp_size=tp_size,
+            **shape,
+        )
+        for rank in range(tp_size)
+    ]
+    targets, block_ids = {}, {}
+    for record in snapshot.sequences:
+        ids = [snapshot.num_blocks + 1 - int(block) for block in record.block_ids]
+        block_ids[record.id] = ids
+        targets.update(dict(zip(record.block_ids.tolist(), ids, strict=True)))
+    snapshot.restore([cache.layout for cache in caches], block_ids)
+    return caches, targets
+
+
+def _check_restored(snapshot, caches, targets) -> None:
+    source = torch.tensor(list(targets))
+    target = torch.tensor(list(targets.values()))
+    content = KVContent(
+        snapshot.geometry,
+        {name: snapshot.read_tensor(name) for name in snapshot.geometry.tensor_names()},
+    )
+    for cache in caches:
+        for name in cache.views:
+            want = cache.expected(content, name, source)
+            assert same_bytes(cache.logical(name)[target], want), (cache.kind, name)
+
+
+#: Every layout of the pipeline's tests; the ones after the first four run with --run-slow.
+RESTORE_CASES = [
+    pytest.param(*case, marks=() if index < 4 else pytest.mark.slow)
+    for index, case in enumerate(
+        [LAYOUTS[0], LAYOUTS[7], LAYOUTS[9], LAYOUTS[3], *LAYOUTS[1:3], *LAYOUTS[4:7], LAYOUTS[8]]
+    )
+]
+
+
+@pytest.mark.parametrize(("kind", "tp_size", "heads"), RESTORE_CASES)
+@pytest.mark.parametrize("encoding", ["lossless", "fp8"])
+def test_an_encoded_snapshot_restores_into_every_layout(tmp_path, kind, tp_size, heads, encoding):
+    source, target, _ = _encoded(tmp_path, kind, torch.bfloat16, encoding)
+    with kvsnap.Snapshot.open(source) as original, kvsnap.Snapshot.open(target) as snapshot:
+        assert snapshot.encoded is not None and snapshot.verify() == []
+        caches, targets = _restore_everywhere(snapshot, kind, tp_size, torch.bfloat16)
+        _check_restored(snapshot, caches, targets)
+        if encoding == "lossless":
+            _check_restored(original, caches, targets)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["vllm-nhd", "mla"])
+def test_lossless_gives_back_the_original_file_byte_for_byte(tmp_path, dtype, kind):
+    source, target, result = _encoded(tmp_path, kind, dtype, "lossless")
+    assert result.stored_bytes == target.stat().st_size < result.decoded_bytes
+    decoded = decode(read_encoded(target))
+    assert np.array_equal(decoded, np.fromfile(source, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["vllm-nhd", "mla"])
+def test_fp8_records_the_error_measured_again_from_the_two_files(tmp_path, dtype, kind):
+    source, target, result = _encoded(tmp_path, kind, dtype, "fp8")
+    assert result.stored_bytes <= 0.56 * result.decoded_bytes
+    with kvsnap.Snapshot.open(source) as original, kvsnap.Snapshot.open(target) as snapshot:
+        recorded = snapshot.encoded.error
+        names = original.geometry.tensor_names()
+        measured = measure.error_report(
+            {name: original.read_tensor(name) for name in names},
+            {name: snapshot.read_tensor(name) for name in names},
+            encoding=recorded.encoding,
+            granularity="block-head",
+            token_counts=torch.from_numpy(original.valid_tokens_per_block()),
+        )
+    assert measured.to_dict() == recorded.to_dict() == result.error.to_dict()
+    if dtype != torch.float32:  # real bf16/fp16 KV keeps issue 39's bounds but attention's
+        bounds = ErrorBounds(attention_rel_l2=0.05)
+        assert recorded.exceeds(bounds) == []
+    worst = recorded.worst
+    assert worst["max_abs_rel_block"] <= 1 / 16 and worst["min_cosine"] >= 0.998
