@@ -58,7 +58,7 @@ def test_the_doc_recipe_decodes_a_lossless_file_to_the_original_pages(tmp_path, 
     target = tmp_path / "kv.lossless.safetensors"
     encode_file(source, target, "lossless")
     recipe = _recipe()
-    meta, header, data = recipe["tensors"](target)
+    meta, _, data = recipe["tensors"](target)
     _, original_header, original = recipe["tensors"](source)
     coded = [name for name, kind in meta["encoding"]["tensors"].items() if kind == "lossless"]
     assert coded, "real KV shrinks by more than 5%"

@@ -90,7 +90,7 @@ def test_a_chunk_table_whose_chunks_overlap_is_refused(files, tmp_path):
         table = _table(data, by_name)
         table[0, 5] += 7  # plane 0 of chunk 0 claims bytes of plane 1
 
-    with pytest.raises(SnapshotCorruptError, match="plane lengths|fill"):
+    with pytest.raises(SnapshotCorruptError, match=r"plane lengths|fill"):
         _decode(_mutated(files, "lossless", tmp_path, overlap))
 
 
