@@ -16,11 +16,13 @@ import typer
 from . import models
 from .common import (
     BackendOption,
+    CompressOption,
     DeviceOption,
     DtypeOption,
     JsonOption,
     KeyFileOption,
     ModelOption,
+    compression_for,
     format_bytes,
     key_ring,
     output_location,
@@ -73,13 +75,15 @@ def capture(
     ] = False,
     backend: BackendOption = "auto",
     key_file: KeyFileOption = None,
+    compress: CompressOption = "none",
     as_json: JsonOption = False,
 ) -> None:
     """Run prefill for each prompt on the model and write the KV cache as a snapshot (signed
-    with --key-file)."""
+    with --key-file, encoded with --compress)."""
     from kvsnap.pipeline import TransferOptions
 
     target = output_location(output, option="--output")
+    compression = compression_for(compress, target)
     keys = key_ring(key_file)
     prompts = _prompts(prompt, prompts_file)
     model_dtype = models.torch_dtype(dtype)
@@ -92,34 +96,59 @@ def capture(
     loaded_at = time.perf_counter()
     prefilled = _prefill(engine, loaded, prompts, show_progress=not as_json)
     prefilled_at = time.perf_counter()
+    written = target if compression == "none" else f"{target}.uncompressed.tmp"
     with progress_bar("writing", enabled=not as_json) as progress:
         result = engine.capture_dynamic_caches(
             prefilled,
-            target,
+            written,
             model=loaded,
             block_size=block_size,
             transfer=TransferOptions(backend=backend),
             progress=progress,
             reproducible=reproducible,
-            keys=keys,
+            keys=None if compression != "none" else keys,
         )
+    encoding = None if compression == "none" else _encode(written, target, compression, keys)
     finished = time.perf_counter()
     payload = {
-        "path": result.path,
+        "path": target if encoding else result.path,
         "sequences": result.num_sequences,
         "tokens": result.num_tokens,
         "bytes": result.num_bytes,
         "seconds": round(result.seconds, 6),
+        "encoding": encoding or {"name": "none"},
     }
     if as_json:
         emit_json(payload)
         return
+    stored = (
+        "" if encoding is None else f", stored {encoding['name']} {encoding['ratio']:.2f}x smaller"
+    )
     stdout.print(
         f"captured {result.num_sequences} sequence(s), {result.num_tokens} tokens, "
-        f"{format_bytes(result.num_bytes)} → [bold]{text(result.path)}[/] "
+        f"{format_bytes(result.num_bytes)}{stored} → [bold]{text(payload['path'])}[/] "
         f"in {finished - started:.2f} s (model load {loaded_at - started:.2f} s, prefill "
         f"{prefilled_at - loaded_at:.2f} s, write {finished - prefilled_at:.2f} s)"
     )
+
+
+def _encode(written: str, target: str, compression: str, keys: Any) -> dict[str, Any]:
+    """Encode the captured file ``written`` into ``target`` and remove it; the encoding's
+    summary (its error report's worst values for fp8)."""
+    from kvsnap.encoded.write import recode_file
+
+    try:
+        result = recode_file(written, target, compression, keys=keys)
+    finally:
+        Path(written).unlink(missing_ok=True)
+    summary: dict[str, Any] = {
+        "name": compression,
+        "ratio": round(result.ratio, 4),
+        "stored_bytes": result.stored_bytes,
+    }
+    if result.error is not None:
+        summary["error"] = result.error.worst
+    return summary
 
 
 def _prefill(engine: Any, loaded: Any, prompts: list[str], *, show_progress: bool) -> list[Any]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvsnap.encoded.summary import error_line
 from kvsnap.errors import (
     NotASnapshotError,
     SignatureError,
@@ -81,6 +82,7 @@ def verify(
         models.check_device(device)
     problems: list[dict[str, Any]] = []
     comparison: Comparison | None = None
+    measured: dict[str, Any] | None = None
     check = _SignatureCheck(keys)
     try:
         with _open_checked(location, check) as snap:
@@ -89,7 +91,11 @@ def verify(
             problems[:0] = check.refused
             if not problems and reference is not None:
                 with Snapshot.open(reference) as other:
-                    comparison = snap.compare(other, atol=atol, rtol=rtol)
+                    if _is_lossy(snap) and not (atol or rtol):
+                        measured = _measured_error(snap, other)
+                        problems += measured.pop("problems")
+                    else:
+                        comparison = snap.compare(other, atol=atol, rtol=rtol)
             if not problems and engine is not None:
                 comparison = _recompute(engine, snap, model, device, atol, rtol, quiet=as_json)
     except (SnapshotCorruptError, NotASnapshotError) as error:
@@ -97,7 +103,7 @@ def verify(
         problems.append({"tensor": error.tensor, "block": error.block, "message": str(error)})
     if comparison is not None:
         problems += _comparison_problems(comparison)
-    _report(problems, comparison, as_json=as_json, signature=check.verdict)
+    _report(problems, comparison, as_json=as_json, signature=check.verdict, error=measured)
     if problems:
         raise typer.Exit(EXIT_VERIFY_FAILED)
 
@@ -108,6 +114,7 @@ def _report(
     *,
     as_json: bool,
     signature: str | None,
+    error: dict[str, Any] | None = None,
 ) -> None:
     """Print the outcome: each problem once, after the per-tensor comparison table."""
     notes = [] if comparison is None else comparison.notes
@@ -118,11 +125,16 @@ def _report(
                 "problems": problems,
                 **({"signature": signature} if signature is not None else {}),
                 **({"notes": notes} if notes else {}),
+                **({"error": error} if error is not None else {}),
             }
         )
         return
     if signature is not None:
         stdout.print(f"signature: {signature}")
+    if error is not None:
+        if error["measured"] is not None:
+            stdout.print(f"error measured against the reference: {error_line(error['measured'])}")
+        stdout.print(f"error recorded in the file: {error_line(error['recorded'])}")
     for note in notes:
         stdout.print(f"[yellow]note:[/] {text(note)}")
     if comparison is not None:
@@ -171,6 +183,39 @@ def _open_checked(location: str, check: _SignatureCheck) -> Iterator[Snapshot]:
             check.verdict = "valid"
     with snap:
         yield snap
+
+
+def _is_lossy(snap: Snapshot) -> bool:
+    """Whether ``snap`` was stored with a lossy encoding (fp8): compared by its error."""
+    return snap.encoded is not None and snap.encoded.error is not None
+
+
+def _measured_error(snap: Snapshot, reference: Snapshot) -> dict[str, Any]:
+    """An fp8 snapshot's error measured again against ``reference`` (the snapshot it was made
+    from): ``measured`` and ``recorded`` worst values, and a problem when the reference holds
+    other blocks or the file's report is not what the two files give."""
+    from kvsnap.encoded.summary import measured_error
+
+    assert snap.encoded is not None and snap.encoded.error is not None
+    recorded = snap.encoded.error
+    result: dict[str, Any] = {"recorded": recorded.worst, "measured": None, "problems": []}
+    same_blocks = snap.num_blocks == reference.num_blocks and [
+        (r.id, r.token_ids.tolist(), r.block_ids.tolist()) for r in snap.sequences
+    ] == [(r.id, r.token_ids.tolist(), r.block_ids.tolist()) for r in reference.sequences]
+    if not same_blocks or snap.geometry != reference.geometry:
+        message = "the reference holds other sequences, blocks or geometry than the snapshot"
+        result["problems"].append({"tensor": None, "block": None, "message": message})
+        return result
+    names = snap.geometry.tensor_names()
+    # As recorded: rounded to 6 significant digits.
+    measured = type(recorded).from_dict(
+        measured_error(snap, reference, names, recorded.encoding).to_dict()
+    )
+    result["measured"] = measured.worst
+    if measured.to_dict() != recorded.to_dict():
+        message = "the error recorded in the file is not the error measured against the reference"
+        result["problems"].append({"tensor": None, "block": None, "message": message})
+    return result
 
 
 def _signature_problem(error: SignatureError) -> dict[str, Any]:

@@ -4,9 +4,11 @@ front to back and published with a rename."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ import torch
 
 from kvsnap._version import __version__
 from kvsnap.encoded.original import OriginalFile, check_original, parse_original, read_local
+from kvsnap.encoded.read import decode, is_encoded, parse_encoded
 from kvsnap.encoding import fp8, lossless, measure
 from kvsnap.encoding.report import ErrorReport
 from kvsnap.errors import SnapshotIOError
@@ -225,3 +228,69 @@ def encode_file(
         time.perf_counter() - started,
         report,
     )
+
+
+def recode_file(
+    source: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    compression: str,
+    *,
+    keys: KeyRing | None = None,
+    measure_error: bool = True,
+    threads: int = 2,
+) -> EncodeResult:
+    """Write the snapshot ``source`` (ordinary or encoded: an encoded one is decoded first)
+    to ``target`` as ``compression``: ``"none"`` (the ordinary file), ``"lossless"`` or
+    ``"fp8"``. An fp8 snapshot re-encoded is measured against its decoded pages, not the
+    pages it was made from (those are gone)."""
+    if compression not in ("none", *enc.ENCODINGS):
+        raise ValueError(f"compression {compression!r}: none, lossless or fp8")
+    started = time.perf_counter()
+    data = read_local(source)
+    if is_encoded(data):
+        with ThreadPoolExecutor(max(1, threads)) as executor:
+            data = decode(parse_encoded(data, os.fspath(source)), executor)
+    original = parse_original(data, os.fspath(source))
+    check_original(original)
+    if compression == "none":
+        if keys is not None and original.metadata.signature is None:
+            raise ValueError(
+                "an ordinary snapshot is signed at capture: --compress none keeps "
+                "the file as it was"
+            )
+        stored = _publish([data], Path(target))
+        report = None
+    else:
+        with ThreadPoolExecutor(max(1, threads)) as executor:
+            pieces, report = encoded_pieces(
+                original, compression, keys=keys, measure_error=measure_error, executor=executor
+            )
+        stored = _publish(pieces, Path(target))
+    return EncodeResult(
+        os.fspath(target), compression, len(data), stored, time.perf_counter() - started, report
+    )
+
+
+def capture_encoded(
+    capture: Callable[[str], Any],
+    path: str | os.PathLike[str],
+    compression: str,
+    *,
+    keys: KeyRing | None,
+    refused: bool,
+) -> Any:
+    """``capture(written)`` into a temporary file beside ``path``, then that file encoded
+    into ``path`` as ``compression`` and removed: the capture's result, its path ``path``."""
+    if compression not in enc.ENCODINGS:
+        raise ValueError(f"compression {compression!r}: none, lossless or fp8")
+    if refused or "://" in os.fspath(path):
+        raise ValueError("an encoded snapshot is one local file: no shards, parts or URLs")
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    written = target.with_name(f".{target.name}.captured.tmp")
+    try:
+        result = capture(str(written))
+        recode_file(written, target, compression, keys=keys)
+    finally:
+        written.unlink(missing_ok=True)
+    return dataclasses.replace(result, path=os.fspath(path))

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
 
-CAPTURE_KEYS = {"path", "sequences", "tokens", "bytes", "seconds"}
+CAPTURE_KEYS = {"path", "sequences", "tokens", "bytes", "seconds", "encoding"}
 INSPECT_KEYS = {
     "format_version",
     "kvsnap_version",

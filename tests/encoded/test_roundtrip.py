@@ -15,7 +15,7 @@ from kvsnap.encoded.write import encode_file
 from kvsnap.encoding import measure
 from kvsnap.encoding.report import ErrorBounds
 from kvsnap.testing.caches import KVContent, make_cache, same_bytes
-from tests.support.encoded_files import capture_real
+from tests.support.encoded_files import capture_real, real_content
 from tests.support.pipeline_caches import LAYOUTS
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -123,3 +123,34 @@ def test_fp8_records_the_error_measured_again_from_the_two_files(tmp_path, dtype
         assert recorded.exceeds(bounds) == []
     worst = recorded.worst
     assert worst["max_abs_rel_block"] <= 1 / 16 and worst["min_cosine"] >= 0.998
+
+
+@pytest.mark.parametrize("compression", ["lossless", "fp8"])
+def test_capture_writes_an_encoded_snapshot_and_leaves_nothing_else(tmp_path, compression):
+    content = real_content(torch.float16)
+    geometry = content.geometry
+    cache = make_cache(
+        "vllm-hnd",
+        num_layers=geometry.num_layers,
+        num_blocks=8,
+        block_size=geometry.block_size,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        dtype=torch.float16,
+    )
+    cache.fill(content)
+    prompt = kvsnap.SequenceBlocks("p", np.arange(40), np.array([3, 5, 1]))
+    path = tmp_path / "kv.safetensors"
+    result = kvsnap.capture(cache.layout, [prompt], path, compression=compression)
+    assert result.path == str(path) and sorted(tmp_path.iterdir()) == [path]
+    with kvsnap.Snapshot.open(path) as snapshot:
+        assert snapshot.encoded.encoding["name"] == compression
+        pages = snapshot.read_tensor("layers.1.value")
+    want = content.pages["layers.1.value"][[3, 5, 1]]
+    if compression == "lossless":
+        assert same_bytes(pages, want)
+    else:  # the 40 tokens held (the rest of the last block is not quantized for)
+        error = (pages.float() - want.float()).flatten(0, 1)[:40].abs().amax()
+        assert error <= want.float().abs().max() / 16
+    with pytest.raises(ValueError, match="one local file"):
+        kvsnap.capture(cache.layout, [prompt], path, compression="fp8", max_shard_bytes=1 << 20)

@@ -79,6 +79,7 @@ TORCH_FREE_START = {
     "kvsnap.snapshot": {
         "kvsnap.analysis",
         "kvsnap.encoded.opening",
+        "kvsnap.encoded.write",
         "kvsnap.layout",
         "kvsnap.parted",
         "kvsnap.pipeline",
@@ -87,6 +88,7 @@ TORCH_FREE_START = {
     "kvsnap.store.slot_writes": {"kvsnap.transfer.pinned"},
     # An encoded snapshot's lossless pages decode without torch; only fp8 pages need it.
     "kvsnap.encoded.read": {"kvsnap.encoded.fp8_pages"},
+    "kvsnap.encoded.summary": {"kvsnap.encoding.measure"},
 }
 
 

@@ -1,0 +1,69 @@
+"""What ``inspect`` and ``store list`` say about a snapshot's encoding, and ``verify --against``'s
+new measurement of an fp8 snapshot's error."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvsnap.encoded.read import EncodedFile
+
+
+class _Readable(Protocol):
+    """What a measurement reads of a snapshot (``kvsnap.Snapshot`` has it)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def read_tensor(self, name: str) -> Any: ...
+
+    def valid_tokens_per_block(self) -> np.ndarray: ...
+
+
+def encoding_summary(encoded: EncodedFile | None) -> dict[str, Any]:
+    """``{"name": "none"}`` for an ordinary file; else the encoding's name and codec, the
+    decoded and stored sizes, their ratio, how many layer tensors each way is stored, and the
+    recorded error (its worst values and the full report, or ``None``)."""
+    if encoded is None:
+        return {"name": "none"}
+    encoding = encoded.encoding
+    kinds = list(encoding["tensors"].values())
+    error = encoded.error
+    return {
+        "name": encoding["name"],
+        "codec": encoding["codec"],
+        "format_version": encoded.layout.document["format_version"],
+        "decoded_bytes": encoded.decoded_bytes,
+        "stored_bytes": len(encoded.data),
+        "ratio": round(encoded.ratio, 4),
+        "tensors": {kind: kinds.count(kind) for kind in sorted(set(kinds))},
+        "error": None if error is None else {"worst": error.worst, "report": error.to_dict()},
+    }
+
+
+def error_line(worst: dict[str, float]) -> str:
+    """An error report's worst values in one line."""
+    return (
+        f"max abs {worst['max_abs']:.4g} ({100 * worst['max_abs_rel_block']:.2f}% of a block's "
+        f"max), RMS rel {100 * worst['rms_rel']:.2f}%, min cosine {worst['min_cosine']:.5f}, "
+        f"underflow {100 * worst['underflow_share']:.3f}%, non-finite {int(worst['non_finite'])}"
+        f", attention rel L2 {100 * worst['attention_rel_l2']:.2f}% "
+        f"(min cosine {worst['attention_min_cosine']:.5f})"
+    )
+
+
+def measured_error(decoded: _Readable, original: _Readable, names: list[str], encoding: str) -> Any:
+    """The error report of ``decoded`` (an fp8 snapshot, opened) against ``original``,
+    measured as the encoder did (:func:`kvsnap.encoding.measure.error_report`)."""
+    import torch
+
+    from kvsnap.encoding import measure
+
+    return measure.error_report(
+        {name: original.read_tensor(name) for name in names},
+        {name: decoded.read_tensor(name) for name in names},
+        encoding=encoding,
+        granularity="block-head",
+        token_counts=torch.from_numpy(original.valid_tokens_per_block()),
+    )
