@@ -682,6 +682,14 @@ class Snapshot:
         from kvsnap.pipeline import Pipeline
         from kvsnap.pipeline.options import staging_options
 
+        if self.encoded is not None:
+            from kvsnap.encoded.device_restore import fp8_restorable, restore_fp8_on_device
+
+            layouts = [layout] if not isinstance(layout, Sequence) else list(layout)
+            if fp8_restorable(self.encoded, layouts):
+                return restore_fp8_on_device(
+                    self, layouts, block_ids, model_fingerprint=model_fingerprint, force=force
+                )
         return Pipeline(layout, transfer=transfer).restore(
             self,
             block_ids,

@@ -78,6 +78,7 @@ LATE_IMPORTS_ALLOWED = {
 TORCH_FREE_START = {
     "kvsnap.snapshot": {
         "kvsnap.analysis",
+        "kvsnap.encoded.device_restore",
         "kvsnap.encoded.opening",
         "kvsnap.encoded.write",
         "kvsnap.layout",
