@@ -49,7 +49,7 @@ def real_content(dtype: torch.dtype, latent: bool = False) -> KVContent:
 
 def capture_real(path: Path, kind: str, dtype: torch.dtype, *, keys=None) -> KVContent:
     """Capture real KV from a cache of layout ``kind`` to ``path``: sequence ``a`` of 96
-    tokens in blocks 6, 1, 4, 3, 0, 2, sequence ``b`` of 70 tokens sharing nothing."""
+    tokens in blocks 6, 1, 4, 3, 0, 2, sequence ``b`` of 70 tokens sharing a's first block."""
     content = real_content(dtype, latent=kind == "mla")
     geometry = content.geometry
     shape = (
@@ -61,9 +61,12 @@ def capture_real(path: Path, kind: str, dtype: torch.dtype, *, keys=None) -> KVC
         kind, num_layers=geometry.num_layers, num_blocks=8, block_size=BLOCK, dtype=dtype, **shape
     )
     cache.fill(content)
+    first = np.arange(TOKENS[0]) % 251
+    # b shares a's first block (stored once), so b's snapshot blocks are not one run.
+    second = np.concatenate([first[:BLOCK], 7 + np.arange(TOKENS[1] - BLOCK) % 241])
     sequences = [
-        kvsnap.SequenceBlocks("a", np.arange(TOKENS[0]) % 251, np.array([6, 1, 4, 3, 0, 2])),
-        kvsnap.SequenceBlocks("b", 7 + np.arange(TOKENS[1]) % 241, np.array([5, 7, 1, 0, 2])[:5]),
+        kvsnap.SequenceBlocks("a", first, np.array([6, 1, 4, 3, 0, 2])),
+        kvsnap.SequenceBlocks("b", second, np.array([6, 5, 7, 1, 0])),
     ]
     kvsnap.capture(cache.layout, sequences, path, reproducible=True, keys=keys)
     return content
