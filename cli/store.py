@@ -50,6 +50,9 @@ def _require_store(directory: Path) -> Path:
 
 
 def _entry_json(entry: StoreEntry, root: Path, now: float) -> dict[str, Any]:
+    from kvsnap.encoded.summary import file_encoding
+
+    encoding, ratio = file_encoding(str(entry.path))
     return {
         "path": str(entry.path.relative_to(root)),
         "namespace": entry.namespace,
@@ -61,6 +64,8 @@ def _entry_json(entry: StoreEntry, root: Path, now: float) -> dict[str, Any]:
         "orphan": entry.orphan,
         "temp": entry.temp,
         "legacy": entry.legacy,
+        "encoding": encoding,
+        "ratio": round(ratio, 4),
     }
 
 
@@ -72,6 +77,12 @@ def _state(row: dict[str, Any]) -> str:
     if row["legacy"]:
         return "old key scheme"
     return "quarantined" if row["quarantined"] else "ok"
+
+
+def _encoding_cell(row: dict[str, Any]) -> str:
+    if row["encoding"] == "none":
+        return "-"
+    return f"{row['encoding']} {row['ratio']:.2f}x"
 
 
 def _age(seconds: float) -> str:
@@ -97,13 +108,14 @@ def _print_entries(rows: list[dict[str, Any]], title: str) -> None:
             caption_justify="left",
             box=box.SIMPLE_HEAD,
         )
-        for column in ("entry", "parts", "size", "last used", "state"):
+        for column in ("entry", "parts", "size", "encoding", "last used", "state"):
             table.add_column(column, overflow="fold")
         for row in members:
             table.add_row(
                 Text(_entry_name(row["path"])),
                 str(row["parts"]) if row["parts"] else "-",
                 format_bytes(row["bytes"]),
+                _encoding_cell(row),
                 f"{_age(row['age_s'])} ago",
                 _state(row),
             )

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvsnap.encoded.read import EncodedFile
+from kvsnap.errors import KVSnapError
 
 
 class _Readable(Protocol):
@@ -67,3 +68,30 @@ def measured_error(decoded: _Readable, original: _Readable, names: list[str], en
         granularity="block-head",
         token_counts=torch.from_numpy(original.valid_tokens_per_block()),
     )
+
+
+def file_encoding(path: str) -> tuple[str, float]:
+    """``(encoding, ratio)`` of the snapshot file at ``path`` from its header alone:
+    ``("none", 1.0)`` for an ordinary file (or one that cannot be read), else the encoding's
+    name and its decoded bytes over its size."""
+    import json
+    import os
+
+    from kvsnap.format import encoded as enc
+
+    try:
+        with open(path, "rb") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            prefix = stream.read(8)
+            length = enc.header_length(prefix, size, path)
+            header = prefix + stream.read(length)
+    except (OSError, ValueError, KVSnapError):
+        return "none", 1.0
+    if enc.peek_version(header) != enc.ENCODED_FORMAT_VERSION:
+        return "none", 1.0
+    try:
+        document = json.loads(json.loads(header[8:])["__metadata__"]["kvsnap"])
+        encoding = document["encoding"]
+        return str(encoding["name"]), int(encoding["decoded_bytes"]) / max(size, 1)
+    except (ValueError, KeyError, TypeError):
+        return "none", 1.0

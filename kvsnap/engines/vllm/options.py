@@ -34,8 +34,11 @@ KNOWN_OPTIONS = frozenset(
         "key_file",
         "shared_store",
         "shutdown_drain_s",
+        "compression",
     }
 )
+#: The values of the ``compression`` option.
+COMPRESSIONS = ("none", "lossless", "fp8")
 
 #: The environment variable that sets how long vLLM waits for its workers to exit once it
 #: told them to (vLLM's default: 5 s); the default bound of a worker's drain at shutdown.
@@ -82,6 +85,10 @@ class ConnectorOptions:
       (default: none, vLLM's own window for its workers, ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``,
       5 s unless set); the saves left after it are abandoned (``save_abandoned``), never
       half-published.
+    * ``compression``: ``none`` (default), ``lossless`` or ``fp8``: chunks are stored as
+      encoded snapshots (docs/format.md, "Encoded snapshots"; at TP 1: a TP > 1 engine stores
+      them as captured); an fp8 chunk is about half the bytes, so a bound holds about twice the
+      prefixes, and its hits decode on the host (CPU caches) or on the device (CUDA).
     """
 
     path: str
@@ -99,6 +106,7 @@ class ConnectorOptions:
     key_file: tuple[str, ...] = ()
     shared_store: bool = False
     shutdown_drain_s: float | None = None  # None: vLLM's window for its workers
+    compression: str = "none"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorOptions:
@@ -143,6 +151,7 @@ class ConnectorOptions:
                 if extra.get("shutdown_drain_s") is None
                 else _seconds("shutdown_drain_s", extra["shutdown_drain_s"])
             ),
+            compression=_compression(extra.get("compression", "none")),
         )
 
     def verifies_before_load(self, kv_load_failure_policy: str) -> bool:
@@ -242,3 +251,9 @@ def _auto_flag(raw: Any) -> bool | None:
     raise ValueError(
         f"KVSnapConnector: verify_before_load must be 'auto', true or false, got {raw!r}"
     )
+
+
+def _compression(raw: Any) -> str:
+    if raw not in COMPRESSIONS:
+        raise ValueError(f"KVSnapConnector: compression must be one of {COMPRESSIONS}, got {raw!r}")
+    return str(raw)
