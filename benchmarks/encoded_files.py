@@ -255,6 +255,7 @@ def main() -> None:
                 name: cpu_case(name, tokens, directory, args.repeat)
                 for name in ("built-in", "8b-shape")
             }
+            results["torch_threads"] = torch.get_num_threads()
     text = json.dumps(results, indent=1, default=float)
     print(text)
     if args.json_out is not None:

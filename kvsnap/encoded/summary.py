@@ -95,3 +95,25 @@ def file_encoding(path: str) -> tuple[str, float]:
         return str(encoding["name"]), int(encoding["decoded_bytes"]) / max(size, 1)
     except (ValueError, KeyError, TypeError):
         return "none", 1.0
+
+
+#: How far a number measured again may be from the one recorded: the report keeps 6 digits,
+#: and a GPU's sums run in another order than the CPU's.
+REPORT_TOLERANCE = 1e-3
+
+
+def reports_agree(measured: Any, recorded: Any, tolerance: float = REPORT_TOLERANCE) -> bool:
+    """Whether two error reports (``to_dict`` form) say the same: the same fields, strings and
+    counts, every other number within ``tolerance`` relative (or 1e-9 absolute)."""
+    if isinstance(measured, dict) and isinstance(recorded, dict):
+        return measured.keys() == recorded.keys() and all(
+            reports_agree(measured[key], recorded[key], tolerance) for key in measured
+        )
+    if isinstance(measured, list) and isinstance(recorded, list):
+        return len(measured) == len(recorded) and all(
+            reports_agree(a, b, tolerance) for a, b in zip(measured, recorded, strict=True)
+        )
+    if isinstance(measured, float) or isinstance(recorded, float):
+        scale = max(abs(measured), abs(recorded))
+        return abs(measured - recorded) <= max(tolerance * scale, 1e-9)
+    return bool(measured == recorded)

@@ -64,14 +64,22 @@ class _Stored:
     decoded: dict[str, torch.Tensor]
 
 
+def encoding_device() -> torch.device:
+    """Where fp8 pages are quantized and their error measured: the GPU when there is one (the
+    same torch ops, bit for bit the same values, far faster), else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _fp8_tensor(
     original: OriginalFile, entry: TensorEntry, counts: torch.Tensor, out: _Stored
 ) -> None:
     dtype = FP8_SOURCES[entry.dtype]
-    pages = torch.frombuffer(original.bytes_of(entry).copy(), dtype=dtype).reshape(entry.shape)
+    host = torch.frombuffer(original.bytes_of(entry).copy(), dtype=dtype).reshape(entry.shape)
+    pages = host.to(counts.device)
     quantized = fp8.quantize(pages, token_counts=counts)
-    out.items.append((entry.name, "F8_E4M3", entry.shape, quantized.values.numpy().reshape(-1)))
-    scales = quantized.scales.numpy()
+    values = quantized.values.cpu().numpy().reshape(-1)
+    out.items.append((entry.name, "F8_E4M3", entry.shape, values))
+    scales = quantized.scales.cpu().numpy()
     out.items.append(
         (entry.name + enc.SCALES_SUFFIX, "F32", scales.shape, scales.view(np.uint8).reshape(-1))
     )
@@ -102,7 +110,7 @@ def _lossless_tensor(
 def _stored_tensors(original: OriginalFile, encoding: str, executor: Executor | None) -> _Stored:
     header = np.frombuffer(original.layout.header, dtype=np.uint8)
     out = _Stored([(enc.ORIGINAL_HEADER_TENSOR, "U8", (len(header),), header)], {}, {}, {})
-    counts = torch.from_numpy(original.tokens_per_block())
+    counts = torch.from_numpy(original.tokens_per_block()).to(encoding_device())
     for entry in original.layout.entries:
         if enc.is_padding(entry.name):
             continue
@@ -138,7 +146,7 @@ def encoded_pieces(
             stored.decoded,
             encoding=fp8.NAME,
             granularity="block-head",
-            token_counts=torch.from_numpy(original.tokens_per_block()),
+            token_counts=torch.from_numpy(original.tokens_per_block()).to(encoding_device()),
         )
     rows = len(stored.items) + 2
     specs = [(name, dtype, shape) for name, dtype, shape, _ in stored.items]
