@@ -159,6 +159,30 @@ def cpu_case(model_name: str, tokens: int, directory: Path, repeat: int) -> dict
     return row
 
 
+def fp8_restore_figures(encoded: Path, target, ids: np.ndarray, names: list, repeat: int) -> dict:
+    """The fp8 file's open (a host decode) and its restore into the CUDA cache ``target`` (the
+    device path), checked against the host decode."""
+    import kvsnap
+
+    figures: dict = {}
+    figures["open_fp8_ms"] = 1e3 * median_s(
+        lambda: kvsnap.Snapshot.open(encoded).close(), max(1, repeat // 2)
+    )
+    with kvsnap.Snapshot.open(encoded) as snapshot:
+        figures["restore_fp8_backend"] = snapshot.restore(target.layout, {"s": ids}).backend
+        figures["restore_fp8_ms"] = 1e3 * median_s(
+            lambda: snapshot.restore(target.layout, {"s": ids}), repeat
+        )
+        figures["restore_fp8_exact"] = all(
+            torch.equal(
+                target.views[n].cpu().view(torch.int16), snapshot.read_tensor(n).view(torch.int16)
+            )
+            for n in names
+        )
+        figures["fp8_error"] = snapshot.encoded.error.worst
+    return figures
+
+
 def gpu_run(tokens: int, directory: Path, repeat: int) -> dict:
     import kvsnap
     from kvsnap.pipeline import Pipeline
@@ -206,22 +230,7 @@ def gpu_run(tokens: int, directory: Path, repeat: int) -> dict:
     results["restore_bf16_hot_exact"] = exact()
     results["restore_bf16_hot_ms"] = 1e3 * median_s(restore_plain, repeat)
     configure_hot_tier(0)
-    results["open_fp8_ms"] = 1e3 * median_s(
-        lambda: kvsnap.Snapshot.open(encoded).close(), max(1, repeat // 2)
-    )
-    with kvsnap.Snapshot.open(encoded) as snapshot:
-        restored = snapshot.restore(target.layout, {"s": ids})
-        results["restore_fp8_backend"] = restored.backend
-        results["restore_fp8_ms"] = 1e3 * median_s(
-            lambda: snapshot.restore(target.layout, {"s": ids}), repeat
-        )
-        results["restore_fp8_exact"] = all(
-            torch.equal(
-                target.views[n].cpu().view(torch.int16), snapshot.read_tensor(n).view(torch.int16)
-            )
-            for n in list(pages)[:4]
-        )
-        results["fp8_error"] = snapshot.encoded.error.worst
+    results.update(fp8_restore_figures(encoded, target, ids, list(pages), repeat))
     results["restore_fp8_vs_bf16_hot"] = results["restore_fp8_ms"] / results["restore_bf16_hot_ms"]
     results["capture_fp8_vs_bf16"] = results["capture_fp8_ms"] / results["capture_bf16_ms"]
     return results
