@@ -9,9 +9,11 @@ the product of a 4-bit and a 24-bit significand is exact there, and never subnor
 rounded to nearest even to fp32 and from fp32 to the cache's dtype on the integer bits, with
 subnormals kept, and written to the cache's address for it. Every NaN is written as the
 dtype's canonical quiet NaN. No fp32 arithmetic takes part, so the result does not depend on
-whether the compiler flushes fp32 subnormals to zero (on the H100, 2026-12-06, the earlier
-kernel's fp32 product differed from the host for the smallest codes times scales near
-2**-118). :func:`kvsnap.encoding.fp8.dequantize` is its host twin, bit for bit
+whether the compiler flushes fp32 subnormals to zero (an H100 run of 2026-12-06 found the
+earlier kernel, which multiplied in fp32, differing from the host on pages whose scales made
+subnormal products; tests/transfer/test_page_dequant.py has those cases, and a GPU test of the
+8B shape's pages over many program steps that names the first differing element, if any).
+:func:`kvsnap.encoding.fp8.dequantize` is its host twin, bit for bit
 (tests/transfer/test_page_dequant.py compares them on every code and on scales that make
 subnormal and overflowing results).
 

@@ -170,3 +170,50 @@ def test_on_cuda_the_kernel_writes_what_the_twin_decodes(kind, tp_size):
         )
         torch.cuda.synchronize()
         _check(rank_caches, _expected(geometry, page_tensors, device_blocks, codes, scales, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_on_cuda_large_pages_over_many_program_steps_decode_as_the_twin(dtype):
+    """The 8B shape's pages (16 tokens x 8 heads x 128: one fragment of 4 tiles) and more pages
+    than programs, so every program loops: every element as the host twin decodes it, the
+    first difference named by page, element, code and scale."""
+    blocks = 640
+    cache = make_cache(
+        "vllm-nhd",
+        num_layers=2,
+        num_blocks=blocks,
+        block_size=16,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=dtype,
+        device="cuda",
+    )
+    geometry = cache.layout.geometry
+    rng = np.random.default_rng(5)
+    pages = 4 * blocks
+    page_tensors, device_blocks = np.divmod(np.arange(pages), blocks)
+    codes = torch.from_numpy(rng.integers(0, 256, (pages, 16, 8, 128), dtype=np.uint8))
+    exponents = rng.integers(-12, 2, (pages, 8)).astype(np.float64)
+    exponents[::97] = -125  # some pages whose smallest codes decode below fp32's normal range
+    scales = torch.from_numpy(
+        (np.exp2(exponents) * rng.uniform(1, 2, (pages, 8))).astype(np.float32)
+    )
+    table = PageTable([cache.layout])
+    page_dequant.dequant_scatter(table, page_tensors, device_blocks, codes.cuda(), scales.cuda())
+    torch.cuda.synchronize()
+    want = fp8.dequantize(codes, scales, dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for index, name in enumerate(geometry.tensor_names()):
+        got = cache.views[name].cpu().view(bits)
+        expected = want[index * blocks : (index + 1) * blocks].view(bits)
+        differ = torch.nonzero(got != expected)
+        if len(differ):
+            block, *element = (int(i) for i in differ[0])
+            page = index * blocks + block
+            raise AssertionError(
+                f"{name}: {len(differ)} elements differ; first block {block} element {element}: "
+                f"code {int(codes[page][tuple(element)]):#04x}, scale "
+                f"{float(scales[page, element[1]])!r}, kernel {int(got[block][tuple(element)])}, "
+                f"twin {int(expected[block][tuple(element)])}"
+            )
