@@ -3,12 +3,15 @@ new measurement of an fp8 snapshot's error."""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Protocol
 
 import numpy as np
 
 from kvsnap.encoded.read import EncodedFile
 from kvsnap.errors import KVSnapError
+from kvsnap.format import encoded as enc
 
 
 class _Readable(Protocol):
@@ -73,18 +76,10 @@ def measured_error(decoded: _Readable, original: _Readable, names: list[str], en
 def file_encoding(path: str) -> tuple[str, float]:
     """``(encoding, ratio)`` of the snapshot file at ``path`` from its header alone:
     ``("none", 1.0)`` for an ordinary file (or one that cannot be read), else the encoding's
-    name and its decoded bytes over its size."""
-    import json
-    import os
-
-    from kvsnap.format import encoded as enc
-
+    name and its decoded bytes over its size. The file's access time is left as it was (a
+    prefix store's least recently used order reads it)."""
     try:
-        with open(path, "rb") as stream:
-            size = os.fstat(stream.fileno()).st_size
-            prefix = stream.read(8)
-            length = enc.header_length(prefix, size, path)
-            header = prefix + stream.read(length)
+        header, size = _header_keeping_atime(path)
     except (OSError, ValueError, KVSnapError):
         return "none", 1.0
     if enc.peek_version(header) != enc.ENCODED_FORMAT_VERSION:
@@ -95,6 +90,26 @@ def file_encoding(path: str) -> tuple[str, float]:
         return str(encoding["name"]), int(encoding["decoded_bytes"]) / max(size, 1)
     except (ValueError, KeyError, TypeError):
         return "none", 1.0
+
+
+def _header_keeping_atime(path: str) -> tuple[bytes, int]:
+    """The first ``8 + N`` bytes of the file at ``path`` and its size, read with ``O_NOATIME``
+    where this process may (it owns the file), else with the access time put back."""
+    before = os.stat(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOATIME", 0))
+        restore = False
+    except PermissionError:
+        fd, restore = os.open(path, os.O_RDONLY), True
+    try:
+        prefix = os.pread(fd, 8, 0)
+        length = enc.header_length(prefix, before.st_size, path)
+        header = prefix + os.pread(fd, length, 8)
+    finally:
+        os.close(fd)
+        if restore:
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    return header, before.st_size
 
 
 #: How far a number measured again may be from the one recorded: the report keeps 6 digits,
