@@ -289,7 +289,13 @@ class Snapshot:
             decoded = open_decoded(path, keys)
             if decoded is None:
                 raise
-            snapshot = cls(open_snapshot(decoded[0], verify=verify), str(path))
+            try:
+                snapshot = cls(open_snapshot(decoded[0], verify=verify), str(path))
+            except BaseException:
+                from kvsnap.encoded.opening import release
+
+                release(decoded[0])
+                raise
             snapshot.encoded, snapshot._decoded_url = decoded[1], decoded[0]
             return snapshot
 
