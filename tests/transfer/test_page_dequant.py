@@ -12,7 +12,7 @@ import torch
 
 from kvsnap.encoding import fp8
 from kvsnap.testing.caches import LAYOUT_KINDS, TP_KINDS, KVContent, make_cache, same_bytes
-from kvsnap.transfer import page_dequant
+from kvsnap.transfer import page_dequant, triton_copy
 from kvsnap.transfer.page_copy import kernel_table
 from kvsnap.transfer.page_table import PageTable
 
@@ -152,6 +152,24 @@ def test_pages_in_the_wrong_shape_or_dtype_are_refused():
         page_dequant.dequant_scatter(table, [0, 1], [0, 1], codes.float(), scales)
     with pytest.raises(ValueError, match="uint8, 3 pages"):
         page_dequant.dequant_scatter(table, [0, 1, 2], [0, 1, 2], codes, scales)
+
+
+def test_the_compiled_kernel_and_its_helpers_keep_their_constexpr_parameters(monkeypatch):
+    """Triton's JIT finds a kernel's compile-time parameters by their ``tl.constexpr``
+    annotations; the kernel re-made with its helpers must keep them, or ``BLOCK`` reaches
+    ``tl.arange`` as a runtime integer and the GPU compile fails (the interpreter never looks:
+    an H100 run of 2026-12-06 found it)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setitem(triton_copy._KERNELS, (page_dequant._dequant_copy_kernel, False), None)
+    kernel = triton_copy.kernel_for(page_dequant._dequant_copy_kernel, page_dequant._HELPERS)
+    assert "BLOCK" in [param.name for param in kernel.params if param.is_constexpr]
+    for function, jitted in [(page_dequant._dequant_copy_kernel, kernel)] + [
+        (helper, kernel.fn.__globals__[helper.__name__]) for helper in page_dequant._HELPERS
+    ]:
+        annotated = [
+            name for name, kind in function.__annotations__.items() if "constexpr" in str(kind)
+        ]
+        assert [param.name for param in jitted.params if param.is_constexpr] == annotated
 
 
 @pytest.mark.gpu
