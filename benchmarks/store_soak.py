@@ -51,8 +51,10 @@ from kvsnap.engines.vllm import ChunkChecker, ConnectorOptions, EventLog, Prefix
 from kvsnap.engines.vllm.capacity import capacity_lock
 from kvsnap.engines.vllm.eviction import STAGE_MARKER, prune_store, store_bytes
 from kvsnap.engines.vllm.registration import registered_cache
+from kvsnap.engines.vllm.remote_tier import check_remote_options, remote_fetcher
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.engines.vllm.worker import KVSnapWorker
+from kvsnap.format.signing import KeyRing
 from kvsnap.store import publish
 
 BLOCK, HEADS, HEAD_DIM, LAYERS = 16, 2, 32, 2
@@ -85,21 +87,39 @@ def reference_block(prompt: np.ndarray, block: int) -> torch.Tensor:
 
 
 class CountingLog(EventLog):
-    """An event log that only counts the events (by name)."""
+    """An event log that counts the events (by name), and with ``keep`` keeps them too."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, keep: bool = False) -> None:
         super().__init__(None, role, 0)
         self.counts: dict[str, int] = {}
+        self.keep = keep
+        self.records: list[dict[str, Any]] = []
 
     def emit(self, event: str, level: int = logging.INFO, **fields: Any) -> None:
         self.counts[event] = self.counts.get(event, 0) + 1
+        if self.keep:
+            self.records.append({"event": event, **fields})
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        """The kept events called ``event``, in order."""
+        return [record for record in self.records if record["event"] == event]
 
 
 class Engine:
-    """One engine's connector halves on one store, and its cache."""
+    """One engine's connector halves on one store, and its cache. ``extra`` adds connector
+    options (a remote tier: ``remote_url``, ...), ``keys`` sign and check every chunk."""
 
     def __init__(
-        self, root: Path, capacity: int | None, policy: str, blocks: int, min_idle_s: float = 0.1
+        self,
+        root: Path,
+        capacity: int | None,
+        policy: str,
+        blocks: int,
+        min_idle_s: float = 0.1,
+        *,
+        extra: dict[str, Any] | None = None,
+        keys: KeyRing | None = None,
+        keep_events: bool = False,
     ) -> None:
         options = ConnectorOptions.from_extra_config(
             {
@@ -107,14 +127,16 @@ class Engine:
                 "chunk_blocks": CHUNK_BLOCKS,
                 "store_min_idle_s": min_idle_s,
                 **({} if capacity is None else {"store_capacity_bytes": capacity}),
+                **(extra or {}),
             }
         )
+        check_remote_options(options, keys)
         store = PrefixStore(root, NAMESPACE, chunk_blocks=CHUNK_BLOCKS)
         self.physical = [
             torch.zeros((blocks, BLOCK, HEADS, 2 * HEAD_DIM), dtype=torch.bfloat16)
             for _ in range(LAYERS)
         ]
-        self.events = CountingLog("worker")
+        self.events = CountingLog("worker", keep_events)
         self.worker = KVSnapWorker(
             options,
             store,
@@ -122,6 +144,7 @@ class Engine:
             vllm_config=None,
             fingerprint=FINGERPRINT,
             source=SOURCE,
+            keys=keys,
         )
         self.worker.attach(
             registered_cache(
@@ -132,16 +155,34 @@ class Engine:
                 num_kv_heads=HEADS,
             )
         )
-        checker = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=policy == "fail")
+        checker = ChunkChecker(FINGERPRINT, GEOMETRY, BLOCK, verify=policy == "fail", keys=keys)
         self.block_ids: list[int] = []
+        self.scheduler_events = CountingLog("scheduler", keep_events)
         self.scheduler = KVSnapScheduler(
             options,
             store,
-            EventLog(None, "scheduler", 0),
+            self.scheduler_events,
             block_size=BLOCK,
             checker=checker,
             block_ids_of=lambda request_id: self.block_ids,
+            remote=remote_fetcher(options, store, checker, self.scheduler_events),
         )
+
+    def wait_for_uploads(self) -> None:
+        """Block until the worker's uploads queued so far are done (a remote tier's)."""
+        saves = self.worker._saves
+        if saves is not None and saves.uploader is not None:
+            saves.uploader.drain()
+
+    def matched(self, request: Any) -> int:
+        """vLLM's question, asked as its scheduler asks it: again every millisecond while the
+        answer is "not yet" (a remote lookup under way), as vLLM's engine loop sleeps a
+        millisecond between steps that ran nothing."""
+        while True:
+            matched, _ = self.scheduler.get_num_new_matched_tokens(request, 0)
+            if matched is not None:
+                return matched
+            time.sleep(0.001)
 
     def serve(self, request_id: str, prompt: np.ndarray, counts: dict[str, int]) -> None:
         """One request: match, load (compared bit-exact), compute the rest, save."""
@@ -155,13 +196,13 @@ class Engine:
             sampling_params=SimpleNamespace(extra_args=None),
             all_token_ids=prompt.tolist(),
         )
-        matched, _ = self.scheduler.get_num_new_matched_tokens(request, 0)
+        matched = self.matched(request)
         allocated = SimpleNamespace(get_block_ids=lambda: (self.block_ids,))
-        self.scheduler.update_state_after_alloc(request, allocated, matched or 0)
+        self.scheduler.update_state_after_alloc(request, allocated, matched)
         meta = self.scheduler.build_connector_meta(_step(request_id, 0, len(prompt), new=True))
         self.worker.start_load_kv(meta)
         failed = self.worker.get_block_ids_with_load_errors()
-        loaded = (matched or 0) // BLOCK
+        loaded = matched // BLOCK
         if meta.loads:
             counts["loads"] += 1
             counts["failed_loads"] += bool(failed)

@@ -1,5 +1,5 @@
-"""The ``kvsnap`` command line: capture, inspect, verify, restore, fixture, bench, convert,
-export.
+"""The ``kvsnap`` command line: capture, inspect, verify, diff, restore, fixture, bench, convert,
+export, store.
 
 Every command is a thin client of the library (one module per command): it parses options,
 calls :mod:`kvsnap`, and formats the answer as rich tables (people) or one JSON object
@@ -18,13 +18,14 @@ from typing import Annotated, Any
 
 import click
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperGroup
 
 from kvsnap import __version__
 
 from .bench import bench
 from .capture import capture
 from .convert import convert
+from .diff import diff
 from .export import export
 from .fixture import fixture
 from .inspection import inspect
@@ -32,6 +33,27 @@ from .output import EXIT_INTERRUPTED, EXIT_USAGE, handle_errors, report_error, s
 from .restore import restore
 from .store import app as store_app
 from .verify import verify
+
+
+def _keep_argument_help() -> None:
+    """Give arguments their help text back: typer 0.25 sets ``help`` before calling
+    ``click.Argument.__init__``, which since click 8.5 takes a ``help`` of its own and resets
+    it to ``None``, so ``--help`` showed no description of ``SNAPSHOT``."""
+    initialise = TyperArgument.__init__
+    if getattr(initialise, "keeps_help", False):
+        return
+
+    def keeping_help(
+        self: TyperArgument, *args: Any, help: str | None = None, **kwargs: Any
+    ) -> None:
+        initialise(self, *args, help=help, **kwargs)
+        self.help = help
+
+    keeping_help.keeps_help = True  # type: ignore[attr-defined]
+    TyperArgument.__init__ = keeping_help  # type: ignore[method-assign]
+
+
+_keep_argument_help()
 
 #: Raised after the help of a group called without a command was printed (click 8.2 and later).
 _NO_ARGS_IS_HELP: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
@@ -138,7 +160,7 @@ def main_options(
     settings.debug = debug
 
 
-for _command in (capture, inspect, verify, restore, fixture, bench, convert, export):
+for _command in (capture, inspect, verify, diff, restore, fixture, bench, convert, export):
     app.command()(handle_errors(_command))
 app.add_typer(store_app, name="store")
 

@@ -27,15 +27,25 @@ from .common import (
     key_ring,
     output_location,
 )
-from .output import UsageError, emit_json, progress_bar, status, stdout, step_progress, text
+from .output import (
+    UsageError,
+    emit_json,
+    progress_bar,
+    status,
+    stderr,
+    stdout,
+    step_progress,
+    text,
+)
+from .prompts import check_token_ids, encode_prompts, position_warning, read_token_file
 
 #: What ``kvsnap capture`` runs when given no prompt.
 DEFAULT_PROMPT = "kvsnap keeps the KV cache of this prompt, bit for bit, across restarts."
 
 
-def _prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[str]:
+def _prompts(prompt: list[str] | None, prompts_file: Path | None, *, default: bool) -> list[str]:
     """The prompts to capture: ``--prompt``s, then the file's non-blank lines; the built-in
-    prompt only when neither option is given. An empty ``--prompt`` and a file without a
+    prompt only when none is given and ``default``. An empty ``--prompt`` and a file without a
     prompt are refused alike: both ask for a capture of nothing."""
     prompts = list(prompt or [])
     if not all(prompt_text.strip() for prompt_text in prompts):
@@ -50,7 +60,7 @@ def _prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[str]:
                 "a prompt must not be empty"
             )
         prompts += lines
-    return prompts or [DEFAULT_PROMPT]
+    return prompts or ([DEFAULT_PROMPT] if default else [])
 
 
 def capture(
@@ -65,6 +75,17 @@ def capture(
     prompts_file: Annotated[
         Path | None, typer.Option("--prompts-file", help="A file with one prompt per line.")
     ] = None,
+    tokens: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--tokens",
+            metavar="FILE",
+            help="Token ids to capture: a JSON list (of lists), or one sequence per line.",
+        ),
+    ] = None,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Wrap each prompt in the model's chat template.")
+    ] = False,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     block_size: Annotated[
@@ -75,17 +96,27 @@ def capture(
     ] = False,
     backend: BackendOption = "auto",
     key_file: KeyFileOption = None,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Capture a sequence longer than the model's positions."),
+    ] = False,
     compress: CompressOption = "none",
     as_json: JsonOption = False,
 ) -> None:
-    """Run prefill for each prompt on the model and write the KV cache as a snapshot (signed
-    with --key-file, encoded with --compress)."""
+    """Run prefill on each prompt and write the KV cache as a snapshot.
+
+    The prompts are text (--prompt, --prompts-file; --chat wraps them in the model's chat
+    template) or token ids (--tokens); with --key-file the snapshot is signed, with --compress
+    encoded."""
     from kvsnap.pipeline import TransferOptions
 
     target = output_location(output, option="--output")
     compression = compression_for(compress, target)
     keys = key_ring(key_file)
-    prompts = _prompts(prompt, prompts_file)
+    prompts = _prompts(prompt, prompts_file, default=not tokens)
+    if chat and not prompts:
+        raise UsageError("--chat wraps --prompt text in the chat template: give a --prompt")
+    token_lists = [ids for path in tokens or [] for ids in read_token_file(path)]
     model_dtype = models.torch_dtype(dtype)
     engine = models.transformers_engine("capture")
     models.check_device(device)
@@ -93,8 +124,11 @@ def capture(
     started = time.perf_counter()
     with status(f"loading the model ({model or 'built-in'})", enabled=not as_json):
         loaded = models.load(model, dtype=model_dtype, device=device, quiet=as_json)
+    sequences, notes = _sequences(loaded, prompts, token_lists, chat=chat, force=force)
+    if len(notes) > len(loaded.notes) and not as_json:
+        stderr.print(f"[yellow]warning:[/] {text(notes[-1])}")
     loaded_at = time.perf_counter()
-    prefilled = _prefill(engine, loaded, prompts, show_progress=not as_json)
+    prefilled = _prefill(engine, loaded, sequences, force=force, show_progress=not as_json)
     prefilled_at = time.perf_counter()
     written = target if compression == "none" else f"{target}.uncompressed.tmp"
     with progress_bar("writing", enabled=not as_json) as progress:
@@ -117,6 +151,7 @@ def capture(
         "bytes": result.num_bytes,
         "seconds": round(result.seconds, 6),
         "encoding": encoding or {"name": "none"},
+        **({"notes": notes} if notes else {}),
     }
     if as_json:
         emit_json(payload)
@@ -151,12 +186,26 @@ def _encode(written: str, target: str, compression: str, keys: Any) -> dict[str,
     return summary
 
 
-def _prefill(engine: Any, loaded: Any, prompts: list[str], *, show_progress: bool) -> list[Any]:
-    """Prefill each prompt on its own (as ``engine.prefill`` does), counting them on a bar."""
+def _sequences(
+    loaded: Any, prompts: list[str], token_lists: list[list[int]], *, chat: bool, force: bool
+) -> tuple[list[list[int]], list[str]]:
+    """The token ids to capture (the prompts', then ``--tokens``'), each checked, and the notes
+    to give: the model's own, then the warning for a sequence past its positions (``force``)."""
+    check_token_ids(loaded, token_lists)
+    sequences = encode_prompts(loaded, prompts, chat=chat) + token_lists
+    lengths = [len(ids) for ids in sequences]
+    warning = position_warning(loaded, lengths, force=force, what="a sequence")
+    return sequences, [*loaded.notes, *([] if warning is None else [warning])]
+
+
+def _prefill(
+    engine: Any, loaded: Any, sequences: list[list[int]], *, force: bool, show_progress: bool
+) -> list[Any]:
+    """Prefill each sequence on its own, counting them on a bar."""
     prefilled: list[Any] = []
     with step_progress("prefill", enabled=show_progress) as progress:
-        for number, prompt_text in enumerate(prompts):
-            progress(number, len(prompts), f"prompt {number + 1}")
-            prefilled += engine.prefill(loaded, [prompt_text])
-        progress(len(prompts), len(prompts), "")
+        for number, token_ids in enumerate(sequences):
+            progress(number, len(sequences), f"sequence {number + 1}")
+            prefilled += engine.prefill_token_ids(loaded, [token_ids], force=force)
+        progress(len(sequences), len(sequences), "")
     return prefilled

@@ -105,9 +105,29 @@ def snapshot_location(location: str) -> str:
     found = committed_file(locate(location, None))
     if found is None:
         raise UsageError(f"{location}: no such file")
+    _refuse_temporary(location)
     if found.status is not None and stat.S_ISDIR(found.status.st_mode):
         raise UsageError(f"{location}: is a directory, not a snapshot file")
     return location
+
+
+def _refuse_temporary(location: str) -> None:
+    """A writer's temporary file is named as what it is (a write in progress, or one that did
+    not finish), not read as a snapshot whose trailer does not match."""
+    from kvsnap.store.publish import leftover_status, temp_final_name
+
+    final = temp_final_name(Path(location).name)
+    if final is None:
+        return
+    if leftover_status(location) is None:
+        raise UsageError(
+            f"{location}: a write in progress (kvsnap's temporary file for {final}, which its "
+            f"writer renames into place once complete): read {final} once it is published"
+        )
+    raise UsageError(
+        f"{location}: the temporary file of a write of {final} that did not finish (its writer "
+        "is gone): no snapshot; the next write of that snapshot removes it"
+    )
 
 
 def output_location(location: str, *, option: str) -> str:

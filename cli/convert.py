@@ -89,12 +89,21 @@ def convert(
         "tokens": token_ids,
         "hash_seed": hash_seed,
     }
+    expected = _config_heads(path, hints)
     if compression == "none":
-        _write(path, target, hints, reproducible=reproducible, as_json=as_json)
+        _write(path, target, hints, reproducible=reproducible, as_json=as_json, expected=expected)
         return
     converted = f"{target}.uncompressed.tmp"
     try:
-        _write(path, converted, hints, reproducible=reproducible, as_json=True, quiet=True)
+        _write(
+            path,
+            converted,
+            hints,
+            reproducible=reproducible,
+            as_json=True,
+            quiet=True,
+            expected=expected,
+        )
         _recode(converted, target, compression, key_ring(key_file), as_json=as_json)
     finally:
         Path(converted).unlink(missing_ok=True)
@@ -131,6 +140,55 @@ def _recode(source: str, target: str, compression: str, keys: Any, *, as_json: b
         stdout.print(f"error: {error_line(result.error.worst)}")
 
 
+def _config_heads(path: str, hints: dict[str, Any]) -> tuple[int, int] | None:
+    """For a llama.cpp state file, which does not record its KV heads: the ``(KV heads, head
+    size)`` of ``--model DIR``'s config.json (the ``model`` hint is used up here), which
+    ``--kv-heads`` defaults to and must agree with; ``None`` without ``--model``."""
+    from kvsnap.foreign import recognise
+    from kvsnap.foreign.llama_state import FORMAT_NAME
+
+    found = recognise(path)
+    if found is None or found.name != FORMAT_NAME or hints["model"] is None:
+        return None
+    model = hints.pop("model")
+    config_path = Path(model) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+        text_config = config.get("text_config", config)
+        attention = int(text_config["num_attention_heads"])
+        heads = int(text_config.get("num_key_value_heads") or attention)
+        dim = int(text_config.get("head_dim") or int(text_config["hidden_size"]) // attention)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(
+            f"--model {model}: no model config with KV heads there ({error})"
+        ) from None
+    if hints["num_kv_heads"] is None:
+        hints["num_kv_heads"] = heads
+    return heads, dim
+
+
+def _check_head_split(source: Any, expected: tuple[int, int] | None) -> None:
+    """Refuse a split of the rows into heads that does not fit: another one than the model
+    config's, or heads of an odd size (a head's dimensions come in RoPE pairs)."""
+    geometry = source.geometry()
+    if geometry.is_mla:
+        return
+    heads, dim = geometry.num_kv_heads, geometry.head_dim
+    split = f"{heads} KV heads of {dim} dimensions (rows of {heads * dim} elements)"
+    if expected is not None and (heads, dim) != expected:
+        raise UsageError(
+            f"--kv-heads {heads} splits the KV into {split}, and the model config has "
+            f"{expected[0]} KV heads of {expected[1]}: pass --kv-heads {expected[0]}, or the "
+            "model the file was written by"
+        )
+    if dim % 2:
+        raise UsageError(
+            f"--kv-heads {heads} splits the KV into {split}: a head's size is even (RoPE "
+            "rotates its dimensions in pairs); pass the model's KV heads (num_key_value_heads "
+            "in its config.json), or --model DIR to take them from there"
+        )
+
+
 def _write(
     path: str,
     target: str,
@@ -139,6 +197,7 @@ def _write(
     reproducible: bool,
     as_json: bool,
     quiet: bool = False,
+    expected: tuple[int, int] | None = None,
 ) -> None:
     """Open ``path`` with ``hints``, write the snapshot to ``target`` and report it."""
     from kvsnap.foreign import convert_to_snapshot, open_foreign
@@ -146,6 +205,7 @@ def _write(
     token_ids = hints["tokens"]
     started = time.perf_counter()
     with open_foreign(path, **hints) as source:
+        _check_head_split(source, expected)
         if token_ids is None and source.needs_tokens:
             raise UsageError(
                 f"--tokens FILE is required: {source.version} holds no token ids (its blocks "

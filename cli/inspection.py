@@ -1,8 +1,11 @@
-"""``kvsnap inspect``: a snapshot's metadata and sequences, optionally statistics and a plot."""
+"""``kvsnap inspect``: a snapshot's metadata and sequences, optionally statistics (streamed, with
+a progress bar), a plot and the sequences as text; several snapshots; a directory's listing."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -11,17 +14,27 @@ from rich.text import Text
 
 from kvsnap.encoded.summary import encoding_summary, error_line
 
-from .common import JsonOption, SnapshotArgument, format_bytes, snapshot_location
+from .common import JsonOption, format_bytes, is_url, snapshot_location
 from .foreign_paths import inspect_foreign, is_foreign
-from .output import UsageError, emit_json, stdout, text
+from .listing import list_directory, tokenizer_for
+from .output import UsageError, emit_json, progress_bar, stdout, text
 from .plot import check_plot_path, plot_norms
 
 if TYPE_CHECKING:
     from kvsnap.snapshot import Snapshot
 
 
+SnapshotsArgument = Annotated[
+    list[str],
+    typer.Argument(
+        metavar="SNAPSHOT...",
+        help="Snapshot files or URLs (one or more), or a directory of snapshots to list.",
+    ),
+]
+
+
 def inspect(
-    snapshot: SnapshotArgument,
+    snapshot: SnapshotsArgument,
     stats: Annotated[
         bool, typer.Option("--stats", help="Per layer absmax, mean, std, NaN and Inf counts.")
     ] = False,
@@ -39,30 +52,98 @@ def inspect(
             "--sequence", metavar="ID", help="The sequence --plot shows (default: the first)."
         ),
     ] = None,
+    show_text: Annotated[
+        bool,
+        typer.Option("--text", help="Show each sequence's tokens as text (needs a tokenizer)."),
+    ] = False,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            metavar="M",
+            help="The model whose tokenizer --text uses (default: the one the snapshot names).",
+        ),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Show a snapshot's metadata and sequences (and optionally statistics and a plot)."""
-    if is_foreign(snapshot):
-        unsupported = {"--stats": stats, "--plot": plot is not None, "--sequence": bool(sequence)}
-        return inspect_foreign(snapshot, as_json=as_json, unsupported=unsupported)
-    from kvsnap.snapshot import Snapshot
+    """Show a snapshot's metadata and sequences, or list a directory of snapshots.
 
-    location = snapshot_location(snapshot)
+    Optionally per-tensor statistics (--stats), a heatmap of token norms (--plot) and each
+    sequence as text (--text)."""
+    if len(snapshot) == 1 and is_foreign(snapshot[0]):
+        unsupported = {
+            "--stats": stats,
+            "--plot": plot is not None,
+            "--sequence": bool(sequence),
+            "--text": show_text,
+        }
+        return inspect_foreign(snapshot[0], as_json=as_json, unsupported=unsupported)
+    if len(snapshot) == 1 and Path(snapshot[0]).is_dir():
+        return list_directory(Path(snapshot[0]), as_json=as_json)
+    if model is not None and not show_text:
+        raise UsageError("--model names the tokenizer of --text: add --text")
     if sequence is not None and plot is None:
         raise UsageError("--sequence chooses the sequence of --plot: add --plot FILE")
     if plot is not None:
         check_plot_path(plot)
+        if len(snapshot) > 1:
+            raise UsageError("--plot draws one snapshot: give one SNAPSHOT")
+    locations = [_location(location) for location in snapshot]
+    options = _Options(stats, plot, sequence, show_text, model, as_json)
+    payloads = [_inspect_one(location, options) for location in locations]
+    if as_json:
+        emit_json(payloads[0] if len(payloads) == 1 else {"snapshots": payloads})
+
+
+@dataclass(frozen=True)
+class _Options:
+    stats: bool
+    plot: str | None
+    sequence: str | None
+    show_text: bool
+    model: str | None
+    as_json: bool
+
+
+def _location(location: str) -> str:
+    if is_foreign(location):
+        raise UsageError(
+            f"{location}: another engine's files are inspected one at a time: "
+            f"kvsnap inspect {location}"
+        )
+    if not is_url(location) and Path(location).is_dir():
+        raise UsageError(f"{location}: a directory is listed on its own: kvsnap inspect {location}")
+    return snapshot_location(location)
+
+
+def _inspect_one(location: str, options: _Options) -> dict[str, Any]:
+    """Describe (and with the options analyse) the snapshot at ``location``; print it unless
+    ``--json``; return its JSON object."""
+    from kvsnap.snapshot import Snapshot
+
     with Snapshot.open(location) as snap:
         payload = describe(snap)
-        if stats:
-            names = snap.geometry.tensor_names()
-            payload["stats"] = {name: snap.tensor_stats(name) for name in names}
-        if plot is not None:
-            payload["plot"] = plot_norms(snap, plot, sequence_id=sequence)
-    if as_json:
-        emit_json(payload)
-        return
-    _print_inspect(payload)
+        if options.show_text:
+            _add_text(payload, snap, options.model)
+        if options.stats:
+            with progress_bar("statistics", enabled=not options.as_json) as progress:
+                payload["stats"] = snap.stats(progress=progress)
+        if options.plot is not None:
+            payload["plot"] = plot_norms(snap, options.plot, sequence_id=options.sequence)
+    if not options.as_json:
+        _print_inspect(payload)
+    return payload
+
+
+def _add_text(payload: dict[str, Any], snap: Snapshot, model: str | None) -> None:
+    """Each sequence's tokens decoded (``text``), by the tokenizer of ``model`` or of the
+    model the snapshot names."""
+    from kvsnap.engines.default_model import decode_with
+
+    tokenizer = tokenizer_for(snap, model)
+    for entry, record in zip(payload["sequences"], snap.sequences, strict=True):
+        entry["text"] = decode_with(tokenizer, record.token_ids.tolist())
 
 
 def describe(snap: Snapshot) -> dict[str, Any]:
@@ -235,6 +316,9 @@ def _print_inspect(payload: dict[str, Any]) -> None:
             str(record["shared_blocks"]),
         )
     stdout.print(sequences)
+    for record in payload["sequences"]:
+        if "text" in record:
+            stdout.print(f"[bold]{text(record['id'])}[/]: {text(repr(record['text']))}")
     if "stats" in payload:
         stats = Table(title="statistics (real tokens only)", title_justify="left")
         for column in ("tensor", "absmax", "mean", "std", "NaN", "Inf"):

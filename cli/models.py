@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvsnap.errors import IncompatibleSnapshotError
 
-from .output import UsageError, stderr
+from .output import UsageError, stderr, text
 
 if TYPE_CHECKING:
     import torch
@@ -100,28 +100,45 @@ def load(model: str | None, *, dtype: torch.dtype, device: str, quiet: bool) -> 
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-    return load_model(model, dtype=dtype, device=device)
+    loaded = load_model(model, dtype=dtype, device=device)
+    if not quiet:  # with --json the command's JSON carries them
+        for note in loaded.notes:
+            stderr.print(f"[yellow]note:[/] {text(note)}")
+    return loaded
+
+
+def model_advice(snap: Snapshot) -> str:
+    """How to load the model ``snap`` was captured from, as ``--model`` advice (the model's
+    name only where the advice is to pass it)."""
+    from kvsnap.engines.default_model import DEFAULT_MODEL_ID
+
+    model_id = snap.metadata.source.model_id
+    if model_id == DEFAULT_MODEL_ID:
+        return "leave out --model (the built-in model)"
+    if model_id in ("", "unknown"):
+        return "pass the model it was captured from with --model DIR"
+    return f"pass --model {model_id}"
 
 
 def snapshot_model_hint(snap: Snapshot) -> str:
     """What to pass to load the model ``snap`` was captured from, as the end of a message."""
-    from kvsnap.engines.default_model import DEFAULT_MODEL_ID
-
     model_id = snap.metadata.source.model_id
-    engine = snap.metadata.source.engine
-    if model_id == DEFAULT_MODEL_ID:
-        return f"it was captured from the built-in model {model_id!r}: leave out --model"
-    if engine == "kvsnap-synthetic":
+    if snap.metadata.source.engine == "kvsnap-synthetic":
         return (
             f"it holds synthetic KV written by `kvsnap fixture` (model {model_id!r}), which no "
             "model reproduces"
         )
-    return f"it was captured from model {model_id!r}: try --model {model_id}"
+    if model_id in ("", "unknown"):
+        return f"it does not record which model it was captured from: {model_advice(snap)}"
+    return f"it was captured from model {model_id!r}: {model_advice(snap)}"
 
 
-def check_fits(engine: ModuleType, snap: Snapshot, loaded: LoadedModel, *, force: bool) -> None:
-    """Refuse a snapshot whose token ids or KV geometry do not fit ``loaded``, before any
-    prefill or restore, naming the model the snapshot came from."""
+def check_fits(
+    engine: ModuleType, snap: Snapshot, loaded: LoadedModel, *, force: bool, command: str
+) -> None:
+    """Refuse a snapshot whose token ids or KV geometry do not fit ``loaded``, or whose model
+    fingerprint differs (unless ``force``), before any prefill or restore, naming the model
+    the snapshot came from once and advising what ``command`` takes."""
     vocab_size = _vocab_size(loaded)
     for record in snap.sequences:
         if len(record.token_ids) and int(record.token_ids.max()) >= vocab_size:
@@ -130,10 +147,22 @@ def check_fits(engine: ModuleType, snap: Snapshot, loaded: LoadedModel, *, force
                 f"the vocabulary of model {loaded.model_id!r} ({vocab_size} ids); "
                 + snapshot_model_hint(snap)
             )
-    try:
-        engine.check_snapshot_fits(snap, loaded, force=force)
+    try:  # the geometry; the fingerprint is checked below, with advice for this command
+        engine.check_snapshot_fits(snap, loaded, force=True)
     except IncompatibleSnapshotError as error:
         raise IncompatibleSnapshotError(f"{error}; {snapshot_model_hint(snap)}") from error
+    source = snap.metadata.source
+    stored = source.model_fingerprint
+    if force or not stored or stored == loaded.fingerprint:
+        return
+    forcing = "; or use --force to restore anyway" if command == "restore" else ""
+    raise IncompatibleSnapshotError(
+        f"{snap.path} was captured from model {source.model_id!r} (fingerprint {stored[:16]}), "
+        f"not from {loaded.model_id!r} (fingerprint {loaded.fingerprint[:16]}: other weights "
+        f"or config); {model_advice(snap)}{forcing}",
+        snapshot=source.model_id,
+        target=loaded.model_id,
+    )
 
 
 def _vocab_size(loaded: LoadedModel) -> int:

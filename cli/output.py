@@ -73,10 +73,13 @@ def format_bytes(count: float) -> str:
 
 class _BinarySpeedColumn(ProgressColumn):
     """Bytes per second in the binary units of :func:`format_bytes` (rich's own speed column
-    speaks kB and MB, beside sizes in KiB and MiB)."""
+    speaks kB and MB, beside sizes in KiB and MiB), averaged since the bar started: rich's own
+    estimate spans only the updates, so bytes reported in a few large steps (a capture's
+    pages staged long before they are written) read as an impossible speed."""
 
     def render(self, task: Task) -> Text:
-        speed = task.finished_speed or task.speed
+        elapsed = task.finished_time if task.finished else task.elapsed
+        speed = task.completed / elapsed if elapsed and task.completed else None
         shown = "?" if speed is None else f"{format_bytes(speed)}/s"
         return Text(shown, style="progress.data.speed")
 

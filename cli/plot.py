@@ -50,7 +50,7 @@ def check_plot_path(path: str) -> None:
         raise UsageError(f"--plot {path}: directory {target.parent} is not writable")
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
 
@@ -70,7 +70,7 @@ def _default_sequence(snap: Snapshot) -> str:
 def plot_norms(snap: Snapshot, path: str, *, sequence_id: str | None = None) -> str:
     """Write the heatmap of ``sequence_id``'s norms (default :func:`_default_sequence`) to
     exactly ``path`` (checked with :func:`check_plot_path`); return ``path``."""
-    plt = _pyplot()
+    plt = pyplot()
     if not snap.sequences:
         raise UsageError(f"--plot: {snap.path} holds no sequence")
     chosen = sequence_id if sequence_id is not None else _default_sequence(snap)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -25,12 +26,20 @@ from .common import (
     JsonOption,
     KeyFileOption,
     ModelOption,
-    SnapshotArgument,
     key_ring,
     snapshot_location,
 )
+from .comparison_output import AtolOption, RtolOption, TopOption, print_report
 from .foreign_paths import is_foreign, verify_foreign
-from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, progress_bar, stdout, text
+from .output import (
+    EXIT_VERIFY_FAILED,
+    UsageError,
+    emit_json,
+    progress_bar,
+    status,
+    stdout,
+    text,
+)
 
 if TYPE_CHECKING:
     from kvsnap.analysis import Comparison
@@ -38,20 +47,25 @@ if TYPE_CHECKING:
     from kvsnap.snapshot import Snapshot
 
 
+SnapshotsArgument = Annotated[
+    list[str],
+    typer.Argument(metavar="SNAPSHOT...", help="Snapshot files or URLs to check (one or more)."),
+]
+
+
 def verify(
-    snapshot: SnapshotArgument,
+    snapshot: SnapshotsArgument,
     against: Annotated[
         str | None,
         typer.Option(
-            "--against", metavar="REF", help="Compare numerically with this reference snapshot."
+            "--against",
+            metavar="REF",
+            help="Compare numerically with this reference snapshot (the report of kvsnap diff).",
         ),
     ] = None,
-    atol: Annotated[
-        float, typer.Option("--atol", min=0.0, help="Absolute tolerance for --against.")
-    ] = 0.0,
-    rtol: Annotated[
-        float, typer.Option("--rtol", min=0.0, help="Relative tolerance for --against.")
-    ] = 0.0,
+    atol: AtolOption = 0.0,
+    rtol: RtolOption = 0.0,
+    top: TopOption = 10,
     recompute: Annotated[
         bool,
         typer.Option(
@@ -63,87 +77,154 @@ def verify(
     key_file: KeyFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Check structure and every checksum (and, with --key-file, the signature); optionally
-    compare with another snapshot or prefill."""
-    if is_foreign(snapshot):
+    """Check snapshots' structure and every checksum, or compare one with another.
+
+    With --key-file also the signature; --against compares with a reference snapshot (the
+    report of kvsnap diff), --recompute with a fresh prefill of its tokens."""
+    if len(snapshot) == 1 and is_foreign(snapshot[0]):
         unsupported = {
             "--against": against is not None,
             "--recompute": recompute,
             "--key-file": bool(key_file),
         }
-        return verify_foreign(snapshot, as_json=as_json, unsupported=unsupported)
-    from kvsnap.snapshot import Snapshot
-
-    location = snapshot_location(snapshot)
-    keys = key_ring(key_file)
-    reference = None if against is None else snapshot_location(against)
-    engine = models.transformers_engine("verify --recompute") if recompute else None
-    if recompute:
-        models.check_device(device)
-    problems: list[dict[str, Any]] = []
-    comparison: Comparison | None = None
-    measured: dict[str, Any] | None = None
-    check = _SignatureCheck(keys)
-    try:
-        with _open_checked(location, check) as snap:
-            with progress_bar("verify", enabled=not as_json) as progress:
-                problems += [_problem(problem) for problem in snap.verify(progress=progress)]
-            problems[:0] = check.refused
-            if not problems and reference is not None:
-                with Snapshot.open(reference) as other:
-                    if _is_lossy(snap) and not (atol or rtol):
-                        measured = _measured_error(snap, other)
-                        problems += measured.pop("problems")
-                    else:
-                        comparison = snap.compare(other, atol=atol, rtol=rtol)
-            if not problems and engine is not None:
-                comparison = _recompute(engine, snap, model, device, atol, rtol, quiet=as_json)
-    except (SnapshotCorruptError, NotASnapshotError) as error:
-        problems[:0] = check.refused  # a file refused by its signature, then found damaged
-        problems.append({"tensor": error.tensor, "block": error.block, "message": str(error)})
-    if comparison is not None:
-        problems += _comparison_problems(comparison)
-    _report(problems, comparison, as_json=as_json, signature=check.verdict, error=measured)
-    if problems:
+        return verify_foreign(snapshot[0], as_json=as_json, unsupported=unsupported)
+    for location in snapshot:
+        if is_foreign(location):
+            raise UsageError(
+                f"{location}: another engine's files are verified one at a time: "
+                f"kvsnap verify {location}"
+            )
+    locations = [snapshot_location(location) for location in snapshot]
+    check = _Check(
+        reference=None if against is None else snapshot_location(against),
+        keys=key_ring(key_file),
+        engine=models.transformers_engine("verify --recompute") if recompute else None,
+        model=model,
+        device=models.check_device(device) if recompute else device,
+        atol=atol,
+        rtol=rtol,
+        top=top,
+        quiet=as_json,
+    )
+    results = []
+    for location in locations:
+        if len(locations) > 1 and not as_json:
+            stdout.print(f"[bold]{text(location)}[/]")
+        results.append(check.run(location))
+    failed = [result for result in results if not result["ok"]]
+    if as_json:
+        if len(results) == 1:
+            emit_json({key: value for key, value in results[0].items() if key != "path"})
+        else:
+            emit_json({"ok": not failed, "files": results})
+    elif len(results) > 1:
+        colour, word = ("red", "FAILED") if failed else ("green", "OK")
+        stdout.print(f"[bold {colour}]{word}[/]: {len(results) - len(failed)} of {len(results)} ok")
+    if failed:
         raise typer.Exit(EXIT_VERIFY_FAILED)
 
 
-def _report(
+@dataclass
+class _Check:
+    """What ``verify`` checks in each snapshot it is given."""
+
+    reference: str | None
+    keys: KeyRing | None
+    engine: Any
+    model: str | None
+    device: str
+    atol: float
+    rtol: float
+    top: int
+    quiet: bool
+
+    def run(self, location: str) -> dict[str, Any]:
+        """Check the snapshot at ``location``, print the outcome (unless ``--json``) and
+        return its JSON object."""
+        problems: list[dict[str, Any]] = []
+        comparison: Comparison | None = None
+        measured: dict[str, Any] | None = None
+        check = _SignatureCheck(self.keys)
+        try:
+            with _open_checked(location, check) as snap:
+                with progress_bar("verify", enabled=not self.quiet) as progress:
+                    problems += [_problem(problem) for problem in snap.verify(progress=progress)]
+                problems[:0] = check.refused
+                if not problems and self._measures_error(snap):
+                    measured = self._measured(snap)
+                    problems += measured.pop("problems")
+                elif not problems:
+                    comparison = self._compare(snap)
+        except (SnapshotCorruptError, NotASnapshotError) as error:
+            problems[:0] = check.refused  # a file refused by its signature, then found damaged
+            problems.append({"tensor": error.tensor, "block": error.block, "message": str(error)})
+        signature = check.verdict
+        if not self.quiet:
+            _print(problems, comparison, signature, self.top, error=measured)
+        if comparison is not None:
+            problems += _comparison_problems(comparison)
+        notes = [] if comparison is None else comparison.notes
+        return {
+            "path": location,
+            "ok": not problems,
+            "problems": problems,
+            **({"signature": signature} if signature is not None else {}),
+            **({"notes": notes} if notes else {}),
+            **({"comparison": comparison.to_dict()} if comparison else {}),
+            **({"error": measured} if measured is not None else {}),
+        }
+
+    def _measures_error(self, snap: Snapshot) -> bool:
+        """Whether ``--against`` checks ``snap``'s recorded error rather than comparing it
+        element by element: a lossy (fp8) snapshot, no tolerance given."""
+        return self.reference is not None and _is_lossy(snap) and not (self.atol or self.rtol)
+
+    def _measured(self, snap: Snapshot) -> dict[str, Any]:
+        from kvsnap.snapshot import Snapshot
+
+        assert self.reference is not None
+        with Snapshot.open(self.reference) as other:
+            return _measured_error(snap, other)
+
+    def _compare(self, snap: Snapshot) -> Comparison | None:
+        from kvsnap.snapshot import Snapshot
+
+        if self.reference is not None:
+            with Snapshot.open(self.reference) as other:
+                with progress_bar("comparing", enabled=not self.quiet) as progress:
+                    return snap.compare(
+                        other, atol=self.atol, rtol=self.rtol, top=self.top, progress=progress
+                    )
+        if self.engine is not None:
+            return _recompute(self, snap)
+        return None
+
+
+def _print(
     problems: list[dict[str, Any]],
     comparison: Comparison | None,
-    *,
-    as_json: bool,
     signature: str | None,
+    top: int,
+    *,
     error: dict[str, Any] | None = None,
 ) -> None:
-    """Print the outcome: each problem once, after the per-tensor comparison table."""
-    notes = [] if comparison is None else comparison.notes
-    if as_json:
-        emit_json(
-            {
-                "ok": not problems,
-                "problems": problems,
-                **({"signature": signature} if signature is not None else {}),
-                **({"notes": notes} if notes else {}),
-                **({"error": error} if error is not None else {}),
-            }
-        )
-        return
+    """The outcome for people: the signature, an fp8 snapshot's error (measured against the
+    reference, and as recorded), each verification problem once, the comparison's report (its
+    structural problems and mismatches are in it), a verdict."""
     if signature is not None:
         stdout.print(f"signature: {signature}")
     if error is not None:
         if error["measured"] is not None:
             stdout.print(f"error measured against the reference: {error_line(error['measured'])}")
         stdout.print(f"error recorded in the file: {error_line(error['recorded'])}")
-    for note in notes:
-        stdout.print(f"[yellow]note:[/] {text(note)}")
-    if comparison is not None:
-        for line in comparison.layer_lines():
-            stdout.print(text(line))
     for problem in problems:
         stdout.print(f"[red]problem:[/] {text(problem['message'])}")
-    if problems:
-        stdout.print(f"[bold red]FAILED[/] ({len(problems)} problem(s))")
+    if comparison is not None:
+        print_report(comparison, top=top, verdict=False)
+        stdout.print()
+    failures = len(problems) + (0 if comparison is None else len(_comparison_problems(comparison)))
+    if failures:
+        stdout.print(f"[bold red]FAILED[/] ({failures} problem(s))")
     else:
         stdout.print("[bold green]OK[/]")
 
@@ -239,9 +320,11 @@ def _comparison_problems(comparison: Comparison) -> list[dict[str, Any]]:
                     "tensor": layer.tensor,
                     "block": None,
                     "message": (
-                        f"{layer.tensor}: {layer.num_mismatches} element(s) differ, max |diff| "
+                        f"{layer.tensor}: {layer.num_mismatches} of {layer.num_elements} "
+                        f"element(s) beyond the tolerance ({100 * layer.share:.3g}%), max |diff| "
                         f"{layer.max_abs_diff:.6g}; first at sequence {where.get('sequence')!r}, "
-                        f"token {where.get('token')}, head {where.get('head')}"
+                        f"token {where.get('token')}, head {where.get('head')}, channel "
+                        f"{where.get('channel')}"
                     ),
                     "max_abs_diff": layer.max_abs_diff,
                     "first_mismatch": where,
@@ -250,28 +333,25 @@ def _comparison_problems(comparison: Comparison) -> list[dict[str, Any]]:
     return problems
 
 
-def _recompute(
-    engine: Any,
-    snap: Snapshot,
-    model: str | None,
-    device: str,
-    atol: float,
-    rtol: float,
-    *,
-    quiet: bool,
-) -> Comparison:
+def _recompute(check: _Check, snap: Snapshot) -> Comparison:
     """Prefill ``snap``'s token ids on the model, capture that, and compare it with ``snap``."""
     from kvsnap.snapshot import Snapshot
 
+    engine = check.engine
     kv_dtype = snap.geometry.dtype
     if kv_dtype not in models.MODEL_DTYPES:
         raise UsageError(
             f"--recompute runs the model in the snapshot's KV dtype, and {kv_dtype} is not a "
             f"model dtype ({', '.join(models.MODEL_DTYPES)}); {models.snapshot_model_hint(snap)}"
         )
-    loaded = models.load(model, dtype=models.torch_dtype(kv_dtype), device=device, quiet=quiet)
-    models.check_fits(engine, snap, loaded, force=False)
-    prefilled = engine.prefill_token_ids(loaded, [record.token_ids for record in snap.sequences])
+    with status(f"loading the model ({check.model or 'built-in'})", enabled=not check.quiet):
+        loaded = models.load(
+            check.model, dtype=models.torch_dtype(kv_dtype), device=check.device, quiet=check.quiet
+        )
+    models.check_fits(engine, snap, loaded, force=False, command="verify --recompute")
+    token_lists = [record.token_ids for record in snap.sequences]
+    with status(f"prefill of {len(token_lists)} sequence(s)", enabled=not check.quiet):
+        prefilled = engine.prefill_token_ids(loaded, token_lists)
     with tempfile.TemporaryDirectory(prefix="kvsnap-recompute-") as scratch:
         fresh_path = Path(scratch) / "recomputed.safetensors"
         engine.capture_dynamic_caches(
@@ -282,4 +362,4 @@ def _recompute(
             sequence_ids=[record.id for record in snap.sequences],
         )
         with Snapshot.open(fresh_path) as fresh:
-            return snap.compare(fresh, atol=atol, rtol=rtol)
+            return snap.compare(fresh, atol=check.atol, rtol=check.rtol, top=check.top)

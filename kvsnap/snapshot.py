@@ -600,35 +600,67 @@ class Snapshot:
             return _sequence_kv(self.parts[0].reader, record, name)
         return torch.cat([_sequence_kv(part.reader, record, name) for part in self.parts], dim=1)
 
-    def compare(self, other: Snapshot, *, atol: float = 0.0, rtol: float = 0.0) -> Comparison:
-        """Compare this snapshot's KV with a reference snapshot, token by token.
+    def compare(
+        self,
+        other: Snapshot,
+        *,
+        atol: float = 0.0,
+        rtol: float = 0.0,
+        top: int = 10,
+        profile: bool = False,
+        profile_sequence: str | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> Comparison:
+        """Compare this snapshot's KV with a reference snapshot, token by token, streaming.
 
         The layers, KV heads and head size must match; dtype and block size may differ.
         Sequences are paired by id (by position when no id matches, which a note says); an
-        element mismatches when ``|a - b| > atol + rtol * |b|`` or exactly one is NaN
-        (``kvsnap.analysis.compare``).
+        element is beyond the tolerance when ``|a - b| > atol + rtol * |b|``, or when it is
+        NaN or Inf in one snapshot and not the same in the other. Both snapshots are read
+        once, a bounded step at a time (``kvsnap.analysis.compare``).
 
         Args:
             other: The reference snapshot.
             atol: Absolute tolerance. Default ``0.0``: exact.
             rtol: Relative tolerance. Default ``0.0``.
+            top: How many of the largest element differences to keep. Default ``10``.
+            profile: Keep one sequence's per-token errors, for a picture (``profile``).
+                Default ``False``.
+            profile_sequence: The sequence (an id of this snapshot) whose per-token errors
+                are kept (implies ``profile``). Default ``None``: the first holding tokens.
+            progress: ``progress(done_bytes, total_bytes)``, the KV bytes of both snapshots
+                read so far. Default ``None``.
 
         Returns:
-            A ``Comparison``: ``ok``, the structural ``problems``, per tensor the largest
-            difference and mismatch count (``layers``), and ``notes``; ``report()`` prints it.
+            A ``Comparison``: ``ok``; how the origins differ (``sources``: model
+            fingerprint, engine, dtype, block size); the structural ``problems``; per tensor
+            (``layers``) the largest difference and where, the share beyond the tolerance,
+            relative errors, cosines and a per-head breakdown; the ``top`` differences;
+            ``notes``. ``report()`` writes it for people, ``to_dict()`` as JSON.
 
         Raises:
             SnapshotCorruptError: A block failed its checksum.
+            KeyError: ``profile_sequence`` is not a compared sequence.
 
         Example:
             >>> import kvsnap
             >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
-            ...     snap.compare(snap).ok
-            True
+            ...     comparison = snap.compare(snap)
+            >>> comparison.ok, comparison.layers[0].max_abs_diff, comparison.layers[0].cosine_min
+            (True, 0.0, 1.0)
         """
         from kvsnap import analysis
 
-        return analysis.compare(self, other, atol=atol, rtol=rtol)
+        return analysis.compare(
+            self,
+            other,
+            atol=atol,
+            rtol=rtol,
+            top=top,
+            profile=profile,
+            profile_sequence=profile_sequence,
+            progress=progress,
+        )
 
     def restore(
         self,
@@ -752,6 +784,31 @@ class Snapshot:
         from kvsnap import analysis
 
         return analysis.tensor_stats(self, name)
+
+    def stats(self, progress: ProgressCallback | None = None) -> dict[str, dict[str, float | int]]:
+        """``tensor_stats`` of every layer tensor, reading the snapshot once, streaming.
+
+        Args:
+            progress: ``progress(done_bytes, total_bytes)``, called as data is read. Default
+                ``None``.
+
+        Returns:
+            Per tensor name, its ``tensor_stats`` (``kvsnap.analysis.snapshot_stats``: a
+            bounded step at a time, whatever the snapshot's size).
+
+        Raises:
+            SnapshotCorruptError: A block failed its checksum.
+
+        Example:
+            >>> import kvsnap
+            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
+            ...     stats = snap.stats()
+            >>> list(stats)[:2], stats["layers.0.key"]["nan"]
+            (['layers.0.key', 'layers.0.value'], 0)
+        """
+        from kvsnap import analysis
+
+        return analysis.snapshot_stats(self, progress=progress)
 
     def token_norms(self, sequence_id: str) -> dict[str, np.ndarray]:
         """The L2 norm of each token's KV in each layer, of one sequence.

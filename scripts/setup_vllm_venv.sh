@@ -37,7 +37,9 @@ pip=("$venv/bin/python" -m pip install -q)
 "$venv/bin/python" -m pip uninstall -q -y fastapi-cli fastapi-cloud-cli
 # kvsnap's own light dependencies (those vLLM does not already install), then kvsnap itself.
 "${pip[@]}" xxhash blake3 fsspec safetensors "typer>=0.15,<0.26" rich jsonschema fastjsonschema zstandard
+# The remote tier of the prefix store (remote_url: s3://...), as the s3 extra installs it.
+"${pip[@]}" "s3fs>=2024.2"
 "${pip[@]}" --no-deps -e "$root"
-"$venv/bin/python" -c "import vllm, kvsnap, xxhash, blake3, fsspec, safetensors, typer, rich, jsonschema, fastjsonschema, zstandard"
+"$venv/bin/python" -c "import vllm, kvsnap, xxhash, blake3, fsspec, s3fs, safetensors, typer, rich, jsonschema, fastjsonschema, zstandard"
 echo "$script_sum" > "$stamp"
 echo "vLLM virtualenv is ready: $venv"

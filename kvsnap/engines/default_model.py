@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,8 @@ class LoadedModel:
     ``fingerprint`` is :func:`kvsnap.format.model_fingerprint_with_weights` of the model's
     config and weights (:func:`kvsnap.engines.weights.module_weights_fingerprint`); a snapshot
     restores into a model only when the fingerprints match (or the user forces it).
+    ``notes`` say what a user should know about how it was loaded (a model without a working
+    tokenizer, given byte ids instead).
     """
 
     model: torch.nn.Module
@@ -88,6 +90,7 @@ class LoadedModel:
     model_id: str
     model_revision: str | None
     fingerprint: str
+    notes: list[str] = field(default_factory=list)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` as the model expects them (with the tokenizer's special tokens)."""
@@ -95,9 +98,14 @@ class LoadedModel:
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids ``ids``, special tokens skipped."""
+        return decode_with(self.tokenizer, ids)
+
+    def encode_follow_up(self, text: str) -> list[int]:
+        """Token ids of ``text`` to append after a prefix: no BOS or other special token."""
         if isinstance(self.tokenizer, ByteTokenizer):
-            return self.tokenizer.decode(ids)
-        return self.tokenizer.decode([int(token) for token in ids], skip_special_tokens=True)
+            return self.tokenizer.encode(text, add_bos=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return [int(token) for token in ids]
 
     @property
     def device(self) -> torch.device:
@@ -173,8 +181,91 @@ def _seeded_weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
     return (uniform * np.sqrt(3.0) * std).astype(np.float32).reshape(shape)
 
 
+def decode_with(tokenizer: Any, ids: Sequence[int]) -> str:
+    """The text of token ids ``ids`` by ``tokenizer`` (a :class:`ByteTokenizer` or a
+    transformers tokenizer), special tokens skipped."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.decode(ids)
+    return str(tokenizer.decode([int(token) for token in ids], skip_special_tokens=True))
+
+
+#: Plain text every working tokenizer turns into ordinary tokens, and back.
+_PROBE = "Hello, world: the kvsnap tokenizer check 2026."
+
+
+def tokenizer_problem(tokenizer: Any) -> str | None:
+    """Why ``tokenizer`` does not work (transformers 5 returns an empty tokenizer for a model
+    directory without tokenizer files rather than failing: one that encodes plain text to
+    nothing, or to the unknown token only), or ``None``."""
+    try:
+        ids = [int(token) for token in tokenizer.encode(_PROBE, add_special_tokens=False)]
+    except (TypeError, ValueError, KeyError, AttributeError) as error:
+        return f"its tokenizer cannot encode text ({type(error).__name__})"
+    if not ids:
+        return "its tokenizer encodes text to no tokens"
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if unknown is not None and all(token == unknown for token in ids):
+        return f"its tokenizer encodes plain text to the unknown token {tokenizer.unk_token!r}"
+    if not decode_with(tokenizer, ids).strip():
+        return "its tokenizer decodes what it encodes to nothing"
+    return None
+
+
+def prompt_problem(loaded: LoadedModel, prompt: str, ids: Sequence[int]) -> str | None:
+    """Why the token ids ``ids`` that ``loaded`` encoded ``prompt`` into are not that prompt,
+    or ``None``: no ordinary token at all, only unknown tokens, or ids that decode to less
+    than half of the prompt's characters (a tokenizer that silently drops text)."""
+    tokenizer = loaded.tokenizer
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    if isinstance(tokenizer, ByteTokenizer):
+        special = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    special.discard(unknown)  # transformers counts the unknown token as special: it is not
+    ordinary = [int(token) for token in ids if int(token) not in special]
+    name = f"model {loaded.model_id!r}"
+    if not ordinary:
+        return f"encodes to no tokens with the tokenizer of {name}"
+    if unknown is not None and all(token == unknown for token in ordinary):
+        return f"encodes to unknown tokens only ({len(ordinary)}) with the tokenizer of {name}"
+    written = sum(not character.isspace() for character in prompt)
+    decoded = sum(not character.isspace() for character in loaded.decode(ordinary))
+    if decoded * 2 < written:
+        return (
+            f"encodes to {len(ordinary)} token(s) that decode to {decoded} of its {written} "
+            f"characters with the tokenizer of {name}"
+        )
+    return None
+
+
+def load_tokenizer(name: str, *, vocab_size: int) -> tuple[Any, str | None]:
+    """The tokenizer of the local model ``name``, and a note when it is not the model's own:
+    a model without a working tokenizer (no tokenizer files, or files that encode text to
+    nothing or to unknown tokens) gets :class:`ByteTokenizer`, said in the note, when its
+    vocabulary holds byte ids; otherwise :class:`ModelLoadError`."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer: Any = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        reason: str | None = "it has no tokenizer files"
+    else:
+        reason = tokenizer_problem(tokenizer)
+        if reason is None:
+            return tokenizer, None
+    if vocab_size < ByteTokenizer.vocab_size:
+        raise ModelLoadError(
+            f"model {name!r} has no working tokenizer ({reason}) and a vocabulary of "
+            f"{vocab_size} ids, too small for byte ids (needs {ByteTokenizer.vocab_size}): add "
+            "its tokenizer files to the model directory"
+        )
+    return ByteTokenizer(), (
+        f"model {name!r} has no working tokenizer ({reason}): text is encoded as UTF-8 byte "
+        "ids (add its tokenizer files to the model directory to use its own)"
+    )
+
+
 def _load_pretrained(name: str, *, dtype: torch.dtype, device: str) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if not Path(name).is_dir() and _names_a_directory(name):
         raise ModelLoadError(f"model directory {name} does not exist")
@@ -189,16 +280,8 @@ def _load_pretrained(name: str, *, dtype: torch.dtype, device: str) -> LoadedMod
         raise ModelLoadError(
             f"cannot load model {name!r} ({where}) offline: {first_line}"
         ) from error
-    try:
-        tokenizer: Any = AutoTokenizer.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError):
-        # A model saved without tokenizer files still works with byte ids.
-        tokenizer = ByteTokenizer()
-    if isinstance(tokenizer, ByteTokenizer) and config.vocab_size < ByteTokenizer.vocab_size:
-        raise ModelLoadError(
-            f"model {name!r} has no tokenizer and a vocabulary of {config.vocab_size} ids, "
-            f"too small for byte ids (needs {ByteTokenizer.vocab_size})"
-        )
+    text_config = getattr(config, "get_text_config", lambda: config)()
+    tokenizer, note = load_tokenizer(name, vocab_size=int(text_config.vocab_size))
     revision = getattr(config, "_commit_hash", None)
     return LoadedModel(
         model=model.to(device).eval(),
@@ -206,6 +289,7 @@ def _load_pretrained(name: str, *, dtype: torch.dtype, device: str) -> LoadedMod
         model_id=getattr(config, "name_or_path", None) or name,
         model_revision=revision,
         fingerprint=loaded_model_fingerprint(model),
+        notes=[] if note is None else [note],
     )
 
 

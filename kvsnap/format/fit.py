@@ -64,7 +64,8 @@ def check_fits(
         raise IncompatibleSnapshotError(
             f"{path} was captured from model {metadata.source.model_id!r} "
             f"(fingerprint {stored[:16]}), the target's fingerprint is "
-            f"{model_fingerprint[:16]}; use --force to restore anyway",
+            f"{model_fingerprint[:16]} (other weights or config); a forced restore skips this "
+            "check",
             snapshot=metadata.source.model_id,
             target=model_fingerprint[:16],
         )

@@ -37,6 +37,13 @@ _TEMP_NAME = re.compile(r"\.(?P<final>.+)\.kvsnap-tmp-(?P<pid>[0-9]+)-(?P<token>
 _SHORTENED = re.compile(r"(?P<head>.*)~(?P<owner>[0-9a-f]{16})")
 
 
+def temp_final_name(name: str) -> str | None:
+    """The final name a temporary file named ``name`` is written for (cut short when its
+    temporary name was), or ``None`` when ``name`` is no kvsnap temporary name."""
+    match = _TEMP_NAME.fullmatch(name)
+    return None if match is None else match.group("final")
+
+
 def owner_tag(owner: str) -> str:
     """16 hex digits naming ``owner`` (a snapshot's stem) inside shortened temporary names."""
     return xxhash.xxh3_64_hexdigest(owner.encode("utf-8", "surrogateescape"))

@@ -82,7 +82,11 @@ def test_inspect_table_for_people(snapshot_path: Path) -> None:
 
 def test_verify_and_recompute_pass_on_a_good_snapshot(snapshot_path: Path) -> None:
     code, payload = run_json("verify", str(snapshot_path), "--recompute")
-    assert code == 0 and payload == {"ok": True, "problems": []}
+    assert code == 0 and payload["ok"] and payload["problems"] == []
+    # The comparison's numbers are in the JSON: a recompute on the CPU is bit-exact.
+    layers = payload["comparison"]["layers"]
+    assert len(layers) == 8 and all(layer["max_abs_diff"] == 0 for layer in layers)
+    assert all(layer["cosine_min"] == 1 and layer["num_elements"] > 0 for layer in layers)
 
 
 def test_verify_against_reports_the_first_mismatch(snapshot_path: Path, tmp_path: Path) -> None:

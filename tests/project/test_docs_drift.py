@@ -114,3 +114,46 @@ def test_the_readme_and_the_architecture_name_the_same_public_modules() -> None:
     # What it calls internal is no public module (but "the rest of" a partly public one).
     internal = set(re.findall(r"(?<!rest of )`(kvsnap\.\w+)`", table.split("Everything else")[1]))
     assert internal and not internal & set(public)
+
+
+def test_the_source_tree_command_in_cli_md_is_the_one_that_works() -> None:
+    """docs/cli.md named ``PYTHONPATH=. python -m kvsnap.cli``, which fails in a fresh clone
+    (the app's source is ``cli/``); it names README's command, which runs."""
+    import os
+    import subprocess
+    import sys
+
+    command = "PYTHONPATH=. python -m cli"
+    assert command in (DOCS / "cli.md").read_text() and command in README.read_text()
+    assert "PYTHONPATH=. python -m kvsnap.cli" not in (DOCS / "cli.md").read_text()
+    result = subprocess.run(
+        [sys.executable, "-m", "cli", "--version"],
+        cwd=DOCS.parent,
+        env={**os.environ, "PYTHONPATH": "."},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0 and result.stdout.startswith("kvsnap "), result.stderr
+
+
+def test_every_test_path_the_docs_name_exists() -> None:
+    """docs/testing.md named ``tests/gpu/``, which no longer exists."""
+    repo = DOCS.parent
+    named = {
+        match.split("::")[0].rstrip(".,:")
+        for path in [*DOCS.glob("*.md"), README]
+        for match in re.findall(r"(?<![\w/.-])tests/[\w/.\-]*", path.read_text())
+    }
+    assert named and not {path for path in named if not (repo / path).exists()}
+
+
+def test_the_parted_write_sketch_uses_only_names_it_defines() -> None:
+    """docs/format.md's sketch indexed ``plan[i]`` after naming the list ``parts``."""
+    text = (DOCS / "format.md").read_text()
+    sketch = text[text.index("**Writing.**") :]
+    sketch = sketch[sketch.index("```text") : sketch.index("```", sketch.index("```text") + 3)]
+    assigned = set(re.findall(r"^(\w+) = ", sketch, flags=re.MULTILINE))
+    indexed = set(re.findall(r"(?<![\w.])(\w+)\[", sketch)) | set(
+        re.findall(r"len\((\w+)\)", sketch)
+    )
+    assert indexed and indexed <= assigned, indexed - assigned

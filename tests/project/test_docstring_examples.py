@@ -41,6 +41,7 @@ PUBLIC: dict[str, Callable[..., Any]] = {
     "kvsnap.Snapshot.restore": kvsnap.Snapshot.restore,
     "kvsnap.Snapshot.valid_tokens_per_block": kvsnap.Snapshot.valid_tokens_per_block,
     "kvsnap.Snapshot.tensor_stats": kvsnap.Snapshot.tensor_stats,
+    "kvsnap.Snapshot.stats": kvsnap.Snapshot.stats,
     "kvsnap.Snapshot.token_norms": kvsnap.Snapshot.token_norms,
     "kvsnap.Snapshot.close": kvsnap.Snapshot.close,
     "kvsnap.Pipeline": kvsnap.Pipeline,

@@ -226,8 +226,12 @@ def test_compare_names_the_first_mismatch(tmp_path):
     assert [layer.tensor for layer in mismatched] == ["layers.1.key"]
     assert mismatched[0].num_mismatches == 1
     assert mismatched[0].max_abs_diff == pytest.approx(0.5, abs=1e-6)
-    assert mismatched[0].first_mismatch == {"sequence": "s", "token": 5, "head": 2}
-    assert "first mismatch: layers.1.key, sequence s, token 5, head 2" in comparison.report()
+    assert mismatched[0].first_mismatch == {"sequence": "s", "token": 5, "head": 2, "channel": 3}
+    report = " ".join(comparison.report().split())
+    assert (
+        "first difference beyond the tolerance: layer 1 (layers.1.key), sequence s, token 5, "
+        "head 2, channel 3" in report
+    )
     del generator
 
 

@@ -16,10 +16,12 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from kvsnap import format as fmt
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry
+from kvsnap.snapshot import Snapshot
 
 #: The key the committed fixture is signed with (a test key: 32 bytes 0..31).
 FIXTURE_KEY = bytes(range(32))
@@ -85,3 +87,15 @@ def write_v1_signed(
     message = [layout.header, bytes(data[trailer.begin : trailer.end])]
     data[signature.begin : signature.end] = keys.sign(message, fmt.SIGNATURE_ALGORITHM_V1)
     path.write_bytes(bytes(data))
+
+
+def rewrite_as_v1_signed(path: Path, keys: KeyRing) -> None:
+    """Rewrite the one-file snapshot at ``path``, signed with ``keys``, as the older kvsnap
+    signed it (same content, same key)."""
+    with Snapshot.open(path, keys=keys) as snapshot:
+        metadata = snapshot.metadata
+        pages = {
+            name: snapshot.read_tensor(name).contiguous().view(-1).view(torch.uint8).numpy()
+            for name in snapshot.geometry.tensor_names()
+        }
+    write_v1_signed(path, metadata, pages, keys)

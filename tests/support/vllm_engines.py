@@ -71,7 +71,8 @@ def write_job(
     ``fsync`` under the connector's ``path`` waits that long: a slow disk), ``executor``
     (vLLM's ``distributed_executor_backend``), ``sequential`` (one prompt at a time),
     ``tamper`` (what ``vllm_tampering_connector.TamperingConnector``, then the connector, does
-    to the store)."""
+    to the store), ``pause`` (``{"before": i, "file": PATH}``: with ``sequential``, wait
+    before prompt ``i`` until ``PATH`` exists)."""
     connector = options.pop("connector", None)
     job = {
         "model": str(model),
@@ -92,6 +93,7 @@ def write_job(
         "fsync_delay_s": options.pop("fsync_delay_s", 0.0),
         "executor": options.pop("executor", None),
         "sequential": options.pop("sequential", False),
+        "pause": options.pop("pause", None),
     }
     tamper = options.pop("tamper", None)
     if tamper is not None:
@@ -103,8 +105,10 @@ def write_job(
 
 
 def start_engine(job_path: Path, log: Path) -> subprocess.Popen[bytes]:
-    # The engine imports kvsnap from this tree (whatever the venv's editable install points at).
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The engine imports kvsnap from this tree (whatever the venv's editable install points at),
+    # then whatever the caller's path adds.
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.Popen(
         [str(PYTHON), str(HELPERS / "vllm_run_engine.py"), str(job_path)],
         stdout=log.open("wb"),

@@ -23,7 +23,9 @@ process of its own even at TP 1, vLLM's default on CPU; ``uni``: in the schedule
 with the engine core in this one, which vLLM's CPU platform needs for it); ``sequential``
 (optional) sends the prompts one at a time, each request finished before the next is sent;
 ``connector_class`` ``"tampering"`` runs ``vllm_tampering_connector.TamperingConnector`` with
-``tamper`` as what it does.
+``tamper`` as what it does. ``pause`` (optional, with ``sequential``): ``{"before": i, "file":
+PATH}`` stops before prompt ``i`` until ``PATH`` exists, having written ``PATH.waiting`` (the
+test does something to the world meanwhile: stops a server).
 The output holds, per prompt, the generated token ids, vLLM's ``num_cached_tokens`` and the
 finish reason.
 """
@@ -131,7 +133,10 @@ def main() -> None:
         if job.get("sequential")
         else _adapter_runs(adapters)
     )
+    pause = job.get("pause") or {}
     for start, end in runs:
+        if pause and start == pause["before"]:
+            _wait_for(pause["file"])
         # vLLM 0.32's CPU LoRA path computes other tokens for a request without an adapter
         # batched with adapter requests (seen here: the same prompt alone and in such a batch
         # differ): each run of prompts with adapters, or without, is its own batch.
@@ -162,6 +167,17 @@ def main() -> None:
     result["shutdown_seconds"] = time.perf_counter() - finished
     with open(job["output"], "w") as handle:
         json.dump(result, handle)
+
+
+def _wait_for(path: str) -> None:
+    """Say ``PATH.waiting``, then wait until ``PATH`` exists (at most 300 s)."""
+    with open(f"{path}.waiting", "w") as handle:
+        handle.write("waiting")
+    deadline = time.monotonic() + 300
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nobody created {path}")
+        time.sleep(0.05)
 
 
 def _adapter_runs(adapters: list) -> list[tuple[int, int]]:

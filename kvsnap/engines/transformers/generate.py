@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from kvsnap.engines.default_model import LoadedModel
+from kvsnap.engines.default_model import LoadedModel, prompt_problem
 from kvsnap.engines.transformers.model import ModelLike, module_of
 
 
@@ -40,7 +40,9 @@ def forward_with_cache(model: ModelLike, input_ids: Sequence[int], cache: Cache)
     return outputs.logits[0, -1]
 
 
-def prefill(model: LoadedModel, prompts: Sequence[str]) -> list[tuple[DynamicCache, list[int]]]:
+def prefill(
+    model: LoadedModel, prompts: Sequence[str], *, force: bool = False
+) -> list[tuple[DynamicCache, list[int]]]:
     """Encode and run each prompt on its own, returning its ``DynamicCache`` and token ids.
 
     Each cache holds the KV of every token of its prompt (batch 1), ready for
@@ -49,13 +51,18 @@ def prefill(model: LoadedModel, prompts: Sequence[str]) -> list[tuple[DynamicCac
     Args:
         model: kvsnap's ``LoadedModel``, which carries the tokenizer.
         prompts: The prompts, as text.
+        force: Run a prompt longer than the model's positions anyway (see
+            ``prefill_token_ids``). Default ``False``.
 
     Returns:
         Per prompt, its cache and its token ids.
 
     Raises:
         TypeError: A plain transformers model (no tokenizer): use ``prefill_token_ids``.
-        ValueError: A prompt that encodes to no tokens.
+        ValueError: A prompt that is not what the model would read: it encodes to no
+            ordinary token, to unknown tokens only, or to tokens that decode to less than
+            half of its characters (a tokenizer that drops text); or one longer than the
+            model's positions.
 
     Example:
         >>> from kvsnap.engines import transformers as kt
@@ -74,26 +81,40 @@ def prefill(model: LoadedModel, prompts: Sequence[str]) -> list[tuple[DynamicCac
     token_id_lists = []
     for prompt in prompts:
         token_ids = model.encode(prompt)
-        if not token_ids:
-            raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+        problem = prompt_problem(model, prompt, token_ids)
+        if problem is not None:
+            shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+            raise ValueError(f"prompt {shown!r} {problem}")
         token_id_lists.append(token_ids)
-    return prefill_token_ids(model, token_id_lists)
+    return prefill_token_ids(model, token_id_lists, force=force)
+
+
+def max_positions(model: ModelLike) -> int | None:
+    """The most positions ``model`` takes (its config's ``max_position_embeddings``), if it
+    says."""
+    config = getattr(module_of(model), "config", None)
+    text_config = getattr(config, "get_text_config", lambda: config)()
+    value = getattr(text_config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def prefill_token_ids(
-    model: ModelLike, token_id_lists: Sequence[Sequence[int]]
+    model: ModelLike, token_id_lists: Sequence[Sequence[int]], *, force: bool = False
 ) -> list[tuple[DynamicCache, list[int]]]:
     """Run each token id list on its own (batch 1) and return its ``DynamicCache`` and the ids.
 
     Args:
         model: kvsnap's ``LoadedModel`` or a transformers model.
         token_id_lists: One list of token ids per sequence.
+        force: Run a list longer than the model's positions (``max_position_embeddings``)
+            anyway: its KV beyond them is whatever the model computes for positions it was
+            not built for. Default ``False``.
 
     Returns:
         Per list, a cache holding the KV of every token, and the ids as ints.
 
     Raises:
-        ValueError: An empty token id list.
+        ValueError: An empty token id list, or one longer than the model's positions.
 
     Example:
         >>> from kvsnap.engines import transformers as kt
@@ -103,6 +124,14 @@ def prefill_token_ids(
         >>> cache.get_seq_length()
         3
     """
+    limit = max_positions(model)
+    longest = max((len(token_ids) for token_ids in token_id_lists), default=0)
+    if limit is not None and longest > limit and not force:
+        raise ValueError(
+            f"a sequence of {longest} tokens is longer than the model's {limit} positions "
+            "(max_position_embeddings): its KV beyond them would be computed at positions the "
+            "model was not built for (force=True runs it anyway)"
+        )
     results = []
     for token_ids in token_id_lists:
         ids = [int(token) for token in token_ids]

@@ -31,6 +31,7 @@ from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.prefix_store import PrefixStore, check_store_directory, store_namespace
 from kvsnap.engines.vllm.registration import refuse_dropping_caches
+from kvsnap.engines.vllm.remote_tier import check_remote_options, remote_fetcher
 from kvsnap.engines.vllm.scheduler import KVSnapScheduler
 from kvsnap.engines.vllm.specs import KVSnapConnectorMetadata, KVSnapWorkerMetadata
 from kvsnap.engines.vllm.store_guard import StoreGuard
@@ -79,6 +80,7 @@ class KVSnapConnector(KVConnectorBase_V1):
         fingerprint = model_fingerprint(vllm_config)
         geometry = expected_geometry(vllm_config)
         keys = self.options.key_ring()
+        check_remote_options(self.options, keys)
         if self.options.persist:
             check_store_directory(
                 self.options.path, shared=self.options.shared_store, signed=keys is not None
@@ -101,6 +103,7 @@ class KVSnapConnector(KVConnectorBase_V1):
             checker = ChunkChecker(
                 fingerprint, geometry, block_size, verify=verify, keys=keys, hand_over=hand_over
             )
+            remote = remote_fetcher(self.options, store, checker, events)
             self.connector_scheduler = KVSnapScheduler(
                 self.options,
                 store,
@@ -109,8 +112,11 @@ class KVSnapConnector(KVConnectorBase_V1):
                 checker=checker,
                 block_ids_of=self._block_ids_of,
                 guard=self._guard(events, keys is not None),
+                remote=remote,
             )
             self._warn_of_settings(events, store, policy, verify)
+            if remote is not None:
+                remote.probe()  # says whether the remote answers; the start never waits
         else:
             events = EventLog(self.options.event_log, "worker", tp_rank())
             self.connector_worker = KVSnapWorker(
@@ -144,6 +150,16 @@ class KVSnapConnector(KVConnectorBase_V1):
                 logging.WARNING,
                 message=f"the store {self.options.path} is read-only for this engine: "
                 "stored chunks are loaded, no chunk is saved",
+            )
+        if (
+            self.options.remote_writes
+            and self._vllm_config.parallel_config.tensor_parallel_size > 1
+        ):
+            events.emit(
+                "config",
+                logging.WARNING,
+                message="chunks saved at TP > 1 are parted and stay in the local store: this "
+                "engine fetches from the remote tier and uploads nothing",
             )
         if policy != "recompute" and not verify:
             events.emit(
@@ -253,6 +269,9 @@ class KVSnapConnector(KVConnectorBase_V1):
         return self._worker().build_connector_worker_meta()
 
     def shutdown(self) -> None:
-        """Finish every queued snapshot write and release the worker's memory."""
+        """Finish every queued snapshot write (and upload, within the drain bound) and release
+        the worker's memory; stop the scheduler's remote lookups."""
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()

@@ -6,7 +6,7 @@ Nothing here needs vLLM.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,20 @@ KNOWN_OPTIONS = frozenset(
         "shared_store",
         "shutdown_drain_s",
         "compression",
+        "remote_url",
+        "remote_mode",
+        "remote_options",
+        "remote_deadline_s",
+        "remote_fetches",
+        "remote_max_uploads",
+        "remote_max_upload_bytes",
     }
 )
 #: The values of the ``compression`` option.
 COMPRESSIONS = ("none", "lossless", "fp8")
+
+#: ``remote_mode`` values: fetch only, or fetch and upload.
+REMOTE_MODES = ("read", "read-write")
 
 #: The environment variable that sets how long vLLM waits for its workers to exit once it
 #: told them to (vLLM's default: 5 s); the default bound of a worker's drain at shutdown.
@@ -89,6 +99,20 @@ class ConnectorOptions:
       encoded snapshots (docs/format.md, "Encoded snapshots"; at TP 1: a TP > 1 engine stores
       them as captured); an fp8 chunk is about half the bytes, so a bound holds about twice the
       prefixes, and its hits decode on the host (CPU caches) or on the device (CUDA).
+    * ``remote_url``: a remote tier under the local store, shared by many nodes (any fsspec
+      URL: ``s3://bucket/prefix``, ``gs://...``; default none). It requires a key. A local
+      miss is looked up there asynchronously and a hit fetched into the local store
+      (:mod:`~kvsnap.engines.vllm.remote_fetch`); saves are uploaded after their local
+      publish (:mod:`~kvsnap.engines.vllm.remote_upload`).
+    * ``remote_mode``: ``read-write`` (default: fetch and upload) or ``read`` (fetch only).
+    * ``remote_options``: fsspec storage options for ``remote_url`` (``endpoint_url``, a
+      region...; credentials are best left to the library's own environment and config).
+    * ``remote_deadline_s``: how long a request waits for its remote lookup (default 2): past
+      it the chunks not fetched are a miss, and the request is computed.
+    * ``remote_fetches``: remote fetches in flight at once (default 8).
+    * ``remote_max_uploads``: uploads in flight at once (default 4).
+    * ``remote_max_upload_bytes``: bytes of uploads queued or in flight (default 256 MiB); a
+      save past it is not uploaded (``upload_skipped``).
     """
 
     path: str
@@ -107,6 +131,13 @@ class ConnectorOptions:
     shared_store: bool = False
     shutdown_drain_s: float | None = None  # None: vLLM's window for its workers
     compression: str = "none"
+    remote_url: str | None = None
+    remote_mode: str = "read-write"
+    remote_options: Mapping[str, Any] = field(default_factory=dict)
+    remote_deadline_s: float = 2.0
+    remote_fetches: int = 8
+    remote_max_uploads: int = 4
+    remote_max_upload_bytes: int = 256 << 20
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorOptions:
@@ -152,6 +183,7 @@ class ConnectorOptions:
                 else _seconds("shutdown_drain_s", extra["shutdown_drain_s"])
             ),
             compression=_compression(extra.get("compression", "none")),
+            **_remote_options(extra, mode),
         )
 
     def verifies_before_load(self, kv_load_failure_policy: str) -> bool:
@@ -180,6 +212,11 @@ class ConnectorOptions:
             return VLLM_WORKER_WINDOW_DEFAULT_S
 
     @property
+    def remote_writes(self) -> bool:
+        """Whether saves are uploaded to the remote tier (and fetches recorded there)."""
+        return self.remote_url is not None and self.remote_mode == "read-write"
+
+    @property
     def persist(self) -> bool:
         """Whether prompt prefixes are persisted to and loaded from the store."""
         return self.mode in ("persist", "persist+dump")
@@ -188,6 +225,42 @@ class ConnectorOptions:
     def dump(self) -> bool:
         """Whether requests are dumped as ordinary snapshots."""
         return self.mode in ("dump", "persist+dump")
+
+
+def _remote_options(extra: Mapping[str, Any], mode: str) -> dict[str, Any]:
+    """The ``remote_*`` options, checked (``{}`` without ``remote_url``)."""
+    url = extra.get("remote_url")
+    if url is None:
+        given = sorted(key for key in extra if key.startswith("remote_"))
+        if given:
+            raise ValueError(f"KVSnapConnector: {given} need remote_url")
+        return {}
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError(
+            f"KVSnapConnector: remote_url must be a URL such as s3://bucket/prefix, got {url!r}"
+        )
+    if mode == "dump":
+        raise ValueError("KVSnapConnector: remote_url needs a persist mode (a prefix store)")
+    remote_mode = extra.get("remote_mode", "read-write")
+    if remote_mode not in REMOTE_MODES:
+        raise ValueError(
+            f"KVSnapConnector: remote_mode must be one of {REMOTE_MODES}, got {remote_mode!r}"
+        )
+    storage = extra.get("remote_options") or {}
+    if not isinstance(storage, Mapping) or not all(isinstance(k, str) for k in storage):
+        raise ValueError(
+            f"KVSnapConnector: remote_options must be a mapping of fsspec options, got {storage!r}"
+        )
+    deadline = _seconds("remote_deadline_s", extra.get("remote_deadline_s", 2.0))
+    return {
+        "remote_url": url.rstrip("/"),
+        "remote_mode": remote_mode,
+        "remote_options": dict(storage),
+        "remote_deadline_s": deadline,
+        "remote_fetches": _integer(extra, "remote_fetches", 8, minimum=1),
+        "remote_max_uploads": _integer(extra, "remote_max_uploads", 4, minimum=1),
+        "remote_max_upload_bytes": _integer(extra, "remote_max_upload_bytes", 256 << 20, minimum=0),
+    }
 
 
 def _dump_requests(requests: Any) -> tuple[str, ...] | None:

@@ -26,6 +26,7 @@ from kvsnap.engines.vllm.identity import identity_of, store_key_chain
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.prefix_store import ChunkRef, PrefixStore, chunk_sequence_id, safe_name
 from kvsnap.engines.vllm.quarantine import Quarantine
+from kvsnap.engines.vllm.remote_fetch import RemoteFetcher
 from kvsnap.engines.vllm.specs import (
     ChunkLoad,
     KVSnapConnectorMetadata,
@@ -89,6 +90,7 @@ class KVSnapScheduler:
         checker: ChunkChecker,
         block_ids_of: BlockIdsOf,
         guard: StoreGuard | None = None,
+        remote: RemoteFetcher | None = None,
     ) -> None:
         self.options = options
         self.store = store
@@ -99,6 +101,9 @@ class KVSnapScheduler:
         #: The store's mode and owner, checked again while the engine runs: while the store
         #: fails the check nothing is matched in it or planned for saving to it.
         self.guard = guard
+        #: The remote tier's lookups (``remote_url``): a local miss is looked up there while
+        #: vLLM is answered "not yet".
+        self.remote = remote
         self._block_ids_of = block_ids_of
         self._matches: dict[str, tuple[int, list[tuple[ChunkRef, fmt.SequenceRecord]]]] = {}
         self._pending_loads: list[LoadSpec] = []
@@ -214,19 +219,54 @@ class KVSnapScheduler:
         chain = self._chain(request, prompt, loadable_blocks)
         if chain is None:
             return 0, False
+        if self._remote_pending(request.request_id, prompt, chain, num_computed_tokens):
+            return None, False  # vLLM asks again on a later step
         usable = self._touched(self._usable_chunks(request.request_id, prompt, chain))
         matched = sum(chunk.num_blocks for chunk, _ in usable) * self.block_size
         if matched <= num_computed_tokens:
             return 0, False
         self._matches[request.request_id] = (num_computed_tokens, usable)
+        remote = {}
+        if self.remote is not None:
+            fetched = self.remote.fetched_paths(request.request_id)
+            blocks = sum(chunk.num_blocks for chunk, _ in usable if chunk.path in fetched)
+            remote["remote_tokens"] = blocks * self.block_size
         self.events.emit(
             "hit",
             request=request.request_id,
             paths=[chunk.path for chunk, _ in usable],
             tokens=matched - num_computed_tokens,
             local_tokens=num_computed_tokens,
+            **remote,
         )
         return matched - num_computed_tokens, False
+
+    def _remote_pending(
+        self, request_id: str, prompt: np.ndarray, chain: list[str], num_computed_tokens: int
+    ) -> bool:
+        """Whether the request waits for its remote lookup (vLLM is answered "not yet").
+
+        A request whose stored prefix is shorter than its loadable blocks starts one lookup
+        (:class:`~kvsnap.engines.vllm.remote_fetch.RemoteFetcher`) of the chunks from the first
+        one the local store lacks, beyond vLLM's own hit; it waits until they are fetched into
+        the local store, one of them is a miss, or its deadline passes. Nothing here waits."""
+        remote = self.remote
+        if remote is None:
+            return False
+        if remote.consulted(request_id):
+            return remote.pending(request_id)
+        local = self.store.longest_prefix(chain)
+        local_blocks = 0 if local is None else local.num_blocks
+        if local_blocks >= len(chain):
+            return False
+        spans = [
+            (start, end)
+            for start, end in self.store.chunk_spans(len(chain))
+            if end > local_blocks and end * self.block_size > num_computed_tokens
+        ]
+        return remote.start(request_id, prompt, chain, spans, self.block_size) and remote.pending(
+            request_id
+        )
 
     def _store_allowed(self) -> bool:
         """Whether the store may be used: it still passes the start-up check of its mode and
@@ -428,6 +468,11 @@ class KVSnapScheduler:
                 tracked.load = None
                 tracked.load_pending = False
 
+    def shutdown(self) -> None:
+        """Stop the remote lookups' threads (fetches not yet begun are dropped)."""
+        if self.remote is not None:
+            self.remote.shutdown()
+
     def has_pending_block_frees(self) -> bool:
         """Whether finished requests' blocks are held for their saves (vLLM's contract: such
         blocks will be released, so the scheduler waits for them rather than preempting)."""
@@ -439,6 +484,8 @@ class KVSnapScheduler:
         self._tracked.pop(request.request_id, None)
         self._matches.pop(request.request_id, None)
         self._chains.pop(request.request_id, None)
+        if self.remote is not None:
+            self.remote.forget(request.request_id)
         if request.request_id in self._saving:
             self._saving.discard(request.request_id)
             self._held.add(request.request_id)

@@ -52,6 +52,7 @@ from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.prefix_store import PrefixStore
 from kvsnap.engines.vllm.quarantine import Quarantine
 from kvsnap.engines.vllm.registration import RegisteredCache, register_caches
+from kvsnap.engines.vllm.remote_tier import remote_uploader
 from kvsnap.engines.vllm.specs import (
     ChunkLoad,
     KVSnapConnectorMetadata,
@@ -152,6 +153,9 @@ class KVSnapWorker:
         self.cache = cache
         # Kept for the engine's life: page table, staging and kernels stay warm across calls.
         self._pipeline = Pipeline(cache.layout)
+        uploader = None
+        if self.options.remote_writes and cache.layout.tp_size == 1:
+            uploader = remote_uploader(self.options, self.store, self.events)
         self._saves = WorkerSaves(
             self.options,
             self.store,
@@ -162,6 +166,7 @@ class KVSnapWorker:
             source=self._source,
             keys=self.keys,
             guard=self.guard,
+            uploader=uploader,
         )
         self.events.emit(
             "registered",

@@ -46,6 +46,7 @@ from kvsnap.engines.vllm.eviction import StoreEntry, staged_path
 from kvsnap.engines.vllm.options import ConnectorOptions
 from kvsnap.engines.vllm.prefix_store import PrefixStore
 from kvsnap.engines.vllm.registration import RegisteredCache
+from kvsnap.engines.vllm.remote_upload import RemoteUploader
 from kvsnap.engines.vllm.saves import PendingSave, SaveQueue
 from kvsnap.engines.vllm.specs import SaveSpec
 from kvsnap.engines.vllm.store_guard import StoreGuard
@@ -75,8 +76,11 @@ class WorkerSaves:
         source: fmt.SourceInfo | None,
         keys: KeyRing | None,
         guard: StoreGuard | None = None,
+        uploader: RemoteUploader | None = None,
     ) -> None:
         self.options = options
+        #: Uploads each chunk saved (at TP 1) to the remote tier once it is published here.
+        self.uploader = uploader
         #: The store's mode and owner, checked again while the engine runs (at TP 1: at
         #: TP > 1 the scheduler plans no save into a store that fails it, and every rank
         #: must meet the collectives of a save that was planned).
@@ -128,8 +132,11 @@ class WorkerSaves:
 
     def shutdown(self, bound_s: float) -> None:
         """Finish the queued saves within ``bound_s`` seconds, abandon the rest
-        (``save_abandoned``: nothing of them is published), then log a ``shutdown`` event."""
+        (``save_abandoned``: nothing of them is published), give the uploads queued what is
+        left of the bound, then log a ``shutdown`` event."""
         report = self._queue.shutdown(bound_s)
+        if self.uploader is not None:  # the uploads queued get what is left of the bound
+            self.uploader.shutdown(bound_s - report.seconds)
         self.events.emit(
             "shutdown",
             logging.WARNING if report.abandoned else logging.INFO,
@@ -284,6 +291,8 @@ class WorkerSaves:
             bytes=num_bytes,
             seconds=round(time.perf_counter() - started, 6),
         )
+        if spec.kind == "persist" and self.uploader is not None and self.cache.layout.tp_size == 1:
+            self.uploader.offer(path, spec.request_id)
         capacity = self.options.store_capacity_bytes
         if spec.kind == "persist" and capacity is not None:
             if self.cache.layout.tp_size > 1:  # a parted chunk, committed by its index

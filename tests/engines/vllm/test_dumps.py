@@ -92,9 +92,71 @@ def test_vllm_dump_agrees_with_transformers_and_names_a_perturbed_layer(
     # Two bf16 engines with different kernels agree within a few bf16 steps (|KV| < 16).
     tolerance = ["--atol", "0.25"]
     code, report = _cli("verify", str(dump), "--against", str(reference), *tolerance)
-    assert (code, report) == (0, {"ok": True, "problems": []}), report
+    assert code == 0 and report["ok"] and report["problems"] == [], report
+    assert report["comparison"]["first_divergent_layer"] is None
     code, report = _cli("verify", str(dump), "--against", str(perturbed), *tolerance)
     assert code != 0 and not report["ok"]
     assert {problem["tensor"] for problem in report["problems"]} == {"layers.1.key"}, report
     (problem,) = report["problems"]
     assert problem["first_mismatch"]["sequence"] == "0" and problem["max_abs_diff"] > 1
+
+
+#: The documented bf16 tolerance of a vLLM dump against transformers (docs/vllm.md, "Comparing
+#: with another engine"): two engines with different kernels agree within a few bf16 steps.
+BF16_ATOL = "0.25"
+
+
+def _perturbed_model(model: Path, directory: Path) -> Path:
+    """A copy of ``model`` whose layer 1 ``k_proj`` is scaled by 1.25 (its keys change, its
+    values and every layer before it do not)."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    with torch.no_grad():
+        loaded.model.layers[1].self_attn.k_proj.weight.mul_(1.25)
+    loaded.save_pretrained(directory)
+    return directory
+
+
+def test_kvsnap_diff_across_engines_locates_a_perturbed_vllm_run(
+    scenario: Scenario, tmp_path: Path
+) -> None:
+    """The debugging workflow: vLLM's dump against transformers' capture of the same prompt on
+    the same model agrees within bf16 tolerance, located and measured by ``kvsnap diff``; a
+    vLLM run whose layer 1 keys were changed is located to that layer, its fingerprint named."""
+    pytest.importorskip("transformers")
+    from tests.support.vllm_engines import run_engine
+
+    dump = _dump(scenario.runs["e1"], "A")
+    reference = tmp_path / "hf.safetensors"
+    _transformers_capture(scenario.model, scenario.prompts["A"], reference, perturb=False)
+    code, report = _cli("diff", str(dump), str(reference), "--atol", BF16_ATOL)
+    assert code == 0 and report["ok"], report
+    # Same model, other engine: said up front, and not a failure.
+    assert {difference["field"] for difference in report["sources"]} == {"engine"}
+    for layer in report["layers"]:
+        assert layer["num_mismatches"] == 0 and layer["num_elements"] == 100 * 2 * 32
+        assert layer["cosine_min"] > 0.999 and layer["rel_error_max"] < 0.05, layer
+    assert report["first_divergent_layer"] is None and len(report["top"]) == 10
+
+    perturbed_model = _perturbed_model(scenario.model, tmp_path / "perturbed-model")
+    dumps = tmp_path / "dumps"
+    run = run_engine(
+        tmp_path,
+        "perturbed",
+        perturbed_model,
+        ["A"],
+        scenario.prompts,
+        connector={"path": str(dumps), "mode": "dump"},
+    )
+    perturbed = _dump(run, "A")
+    code, report = _cli("diff", str(perturbed), str(reference), "--atol", BF16_ATOL)
+    assert code == 1 and not report["ok"]
+    assert report["first_divergent_layer"] == 1
+    assert "model fingerprint" in {difference["field"] for difference in report["sources"]}
+    layers = {layer["tensor"]: layer for layer in report["layers"]}
+    beyond = {name for name, layer in layers.items() if layer["num_mismatches"]}
+    assert beyond == {"layers.1.key"}, beyond
+    assert layers["layers.1.key"]["max_abs_diff"] > 1 and layers["layers.1.key"]["share"] > 0.1
+    assert layers["layers.1.key"]["cosine_min"] < layers["layers.1.value"]["cosine_min"]
+    assert all(entry["tensor"] == "layers.1.key" for entry in report["top"])

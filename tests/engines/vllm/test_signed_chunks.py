@@ -31,7 +31,7 @@ from kvsnap.engines.vllm import (
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store.keys import new_key_text
-from tests.support.signed_v1 import write_v1_signed
+from tests.support.signed_v1 import rewrite_as_v1_signed
 from tests.support.tamper import RawSnapshot
 
 BLOCK, HEADS, HEAD_DIM, LAYERS = 4, 2, 8, 2
@@ -80,13 +80,7 @@ def _signed_chunk(store: PrefixStore, prompt: np.ndarray, keys: KeyRing) -> Path
 
 def _as_older_form(path: Path, keys: KeyRing) -> None:
     """Rewrite the signed chunk at ``path`` as the older kvsnap signed it."""
-    with Snapshot.open(path, keys=keys) as snapshot:
-        metadata = snapshot.metadata
-        pages = {
-            name: snapshot.read_tensor(name).contiguous().view(-1).view(torch.uint8).numpy()
-            for name in snapshot.geometry.tensor_names()
-        }
-    write_v1_signed(path, metadata, pages, keys)
+    rewrite_as_v1_signed(path, keys)
 
 
 def _check(store: PrefixStore, prompt: np.ndarray, keys: KeyRing) -> object:
