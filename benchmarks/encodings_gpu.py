@@ -83,6 +83,22 @@ def quantize_figures(pages: dict[str, torch.Tensor], repeat: int) -> tuple[dict,
     return figures, quantized
 
 
+def check_decoded(name: str, got: torch.Tensor, want: torch.Tensor, pages: fp8.Fp8Pages) -> None:
+    """Raise, naming the first differing element (its code, scale and both words), unless the
+    kernel wrote ``want`` bit for bit."""
+    got_bits, want_bits = got.reshape(want.shape).view(torch.int16), want.view(torch.int16)
+    differ = torch.nonzero(got_bits != want_bits)
+    if len(differ):
+        index = tuple(int(i) for i in differ[0])
+        block, head = index[0], index[2] if len(index) == 4 else 0
+        raise AssertionError(
+            f"{name}: {len(differ)} elements differ, first {index}: code "
+            f"{int(pages.values[index]):#04x}, scale {float(pages.scales[block, head])!r}, "
+            f"kernel {int(got_bits[index]) & 0xFFFF:#06x}, "
+            f"host {int(want_bits[index]) & 0xFFFF:#06x}"
+        )
+
+
 def scatter_figures(
     kind: str, pages: dict[str, torch.Tensor], quantized: dict, repeat: int
 ) -> dict:
@@ -117,7 +133,7 @@ def scatter_figures(
     dequant_ms = median_ms(dequant, repeat)
     for name in names:
         want = fp8.dequantize(quantized[name].values, quantized[name].scales, torch.bfloat16)
-        assert torch.equal(cache.views[name].view(torch.int16), want.view(torch.int16)), name
+        check_decoded(name, cache.views[name], want, quantized[name])
     bf16 = torch.stack([pages[name] for name in names]).reshape(len(page_tensors), -1)
     page_bytes = bf16.shape[1] * 2
     addresses = bf16.data_ptr() + np.arange(len(page_tensors), dtype=np.int64) * page_bytes

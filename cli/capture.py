@@ -16,11 +16,13 @@ import typer
 from . import models
 from .common import (
     BackendOption,
+    CompressOption,
     DeviceOption,
     DtypeOption,
     JsonOption,
     KeyFileOption,
     ModelOption,
+    compression_for,
     format_bytes,
     key_ring,
     output_location,
@@ -113,15 +115,18 @@ def capture(
     backend: BackendOption = "auto",
     key_file: KeyFileOption = None,
     force: _ForceOption = False,
+    compress: CompressOption = "none",
     as_json: JsonOption = False,
 ) -> None:
     """Run prefill on each prompt and write the KV cache as a snapshot.
 
     The prompts are text (--prompt, --prompts-file; --chat wraps them in the model's chat
-    template) or token ids (--tokens); with --key-file the snapshot is signed."""
+    template) or token ids (--tokens); with --key-file the snapshot is signed, with --compress
+    encoded."""
     from kvsnap.pipeline import TransferOptions
 
     target = output_location(output, option="--output")
+    compression = compression_for(compress, target)
     keys = key_ring(key_file)
     prompts = _prompts(prompt, prompts_file, default=not tokens)
     if chat and not prompts:
@@ -140,43 +145,75 @@ def capture(
     loaded_at = time.perf_counter()
     prefilled = _prefill(engine, loaded, sequences, force=force, show_progress=not as_json)
     prefilled_at = time.perf_counter()
+    written = target if compression == "none" else f"{target}.uncompressed.tmp"
     with progress_bar("writing", enabled=not as_json) as progress:
         result = engine.capture_dynamic_caches(
             prefilled,
-            target,
+            written,
             model=loaded,
             block_size=block_size,
             transfer=TransferOptions(backend=backend),
             progress=progress,
             reproducible=reproducible,
-            keys=keys,
+            keys=None if compression != "none" else keys,
         )
-    _report(result, notes, (started, loaded_at, prefilled_at, time.perf_counter()), as_json)
+    encoding = None if compression == "none" else _encode(written, target, compression, keys)
+    moments = (started, loaded_at, prefilled_at, time.perf_counter())
+    _report(result, target if encoding else result.path, encoding, notes, moments, as_json)
 
 
 def _report(
-    result: Any, notes: list[str], moments: tuple[float, float, float, float], as_json: bool
+    result: Any,
+    path: str,
+    encoding: dict[str, Any] | None,
+    notes: list[str],
+    moments: tuple[float, float, float, float],
+    as_json: bool,
 ) -> None:
-    """Print what a capture wrote (``--json``: as JSON, with its ``notes``), with each phase's
-    time from ``moments``: started, model loaded, prefill done, snapshot written."""
+    """Print what a capture wrote to ``path`` (``--json``: as JSON, with its ``notes``), with
+    its ``encoding``'s summary and each phase's time from ``moments``: started, model loaded,
+    prefill done, snapshot written (and encoded)."""
     started, loaded_at, prefilled_at, finished = moments
     payload = {
-        "path": result.path,
+        "path": path,
         "sequences": result.num_sequences,
         "tokens": result.num_tokens,
         "bytes": result.num_bytes,
         "seconds": round(result.seconds, 6),
+        "encoding": encoding or {"name": "none"},
         **({"notes": notes} if notes else {}),
     }
     if as_json:
         emit_json(payload)
         return
+    stored = (
+        "" if encoding is None else f", stored {encoding['name']} {encoding['ratio']:.2f}x smaller"
+    )
     stdout.print(
         f"captured {result.num_sequences} sequence(s), {result.num_tokens} tokens, "
-        f"{format_bytes(result.num_bytes)} → [bold]{text(result.path)}[/] "
+        f"{format_bytes(result.num_bytes)}{stored} → [bold]{text(payload['path'])}[/] "
         f"in {finished - started:.2f} s (model load {loaded_at - started:.2f} s, prefill "
         f"{prefilled_at - loaded_at:.2f} s, write {finished - prefilled_at:.2f} s)"
     )
+
+
+def _encode(written: str, target: str, compression: str, keys: Any) -> dict[str, Any]:
+    """Encode the captured file ``written`` into ``target`` and remove it; the encoding's
+    summary (its error report's worst values for fp8)."""
+    from kvsnap.encoded.write import recode_file
+
+    try:
+        result = recode_file(written, target, compression, keys=keys)
+    finally:
+        Path(written).unlink(missing_ok=True)
+    summary: dict[str, Any] = {
+        "name": compression,
+        "ratio": round(result.ratio, 4),
+        "stored_bytes": result.stored_bytes,
+    }
+    if result.error is not None:
+        summary["error"] = result.error.worst
+    return summary
 
 
 def _sequences(

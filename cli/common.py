@@ -62,6 +62,15 @@ KeyFileOption = Annotated[
         ),
     ),
 ]
+CompressOption = Annotated[
+    str,
+    typer.Option(
+        "--compress",
+        metavar="C",
+        help="none (as captured), lossless (bit-exact, smaller), or fp8 (e4m3 with per block "
+        "and head scales, about half the size; its error measured and written in the file).",
+    ),
+]
 SnapshotArgument = Annotated[str, typer.Argument(metavar="SNAPSHOT", help="Snapshot file or URL.")]
 
 
@@ -137,3 +146,17 @@ def output_location(location: str, *, option: str) -> str:
     if not os.access(parent, os.W_OK):
         raise UsageError(f"{option} {location}: directory {parent} is not writable")
     return location
+
+
+#: The values of ``--compress``.
+COMPRESSIONS = ("none", "lossless", "fp8")
+
+
+def compression_for(value: str, target: str) -> str:
+    """``--compress``'s value checked: one of :data:`COMPRESSIONS`, and a local target for an
+    encoded snapshot (written with a rename beside it)."""
+    if value not in COMPRESSIONS:
+        raise UsageError(f"--compress {value}: one of {', '.join(COMPRESSIONS)}")
+    if value != "none" and is_url(target) and not target.startswith("file://"):
+        raise UsageError(f"--compress {value}: encoded snapshots are written to local files")
+    return value

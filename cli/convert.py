@@ -9,7 +9,14 @@ from typing import Annotated, Any
 
 import typer
 
-from .common import JsonOption, output_location
+from .common import (
+    CompressOption,
+    JsonOption,
+    KeyFileOption,
+    compression_for,
+    key_ring,
+    output_location,
+)
 from .output import UsageError, emit_json, stderr, stdout, text
 
 _PathOption = Annotated[
@@ -17,7 +24,8 @@ _PathOption = Annotated[
     typer.Argument(
         metavar="PATH",
         help="vLLM fs-tier namespace, rank directory, root or block file, a llama.cpp "
-        "state file, an SGLang HiCache or LMCache fs L2 directory, or a thaw KV snapshot.",
+        "state file, an SGLang HiCache or LMCache fs L2 directory, a thaw KV snapshot, or "
+        "a kvsnap snapshot file (to re-encode with --compress).",
     ),
 ]
 
@@ -76,12 +84,20 @@ def convert(
     tp: _TpOption = None,
     hash_seed: _HashSeedOption = None,
     reproducible: _ReproducibleOption = False,
+    compress: CompressOption = "none",
+    key_file: KeyFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Convert another engine's persisted KV into a checksummed kvsnap snapshot."""
+    """Convert another engine's persisted KV into a checksummed kvsnap snapshot, or re-encode
+    a kvsnap snapshot (--compress none|lossless|fp8; an encoded one signed with --key-file)."""
     target = output_location(output, option="--output")
+    compression = compression_for(compress, target)
     if not Path(path).exists():
         raise UsageError(f"{path}: no such file or directory")
+    from .foreign_paths import is_foreign
+
+    if not is_foreign(path):
+        return _recode(path, target, compression, key_ring(key_file), as_json=as_json)
     token_ids = None if tokens is None else read_token_ids(tokens)
     hints: dict[str, Any] = {
         "num_kv_heads": kv_heads,
@@ -92,7 +108,54 @@ def convert(
         "hash_seed": hash_seed,
     }
     expected = _config_heads(path, hints)
-    _write(path, target, hints, reproducible=reproducible, as_json=as_json, expected=expected)
+    if compression == "none":
+        _write(path, target, hints, reproducible=reproducible, as_json=as_json, expected=expected)
+        return
+    converted = f"{target}.uncompressed.tmp"
+    try:
+        _write(
+            path,
+            converted,
+            hints,
+            reproducible=reproducible,
+            as_json=True,
+            quiet=True,
+            expected=expected,
+        )
+        _recode(converted, target, compression, key_ring(key_file), as_json=as_json)
+    finally:
+        Path(converted).unlink(missing_ok=True)
+
+
+def _recode(source: str, target: str, compression: str, keys: Any, *, as_json: bool) -> None:
+    """Write the kvsnap snapshot ``source`` to ``target`` as ``compression`` and report it."""
+    from kvsnap.encoded.summary import error_line
+    from kvsnap.encoded.write import recode_file
+
+    if Path(source).is_dir():
+        raise UsageError(f"{source}: is a directory, not a snapshot file")
+    try:
+        result = recode_file(source, target, compression, keys=keys)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    payload = {
+        "path": result.path,
+        "encoding": compression,
+        "decoded_bytes": result.decoded_bytes,
+        "stored_bytes": result.stored_bytes,
+        "ratio": round(result.ratio, 4),
+        "seconds": round(result.seconds, 3),
+        "error": None if result.error is None else result.error.worst,
+    }
+    if as_json:
+        emit_json(payload)
+        return
+    stdout.print(
+        f"wrote {text(result.path)}: {compression}, {result.stored_bytes} bytes for "
+        f"{result.decoded_bytes} ({result.ratio:.2f}x smaller) in {result.seconds:.2f} s"
+    )
+    if result.error is not None:
+        stdout.print(f"error: {error_line(result.error.worst)}")
 
 
 def _config_heads(path: str, hints: dict[str, Any]) -> tuple[int, int] | None:
@@ -151,6 +214,7 @@ def _write(
     *,
     reproducible: bool,
     as_json: bool,
+    quiet: bool = False,
     expected: tuple[int, int] | None = None,
 ) -> None:
     """Open ``path`` with ``hints``, write the snapshot to ``target`` and report it."""
@@ -182,6 +246,8 @@ def _write(
         "seconds": round(time.perf_counter() - started, 3),
         "notes": notes,
     }
+    if quiet:
+        return
     if as_json:
         emit_json(payload)
         return

@@ -12,6 +12,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from kvsnap.encoded.summary import encoding_summary, error_line
+
 from .common import JsonOption, format_bytes, is_url, snapshot_location
 from .foreign_paths import inspect_foreign, is_foreign
 from .listing import list_directory, tokenizer_for
@@ -191,6 +193,7 @@ def describe(snap: Snapshot) -> dict[str, Any]:
             "page_binding": snap.page_binding,
             "binding": _BINDINGS.get(snap.page_binding),
         },
+        "encoding": encoding_summary(snap.encoded),
         **_parts_json(snap),
     }
 
@@ -217,6 +220,23 @@ def _parts_json(snap: Snapshot) -> dict[str, Any]:
             "num_kv_heads": part.num_kv_heads,
         }
     }
+
+
+def _encoding_rows(encoding: dict[str, Any]) -> list[tuple[str, str]]:
+    """The rows saying how the snapshot is stored: encoding, ratio, recorded error."""
+    if encoding["name"] == "none":
+        return [("encoding", "none (as captured)")]
+    rows = [
+        (
+            "encoding",
+            f"{encoding['name']} ({encoding['codec']}, format v{encoding['format_version']}): "
+            f"{encoding['ratio']:.2f}x smaller, {format_bytes(encoding['stored_bytes'])} for "
+            f"{format_bytes(encoding['decoded_bytes'])}",
+        )
+    ]
+    if encoding["error"] is not None:
+        rows.append(("error", error_line(encoding["error"]["worst"])))
+    return rows
 
 
 def _part_rows(payload: dict[str, Any]) -> list[tuple[str, str]]:
@@ -261,6 +281,7 @@ def _metadata_table(payload: dict[str, Any]) -> Table:
         ("blocks", f"{payload['num_blocks']} ({format_bytes(payload['total_bytes'])})"),
         ("signature", _signature_row(payload["signature"])),
         *_part_rows(payload),
+        *_encoding_rows(payload["encoding"]),
     ]
     for key, value in rows:
         table.add_row(key, Text(str(value)))

@@ -52,6 +52,9 @@ def _require_store(directory: str) -> Path:
 
 
 def _entry_json(entry: StoreEntry, root: Path, now: float) -> dict[str, Any]:
+    from kvsnap.encoded.summary import file_encoding
+
+    encoding, ratio = file_encoding(str(entry.path))
     return {
         "path": str(entry.path.relative_to(root)),
         "namespace": entry.namespace,
@@ -63,6 +66,8 @@ def _entry_json(entry: StoreEntry, root: Path, now: float) -> dict[str, Any]:
         "orphan": entry.orphan,
         "temp": entry.temp,
         "legacy": entry.legacy,
+        "encoding": encoding,
+        "ratio": round(ratio, 4),
     }
 
 

@@ -55,17 +55,28 @@ def print_entry_table(rows: list[dict[str, Any]], title: str) -> None:
             caption_justify="left",
             box=box.SIMPLE_HEAD,
         )
-        for column in ("entry", "parts", "size", "last used", "state"):
+        # A local listing reads each entry's header for its encoding; a remote one lists
+        # objects without reading them (one request per thousand), so it has no such column.
+        encoded = all("encoding" in row for row in members)
+        columns = ("entry", "parts", "size", *(("encoding",) if encoded else ()), "last used")
+        for column in (*columns, "state"):
             table.add_column(column, overflow="fold")
         for row in members:
             table.add_row(
                 Text(_entry_name(row["path"])),
                 str(row["parts"]) if row["parts"] else "-",
                 format_bytes(row["bytes"]),
+                *((_encoding_cell(row),) if encoded else ()),
                 f"{_age(row['age_s'])} ago",
                 row["state"] if "state" in row else _state(row),
             )
         stdout.print(table)
+
+
+def _encoding_cell(row: dict[str, Any]) -> str:
+    if row["encoding"] == "none":
+        return "-"
+    return f"{row['encoding']} {row['ratio']:.2f}x"
 
 
 #: Hex digits of a chunk's 64-digit store key shown by ``list``: unique in practice (like a git

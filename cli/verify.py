@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvsnap.encoded.summary import error_line
 from kvsnap.errors import (
     NotASnapshotError,
     SignatureError,
@@ -145,20 +146,24 @@ class _Check:
         return its JSON object."""
         problems: list[dict[str, Any]] = []
         comparison: Comparison | None = None
+        measured: dict[str, Any] | None = None
         check = _SignatureCheck(self.keys)
         try:
             with _open_checked(location, check) as snap:
                 with progress_bar("verify", enabled=not self.quiet) as progress:
                     problems += [_problem(problem) for problem in snap.verify(progress=progress)]
                 problems[:0] = check.refused
-                if not problems:
+                if not problems and self._measures_error(snap):
+                    measured = self._measured(snap)
+                    problems += measured.pop("problems")
+                elif not problems:
                     comparison = self._compare(snap)
         except (SnapshotCorruptError, NotASnapshotError) as error:
             problems[:0] = check.refused  # a file refused by its signature, then found damaged
             problems.append({"tensor": error.tensor, "block": error.block, "message": str(error)})
         signature = check.verdict
         if not self.quiet:
-            _print(problems, comparison, signature, self.top)
+            _print(problems, comparison, signature, self.top, error=measured)
         if comparison is not None:
             problems += _comparison_problems(comparison)
         notes = [] if comparison is None else comparison.notes
@@ -169,7 +174,20 @@ class _Check:
             **({"signature": signature} if signature is not None else {}),
             **({"notes": notes} if notes else {}),
             **({"comparison": comparison.to_dict()} if comparison else {}),
+            **({"error": measured} if measured is not None else {}),
         }
+
+    def _measures_error(self, snap: Snapshot) -> bool:
+        """Whether ``--against`` checks ``snap``'s recorded error rather than comparing it
+        element by element: a lossy (fp8) snapshot, no tolerance given."""
+        return self.reference is not None and _is_lossy(snap) and not (self.atol or self.rtol)
+
+    def _measured(self, snap: Snapshot) -> dict[str, Any]:
+        from kvsnap.snapshot import Snapshot
+
+        assert self.reference is not None
+        with Snapshot.open(self.reference) as other:
+            return _measured_error(snap, other)
 
     def _compare(self, snap: Snapshot) -> Comparison | None:
         from kvsnap.snapshot import Snapshot
@@ -186,12 +204,22 @@ class _Check:
 
 
 def _print(
-    problems: list[dict[str, Any]], comparison: Comparison | None, signature: str | None, top: int
+    problems: list[dict[str, Any]],
+    comparison: Comparison | None,
+    signature: str | None,
+    top: int,
+    *,
+    error: dict[str, Any] | None = None,
 ) -> None:
-    """The outcome for people: the signature, each verification problem once, the
-    comparison's report (its structural problems and mismatches are in it), a verdict."""
+    """The outcome for people: the signature, an fp8 snapshot's error (measured against the
+    reference, and as recorded), each verification problem once, the comparison's report (its
+    structural problems and mismatches are in it), a verdict."""
     if signature is not None:
         stdout.print(f"signature: {signature}")
+    if error is not None:
+        if error["measured"] is not None:
+            stdout.print(f"error measured against the reference: {error_line(error['measured'])}")
+        stdout.print(f"error recorded in the file: {error_line(error['recorded'])}")
     for problem in problems:
         stdout.print(f"[red]problem:[/] {text(problem['message'])}")
     if comparison is not None:
@@ -239,6 +267,39 @@ def _open_checked(location: str, check: _SignatureCheck) -> Iterator[Snapshot]:
             check.verdict = "valid"
     with snap:
         yield snap
+
+
+def _is_lossy(snap: Snapshot) -> bool:
+    """Whether ``snap`` was stored with a lossy encoding (fp8): compared by its error."""
+    return snap.encoded is not None and snap.encoded.error is not None
+
+
+def _measured_error(snap: Snapshot, reference: Snapshot) -> dict[str, Any]:
+    """An fp8 snapshot's error measured again against ``reference`` (the snapshot it was made
+    from): ``measured`` and ``recorded`` worst values, and a problem when the reference holds
+    other blocks or the file's report is not what the two files give."""
+    from kvsnap.encoded.summary import measured_error, reports_agree
+
+    assert snap.encoded is not None and snap.encoded.error is not None
+    recorded = snap.encoded.error
+    result: dict[str, Any] = {"recorded": recorded.worst, "measured": None, "problems": []}
+    same_blocks = snap.num_blocks == reference.num_blocks and [
+        (r.id, r.token_ids.tolist(), r.block_ids.tolist()) for r in snap.sequences
+    ] == [(r.id, r.token_ids.tolist(), r.block_ids.tolist()) for r in reference.sequences]
+    if not same_blocks or snap.geometry != reference.geometry:
+        message = "the reference holds other sequences, blocks or geometry than the snapshot"
+        result["problems"].append({"tensor": None, "block": None, "message": message})
+        return result
+    names = snap.geometry.tensor_names()
+    # As recorded: rounded to 6 significant digits.
+    measured = type(recorded).from_dict(
+        measured_error(snap, reference, names, recorded.encoding).to_dict()
+    )
+    result["measured"] = measured.worst
+    if not reports_agree(measured.to_dict(), recorded.to_dict()):
+        message = "the error recorded in the file is not the error measured against the reference"
+        result["problems"].append({"tensor": None, "block": None, "message": message})
+    return result
 
 
 def _signature_problem(error: SignatureError) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap.errors import UnknownSequenceError
+from kvsnap.encoded.opening import DecodedSnapshot, open_as_decoded, release
+from kvsnap.errors import UnknownSequenceError, UnsupportedVersionError
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry
@@ -92,12 +93,20 @@ class Snapshot(SnapshotTensors):
         3 98304
     """
 
-    def __init__(self, reader: SnapshotReader | OpenedSnapshot, path: str) -> None:
+    def __init__(
+        self,
+        reader: SnapshotReader | OpenedSnapshot,
+        path: str,
+        decoded: DecodedSnapshot | None = None,
+    ) -> None:
         # A reader of one file (or shards) is a snapshot of one part holding every head.
         self._opened = (
             reader if isinstance(reader, OpenedSnapshot) else whole_snapshot(reader, path)
         )
         self.path = path
+        #: The encoded file this snapshot was decoded from (``None``: an ordinary file).
+        self.encoded = None if decoded is None else decoded.encoded
+        self._decoded_url = None if decoded is None else decoded.url
 
     @classmethod
     def open(
@@ -139,7 +148,14 @@ class Snapshot(SnapshotTensors):
             ...
             kvsnap.errors.SnapshotIOError: no-such.safetensors: no such file...
         """
-        return cls(open_snapshot(path, verify=verify, keys=keys), str(path))
+        try:
+            return cls(open_snapshot(path, verify=verify, keys=keys), str(path))
+        except UnsupportedVersionError:
+            # An encoded snapshot (format version 3) opens as the ordinary one it decodes to.
+            decoded = open_as_decoded(path, keys, verify=verify)
+            if decoded is None:
+                raise
+            return cls(decoded.opened, str(path), decoded)
 
     # -- metadata --------------------------------------------------------------------------
 
@@ -339,10 +355,8 @@ class Snapshot(SnapshotTensors):
 
     @property
     def reader(self) -> SnapshotReader:
-        """The first part's reader (block reads, checksums): internal, for kvsnap's engines.
-
-        A parted snapshot has one reader per part: ``parts`` holds them all.
-        """
+        """The first part's reader (block reads, checksums): internal, for kvsnap's engines; a
+        parted snapshot has one reader per part, and ``parts`` holds them all."""
         return self.parts[0].reader
 
     def check_compatible(
@@ -442,6 +456,12 @@ class Snapshot(SnapshotTensors):
         from kvsnap.pipeline import Pipeline
         from kvsnap.pipeline.options import staging_options
 
+        if self.encoded is not None:
+            from kvsnap.encoded.device_restore import restore_fp8
+
+            restored = restore_fp8(self, layout, block_ids, model_fingerprint, force)
+            if restored is not None:
+                return restored
         return Pipeline(layout, transfer=transfer).restore(
             self,
             block_ids,
@@ -451,8 +471,6 @@ class Snapshot(SnapshotTensors):
             progress=progress,
             trace=trace,
         )
-
-    # -- statistics ------------------------------------------------------------------------
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -467,6 +485,9 @@ class Snapshot(SnapshotTensors):
             >>> snap.close()
         """
         self._opened.close()
+        if self._decoded_url is not None:
+            release(self._decoded_url)
+            self._decoded_url = None
 
     def __enter__(self) -> Snapshot:
         return self

@@ -42,6 +42,7 @@ def capture(
     trace: TraceHook | None = None,
     per_rank_parts: bool = False,
     keys: KeyRing | None = None,
+    compression: str = "none",
 ) -> CaptureResult:
     """Write the KV of ``sequences`` from the cache ``layout`` describes to a snapshot file.
 
@@ -84,6 +85,10 @@ def capture(
             byte but its pages, the pages bound by their BLAKE3 digests, which
             ``Snapshot.open`` checks when given the keys (and every page read later against
             its digest). Default ``None``: unsigned.
+        compression: ``"none"`` (the snapshot as captured), ``"lossless"`` (bit-exact,
+            smaller) or ``"fp8"`` (e4m3 with per (block, head) scales, its error measured and
+            recorded): an encoded snapshot (docs/format.md, "Encoded snapshots"), one local
+            file, written from the captured one. Default ``"none"``.
 
     Returns:
         A ``CaptureResult``: the path written (a parted snapshot's index), the numbers of
@@ -120,6 +125,20 @@ def capture(
         "direct_io": direct_io,
         "keys": keys,
     }
+    if compression != "none":
+        from kvsnap.encoded.write import capture_encoded
+
+        # The plain capture into a file of its own, unsigned: the encoded file is what is signed.
+        plain = {**common, "keys": None, "transfer": transfer, "staging": staging}
+        return capture_encoded(
+            lambda written: capture(
+                layout, sequences, written, progress=progress, trace=trace, **plain
+            ),
+            path,
+            compression,
+            keys=keys,
+            refused=per_rank_parts or max_shard_bytes is not None,
+        )
     if per_rank_parts:
         from kvsnap.parted import capture_parts
 

@@ -107,7 +107,9 @@ def scales_for(amax: torch.Tensor, granularity: str = "block-head") -> torch.Ten
         amax = amax.amax().expand_as(amax)
     elif granularity != "block-head":
         raise ValueError(f"granularity {granularity!r}: one of {', '.join(GRANULARITIES)}")
-    scale = torch.clamp(amax / FP8_MAX, min=MIN_SCALE)
+    # A true division on every device: torch on CUDA turns a division by a Python number into
+    # a multiplication by its rounded reciprocal, one ulp off the CPU's quotient at times.
+    scale = torch.clamp(amax / torch.full_like(amax, FP8_MAX), min=MIN_SCALE)
     return torch.where(amax > 0, scale, torch.ones_like(scale)).contiguous()
 
 

@@ -37,12 +37,15 @@ from kvsnap.format.constants import (
     SIGNATURE_BYTES,
 )
 from kvsnap.format.container import FileLayout, TensorEntry, is_signed_bytes_tensor
+from kvsnap.format.encoded import SIGNATURE_ALGORITHM as ENCODED_SIGNATURE_ALGORITHM
+from kvsnap.format.encoded import SIGNATURE_TAG as ENCODED_SIGNATURE_TAG
 
 #: Shortest key accepted: 32 bytes (256 bits), the HMAC-SHA256 block's natural key size.
 MIN_KEY_BYTES = 32
 #: The message's first bytes, by signature algorithm.
 _MESSAGE_TAGS = {
     SIGNATURE_ALGORITHM: b"kvsnap-signature-v2\0",
+    ENCODED_SIGNATURE_ALGORITHM: ENCODED_SIGNATURE_TAG,
     SIGNATURE_ALGORITHM_V1: b"kvsnap-signature-v1\0",
 }
 _KEY_ID_TAG = b"kvsnap-key-id-v1"

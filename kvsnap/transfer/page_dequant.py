@@ -3,13 +3,19 @@
 A restore of an fp8 snapshot stages the stored pages (``uint8`` e4m3fn bits, one byte per
 element: half the bytes of bf16 over PCIe) and their scales (``float32`` per page and head).
 The kernel here is the fused page copy (:mod:`kvsnap.transfer.page_copy`) with the
-dequantization inside: each element of a fragment is read as one byte, turned into fp32
-(``e4m3 -> fp32`` is exact, built from its bits), multiplied by its page's scale for its head,
-rounded to nearest even into the cache's dtype (bf16 by its bits, fp16 by the hardware's
-``cvt.rn``, fp32 as it is) and written to the cache's address for it. Every NaN is written as
-the dtype's canonical quiet NaN. :func:`kvsnap.encoding.fp8.dequantize` is its host twin, bit
-for bit (tests/transfer/test_page_dequant.py compares them on every code and on scales that
-make subnormal and overflowing results).
+dequantization inside: each element of a fragment is read as one byte, turned into its value
+(``e4m3`` built from its bits, in fp64), multiplied by its page's scale for its head (in fp64:
+the product of a 4-bit and a 24-bit significand is exact there, and never subnormal), then
+rounded to nearest even to fp32 and from fp32 to the cache's dtype on the integer bits, with
+subnormals kept, and written to the cache's address for it. Every NaN is written as the
+dtype's canonical quiet NaN. No fp32 arithmetic takes part, so the result does not depend on
+whether the compiler flushes fp32 subnormals to zero (an H100 run of 2026-12-06 found the
+earlier kernel, which multiplied in fp32, differing from the host on pages whose scales made
+subnormal products; tests/transfer/test_page_dequant.py has those cases, and a GPU test of the
+8B shape's pages over many program steps that names the first differing element, if any).
+:func:`kvsnap.encoding.fp8.dequantize` is its host twin, bit for bit
+(tests/transfer/test_page_dequant.py compares them on every code and on scales that make
+subnormal and overflowing results).
 
 The copy arrays are the page table's own, built with every staging address 0
 (:func:`dequant_copies`): a page's source base is then the byte offset of its first fragment
@@ -99,28 +105,66 @@ if triton is not None:
                 elements = element[:, None] + offsets[None, :]
                 codes = tl.load(source[:, None] + elements, mask=mask, other=0).to(tl.int32)
                 scale = tl.load(scale_row[:, None] + (elements // HEAD_DIM) % HEADS, mask=mask)
-                # e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinity.
-                exponent = (codes >> 3) & 15
-                mantissa = codes & 7
-                normal = ((exponent + 120) << 23) | (mantissa << 20)
-                magnitude = tl.where(
-                    exponent == 0,
-                    mantissa.to(tl.float32) * 0.001953125,  # subnormal: mantissa x 2**-9
-                    normal.to(tl.float32, bitcast=True),
-                )
-                value = tl.where((codes & 128) != 0, -magnitude, magnitude) * scale
-                nan = ((codes & 127) == 127) | (value != value)
-                if OUT_KIND == 0:
-                    # bf16: the top half of the fp32 bits, rounded to nearest even.
-                    bits = value.to(tl.uint32, bitcast=True)
-                    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-                    word = tl.where(nan, 0x7FC0, bits).to(tl.uint16).to(tl.int16, bitcast=True)
-                elif OUT_KIND == 1:
-                    half = value.to(tl.float16).to(tl.int16, bitcast=True)
-                    word = tl.where(nan, 0x7E00, half.to(tl.int32)).to(tl.int16)
-                else:
-                    word = tl.where(nan, 0x7FC00000, value.to(tl.int32, bitcast=True))
+                word = _decoded_words(codes, scale, OUT_KIND)
                 tl.store(out[:, None] + offsets[None, :], word, mask=mask)
+
+
+def _rne_shift(value, shift):
+    """``value`` (non-negative ``int64``) divided by ``2**shift`` (1 to 62), rounded to nearest
+    even, in integers: no floating-point operation, so no flush of subnormals can touch it."""
+    quotient = value >> shift
+    remainder = value - (quotient << shift)
+    half = (remainder * 0 + 1) << (shift - 1)
+    up = (remainder > half) | ((remainder == half) & ((quotient & 1) == 1))
+    return quotient + up.to(tl.int64)
+
+
+def _decoded_words(codes, scale, OUT_KIND: tl.constexpr):
+    """The cache words of e4m3 ``codes`` (``int32``) times ``scale`` (``float32``, finite and
+    normal, as :func:`~kvsnap.encoding.fp8.check_scales` requires): the product rounded to
+    fp32 and then to the cache's dtype, each to nearest even with subnormals kept, exactly as
+    IEEE arithmetic on the host does it. Only the product itself is a floating-point operation,
+    in fp64, where it is exact and normal; every rounding is done on integers, so the result
+    does not depend on the compiler's denormal mode (a GPU flushing fp32 subnormals to zero
+    would otherwise differ from the host for the smallest codes times the smallest scales)."""
+    exponent = (codes >> 3) & 15
+    mantissa = codes & 7
+    normal = ((exponent.to(tl.int64) + 1016) << 52) | (mantissa.to(tl.int64) << 49)
+    magnitude = tl.where(
+        exponent == 0,
+        mantissa.to(tl.float64) * 0.001953125,  # subnormal: mantissa x 2**-9
+        normal.to(tl.float64, bitcast=True),
+    )
+    product = magnitude * scale.to(tl.float64)
+    product_bits = product.to(tl.int64, bitcast=True)
+    # product = significand x 2**(power - 52), significand of 53 bits (0 when product is 0).
+    power = ((product_bits >> 52) & 2047) - 1023
+    significand = (product_bits & 0xFFFFFFFFFFFFF) | 0x10000000000000
+    # fp32 keeps 24 bits above 2**-126 and units of 2**-149 below (subnormals).
+    unit = tl.maximum(power - 23, -149)
+    shift = tl.minimum(unit - power + 52, 62)
+    fp32 = _rne_shift(significand, shift) + ((unit + 149) << 23)
+    fp32 = tl.where(product == 0, 0, tl.minimum(fp32, 0x7F800000))  # overflow: infinity
+    sign = ((codes >> 7) & 1).to(tl.int64)
+    nan = ((codes & 127) == 127) | (product != product)
+    if OUT_KIND == 0:
+        bf16 = _rne_shift(fp32, 16) | (sign << 15)
+        word = tl.where(nan, 0x7FC0, bf16).to(tl.int16)
+    elif OUT_KIND == 1:
+        # fp16 keeps 11 bits above 2**-14 and units of 2**-24 below; an fp32 subnormal is 0.
+        biased = fp32 >> 23
+        unit16 = tl.maximum(biased - 137, -24)
+        shift16 = tl.minimum(unit16 - biased + 150, 62)
+        fp16 = _rne_shift((fp32 & 0x7FFFFF) | 0x800000, shift16) + ((unit16 + 24) << 10)
+        fp16 = tl.where(biased == 0, 0, tl.minimum(fp16, 0x7C00)) | (sign << 15)
+        word = tl.where(nan, 0x7E00, fp16).to(tl.int16)
+    else:
+        word = tl.where(nan, 0x7FC00000, fp32 | (sign << 31)).to(tl.int32)
+    return word
+
+
+#: The kernel's own functions (plain Python under the interpreter, JIT-compiled otherwise).
+_HELPERS = (_rne_shift, _decoded_words)
 
 
 def dequant_copies(
@@ -187,7 +231,7 @@ def launch_dequant(
         block, rows = tile_shape(fragment_elements)
         num_items = len(views[0]) * copy.group.num_fragments
         grid = (max(1, min(-(-num_items // rows), max_programs)),)
-        kernel_for(_dequant_copy_kernel)[grid](
+        kernel_for(_dequant_copy_kernel, _HELPERS)[grid](
             *views,
             views[4] if page_ok is None else page_ok,
             fp8,

@@ -24,6 +24,7 @@ dereferences the raw int64 addresses the kernel casts to pointers, exactly as th
 from __future__ import annotations
 
 import os
+import types
 from typing import Any
 
 import numpy as np
@@ -104,18 +105,49 @@ if triton is not None:
 _KERNELS: dict[tuple[Any, bool], Any] = {}
 
 
-def kernel_for(function: Any) -> Any:
+def rebound(function: Any, scope: dict[str, Any]) -> Any:
+    """``function`` with ``scope`` as its globals, and everything else of it kept.
+
+    ``types.FunctionType`` takes only the code: the copy would lose the parameters'
+    annotations, and Triton's JIT finds a kernel's ``tl.constexpr`` parameters by them (an
+    unannotated ``BLOCK`` is compiled as a runtime integer, which ``tl.arange`` refuses); the
+    interpreter never looks, so only a compiled launch showed it (H100, 2026-12-06)."""
+    copy = types.FunctionType(
+        function.__code__, scope, function.__name__, function.__defaults__, function.__closure__
+    )
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__annotations__ = dict(function.__annotations__)
+    copy.__qualname__ = function.__qualname__
+    copy.__module__ = function.__module__
+    copy.__doc__ = function.__doc__
+    return copy
+
+
+def kernel_for(function: Any, helpers: tuple[Any, ...] = ()) -> Any:
     """``function`` as a Triton kernel: JIT-compiled for the GPU, or interpreted on host memory
-    under ``TRITON_INTERPRET=1`` (how the CPU test suite runs the GPU kernels); made once each."""
+    under ``TRITON_INTERPRET=1`` (how the CPU test suite runs the GPU kernels); made once each.
+
+    ``helpers`` are plain functions the kernel calls: JIT-compiled with it, or called as they
+    are by the interpreter (a ``@triton.jit`` function cannot be called by a kernel that the
+    interpreter runs when the variable was set after it was decorated, as tests set it)."""
     interpret = interpreting()
     kernel = _KERNELS.get((function, interpret))
     if kernel is None:
+        target = function
+        if helpers:
+            # One scope for the kernel and its helpers, so a helper calling another finds it
+            # compiled as well.
+            scope = dict(function.__globals__)
+            for helper in helpers:
+                copy = rebound(helper, scope)
+                scope[helper.__name__] = copy if interpret else triton.jit(copy)
+            target = rebound(function, scope)
         if interpret:
             from triton.runtime.interpreter import InterpretedFunction
 
-            kernel = InterpretedFunction(function)
+            kernel = InterpretedFunction(target)
         else:
-            kernel = triton.jit(function)
+            kernel = triton.jit(target)
         _KERNELS[(function, interpret)] = kernel
     return kernel
 

@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from kvsnap.cli.app import app
+from typer.testing import CliRunner
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
 
-CAPTURE_KEYS = {"path", "sequences", "tokens", "bytes", "seconds"}
+CAPTURE_KEYS = {"path", "sequences", "tokens", "bytes", "seconds", "encoding"}
 INSPECT_KEYS = {
     "format_version",
     "kvsnap_version",

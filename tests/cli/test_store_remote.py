@@ -79,6 +79,10 @@ def test_list_verify_and_prune_a_remote_tier(s3: LoopbackS3, tmp_path: Path) -> 
     }
     assert set(chunks) == expected | set(planted.values())
     assert listed["bytes"] == sum(row["bytes"] for row in listed["entries"])
+    # The table: the listing reads no object, so it has no encoding column (a local one has).
+    table = runner.invoke(app, ["store", "list", url])
+    assert table.exit_code == 0 and "last used" in table.stdout
+    assert "encoding" not in table.stdout and len(chunks) <= table.stdout.count(" ago ")
 
     code, verified = _invoke("verify", url, "--key-file", str(key_file))
     assert code == 1 and verified["checked"] == len(chunks)

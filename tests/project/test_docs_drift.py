@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from kvsnap.cli.app import app
+from typer.testing import CliRunner
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 README = DOCS.parent / "README.md"

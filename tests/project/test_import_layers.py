@@ -47,6 +47,7 @@ LAYER = {
     "snapshot_capture": 4,
     "snapshot_tensors": 4,
     "parted": 4,
+    "encoded": 4,
     "analysis": 4,
     "distributed": 5,
     "engines": 5,
@@ -83,6 +84,9 @@ LATE_IMPORTS_ALLOWED = {
 TORCH_FREE_START = {
     "kvsnap.snapshot": {
         "kvsnap.analysis",
+        "kvsnap.encoded.device_restore",
+        "kvsnap.encoded.opening",
+        "kvsnap.encoded.write",
         "kvsnap.layout",
         "kvsnap.parted",
         "kvsnap.pipeline",
@@ -90,6 +94,7 @@ TORCH_FREE_START = {
     },
     # The facade's capture and its tensor reads, imported by kvsnap.snapshot at its start.
     "kvsnap.snapshot_capture": {
+        "kvsnap.encoded.write",
         "kvsnap.layout",
         "kvsnap.parted",
         "kvsnap.pipeline",
@@ -97,6 +102,9 @@ TORCH_FREE_START = {
     },
     "kvsnap.snapshot_tensors": {"kvsnap.analysis"},
     "kvsnap.store.write.slot_writes": {"kvsnap.transfer.pinned"},
+    # An encoded snapshot's lossless pages decode without torch; only fp8 pages need it.
+    "kvsnap.encoded.read": {"kvsnap.encoded.fp8_pages"},
+    "kvsnap.encoded.summary": {"kvsnap.encoding.measure"},
 }
 
 

@@ -12,7 +12,7 @@ import torch
 
 from kvsnap.encoding import fp8
 from kvsnap.testing.caches import LAYOUT_KINDS, TP_KINDS, KVContent, make_cache, same_bytes
-from kvsnap.transfer import page_dequant
+from kvsnap.transfer import page_dequant, triton_copy
 from kvsnap.transfer.page_copy import kernel_table
 from kvsnap.transfer.page_table import PageTable
 
@@ -154,6 +154,24 @@ def test_pages_in_the_wrong_shape_or_dtype_are_refused():
         page_dequant.dequant_scatter(table, [0, 1, 2], [0, 1, 2], codes, scales)
 
 
+def test_the_compiled_kernel_and_its_helpers_keep_their_constexpr_parameters(monkeypatch):
+    """Triton's JIT finds a kernel's compile-time parameters by their ``tl.constexpr``
+    annotations; the kernel re-made with its helpers must keep them, or ``BLOCK`` reaches
+    ``tl.arange`` as a runtime integer and the GPU compile fails (the interpreter never looks:
+    an H100 run of 2026-12-06 found it)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setitem(triton_copy._KERNELS, (page_dequant._dequant_copy_kernel, False), None)
+    kernel = triton_copy.kernel_for(page_dequant._dequant_copy_kernel, page_dequant._HELPERS)
+    assert "BLOCK" in [param.name for param in kernel.params if param.is_constexpr]
+    for function, jitted in [(page_dequant._dequant_copy_kernel, kernel)] + [
+        (helper, kernel.fn.__globals__[helper.__name__]) for helper in page_dequant._HELPERS
+    ]:
+        annotated = [
+            name for name, kind in function.__annotations__.items() if "constexpr" in str(kind)
+        ]
+        assert [param.name for param in jitted.params if param.is_constexpr] == annotated
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("kind", "tp_size"), CASES)
 def test_on_cuda_the_kernel_writes_what_the_twin_decodes(kind, tp_size):
@@ -170,3 +188,50 @@ def test_on_cuda_the_kernel_writes_what_the_twin_decodes(kind, tp_size):
         )
         torch.cuda.synchronize()
         _check(rank_caches, _expected(geometry, page_tensors, device_blocks, codes, scales, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_on_cuda_large_pages_over_many_program_steps_decode_as_the_twin(dtype):
+    """The 8B shape's pages (16 tokens x 8 heads x 128: one fragment of 4 tiles) and more pages
+    than programs, so every program loops: every element as the host twin decodes it, the
+    first difference named by page, element, code and scale."""
+    blocks = 640
+    cache = make_cache(
+        "vllm-nhd",
+        num_layers=2,
+        num_blocks=blocks,
+        block_size=16,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=dtype,
+        device="cuda",
+    )
+    geometry = cache.layout.geometry
+    rng = np.random.default_rng(5)
+    pages = 4 * blocks
+    page_tensors, device_blocks = np.divmod(np.arange(pages), blocks)
+    codes = torch.from_numpy(rng.integers(0, 256, (pages, 16, 8, 128), dtype=np.uint8))
+    exponents = rng.integers(-12, 2, (pages, 8)).astype(np.float64)
+    exponents[::97] = -125  # some pages whose smallest codes decode below fp32's normal range
+    scales = torch.from_numpy(
+        (np.exp2(exponents) * rng.uniform(1, 2, (pages, 8))).astype(np.float32)
+    )
+    table = PageTable([cache.layout])
+    page_dequant.dequant_scatter(table, page_tensors, device_blocks, codes.cuda(), scales.cuda())
+    torch.cuda.synchronize()
+    want = fp8.dequantize(codes, scales, dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for index, name in enumerate(geometry.tensor_names()):
+        got = cache.views[name].cpu().view(bits)
+        expected = want[index * blocks : (index + 1) * blocks].view(bits)
+        differ = torch.nonzero(got != expected)
+        if len(differ):
+            block, *element = (int(i) for i in differ[0])
+            page = index * blocks + block
+            raise AssertionError(
+                f"{name}: {len(differ)} elements differ; first block {block} element {element}: "
+                f"code {int(codes[page][tuple(element)]):#04x}, scale "
+                f"{float(scales[page, element[1]])!r}, kernel {int(got[block][tuple(element)])}, "
+                f"twin {int(expected[block][tuple(element)])}"
+            )

@@ -55,7 +55,7 @@ from kvsnap import format as fmt
 from kvsnap.caches import BoundedLRU
 from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from kvsnap.engines.vllm.prefix_store import ChunkRef, chunk_sequence_id
-from kvsnap.errors import KVSnapError, SignatureError
+from kvsnap.errors import KVSnapError, SignatureError, UnsupportedVersionError
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import Snapshot
 from kvsnap.store.base import tuning
@@ -194,10 +194,7 @@ class ChunkChecker:
         # metadata tensor and run of pages, here and in the worker's load.
         whole = tuning.WHOLE_READ_MAX_BYTES if self.verify or self.hand_over else 0
         try:
-            snapshot = Snapshot(
-                open_snapshot(path, verify=True, keys=self.keys, read_whole_max_bytes=whole),
-                path,
-            )
+            snapshot = _open_chunk(path, self.keys, whole)
             kept = False
             try:
                 reason = self._checked(snapshot)
@@ -270,3 +267,14 @@ class ChunkChecker:
         ):
             return "the chunk's token ids differ from the prompt's (hash collision?)"
         return None
+
+
+def _open_chunk(path: str, keys: KeyRing | None, whole: int) -> Snapshot:
+    """The chunk at ``path``, every byte of a small one read at once; an encoded chunk (the
+    ``compression`` option) checked whole and decoded as ``Snapshot.open`` does."""
+    try:
+        return Snapshot(
+            open_snapshot(path, verify=True, keys=keys, read_whole_max_bytes=whole), path
+        )
+    except UnsupportedVersionError:
+        return Snapshot.open(path, keys=keys)

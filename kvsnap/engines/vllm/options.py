@@ -34,6 +34,7 @@ KNOWN_OPTIONS = frozenset(
         "key_file",
         "shared_store",
         "shutdown_drain_s",
+        "compression",
         "remote_url",
         "remote_mode",
         "remote_options",
@@ -43,6 +44,8 @@ KNOWN_OPTIONS = frozenset(
         "remote_max_upload_bytes",
     }
 )
+#: The values of the ``compression`` option.
+COMPRESSIONS = ("none", "lossless", "fp8")
 
 #: ``remote_mode`` values: fetch only, or fetch and upload.
 REMOTE_MODES = ("read", "read-write")
@@ -92,6 +95,10 @@ class ConnectorOptions:
       (default: none, vLLM's own window for its workers, ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``,
       5 s unless set); the saves left after it are abandoned (``save_abandoned``), never
       half-published.
+    * ``compression``: ``none`` (default), ``lossless`` or ``fp8``: chunks are stored as
+      encoded snapshots (docs/format.md, "Encoded snapshots"; at TP 1: a TP > 1 engine stores
+      them as captured); an fp8 chunk is about half the bytes, so a bound holds about twice the
+      prefixes, and its hits decode on the host (CPU caches) or on the device (CUDA).
     * ``remote_url``: a remote tier under the local store, shared by many nodes (any fsspec
       URL: ``s3://bucket/prefix``, ``gs://...``; default none). It requires a key. A local
       miss is looked up there asynchronously and a hit fetched into the local store
@@ -123,6 +130,7 @@ class ConnectorOptions:
     key_file: tuple[str, ...] = ()
     shared_store: bool = False
     shutdown_drain_s: float | None = None  # None: vLLM's window for its workers
+    compression: str = "none"
     remote_url: str | None = None
     remote_mode: str = "read-write"
     remote_options: Mapping[str, Any] = field(default_factory=dict)
@@ -174,6 +182,7 @@ class ConnectorOptions:
                 if extra.get("shutdown_drain_s") is None
                 else _seconds("shutdown_drain_s", extra["shutdown_drain_s"])
             ),
+            compression=_compression(extra.get("compression", "none")),
             **_remote_options(extra, mode),
         )
 
@@ -315,3 +324,9 @@ def _auto_flag(raw: Any) -> bool | None:
     raise ValueError(
         f"KVSnapConnector: verify_before_load must be 'auto', true or false, got {raw!r}"
     )
+
+
+def _compression(raw: Any) -> str:
+    if raw not in COMPRESSIONS:
+        raise ValueError(f"KVSnapConnector: compression must be one of {COMPRESSIONS}, got {raw!r}")
+    return str(raw)

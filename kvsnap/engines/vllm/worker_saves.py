@@ -33,6 +33,7 @@ import torch
 
 from kvsnap import distributed
 from kvsnap import format as fmt
+from kvsnap.encoded.write import recode_file
 from kvsnap.engines.vllm.capacity import (
     LOCK_WAIT_S,
     CapacityLockError,
@@ -212,6 +213,9 @@ class WorkerSaves:
                 after=after,
                 keys=self._keys,
             )
+            if self.options.compression != "none":
+                # Encoded in place (a rename over it) before it is committed or counted.
+                recode_file(target, target, self.options.compression, keys=self._keys)
             if staged and capacity is not None and not self._commit(target, spec.path, capacity):
                 return  # another engine committed it, or chunks in use fill the store
             self._saved(spec, spec.path, result.num_blocks, result.num_bytes, started)

@@ -1,0 +1,138 @@
+"""The decoded side of an encoded snapshot: an ordinary single-file snapshot held in memory, its
+layout, its check, and what the encoders need from it (pages, tokens held per block)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvsnap import format as fmt
+from kvsnap.errors import SnapshotCorruptError, SnapshotIOError
+from kvsnap.format.container import FileLayout, TensorEntry, is_layer_tensor
+from kvsnap.format.hashing import (
+    block_digests,
+    decode_trailer,
+    digest128,
+    layer_tensor_digest,
+)
+
+#: numpy dtypes of the safetensors names a layer tensor may have.
+NUMPY_TYPES = {
+    "BF16": np.uint16,
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "F8_E4M3": np.uint8,
+    "F8_E5M2": np.uint8,
+    "I8": np.int8,
+    "U8": np.uint8,
+}
+
+
+@dataclass(frozen=True)
+class OriginalFile:
+    """An ordinary snapshot file's bytes (``data``, ``uint8``) and its checked layout."""
+
+    data: np.ndarray
+    layout: FileLayout
+    metadata: fmt.HeaderMetadata
+    file: str | None
+
+    def bytes_of(self, entry: TensorEntry) -> np.ndarray:
+        return self.data[entry.begin : entry.end]
+
+    def pages(self, entry: TensorEntry) -> np.ndarray:
+        """A layer tensor's bytes as ``(num_blocks, page_bytes)``."""
+        blocks = entry.shape[0]
+        return self.bytes_of(entry).reshape(blocks, entry.nbytes // max(blocks, 1))
+
+    @property
+    def layer_entries(self) -> list[TensorEntry]:
+        return [entry for entry in self.layout.entries if is_layer_tensor(entry.name)]
+
+    def tokens_per_block(self) -> np.ndarray:
+        """How many leading tokens of each block hold KV (the longest use of it by a
+        sequence; 0 for a block no sequence uses)."""
+        block_size = self.metadata.geometry.block_size
+        counts = np.zeros(self.metadata.num_blocks, dtype=np.int64)
+        by_name = self.layout.by_name
+        for index, sequence in enumerate(self.metadata.sequences):
+            entry = by_name[f"sequences.{index}.block_ids"]
+            block_ids = self.bytes_of(entry).view("<i8")
+            held = np.minimum(
+                block_size, sequence.num_tokens - block_size * np.arange(len(block_ids))
+            )
+            np.maximum.at(counts, block_ids, held)
+        return counts
+
+
+def parse_original(data: np.ndarray, file: str | None = None) -> OriginalFile:
+    """An ordinary snapshot file held in ``data``: its header decoded as the format requires.
+    Sharded and parted files are refused: an encoded snapshot is one whole file."""
+    length = fmt.header_length(data[:8].tobytes(), len(data), file)
+    header = data[: 8 + length].tobytes()
+    decoded = fmt.decode_header(header, len(data), file)
+    if decoded.metadata.shard is not None or decoded.metadata.part is not None:
+        raise ValueError(f"{file}: a shard or part file cannot be encoded alone")
+    layout = FileLayout(header, decoded.entries, decoded.kvsnap_json)
+    return OriginalFile(data, layout, decoded.metadata, file)
+
+
+def trailer_digests(original: OriginalFile, block_checksums: np.ndarray) -> list[bytes]:
+    """The trailer rows of ``original`` (header row first) with ``block_checksums`` as the
+    layer tensors' checksums."""
+    digests = [digest128(original.layout.header)]
+    layer_row = 0
+    for entry in original.layout.checksummed():
+        if is_layer_tensor(entry.name):
+            digests.append(layer_tensor_digest(block_checksums[layer_row]))
+            layer_row += 1
+        else:
+            digests.append(digest128(original.bytes_of(entry)))
+    return digests
+
+
+def check_original(original: OriginalFile) -> None:
+    """Refuse (``SnapshotCorruptError``) a file whose pages, tensors or trailer do not match
+    its checksums: nothing corrupt is encoded, and a lossless decode is checked this way."""
+    by_name = original.layout.by_name
+    stored = original.bytes_of(by_name[fmt.BLOCK_CHECKSUMS_TENSOR]).view("<u8")
+    stored = stored.reshape(len(original.layer_entries), -1)
+    for row, entry in enumerate(original.layer_entries):
+        page_bytes = entry.nbytes // max(entry.shape[0], 1)
+        differ = np.flatnonzero(block_digests(original.bytes_of(entry), page_bytes) != stored[row])
+        if len(differ):
+            raise SnapshotCorruptError(
+                "page checksum mismatch",
+                file=original.file,
+                tensor=entry.name,
+                block=int(differ[0]),
+            )
+    trailer = original.bytes_of(by_name[fmt.CHECKSUMS_TENSOR]).tobytes()
+    rows = decode_trailer(trailer, original.file)
+    if rows != trailer_digests(original, stored):
+        raise SnapshotCorruptError("checksum trailer mismatch", file=original.file)
+    for entry in original.layout.entries:
+        if entry.name.startswith(fmt.PADDING_PREFIX) and original.bytes_of(entry).any():
+            raise SnapshotCorruptError("padding is not zero", file=original.file, tensor=entry.name)
+
+
+def read_local(path: str | os.PathLike[str]) -> np.ndarray:
+    """A local file's bytes (``SnapshotIOError`` when it cannot be read), in anonymous memory
+    that starts on a page boundary (so that CUDA can register it for copies straight out of
+    it: an fp8 restore into CUDA caches)."""
+    try:
+        with open(os.fspath(path), "rb") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            buffer = mmap.mmap(-1, max(size, 1))
+            view = memoryview(buffer)[:size]
+            got = stream.readinto(view)
+            view.release()
+    except OSError as exc:
+        raise SnapshotIOError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    if got != size:
+        raise SnapshotIOError(f"{path}: read {got} of {size} bytes (changed while read)")
+    return np.frombuffer(buffer, dtype=np.uint8, count=size)

@@ -1,0 +1,199 @@
+"""Reading an encoded snapshot: its container checked (trailer, padding, signature, the tensors
+its metadata requires and nothing else), then decoded into the ordinary file it stands for.
+
+A lossless decode is bit-exact and proved so: the decoded file is the original byte for byte,
+checked against the original's own page checksums and trailer. An fp8 decode is a new
+ordinary file of the same layout whose pages are the dequantized ones: its page checksums,
+page digests and trailer are computed for those pages, its signature left zero (the encoded
+file's own signature is what vouches for it).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Executor
+
+import blake3
+import numpy as np
+
+from kvsnap import format as fmt
+from kvsnap.encoded.file import EncodedFile
+from kvsnap.encoded.original import (
+    NUMPY_TYPES,
+    OriginalFile,
+    check_original,
+    parse_original,
+    read_local,
+    trailer_digests,
+)
+from kvsnap.encoding import lossless
+from kvsnap.errors import BadSignatureError, SnapshotCorruptError, UnsignedSnapshotError
+from kvsnap.format import encoded as enc
+from kvsnap.format.constants import SIGNATURE_TENSOR
+from kvsnap.format.container import TensorEntry, is_layer_tensor
+from kvsnap.format.hashing import block_digests, decode_trailer, digest128, encode_trailer
+from kvsnap.format.signing import KeyRing
+
+
+def is_encoded(data: np.ndarray) -> bool:
+    """Whether the file held in ``data`` declares itself an encoded snapshot."""
+    if len(data) < 8:
+        return False
+    length = int(data[:8].view("<u8")[0])
+    if length > enc.MAX_HEADER_BYTES or 8 + length > len(data):
+        return False
+    return enc.peek_version(data[: 8 + length].tobytes()) == enc.ENCODED_FORMAT_VERSION
+
+
+def parse_encoded(
+    data: np.ndarray, file: str | None = None, keys: KeyRing | None = None
+) -> EncodedFile:
+    """The encoded file held in ``data``, checked: header, trailer (every stored byte), zero
+    padding, and with ``keys`` its signature."""
+    length = enc.header_length(data[:8].tobytes(), len(data), file)
+    header = data[: 8 + length].tobytes()
+    encoded = EncodedFile(data, enc.parse_header(header, len(data), file), file)
+    checked = encoded.layout.checksummed
+    rows = decode_trailer(encoded.tensor(enc.ENCODED_CHECKSUMS_TENSOR).tobytes(), file)
+    if len(rows) != len(checked) + 1 or rows[0] != digest128(header):
+        raise SnapshotCorruptError("header checksum mismatch", file=file)
+    for row, stored in zip(rows[1:], checked, strict=True):
+        if digest128(encoded.tensor(stored.name)) != row:
+            raise SnapshotCorruptError("checksum mismatch", file=file, tensor=stored.name)
+    for stored in encoded.layout.tensors:
+        if enc.is_padding(stored.name) and encoded.tensor(stored.name).any():
+            raise SnapshotCorruptError("padding is not zero", file=file, tensor=stored.name)
+    _check_signature(encoded, header, keys)
+    return encoded
+
+
+def _check_signature(encoded: EncodedFile, header: bytes, keys: KeyRing | None) -> None:
+    algorithm = encoded.encoding.get("signature")
+    has_tensor = SIGNATURE_TENSOR in encoded.layout.by_name
+    if (algorithm is not None) != has_tensor or algorithm not in (None, enc.SIGNATURE_ALGORITHM):
+        raise SnapshotCorruptError(
+            f"signature {algorithm!r} and its tensor disagree", file=encoded.file
+        )
+    if keys is None:
+        return
+    if algorithm is None:
+        raise UnsignedSnapshotError("the encoded snapshot is not signed", file=encoded.file)
+    names = [t.name for t in encoded.layout.checksummed] + [enc.ENCODED_CHECKSUMS_TENSOR]
+    digests = [blake3.blake3(encoded.tensor(name).tobytes()).digest() for name in names]
+    problem = keys.problem(
+        enc.signed_message(header, digests),
+        encoded.tensor(SIGNATURE_TENSOR).tobytes(),
+        enc.SIGNATURE_ALGORITHM,
+    )
+    if problem is not None:
+        raise BadSignatureError(problem, file=encoded.file)
+
+
+def read_encoded(path: str | os.PathLike[str], keys: KeyRing | None = None) -> EncodedFile:
+    """The encoded snapshot at local ``path``, checked (:func:`parse_encoded`)."""
+    return parse_encoded(read_local(path), os.fspath(path), keys)
+
+
+def _expected_names(original: OriginalFile, kinds: dict[str, str]) -> list[str]:
+    names = [enc.ORIGINAL_HEADER_TENSOR]
+    for entry in original.layout.entries:
+        if enc.is_padding(entry.name):
+            continue
+        names.append(entry.name)
+        kind = kinds.get(entry.name)
+        if kind == "fp8":
+            names.append(entry.name + enc.SCALES_SUFFIX)
+        elif kind == "lossless":
+            names.append(entry.name + enc.CHUNKS_SUFFIX)
+    return names
+
+
+def _decode_layer(
+    encoded: EncodedFile, entry: TensorEntry, kind: str, out: np.ndarray, executor: Executor | None
+) -> None:
+    if kind == "raw":
+        out[:] = encoded.typed(entry.name, entry.dtype, entry.shape)
+        return
+    blocks = entry.shape[0]
+    if kind == "lossless":
+        stored = encoded.layout.by_name[entry.name]
+        data = encoded.typed(entry.name, "U8", stored.shape)
+        table_entry = encoded.layout.by_name[entry.name + enc.CHUNKS_SUFFIX]
+        word = enc.ITEM_BYTES[entry.dtype]
+        if table_entry.dtype != "U64" or len(table_entry.shape) != 2:
+            raise SnapshotCorruptError(
+                "chunk table is not U64 (chunks, columns)",
+                file=encoded.file,
+                tensor=table_entry.name,
+            )
+        table = encoded.tensor(table_entry.name).view("<u8").reshape(table_entry.shape)
+        coded = lossless.LosslessTensor(
+            word, entry.nbytes // max(blocks, 1), blocks, table.astype(np.uint64), data
+        )
+        lossless.decode_pages(coded, out.reshape(blocks, -1), executor=executor, tensor=entry.name)
+        return
+    from kvsnap.encoded.fp8_pages import decode_fp8_tensor
+
+    decode_fp8_tensor(encoded, entry, out)
+
+
+def decode(encoded: EncodedFile, executor: Executor | None = None) -> np.ndarray:
+    """The ordinary snapshot file ``encoded`` stands for, as bytes (see the module)."""
+    header = encoded.tensor(enc.ORIGINAL_HEADER_TENSOR).tobytes()
+    size = encoded.decoded_bytes
+    out = np.zeros(size, dtype=np.uint8)
+    if len(header) > size:
+        raise SnapshotCorruptError(
+            "the original header is longer than the decoded file", file=encoded.file
+        )
+    out[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+    original = parse_original(out, encoded.file)
+    kinds = {str(k): str(v) for k, v in encoded.encoding["tensors"].items()}
+    layer_names = {entry.name for entry in original.layer_entries}
+    if set(kinds) != layer_names:
+        raise SnapshotCorruptError(
+            "the stored kinds do not name the layer tensors", file=encoded.file
+        )
+    expected = _expected_names(original, kinds)
+    present = [t.name for t in encoded.layout.checksummed]
+    if present != expected:
+        raise SnapshotCorruptError(
+            f"holds tensors {present[:4]}..., expected {expected[:4]}...", file=encoded.file
+        )
+    for entry in original.layout.entries:
+        if enc.is_padding(entry.name):
+            continue
+        target = original.bytes_of(entry)
+        if is_layer_tensor(entry.name):
+            _decode_layer(encoded, entry, kinds[entry.name], target, executor)
+        else:
+            target[:] = encoded.typed(entry.name, entry.dtype, entry.shape)
+    if "fp8" in kinds.values():
+        _rechecksum(original)  # the checksums of the pages just decoded: nothing to compare
+    else:
+        check_original(original)  # lossless: the original's own checksums prove it exact
+    return out
+
+
+def _rechecksum(original: OriginalFile) -> None:
+    """Page checksums, page digests and trailer of ``original`` computed for its pages; a
+    signature left zero."""
+    by_name = original.layout.by_name
+    rows = []
+    digests = []
+    for entry in original.layer_entries:
+        page_bytes = entry.nbytes // max(entry.shape[0], 1)
+        rows.append(block_digests(original.bytes_of(entry), page_bytes))
+        if fmt.PAGE_DIGESTS_TENSOR in by_name:
+            digests.append(fmt.page_digests(original.bytes_of(entry), page_bytes))
+    checksums = np.stack(rows).astype("<u8")
+    original.bytes_of(by_name[fmt.BLOCK_CHECKSUMS_TENSOR])[:] = checksums.view(np.uint8).reshape(-1)
+    if digests:
+        original.bytes_of(by_name[fmt.PAGE_DIGESTS_TENSOR])[:] = np.stack(digests).reshape(-1)
+    if SIGNATURE_TENSOR in by_name:
+        original.bytes_of(by_name[SIGNATURE_TENSOR])[:] = 0
+    trailer = encode_trailer(trailer_digests(original, checksums))
+    original.bytes_of(by_name[fmt.CHECKSUMS_TENSOR])[:] = np.frombuffer(trailer, dtype=np.uint8)
+
+
+__all__ = ["NUMPY_TYPES", "EncodedFile", "decode", "is_encoded", "parse_encoded", "read_encoded"]

@@ -1,0 +1,264 @@
+"""Encoded snapshot files (format version 3): a snapshot stored smaller, still a safetensors file.
+
+An encoded file holds everything needed to rebuild its *decoded file*, an ordinary version 1
+snapshot (docs/format.md, "Encoded snapshots"):
+
+* ``kvsnap.original_header`` (``U8``): the decoded file's first ``data_start`` bytes, its
+  header, byte for byte;
+* every tensor of the decoded file but its padding, in the decoded file's order, under the same
+  name: a layer tensor as its encoding stores it (below), any other tensor as it is;
+* ``kvsnap.encoded_checksums`` (``U8 (rows, 16)``): xxh3-128 of this file's header, of every
+  tensor above in file order, then of those rows;
+* ``kvsnap.signature`` (``U8 (48,)``, signed files only): key id and
+  HMAC-SHA256(key, ``"kvsnap-encoded-signature-v1\\0"`` ‖ header ‖ BLAKE3-256 of every tensor
+  above in file order, the checksums included).
+
+A layer tensor ``layers.{i}.{part}`` is stored as
+
+* ``fp8``: ``layers.{i}.{part}`` ``F8_E4M3`` of the decoded tensor's shape and
+  ``layers.{i}.{part}.scales`` ``F32 (num_blocks, heads)`` (:mod:`kvsnap.encoding.fp8`);
+* ``lossless``: ``layers.{i}.{part}`` ``U8 (stored bytes,)``, its chunks back to back, and
+  ``layers.{i}.{part}.chunks`` ``U64 (chunks, columns)``, the chunk table
+  (:mod:`kvsnap.encoding.lossless`);
+* ``raw``: ``layers.{i}.{part}`` as the decoded file holds it.
+
+The kvsnap metadata is ``{"format_version": 3, "kvsnap_version", "encoding": {...}}``, where
+``encoding`` says ``name`` (``fp8`` or ``lossless``), ``codec``, ``decoded_bytes``,
+``tensors`` (per layer tensor: ``stored`` one of ``fp8``, ``lossless``, ``raw``), ``signature``
+(the algorithm, or ``null``) and ``error`` (fp8: the error report, or ``null``). Tensors start
+at multiples of :data:`ALIGNMENT`, ``kvsnap.padding.<next>`` (``U8`` zeros) filling the gaps.
+
+This module is the container alone, bytes in memory: names, the exact layout, a strict parse of
+a header, the trailer and the signed message. :mod:`kvsnap.encoded` reads and writes files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvsnap.errors import NotASnapshotError, SnapshotCorruptError, UnsupportedVersionError
+from kvsnap.format.constants import METADATA_KEY, PADDING_PREFIX, SIGNATURE_TENSOR
+
+#: The format version of encoded files.
+ENCODED_FORMAT_VERSION = 3
+#: The decoded file's header bytes.
+ORIGINAL_HEADER_TENSOR = "kvsnap.original_header"
+#: The encoded file's checksum trailer.
+ENCODED_CHECKSUMS_TENSOR = "kvsnap.encoded_checksums"
+#: Suffixes of a layer tensor's companion: its fp8 scales, its lossless chunk table.
+SCALES_SUFFIX = ".scales"
+CHUNKS_SUFFIX = ".chunks"
+#: Every tensor starts at a multiple of this many bytes (the header is padded to it too).
+ALIGNMENT = 64
+#: The largest header an encoded file may declare.
+MAX_HEADER_BYTES = 16 << 20
+#: The signature algorithm of signed encoded files, and what its HMAC starts with.
+SIGNATURE_ALGORITHM = "encoded-hmac-sha256-blake3"
+SIGNATURE_TAG = b"kvsnap-encoded-signature-v1\0"
+#: Encodings, and what a layer tensor may be stored as.
+ENCODINGS = ("lossless", "fp8")
+STORED_KINDS = ("lossless", "fp8", "raw")
+#: safetensors dtype names and their sizes.
+ITEM_BYTES = {
+    "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "F64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I8": 1,
+    "U8": 1,
+    "I64": 8,
+    "U64": 8,
+}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor of an encoded file: name, safetensors dtype, shape, absolute byte range."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class EncodedLayout:
+    """An encoded file's metadata (``document``: the kvsnap JSON object), its tensors in file
+    order (padding included), where its data starts and its size."""
+
+    document: dict[str, Any]
+    tensors: tuple[StoredTensor, ...]
+    data_start: int
+    file_size: int
+
+    @property
+    def by_name(self) -> dict[str, StoredTensor]:
+        return {tensor.name: tensor for tensor in self.tensors}
+
+    @property
+    def checksummed(self) -> list[StoredTensor]:
+        """The tensors the trailer covers: every one but padding, the trailer and the
+        signature, in file order."""
+        skipped = (ENCODED_CHECKSUMS_TENSOR, SIGNATURE_TENSOR)
+        return [t for t in self.tensors if t.name not in skipped and not is_padding(t.name)]
+
+    @property
+    def encoding(self) -> dict[str, Any]:
+        return dict(self.document["encoding"])
+
+
+def is_padding(name: str) -> bool:
+    return name.startswith(PADDING_PREFIX)
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGNMENT) * ALIGNMENT
+
+
+def build_layout(
+    document: dict[str, Any], specs: Sequence[tuple[str, str, tuple[int, ...]]]
+) -> tuple[bytes, EncodedLayout]:
+    """The header bytes and layout of an encoded file whose metadata is ``document`` and whose
+    tensors are ``specs`` (name, dtype, shape) in file order; padding is added before every
+    tensor that would not start at a multiple of :data:`ALIGNMENT`."""
+    placed: list[tuple[str, str, tuple[int, ...], int, int]] = []
+    offset = 0
+    for name, dtype, shape in specs:
+        start = _aligned(offset)
+        if start > offset:
+            placed.append((PADDING_PREFIX + name, "U8", (start - offset,), offset, start))
+        nbytes = math.prod(shape) * ITEM_BYTES[dtype]
+        placed.append((name, dtype, tuple(shape), start, start + nbytes))
+        offset = start + nbytes
+    entries: dict[str, Any] = {
+        "__metadata__": {
+            "format": "pt",
+            METADATA_KEY: json.dumps(document, separators=(",", ":"), ensure_ascii=True),
+        }
+    }
+    for name, dtype, shape, begin, end in placed:
+        entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=True).encode()
+    length = _aligned(8 + len(text)) - 8
+    header = struct.pack("<Q", length) + text + b" " * (length - len(text))
+    data_start = 8 + length
+    tensors = tuple(
+        StoredTensor(name, dtype, shape, data_start + begin, data_start + end)
+        for name, dtype, shape, begin, end in placed
+    )
+    return header, EncodedLayout(document, tensors, data_start, data_start + offset)
+
+
+def header_length(prefix: bytes, file_size: int, file: str | None = None) -> int:
+    """The header length ``N`` from a file's first 8 bytes, bounded by the file and by
+    :data:`MAX_HEADER_BYTES`."""
+    if len(prefix) < 8:
+        raise NotASnapshotError("shorter than a safetensors header", file=file)
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length > MAX_HEADER_BYTES or 8 + length > file_size:
+        raise NotASnapshotError(f"declares a {length}-byte header", file=file)
+    return length
+
+
+def peek_version(header: bytes) -> int | None:
+    """The kvsnap ``format_version`` a safetensors header declares, or ``None`` when it is no
+    kvsnap header (never raises: for telling an encoded file from an ordinary one)."""
+    try:
+        document = json.loads(header[8:].decode("utf-8"))
+        version = json.loads(document["__metadata__"][METADATA_KEY])["format_version"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+    return version if isinstance(version, int) else None
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("a JSON object repeats a key")
+    return dict(pairs)
+
+
+def parse_header(header: bytes, file_size: int, file: str | None = None) -> EncodedLayout:
+    """The layout of an encoded file from its header (its first ``8 + N`` bytes), strictly:
+    a version 3 kvsnap document with an ``encoding`` object, known dtypes, shapes that match
+    their byte ranges, and tensors that tile the data exactly (no gap, no overlap, nothing
+    past the file)."""
+    try:
+        entries = json.loads(header[8:].decode("utf-8"), object_pairs_hook=_refuse_duplicates)
+        document = json.loads(
+            entries.pop("__metadata__")[METADATA_KEY], object_pairs_hook=_refuse_duplicates
+        )
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        raise SnapshotCorruptError(f"encoded header is not valid: {exc}", file=file) from None
+    _check_document(document, file)
+    data_start = len(header)
+    tensors = []
+    position = data_start
+    for name, spec in entries.items():
+        tensor = _entry(name, spec, data_start, file)
+        if tensor.begin != position:
+            raise SnapshotCorruptError(
+                f"starts at byte {tensor.begin}, not {position}", file=file, tensor=name
+            )
+        position = tensor.end
+        tensors.append(tensor)
+    if position != file_size:
+        raise SnapshotCorruptError(
+            f"the tensors end at byte {position}, the file at {file_size}", file=file
+        )
+    return EncodedLayout(document, tuple(tensors), data_start, file_size)
+
+
+def _check_document(document: Any, file: str | None) -> None:
+    if not isinstance(document, dict) or "format_version" not in document:
+        raise NotASnapshotError("no kvsnap metadata", file=file)
+    version = document["format_version"]
+    if version != ENCODED_FORMAT_VERSION:
+        raise UnsupportedVersionError(
+            f"format version {version!r} is not an encoded snapshot's", file=file
+        )
+    encoding = document.get("encoding")
+    if not isinstance(encoding, dict) or encoding.get("name") not in ENCODINGS:
+        raise SnapshotCorruptError("encoded metadata without a known encoding", file=file)
+    stored = encoding.get("tensors")
+    if not isinstance(stored, dict) or any(kind not in STORED_KINDS for kind in stored.values()):
+        raise SnapshotCorruptError("encoded metadata: tensors must map to a stored kind", file=file)
+    decoded = encoding.get("decoded_bytes")
+    if not isinstance(decoded, int) or isinstance(decoded, bool) or decoded <= 0:
+        raise SnapshotCorruptError("encoded metadata: decoded_bytes must be positive", file=file)
+
+
+def _entry(name: str, spec: Any, data_start: int, file: str | None) -> StoredTensor:
+    try:
+        dtype, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
+        if set(spec) != {"dtype", "shape", "data_offsets"} or dtype not in ITEM_BYTES:
+            raise ValueError(f"dtype {dtype!r}")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+            raise ValueError(f"shape {shape!r}")
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (begin, end)):
+            raise ValueError("offsets")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SnapshotCorruptError(f"bad tensor entry ({exc})", file=file, tensor=name) from None
+    if end - begin != math.prod(shape) * ITEM_BYTES[dtype] or begin < 0:
+        raise SnapshotCorruptError(
+            f"{end - begin} bytes for {dtype} {tuple(shape)}", file=file, tensor=name
+        )
+    return StoredTensor(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def signed_message(header: bytes, blake3_digests: Sequence[bytes]) -> list[bytes]:
+    """What a signed encoded file's HMAC covers after :data:`SIGNATURE_TAG`: its header, then
+    the BLAKE3-256 of every checksummed tensor and of the trailer, in file order."""
+    return [header, *blake3_digests]

@@ -1,0 +1,110 @@
+"""``--compress`` from the command line: a capture stored fp8 shows its encoding, ratio and
+recorded error in ``inspect``; ``verify --against`` measures the error again and fails when the
+file's report lies; ``convert`` re-encodes (lossless and back to the byte-identical original);
+a bad value exits 2 with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvsnap.cli.app import app
+from typer.testing import CliRunner
+
+from kvsnap.format import encoded as enc
+from kvsnap.format.hashing import digest128, encode_trailer
+
+runner = CliRunner()
+
+
+def run_json(*args: str) -> tuple[int, dict]:
+    result = runner.invoke(app, [*args, "--json"])
+    return result.exit_code, json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("compress")
+    prompts = ("-p", "The KV cache of a prompt, stored smaller", "-p", "Another prompt")
+    original, fp8 = folder / "original.safetensors", folder / "fp8.safetensors"
+    common = ("--dtype", "bfloat16", "--reproducible", *prompts)
+    assert run_json("capture", "-o", str(original), *common)[0] == 0
+    code, payload = run_json("capture", "-o", str(fp8), "--compress", "fp8", *common)
+    assert code == 0 and payload["path"] == str(fp8)
+    assert payload["encoding"]["name"] == "fp8" and payload["encoding"]["ratio"] > 1.5
+    return original, fp8
+
+
+def test_inspect_shows_the_encoding_ratio_and_recorded_error(captured):
+    original, fp8 = captured
+    code, payload = run_json("inspect", str(fp8))
+    assert code == 0
+    encoding = payload["encoding"]
+    assert encoding["name"] == "fp8" and encoding["format_version"] == 3
+    assert encoding["stored_bytes"] == fp8.stat().st_size
+    assert encoding["decoded_bytes"] == original.stat().st_size
+    assert encoding["ratio"] == pytest.approx(original.stat().st_size / fp8.stat().st_size, 1e-3)
+    assert 0 < encoding["error"]["worst"]["rms_rel"] < 0.05
+    assert run_json("inspect", str(original))[1]["encoding"] == {"name": "none"}
+    text = runner.invoke(app, ["inspect", str(fp8)]).stdout
+    assert "fp8 (kvsnap-fp8-e4m3-v1" in text and "RMS rel" in text
+
+
+def test_verify_against_the_original_measures_the_error_again(captured, tmp_path):
+    original, fp8 = captured
+    code, payload = run_json("verify", str(fp8), "--against", str(original))
+    assert code == 0 and payload["ok"]
+    assert payload["error"]["measured"] == payload["error"]["recorded"]
+    # A file whose recorded error was edited (its trailer made to match): the claim is caught.
+    liar = tmp_path / "liar.safetensors"
+    liar.write_bytes(_with_edited_report(fp8))
+    code, payload = run_json("verify", str(liar), "--against", str(original))
+    assert code == 1 and "not the error measured" in payload["problems"][0]["message"]
+
+
+def _with_edited_report(path: Path) -> bytes:
+    data = np.fromfile(path, dtype=np.uint8)
+    length = int(data[:8].view("<u8")[0])
+    text = data[8 : 8 + length].tobytes()
+    edited = text.replace(b'\\"rms_rel\\":0.0', b'\\"rms_rel\\":0.0001', 1)
+    assert edited != text
+    header = json.loads(edited[: edited.rindex(b"}") + 1])
+    new_text = json.dumps(header, separators=(",", ":")).encode()
+    new_text += b" " * (length - len(new_text))
+    data[8 : 8 + length] = np.frombuffer(new_text, dtype=np.uint8)
+    layout = enc.parse_header(data[: 8 + length].tobytes(), len(data))
+    rows = [digest128(data[: layout.data_start].tobytes())]
+    rows += [digest128(data[t.begin : t.end]) for t in layout.checksummed]
+    trailer = layout.by_name[enc.ENCODED_CHECKSUMS_TENSOR]
+    data[trailer.begin : trailer.end] = np.frombuffer(encode_trailer(rows), dtype=np.uint8)
+    return data.tobytes()
+
+
+def test_convert_reencodes_and_gives_the_original_back(captured, tmp_path):
+    original, fp8 = captured
+    lossless, back = tmp_path / "lossless.safetensors", tmp_path / "back.safetensors"
+    code, payload = run_json(
+        "convert", str(original), "-o", str(lossless), "--compress", "lossless"
+    )
+    assert code == 0 and payload["ratio"] > 1.0 and payload["error"] is None
+    code, payload = run_json("verify", str(lossless), "--against", str(original))
+    assert code == 0 and payload["ok"] and payload["problems"] == []
+    assert [layer["max_abs_diff"] for layer in payload["comparison"]["layer_errors"]] == [0.0] * 4
+    assert run_json("convert", str(lossless), "-o", str(back), "--compress", "none")[0] == 0
+    assert back.read_bytes() == original.read_bytes()
+    # fp8 re-encoded as fp8: the same pages again (fp8 values are exact in fp8).
+    again = tmp_path / "again.safetensors"
+    assert run_json("convert", str(fp8), "-o", str(again), "--compress", "fp8")[0] == 0
+    assert run_json("verify", str(again), "--against", str(fp8), "--atol", "0")[1]["ok"]
+
+
+def test_a_bad_compress_value_is_one_line_and_exit_2(captured, tmp_path):
+    original, _ = captured
+    result = runner.invoke(
+        app, ["convert", str(original), "-o", str(tmp_path / "x"), "--compress", "zip"]
+    )
+    assert result.exit_code == 2
+    assert "--compress zip: one of none, lossless, fp8" in result.stderr
+    assert "Traceback" not in result.stderr
