@@ -199,37 +199,44 @@ def parse_size(value: str) -> int:
     return int(float(match.group("number")) * _SIZE_UNITS[unit])
 
 
+_MaxBytesOption = Annotated[
+    int,
+    typer.Option(
+        "--max-bytes",
+        parser=parse_size,
+        metavar="SIZE",
+        help="Bytes the store may hold afterwards: 5000000000, 5GB, 4.5GiB, 800M.",
+    ),
+]
+
+_MinIdleOption = Annotated[
+    float,
+    typer.Option(
+        "--min-idle-s",
+        min=0.0,
+        help="Keep chunks used this recently (an engine may be about to load them).",
+    ),
+]
+
+_OrphanGraceOption = Annotated[
+    float | None,
+    typer.Option(
+        "--orphan-grace-s",
+        min=0.0,
+        show_default=False,
+        help="Keep parts named by no index that were written this recently (a parted "
+        "write may still be publishing its index); default 600 s.",
+    ),
+]
+
+
 @app.command("prune")
 @handle_errors
 def prune(
     directory: StoreArgument,
-    max_bytes: Annotated[
-        int,
-        typer.Option(
-            "--max-bytes",
-            parser=parse_size,
-            metavar="SIZE",
-            help="Bytes the store may hold afterwards: 5000000000, 5GB, 4.5GiB, 800M.",
-        ),
-    ],
-    min_idle_s: Annotated[
-        float,
-        typer.Option(
-            "--min-idle-s",
-            min=0.0,
-            help="Keep chunks used this recently (an engine may be about to load them).",
-        ),
-    ] = 0.0,
-    orphan_grace_s: Annotated[
-        float | None,
-        typer.Option(
-            "--orphan-grace-s",
-            min=0.0,
-            show_default=False,
-            help="Keep parts named by no index that were written this recently (a parted "
-            "write may still be publishing its index); default 600 s.",
-        ),
-    ] = None,
+    max_bytes: _MaxBytesOption,
+    min_idle_s: _MinIdleOption = 0.0,
+    orphan_grace_s: _OrphanGraceOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Delete leftovers, then the least recently used chunks, until the store fits.

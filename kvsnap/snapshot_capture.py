@@ -128,7 +128,6 @@ def capture(
     if compression != "none":
         from kvsnap.encoded.write import capture_encoded
 
-        # The plain capture into a file of its own, unsigned: the encoded file is what is signed.
         plain = {**common, "keys": None, "transfer": transfer, "staging": staging}
         return capture_encoded(
             lambda written: capture(

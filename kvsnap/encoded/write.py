@@ -287,8 +287,9 @@ def capture_encoded(
     keys: KeyRing | None,
     refused: bool,
 ) -> Any:
-    """``capture(written)`` into a temporary file beside ``path``, then that file encoded
-    into ``path`` as ``compression`` and removed: the capture's result, its path ``path``."""
+    """``capture(written)`` into a temporary file beside ``path`` (unsigned: the encoded file
+    is what is signed), then that file encoded into ``path`` as ``compression`` and removed:
+    the capture's result, its path ``path``."""
     if compression not in enc.ENCODINGS:
         raise ValueError(f"compression {compression!r}: none, lossless or fp8")
     if refused or "://" in os.fspath(path):
