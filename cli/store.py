@@ -21,7 +21,7 @@ import typer
 
 from .common import JsonOption, KeyFileOption, format_bytes, is_url, key_ring
 from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, handle_errors, stdout, text
-from .store_common import print_entry_table, verify_chunk
+from .store_common import print_entry_table, report_prune, verify_chunk
 
 app = typer.Typer(
     name="store",
@@ -261,17 +261,4 @@ def prune(
     )
     remaining = sum(entry.size for entry in store_entries(root))
     rows = [_entry_json(entry, root, now) for entry in removed]
-    freed = sum(row["bytes"] for row in rows)
-    if as_json:
-        emit_json(
-            {
-                "removed": rows,
-                "freed_bytes": freed,
-                "bytes": remaining,
-                "fits": remaining <= max_bytes,
-            }
-        )
-        return
-    if rows:
-        print_entry_table(rows, f"removed {len(rows)} entries, {format_bytes(freed)}")
-    stdout.print(f"{root} holds {format_bytes(remaining)} (bound {format_bytes(max_bytes)})")
+    report_prune(rows, str(root), remaining, max_bytes, as_json)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +16,7 @@ from rich.text import Text
 from kvsnap.errors import KVSnapError
 
 from .common import format_bytes
-from .output import stdout, text
+from .output import emit_json, stdout, text
 
 if TYPE_CHECKING:
     from kvsnap.format.signing import KeyRing
@@ -71,6 +71,26 @@ def print_entry_table(rows: list[dict[str, Any]], title: str) -> None:
                 row["state"] if "state" in row else _state(row),
             )
         stdout.print(table)
+
+
+def report_prune(
+    rows: list[dict[str, Any]],
+    where: str,
+    remaining: int,
+    max_bytes: int,
+    as_json: bool,
+    print_rows: Callable[[list[dict[str, Any]], str], None] = print_entry_table,
+) -> None:
+    """What ``kvsnap store prune`` removed (``rows``, printed by ``print_rows``) and what the
+    store at ``where`` holds now against its bound (``--json``: one object)."""
+    freed = sum(row["bytes"] for row in rows)
+    if as_json:
+        fits = remaining <= max_bytes
+        emit_json({"removed": rows, "freed_bytes": freed, "bytes": remaining, "fits": fits})
+        return
+    if rows:
+        print_rows(rows, f"removed {len(rows)} entries, {format_bytes(freed)}")
+    stdout.print(f"{text(where)} holds {format_bytes(remaining)} (bound {format_bytes(max_bytes)})")
 
 
 def _encoding_cell(row: dict[str, Any]) -> str:

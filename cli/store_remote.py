@@ -131,19 +131,6 @@ def prune_remote_store(url: str, max_bytes: int, min_idle_s: float, as_json: boo
     now = time.time()
     removed, remaining = prune_remote(url, max_bytes, min_idle_s=min_idle_s, now=now)
     rows = [_row(entry, now) for entry in removed]
-    freed = sum(row["bytes"] for row in rows)
-    if as_json:
-        emit_json(
-            {
-                "removed": rows,
-                "freed_bytes": freed,
-                "bytes": remaining,
-                "fits": remaining <= max_bytes,
-            }
-        )
-        return
-    from .output import format_bytes
+    from .store_common import report_prune
 
-    if rows:
-        _print_rows(rows, f"removed {len(rows)} entries, {format_bytes(freed)}")
-    stdout.print(f"{text(url)} holds {format_bytes(remaining)} (bound {format_bytes(max_bytes)})")
+    report_prune(rows, url, remaining, max_bytes, as_json, print_rows=_print_rows)
