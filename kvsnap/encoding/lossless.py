@@ -12,7 +12,7 @@ read of some blocks decodes only the chunks holding them.
 
 The stored bytes of a tensor are its chunks one after the other; chunk ``c``'s bytes are its
 planes in order ``0 .. word_bytes - 1``. The chunk table (:func:`columns` ``uint64`` columns,
-one row per chunk) says where everything lies::
+one row per chunk; :mod:`kvsnap.encoding.lossless_table`) says where everything lies::
 
     first_page, num_pages, offset, xxh3_64, then per plane b: codec_b, length_b
 
@@ -38,7 +38,19 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from kvsnap.errors import SnapshotCorruptError
+from kvsnap.encoding.lossless_table import (
+    CHECKSUM,
+    CODEC_RAW,
+    CODEC_ZSTD,
+    ENCODED_WORD_BYTES,
+    FIRST_PAGE,
+    NUM_PAGES,
+    OFFSET,
+    PLANES_START,
+    check_chunk_table,
+    columns,
+    corrupt,
+)
 
 try:
     import zstandard
@@ -47,9 +59,6 @@ except ImportError:  # pragma: no cover - a base dependency; absent only in fore
 
 #: Raw bytes of pages per chunk (rounded down to whole pages, at least one page).
 CHUNK_BYTES = 2 << 20
-#: A chunk's raw bytes may be at most this (a table declaring more is refused): the most one
-#: chunk's decode can be asked to produce, whatever its pages.
-MAX_CHUNK_BYTES = 64 << 20
 #: A plane (and a tensor) is kept coded only when coding saves at least this share of it.
 MIN_SAVING = 0.05
 #: zstd's parameters: its fastest strategy, a 128 KiB window (a channel's next token lies a page
@@ -67,24 +76,8 @@ ZSTD_PARAMETERS = {
 #: A plane whose first bytes do not shrink is stored raw without coding the rest.
 SAMPLE_BYTES = 64 << 10
 
-#: Plane codecs.
-CODEC_RAW = 0
-CODEC_ZSTD = 1
 #: The name recorded for this encoding.
 NAME = "kvsnap-planes-zstd-v1"
-
-#: Columns of a chunk table row before the per-plane pairs.
-FIRST_PAGE, NUM_PAGES, OFFSET, CHECKSUM = 0, 1, 2, 3
-PLANES_START = 4
-
-
-def columns(word_bytes: int) -> int:
-    """Columns of a chunk table for words of ``word_bytes``."""
-    return PLANES_START + 2 * word_bytes
-
-
-#: Element sizes that are encoded (16-, 32- and 64-bit floats); one-byte dtypes stay raw.
-ENCODED_WORD_BYTES = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -234,72 +227,6 @@ def encode_pages(
     return LosslessTensor(word_bytes, page_bytes, num_pages, table, data)
 
 
-def _corrupt(message: str, tensor: str | None, chunk: int | None = None) -> SnapshotCorruptError:
-    where = "" if chunk is None else f"chunk {chunk}: "
-    return SnapshotCorruptError(where + message, tensor=tensor)
-
-
-def check_chunk_table(
-    table: np.ndarray,
-    *,
-    word_bytes: int,
-    page_bytes: int,
-    num_pages: int,
-    stored_bytes: int,
-    tensor: str | None = None,
-) -> None:
-    """Refuse (``SnapshotCorruptError``, naming ``tensor`` and the chunk) a chunk table that
-    does not describe exactly ``num_pages`` pages stored in exactly ``stored_bytes`` bytes:
-    chunks out of order, overlapping, leaving gaps or running past the data, a chunk larger
-    than :data:`MAX_CHUNK_BYTES`, an unknown codec, or a plane length its codec cannot have.
-    Vectorized: a table of a million rows is checked in milliseconds."""
-    if word_bytes not in ENCODED_WORD_BYTES or page_bytes <= 0 or page_bytes % word_bytes:
-        raise _corrupt(f"{word_bytes}-byte words in {page_bytes}-byte pages", tensor)
-    if table.dtype != np.uint64 or table.ndim != 2 or table.shape[1] != columns(word_bytes):
-        raise _corrupt(f"a chunk table of {table.dtype} {table.shape}", tensor)
-    if len(table) == 0 or len(table) > num_pages:
-        raise _corrupt(f"{len(table)} chunks for {num_pages} pages", tensor)
-    limit = max(1, MAX_CHUNK_BYTES // page_bytes)
-    pages = table[:, NUM_PAGES]
-    _first_bad(tensor, (pages == 0) | (pages > limit), "holds {} pages", pages)
-    starts = np.concatenate([[0], np.cumsum(pages[:-1], dtype=np.uint64)])
-    _first_bad(tensor, table[:, FIRST_PAGE] != starts, "starts at page {}", table[:, FIRST_PAGE])
-    if int(pages.sum(dtype=np.uint64)) != num_pages:
-        raise _corrupt(f"the chunks hold {int(pages.sum())} pages, not {num_pages}", tensor)
-    codecs, lengths = table[:, PLANES_START::2], table[:, PLANES_START + 1 :: 2]
-    plane_bytes = pages * np.uint64(page_bytes // word_bytes)
-    bad_codec = (codecs != CODEC_RAW) & (codecs != CODEC_ZSTD)
-    _first_bad(tensor, bad_codec.any(axis=1), "has codec {}", codecs.max(axis=1))
-    raw_wrong = (codecs == CODEC_RAW) & (lengths != plane_bytes[:, None])
-    coded_wrong = (codecs == CODEC_ZSTD) & ((lengths == 0) | (lengths >= plane_bytes[:, None]))
-    _first_bad(tensor, (raw_wrong | coded_wrong).any(axis=1), "has plane lengths {}", lengths)
-    chunk_lengths = lengths.sum(axis=1, dtype=np.uint64)
-    offsets = np.concatenate([[0], np.cumsum(chunk_lengths[:-1], dtype=np.uint64)])
-    _first_bad(tensor, table[:, OFFSET] != offsets, "starts at byte {}", table[:, OFFSET])
-    total = int(chunk_lengths.sum(dtype=np.uint64))
-    if total != stored_bytes:
-        raise _corrupt(f"the chunks fill {total} bytes, the data holds {stored_bytes}", tensor)
-
-
-def _first_bad(tensor: str | None, bad: np.ndarray, message: str, values: np.ndarray) -> None:
-    if bad.any():
-        chunk = int(np.argmax(bad))
-        shown = values[chunk]
-        shown = shown.tolist() if isinstance(shown, np.ndarray) else int(shown)
-        raise _corrupt(message.format(shown), tensor, chunk)
-
-
-def chunks_covering(table: np.ndarray, first_page: int, stop_page: int) -> range:
-    """The chunks holding pages ``first_page`` to ``stop_page`` (exclusive) of a checked
-    table."""
-    if stop_page <= first_page:
-        return range(0)
-    starts = table[:, FIRST_PAGE]
-    low = int(np.searchsorted(starts, first_page, side="right")) - 1
-    high = int(np.searchsorted(starts, stop_page, side="left"))
-    return range(max(low, 0), high)
-
-
 def decode_chunk(
     row: np.ndarray,
     stored: np.ndarray,
@@ -318,7 +245,7 @@ def decode_chunk(
     if len(stored) != int(row[PLANES_START + 1 :: 2].sum()):
         raise ValueError(f"chunk {chunk}: {len(stored)} stored bytes, not the row's")
     if verify and xxhash.xxh3_64_intdigest(stored.data) != int(row[CHECKSUM]):
-        raise _corrupt("the stored bytes do not match their checksum", tensor, chunk)
+        raise corrupt("the stored bytes do not match their checksum", tensor, chunk)
     plane_bytes = len(out) // word_bytes
     planes = []
     position = 0
@@ -344,18 +271,18 @@ def _decode_plane(
     try:
         declared = zstandard.frame_content_size(piece.data)
         if declared != plane_bytes:
-            raise _corrupt(f"a plane declares {declared} bytes, not {plane_bytes}", tensor, chunk)
+            raise corrupt(f"a plane declares {declared} bytes, not {plane_bytes}", tensor, chunk)
         if frame_length(piece) != len(piece):
-            raise _corrupt("a plane is not exactly one zstd frame", tensor, chunk)
+            raise corrupt("a plane is not exactly one zstd frame", tensor, chunk)
         scratch = _scratch(index, plane_bytes)
         # Into a buffer kept per thread: decompress(), a new output object per plane, decoded
         # at less than half this rate (docs/architecture.md, "Encodings").
         with decompressor.stream_reader(piece.data) as reader:
             decoded = reader.readinto(scratch)
             if decoded != plane_bytes or reader.read(1):
-                raise _corrupt("a plane does not decode to its declared size", tensor, chunk)
+                raise corrupt("a plane does not decode to its declared size", tensor, chunk)
     except zstandard.ZstdError as error:
-        raise _corrupt(f"a plane does not decode ({error})", tensor, chunk) from None
+        raise corrupt(f"a plane does not decode ({error})", tensor, chunk) from None
     return scratch
 
 

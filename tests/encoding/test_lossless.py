@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvsnap.encoding import lossless
+from kvsnap.encoding import lossless, lossless_table
 from tests.support.prefill_kv import built_in_kv
 
 
@@ -111,7 +111,7 @@ def test_chunks_covering_a_page_range_decode_exactly_those_pages():
     assert encoded is not None
     table = encoded.chunk_table
     for first, stop in [(0, 1), (2, 3), (2, 7), (15, 16), (0, 16), (5, 5)]:
-        chunks = lossless.chunks_covering(table, first, stop)
+        chunks = lossless_table.chunks_covering(table, first, stop)
         covered = set()
         for chunk in chunks:
             row = table[chunk]
