@@ -30,10 +30,12 @@ are never encoded: their bytes are mostly mantissa.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import xxhash
@@ -78,6 +80,8 @@ SAMPLE_BYTES = 64 << 10
 
 #: The name recorded for this encoding.
 NAME = "kvsnap-planes-zstd-v1"
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -166,24 +170,53 @@ def _code_plane(plane: np.ndarray) -> tuple[int, bytes | np.ndarray]:
     return CODEC_ZSTD, coded
 
 
-def encode_chunk(pages: np.ndarray, word_bytes: int) -> tuple[np.ndarray, list]:
-    """One chunk's table row (first page and offset left 0) and its stored pieces, planes in
-    order. ``pages``: ``uint8`` ``(num_pages, page_bytes)``."""
-    # Split into this thread's scratch buffer, reused chunk after chunk.
+def _code_chunk(pages: np.ndarray, word_bytes: int) -> tuple[np.ndarray, list[bytes | None]]:
+    """One chunk's table row (first page, offset and checksum left 0) and its coded planes,
+    ``None`` for a plane stored raw. ``pages``: ``uint8`` ``(num_pages, page_bytes)``."""
+    # Split into this thread's scratch buffer, reused chunk after chunk: a raw plane is not
+    # kept from it but written again from the pages into the stored bytes (_store_chunk).
     planes = split_planes(pages.reshape(-1), word_bytes, _scratch(-1, pages.size))
     row = np.zeros(columns(word_bytes), dtype=np.uint64)
     row[NUM_PAGES] = len(pages)
-    pieces = []
-    hasher = xxhash.xxh3_64()
+    coded: list[bytes | None] = []
     for index, plane in enumerate(planes):
         codec, stored = _code_plane(plane)
         row[PLANES_START + 2 * index] = codec
         row[PLANES_START + 2 * index + 1] = len(stored)
-        hasher.update(stored if isinstance(stored, bytes) else stored.data)
-        # A raw plane is a view of the scratch buffer: copied before the thread's next chunk.
-        pieces.append(bytes(stored) if codec == CODEC_RAW else stored)
-    row[CHECKSUM] = hasher.intdigest()
-    return row, pieces
+        coded.append(stored if codec == CODEC_ZSTD else None)  # type: ignore[arg-type]
+    return row, coded
+
+
+def _store_chunk(
+    pages: np.ndarray, coded: list[bytes | None], word_bytes: int, stored: np.ndarray
+) -> int:
+    """Write one chunk's planes into its stored bytes ``stored`` (a coded plane's frame, a raw
+    plane's bytes straight from ``pages``) and return their xxh3-64, read while they are in
+    cache."""
+    words = pages.reshape(-1)
+    plane_bytes = len(words) // word_bytes
+    position = 0
+    for index, frame in enumerate(coded):
+        if frame is None:
+            target = stored[position : position + plane_bytes]
+            _extract_plane(words, word_bytes, index, target)
+            position += plane_bytes
+        else:
+            stored[position : position + len(frame)] = np.frombuffer(frame, dtype=np.uint8)
+            position += len(frame)
+    return xxhash.xxh3_64_intdigest(stored.data)
+
+
+def _extract_plane(words: np.ndarray, word_bytes: int, index: int, out: np.ndarray) -> None:
+    """Byte ``index`` of every ``word_bytes`` word of ``words`` into ``out``."""
+    if word_bytes == 2:
+        as_words = words.view("<u2")
+        if index:
+            np.right_shift(as_words, 8, out=out, casting="unsafe")
+        else:
+            np.copyto(out, as_words, casting="unsafe")  # truncation keeps the low byte
+        return
+    np.copyto(out, words.reshape(-1, word_bytes)[:, index])
 
 
 def encode_pages(
@@ -195,8 +228,8 @@ def encode_pages(
 ) -> LosslessTensor | None:
     """Encode a tensor of pages (``uint8``, ``(num_pages, page_bytes)``, C-contiguous) whose
     elements are ``word_bytes`` wide; ``None`` when it is not worth it (one-byte elements, or
-    a saving under :data:`MIN_SAVING`): store the tensor as it is. Chunks are coded on
-    ``executor``'s threads when one is given."""
+    a saving under :data:`MIN_SAVING`): store the tensor as it is. Chunks are coded, then
+    written into the stored bytes, on ``executor``'s threads when one is given."""
     if pages.ndim != 2 or pages.dtype != np.uint8 or not pages.flags.c_contiguous:
         raise ValueError("pages must be a C-contiguous uint8 array (num_pages, page_bytes)")
     num_pages, page_bytes = pages.shape
@@ -206,10 +239,7 @@ def encode_pages(
         raise ValueError(f"a page of {page_bytes} bytes is not whole {word_bytes}-byte words")
     step = chunk_pages(page_bytes, chunk_bytes)
     slices = [pages[first : first + step] for first in range(0, num_pages, step)]
-    if executor is None:
-        results = [encode_chunk(chunk, word_bytes) for chunk in slices]
-    else:
-        results = list(executor.map(encode_chunk, slices, [word_bytes] * len(slices)))
+    results = run_tasks([functools.partial(_code_chunk, s, word_bytes) for s in slices], executor)
     table = np.stack([row for row, _ in results])
     stored_lengths = table[:, PLANES_START + 1 :: 2].sum(axis=1)
     table[:, FIRST_PAGE] = np.concatenate([[0], np.cumsum(table[:-1, NUM_PAGES])])
@@ -218,13 +248,27 @@ def encode_pages(
     if total > (1 - MIN_SAVING) * num_pages * page_bytes:
         return None
     data = np.empty(total, dtype=np.uint8)
-    position = 0
-    for _, pieces in results:
-        for piece in pieces:
-            length = len(piece)
-            data[position : position + length] = np.frombuffer(piece, dtype=np.uint8)
-            position += length
+    ends = (table[:, OFFSET] + stored_lengths).tolist()
+    stores = [
+        functools.partial(_store_chunk, piece, coded, word_bytes, data[start:end])
+        for piece, (_, coded), start, end in zip(
+            slices, results, table[:, OFFSET].tolist(), ends, strict=True
+        )
+    ]
+    table[:, CHECKSUM] = run_tasks(stores, executor)
     return LosslessTensor(word_bytes, page_bytes, num_pages, table, data)
+
+
+def run_tasks(tasks: Sequence[Callable[[], T]], executor: Executor | None = None) -> list[T]:
+    """The results of ``tasks`` in order, run on ``executor``'s threads when one is given (the
+    first task to fail, in order, raises)."""
+    if executor is None:
+        return [task() for task in tasks]
+    return list(executor.map(_call, tasks))
+
+
+def _call(task: Callable[[], T]) -> T:
+    return task()
 
 
 def decode_chunk(
@@ -242,16 +286,28 @@ def decode_chunk(
 
     Raises ``SnapshotCorruptError`` when the bytes do not match the row's checksum (with
     ``verify``) or do not decode to exactly the plane's size."""
-    if len(stored) != int(row[PLANES_START + 1 :: 2].sum()):
+    _decode_row(row.tolist(), stored, out, word_bytes, tensor, chunk, verify)
+
+
+def _decode_row(
+    row: list[int],
+    stored: np.ndarray,
+    out: np.ndarray,
+    word_bytes: int,
+    tensor: str | None,
+    chunk: int | None,
+    verify: bool,
+) -> None:
+    """:func:`decode_chunk` of a row as Python integers."""
+    lengths = row[PLANES_START + 1 :: 2]
+    if len(stored) != sum(lengths):
         raise ValueError(f"chunk {chunk}: {len(stored)} stored bytes, not the row's")
-    if verify and xxhash.xxh3_64_intdigest(stored.data) != int(row[CHECKSUM]):
+    if verify and xxhash.xxh3_64_intdigest(stored.data) != row[CHECKSUM]:
         raise corrupt("the stored bytes do not match their checksum", tensor, chunk)
     plane_bytes = len(out) // word_bytes
     planes = []
     position = 0
-    for index in range(word_bytes):
-        codec = int(row[PLANES_START + 2 * index])
-        length = int(row[PLANES_START + 2 * index + 1])
+    for index, (codec, length) in enumerate(zip(row[PLANES_START::2], lengths, strict=True)):
         piece = stored[position : position + length]
         position += length
         if codec == CODEC_RAW:
@@ -259,6 +315,55 @@ def decode_chunk(
         else:
             planes.append(_decode_plane(piece, plane_bytes, index, tensor, chunk))
     join_planes(planes, out)
+
+
+def chunk_decoders(
+    encoded: LosslessTensor,
+    out: np.ndarray,
+    *,
+    tensor: str | None = None,
+    verify: bool = True,
+    after: Callable[[int, np.ndarray], None] | None = None,
+) -> list[Callable[[], None]]:
+    """One task per chunk of ``encoded`` that decodes it into its pages of ``out`` (``uint8``,
+    ``(num_pages, page_bytes)``, C-contiguous), for :func:`run_tasks`; the table is checked
+    first (:func:`check_chunk_table`), so a lying table is refused before any task exists.
+    ``after(first_page, pages)``, when given, runs in the same task right after the chunk's
+    pages (their bytes, flat) are written, while they are still in cache."""
+    check_chunk_table(
+        encoded.chunk_table,
+        word_bytes=encoded.word_bytes,
+        page_bytes=encoded.page_bytes,
+        num_pages=encoded.num_pages,
+        stored_bytes=encoded.stored_bytes,
+        tensor=tensor,
+    )
+    if out.shape != (encoded.num_pages, encoded.page_bytes) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous {(encoded.num_pages, encoded.page_bytes)}")
+    flat = out.reshape(-1)
+    page_bytes = encoded.page_bytes
+    tasks: list[Callable[[], None]] = []
+    for chunk, row in enumerate(encoded.chunk_table.tolist()):
+        first, count, offset = row[FIRST_PAGE], row[NUM_PAGES], row[OFFSET]
+        stored = encoded.data[offset : offset + sum(row[PLANES_START + 1 :: 2])]
+        pages = flat[first * page_bytes : (first + count) * page_bytes]
+        decode = functools.partial(
+            _decode_row, row, stored, pages, encoded.word_bytes, tensor, chunk, verify
+        )
+        tasks.append(
+            decode if after is None else functools.partial(_then, decode, after, first, pages)
+        )
+    return tasks
+
+
+def _then(
+    task: Callable[[], None],
+    after: Callable[[int, np.ndarray], None],
+    first: int,
+    pages: np.ndarray,
+) -> None:
+    task()
+    after(first, pages)
 
 
 def _decode_plane(
@@ -325,37 +430,4 @@ def decode_pages(
     """Decode every page of ``encoded`` into ``out`` (``uint8``, ``(num_pages, page_bytes)``,
     C-contiguous), chunks on ``executor``'s threads when one is given. The table is checked
     first (:func:`check_chunk_table`)."""
-    check_chunk_table(
-        encoded.chunk_table,
-        word_bytes=encoded.word_bytes,
-        page_bytes=encoded.page_bytes,
-        num_pages=encoded.num_pages,
-        stored_bytes=encoded.stored_bytes,
-        tensor=tensor,
-    )
-    if out.shape != (encoded.num_pages, encoded.page_bytes) or not out.flags.c_contiguous:
-        raise ValueError(f"out must be C-contiguous {(encoded.num_pages, encoded.page_bytes)}")
-    flat = out.reshape(-1)
-
-    def one(chunk: int) -> None:
-        row = encoded.chunk_table[chunk]
-        first, count = int(row[FIRST_PAGE]), int(row[NUM_PAGES])
-        offset = int(row[OFFSET])
-        length = int(row[PLANES_START + 1 :: 2].sum())
-        decode_chunk(
-            row,
-            encoded.data[offset : offset + length],
-            flat[first * encoded.page_bytes : (first + count) * encoded.page_bytes],
-            word_bytes=encoded.word_bytes,
-            tensor=tensor,
-            chunk=chunk,
-            verify=verify,
-        )
-
-    indices = range(len(encoded.chunk_table))
-    if executor is None:
-        for chunk in indices:
-            one(chunk)
-    else:
-        for _ in executor.map(one, indices):
-            pass
+    run_tasks(chunk_decoders(encoded, out, tensor=tensor, verify=verify), executor)

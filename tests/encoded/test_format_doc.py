@@ -5,9 +5,6 @@ scales; a signed encoded file checks with its key and no other."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -19,17 +16,7 @@ from kvsnap.encoded.write import encode_file
 from kvsnap.errors import BadSignatureError, UnsignedSnapshotError
 from kvsnap.format.signing import KeyRing
 from tests.support.encoded_files import capture_real
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "format.md"
-
-
-def _recipe() -> dict:
-    """The Python block of the doc's "Encoded snapshots" section, executed."""
-    section = DOC.read_text().split("## Encoded snapshots", 1)[1].split("\n## ", 1)[0]
-    [code] = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    scope: dict = {}
-    exec(compile(code, str(DOC), "exec"), scope)  # the doc's own code, nothing of kvsnap's
-    return scope
+from tests.support.format_doc import doc_recipe
 
 
 def test_the_doc_recipe_decodes_an_fp8_file_as_kvsnap_does(tmp_path):
@@ -37,7 +24,7 @@ def test_the_doc_recipe_decodes_an_fp8_file_as_kvsnap_does(tmp_path):
     capture_real(source, "vllm-nhd", torch.bfloat16)
     target = tmp_path / "kv.fp8.safetensors"
     encode_file(source, target, "fp8")
-    recipe = _recipe()
+    recipe = doc_recipe()
     meta, header, data = recipe["tensors"](target)
     assert meta["format_version"] == 3 and meta["encoding"]["name"] == "fp8"
     with kvsnap.Snapshot.open(target) as snapshot:
@@ -57,7 +44,7 @@ def test_the_doc_recipe_decodes_a_lossless_file_to_the_original_pages(tmp_path, 
     capture_real(source, "vllm-nhd", dtype)
     target = tmp_path / "kv.lossless.safetensors"
     encode_file(source, target, "lossless")
-    recipe = _recipe()
+    recipe = doc_recipe()
     meta, _, data = recipe["tensors"](target)
     _, original_header, original = recipe["tensors"](source)
     coded = [name for name, kind in meta["encoding"]["tensors"].items() if kind == "lossless"]
