@@ -95,29 +95,49 @@ def trailer_digests(original: OriginalFile, block_checksums: np.ndarray) -> list
     return digests
 
 
-def check_original(original: OriginalFile) -> None:
-    """Refuse (``SnapshotCorruptError``) a file whose pages, tensors or trailer do not match
-    its checksums: nothing corrupt is encoded, and a lossless decode is checked this way."""
-    by_name = original.layout.by_name
-    stored = original.bytes_of(by_name[fmt.BLOCK_CHECKSUMS_TENSOR]).view("<u8")
-    stored = stored.reshape(len(original.layer_entries), -1)
-    for row, entry in enumerate(original.layer_entries):
-        page_bytes = entry.nbytes // max(entry.shape[0], 1)
-        differ = np.flatnonzero(block_digests(original.bytes_of(entry), page_bytes) != stored[row])
-        if len(differ):
-            raise SnapshotCorruptError(
-                "page checksum mismatch",
-                file=original.file,
-                tensor=entry.name,
-                block=int(differ[0]),
-            )
-    trailer = original.bytes_of(by_name[fmt.CHECKSUMS_TENSOR]).tobytes()
+def stored_block_checksums(original: OriginalFile) -> np.ndarray:
+    """The page checksums ``original`` stores, ``(layer tensors, blocks)`` ``<u8``."""
+    stored = original.bytes_of(original.layout.by_name[fmt.BLOCK_CHECKSUMS_TENSOR]).view("<u8")
+    return stored.reshape(len(original.layer_entries), -1)
+
+
+def check_pages(
+    original: OriginalFile, entry: TensorEntry, first: int, pages: np.ndarray, stored: np.ndarray
+) -> None:
+    """Refuse (``SnapshotCorruptError`` naming the block) pages ``first ..`` of the layer tensor
+    ``entry`` (their bytes ``pages``) whose xxh3-64 is not ``stored``'s, its stored checksums."""
+    page_bytes = entry.nbytes // max(entry.shape[0], 1)
+    digests = block_digests(pages, page_bytes)
+    differ = np.flatnonzero(digests != stored[first : first + len(digests)])
+    if len(differ):
+        raise SnapshotCorruptError(
+            "page checksum mismatch",
+            file=original.file,
+            tensor=entry.name,
+            block=first + int(differ[0]),
+        )
+
+
+def check_trailer(original: OriginalFile, stored: np.ndarray) -> None:
+    """Refuse a file whose trailer does not match its tensors (its layer tensors by their
+    stored page checksums ``stored``, checked against the pages elsewhere) or whose padding
+    is not zero."""
+    trailer = original.bytes_of(original.layout.by_name[fmt.CHECKSUMS_TENSOR]).tobytes()
     rows = decode_trailer(trailer, original.file)
     if rows != trailer_digests(original, stored):
         raise SnapshotCorruptError("checksum trailer mismatch", file=original.file)
     for entry in original.layout.entries:
         if entry.name.startswith(fmt.PADDING_PREFIX) and original.bytes_of(entry).any():
             raise SnapshotCorruptError("padding is not zero", file=original.file, tensor=entry.name)
+
+
+def check_original(original: OriginalFile) -> None:
+    """Refuse (``SnapshotCorruptError``) a file whose pages, tensors or trailer do not match
+    its checksums: nothing corrupt is encoded, and a lossless decode is checked this way."""
+    stored = stored_block_checksums(original)
+    for row, entry in enumerate(original.layer_entries):
+        check_pages(original, entry, 0, original.bytes_of(entry), stored[row])
+    check_trailer(original, stored)
 
 
 def read_local(path: str | os.PathLike[str]) -> np.ndarray:

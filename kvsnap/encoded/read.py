@@ -10,7 +10,9 @@ file's own signature is what vouches for it).
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 import blake3
@@ -21,9 +23,11 @@ from kvsnap.encoded.file import EncodedFile
 from kvsnap.encoded.original import (
     NUMPY_TYPES,
     OriginalFile,
-    check_original,
+    check_pages,
+    check_trailer,
     parse_original,
     read_local,
+    stored_block_checksums,
     trailer_digests,
 )
 from kvsnap.encoding import lossless
@@ -108,37 +112,77 @@ def _expected_names(original: OriginalFile, kinds: dict[str, str]) -> list[str]:
     return names
 
 
+def _lossless_tensor(encoded: EncodedFile, entry: TensorEntry) -> lossless.LosslessTensor:
+    """The stored chunks and chunk table of a layer tensor stored ``lossless``."""
+    blocks = entry.shape[0]
+    stored = encoded.layout.by_name[entry.name]
+    data = encoded.typed(entry.name, "U8", stored.shape)
+    table_entry = encoded.layout.by_name[entry.name + enc.CHUNKS_SUFFIX]
+    if table_entry.dtype != "U64" or len(table_entry.shape) != 2:
+        raise SnapshotCorruptError(
+            "chunk table is not U64 (chunks, columns)", file=encoded.file, tensor=table_entry.name
+        )
+    table = encoded.tensor(table_entry.name).view("<u8").reshape(table_entry.shape)
+    word = enc.ITEM_BYTES[entry.dtype]
+    return lossless.LosslessTensor(
+        word, entry.nbytes // max(blocks, 1), blocks, table.astype(np.uint64), data
+    )
+
+
 def _decode_layer(
     encoded: EncodedFile, entry: TensorEntry, kind: str, out: np.ndarray, executor: Executor | None
 ) -> None:
+    """One layer tensor of a file holding fp8 tensors decoded into ``out``."""
     if kind == "raw":
         out[:] = encoded.typed(entry.name, entry.dtype, entry.shape)
-        return
-    blocks = entry.shape[0]
-    if kind == "lossless":
-        stored = encoded.layout.by_name[entry.name]
-        data = encoded.typed(entry.name, "U8", stored.shape)
-        table_entry = encoded.layout.by_name[entry.name + enc.CHUNKS_SUFFIX]
-        word = enc.ITEM_BYTES[entry.dtype]
-        if table_entry.dtype != "U64" or len(table_entry.shape) != 2:
-            raise SnapshotCorruptError(
-                "chunk table is not U64 (chunks, columns)",
-                file=encoded.file,
-                tensor=table_entry.name,
-            )
-        table = encoded.tensor(table_entry.name).view("<u8").reshape(table_entry.shape)
-        coded = lossless.LosslessTensor(
-            word, entry.nbytes // max(blocks, 1), blocks, table.astype(np.uint64), data
+    elif kind == "lossless":
+        pages = out.reshape(entry.shape[0], -1)
+        lossless.decode_pages(
+            _lossless_tensor(encoded, entry), pages, executor=executor, tensor=entry.name
         )
-        lossless.decode_pages(coded, out.reshape(blocks, -1), executor=executor, tensor=entry.name)
-        return
-    from kvsnap.encoded.fp8_pages import decode_fp8_tensor
+    else:
+        from kvsnap.encoded.fp8_pages import decode_fp8_tensor
 
-    decode_fp8_tensor(encoded, entry, out)
+        decode_fp8_tensor(encoded, entry, out)
+
+
+def _copy_pages(
+    source: np.ndarray, pages: np.ndarray, after: Callable[[int, np.ndarray], None], first: int
+) -> None:
+    pages[:] = source
+    after(first, pages.reshape(-1))
+
+
+def _exact_tasks(
+    encoded: EncodedFile, original: OriginalFile, kinds: dict[str, str]
+) -> list[Callable[[], None]]:
+    """The layer tensors of a file of ``lossless`` and ``raw`` ones, as tasks of about a chunk
+    each (:func:`lossless.run_tasks`): each decodes or copies its pages into ``original``, then
+    checks them against the original's page checksums while they are in cache, so the decoded
+    pages are read once (the trailer is checked after, by those checksums)."""
+    checksums = stored_block_checksums(original)
+    tasks: list[Callable[[], None]] = []
+    for row, entry in enumerate(original.layer_entries):
+        pages = original.pages(entry)
+        check = functools.partial(check_pages, original, entry, stored=checksums[row])
+        if kinds[entry.name] == "lossless":
+            coded = _lossless_tensor(encoded, entry)
+            tasks += lossless.chunk_decoders(coded, pages, tensor=entry.name, after=check)
+            continue
+        source = encoded.typed(entry.name, entry.dtype, entry.shape).reshape(pages.shape)
+        step = lossless.chunk_pages(max(pages.shape[1], 1))
+        tasks += [
+            functools.partial(
+                _copy_pages, source[first : first + step], pages[first : first + step], check, first
+            )
+            for first in range(0, len(pages), step)
+        ]
+    return tasks
 
 
 def decode(encoded: EncodedFile, executor: Executor | None = None) -> np.ndarray:
-    """The ordinary snapshot file ``encoded`` stands for, as bytes (see the module)."""
+    """The ordinary snapshot file ``encoded`` stands for, as bytes (see the module). Lossless
+    chunks are decoded on ``executor``'s threads when one is given."""
     header = encoded.tensor(enc.ORIGINAL_HEADER_TENSOR).tobytes()
     size = encoded.decoded_bytes
     out = np.zeros(size, dtype=np.uint8)
@@ -161,17 +205,16 @@ def decode(encoded: EncodedFile, executor: Executor | None = None) -> np.ndarray
             f"holds tensors {present[:4]}..., expected {expected[:4]}...", file=encoded.file
         )
     for entry in original.layout.entries:
-        if enc.is_padding(entry.name):
-            continue
-        target = original.bytes_of(entry)
-        if is_layer_tensor(entry.name):
-            _decode_layer(encoded, entry, kinds[entry.name], target, executor)
-        else:
-            target[:] = encoded.typed(entry.name, entry.dtype, entry.shape)
+        if not enc.is_padding(entry.name) and not is_layer_tensor(entry.name):
+            original.bytes_of(entry)[:] = encoded.typed(entry.name, entry.dtype, entry.shape)
     if "fp8" in kinds.values():
+        for entry in original.layer_entries:
+            _decode_layer(encoded, entry, kinds[entry.name], original.bytes_of(entry), executor)
         _rechecksum(original)  # the checksums of the pages just decoded: nothing to compare
     else:
-        check_original(original)  # lossless: the original's own checksums prove it exact
+        # lossless: the original's own checksums prove it exact
+        lossless.run_tasks(_exact_tasks(encoded, original, kinds), executor)
+        check_trailer(original, stored_block_checksums(original))
     return out
 
 

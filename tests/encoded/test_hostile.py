@@ -12,14 +12,16 @@ import struct
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 import kvsnap
 from kvsnap.encoded.read import decode, read_encoded
 from kvsnap.encoded.write import encode_file
+from kvsnap.encoding import lossless
 from kvsnap.errors import NotASnapshotError, SnapshotCorruptError
 from kvsnap.format import encoded as enc
 from kvsnap.format.hashing import digest128, encode_trailer
-from tests.support.encoded_files import capture_real
+from tests.support.encoded_files import capture_mixed, capture_real
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,64 @@ def _mutated(files, encoding: str, tmp_path, mutate) -> str:
     path = tmp_path / f"mutated.{encoding}.safetensors"
     data.tofile(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """A lossless file of real KV (coded) beside a tensor with a raw low plane
+    (``layers.1.key``) and a tensor stored raw (``layers.1.value``)."""
+    folder = tmp_path_factory.mktemp("mixed")
+    capture_mixed(folder / "kv.safetensors")
+    encode_file(folder / "kv.safetensors", folder / "lossless.safetensors", "lossless")
+    kinds = read_encoded(folder / "lossless.safetensors").encoding["tensors"]
+    assert kinds["layers.1.value"] == "raw" and kinds["layers.1.key"] == "lossless"
+    return folder
+
+
+def test_a_raw_page_that_differs_from_the_original_is_refused_naming_its_block(mixed, tmp_path):
+    # The encoded container is consistent (its trailer recomputed): only the original's own
+    # page checksums, checked as each piece of the decode is written, can find the change.
+    def flip(data, by_name):
+        entry = by_name["layers.1.value"]
+        page_bytes = entry.nbytes // entry.shape[0]
+        data[entry.begin + 5 * page_bytes + 17] ^= 0x01
+
+    with pytest.raises(SnapshotCorruptError, match="page checksum mismatch") as raised:
+        _decode(_mutated(mixed, "lossless", tmp_path, flip))
+    assert (raised.value.tensor, raised.value.block) == ("layers.1.value", 5)
+
+
+def test_a_tensor_that_differs_from_the_original_is_refused_by_its_trailer(files, tmp_path):
+    # A token id changed (the encoded container consistent): the decoded file's own trailer,
+    # checked after its pages, is what refuses it.
+    def retoken(data, by_name):
+        entry = by_name["sequences.1.token_ids"]
+        data[entry.begin : entry.end].view("<i8")[40] += 1
+
+    with pytest.raises(SnapshotCorruptError, match="checksum trailer mismatch"):
+        _decode(_mutated(files, "lossless", tmp_path, retoken))
+
+
+def test_a_chunk_rewritten_with_its_checksum_is_refused_by_the_page_checksums(mixed, tmp_path):
+    # A hostile writer changes a raw plane's byte and rewrites the chunk's xxh3-64 and the
+    # file's trailer: the chunk decodes, and the decoded page is what gives it away.
+    def rewrite(data, by_name):
+        table = _table(data, by_name, "layers.1.key")
+        stored = by_name["layers.1.key"]
+        row = table[0]
+        assert row[lossless.PLANES_START] == lossless.CODEC_RAW  # plane 0: mantissas, raw
+        length = int(row[lossless.PLANES_START + 1 :: 2].sum())
+        chunk = data[stored.begin : stored.begin + length]
+        chunk[3000] ^= 0x80  # word 3000 of plane 0: page 3000 // (page_bytes / 2)
+        row[lossless.CHECKSUM] = xxhash.xxh3_64_intdigest(chunk.tobytes())
+
+    with pytest.raises(SnapshotCorruptError, match="page checksum mismatch") as raised:
+        _decode(_mutated(mixed, "lossless", tmp_path, rewrite))
+    assert raised.value.tensor == "layers.1.key"
+    with kvsnap.Snapshot.open(mixed / "kv.safetensors") as original:
+        page_words = original.geometry.block_size * original.geometry.num_kv_heads
+        page_words *= original.geometry.head_dim
+    assert raised.value.block == 3000 // page_words
 
 
 def _table(data, by_name, name="layers.0.key"):

@@ -5,6 +5,8 @@ the error recorded at encoding is the error measured again from the two files.""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -12,10 +14,10 @@ import torch
 import kvsnap
 from kvsnap.encoded.read import decode, read_encoded
 from kvsnap.encoded.write import encode_file
-from kvsnap.encoding import measure
+from kvsnap.encoding import lossless, measure
 from kvsnap.encoding.report import ErrorBounds
 from kvsnap.testing.caches import KVContent, make_cache, same_bytes
-from tests.support.encoded_files import capture_real, real_content
+from tests.support.encoded_files import BLOCK_ORDER, capture_mixed, capture_real, real_content
 from tests.support.pipeline_caches import LAYOUTS
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -100,6 +102,38 @@ def test_lossless_gives_back_the_original_file_byte_for_byte(tmp_path, dtype, ki
     assert result.stored_bytes == target.stat().st_size < result.decoded_bytes
     decoded = decode(read_encoded(target))
     assert np.array_equal(decoded, np.fromfile(source, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lossless_chunks_decode_to_the_same_file_on_threads(tmp_path, dtype, monkeypatch):
+    # Chunks of 2 pages (a writer's choice, recorded in each table): 4 chunks a tensor, decoded
+    # as tasks of the whole file on 2 threads, each checked against the original's pages.
+    monkeypatch.setitem(lossless.encode_pages.__kwdefaults__, "chunk_bytes", 8192)
+    source, target, _ = _encoded(tmp_path, "vllm-nhd", dtype, "lossless")
+    encoded = read_encoded(target)
+    with kvsnap.Snapshot.open(source) as original:
+        blocks, page_bytes = original.num_blocks, original.geometry.canonical_page_size_bytes
+    table = encoded.layout.by_name["layers.0.key.chunks"]
+    assert table.shape[0] == -(-blocks // lossless.chunk_pages(page_bytes, 8192)) >= 3
+    want = np.fromfile(source, dtype=np.uint8)
+    assert np.array_equal(decode(encoded), want)
+    with ThreadPoolExecutor(2) as pool:
+        assert np.array_equal(decode(encoded, pool), want)
+
+
+def test_a_lossless_file_of_coded_and_raw_tensors_decodes_byte_for_byte(tmp_path):
+    source, target = tmp_path / "kv.safetensors", tmp_path / "kv.lossless.safetensors"
+    content = capture_mixed(source)
+    encode_file(source, target, "lossless")
+    encoded = read_encoded(target)
+    assert sorted(set(encoded.encoding["tensors"].values())) == ["lossless", "raw"]
+    want = np.fromfile(source, dtype=np.uint8)
+    with ThreadPoolExecutor(2) as pool:
+        assert np.array_equal(decode(encoded, pool), want)
+    with kvsnap.Snapshot.open(target) as snapshot:
+        assert snapshot.verify() == []
+        for name, pages in content.pages.items():
+            assert same_bytes(snapshot.read_tensor(name), pages[BLOCK_ORDER]), name
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -14,6 +14,8 @@ from tests.support.prefill_kv import BLOCK, built_in_kv
 
 #: Tokens of the captured sequences (the second one ends inside a block).
 TOKENS = (96, 70)
+#: The cache blocks :func:`capture_mixed` captures, in order.
+BLOCK_ORDER = np.array([3, 0, 7, 1, 6, 2, 5, 4])
 
 
 def real_content(dtype: torch.dtype, latent: bool = False) -> KVContent:
@@ -69,4 +71,33 @@ def capture_real(path: Path, kind: str, dtype: torch.dtype, *, keys=None) -> KVC
         kvsnap.SequenceBlocks("b", second, np.array([6, 5, 7, 1, 0])),
     ]
     kvsnap.capture(cache.layout, sequences, path, reproducible=True, keys=keys)
+    return content
+
+
+def capture_mixed(path: Path) -> KVContent:
+    """Capture, in one sequence of 8 full blocks (no zeroed tail), the built-in model's bf16 KV
+    with layer 1's keys given random mantissa bytes (a lossless tensor whose low plane is
+    stored raw) and its values random bytes (a tensor stored raw by a lossless encode)."""
+    content = real_content(torch.bfloat16)
+    generator = torch.Generator().manual_seed(5)
+    for name, byte in (("layers.1.key", slice(0, None, 2)), ("layers.1.value", slice(None))):
+        page_bytes = content.pages[name].contiguous().view(torch.uint8).reshape(-1).clone()
+        noise = torch.randint(0, 256, page_bytes.shape, dtype=torch.uint8, generator=generator)
+        page_bytes[byte] = noise[byte]
+        shape = content.pages[name].shape
+        content.pages[name] = page_bytes.view(torch.bfloat16).reshape(shape)
+    geometry = content.geometry
+    cache = make_cache(
+        "vllm-nhd",
+        num_layers=geometry.num_layers,
+        num_blocks=8,
+        block_size=BLOCK,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        dtype=torch.bfloat16,
+    )
+    cache.fill(content)
+    tokens = np.arange(8 * BLOCK) % 251
+    sequence = kvsnap.SequenceBlocks("a", tokens, BLOCK_ORDER)
+    kvsnap.capture(cache.layout, [sequence], path, reproducible=True)
     return content
