@@ -1,0 +1,306 @@
+"""The lossless encoding's speed on this machine, the code of a git ref and of this tree side by
+side (issue 39: decode >= 1 GB/s of output with both cores, encode >= 300 MB/s, and a
+page-cached file never slower to restore lossless than raw).
+
+``python -m benchmarks.lossless_speed --baseline main --json-out out/lossless_speed.json``
+captures the bf16 KV of a prefill of ``--tokens`` tokens of the 8B shape with random weights
+(benchmarks/encoded_files.py's capture: a vLLM-shaped cache into a snapshot file), then runs one
+fresh process per side and round, the sides alternating (baseline, tree, tree, baseline, ...),
+``--rounds`` rounds. The baseline is ``git archive`` of ``--baseline``'s ``kvsnap/`` in a
+temporary directory, first on that process's path: the same measuring code imports either. Each
+process measures, ``--repeat`` times each, wall and process CPU seconds (all threads):
+
+* ``encode_codec``: ``lossless.encode_pages`` of every layer tensor on a 2-thread pool, one
+  tensor after the other, as ``encode_file`` calls it;
+* ``encode_file``: ``kvsnap.encoded.write.encode_file`` of the captured file (read, check,
+  encode, write, fsync);
+* ``decode_1t`` / ``decode_2t``: ``kvsnap.encoded.read.decode`` of the baseline's lossless file
+  (its container checked first, not timed), without and with a 2-thread executor (the one
+  ``Snapshot.open`` uses);
+* ``open`` / ``open_restore``: ``Snapshot.open`` of the lossless file (which reads, checks and
+  decodes it), and that plus a restore of every block into a CPU cache; ``raw_open_restore``:
+  the same of the ordinary file.
+
+The first run of each measure in a process is reported apart (``first``): on this VM, memory a
+process touches for the first time costs far more than memory it touched before. The rest are
+pooled over the rounds (medians). The load average before each process is recorded: the VM is
+shared, so the CPU seconds are what compare when it is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+MEASURES = (
+    "encode_codec",
+    "encode_file",
+    "decode_1t",
+    "decode_2t",
+    "open",
+    "open_restore",
+    "raw_open_restore",
+)
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(idle, total) ticks of the machine's CPUs so far (/proc/stat)."""
+    with open("/proc/stat") as stat:
+        values = [int(v) for v in stat.readline().split()[1:]]
+    return values[3] + values[4], sum(values)
+
+
+def _timed(run: Callable[[], object], repeat: int) -> list[tuple[float, float, float]]:
+    """(wall seconds, process CPU seconds, the machine's idle share) of ``repeat`` runs."""
+    times = []
+    for _ in range(repeat):
+        idle, total = _cpu_ticks()
+        wall, cpu = time.perf_counter(), time.process_time()
+        run()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        idle_after, total_after = _cpu_ticks()
+        times.append((wall, cpu, (idle_after - idle) / max(total_after - total, 1)))
+    return times
+
+
+def _target_cache(snapshot):
+    import torch
+
+    from kvsnap.layout.allocate import allocate_cache
+
+    geometry = snapshot.geometry
+    return allocate_cache(
+        "vllm-nhd",
+        num_layers=geometry.num_layers,
+        num_blocks=snapshot.num_blocks,
+        block_size=geometry.block_size,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        dtype=torch.bfloat16,
+        device="cpu",
+    )
+
+
+def worker(source: Path, encoded: Path, scratch: Path, repeat: int) -> dict:
+    """The measures of one process (see the module), with whichever ``kvsnap`` is first on the
+    path."""
+    import torch
+
+    import kvsnap
+    from kvsnap.encoded.original import parse_original, read_local
+    from kvsnap.encoded.read import decode, parse_encoded
+    from kvsnap.encoded.write import encode_file
+    from kvsnap.encoding import lossless
+
+    original = parse_original(read_local(source), str(source))
+    tensors = [np.ascontiguousarray(original.pages(e)) for e in original.layer_entries]
+    times: dict[str, list] = {}
+    with ThreadPoolExecutor(2) as pool:
+        times["encode_codec"] = _timed(
+            lambda: [lossless.encode_pages(t, 2, executor=pool) for t in tensors], repeat
+        )
+        written = scratch / f"encoded-{os.getpid()}.safetensors"
+        times["encode_file"] = _timed(lambda: encode_file(source, written, "lossless"), repeat)
+        checked = parse_encoded(read_local(encoded), str(encoded))
+        times["decode_1t"] = _timed(lambda: decode(checked), repeat)
+        times["decode_2t"] = _timed(lambda: decode(checked, pool), repeat)
+        decoded = decode(checked, pool)
+    exact = bool(np.array_equal(decoded, read_local(source)))
+    same_encoding = written.read_bytes() == encoded.read_bytes()
+    written.unlink()
+    with kvsnap.Snapshot.open(source) as snapshot:
+        cache = _target_cache(snapshot)
+        ids = {record.id: record.block_ids for record in snapshot.sequences}
+
+    def open_restore(path: Path) -> None:
+        with kvsnap.Snapshot.open(path) as snapshot:
+            snapshot.restore(cache.layout, ids)
+
+    times["open"] = _timed(lambda: kvsnap.Snapshot.open(encoded).close(), repeat)
+    times["raw_open_restore"] = _timed(lambda: open_restore(source), repeat)
+    want = {name: view.clone() for name, view in cache.views.items()}
+    for view in cache.views.values():
+        view.zero_()
+    times["open_restore"] = _timed(lambda: open_restore(encoded), repeat)
+    restored = all(  # bit for bit (an equal of bf16 values would fail on a NaN)
+        view.view(torch.int16).equal(want[name].view(torch.int16))
+        for name, view in cache.views.items()
+    )
+    return {
+        "times": times,
+        "decoded_exact": exact,
+        "restored_exact": restored,
+        "encodes_to_the_same_bytes": same_encoding,
+        "kv_bytes": sum(t.nbytes for t in tensors),
+        "file_bytes": source.stat().st_size,
+        "kvsnap": kvsnap.__file__,
+    }
+
+
+def capture_source(directory: Path, tokens: int) -> Path:
+    """The 8B shape's KV of a ``tokens``-token prefill captured into a snapshot file."""
+    import torch
+
+    import kvsnap
+    from benchmarks.encoded_files import BLOCK, filled_cache, prefill_pages
+
+    torch.set_num_threads(1)
+    pages = prefill_pages("8b-shape", tokens, "cpu")
+    cache = filled_cache(pages, "cpu")
+    blocks = next(iter(pages.values())).shape[0]
+    source = directory / "8b-shape.safetensors"
+    sequence = kvsnap.SequenceBlocks("s", np.arange(blocks * BLOCK), np.arange(blocks))
+    kvsnap.capture(cache.layout, [sequence], source)
+    return source
+
+
+def _baseline_tree(ref: str, directory: Path) -> Path:
+    tree = directory / "baseline"
+    tree.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", ref, "kvsnap"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+def _python(tree: Path, arguments: list[str], directory: Path) -> str:
+    """stdout of ``python ARGUMENTS`` with ``tree``'s ``kvsnap`` first on the path (run from
+    ``directory``, which holds none: a ``-m`` run puts its working directory first)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(REPO)]))
+    done = subprocess.run(
+        [sys.executable, *arguments],
+        env=env,
+        cwd=directory,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout
+
+
+def _summary(runs: list[dict], decoded_bytes: int, kv_bytes: int) -> dict:
+    """Medians per measure of the runs after each process's first, and of the first runs."""
+    result: dict = {}
+    for measure in MEASURES:
+        later = [t for run in runs for t in run["times"][measure][1:]]
+        first = [run["times"][measure][0] for run in runs]
+        size = kv_bytes if measure.startswith("encode") else decoded_bytes
+        wall = statistics.median(t[0] for t in later)
+        cpu = statistics.median(t[1] for t in later)
+        result[measure] = {
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "gbs_wall": size / wall / 1e9,
+            "gbs_per_cpu_s": size / cpu / 1e9,
+            "first_wall_s": statistics.median(t[0] for t in first),
+            "first_cpu_s": statistics.median(t[1] for t in first),
+            "machine_idle_share": statistics.median(t[2] for t in later),
+            "runs": len(later),
+        }
+    return result
+
+
+def compare(args: argparse.Namespace) -> dict:
+    base = args.dir or Path(tempfile.gettempdir())
+    with tempfile.TemporaryDirectory(dir=base, prefix="kvsnap-lossless-") as scratch:
+        directory = Path(scratch)
+        source = capture_source(directory, args.tokens)
+        trees = {"baseline": _baseline_tree(args.baseline, directory), "tree": REPO}
+        encoded = directory / "8b-shape.lossless.safetensors"
+        encode = f"encode_file({str(source)!r}, {str(encoded)!r}, 'lossless')"
+        _python(
+            trees["baseline"],
+            ["-c", f"from kvsnap.encoded.write import encode_file; {encode}"],
+            directory,
+        )
+        runs: dict[str, list] = {"baseline": [], "tree": []}
+        loads = []
+        order = ["baseline", "tree"]
+        for round_index in range(args.rounds):
+            for side in order if round_index % 2 == 0 else order[::-1]:
+                loads.append(os.getloadavg()[0])
+                worker = [str(source), str(encoded), str(directory), str(args.repeat)]
+                command = ["-m", "benchmarks.lossless_speed", "--worker", *worker]
+                output = _python(trees[side], command, directory)
+                runs[side].append(json.loads(output.strip().splitlines()[-1]))
+                print(side, "round", round_index, "load", loads[-1], file=sys.stderr)
+        decoded_bytes = runs["tree"][0]["file_bytes"]
+        kv_bytes = runs["tree"][0]["kv_bytes"]
+        results: dict = {
+            "baseline_ref": args.baseline,
+            "baseline_commit": subprocess.run(
+                ["git", "-C", str(REPO), "rev-parse", args.baseline],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip(),
+            "tree_commit": subprocess.run(
+                ["git", "-C", str(REPO), "rev-parse", "HEAD"],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip(),
+            "tokens": args.tokens,
+            "kv_bytes": kv_bytes,
+            "file_bytes": decoded_bytes,
+            "encoded_bytes": encoded.stat().st_size,
+            "rounds": args.rounds,
+            "repeat": args.repeat,
+            "load_average": {
+                "min": min(loads),
+                "median": statistics.median(loads),
+                "max": max(loads),
+            },
+            "cpus": os.cpu_count(),
+        }
+        for side, side_runs in runs.items():
+            results[side] = _summary(side_runs, decoded_bytes, kv_bytes)
+            results[side]["kvsnap"] = side_runs[0]["kvsnap"]
+            results[side]["decoded_exact"] = all(r["decoded_exact"] for r in side_runs)
+            results[side]["restored_exact"] = all(r["restored_exact"] for r in side_runs)
+            results[side]["encodes_to_the_same_bytes"] = all(
+                r["encodes_to_the_same_bytes"] for r in side_runs
+            )
+        results["tree_over_baseline_wall"] = {
+            m: results["tree"][m]["wall_s"] / results["baseline"][m]["wall_s"] for m in MEASURES
+        }
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", default="main", help="git ref of the code to compare with")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=4)
+    parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--worker", nargs=4, metavar=("SOURCE", "ENCODED", "DIR", "REPEAT"))
+    args = parser.parse_args()
+    if args.worker:
+        source, encoded, directory, repeat = args.worker
+        print(json.dumps(worker(Path(source), Path(encoded), Path(directory), int(repeat))))
+        return
+    results = compare(args)
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
