@@ -101,7 +101,7 @@ def stored_block_checksums(original: OriginalFile) -> np.ndarray:
     return stored.reshape(len(original.layer_entries), -1)
 
 
-def check_pages(
+def check_layer_pages(
     original: OriginalFile, entry: TensorEntry, first: int, pages: np.ndarray, stored: np.ndarray
 ) -> None:
     """Refuse (``SnapshotCorruptError`` naming the block) pages ``first ..`` of the layer tensor
@@ -136,7 +136,7 @@ def check_original(original: OriginalFile) -> None:
     its checksums: nothing corrupt is encoded, and a lossless decode is checked this way."""
     stored = stored_block_checksums(original)
     for row, entry in enumerate(original.layer_entries):
-        check_pages(original, entry, 0, original.bytes_of(entry), stored[row])
+        check_layer_pages(original, entry, 0, original.bytes_of(entry), stored[row])
     check_trailer(original, stored)
 
 

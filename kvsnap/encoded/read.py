@@ -23,7 +23,7 @@ from kvsnap.encoded.file import EncodedFile
 from kvsnap.encoded.original import (
     NUMPY_TYPES,
     OriginalFile,
-    check_pages,
+    check_layer_pages,
     check_trailer,
     parse_original,
     read_local,
@@ -164,7 +164,7 @@ def _exact_tasks(
     tasks: list[Callable[[], None]] = []
     for row, entry in enumerate(original.layer_entries):
         pages = original.pages(entry)
-        check = functools.partial(check_pages, original, entry, stored=checksums[row])
+        check = functools.partial(check_layer_pages, original, entry, stored=checksums[row])
         if kinds[entry.name] == "lossless":
             coded = _lossless_tensor(encoded, entry)
             tasks += lossless.chunk_decoders(coded, pages, tensor=entry.name, after=check)
