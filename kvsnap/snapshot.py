@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvsnap import format as fmt
-from kvsnap.encoded.opening import DecodedSnapshot, open_as_decoded, release
+from kvsnap.encoded.file import EncodedInfo
+from kvsnap.encoded.opening import EncodedSnapshot, open_encoded
 from kvsnap.errors import UnknownSequenceError, UnsupportedVersionError
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
@@ -94,19 +95,20 @@ class Snapshot(SnapshotTensors):
     """
 
     def __init__(
-        self,
-        reader: SnapshotReader | OpenedSnapshot,
-        path: str,
-        decoded: DecodedSnapshot | None = None,
+        self, reader: SnapshotReader | OpenedSnapshot | EncodedSnapshot, path: str
     ) -> None:
         # A reader of one file (or shards) is a snapshot of one part holding every head.
         self._opened = (
-            reader if isinstance(reader, OpenedSnapshot) else whole_snapshot(reader, path)
+            reader
+            if isinstance(reader, OpenedSnapshot | EncodedSnapshot)
+            else whole_snapshot(reader, path)
         )
         self.path = path
-        #: The encoded file this snapshot was decoded from (``None``: an ordinary file).
-        self.encoded = None if decoded is None else decoded.encoded
-        self._decoded_url = None if decoded is None else decoded.url
+
+    @property
+    def encoded(self) -> EncodedInfo | None:
+        """The encoded file this snapshot stands for (``None``: an ordinary file)."""
+        return self._opened.encoded if isinstance(self._opened, EncodedSnapshot) else None
 
     @classmethod
     def open(
@@ -151,11 +153,11 @@ class Snapshot(SnapshotTensors):
         try:
             return cls(open_snapshot(path, verify=verify, keys=keys), str(path))
         except UnsupportedVersionError:
-            # An encoded snapshot (format version 3) opens as the ordinary one it decodes to.
-            decoded = open_as_decoded(path, keys, verify=verify)
-            if decoded is None:
+            # An encoded snapshot (format version 3) opens as the ordinary one it stands for.
+            encoded = open_encoded(path, keys, verify=verify)
+            if encoded is None:
                 raise
-            return cls(decoded.opened, str(path), decoded)
+            return cls(encoded, str(path))
 
     # -- metadata --------------------------------------------------------------------------
 
@@ -485,9 +487,6 @@ class Snapshot(SnapshotTensors):
             >>> snap.close()
         """
         self._opened.close()
-        if self._decoded_url is not None:
-            release(self._decoded_url)
-            self._decoded_url = None
 
     def __enter__(self) -> Snapshot:
         return self

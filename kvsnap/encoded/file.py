@@ -13,8 +13,38 @@ from kvsnap.errors import SnapshotCorruptError
 from kvsnap.format import encoded as enc
 
 
+class EncodedInfo:
+    """What an encoded file's header says: its encoding, sizes and recorded error."""
+
+    layout: enc.EncodedLayout
+    file: str | None
+
+    @property
+    def encoding(self) -> dict[str, Any]:
+        return self.layout.encoding
+
+    @property
+    def decoded_bytes(self) -> int:
+        return int(self.encoding["decoded_bytes"])
+
+    @property
+    def ratio(self) -> float:
+        """Decoded bytes per stored byte."""
+        return self.decoded_bytes / max(self.layout.file_size, 1)
+
+    @property
+    def error(self) -> ErrorReport | None:
+        raw = self.encoding.get("error")
+        if raw is None:
+            return None
+        try:
+            return ErrorReport.from_dict(raw)
+        except ValueError as exc:
+            raise SnapshotCorruptError(str(exc), file=self.file) from None
+
+
 @dataclass(frozen=True)
-class EncodedFile:
+class EncodedFile(EncodedInfo):
     """An encoded file's bytes (``data``) and checked layout."""
 
     data: np.ndarray
@@ -36,26 +66,3 @@ class EncodedFile:
                 f"{found}, expected {dtype} {tuple(shape)}", file=self.file, tensor=name
             )
         return self.tensor(name)
-
-    @property
-    def encoding(self) -> dict[str, Any]:
-        return self.layout.encoding
-
-    @property
-    def decoded_bytes(self) -> int:
-        return int(self.encoding["decoded_bytes"])
-
-    @property
-    def ratio(self) -> float:
-        """Decoded bytes per stored byte."""
-        return self.decoded_bytes / max(len(self.data), 1)
-
-    @property
-    def error(self) -> ErrorReport | None:
-        raw = self.encoding.get("error")
-        if raw is None:
-            return None
-        try:
-            return ErrorReport.from_dict(raw)
-        except ValueError as exc:
-            raise SnapshotCorruptError(str(exc), file=self.file) from None

@@ -12,11 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from kvsnap.encoded.file import EncodedFile
+from kvsnap import format as fmt
+from kvsnap.encoded.file import EncodedFile, EncodedInfo
+from kvsnap.encoded.fp8_open import OpenFp8File, open_fp8_file
 from kvsnap.encoded.original import read_local
 from kvsnap.encoded.read import decode, is_encoded, parse_encoded
+from kvsnap.errors import SnapshotCorruptError
 from kvsnap.format.signing import KeyRing
-from kvsnap.store.read.head_parts import OpenedSnapshot, open_snapshot
+from kvsnap.store.read.head_parts import HeadPart, OpenedSnapshot, open_snapshot
 
 #: Where decoded files are kept while open (fsspec's process-wide memory filesystem).
 MEMORY_ROOT = "/kvsnap-decoded"
@@ -46,6 +49,13 @@ def open_decoded(
     data = read_local(local)
     if not is_encoded(data):
         return None
+    return _decoded_in_memory(data, local, keys)
+
+
+def _decoded_in_memory(
+    data: np.ndarray, local: str, keys: KeyRing | None
+) -> tuple[str, EncodedFile]:
+    """The encoded file held in ``data`` checked whole and decoded into a memory file."""
     encoded = parse_encoded(data, local, keys)
     with ThreadPoolExecutor(DECODE_THREADS) as executor:
         decoded = decode(encoded, executor)
@@ -86,19 +96,96 @@ class DecodedSnapshot:
     url: str
 
 
-def open_as_decoded(
-    path: str | os.PathLike[str], keys: KeyRing | None, *, verify: bool
-) -> DecodedSnapshot | None:
-    """``path`` opened as the ordinary snapshot it decodes to when it is a local encoded
-    snapshot (its signature checked with ``keys``), else ``None``; the decoded file is released
-    again if the open fails."""
-    decoded = open_decoded(path, keys)
-    if decoded is None:
-        return None
-    url, encoded = decoded
+def _opened_in_memory(url: str, encoded: EncodedFile, verify: bool) -> DecodedSnapshot:
+    """The decoded file at memory ``url`` opened; released again if the open fails."""
     try:
         opened = open_snapshot(url, verify=verify)
     except BaseException:
         release(url)
         raise
     return DecodedSnapshot(opened, encoded, url)
+
+
+class EncodedSnapshot:
+    """An encoded snapshot as ``kvsnap.Snapshot`` holds it: the metadata of the ordinary
+    snapshot it stands for, and that snapshot's parts, decoded on first need.
+
+    An fp8 file with page checks opens without reading a page (``fp8_file``): a restore into
+    CUDA caches moves its pages as they are stored, and only another use (a CPU restore,
+    reading tensors, ``verify``) decodes it, reading the whole file through the descriptor
+    opened first, so it is the same file. Any other encoded file is decoded at open."""
+
+    def __init__(
+        self,
+        keys: KeyRing | None,
+        verify: bool,
+        *,
+        fp8_file: OpenFp8File | None = None,
+        decoded: DecodedSnapshot | None = None,
+    ) -> None:
+        self._keys = keys
+        self._verify = verify
+        self.fp8_file = fp8_file
+        self._decoded = decoded
+
+    def decoded(self) -> DecodedSnapshot:
+        """The decoded snapshot, decoded now if it was not yet."""
+        if self._decoded is None:
+            assert self.fp8_file is not None
+            whole = self.fp8_file.read(0, self.fp8_file.layout.file_size)
+            url, encoded = _decoded_in_memory(whole, self.fp8_file.path, self._keys)
+            if encoded.layout.document != self.fp8_file.layout.document:
+                release(url)
+                raise SnapshotCorruptError("changed since it was opened", file=encoded.file)
+            self._decoded = _opened_in_memory(url, encoded, self._verify)
+        return self._decoded
+
+    @property
+    def encoded(self) -> EncodedInfo:
+        """The encoded file: opened by pages (``OpenFp8File``) or read whole."""
+        if self.fp8_file is not None:
+            return self.fp8_file
+        return self.decoded().encoded
+
+    @property
+    def metadata(self) -> fmt.SnapshotMetadata:
+        if self.fp8_file is not None:
+            return self.fp8_file.metadata
+        return self.decoded().opened.metadata
+
+    @property
+    def format_version(self) -> int:
+        return self.decoded().opened.format_version
+
+    @property
+    def parts(self) -> tuple[HeadPart, ...]:
+        return self.decoded().opened.parts
+
+    @property
+    def index(self) -> fmt.PartsIndex | None:
+        return None
+
+    def close(self) -> None:
+        if self._decoded is not None:
+            self._decoded.opened.close()
+            release(self._decoded.url)
+        if self.fp8_file is not None:
+            self.fp8_file.close()
+
+
+def open_encoded(
+    path: str | os.PathLike[str], keys: KeyRing | None, *, verify: bool
+) -> EncodedSnapshot | None:
+    """``path`` opened as an :class:`EncodedSnapshot` when it is a local encoded snapshot (its
+    signature checked with ``keys``), else ``None``."""
+    local = _local_path(path)
+    if local is None:
+        return None
+    fp8_file = open_fp8_file(local, keys)
+    if fp8_file is not None:
+        return EncodedSnapshot(keys, verify, fp8_file=fp8_file)
+    decoded = open_decoded(path, keys)
+    if decoded is None:
+        return None
+    url, encoded = decoded
+    return EncodedSnapshot(keys, verify, decoded=_opened_in_memory(url, encoded, verify))

@@ -35,7 +35,13 @@ from kvsnap.errors import BadSignatureError, SnapshotCorruptError, UnsignedSnaps
 from kvsnap.format import encoded as enc
 from kvsnap.format.constants import SIGNATURE_TENSOR
 from kvsnap.format.container import TensorEntry, is_layer_tensor
-from kvsnap.format.hashing import block_digests, decode_trailer, digest128, encode_trailer
+from kvsnap.format.hashing import (
+    block_digests,
+    decode_trailer,
+    digest128,
+    encode_trailer,
+    page_digests,
+)
 from kvsnap.format.signing import KeyRing
 
 
@@ -72,25 +78,72 @@ def parse_encoded(
 
 
 def _check_signature(encoded: EncodedFile, header: bytes, keys: KeyRing | None) -> None:
-    algorithm = encoded.encoding.get("signature")
-    has_tensor = SIGNATURE_TENSOR in encoded.layout.by_name
-    if (algorithm is not None) != has_tensor or algorithm not in (None, enc.SIGNATURE_ALGORITHM):
-        raise SnapshotCorruptError(
-            f"signature {algorithm!r} and its tensor disagree", file=encoded.file
-        )
+    algorithm = check_signature_fields(encoded.layout, encoded.file)
     if keys is None:
         return
+    check_signed_message(encoded.layout, header, encoded.tensor, keys, encoded.file)
+    if algorithm == enc.PAGES_SIGNATURE_ALGORITHM:
+        for name in encoded.layout.fp8_names():
+            check_pages(encoded, name, enc.DIGESTS_SUFFIX)
+
+
+def check_signature_fields(layout: enc.EncodedLayout, file: str | None) -> str | None:
+    """The file's signature algorithm, refused unless it agrees with the signature tensor and
+    with the page checks the file carries."""
+    algorithm = layout.encoding.get("signature")
+    has_tensor = SIGNATURE_TENSOR in layout.by_name
+    expected = enc.PAGES_SIGNATURE_ALGORITHM if layout.page_checks else enc.SIGNATURE_ALGORITHM
+    signed_checks = "blake3" in layout.page_checks
+    if (
+        (algorithm is not None) != has_tensor
+        or algorithm not in (None, expected)
+        or signed_checks != (algorithm == enc.PAGES_SIGNATURE_ALGORITHM)
+    ):
+        raise SnapshotCorruptError(f"signature {algorithm!r} and its tensors disagree", file=file)
+    return algorithm
+
+
+def check_signed_message(
+    layout: enc.EncodedLayout,
+    header: bytes,
+    tensor: Callable[[str], np.ndarray],
+    keys: KeyRing,
+    file: str | None,
+) -> None:
+    """Refuse (``UnsignedSnapshotError``, ``BadSignatureError``) a file whose signature is not
+    one of ``keys``' over its header and the tensors :func:`~kvsnap.format.encoded.signed_names`
+    lists (read through ``tensor``)."""
+    algorithm = layout.encoding.get("signature")
     if algorithm is None:
-        raise UnsignedSnapshotError("the encoded snapshot is not signed", file=encoded.file)
-    names = [t.name for t in encoded.layout.checksummed] + [enc.ENCODED_CHECKSUMS_TENSOR]
-    digests = [blake3.blake3(encoded.tensor(name).tobytes()).digest() for name in names]
+        raise UnsignedSnapshotError("the encoded snapshot is not signed", file=file)
+    names = enc.signed_names(layout, algorithm)
+    digests = [blake3.blake3(tensor(name).tobytes()).digest() for name in names]
     problem = keys.problem(
-        enc.signed_message(header, digests),
-        encoded.tensor(SIGNATURE_TENSOR).tobytes(),
-        enc.SIGNATURE_ALGORITHM,
+        enc.signed_message(header, digests), tensor(SIGNATURE_TENSOR).tobytes(), algorithm
     )
     if problem is not None:
-        raise BadSignatureError(problem, file=encoded.file)
+        raise BadSignatureError(problem, file=file)
+
+
+def check_pages(encoded: EncodedFile, name: str, suffix: str) -> None:
+    """Refuse an fp8 tensor whose pages differ from their stored xxh3-64 (``.pages``) or
+    BLAKE3 (``.digests``), naming the first differing block."""
+    shape = encoded.layout.by_name[name].shape
+    values = encoded.tensor(name)
+    checks = {stored[0]: stored for stored in companions(name, shape, encoded.layout.page_checks)}
+    stored = encoded.typed(*checks[name + suffix])
+    blocks = shape[0]
+    page_bytes = len(values) // max(blocks, 1)
+    if suffix == enc.PAGES_SUFFIX:
+        ok = block_digests(values, page_bytes) == stored.view("<u8")
+    else:
+        ok = (page_digests(values, page_bytes) == stored.reshape(blocks, -1)).all(axis=1)
+    if not ok.all():
+        block = int(np.flatnonzero(~ok)[0])
+        what = "checksum" if suffix == enc.PAGES_SUFFIX else "signed digest"
+        raise SnapshotCorruptError(
+            f"page {what} mismatch", file=encoded.file, tensor=name, block=block
+        )
 
 
 def read_encoded(path: str | os.PathLike[str], keys: KeyRing | None = None) -> EncodedFile:
@@ -98,7 +151,24 @@ def read_encoded(path: str | os.PathLike[str], keys: KeyRing | None = None) -> E
     return parse_encoded(read_local(path), os.fspath(path), keys)
 
 
-def _expected_names(original: OriginalFile, kinds: dict[str, str]) -> list[str]:
+def companions(
+    name: str, shape: tuple[int, ...], page_checks: tuple[str, ...]
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """An fp8 layer tensor of the decoded ``shape`` as stored, in file order: its values, its
+    scales and the page checks ``page_checks`` lists, each ``(name, dtype, shape)``."""
+    blocks = shape[0]
+    heads = shape[2] if len(shape) == 4 else 1
+    stored = [(name, "F8_E4M3", shape), (name + enc.SCALES_SUFFIX, "F32", (blocks, heads))]
+    if "xxh3-64" in page_checks:
+        stored.append((name + enc.PAGES_SUFFIX, "U64", (blocks,)))
+    if "blake3" in page_checks:
+        stored.append((name + enc.DIGESTS_SUFFIX, "U8", (blocks, 32)))
+    return stored
+
+
+def _expected_names(
+    original: OriginalFile, kinds: dict[str, str], page_checks: tuple[str, ...]
+) -> list[str]:
     names = [enc.ORIGINAL_HEADER_TENSOR]
     for entry in original.layout.entries:
         if enc.is_padding(entry.name):
@@ -106,7 +176,7 @@ def _expected_names(original: OriginalFile, kinds: dict[str, str]) -> list[str]:
         names.append(entry.name)
         kind = kinds.get(entry.name)
         if kind == "fp8":
-            names.append(entry.name + enc.SCALES_SUFFIX)
+            names += [stored[0] for stored in companions(entry.name, entry.shape, page_checks)[1:]]
         elif kind == "lossless":
             names.append(entry.name + enc.CHUNKS_SUFFIX)
     return names
@@ -198,7 +268,7 @@ def decode(encoded: EncodedFile, executor: Executor | None = None) -> np.ndarray
         raise SnapshotCorruptError(
             "the stored kinds do not name the layer tensors", file=encoded.file
         )
-    expected = _expected_names(original, kinds)
+    expected = _expected_names(original, kinds, encoded.layout.page_checks)
     present = [t.name for t in encoded.layout.checksummed]
     if present != expected:
         raise SnapshotCorruptError(
@@ -210,6 +280,9 @@ def decode(encoded: EncodedFile, executor: Executor | None = None) -> np.ndarray
     if "fp8" in kinds.values():
         for entry in original.layer_entries:
             _decode_layer(encoded, entry, kinds[entry.name], original.bytes_of(entry), executor)
+        for name in encoded.layout.fp8_names():
+            if encoded.layout.page_checks:
+                check_pages(encoded, name, enc.PAGES_SUFFIX)  # what a device restore checks
         _rechecksum(original)  # the checksums of the pages just decoded: nothing to compare
     else:
         # lossless: the original's own checksums prove it exact

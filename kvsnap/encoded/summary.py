@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvsnap.encoded.file import EncodedFile
+from kvsnap.encoded.file import EncodedInfo
 from kvsnap.errors import KVSnapError
 from kvsnap.format import encoded as enc
 
@@ -25,7 +25,7 @@ class _Readable(Protocol):
     def valid_tokens_per_block(self) -> np.ndarray: ...
 
 
-def encoding_summary(encoded: EncodedFile | None) -> dict[str, Any]:
+def encoding_summary(encoded: EncodedInfo | None) -> dict[str, Any]:
     """``{"name": "none"}`` for an ordinary file; else the encoding's name and codec, the
     decoded and stored sizes, their ratio, how many layer tensors each way is stored, and the
     recorded error (its worst values and the full report, or ``None``)."""
@@ -39,7 +39,7 @@ def encoding_summary(encoded: EncodedFile | None) -> dict[str, Any]:
         "codec": encoding["codec"],
         "format_version": encoded.layout.document["format_version"],
         "decoded_bytes": encoded.decoded_bytes,
-        "stored_bytes": len(encoded.data),
+        "stored_bytes": encoded.layout.file_size,
         "ratio": round(encoded.ratio, 4),
         "tensors": {kind: kinds.count(kind) for kind in sorted(set(kinds))},
         "error": None if error is None else {"worst": error.worst, "report": error.to_dict()},

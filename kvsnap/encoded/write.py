@@ -27,7 +27,8 @@ from kvsnap.errors import SnapshotIOError
 from kvsnap.format import encoded as enc
 from kvsnap.format.constants import SIGNATURE_BYTES, SIGNATURE_TENSOR
 from kvsnap.format.container import TensorEntry, is_layer_tensor
-from kvsnap.format.hashing import digest128, encode_trailer
+from kvsnap.format.hashing import block_digests, digest128, encode_trailer
+from kvsnap.format.hashing import page_digests as fmt_page_digests
 from kvsnap.format.signing import KeyRing
 
 #: Layer dtypes fp8 quantizes (others are stored raw), as torch dtypes.
@@ -126,6 +127,26 @@ def _stored_tensors(original: OriginalFile, encoding: str, executor: Executor | 
     return out
 
 
+def _with_page_checks(stored: _Stored, signed: bool) -> list[tuple[str, str, tuple[int, ...], Any]]:
+    """``stored``'s items with each fp8 tensor's page checks after its scales: the xxh3-64 of
+    every stored page, and (``signed``) its BLAKE3-256."""
+    items = []
+    for name, dtype, shape, array in stored.items:
+        items.append((name, dtype, shape, array))
+        layer = name.removesuffix(enc.SCALES_SUFFIX)
+        if name == layer or stored.kinds.get(layer) != "fp8":
+            continue
+        values = next(item[3] for item in stored.items if item[0] == layer)
+        blocks = shape[0]
+        page_bytes = len(values) // max(blocks, 1)
+        pages = np.ascontiguousarray(block_digests(values, page_bytes), dtype="<u8")
+        items.append((layer + enc.PAGES_SUFFIX, "U64", (blocks,), pages.view(np.uint8)))
+        if signed:
+            digests = fmt_page_digests(values, page_bytes)
+            items.append((layer + enc.DIGESTS_SUFFIX, "U8", digests.shape, digests.reshape(-1)))
+    return items
+
+
 def encoded_pieces(
     original: OriginalFile,
     encoding: str,
@@ -148,11 +169,10 @@ def encoded_pieces(
             granularity="block-head",
             token_counts=torch.from_numpy(original.tokens_per_block()).to(encoding_device()),
         )
-    rows = len(stored.items) + 2
-    specs = [(name, dtype, shape) for name, dtype, shape, _ in stored.items]
-    specs.append((enc.ENCODED_CHECKSUMS_TENSOR, "U8", (rows, 16)))
-    if keys is not None:
-        specs.append((SIGNATURE_TENSOR, "U8", (SIGNATURE_BYTES,)))
+    items = _with_page_checks(stored, signed=keys is not None)
+    # fp8 pages carry checks a device restore verifies; lossless ones decode on the host.
+    checks = [] if encoding != "fp8" else ["xxh3-64"] if keys is None else list(enc.PAGE_CHECKS)
+    algorithm = enc.PAGES_SIGNATURE_ALGORITHM if checks else enc.SIGNATURE_ALGORITHM
     document: dict[str, Any] = {
         "format_version": enc.ENCODED_FORMAT_VERSION,
         "kvsnap_version": __version__,
@@ -161,27 +181,47 @@ def encoded_pieces(
             "codec": CODECS[encoding],
             "decoded_bytes": len(original.data),
             "tensors": stored.kinds,
-            "signature": None if keys is None else enc.SIGNATURE_ALGORITHM,
+            "signature": None if keys is None else algorithm,
             "error": None if report is None else report.to_dict(),
+            **({"page_checks": checks} if checks else {}),
         },
     }
+    return _container(document, items, keys), report
+
+
+def _container(
+    document: dict[str, Any],
+    items: list[tuple[str, str, tuple[int, ...], Any]],
+    keys: KeyRing | None,
+) -> list[bytes | np.ndarray]:
+    """The encoded file holding ``items`` (name, dtype, shape, bytes) under ``document``, as
+    pieces in file order: its trailer, and with ``keys`` its signature, computed here."""
+    specs = [(name, dtype, shape) for name, dtype, shape, _ in items]
+    specs.append((enc.ENCODED_CHECKSUMS_TENSOR, "U8", (len(items) + 2, 16)))
+    if keys is not None:
+        specs.append((SIGNATURE_TENSOR, "U8", (SIGNATURE_BYTES,)))
     header, layout = enc.build_layout(document, specs)
-    data = {name: array for name, _, _, array in stored.items}
+    data = {name: array for name, _, _, array in items}
     digests = [digest128(header)] + [digest128(data[t.name]) for t in layout.checksummed]
-    trailer = encode_trailer(digests)
+    data[enc.ENCODED_CHECKSUMS_TENSOR] = trailer = encode_trailer(digests)
     pieces: list[bytes | np.ndarray] = [header]
     for tensor in layout.tensors:
         if enc.is_padding(tensor.name):
             pieces.append(bytes(tensor.nbytes))
+        elif tensor.name == SIGNATURE_TENSOR and keys is not None:
+            algorithm = document["encoding"]["signature"]
+            names = enc.signed_names(layout, algorithm)
+            signed = [blake3.blake3(_bytes(data[name])).digest() for name in names]
+            pieces.append(keys.sign(enc.signed_message(header, signed), algorithm))
         elif tensor.name == enc.ENCODED_CHECKSUMS_TENSOR:
             pieces.append(trailer)
-        elif tensor.name == SIGNATURE_TENSOR and keys is not None:
-            signed = [blake3.blake3(data[t.name].tobytes()).digest() for t in layout.checksummed]
-            signed.append(blake3.blake3(trailer).digest())
-            pieces.append(keys.sign(enc.signed_message(header, signed), enc.SIGNATURE_ALGORITHM))
         else:
             pieces.append(data[tensor.name])
-    return pieces, report
+    return pieces
+
+
+def _bytes(piece: bytes | np.ndarray) -> bytes | memoryview:
+    return piece if isinstance(piece, bytes) else memoryview(np.ascontiguousarray(piece)).cast("B")
 
 
 def _publish(pieces: list[bytes | np.ndarray], target: Path) -> int:

@@ -34,12 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvsnap.encoding.fp8_scales import MIN_SCALE, check_scale_table
 from kvsnap.errors import SnapshotCorruptError
 
 #: The largest finite e4m3fn magnitude.
 FP8_MAX = 448.0
-#: The smallest scale: fp32's smallest normal number (a subnormal scale loses precision).
-MIN_SCALE = 2.0**-126
 #: The name recorded for this encoding.
 NAME = "kvsnap-fp8-e4m3-v1"
 #: How many values share a scale.
@@ -133,20 +132,13 @@ def quantize(
 
 def check_scales(scales: torch.Tensor, tensor: str | None = None) -> None:
     """Refuse (``SnapshotCorruptError``) scales a quantizer cannot have written: not fp32,
-    not 2-D, or any that is not a finite number of at least :data:`MIN_SCALE`."""
+    not 2-D, or any that is not a finite number of at least :data:`MIN_SCALE`
+    (:func:`kvsnap.encoding.fp8_scales.check_scale_table`)."""
     if scales.dtype != torch.float32 or scales.dim() != 2:
         raise SnapshotCorruptError(
             f"fp8 scales of {scales.dtype} {tuple(scales.shape)}", tensor=tensor
         )
-    bad = ~(torch.isfinite(scales) & (scales >= MIN_SCALE))
-    if bool(bad.any()):
-        block, head = (int(i) for i in torch.nonzero(bad)[0])
-        raise SnapshotCorruptError(
-            f"fp8 scale of head {head} is {float(scales[block, head]):.6g} (a scale is a finite "
-            f"number of at least 2**-126)",
-            tensor=tensor,
-            block=block,
-        )
+    check_scale_table(scales.detach().cpu().numpy(), tensor)
 
 
 def dequantize(

@@ -10,13 +10,21 @@ snapshot (docs/format.md, "Encoded snapshots"):
 * ``kvsnap.encoded_checksums`` (``U8 (rows, 16)``): xxh3-128 of this file's header, of every
   tensor above in file order, then of those rows;
 * ``kvsnap.signature`` (``U8 (48,)``, signed files only): key id and
-  HMAC-SHA256(key, ``"kvsnap-encoded-signature-v1\\0"`` ‖ header ‖ BLAKE3-256 of every tensor
-  above in file order, the checksums included).
+  HMAC-SHA256(key, tag ‖ header ‖ BLAKE3-256 of every tensor above in file order, the
+  checksums included). Algorithm ``encoded-hmac-sha256-blake3`` (tag
+  ``"kvsnap-encoded-signature-v1\\0"``) digests every tensor whole;
+  ``encoded-hmac-sha256-blake3-pages`` (tag ``"kvsnap-encoded-signature-v2\\0"``, files with
+  page checks) leaves out the fp8 value tensors, whose pages the signed ``.digests`` bind one
+  by one (:func:`signed_names`).
 
 A layer tensor ``layers.{i}.{part}`` is stored as
 
 * ``fp8``: ``layers.{i}.{part}`` ``F8_E4M3`` of the decoded tensor's shape and
-  ``layers.{i}.{part}.scales`` ``F32 (num_blocks, heads)`` (:mod:`kvsnap.encoding.fp8`);
+  ``layers.{i}.{part}.scales`` ``F32 (num_blocks, heads)`` (:mod:`kvsnap.encoding.fp8`); in
+  files whose ``encoding`` lists ``page_checks``, also ``layers.{i}.{part}.pages`` ``U64
+  (num_blocks,)``, the xxh3-64 of each block's stored e4m3 bytes, and in signed ones
+  ``layers.{i}.{part}.digests`` ``U8 (num_blocks, 32)``, their BLAKE3-256: a restore checks
+  each page it moves on the device against them, so an open reads no page;
 * ``lossless``: ``layers.{i}.{part}`` ``U8 (stored bytes,)``, its chunks back to back, and
   ``layers.{i}.{part}.chunks`` ``U64 (chunks, columns)``, the chunk table
   (:mod:`kvsnap.encoding.lossless`);
@@ -25,8 +33,10 @@ A layer tensor ``layers.{i}.{part}`` is stored as
 The kvsnap metadata is ``{"format_version": 3, "kvsnap_version", "encoding": {...}}``, where
 ``encoding`` says ``name`` (``fp8`` or ``lossless``), ``codec``, ``decoded_bytes``,
 ``tensors`` (per layer tensor: ``stored`` one of ``fp8``, ``lossless``, ``raw``), ``signature``
-(the algorithm, or ``null``) and ``error`` (fp8: the error report, or ``null``). Tensors start
-at multiples of :data:`ALIGNMENT`, ``kvsnap.padding.<next>`` (``U8`` zeros) filling the gaps.
+(the algorithm, or ``null``), ``error`` (fp8: the error report, or ``null``) and
+``page_checks`` (``["xxh3-64"]``; signed: ``["xxh3-64", "blake3"]``; absent from files kvsnap
+wrote before fp8 pages carried checks, which still read). Tensors start at multiples of
+:data:`ALIGNMENT`, ``kvsnap.padding.<next>`` (``U8`` zeros) filling the gaps.
 
 This module is the container alone, bytes in memory: names, the exact layout, a strict parse of
 a header, the trailer and the signed message. :mod:`kvsnap.encoded` reads and writes files.
@@ -60,6 +70,16 @@ MAX_HEADER_BYTES = 16 << 20
 #: The signature algorithm of signed encoded files, and what its HMAC starts with.
 SIGNATURE_ALGORITHM = "encoded-hmac-sha256-blake3"
 SIGNATURE_TAG = b"kvsnap-encoded-signature-v1\0"
+#: The signature of files with page checks: fp8 pages bound one by one by their digests.
+PAGES_SIGNATURE_ALGORITHM = "encoded-hmac-sha256-blake3-pages"
+PAGES_SIGNATURE_TAG = b"kvsnap-encoded-signature-v2\0"
+#: Suffixes of an fp8 layer tensor's page checks: xxh3-64 per page, BLAKE3-256 per page.
+PAGES_SUFFIX = ".pages"
+DIGESTS_SUFFIX = ".digests"
+#: What ``page_checks`` may list.
+PAGE_CHECKS = ("xxh3-64", "blake3")
+#: The layer dtypes fp8 pages decode into.
+FP8_DECODED_DTYPES = ("BF16", "F16", "F32")
 #: Encodings, and what a layer tensor may be stored as.
 ENCODINGS = ("lossless", "fp8")
 STORED_KINDS = ("lossless", "fp8", "raw")
@@ -117,6 +137,16 @@ class EncodedLayout:
     @property
     def encoding(self) -> dict[str, Any]:
         return dict(self.document["encoding"])
+
+    @property
+    def page_checks(self) -> tuple[str, ...]:
+        """The page checks an fp8 tensor carries (``()``: a file written before them)."""
+        return tuple(self.document["encoding"].get("page_checks") or ())
+
+    def fp8_names(self) -> list[str]:
+        """The layer tensors stored as fp8, in file order."""
+        kinds = self.document["encoding"]["tensors"]
+        return [t.name for t in self.tensors if kinds.get(t.name) == "fp8"]
 
 
 def is_padding(name: str) -> bool:
@@ -235,6 +265,9 @@ def _check_document(document: Any, file: str | None) -> None:
     stored = encoding.get("tensors")
     if not isinstance(stored, dict) or any(kind not in STORED_KINDS for kind in stored.values()):
         raise SnapshotCorruptError("encoded metadata: tensors must map to a stored kind", file=file)
+    checks = encoding.get("page_checks", [])
+    if not isinstance(checks, list) or checks not in ([], ["xxh3-64"], list(PAGE_CHECKS)):
+        raise SnapshotCorruptError(f"encoded metadata: page_checks {checks!r}", file=file)
     decoded = encoding.get("decoded_bytes")
     if not isinstance(decoded, int) or isinstance(decoded, bool) or decoded <= 0:
         raise SnapshotCorruptError("encoded metadata: decoded_bytes must be positive", file=file)
@@ -259,6 +292,15 @@ def _entry(name: str, spec: Any, data_start: int, file: str | None) -> StoredTen
 
 
 def signed_message(header: bytes, blake3_digests: Sequence[bytes]) -> list[bytes]:
-    """What a signed encoded file's HMAC covers after :data:`SIGNATURE_TAG`: its header, then
-    the BLAKE3-256 of every checksummed tensor and of the trailer, in file order."""
+    """What a signed encoded file's HMAC covers after its tag: its header, then the BLAKE3-256
+    of every tensor :func:`signed_names` lists, in that order."""
     return [header, *blake3_digests]
+
+
+def signed_names(layout: EncodedLayout, algorithm: str) -> list[str]:
+    """The tensors whose BLAKE3-256 a signature of ``algorithm`` covers, in file order: every
+    checksummed tensor and the trailer; with :data:`PAGES_SIGNATURE_ALGORITHM`, not the fp8
+    value tensors (their signed ``.digests`` bind each page)."""
+    skipped = set(layout.fp8_names()) if algorithm == PAGES_SIGNATURE_ALGORITHM else set()
+    names = [t.name for t in layout.checksummed if t.name not in skipped]
+    return [*names, ENCODED_CHECKSUMS_TENSOR]

@@ -37,6 +37,7 @@ from kvsnap.format.constants import (
     SIGNATURE_BYTES,
 )
 from kvsnap.format.container import FileLayout, TensorEntry, is_signed_bytes_tensor
+from kvsnap.format.encoded import PAGES_SIGNATURE_ALGORITHM, PAGES_SIGNATURE_TAG
 from kvsnap.format.encoded import SIGNATURE_ALGORITHM as ENCODED_SIGNATURE_ALGORITHM
 from kvsnap.format.encoded import SIGNATURE_TAG as ENCODED_SIGNATURE_TAG
 
@@ -46,6 +47,7 @@ MIN_KEY_BYTES = 32
 _MESSAGE_TAGS = {
     SIGNATURE_ALGORITHM: b"kvsnap-signature-v2\0",
     ENCODED_SIGNATURE_ALGORITHM: ENCODED_SIGNATURE_TAG,
+    PAGES_SIGNATURE_ALGORITHM: PAGES_SIGNATURE_TAG,
     SIGNATURE_ALGORITHM_V1: b"kvsnap-signature-v1\0",
 }
 _KEY_ID_TAG = b"kvsnap-key-id-v1"
