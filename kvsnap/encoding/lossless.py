@@ -183,7 +183,7 @@ def _code_chunk(pages: np.ndarray, word_bytes: int) -> tuple[np.ndarray, list[by
         codec, stored = _code_plane(plane)
         row[PLANES_START + 2 * index] = codec
         row[PLANES_START + 2 * index + 1] = len(stored)
-        coded.append(stored if codec == CODEC_ZSTD else None)  # type: ignore[arg-type]
+        coded.append(stored if isinstance(stored, bytes) else None)  # a raw plane: None
     return row, coded
 
 
