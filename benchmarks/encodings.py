@@ -285,7 +285,7 @@ def agreement_figures(prompts: int = 8) -> dict:
     }
 
 
-def cpu_figures(tokens: int, repeat: int, skip_8b: bool) -> dict:
+def cpu_figures(tokens: int, repeat: int, skip_8b: bool, lossless_only: bool = False) -> dict:
     # One thread per torch op: the machine's cores are the lossless part's to share.
     torch.set_num_threads(1)
     results: dict = {"tokens": tokens}
@@ -295,8 +295,12 @@ def cpu_figures(tokens: int, repeat: int, skip_8b: bool) -> dict:
     for name, make in models.items():
         with torch.no_grad():
             pages = make(tokens)
-        results[name] = {"lossless": lossless_figures(pages, repeat), "fp8": fp8_figures(pages)}
+        results[name] = {"lossless": lossless_figures(pages, repeat)}
+        if not lossless_only:
+            results[name]["fp8"] = fp8_figures(pages)
         print(name, json.dumps(results[name], indent=1))
+    if lossless_only:
+        return results
     with torch.no_grad():
         results["greedy_agreement"] = agreement_figures()
     print("greedy agreement", results["greedy_agreement"])
@@ -309,6 +313,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--skip-8b", action="store_true", help="the built-in model only")
+    parser.add_argument(
+        "--lossless-only", action="store_true", help="the lossless figures only (no fp8)"
+    )
     parser.add_argument("--gpu", action="store_true", help="the device part only (CUDA)")
     parser.add_argument("--gpu-tokens", type=int, default=8192)
     args = parser.parse_args()
@@ -317,7 +324,7 @@ def main() -> None:
 
         results: dict = {"gpu": encodings_gpu.run(args.gpu_tokens, args.repeat)}
     else:
-        results = cpu_figures(args.tokens, args.repeat, args.skip_8b)
+        results = cpu_figures(args.tokens, args.repeat, args.skip_8b, args.lossless_only)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(results, indent=1))
