@@ -15,8 +15,11 @@ scatter writes only the pages that passed; any other page is named in a
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,6 +47,13 @@ def fp8_restorable(encoded: Any, layouts: Sequence[CacheLayout]) -> bool:
     return all(layout.device.type == "cuda" for layout in layouts)
 
 
+#: Pieces a device restore is cut into (by tensors): a piece is copied while the one before
+#: it is checked and scattered.
+PIECES = 8
+#: Threads reading a file the hot tier does not hold.
+READ_THREADS = 4
+
+
 def _checks_on_device(encoded: OpenFp8File, page_bytes: int, device: torch.device) -> bool:
     """Whether pages are checked on the device (CUDA, and a page size the kernels take);
     otherwise on the host, before the copy (host memory: the tests under the interpreter)."""
@@ -59,82 +69,93 @@ def _lease(encoded: OpenFp8File) -> HotFile | None:
     return tier.lookup(encoded.path, encoded.fd, encoded.status)
 
 
-def _stage_values(
-    encoded: OpenFp8File,
-    names: list[str],
-    low: int,
-    high: int,
-    lease: HotFile | None,
-    device: torch.device,
-) -> tuple[torch.Tensor, np.ndarray | None]:
-    """The stored blocks ``low .. high`` of each tensor, back to back on ``device``; also on
-    the host when read from the descriptor (``None`` when copied out of the mapping)."""
-    page = encoded.layout.by_name[names[0]].nbytes // encoded.layout.by_name[names[0]].shape[0]
-    span = (high - low) * page
-    values = torch.empty(len(names) * span, dtype=torch.uint8, device=device)
-    if lease is not None:
-        assert lease.host is not None
-        for index, name in enumerate(names):
-            begin = encoded.layout.by_name[name].begin + low * page
-            target = values[index * span : (index + 1) * span]
-            target.copy_(lease.host[begin : begin + span], non_blocking=True)
-        return values, None
+def _read_values(
+    encoded: OpenFp8File, names: list[str], low: int, span: int
+) -> tuple[np.ndarray, list[Future[None]]]:
+    """The stored blocks from ``low`` (``span`` bytes) of each tensor, back to back in host
+    memory, read from the descriptor on :data:`READ_THREADS` threads: the buffer and one
+    future per tensor (a cold file is read at the disk's pace while pieces already read move
+    on)."""
     host = np.empty(len(names) * span, dtype=np.uint8)
-    for index, name in enumerate(names):
-        begin = encoded.layout.by_name[name].begin + low * page
+    first_byte = low * _page_bytes(encoded, names[0])
+
+    def read(index: int) -> None:
+        begin = encoded.layout.by_name[names[index]].begin + first_byte
         host[index * span : (index + 1) * span] = encoded.read(begin, span)
-    values.copy_(torch.from_numpy(host))
-    return values, host
+
+    pool = _read_pool()
+    return host, [pool.submit(read, index) for index in range(len(names))]
 
 
-def _page_checks(
+def _page_bytes(encoded: OpenFp8File, name: str) -> int:
+    stored = encoded.layout.by_name[name]
+    return stored.nbytes // max(stored.shape[0], 1)
+
+
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvsnap-fp8-read"))
+    return _POOL[0]
+
+
+def _stored_checks(encoded: OpenFp8File, names: list[str], blocks: np.ndarray) -> np.ndarray:
+    """Each page's stored check, tensor then ``blocks``: its xxh3-64 (``uint64``) or, opened
+    with keys, its signed BLAKE3-256 (``uint8 (pages, 32)``)."""
+    if encoded.signed_pages:
+        rows = [encoded.tensor(name + enc.DIGESTS_SUFFIX).reshape(-1, 32) for name in names]
+    else:
+        rows = [encoded.tensor(name + enc.PAGES_SUFFIX).view("<u8") for name in names]
+    return np.concatenate([row[blocks] for row in rows])
+
+
+def _host_checks(
+    encoded: OpenFp8File, host: np.ndarray, starts: np.ndarray, stored: np.ndarray, page_bytes: int
+) -> np.ndarray:
+    """1 per page of ``host`` (at ``starts``) that equals its ``stored`` check, else 0."""
+    ok = np.empty(len(starts), dtype=np.int64)
+    for index, at in enumerate(starts.tolist()):
+        page = host[at : at + page_bytes]
+        if encoded.signed_pages:
+            ok[index] = bool((page_digests(page, page_bytes)[0] == stored[index]).all())
+        else:
+            ok[index] = block_digests(page, page_bytes)[0] == stored[index]
+    return ok
+
+
+def _launch_checks(
     encoded: OpenFp8File,
-    names: list[str],
-    blocks: np.ndarray,
     values: torch.Tensor,
-    host: np.ndarray | None,
-    starts: np.ndarray,
+    words: torch.Tensor,
     page_bytes: int,
-) -> torch.Tensor:
-    """Per staged page (tensor, then ``blocks``), 1 when it equals its stored digest, else
-    0 (``int64``, on the values' device): checked there, or on the host where the kernels do
-    not take pages of ``page_bytes``."""
-    suffix = enc.DIGESTS_SUFFIX if encoded.signed_pages else enc.PAGES_SUFFIX
-    rows = [encoded.tensor(name + suffix) for name in names]
+    expected: torch.Tensor,
+    page_ok: torch.Tensor,
+) -> None:
+    """Enqueue the device checks of the pages at ``words`` (8-byte words of ``values``)."""
     if encoded.signed_pages:
-        stored = np.concatenate([row.reshape(-1, 32)[blocks] for row in rows])
-    else:
-        stored = np.concatenate([row.view("<u8")[blocks] for row in rows])
-    device = values.device
-    if not _checks_on_device(encoded, page_bytes, device):
-        assert host is not None
-        ok = np.array(
-            [
-                _host_page_ok(host, int(at), page_bytes, row, encoded.signed_pages)
-                for at, row in zip(starts, stored, strict=True)
-            ],
-            dtype=np.int64,
-        )
-        return torch.from_numpy(ok).to(device)
-    page_ok = torch.zeros(len(starts), dtype=torch.int64, device=device)
-    words = torch.from_numpy(starts // 8).to(device, non_blocking=True)
-    if encoded.signed_pages:
-        expected = torch.from_numpy(stored.view("<i4").reshape(-1, 8).copy()).to(device)
         page_blake3.launch_page_blake3_checks_at_words(values, words, page_bytes, expected, page_ok)
-    else:
-        expected = torch.from_numpy(stored.view(np.int64).copy()).to(device)
-        constants = hash_constants(device, page_bytes)
-        page_hash.launch_page_checks_at_words(
-            values, words, page_bytes, constants, expected, page_ok
-        )
-    return page_ok
+        return
+    constants = hash_constants(values.device, page_bytes)
+    page_hash.launch_page_checks_at_words(values, words, page_bytes, constants, expected, page_ok)
 
 
-def _host_page_ok(host: np.ndarray, at: int, page_bytes: int, row: Any, signed: bool) -> int:
-    page = host[at : at + page_bytes]
-    if signed:
-        return int(bool((page_digests(page, page_bytes)[0] == row).all()))
-    return int(block_digests(page, page_bytes)[0] == row)
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream a device restore copies pieces on (one per device, made once)."""
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _pieces(count: int) -> list[tuple[int, int]]:
+    """``[first, last)`` tensor ranges of about :data:`PIECES` equal pieces."""
+    bounds = np.linspace(0, count, min(PIECES, count) + 1).round().astype(int).tolist()
+    return list(itertools.pairwise(bounds))
 
 
 def restore_fp8(
@@ -199,42 +220,158 @@ def _move_and_scatter(
     encoded: OpenFp8File, table: PageTable, blocks: np.ndarray, target_blocks: np.ndarray
 ) -> tuple[np.ndarray, int]:
     """Stage, check and scatter the pages of stored ``blocks`` into ``target_blocks`` of
-    ``table``'s caches: per page (tensor, then block) whether it passed its check, and the
-    bytes moved to the device."""
+    ``table``'s caches, piece by piece: per page (tensor, then block) whether it passed its
+    check, and the bytes moved to the device."""
     names = list(table.names)
     device = table.device
-    shape = encoded.layout.by_name[names[0]].shape
-    page_bytes = int(np.prod(shape[1:]))
+    page_bytes = _page_bytes(encoded, names[0])
     low, high = int(blocks.min()), int(blocks.max()) + 1
-    lease = _lease(encoded) if _checks_on_device(encoded, page_bytes, device) else None
+    span = (high - low) * page_bytes
+    starts = (np.arange(len(names))[:, None] * span + (blocks - low)[None, :] * page_bytes).ravel()
+    scales = np.concatenate([encoded.scales[name][blocks] for name in names])
+    on_device = _checks_on_device(encoded, page_bytes, device)
+    lease = _lease(encoded) if on_device else None
     try:
-        values, host = _stage_values(encoded, names, low, high, lease, device)
-        span = (high - low) * page_bytes
-        starts = np.arange(len(names))[:, None] * span + (blocks - low)[None, :] * page_bytes
-        starts = starts.reshape(-1)
-        page_ok = _page_checks(encoded, names, blocks, values, host, starts, page_bytes)
-        scales = np.concatenate([encoded.scales[name][blocks] for name in names])
+        staged = _Staged.make(encoded, names, blocks, starts, scales, device, on_device)
+        reads = None if lease is not None else _read_values(encoded, names, low, span)
         copies = page_dequant.dequant_copies(
             table, np.repeat(np.arange(len(names)), len(blocks)), np.tile(target_blocks, len(names))
         )
-        page_dequant.launch_dequant(
-            copies,
-            torch.from_numpy(kernel_table(copies)).to(device, non_blocking=True),
-            table,
-            values,
-            torch.from_numpy(starts).to(device, non_blocking=True),
-            torch.from_numpy(scales).to(device, non_blocking=True),
-            page_ok=page_ok,
-        )
-        passed = page_ok.cpu().numpy()  # waits for the scatter: its last step reads page_ok
+        arrays = torch.from_numpy(kernel_table(copies)).to(device, non_blocking=True)
+        exact = page_dequant.needs_exact(scales)
+        values = torch.empty(len(names) * span, dtype=torch.uint8, device=device)
+        if lease is not None:
+            # The buffer was allocated on the current stream: the side stream waits once.
+            _copy_stream(device).wait_stream(torch.cuda.current_stream(device))
+        for first, last in _pieces(len(names)):
+            pages = (first * len(blocks), last * len(blocks))
+            if lease is not None:
+                _copy_from_mapping(
+                    encoded, names[first:last], low * page_bytes, span, values, first, lease
+                )
+            elif reads is not None:
+                _copy_read(reads, first, last, span, values, staged, encoded, page_bytes)
+            if staged.words is not None and staged.expected is not None:
+                piece = slice(*pages)
+                _launch_checks(
+                    encoded,
+                    values,
+                    staged.words[piece],
+                    page_bytes,
+                    staged.expected[piece],
+                    staged.page_ok[piece],
+                )
+            page_dequant.launch_dequant(
+                copies,
+                arrays,
+                table,
+                values,
+                staged.starts,
+                staged.scales,
+                page_ok=staged.page_ok,
+                slot_pages=pages,
+                exact=exact,
+            )
+        passed = staged.page_ok.cpu().numpy()  # waits for the scatter: its last step reads it
     finally:
         if lease is not None:
             event = torch.cuda.Event()
             event.record()
             hot_tier().release(lease, event)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return passed, values.numel() + scales.nbytes
+    return passed, len(names) * span + scales.nbytes
+
+
+@dataclass
+class _Staged:
+    """A restore's per-page arrays on the device: each page's first byte in the staged values
+    and its scales (what the scatter reads), the checks' verdicts (``page_ok``), and for checks
+    on the device each page's offset in words and its stored check."""
+
+    starts: torch.Tensor
+    scales: torch.Tensor
+    page_ok: torch.Tensor
+    stored: np.ndarray
+    host_starts: np.ndarray
+    words: torch.Tensor | None = None
+    expected: torch.Tensor | None = None
+
+    @classmethod
+    def make(
+        cls,
+        encoded: OpenFp8File,
+        names: list[str],
+        blocks: np.ndarray,
+        starts: np.ndarray,
+        scales: np.ndarray,
+        device: torch.device,
+        on_device: bool,
+    ) -> _Staged:
+        stored = _stored_checks(encoded, names, blocks)
+        staged = cls(
+            torch.from_numpy(starts).to(device, non_blocking=True),
+            torch.from_numpy(scales).to(device, non_blocking=True),
+            torch.zeros(len(starts), dtype=torch.int64, device=device),
+            stored,
+            starts,
+        )
+        if on_device:
+            staged.words = torch.from_numpy(starts // 8).to(device, non_blocking=True)
+            raw = (
+                stored.view("<i4").reshape(-1, 8) if encoded.signed_pages else stored.view(np.int64)
+            )
+            staged.expected = torch.from_numpy(np.ascontiguousarray(raw)).to(device)
+        return staged
+
+
+def _copy_from_mapping(
+    encoded: OpenFp8File,
+    names: list[str],
+    first_byte: int,
+    span: int,
+    values: torch.Tensor,
+    first: int,
+    lease: HotFile,
+) -> None:
+    """Copy a piece's tensors out of the registered mapping on the side stream (which waited
+    for the buffer's allocation once, before the first piece); the current stream waits for
+    them before it checks the piece, and the next piece's copies go on meanwhile."""
+    assert lease.host is not None
+    current = torch.cuda.current_stream(values.device)
+    side = _copy_stream(values.device)
+    with torch.cuda.stream(side):
+        for offset, name in enumerate(names, start=first):
+            begin = encoded.layout.by_name[name].begin + first_byte
+            values[offset * span : (offset + 1) * span].copy_(
+                lease.host[begin : begin + span], non_blocking=True
+            )
+    current.wait_stream(side)
+
+
+def _copy_read(
+    reads: tuple[np.ndarray, list[Future[None]]],
+    first: int,
+    last: int,
+    span: int,
+    values: torch.Tensor,
+    staged: _Staged,
+    encoded: OpenFp8File,
+    page_bytes: int,
+) -> None:
+    """Wait for a piece's reads and copy it to the device; pages checked on the host are
+    checked here."""
+    host, futures = reads
+    for future in futures[first:last]:
+        future.result()
+    piece = slice(first * span, last * span)
+    if staged.words is None:
+        inside = (staged.host_starts >= piece.start) & (staged.host_starts < piece.stop)
+        ok = _host_checks(
+            encoded, host, staged.host_starts[inside], staged.stored[inside], page_bytes
+        )
+        staged.page_ok[torch.from_numpy(np.flatnonzero(inside)).to(values.device)] = (
+            torch.from_numpy(ok).to(values.device)
+        )
+    values[piece].copy_(torch.from_numpy(host[piece]), non_blocking=True)
 
 
 def _incomplete(

@@ -268,3 +268,30 @@ def test_files_written_before_page_checks_still_open_and_restore(source, tmp_pat
         assert torch.equal(decoded_old[name].view(torch.int16), pages.view(torch.int16)), name
     with pytest.raises(BadSignatureError):
         kvsnap.Snapshot.open(old, keys=KeyRing([bytes(32)]))
+
+
+def test_an_open_after_a_checked_one_still_refuses_changed_bytes(source, tmp_path):
+    """Opens of bytes checked before skip the checks; any other bytes are checked again."""
+    path = _encoded(source, tmp_path)
+    kvsnap.Snapshot.open(path).close()
+    kvsnap.Snapshot.open(path).close()  # the same bytes: served from what was checked
+    data = np.fromfile(path, dtype=np.uint8)
+    layout = enc.parse_header(
+        data[: enc.header_length(data[:8].tobytes(), len(data)) + 8].tobytes(), len(data)
+    )
+    scales = layout.by_name["layers.1.value" + enc.SCALES_SUFFIX]
+    data[scales.begin] ^= 0x01  # a scale's lowest bit: still a valid scale, the trailer stale
+    data.tofile(path)
+    with pytest.raises(SnapshotCorruptError, match="checksum mismatch") as caught:
+        kvsnap.Snapshot.open(path)
+    assert caught.value.tensor == "layers.1.value" + enc.SCALES_SUFFIX
+
+
+def test_a_path_that_held_an_fp8_file_opens_what_it_holds_now(source, tmp_path):
+    path = _encoded(source, tmp_path)
+    kvsnap.Snapshot.open(path).close()  # remembered as encoded
+    plain = tmp_path / "plain.safetensors"
+    plain.write_bytes(source.read_bytes())
+    os.replace(plain, path)
+    with kvsnap.Snapshot.open(path) as snapshot:
+        assert snapshot.encoded is None and snapshot.verify() == []
