@@ -31,7 +31,7 @@ from kvsnap.format import encoded as enc
 from kvsnap.format.fit import check_fits
 from kvsnap.format.hashing import block_digests, page_digests
 from kvsnap.layout import CacheLayout
-from kvsnap.pipeline.jobs import RestoreResult, restore_pairs
+from kvsnap.pipeline.jobs import RestoreResult, block_pairs, restore_pairs
 from kvsnap.pipeline.page_checks import hash_constants
 from kvsnap.store.hot.tier import HotFile, hot_tier
 from kvsnap.transfer import page_blake3, page_dequant, page_hash
@@ -216,6 +216,35 @@ def restore_fp8_on_device(
     return result
 
 
+def restore_fp8_blocks(
+    snapshot: Any,
+    layouts: Sequence[CacheLayout],
+    snapshot_blocks: np.ndarray | Sequence[int],
+    target_blocks: np.ndarray | Sequence[int],
+) -> RestoreResult:
+    """``Pipeline.restore_blocks`` of the open fp8 ``snapshot`` (checked as
+    :func:`restore_fp8_on_device` checks it, fingerprint apart: the caller's) into the CUDA
+    caches of ``layouts``: stored blocks ``snapshot_blocks`` into ``target_blocks``. What an
+    engine's worker calls for a chunk it loads."""
+    started = time.perf_counter()
+    encoded: OpenFp8File = snapshot.encoded
+    check_fits(snapshot.metadata, layouts[0].geometry, path=snapshot.path, force=True)
+    capacity = min(layout.num_blocks for layout in layouts)
+    sources, targets = block_pairs(
+        snapshot_blocks, target_blocks, snapshot.metadata.num_blocks, capacity
+    )
+    table = PageTable(list(layouts))
+    result = RestoreResult(0, 0, len(sources), 0, 0.0, "fp8-dequant")
+    if len(sources):
+        passed, moved_bytes = _move_and_scatter(encoded, table, sources, targets)
+        result = RestoreResult(
+            0, 0, len(sources), moved_bytes, time.perf_counter() - started, "fp8-dequant"
+        )
+        if not passed.all():
+            raise _incomplete(passed, list(table.names), targets, encoded, result)
+    return result
+
+
 def _move_and_scatter(
     encoded: OpenFp8File, table: PageTable, blocks: np.ndarray, target_blocks: np.ndarray
 ) -> tuple[np.ndarray, int]:
@@ -231,47 +260,23 @@ def _move_and_scatter(
     scales = np.concatenate([encoded.scales[name][blocks] for name in names])
     on_device = _checks_on_device(encoded, page_bytes, device)
     lease = _lease(encoded) if on_device else None
+    pieces = _pieces(len(names))
     try:
-        staged = _Staged.make(encoded, names, blocks, starts, scales, device, on_device)
-        reads = None if lease is not None else _read_values(encoded, names, low, span)
-        copies = page_dequant.dequant_copies(
-            table, np.repeat(np.arange(len(names)), len(blocks)), np.tile(target_blocks, len(names))
-        )
-        arrays = torch.from_numpy(kernel_table(copies)).to(device, non_blocking=True)
-        exact = page_dequant.needs_exact(scales)
         values = torch.empty(len(names) * span, dtype=torch.uint8, device=device)
+        # Every copy out of the mapping is enqueued first, so the bus is busy while the tables
+        # are built and each piece is checked and scattered once it has arrived.
+        arrived = None
         if lease is not None:
-            # The buffer was allocated on the current stream: the side stream waits once.
-            _copy_stream(device).wait_stream(torch.cuda.current_stream(device))
-        for first, last in _pieces(len(names)):
-            pages = (first * len(blocks), last * len(blocks))
-            if lease is not None:
-                _copy_from_mapping(
-                    encoded, names[first:last], low * page_bytes, span, values, first, lease
-                )
+            arrived = _copy_pieces(encoded, names, low, span, values, pieces, lease)
+        reads = None if lease is not None else _read_values(encoded, names, low, span)
+        staged = _Staged.make(encoded, names, blocks, starts, scales, device, on_device)
+        scatter = _Scatter.make(table, names, blocks, target_blocks, scales, values, staged)
+        for index, (first, last) in enumerate(pieces):
+            if arrived is not None:
+                torch.cuda.current_stream(device).wait_event(arrived[index])
             elif reads is not None:
                 _copy_read(reads, first, last, span, values, staged, encoded, page_bytes)
-            if staged.words is not None and staged.expected is not None:
-                piece = slice(*pages)
-                _launch_checks(
-                    encoded,
-                    values,
-                    staged.words[piece],
-                    page_bytes,
-                    staged.expected[piece],
-                    staged.page_ok[piece],
-                )
-            page_dequant.launch_dequant(
-                copies,
-                arrays,
-                table,
-                values,
-                staged.starts,
-                staged.scales,
-                page_ok=staged.page_ok,
-                slot_pages=pages,
-                exact=exact,
-            )
+            scatter.piece(encoded, first * len(blocks), last * len(blocks), page_bytes)
         passed = staged.page_ok.cpu().numpy()  # waits for the scatter: its last step reads it
     finally:
         if lease is not None:
@@ -323,28 +328,88 @@ class _Staged:
         return staged
 
 
-def _copy_from_mapping(
+@dataclass
+class _Scatter:
+    """The dequantizing scatter of a restore's staged pages, piece by piece."""
+
+    table: PageTable
+    copies: list[Any]
+    arrays: torch.Tensor
+    values: torch.Tensor
+    staged: _Staged
+    exact: bool
+
+    @classmethod
+    def make(
+        cls,
+        table: PageTable,
+        names: list[str],
+        blocks: np.ndarray,
+        target_blocks: np.ndarray,
+        scales: np.ndarray,
+        values: torch.Tensor,
+        staged: _Staged,
+    ) -> _Scatter:
+        copies = page_dequant.dequant_copies(
+            table, np.repeat(np.arange(len(names)), len(blocks)), np.tile(target_blocks, len(names))
+        )
+        arrays = torch.from_numpy(kernel_table(copies)).to(values.device, non_blocking=True)
+        return cls(table, copies, arrays, values, staged, page_dequant.needs_exact(scales))
+
+    def piece(self, encoded: OpenFp8File, first: int, stop: int, page_bytes: int) -> None:
+        """Enqueue the checks (on the device) and the scatter of staged pages ``first`` to
+        ``stop`` (exclusive)."""
+        staged = self.staged
+        if staged.words is not None and staged.expected is not None:
+            _launch_checks(
+                encoded,
+                self.values,
+                staged.words[first:stop],
+                page_bytes,
+                staged.expected[first:stop],
+                staged.page_ok[first:stop],
+            )
+        page_dequant.launch_dequant(
+            self.copies,
+            self.arrays,
+            self.table,
+            self.values,
+            staged.starts,
+            staged.scales,
+            page_ok=staged.page_ok,
+            slot_pages=(first, stop),
+            exact=self.exact,
+        )
+
+
+def _copy_pieces(
     encoded: OpenFp8File,
     names: list[str],
-    first_byte: int,
+    low: int,
     span: int,
     values: torch.Tensor,
-    first: int,
+    pieces: list[tuple[int, int]],
     lease: HotFile,
-) -> None:
-    """Copy a piece's tensors out of the registered mapping on the side stream (which waited
-    for the buffer's allocation once, before the first piece); the current stream waits for
-    them before it checks the piece, and the next piece's copies go on meanwhile."""
+) -> list[torch.cuda.Event]:
+    """Enqueue on the side stream the copy of every tensor's stored blocks from ``low``
+    (``span`` bytes) out of the registered mapping into ``values``: an event per piece,
+    recorded once its tensors have arrived."""
     assert lease.host is not None
-    current = torch.cuda.current_stream(values.device)
     side = _copy_stream(values.device)
+    side.wait_stream(torch.cuda.current_stream(values.device))  # the buffer's allocation
+    first_byte = low * _page_bytes(encoded, names[0])
+    arrived = []
     with torch.cuda.stream(side):
-        for offset, name in enumerate(names, start=first):
-            begin = encoded.layout.by_name[name].begin + first_byte
-            values[offset * span : (offset + 1) * span].copy_(
-                lease.host[begin : begin + span], non_blocking=True
-            )
-    current.wait_stream(side)
+        for first, last in pieces:
+            for index in range(first, last):
+                begin = encoded.layout.by_name[names[index]].begin + first_byte
+                values[index * span : (index + 1) * span].copy_(
+                    lease.host[begin : begin + span], non_blocking=True
+                )
+            event = torch.cuda.Event()
+            event.record(side)
+            arrived.append(event)
+    return arrived
 
 
 def _copy_read(
