@@ -263,16 +263,22 @@ def _move_and_scatter(
     pieces = _pieces(len(names))
     try:
         values = torch.empty(len(names) * span, dtype=torch.uint8, device=device)
-        # Every copy out of the mapping is enqueued first, so the bus is busy while the tables
-        # are built and each piece is checked and scattered once it has arrived.
-        arrived = None
+        # The first piece's copies go first, so the bus is busy while the tables are built;
+        # the tables' small uploads go next, ahead of the other pieces (a copy engine serves
+        # host-to-device copies in the order they came: a table queued behind every piece
+        # would hold every check and scatter until the last byte has arrived).
+        arrived = []
         if lease is not None:
-            arrived = _copy_pieces(encoded, names, low, span, values, pieces, lease)
+            arrived = _copy_pieces(encoded, names, low, span, values, pieces[:1], lease)
         reads = None if lease is not None else _read_values(encoded, names, low, span)
-        staged = _Staged.make(encoded, names, blocks, starts, scales, device, on_device)
-        scatter = _Scatter.make(table, names, blocks, target_blocks, scales, values, staged)
+        scatter = _prepare(
+            encoded, table, (blocks, target_blocks), starts, scales, values, on_device
+        )
+        staged = scatter.staged
+        if lease is not None:
+            arrived += _copy_pieces(encoded, names, low, span, values, pieces[1:], lease)
         for index, (first, last) in enumerate(pieces):
-            if arrived is not None:
+            if arrived:
                 torch.cuda.current_stream(device).wait_event(arrived[index])
             elif reads is not None:
                 _copy_read(reads, first, last, span, values, staged, encoded, page_bytes)
@@ -300,33 +306,6 @@ class _Staged:
     words: torch.Tensor | None = None
     expected: torch.Tensor | None = None
 
-    @classmethod
-    def make(
-        cls,
-        encoded: OpenFp8File,
-        names: list[str],
-        blocks: np.ndarray,
-        starts: np.ndarray,
-        scales: np.ndarray,
-        device: torch.device,
-        on_device: bool,
-    ) -> _Staged:
-        stored = _stored_checks(encoded, names, blocks)
-        staged = cls(
-            torch.from_numpy(starts).to(device, non_blocking=True),
-            torch.from_numpy(scales).to(device, non_blocking=True),
-            torch.zeros(len(starts), dtype=torch.int64, device=device),
-            stored,
-            starts,
-        )
-        if on_device:
-            staged.words = torch.from_numpy(starts // 8).to(device, non_blocking=True)
-            raw = (
-                stored.view("<i4").reshape(-1, 8) if encoded.signed_pages else stored.view(np.int64)
-            )
-            staged.expected = torch.from_numpy(np.ascontiguousarray(raw)).to(device)
-        return staged
-
 
 @dataclass
 class _Scatter:
@@ -338,23 +317,6 @@ class _Scatter:
     values: torch.Tensor
     staged: _Staged
     exact: bool
-
-    @classmethod
-    def make(
-        cls,
-        table: PageTable,
-        names: list[str],
-        blocks: np.ndarray,
-        target_blocks: np.ndarray,
-        scales: np.ndarray,
-        values: torch.Tensor,
-        staged: _Staged,
-    ) -> _Scatter:
-        copies = page_dequant.dequant_copies(
-            table, np.repeat(np.arange(len(names)), len(blocks)), np.tile(target_blocks, len(names))
-        )
-        arrays = torch.from_numpy(kernel_table(copies)).to(values.device, non_blocking=True)
-        return cls(table, copies, arrays, values, staged, page_dequant.needs_exact(scales))
 
     def piece(self, encoded: OpenFp8File, first: int, stop: int, page_bytes: int) -> None:
         """Enqueue the checks (on the device) and the scatter of staged pages ``first`` to
@@ -380,6 +342,60 @@ class _Scatter:
             slot_pages=(first, stop),
             exact=self.exact,
         )
+
+
+def _prepare(
+    encoded: OpenFp8File,
+    table: PageTable,
+    pairs: tuple[np.ndarray, np.ndarray],
+    starts: np.ndarray,
+    scales: np.ndarray,
+    values: torch.Tensor,
+    on_device: bool,
+) -> _Scatter:
+    """The scatter of stored blocks ``pairs[0]`` into target blocks ``pairs[1]``: its tables
+    built on the host and uploaded in one copy (one place in the copy engine's queue, ahead
+    of the pieces after the first)."""
+    blocks, target_blocks = pairs
+    names = list(table.names)
+    stored = _stored_checks(encoded, names, blocks)
+    copies = page_dequant.dequant_copies(
+        table, np.repeat(np.arange(len(names)), len(blocks)), np.tile(target_blocks, len(names))
+    )
+    arrays = [starts, scales, kernel_table(copies)]
+    if on_device:
+        raw = stored.view("<i4").reshape(-1, 8) if encoded.signed_pages else stored.view("<i8")
+        arrays += [starts // 8, raw]
+    uploaded = _upload_together(arrays, values.device)
+    page_ok = torch.zeros(len(starts), dtype=torch.int64, device=values.device)
+    staged = _Staged(uploaded[0], uploaded[1], page_ok, stored, starts, *uploaded[3:])
+    return _Scatter(table, copies, uploaded[2], values, staged, page_dequant.needs_exact(scales))
+
+
+def _upload_together(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """``arrays`` on ``device`` through one host-to-device copy: each a view of its own
+    16-byte-aligned bytes of one buffer, in its dtype and shape."""
+    sizes = [-(-array.nbytes // 16) * 16 for array in arrays]
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    joined = np.zeros(int(offsets[-1]), dtype=np.uint8)
+    for array, offset in zip(arrays, offsets.tolist(), strict=False):
+        joined[offset : offset + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
+    on_device = torch.from_numpy(joined).to(device, non_blocking=True)
+    views = []
+    for array, offset in zip(arrays, offsets.tolist(), strict=False):
+        dtype = _TORCH_TYPES[np.dtype(array.dtype).newbyteorder("=")]
+        piece = on_device[offset : offset + array.nbytes].view(dtype)
+        views.append(piece.reshape(array.shape))
+    return views
+
+
+#: torch dtypes of the table arrays a restore uploads.
+_TORCH_TYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.uint64): torch.int64,
+}
 
 
 def _copy_pieces(
