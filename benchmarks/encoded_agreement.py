@@ -68,7 +68,7 @@ def cache_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 @torch.no_grad()
 def teacher_forced(model: Any, cache: Any, fed: list[int]) -> torch.Tensor:
-    """The greedy choice after each of ``fed``, run at once after a copy of ``cache`` without
+    """The fp32 logits after each of ``fed``, run at once after a copy of ``cache`` without
     its last token (which ``fed`` starts with, as ``continue_generation`` runs it again)."""
     cache = copy.deepcopy(cache)
     cache.crop(-1)
@@ -76,7 +76,19 @@ def teacher_forced(model: Any, cache: Any, fed: list[int]) -> torch.Tensor:
     logits = module(
         input_ids=torch.tensor([fed]), use_cache=True, **{_cache_keyword(module): cache}
     ).logits
-    return logits[0].argmax(-1)
+    return logits[0].float()
+
+
+def logit_figures(logits: torch.Tensor, plain: torch.Tensor) -> dict[str, float]:
+    """Teacher-forced, how far ``logits`` are from the plain restore's at each position: the
+    choices that agree, the mean relative L2 of the logits, and the mean KL divergence of the
+    next-token distribution from the plain one (nats)."""
+    log_p, log_q = torch.log_softmax(plain, dim=-1), torch.log_softmax(logits, dim=-1)
+    return {
+        "teacher_forced_agree": int((logits.argmax(-1) == plain.argmax(-1)).sum()),
+        "logit_rel_l2": float(((logits - plain).norm(dim=-1) / plain.norm(dim=-1)).mean()),
+        "kl": float((log_p.exp() * (log_p - log_q)).sum(-1).mean()),
+    }
 
 
 def capture_and_restore(model: Any, ids: list[int], work: Path) -> dict[str, Any]:
@@ -139,17 +151,16 @@ def one_prompt(model: Any, ids: list[int], new_tokens: int, work: Path, seed: in
     }
     plain = continuations["none"]
     fed = [ids[-1], *plain[:-1]]
-    plain_choices = teacher_forced(model, kept["none"], fed)
+    plain_logits = teacher_forced(model, kept["none"], fed)
     figures: dict[str, Any] = {"plain_equals_in_memory": plain == continuations["in-memory"]}
     for encoding in ENCODINGS[1:]:
         agree, first = agreement(plain, continuations[encoding])
-        choices = teacher_forced(model, kept[encoding], fed)
         figures[encoding] = {
             "bytes": restored["bytes"][encoding],
             "ratio": restored["bytes"]["none"] / restored["bytes"][encoding],
             "agree": agree,
             "first_divergence": first,
-            "teacher_forced_agree": int((choices == plain_choices).sum()),
+            **logit_figures(teacher_forced(model, kept[encoding], fed), plain_logits),
         }
     figures["lossless"]["kv_bit_exact"] = all(
         torch.equal(a, b)
@@ -197,6 +208,8 @@ def summary(rows: list[dict], new_tokens: int) -> dict[str, Any]:
             "of": new_tokens * len(items),
             "first_divergences": [item["first_divergence"] for item in items],
             "teacher_forced_agree": sum(item["teacher_forced_agree"] for item in items),
+            "logit_rel_l2": sum(item["logit_rel_l2"] for item in items) / len(items),
+            "kl": sum(item["kl"] for item in items) / len(items),
         }
     result["lossless"]["kv_bit_exact"] = all(row["lossless"]["kv_bit_exact"] for row in rows)
     kinds = rows[0]["fp8"]["attention"]
@@ -210,28 +223,35 @@ def summary(rows: list[dict], new_tokens: int) -> dict[str, Any]:
     return result
 
 
+def _divergences(firsts: list[int | None]) -> str:
+    """``"k/n at m"``: k of n prompts diverged, m the median of their first positions."""
+    diverged = sorted(first for first in firsts if first is not None)
+    median = f" at {diverged[len(diverged) // 2]}" if diverged else ""
+    return f"{len(diverged)}/{len(firsts)}{median}"
+
+
 def table(results: dict[str, Any]) -> str:
     """The results as two plain-text tables: continuations, then fp8's attention error."""
     lines = [
-        "model       encoding  file ratio  free-running agree  first divergences"
-        "                teacher-forced agree  KV",
+        f"{'model':<11} {'encoding':<9} {'ratio':>6}  {'free-running agree':>18}  "
+        f"{'diverged (median)':>17}  {'teacher-forced':>15}  {'logit rel L2':>12}  "
+        f"{'KL (nats)':>9}  KV"
     ]
     for name, model in results["models"].items():
         for encoding in ENCODINGS[1:]:
             item = model[encoding]
-            firsts = ",".join(
-                "-" if first is None else str(first) for first in item["first_divergences"]
-            )
             exact = (
                 "bit-exact"
                 if item.get("kv_bit_exact")
                 else ("decoded" if encoding == "fp8" else "DIFFERS")
             )
+            free = f"{item['agree']}/{item['of']} {100 * item['agree'] / item['of']:.1f}%"
+            forced = item["teacher_forced_agree"]
+            forced_text = f"{forced}/{item['of']} {100 * forced / item['of']:.1f}%"
             lines.append(
-                f"{name:<11} {encoding:<9} {item['ratio']:>10.3f}  "
-                f"{item['agree']:>4}/{item['of']:<4} {100 * item['agree'] / item['of']:5.1f}%  "
-                f"{firsts:<32} {item['teacher_forced_agree']:>4}/{item['of']:<4} "
-                f"{100 * item['teacher_forced_agree'] / item['of']:5.1f}%  {exact}"
+                f"{name:<11} {encoding:<9} {item['ratio']:>6.3f}  {free:>18}  "
+                f"{_divergences(item['first_divergences']):>17}  {forced_text:>15}  "
+                f"{100 * item['logit_rel_l2']:>11.3f}%  {item['kl']:>9.2e}  {exact}"
             )
     lines += [
         "",

@@ -28,12 +28,14 @@ def test_a_small_run_reports_every_figure(capsys: pytest.CaptureFixture[str]) ->
     assert lossless["agree"] == lossless["of"] == lossless["teacher_forced_agree"] == 16
     assert lossless["first_divergences"] == [None, None]
     assert 0 <= fp8["agree"] <= 16 and 0 <= fp8["teacher_forced_agree"] <= 16
+    assert lossless["logit_rel_l2"] == lossless["kl"] == 0  # the same KV, the same logits
+    assert 0 < fp8["logit_rel_l2"] < 0.1 and fp8["kl"] > 0
     assert fp8["ratio"] > lossless["ratio"] > 1
     for kind in ("recorded_keys", "prompt", "decode"):
         errors = fp8["attention_worst"][kind]
         assert len(errors) == 4 and all(0 < error < 0.1 for error in errors), (kind, errors)
     output = capsys.readouterr().out
-    assert "built-in    lossless" in output and "bit-exact" in output
+    assert "built-in    lossless" in output and "bit-exact" in output and "0/2" in output
     assert "built-in    decode" in output
 
 
