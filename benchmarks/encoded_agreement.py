@@ -3,10 +3,12 @@ attention error with the model's own queries (issue 39).
 
 ``python -m benchmarks.encoded_agreement --json-out out/encoded_agreement.json``: for the
 built-in model (``kvsnap/engines/default_model.py``) and a tiny Qwen2 built from a config
-(random weights, seeded; ``benchmarks.encodings.tiny_qwen2``), both run in ``--dtype`` (bf16
-by default: the models and their caches run bf16 on the CPU), and each of ``--prompts`` prompts
-of ``--tokens`` byte tokens of English text (``benchmarks.encodings.fixed_text``, 13,834
-tokens, the prompts spread over it without overlapping):
+(random weights, seeded; ``benchmarks.encodings.tiny_qwen2``), and with ``--models 8b-shape``
+the 8B shape's KV (``benchmarks.engine.kv_shaped_llama``, random weights), each run in
+``--dtype`` (bf16 by default: the models and their caches run bf16 on the CPU), and each of
+``--prompts`` prompts of ``--tokens`` byte tokens of English text
+(``benchmarks.encodings.fixed_text``, 13,834 tokens, the prompts spread over it without
+overlapping):
 
 1. prefill the prompt into a ``DynamicCache`` and capture it
    (``kvsnap.engines.transformers.capture_dynamic_cache``) three times: ``none`` (the plain
@@ -22,7 +24,8 @@ tokens, the prompts spread over it without overlapping):
    over the prompt's tokens, fp8 restore against plain restore, fp32): as recorded in the
    file (48 of the keys as queries, ``kvsnap.encoding.measure``), with 48 of the model's own
    prompt queries, and with the model's queries of the continuation (the ones decoding
-   attended with; ``benchmarks.model_queries``).
+   attended with; ``benchmarks.model_queries``), and how sharply each kind of query attends
+   (the largest attention weight, mean over queries, heads and prompts).
 
 The plain restore's continuation is also checked against the in-memory cache's, and the
 lossless restore's KV against the plain one's, bit for bit.
@@ -41,6 +44,7 @@ from typing import Any
 import torch
 
 from benchmarks.encodings import fixed_text, tiny_qwen2
+from benchmarks.engine import kv_shaped_llama
 from benchmarks.model_queries import model_queries, per_kv_head
 from kvsnap.encoded.read import read_encoded
 from kvsnap.encoding import fp8, measure
@@ -112,31 +116,43 @@ def agreement(want: list[int], got: list[int]) -> tuple[int, int | None]:
     return sum(same), (same.index(False) if False in same else None)
 
 
+def top_weight(query: torch.Tensor, keys: torch.Tensor) -> float:
+    """How sharply ``query`` ``(queries, heads, dim)`` attends over ``keys``: the mean, over
+    queries and heads, of the largest attention weight."""
+    scores = torch.einsum("qhd,thd->hqt", query, keys) / keys.shape[-1] ** 0.5
+    return float(torch.softmax(scores, dim=-1).amax(dim=-1).mean())
+
+
 def model_attention(
     model: Any,
     ids: list[int],
     continuation: list[int],
     kv: tuple[list[tuple[torch.Tensor, torch.Tensor]], ...],
     seed: int,
-) -> dict[str, list[float]]:
+) -> dict[str, Any]:
     """Per layer the attention error over the prompt's KV (``kv``: plain, then fp8) with the
     model's own queries: ``prompt`` (48 prompt positions) and ``decode`` (the queries greedy
-    decoding attended with: the prompt's last token, run again, and the continuation's)."""
+    decoding attended with: the prompt's last token, run again, and the continuation's); and
+    ``top_weight`` of those and of the recorded check's queries (keys drawn as
+    ``kvsnap.encoding.measure`` draws them)."""
     original, decoded = kv
     queries = model_queries(model, [*ids, *continuation[:-1]])
     positions = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))
-    result: dict[str, list[float]] = {"prompt": [], "decode": []}
+    result: dict[str, Any] = {"prompt": [], "decode": [], "top_weight": {}}
     for layer, layer_queries in enumerate(queries):
-        heads = original[layer][0].shape[1]
+        keys = original[layer][0]
         chosen = {
-            "prompt": layer_queries[positions[:PROMPT_QUERIES]],
-            "decode": layer_queries[len(ids) - 1 :],
+            "keys": measure.draw_queries(
+                keys, PROMPT_QUERIES, "keys", torch.Generator().manual_seed(layer)
+            ),
+            "prompt": per_kv_head(layer_queries[positions[:PROMPT_QUERIES]], keys.shape[1]),
+            "decode": per_kv_head(layer_queries[len(ids) - 1 :], keys.shape[1]),
         }
         for name, query in chosen.items():
-            error = measure.output_error(
-                layer, per_kv_head(query, heads), original[layer], decoded[layer]
-            )
-            result[name].append(error.rel_l2)
+            result["top_weight"].setdefault(name, []).append(top_weight(query, keys))
+            if name != "keys":
+                error = measure.output_error(layer, query, original[layer], decoded[layer])
+                result[name].append(error.rel_l2)
     return result
 
 
@@ -212,13 +228,17 @@ def summary(rows: list[dict], new_tokens: int) -> dict[str, Any]:
             "kl": sum(item["kl"] for item in items) / len(items),
         }
     result["lossless"]["kv_bit_exact"] = all(row["lossless"]["kv_bit_exact"] for row in rows)
-    kinds = rows[0]["fp8"]["attention"]
+    attention = [row["fp8"]["attention"] for row in rows]
     result["fp8"]["attention_worst"] = {
+        kind: [max(values) for values in zip(*(item[kind] for item in attention), strict=True)]
+        for kind in ("recorded_keys", "prompt", "decode")
+    }
+    result["fp8"]["top_weight_mean"] = {
         kind: [
-            max(values)
-            for values in zip(*(row["fp8"]["attention"][kind] for row in rows), strict=True)
+            sum(values) / len(values)
+            for values in zip(*(item["top_weight"][kind] for item in attention), strict=True)
         ]
-        for kind in kinds
+        for kind in ("keys", "prompt", "decode")
     }
     return result
 
@@ -261,6 +281,11 @@ def table(results: dict[str, Any]) -> str:
         for kind, values in model["fp8"]["attention_worst"].items():
             shown = " ".join(f"{100 * value:5.2f}%" for value in values)
             lines.append(f"{name:<11} {kind:<14} {shown}")
+    lines += ["", "largest attention weight per layer, mean over queries, heads and prompts"]
+    for name, model in results["models"].items():
+        for kind, values in model["fp8"]["top_weight_mean"].items():
+            shown = " ".join(f"{value:6.4f}" for value in values)
+            lines.append(f"{name:<11} {kind:<14} {shown}")
     return "\n".join(lines)
 
 
@@ -270,7 +295,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tokens", type=int, default=512, help="prompt length")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    parser.add_argument("--models", default="built-in,qwen2-tiny")
+    parser.add_argument(
+        "--models",
+        default="built-in,qwen2-tiny",
+        help="comma-separated: built-in, qwen2-tiny, 8b-shape (benchmarks.engine.kv_shaped_llama: "
+        "the 8B shape's KV, random weights)",
+    )
     parser.add_argument(
         "--fp8-scales",
         choices=("nearest", "amax"),
@@ -288,6 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     makers = {
         "built-in": lambda: load_model(dtype=dtype),
         "qwen2-tiny": lambda: tiny_qwen2().to(dtype),
+        "8b-shape": lambda: kv_shaped_llama().to(dtype),
     }
     results: dict[str, Any] = {
         "dtype": args.dtype,

@@ -34,6 +34,9 @@ def test_a_small_run_reports_every_figure(capsys: pytest.CaptureFixture[str]) ->
     for kind in ("recorded_keys", "prompt", "decode"):
         errors = fp8["attention_worst"][kind]
         assert len(errors) == 4 and all(0 < error < 0.1 for error in errors), (kind, errors)
+    for kind in ("keys", "prompt", "decode"):
+        weights = fp8["top_weight_mean"][kind]
+        assert len(weights) == 4 and all(1 / 48 <= weight <= 1 for weight in weights)
     output = capsys.readouterr().out
     assert "built-in    lossless" in output and "bit-exact" in output and "0/2" in output
     assert "built-in    decode" in output
