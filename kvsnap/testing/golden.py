@@ -46,7 +46,7 @@ GOLDEN_ENGINE = "kvsnap-golden"
 #: KV with its own rounding).
 GOLDEN_COMPRESSIONS = ("none", "lossless")
 
-#: Re-exported: what a golden file is written from.
+#: The public names (``KVData``, ``KVSequenceData`` and ``kv_data`` from ``kv_inputs``).
 __all__ = [
     "DEFAULT_GOLDEN_BLOCK_SIZE",
     "GOLDEN_COMPRESSIONS",
