@@ -152,12 +152,13 @@ class Snapshot(SnapshotTensors):
             return cls(known, str(path))
         try:
             return cls(open_snapshot(path, verify=verify, keys=keys), str(path))
-        except UnsupportedVersionError:
-            # An encoded snapshot (format version 3) opens as the ordinary one it stands for.
-            encoded = open_encoded(path, keys, verify=verify)
-            if encoded is None:
-                raise
-            return cls(encoded, str(path))
+        except UnsupportedVersionError as unsupported:
+            refused = unsupported  # an encoded file's own errors are not raised inside this one
+        # An encoded snapshot (format version 3) opens as the ordinary one it stands for.
+        encoded = open_encoded(path, keys, verify=verify)
+        if encoded is None:
+            raise refused
+        return cls(encoded, str(path))
 
     # -- metadata --------------------------------------------------------------------------
 
