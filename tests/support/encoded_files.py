@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 import kvsnap
-from kvsnap.testing.caches import KVContent, make_cache
+from kvsnap.testing.caches import KVContent, SyntheticCache, make_cache
 from tests.support.prefill_kv import BLOCK, built_in_kv
 
 #: Tokens of the captured sequences (the second one ends inside a block).
@@ -47,9 +47,11 @@ def real_content(dtype: torch.dtype, latent: bool = False) -> KVContent:
     return KVContent(geometry, pages)
 
 
-def capture_real(path: Path, kind: str, dtype: torch.dtype, *, keys=None) -> KVContent:
-    """Capture real KV from a cache of layout ``kind`` to ``path``: sequence ``a`` of 96
-    tokens in blocks 6, 1, 4, 3, 0, 2, sequence ``b`` of 70 tokens sharing a's first block."""
+def real_caches(
+    kind: str, dtype: torch.dtype, *, tp_size: int = 1, device: str = "cpu"
+) -> list[SyntheticCache]:
+    """Caches of layout ``kind`` (one per TP rank of ``tp_size``, on ``device``) of 8 blocks,
+    holding the built-in model's KV (:func:`real_content`) in ``dtype``."""
     content = real_content(dtype, latent=kind == "mla")
     geometry = content.geometry
     shape = (
@@ -57,16 +59,37 @@ def capture_real(path: Path, kind: str, dtype: torch.dtype, *, keys=None) -> KVC
         if kind == "mla"
         else {"num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim}
     )
-    cache = make_cache(
-        kind, num_layers=geometry.num_layers, num_blocks=8, block_size=BLOCK, dtype=dtype, **shape
-    )
-    cache.fill(content)
+    caches = []
+    for rank in range(tp_size):
+        cache = make_cache(
+            kind,
+            num_layers=geometry.num_layers,
+            num_blocks=8,
+            block_size=BLOCK,
+            dtype=dtype,
+            device=device,
+            tp_rank=rank,
+            tp_size=tp_size,
+            **shape,
+        )
+        cache.fill(content)
+        caches.append(cache)
+    return caches
+
+
+def real_sequences() -> list[kvsnap.SequenceBlocks]:
+    """Sequence ``a`` of 96 tokens in blocks 6, 1, 4, 3, 0, 2 and sequence ``b`` of 70
+    tokens sharing a's first block (stored once, so b's snapshot blocks are not one run)."""
     first = np.arange(TOKENS[0]) % 251
-    # b shares a's first block (stored once), so b's snapshot blocks are not one run.
     second = np.concatenate([first[:BLOCK], 7 + np.arange(TOKENS[1] - BLOCK) % 241])
-    sequences = [
+    return [
         kvsnap.SequenceBlocks("a", first, np.array([6, 1, 4, 3, 0, 2])),
         kvsnap.SequenceBlocks("b", second, np.array([6, 5, 7, 1, 0])),
     ]
-    kvsnap.capture(cache.layout, sequences, path, reproducible=True, keys=keys)
-    return content
+
+
+def capture_real(path: Path, kind: str, dtype: torch.dtype, *, keys=None) -> KVContent:
+    """Capture real KV from a cache of layout ``kind`` to ``path`` (:func:`real_sequences`)."""
+    (cache,) = real_caches(kind, dtype)
+    kvsnap.capture(cache.layout, real_sequences(), path, reproducible=True, keys=keys)
+    return real_content(dtype, latent=kind == "mla")
