@@ -18,10 +18,12 @@ from kvsnap.format.constants import PAGE_DIGEST_BYTES
 from kvsnap.format.hashing import block_digests, page_digests
 from kvsnap.pipeline.page_checks import hash_constants
 from kvsnap.transfer import page_blake3, page_hash
+from kvsnap.transfer.triton_copy import interpreting
 
 
 def _on_device(buffer: torch.Tensor) -> bool:
-    return buffer.device.type == "cuda"
+    # Triton's interpreter runs kernels on host memory only.
+    return buffer.device.type == "cuda" and not interpreting()
 
 
 def _host_bytes(buffer: torch.Tensor) -> np.ndarray:

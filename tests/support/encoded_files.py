@@ -52,11 +52,18 @@ def real_caches(
 ) -> list[SyntheticCache]:
     """Caches of layout ``kind`` (one per TP rank of ``tp_size``, on ``device``) of 8 blocks,
     holding the built-in model's KV (:func:`real_content`) in ``dtype``."""
-    content = real_content(dtype, latent=kind == "mla")
+    return filled_caches(real_content(dtype, latent=kind == "mla"), kind, tp_size, device)
+
+
+def filled_caches(
+    content: KVContent, kind: str, tp_size: int = 1, device: str = "cpu"
+) -> list[SyntheticCache]:
+    """Caches of layout ``kind`` (one per TP rank of ``tp_size``, on ``device``) holding
+    ``content``'s pages in their first blocks."""
     geometry = content.geometry
     shape = (
         {"latent_dim": geometry.latent_dim}
-        if kind == "mla"
+        if geometry.is_mla
         else {"num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim}
     )
     caches = []
@@ -64,9 +71,9 @@ def real_caches(
         cache = make_cache(
             kind,
             num_layers=geometry.num_layers,
-            num_blocks=8,
-            block_size=BLOCK,
-            dtype=dtype,
+            num_blocks=content.num_blocks,
+            block_size=geometry.block_size,
+            dtype=next(iter(content.pages.values())).dtype,
             device=device,
             tp_rank=rank,
             tp_size=tp_size,
@@ -92,4 +99,29 @@ def capture_real(path: Path, kind: str, dtype: torch.dtype, *, keys=None) -> KVC
     """Capture real KV from a cache of layout ``kind`` to ``path`` (:func:`real_sequences`)."""
     (cache,) = real_caches(kind, dtype)
     kvsnap.capture(cache.layout, real_sequences(), path, reproducible=True, keys=keys)
+    return real_content(dtype, latent=kind == "mla")
+
+
+def wide_content(dtype: torch.dtype, layers: int = 2) -> KVContent:
+    """KV of the 8B shape's pages (8 KV heads of 128, blocks of 16: 32 KiB bf16 pages) for 8
+    blocks of ``layers`` layers: normal samples from a fixed seed."""
+    generator = torch.Generator().manual_seed(39)
+    geometry = kvsnap.KVGeometry(
+        num_layers=layers,
+        block_size=BLOCK,
+        dtype=str(dtype).split(".")[1],
+        num_kv_heads=8,
+        head_dim=128,
+        attention_types=("full",) * layers,
+    )
+    pages = {}
+    for name in geometry.tensor_names():
+        pages[name] = torch.randn((8, BLOCK, 8, 128), generator=generator).to(dtype)
+    return KVContent(geometry, pages)
+
+
+def content_named(name: str, dtype: torch.dtype, kind: str) -> KVContent:
+    """``"built-in"``: :func:`real_content`; ``"wide"``: :func:`wide_content`."""
+    if name == "wide":
+        return wide_content(dtype)
     return real_content(dtype, latent=kind == "mla")
