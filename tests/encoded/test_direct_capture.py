@@ -14,7 +14,8 @@ import kvsnap
 from kvsnap.encoded.write import recode_file
 from kvsnap.format.signing import KeyRing
 from kvsnap.pipeline import TransferOptions
-from tests.support.encoded_files import real_caches, real_sequences
+from kvsnap.testing.caches import random_content, same_bytes
+from tests.support.encoded_files import filled_caches, real_caches, real_sequences
 
 KEY = KeyRing([bytes(range(32))])
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -49,20 +50,24 @@ FP8_CASES = [
 ]
 
 
-def _both_ways(tmp_path, caches, compression: str, keys, **options) -> tuple[bytes, bytes]:
-    """The encoded capture of ``caches``, and a plain capture of them recoded: their bytes."""
+def _both_ways(
+    tmp_path, caches, compression: str, keys, sequences=None, **options
+) -> tuple[bytes, bytes]:
+    """The encoded capture of ``sequences`` (default :func:`real_sequences`) from ``caches``,
+    and a plain capture of them recoded: their bytes."""
     layouts = [cache.layout for cache in caches]
+    sequences = sequences or real_sequences()
     direct, plain, recoded = (tmp_path / f"{n}.safetensors" for n in ("direct", "plain", "re"))
     kvsnap.capture(
         layouts,
-        real_sequences(),
+        sequences,
         direct,
         reproducible=True,
         keys=keys,
         compression=compression,
         **options,
     )
-    kvsnap.capture(layouts, real_sequences(), plain, reproducible=True)
+    kvsnap.capture(layouts, sequences, plain, reproducible=True)
     recode_file(plain, recoded, compression, keys=keys)
     return direct.read_bytes(), recoded.read_bytes()
 
@@ -82,6 +87,31 @@ def test_a_lossless_capture_is_the_recoded_plain_capture(tmp_path, kind, dtype, 
     caches = real_caches(kind, dtype)
     direct, recoded = _both_ways(tmp_path, caches, "lossless", KEY if signed else None)
     assert direct == recoded
+
+
+@pytest.mark.parametrize(
+    ("compression", "dtype"), [("fp8", torch.float8_e4m3fn), ("lossless", BF16)]
+)
+def test_tensors_stored_raw_are_the_recoded_ones(tmp_path, compression, dtype):
+    # An fp8 cache is stored as it is; random bytes do not shrink by the 5% lossless asks.
+    geometry = kvsnap.KVGeometry(
+        num_layers=3,
+        block_size=16,
+        dtype=str(dtype).split(".")[1],
+        num_kv_heads=2,
+        head_dim=32,
+        attention_types=("full",) * 3,
+    )
+    content = random_content(geometry, 8, torch.Generator().manual_seed(5))
+    blocks = [6, 1, 4, 3, 0, 2, 5, 7]  # each once: a page repeated would shrink
+    sequence = kvsnap.SequenceBlocks("r", np.arange(8 * 16), np.array(blocks))
+    caches = filled_caches(content, "vllm-nhd")
+    direct, recoded = _both_ways(tmp_path, caches, compression, KEY, [sequence])
+    assert direct == recoded
+    with kvsnap.Snapshot.open(tmp_path / "direct.safetensors", keys=KEY) as snapshot:
+        assert set(snapshot.encoded.encoding["tensors"].values()) == {"raw"}
+        for name, pages in content.pages.items():
+            assert same_bytes(snapshot.read_tensor(name), pages[blocks])
 
 
 @pytest.mark.parametrize(("kind", "tp_size"), [("vllm-hnd", 2), ("packed", 1)])
@@ -160,7 +190,8 @@ def test_refusals_are_a_captures(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_capture_stopped_midway_leaves_the_previous_file_and_nothing_else(tmp_path):
+@pytest.mark.parametrize("backend", ["auto", "cpu"])
+def test_a_capture_stopped_midway_leaves_the_previous_file_and_nothing_else(tmp_path, backend):
     (cache,) = real_caches("vllm-nhd", BF16)
     path = tmp_path / "kv.safetensors"
     path.write_bytes(b"the previous snapshot")
@@ -170,6 +201,13 @@ def test_a_capture_stopped_midway_leaves_the_previous_file_and_nothing_else(tmp_
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        kvsnap.capture(cache.layout, real_sequences(), path, compression="fp8", progress=stop)
+        kvsnap.capture(
+            cache.layout,
+            real_sequences(),
+            path,
+            compression="fp8",
+            progress=stop,
+            transfer=TransferOptions(backend=backend),
+        )
     assert sorted(tmp_path.iterdir()) == [path]
     assert path.read_bytes() == b"the previous snapshot"
