@@ -5,16 +5,16 @@ ordinary file it stands for never written.
 Per layer tensor, the sequences' blocks are gathered out of the caches where they lie
 (:class:`~kvsnap.encoded.cache_pages.CachePages`: on a CUDA device into a device buffer, in
 host memory by the host) and hashed there as the ordinary file would hold them (the xxh3-64 of
-every page, and for a signed ordinary file its BLAKE3-256: :mod:`kvsnap.encoded.page_digests`).
-Then the tensor is encoded where :func:`~kvsnap.encoded.stored.encoding_device` says, as
-``recode_file`` encodes it: fp8 is quantized with the blocks' token counts, its stored pages
-hashed on the device, and each layer's error measured there once its key and value are done;
-only the e4m3 values and scales (or, for ``lossless`` and raw tensors, the pages) come to the
-host. The ordinary file's header, metadata tensors, block checksums, page digests, trailer and
-signature are computed from the metadata and those digests by the writer's own
+every page: :mod:`kvsnap.encoded.page_digests`). Then the tensor is encoded where
+:func:`~kvsnap.encoded.stored.encoding_device` says, as ``recode_file`` encodes it: fp8 is
+quantized with the blocks' token counts, its stored pages hashed on the device (xxh3-64, and
+BLAKE3-256 when the file is signed), and each layer's error measured there once its key and
+value are done; only the e4m3 values and scales (or, for ``lossless`` and raw tensors, the
+pages) come to the host. The ordinary file's header, metadata tensors, block checksums and
+trailer are computed from the metadata and those digests by the writer's own
 :class:`~kvsnap.store.write.snapshot_files.SnapshotFiles`, so the encoded file is byte for byte
-what ``recode_file`` writes from an ordinary capture of the same KV. It is written once, front
-to back, through a temporary file and a rename.
+what ``recode_file`` writes from an ordinary (unsigned) capture of the same KV. It is written
+once, front to back, through a temporary file and a rename.
 
 Where the fused page copy cannot gather the caches (a named transfer backend, layouts on
 several devices, TP ranks whose heads do not tile the page), the capture writes the ordinary
@@ -123,7 +123,7 @@ def capture_compressed(
     metadata, device_blocks = _checked_metadata(pipeline.layouts, sequences, source, reproducible)
     files = decoded_files(path, metadata)
     job = _Job(compression, files, keys is not None, progress, trace)
-    stored, report = _encode_on_device(job, table, device_blocks, pipeline, after)
+    stored, report = _encoded_layers(job, table, device_blocks, pipeline, after)
     pieces = stored_pieces(stored, compression, files.layouts[0].file_size, keys, report)
     with traced(trace, "encoded.write", sum(_nbytes(piece) for piece in pieces)):
         written = publish(pieces, Path(path))
@@ -221,7 +221,7 @@ def _device_work(device: torch.device, after: torch.cuda.Event | None) -> Iterat
         stream.synchronize()
 
 
-def _encode_on_device(
+def _encoded_layers(
     job: _Job,
     table: PageTable,
     device_blocks: np.ndarray,

@@ -3,10 +3,10 @@ the buffer lies: on a CUDA device by the kernels restores check pages with
 (:mod:`kvsnap.transfer.page_hash`, :mod:`kvsnap.transfer.page_blake3`) where they take the
 page size, else on the host (:mod:`kvsnap.format.hashing`); bit for bit the same digests.
 
-A capture straight to an encoded file hashes its pages here twice: the decoded file's pages
-(the block checksums and, signed, the page digests its header and trailer stand for) and the
-stored fp8 pages (their ``.pages`` and ``.digests``). The results stay where they were computed
-until :func:`to_host`, so a caller hashing many tensors waits for the device once.
+A capture straight to an encoded file hashes its pages here twice: the ordinary file's pages
+(its block checksums, which its trailer stands for) and the stored fp8 pages (their ``.pages``
+and, signed, ``.digests``). The results stay where they were computed until :func:`to_host`,
+so a caller hashing many tensors waits for the device once.
 """
 
 from __future__ import annotations
