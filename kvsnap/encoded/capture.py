@@ -53,6 +53,7 @@ from kvsnap.encoding import fp8, measure
 from kvsnap.encoding.report import AttentionError, ErrorReport
 from kvsnap.format import encoded as enc
 from kvsnap.format.container import TensorEntry, is_layer_tensor
+from kvsnap.format.hashing import digest128
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout
 from kvsnap.pipeline import CaptureResult, Pipeline, ProgressCallback, SequenceBlocks
@@ -275,8 +276,11 @@ def _encode_tensor(
     device) into ``out``, as ``recode_file`` encodes it."""
     if job.compression == "fp8" and entry.dtype in FP8_SOURCES:
         pages = buffer.view(FP8_SOURCES[entry.dtype]).view(entry.shape).to(work)
-        assert job.counts is not None
+        assert job.counts is not None and job.executor is not None
         add_fp8(out, entry, pages, job.counts, checks_on_device=True, signed=job.signed)
+        # The trailer's row of the e4m3 values, hashed while the device encodes the next.
+        values = next(item[3] for item in reversed(out.items) if item[0] == entry.name)
+        out.digests[entry.name] = job.executor.submit(digest128, values)
         return
     # The buffer is the next layer's: the host keeps a copy of its own.
     host = buffer.cpu().numpy() if buffer.device.type == "cuda" else buffer.numpy().copy()
@@ -338,7 +342,9 @@ def _in_file_order(files: SnapshotFiles, layers: StoredTensors) -> StoredTensors
         data = files.tensor_bytes(0, entry)
         array = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
         items.append((entry.name, entry.dtype, entry.shape, array))
-    return StoredTensors(items, layers.kinds, page_checks=layers.page_checks)
+    return StoredTensors(
+        items, layers.kinds, page_checks=layers.page_checks, digests=layers.digests
+    )
 
 
 def _nbytes(piece: bytes | np.ndarray) -> int:

@@ -9,7 +9,7 @@ a tensor either way, so the two give the same bytes for the same pages.
 
 from __future__ import annotations
 
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,13 +38,15 @@ class StoredTensors:
     (``kinds``); the fp8 tensors' pages and their decode, kept for the error report
     (``originals``, ``decoded``: on the device that quantized them); and the fp8 pages'
     checks computed on that device (``page_checks``: xxh3-64, and signed BLAKE3, by tensor;
-    a tensor missing there is hashed on the host)."""
+    a tensor missing there is hashed on the host); and the xxh3-128 of items hashed ahead,
+    while later tensors were encoded (``digests``, by item name: the trailer's rows)."""
 
     items: list[Item] = field(default_factory=list)
     kinds: dict[str, str] = field(default_factory=dict)
     originals: dict[str, torch.Tensor] = field(default_factory=dict)
     decoded: dict[str, torch.Tensor] = field(default_factory=dict)
     page_checks: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    digests: dict[str, Future[bytes]] = field(default_factory=dict)
 
 
 def encoding_device() -> torch.device:

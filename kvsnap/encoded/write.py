@@ -8,8 +8,8 @@ import dataclasses
 import os
 import tempfile
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,21 +141,29 @@ def stored_pieces(
             **({"page_checks": checks} if checks else {}),
         },
     }
-    return _container(document, items, keys)
+    return _container(document, items, keys, stored.digests)
 
 
 def _container(
-    document: dict[str, Any], items: list[Item], keys: KeyRing | None
+    document: dict[str, Any],
+    items: list[Item],
+    keys: KeyRing | None,
+    known: Mapping[str, Future[bytes]] | None = None,
 ) -> list[bytes | np.ndarray]:
     """The encoded file holding ``items`` (name, dtype, shape, bytes) under ``document``, as
-    pieces in file order: its trailer, and with ``keys`` its signature, computed here."""
+    pieces in file order: its trailer (from the xxh3-128 digests ``known`` holds, hashed
+    ahead, and those of the rest), and with ``keys`` its signature, computed here."""
     specs = [(name, dtype, shape) for name, dtype, shape, _ in items]
     specs.append((enc.ENCODED_CHECKSUMS_TENSOR, "U8", (len(items) + 2, 16)))
     if keys is not None:
         specs.append((SIGNATURE_TENSOR, "U8", (SIGNATURE_BYTES,)))
     header, layout = enc.build_layout(document, specs)
     data = {name: array for name, _, _, array in items}
-    digests = [digest128(header)] + [digest128(data[t.name]) for t in layout.checksummed]
+    known = known or {}
+    digests = [digest128(header)]
+    for tensor in layout.checksummed:
+        ahead = known.get(tensor.name)
+        digests.append(ahead.result() if ahead is not None else digest128(data[tensor.name]))
     data[enc.ENCODED_CHECKSUMS_TENSOR] = trailer = encode_trailer(digests)
     pieces: list[bytes | np.ndarray] = [header]
     for tensor in layout.tensors:
