@@ -249,21 +249,28 @@ def _encode_tensors(
     job: _Job, pages: CachePages, work: torch.device
 ) -> tuple[StoredTensors, list[ErrorReport]]:
     """Each layer tensor gathered, its pages hashed (into ``job.files``) and encoded; an fp8
-    layer's error measured once all its parts are, its pages then let go."""
+    layer's error measured once all its parts are, its pages then let go. Progress counts a
+    tensor once its pages are out of the cache (a caller may then reuse its blocks): as soon
+    as the host copied them, or on CUDA once its encoding reached the host (which the gather
+    preceded on the stream)."""
     files = job.files
     parts = len(files.metadata.geometry.parts)
     by_name = files.layouts[0].by_name
     out, reports, digests = StoredTensors(), [], []
     nbytes = pages.page_bytes * pages.num_blocks
+    queued = pages.device.type == "cuda"
+    assert job.done is not None
     for index, name in enumerate(files.names):
         with traced(job.trace, "encoded.tensor", nbytes):
             buffer = pages.gather(index)
+            if not queued:
+                job.done.add(nbytes)
             digests.append(xxh3_pages(buffer, pages.page_bytes))
             _encode_tensor(job, by_name[name], buffer, work, out)
+            if queued:
+                job.done.add(nbytes)
             if (index + 1) % parts == 0 and out.originals:
                 reports.append(_measured(out, job.counts))
-        assert job.done is not None
-        job.done.add(nbytes)
     with traced(job.trace, "encoded.digests"):
         files.digests[:] = to_host(digests, "xxh3").reshape(files.digests.shape)
     return out, reports
