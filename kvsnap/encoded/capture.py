@@ -98,6 +98,7 @@ def capture_compressed(
     shards or parts were asked for. The arguments and errors are otherwise
     ``kvsnap.capture``'s (and ``after`` :meth:`Pipeline.capture`'s); progress counts the
     ordinary file's pages as they are encoded."""
+    started = time.perf_counter()
     check_compression(compression, path, refused)
     pipeline = caches if isinstance(caches, Pipeline) else Pipeline(caches, transfer=transfer)
     table = _gather_table(pipeline)
@@ -120,7 +121,6 @@ def capture_compressed(
             keys=keys,
             refused=refused,
         )
-    started = time.perf_counter()
     metadata, device_blocks = _checked_metadata(pipeline.layouts, sequences, source, reproducible)
     files = decoded_files(path, metadata)
     job = _Job(compression, files, keys is not None, progress, trace)
