@@ -182,7 +182,7 @@ def _container(
 
 
 def _bytes(piece: bytes | np.ndarray) -> bytes | memoryview:
-    return piece if isinstance(piece, bytes) else memoryview(np.ascontiguousarray(piece)).cast("B")
+    return piece if isinstance(piece, bytes) else np.ascontiguousarray(piece).data.cast("B")
 
 
 def publish(pieces: list[bytes | np.ndarray], target: Path) -> int:
