@@ -12,6 +12,7 @@ them, quantizes them and measures the error on the device, and writes
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -128,7 +129,7 @@ def _parts(path: Path) -> tuple[dict, dict[str, bytes]]:
     length = enc.header_length(data[:8].tobytes(), len(data))
     layout = enc.parse_header(data[: 8 + length].tobytes(), len(data))
     tensors = {t.name: data[t.begin : t.end].tobytes() for t in layout.tensors}
-    return layout.document, tensors
+    return copy.deepcopy(layout.document), tensors  # parsed layouts are shared: not changed
 
 
 @pytest.mark.parametrize(
