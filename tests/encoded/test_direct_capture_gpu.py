@@ -112,7 +112,7 @@ def _cpu_capture(tmp_path: Path, case: dict) -> Path:
             json.dumps({**case, "out": str(out)}),
         ],
         cwd=REPOSITORY,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPOSITORY)},
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": _child_path()},
         capture_output=True,
         text=True,
         timeout=600,
@@ -192,3 +192,10 @@ def test_on_cuda_the_capture_follows_the_event_it_is_given(tmp_path):
     host = tmp_path / "host.safetensors"
     _capture(filled_caches(content, "vllm-nhd", 1, "cpu"), host, "fp8", None)
     assert path.read_bytes() == host.read_bytes()
+
+
+def _child_path() -> str:
+    """The repository first, then the caller's own path (where its dependencies may sit in a
+    ``--target`` folder, as on the GPU machines)."""
+    inherited = os.environ.get("PYTHONPATH")
+    return os.pathsep.join([str(REPOSITORY), *([inherited] if inherited else [])])
