@@ -16,8 +16,10 @@ as canonical pages of 16 tokens:
   machine is shared: the CPU-time rate is what a core gives when it is not taken away);
   the zstd parameters against plain level 1 on the exponent planes;
 * **fp8**: the error report's worst values (and the layers past issue 39's bounds) for scales
-  per (block, head), per head and per tensor, with the attention check's queries drawn from
-  the keys and from a normal distribution with the keys' statistics;
+  per (block, head) (kvsnap's: the nearest of three candidates; and ``amax / 448`` alone, its
+  first rule), per head and per tensor, with the attention check's queries drawn from the keys
+  and from a normal distribution with the keys' statistics, and the CPU seconds of quantizing
+  and decoding;
 * **greedy agreement**: 64 greedy tokens after each of 8 prefills of 512 tokens, from the
   prefilled cache and from the same cache with its KV through an fp8 round trip (scales per
   block and head, and per tensor), on the built-in model and a tiny Qwen2 built from a config
@@ -163,21 +165,38 @@ def zstd_parameters(arrays: list[np.ndarray], repeat: int) -> dict:
     return result
 
 
+#: The fp8 quantizers measured: kvsnap's (per (block, head), the nearest of three scales), its
+#: first rule (per (block, head), ``amax / 448`` alone), and the per-head and per-tensor
+#: baselines.
+FP8_VARIANTS = {
+    "block-head": {"granularity": "block-head"},
+    "block-head-amax": {"granularity": "block-head", "scale_factors": (1.0,)},
+    "head": {"granularity": "head"},
+    "tensor": {"granularity": "tensor"},
+}
+
+
 def fp8_figures(pages: dict[str, torch.Tensor]) -> dict:
     figures = {}
     raw = sum(tensor.numel() * tensor.element_size() for tensor in pages.values())
-    for granularity in fp8.GRANULARITIES:
+    for variant, options in FP8_VARIANTS.items():
         decoded, stored = {}, 0
+        started = time.process_time()
         for name, tensor in pages.items():
-            quantized = fp8.quantize(tensor, granularity=granularity)
+            quantized = fp8.quantize(tensor, **options)
             decoded[name] = fp8.dequantize(quantized.values, quantized.scales, tensor.dtype)
             stored += quantized.stored_bytes
-        figures[f"{granularity}/size_vs_bf16"] = stored / raw
+        figures[f"{variant}/quantize_and_decode_cpu_s"] = time.process_time() - started
+        figures[f"{variant}/size_vs_bf16"] = stored / raw
         for source in ("keys", "gaussian"):
             report = measure.error_report(
-                pages, decoded, encoding=fp8.NAME, granularity=granularity, query_source=source
+                pages,
+                decoded,
+                encoding=fp8.NAME,
+                granularity=str(options["granularity"]),
+                query_source=source,
             )
-            figures[f"{granularity}/{source}"] = {**report.worst, "exceeds": report.exceeds()}
+            figures[f"{variant}/{source}"] = {**report.worst, "exceeds": report.exceeds()}
     return figures
 
 

@@ -6,8 +6,10 @@ prefills ``--gpu-tokens`` random token ids through the 8B shape (random weights,
 KV heads x 128, bf16) on the GPU and measures, each the median of ``--repeat`` runs (CUDA
 events):
 
-* ``quantize``: every layer tensor to fp8 with per-(block, head) scales (what a capture adds),
-  and the error report computed on the device;
+* ``quantize``: every layer tensor to fp8 with per-(block, head) scales (what a capture adds:
+  the nearest of three candidate scales), beside ``quantize_amax`` (``amax / 448`` alone, the
+  quantizer's first rule: what the candidates cost), and the error report computed on the
+  device;
 * ``h2d_fp8`` / ``h2d_bf16``: one pinned host-to-device copy of the staged fp8 pages, and of
   the same pages in bf16 (the bytes a restore moves either way);
 * ``dequant`` per cache layout (vLLM split NHD, HND): the fused dequantizing scatter of every
@@ -64,6 +66,9 @@ def quantize_figures(pages: dict[str, torch.Tensor], repeat: int) -> tuple[dict,
     quantized = {name: fp8.quantize(tensor) for name, tensor in pages.items()}
     raw = sum(tensor.numel() * 2 for tensor in pages.values())
     quantize_ms = median_ms(lambda: [fp8.quantize(t) for t in pages.values()], repeat)
+    amax_ms = median_ms(
+        lambda: [fp8.quantize(t, scale_factors=(1.0,)) for t in pages.values()], repeat
+    )
 
     def report() -> object:
         decoded = {
@@ -77,6 +82,7 @@ def quantize_figures(pages: dict[str, torch.Tensor], repeat: int) -> tuple[dict,
         "kv_mib": raw / 2**20,
         "quantize_ms": quantize_ms,
         "quantize_gbs": raw / quantize_ms / 1e6,
+        "quantize_amax_ms": amax_ms,
         "error_report_ms": report_ms,
         "error_report": report().worst,  # type: ignore[attr-defined]
     }

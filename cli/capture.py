@@ -145,40 +145,40 @@ def capture(
     loaded_at = time.perf_counter()
     prefilled = _prefill(engine, loaded, sequences, force=force, show_progress=not as_json)
     prefilled_at = time.perf_counter()
-    written = target if compression == "none" else f"{target}.uncompressed.tmp"
     with progress_bar("writing", enabled=not as_json) as progress:
         result = engine.capture_dynamic_caches(
             prefilled,
-            written,
+            target,
             model=loaded,
             block_size=block_size,
             transfer=TransferOptions(backend=backend),
             progress=progress,
             reproducible=reproducible,
-            keys=None if compression != "none" else keys,
+            keys=keys,
+            compression=compression,
         )
-    encoding = None if compression == "none" else _encode(written, target, compression, keys)
+    encoding = None if compression == "none" else _encoded(result.path, compression)
     moments = (started, loaded_at, prefilled_at, time.perf_counter())
-    _report(result, target if encoding else result.path, encoding, notes, moments, as_json)
+    _report(result, encoding, notes, moments, as_json)
 
 
 def _report(
     result: Any,
-    path: str,
     encoding: dict[str, Any] | None,
     notes: list[str],
     moments: tuple[float, float, float, float],
     as_json: bool,
 ) -> None:
-    """Print what a capture wrote to ``path`` (``--json``: as JSON, with its ``notes``), with
-    its ``encoding``'s summary and each phase's time from ``moments``: started, model loaded,
-    prefill done, snapshot written (and encoded)."""
+    """Print what a capture wrote (``--json``: as JSON, with its ``notes``), with its
+    ``encoding``'s summary and each phase's time from ``moments``: started, model loaded,
+    prefill done, snapshot written (and encoded). ``bytes`` is the snapshot's size
+    uncompressed (an encoded one's decoded size)."""
     started, loaded_at, prefilled_at, finished = moments
     payload = {
-        "path": path,
+        "path": result.path,
         "sequences": result.num_sequences,
         "tokens": result.num_tokens,
-        "bytes": result.num_bytes,
+        "bytes": result.num_bytes if encoding is None else encoding["decoded_bytes"],
         "seconds": round(result.seconds, 6),
         "encoding": encoding or {"name": "none"},
         **({"notes": notes} if notes else {}),
@@ -191,28 +191,26 @@ def _report(
     )
     stdout.print(
         f"captured {result.num_sequences} sequence(s), {result.num_tokens} tokens, "
-        f"{format_bytes(result.num_bytes)}{stored} → [bold]{text(payload['path'])}[/] "
+        f"{format_bytes(payload['bytes'])}{stored} → [bold]{text(payload['path'])}[/] "
         f"in {finished - started:.2f} s (model load {loaded_at - started:.2f} s, prefill "
         f"{prefilled_at - loaded_at:.2f} s, write {finished - prefilled_at:.2f} s)"
     )
 
 
-def _encode(written: str, target: str, compression: str, keys: Any) -> dict[str, Any]:
-    """Encode the captured file ``written`` into ``target`` and remove it; the encoding's
-    summary (its error report's worst values for fp8)."""
-    from kvsnap.encoded.write import recode_file
+def _encoded(path: str, compression: str) -> dict[str, Any]:
+    """The summary of the encoded snapshot the capture wrote at ``path``, from its header: its
+    sizes and ratio (and for fp8 its error report's worst values)."""
+    from kvsnap.encoded.file import read_header
 
-    try:
-        result = recode_file(written, target, compression, keys=keys)
-    finally:
-        Path(written).unlink(missing_ok=True)
+    header = read_header(path)
     summary: dict[str, Any] = {
         "name": compression,
-        "ratio": round(result.ratio, 4),
-        "stored_bytes": result.stored_bytes,
+        "ratio": round(header.ratio, 4),
+        "stored_bytes": header.layout.file_size,
+        "decoded_bytes": header.decoded_bytes,
     }
-    if result.error is not None:
-        summary["error"] = result.error.worst
+    if header.error is not None:
+        summary["error"] = header.error.worst
     return summary
 
 

@@ -1,12 +1,9 @@
 """The facade users hold: ``capture``, and ``Snapshot`` (open, verify, compare, restore).
 
-``capture`` lives in :mod:`kvsnap.snapshot_capture` and the methods that read KV back as
-tensors in :mod:`kvsnap.snapshot_tensors` (:class:`~kvsnap.snapshot_tensors.SnapshotTensors`,
-which ``Snapshot`` inherits); both are imported from here.
-
-It owns no mechanism: capture and restore run on ``kvsnap.pipeline.Pipeline`` (the staging
-loop over slots that span tensors), reading and writing go through ``kvsnap.store``, and
-whether a snapshot fits a target is ``kvsnap.format.fit``'s call.
+``capture`` lives in :mod:`kvsnap.snapshot_capture`, the methods that read KV back as tensors in
+:mod:`kvsnap.snapshot_tensors` (``SnapshotTensors``, which ``Snapshot`` inherits). It owns no
+mechanism: capture and restore run on ``kvsnap.pipeline.Pipeline``, reading and writing go
+through ``kvsnap.store``, and whether a snapshot fits a target is ``kvsnap.format.fit``'s call.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ import numpy as np
 
 from kvsnap import format as fmt
 from kvsnap.encoded.file import EncodedInfo
-from kvsnap.encoded.opening import EncodedSnapshot, open_encoded
+from kvsnap.encoded.opening import EncodedSnapshot, open_encoded, open_known_encoded
 from kvsnap.errors import UnknownSequenceError, UnsupportedVersionError
 from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
@@ -150,14 +147,18 @@ class Snapshot(SnapshotTensors):
             ...
             kvsnap.errors.SnapshotIOError: no-such.safetensors: no such file...
         """
+        known = open_known_encoded(path, keys, verify=verify)  # skips the ordinary open's try
+        if known is not None:
+            return cls(known, str(path))
         try:
             return cls(open_snapshot(path, verify=verify, keys=keys), str(path))
-        except UnsupportedVersionError:
-            # An encoded snapshot (format version 3) opens as the ordinary one it stands for.
-            encoded = open_encoded(path, keys, verify=verify)
-            if encoded is None:
-                raise
-            return cls(encoded, str(path))
+        except UnsupportedVersionError as unsupported:
+            refused = unsupported  # an encoded file's own errors are not raised inside this one
+        # An encoded snapshot (format version 3) opens as the ordinary one it stands for.
+        encoded = open_encoded(path, keys, verify=verify)
+        if encoded is None:
+            raise refused
+        return cls(encoded, str(path))
 
     # -- metadata --------------------------------------------------------------------------
 

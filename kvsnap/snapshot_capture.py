@@ -88,7 +88,8 @@ def capture(
         compression: ``"none"`` (the snapshot as captured), ``"lossless"`` (bit-exact,
             smaller) or ``"fp8"`` (e4m3 with per (block, head) scales, its error measured and
             recorded): an encoded snapshot (docs/format.md, "Encoded snapshots"), one local
-            file, written from the captured one. Default ``"none"``.
+            file, its pages encoded where the cache lies (fp8: quantized and measured on the
+            device) and never written uncompressed. Default ``"none"``.
 
     Returns:
         A ``CaptureResult``: the path written (a parted snapshot's index), the numbers of
@@ -126,17 +127,19 @@ def capture(
         "keys": keys,
     }
     if compression != "none":
-        from kvsnap.encoded.write import capture_encoded
+        from kvsnap.encoded.capture import capture_compressed
 
-        plain = {**common, "keys": None, "transfer": transfer, "staging": staging}
-        return capture_encoded(
-            lambda written: capture(
-                layout, sequences, written, progress=progress, trace=trace, **plain
-            ),
+        return capture_compressed(
+            layout,
+            sequences,
             path,
             compression,
-            keys=keys,
+            transfer=transfer,
+            staging=staging_options(staging),
+            progress=progress,
+            trace=trace,
             refused=per_rank_parts or max_shard_bytes is not None,
+            **common,
         )
     if per_rank_parts:
         from kvsnap.parted import capture_parts

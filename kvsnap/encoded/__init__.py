@@ -3,8 +3,11 @@
 safetensors file (:mod:`kvsnap.format.encoded`).
 
 * :mod:`~kvsnap.encoded.write`: :func:`~kvsnap.encoded.write.encode_file` turns an ordinary
-  snapshot file into an encoded one (``kvsnap convert --compress``,
-  ``capture(..., compression=)``);
+  snapshot file into an encoded one (``kvsnap convert --compress``);
+* :mod:`~kvsnap.encoded.capture`: ``capture(..., compression=)``, the encoded file written
+  straight from the caches (:mod:`~kvsnap.encoded.cache_pages` gathers each layer tensor where
+  it lies, :mod:`~kvsnap.encoded.page_digests` hashes it there), never the ordinary file;
+* :mod:`~kvsnap.encoded.stored`: the stored tensors both writers make, the same way;
 * :mod:`~kvsnap.encoded.read`: :func:`~kvsnap.encoded.read.read_encoded` checks one and
   :func:`~kvsnap.encoded.read.decode` turns it back into the ordinary file it stands for;
 * :mod:`~kvsnap.encoded.opening`: that file in memory, for ``Snapshot.open`` (every reader of

@@ -15,8 +15,11 @@ scatter writes only the pages that passed; any other page is named in a
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,7 +31,7 @@ from kvsnap.format import encoded as enc
 from kvsnap.format.fit import check_fits
 from kvsnap.format.hashing import block_digests, page_digests
 from kvsnap.layout import CacheLayout
-from kvsnap.pipeline.jobs import RestoreResult, restore_pairs
+from kvsnap.pipeline.jobs import RestoreResult, block_pairs, restore_pairs
 from kvsnap.pipeline.page_checks import hash_constants
 from kvsnap.store.hot.tier import HotFile, hot_tier
 from kvsnap.transfer import page_blake3, page_dequant, page_hash
@@ -42,6 +45,13 @@ def fp8_restorable(encoded: Any, layouts: Sequence[CacheLayout]) -> bool:
     if not isinstance(encoded, OpenFp8File):
         return False
     return all(layout.device.type == "cuda" for layout in layouts)
+
+
+#: Pieces a device restore is cut into (by tensors): a piece is copied while the one before
+#: it is checked and scattered.
+PIECES = 8
+#: Threads reading a file the hot tier does not hold.
+READ_THREADS = 4
 
 
 def _checks_on_device(encoded: OpenFp8File, page_bytes: int, device: torch.device) -> bool:
@@ -59,82 +69,93 @@ def _lease(encoded: OpenFp8File) -> HotFile | None:
     return tier.lookup(encoded.path, encoded.fd, encoded.status)
 
 
-def _stage_values(
-    encoded: OpenFp8File,
-    names: list[str],
-    low: int,
-    high: int,
-    lease: HotFile | None,
-    device: torch.device,
-) -> tuple[torch.Tensor, np.ndarray | None]:
-    """The stored blocks ``low .. high`` of each tensor, back to back on ``device``; also on
-    the host when read from the descriptor (``None`` when copied out of the mapping)."""
-    page = encoded.layout.by_name[names[0]].nbytes // encoded.layout.by_name[names[0]].shape[0]
-    span = (high - low) * page
-    values = torch.empty(len(names) * span, dtype=torch.uint8, device=device)
-    if lease is not None:
-        assert lease.host is not None
-        for index, name in enumerate(names):
-            begin = encoded.layout.by_name[name].begin + low * page
-            target = values[index * span : (index + 1) * span]
-            target.copy_(lease.host[begin : begin + span], non_blocking=True)
-        return values, None
+def _read_values(
+    encoded: OpenFp8File, names: list[str], low: int, span: int
+) -> tuple[np.ndarray, list[Future[None]]]:
+    """The stored blocks from ``low`` (``span`` bytes) of each tensor, back to back in host
+    memory, read from the descriptor on :data:`READ_THREADS` threads: the buffer and one
+    future per tensor (a cold file is read at the disk's pace while pieces already read move
+    on)."""
     host = np.empty(len(names) * span, dtype=np.uint8)
-    for index, name in enumerate(names):
-        begin = encoded.layout.by_name[name].begin + low * page
+    first_byte = low * _page_bytes(encoded, names[0])
+
+    def read(index: int) -> None:
+        begin = encoded.layout.by_name[names[index]].begin + first_byte
         host[index * span : (index + 1) * span] = encoded.read(begin, span)
-    values.copy_(torch.from_numpy(host))
-    return values, host
+
+    pool = _read_pool()
+    return host, [pool.submit(read, index) for index in range(len(names))]
 
 
-def _page_checks(
+def _page_bytes(encoded: OpenFp8File, name: str) -> int:
+    stored = encoded.layout.by_name[name]
+    return stored.nbytes // max(stored.shape[0], 1)
+
+
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvsnap-fp8-read"))
+    return _POOL[0]
+
+
+def _stored_checks(encoded: OpenFp8File, names: list[str], blocks: np.ndarray) -> np.ndarray:
+    """Each page's stored check, tensor then ``blocks``: its xxh3-64 (``uint64``) or, opened
+    with keys, its signed BLAKE3-256 (``uint8 (pages, 32)``)."""
+    if encoded.signed_pages:
+        rows = [encoded.tensor(name + enc.DIGESTS_SUFFIX).reshape(-1, 32) for name in names]
+    else:
+        rows = [encoded.tensor(name + enc.PAGES_SUFFIX).view("<u8") for name in names]
+    return np.concatenate([row[blocks] for row in rows])
+
+
+def _host_checks(
+    encoded: OpenFp8File, host: np.ndarray, starts: np.ndarray, stored: np.ndarray, page_bytes: int
+) -> np.ndarray:
+    """1 per page of ``host`` (at ``starts``) that equals its ``stored`` check, else 0."""
+    ok = np.empty(len(starts), dtype=np.int64)
+    for index, at in enumerate(starts.tolist()):
+        page = host[at : at + page_bytes]
+        if encoded.signed_pages:
+            ok[index] = bool((page_digests(page, page_bytes)[0] == stored[index]).all())
+        else:
+            ok[index] = block_digests(page, page_bytes)[0] == stored[index]
+    return ok
+
+
+def _launch_checks(
     encoded: OpenFp8File,
-    names: list[str],
-    blocks: np.ndarray,
     values: torch.Tensor,
-    host: np.ndarray | None,
-    starts: np.ndarray,
+    words: torch.Tensor,
     page_bytes: int,
-) -> torch.Tensor:
-    """Per staged page (tensor, then ``blocks``), 1 when it equals its stored digest, else
-    0 (``int64``, on the values' device): checked there, or on the host where the kernels do
-    not take pages of ``page_bytes``."""
-    suffix = enc.DIGESTS_SUFFIX if encoded.signed_pages else enc.PAGES_SUFFIX
-    rows = [encoded.tensor(name + suffix) for name in names]
+    expected: torch.Tensor,
+    page_ok: torch.Tensor,
+) -> None:
+    """Enqueue the device checks of the pages at ``words`` (8-byte words of ``values``)."""
     if encoded.signed_pages:
-        stored = np.concatenate([row.reshape(-1, 32)[blocks] for row in rows])
-    else:
-        stored = np.concatenate([row.view("<u8")[blocks] for row in rows])
-    device = values.device
-    if not _checks_on_device(encoded, page_bytes, device):
-        assert host is not None
-        ok = np.array(
-            [
-                _host_page_ok(host, int(at), page_bytes, row, encoded.signed_pages)
-                for at, row in zip(starts, stored, strict=True)
-            ],
-            dtype=np.int64,
-        )
-        return torch.from_numpy(ok).to(device)
-    page_ok = torch.zeros(len(starts), dtype=torch.int64, device=device)
-    words = torch.from_numpy(starts // 8).to(device, non_blocking=True)
-    if encoded.signed_pages:
-        expected = torch.from_numpy(stored.view("<i4").reshape(-1, 8).copy()).to(device)
         page_blake3.launch_page_blake3_checks_at_words(values, words, page_bytes, expected, page_ok)
-    else:
-        expected = torch.from_numpy(stored.view(np.int64).copy()).to(device)
-        constants = hash_constants(device, page_bytes)
-        page_hash.launch_page_checks_at_words(
-            values, words, page_bytes, constants, expected, page_ok
-        )
-    return page_ok
+        return
+    constants = hash_constants(values.device, page_bytes)
+    page_hash.launch_page_checks_at_words(values, words, page_bytes, constants, expected, page_ok)
 
 
-def _host_page_ok(host: np.ndarray, at: int, page_bytes: int, row: Any, signed: bool) -> int:
-    page = host[at : at + page_bytes]
-    if signed:
-        return int(bool((page_digests(page, page_bytes)[0] == row).all()))
-    return int(block_digests(page, page_bytes)[0] == row)
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream a device restore copies pieces on (one per device, made once)."""
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _pieces(count: int) -> list[tuple[int, int]]:
+    """``[first, last)`` tensor ranges of about :data:`PIECES` equal pieces."""
+    bounds = np.linspace(0, count, min(PIECES, count) + 1).round().astype(int).tolist()
+    return list(itertools.pairwise(bounds))
 
 
 def restore_fp8(
@@ -195,46 +216,243 @@ def restore_fp8_on_device(
     return result
 
 
+def restore_fp8_blocks(
+    snapshot: Any,
+    layouts: Sequence[CacheLayout],
+    snapshot_blocks: np.ndarray | Sequence[int],
+    target_blocks: np.ndarray | Sequence[int],
+) -> RestoreResult:
+    """``Pipeline.restore_blocks`` of the open fp8 ``snapshot`` (checked as
+    :func:`restore_fp8_on_device` checks it, fingerprint apart: the caller's) into the CUDA
+    caches of ``layouts``: stored blocks ``snapshot_blocks`` into ``target_blocks``. What an
+    engine's worker calls for a chunk it loads."""
+    started = time.perf_counter()
+    encoded: OpenFp8File = snapshot.encoded
+    check_fits(snapshot.metadata, layouts[0].geometry, path=snapshot.path, force=True)
+    capacity = min(layout.num_blocks for layout in layouts)
+    sources, targets = block_pairs(
+        snapshot_blocks, target_blocks, snapshot.metadata.num_blocks, capacity
+    )
+    table = PageTable(list(layouts))
+    result = RestoreResult(0, 0, len(sources), 0, 0.0, "fp8-dequant")
+    if len(sources):
+        passed, moved_bytes = _move_and_scatter(encoded, table, sources, targets)
+        result = RestoreResult(
+            0, 0, len(sources), moved_bytes, time.perf_counter() - started, "fp8-dequant"
+        )
+        if not passed.all():
+            raise _incomplete(passed, list(table.names), targets, encoded, result)
+    return result
+
+
 def _move_and_scatter(
     encoded: OpenFp8File, table: PageTable, blocks: np.ndarray, target_blocks: np.ndarray
 ) -> tuple[np.ndarray, int]:
     """Stage, check and scatter the pages of stored ``blocks`` into ``target_blocks`` of
-    ``table``'s caches: per page (tensor, then block) whether it passed its check, and the
-    bytes moved to the device."""
+    ``table``'s caches, piece by piece: per page (tensor, then block) whether it passed its
+    check, and the bytes moved to the device."""
     names = list(table.names)
     device = table.device
-    shape = encoded.layout.by_name[names[0]].shape
-    page_bytes = int(np.prod(shape[1:]))
+    page_bytes = _page_bytes(encoded, names[0])
     low, high = int(blocks.min()), int(blocks.max()) + 1
-    lease = _lease(encoded) if _checks_on_device(encoded, page_bytes, device) else None
+    span = (high - low) * page_bytes
+    starts = (np.arange(len(names))[:, None] * span + (blocks - low)[None, :] * page_bytes).ravel()
+    scales = np.concatenate([encoded.scales[name][blocks] for name in names])
+    on_device = _checks_on_device(encoded, page_bytes, device)
+    lease = _lease(encoded) if on_device else None
+    pieces = _pieces(len(names))
     try:
-        values, host = _stage_values(encoded, names, low, high, lease, device)
-        span = (high - low) * page_bytes
-        starts = np.arange(len(names))[:, None] * span + (blocks - low)[None, :] * page_bytes
-        starts = starts.reshape(-1)
-        page_ok = _page_checks(encoded, names, blocks, values, host, starts, page_bytes)
-        scales = np.concatenate([encoded.scales[name][blocks] for name in names])
-        copies = page_dequant.dequant_copies(
-            table, np.repeat(np.arange(len(names)), len(blocks)), np.tile(target_blocks, len(names))
+        values = torch.empty(len(names) * span, dtype=torch.uint8, device=device)
+        # The first piece's copies go first, so the bus is busy while the tables are built;
+        # the tables' small uploads go next, ahead of the other pieces (a copy engine serves
+        # host-to-device copies in the order they came: a table queued behind every piece
+        # would hold every check and scatter until the last byte has arrived).
+        arrived = []
+        if lease is not None:
+            arrived = _copy_pieces(encoded, names, low, span, values, pieces[:1], lease)
+        reads = None if lease is not None else _read_values(encoded, names, low, span)
+        scatter = _prepare(
+            encoded, table, (blocks, target_blocks), starts, scales, values, on_device
         )
-        page_dequant.launch_dequant(
-            copies,
-            torch.from_numpy(kernel_table(copies)).to(device, non_blocking=True),
-            table,
-            values,
-            torch.from_numpy(starts).to(device, non_blocking=True),
-            torch.from_numpy(scales).to(device, non_blocking=True),
-            page_ok=page_ok,
-        )
-        passed = page_ok.cpu().numpy()  # waits for the scatter: its last step reads page_ok
+        staged = scatter.staged
+        if lease is not None:
+            arrived += _copy_pieces(encoded, names, low, span, values, pieces[1:], lease)
+        for index, (first, last) in enumerate(pieces):
+            if arrived:
+                torch.cuda.current_stream(device).wait_event(arrived[index])
+            elif reads is not None:
+                _copy_read(reads, first, last, span, values, staged, encoded, page_bytes)
+            scatter.piece(encoded, first * len(blocks), last * len(blocks), page_bytes)
+        passed = staged.page_ok.cpu().numpy()  # waits for the scatter: its last step reads it
     finally:
         if lease is not None:
             event = torch.cuda.Event()
             event.record()
             hot_tier().release(lease, event)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return passed, values.numel() + scales.nbytes
+    return passed, len(names) * span + scales.nbytes
+
+
+@dataclass
+class _Staged:
+    """A restore's per-page arrays on the device: each page's first byte in the staged values
+    and its scales (what the scatter reads), the checks' verdicts (``page_ok``), and for checks
+    on the device each page's offset in words and its stored check."""
+
+    starts: torch.Tensor
+    scales: torch.Tensor
+    page_ok: torch.Tensor
+    stored: np.ndarray
+    host_starts: np.ndarray
+    words: torch.Tensor | None = None
+    expected: torch.Tensor | None = None
+
+
+@dataclass
+class _Scatter:
+    """The dequantizing scatter of a restore's staged pages, piece by piece."""
+
+    table: PageTable
+    copies: list[Any]
+    arrays: torch.Tensor
+    values: torch.Tensor
+    staged: _Staged
+    exact: bool
+
+    def piece(self, encoded: OpenFp8File, first: int, stop: int, page_bytes: int) -> None:
+        """Enqueue the checks (on the device) and the scatter of staged pages ``first`` to
+        ``stop`` (exclusive)."""
+        staged = self.staged
+        if staged.words is not None and staged.expected is not None:
+            _launch_checks(
+                encoded,
+                self.values,
+                staged.words[first:stop],
+                page_bytes,
+                staged.expected[first:stop],
+                staged.page_ok[first:stop],
+            )
+        page_dequant.launch_dequant(
+            self.copies,
+            self.arrays,
+            self.table,
+            self.values,
+            staged.starts,
+            staged.scales,
+            page_ok=staged.page_ok,
+            slot_pages=(first, stop),
+            exact=self.exact,
+        )
+
+
+def _prepare(
+    encoded: OpenFp8File,
+    table: PageTable,
+    pairs: tuple[np.ndarray, np.ndarray],
+    starts: np.ndarray,
+    scales: np.ndarray,
+    values: torch.Tensor,
+    on_device: bool,
+) -> _Scatter:
+    """The scatter of stored blocks ``pairs[0]`` into target blocks ``pairs[1]``: its tables
+    built on the host and uploaded in one copy (one place in the copy engine's queue, ahead
+    of the pieces after the first)."""
+    blocks, target_blocks = pairs
+    names = list(table.names)
+    stored = _stored_checks(encoded, names, blocks)
+    copies = page_dequant.dequant_copies(
+        table, np.repeat(np.arange(len(names)), len(blocks)), np.tile(target_blocks, len(names))
+    )
+    arrays = [starts, scales, kernel_table(copies)]
+    if on_device:
+        raw = stored.view("<i4").reshape(-1, 8) if encoded.signed_pages else stored.view("<i8")
+        arrays += [starts // 8, raw]
+    uploaded = _upload_together(arrays, values.device)
+    page_ok = torch.zeros(len(starts), dtype=torch.int64, device=values.device)
+    staged = _Staged(uploaded[0], uploaded[1], page_ok, stored, starts, *uploaded[3:])
+    return _Scatter(table, copies, uploaded[2], values, staged, page_dequant.needs_exact(scales))
+
+
+def _upload_together(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """``arrays`` on ``device`` through one host-to-device copy: each a view of its own
+    16-byte-aligned bytes of one buffer, in its dtype and shape."""
+    sizes = [-(-array.nbytes // 16) * 16 for array in arrays]
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    joined = np.zeros(int(offsets[-1]), dtype=np.uint8)
+    for array, offset in zip(arrays, offsets.tolist(), strict=False):
+        joined[offset : offset + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
+    on_device = torch.from_numpy(joined).to(device, non_blocking=True)
+    views = []
+    for array, offset in zip(arrays, offsets.tolist(), strict=False):
+        dtype = _TORCH_TYPES[np.dtype(array.dtype).newbyteorder("=")]
+        piece = on_device[offset : offset + array.nbytes].view(dtype)
+        views.append(piece.reshape(array.shape))
+    return views
+
+
+#: torch dtypes of the table arrays a restore uploads.
+_TORCH_TYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.uint64): torch.int64,
+}
+
+
+def _copy_pieces(
+    encoded: OpenFp8File,
+    names: list[str],
+    low: int,
+    span: int,
+    values: torch.Tensor,
+    pieces: list[tuple[int, int]],
+    lease: HotFile,
+) -> list[torch.cuda.Event]:
+    """Enqueue on the side stream the copy of every tensor's stored blocks from ``low``
+    (``span`` bytes) out of the registered mapping into ``values``: an event per piece,
+    recorded once its tensors have arrived."""
+    assert lease.host is not None
+    side = _copy_stream(values.device)
+    side.wait_stream(torch.cuda.current_stream(values.device))  # the buffer's allocation
+    first_byte = low * _page_bytes(encoded, names[0])
+    arrived = []
+    with torch.cuda.stream(side):
+        for first, last in pieces:
+            for index in range(first, last):
+                begin = encoded.layout.by_name[names[index]].begin + first_byte
+                values[index * span : (index + 1) * span].copy_(
+                    lease.host[begin : begin + span], non_blocking=True
+                )
+            event = torch.cuda.Event()
+            event.record(side)
+            arrived.append(event)
+    return arrived
+
+
+def _copy_read(
+    reads: tuple[np.ndarray, list[Future[None]]],
+    first: int,
+    last: int,
+    span: int,
+    values: torch.Tensor,
+    staged: _Staged,
+    encoded: OpenFp8File,
+    page_bytes: int,
+) -> None:
+    """Wait for a piece's reads and copy it to the device; pages checked on the host are
+    checked here."""
+    host, futures = reads
+    for future in futures[first:last]:
+        future.result()
+    piece = slice(first * span, last * span)
+    if staged.words is None:
+        inside = (staged.host_starts >= piece.start) & (staged.host_starts < piece.stop)
+        ok = _host_checks(
+            encoded, host, staged.host_starts[inside], staged.stored[inside], page_bytes
+        )
+        staged.page_ok[torch.from_numpy(np.flatnonzero(inside)).to(values.device)] = (
+            torch.from_numpy(ok).to(values.device)
+        )
+    values[piece].copy_(torch.from_numpy(host[piece]), non_blocking=True)
 
 
 def _incomplete(

@@ -3,13 +3,14 @@ recorded error report."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvsnap.encoding.report import ErrorReport
-from kvsnap.errors import SnapshotCorruptError
+from kvsnap.errors import SnapshotCorruptError, SnapshotIOError
 from kvsnap.format import encoded as enc
 
 
@@ -66,3 +67,26 @@ class EncodedFile(EncodedInfo):
                 f"{found}, expected {dtype} {tuple(shape)}", file=self.file, tensor=name
             )
         return self.tensor(name)
+
+
+@dataclass(frozen=True)
+class EncodedHeader(EncodedInfo):
+    """An encoded file's checked layout, its header read alone (no tensor is read)."""
+
+    layout: enc.EncodedLayout
+    file: str | None
+
+
+def read_header(path: str | os.PathLike[str]) -> EncodedHeader:
+    """The header of the encoded file at ``path``: its encoding, sizes and recorded error
+    (``SnapshotIOError`` when it cannot be read, the format's errors when it is no encoded
+    file)."""
+    file = os.fspath(path)
+    try:
+        with open(file, "rb") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            prefix = stream.read(8)
+            header = prefix + stream.read(enc.header_length(prefix, size, file))
+    except OSError as exc:
+        raise SnapshotIOError(f"{file}: cannot read ({exc.strerror or exc})") from exc
+    return EncodedHeader(enc.parse_header(header, size, file), file)

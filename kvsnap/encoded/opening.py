@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,34 @@ class EncodedSnapshot:
             self.fp8_file.close()
 
 
+#: Files an encoded open succeeded on, by identity (device, inode, size, modification time):
+#: :func:`open_known_encoded` opens them as encoded first, without the ordinary open's try.
+_KNOWN: OrderedDict[tuple[int, int, int, int], None] = OrderedDict()
+_KNOWN_MAX = 256
+
+
+def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+
+
+def open_known_encoded(
+    path: str | os.PathLike[str], keys: KeyRing | None, *, verify: bool
+) -> EncodedSnapshot | None:
+    """:func:`open_encoded` of ``path`` when that very file (by identity) opened as an fp8
+    snapshot before in this process (an engine's hits), else ``None`` at the cost of one
+    ``stat`` (none while no encoded file was opened)."""
+    local = _local_path(path) if _KNOWN else None
+    if local is None:
+        return None
+    try:
+        identity = _identity(os.stat(local))
+    except OSError:
+        return None
+    if identity not in _KNOWN:
+        return None
+    return open_encoded(path, keys, verify=verify)
+
+
 def open_encoded(
     path: str | os.PathLike[str], keys: KeyRing | None, *, verify: bool
 ) -> EncodedSnapshot | None:
@@ -183,6 +212,9 @@ def open_encoded(
         return None
     fp8_file = open_fp8_file(local, keys)
     if fp8_file is not None:
+        _KNOWN[_identity(fp8_file.status)] = None
+        if len(_KNOWN) > _KNOWN_MAX:
+            _KNOWN.popitem(last=False)
         return EncodedSnapshot(keys, verify, fp8_file=fp8_file)
     decoded = open_decoded(path, keys)
     if decoded is None:

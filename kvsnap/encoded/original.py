@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,19 +55,27 @@ class OriginalFile:
         return [entry for entry in self.layout.entries if is_layer_tensor(entry.name)]
 
     def tokens_per_block(self) -> np.ndarray:
-        """How many leading tokens of each block hold KV (the longest use of it by a
-        sequence; 0 for a block no sequence uses)."""
-        block_size = self.metadata.geometry.block_size
-        counts = np.zeros(self.metadata.num_blocks, dtype=np.int64)
-        by_name = self.layout.by_name
-        for index, sequence in enumerate(self.metadata.sequences):
-            entry = by_name[f"sequences.{index}.block_ids"]
-            block_ids = self.bytes_of(entry).view("<i8")
-            held = np.minimum(
-                block_size, sequence.num_tokens - block_size * np.arange(len(block_ids))
-            )
-            np.maximum.at(counts, block_ids, held)
-        return counts
+        """How many leading tokens of each block hold KV (:func:`tokens_per_block`)."""
+        sequences = self.metadata.sequences
+        entries = [self.layout.by_name[f"sequences.{i}.block_ids"] for i in range(len(sequences))]
+        held = [
+            (sequence.num_tokens, self.bytes_of(entry).view("<i8"))
+            for sequence, entry in zip(sequences, entries, strict=True)
+        ]
+        return tokens_per_block(self.metadata.geometry.block_size, self.metadata.num_blocks, held)
+
+
+def tokens_per_block(
+    block_size: int, num_blocks: int, sequences: Iterable[tuple[int, np.ndarray]]
+) -> np.ndarray:
+    """How many leading tokens of each of ``num_blocks`` snapshot blocks hold KV, given each
+    sequence's token count and snapshot block ids: the longest use of a block by a sequence
+    (0 for a block no sequence uses)."""
+    counts = np.zeros(num_blocks, dtype=np.int64)
+    for num_tokens, block_ids in sequences:
+        held = np.minimum(block_size, num_tokens - block_size * np.arange(len(block_ids)))
+        np.maximum.at(counts, block_ids, held)
+    return counts
 
 
 def parse_original(data: np.ndarray, file: str | None = None) -> OriginalFile:

@@ -1,6 +1,6 @@
-"""Writing an encoded snapshot: an ordinary snapshot file's tensors encoded, the fp8 error
-measured against the original pages, the container (:mod:`kvsnap.format.encoded`) written
-front to back and published with a rename."""
+"""Writing an encoded snapshot: an ordinary snapshot file's tensors encoded
+(:mod:`kvsnap.encoded.stored`), the fp8 error measured against the original pages, the
+container (:mod:`kvsnap.format.encoded`) written front to back and published with a rename."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import dataclasses
 import os
 import tempfile
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,20 +21,25 @@ import torch
 from kvsnap._version import __version__
 from kvsnap.encoded.original import OriginalFile, check_original, parse_original, read_local
 from kvsnap.encoded.read import decode, is_encoded, parse_encoded
-from kvsnap.encoding import fp8, lossless, measure
+from kvsnap.encoded.stored import (
+    CODECS,
+    FP8_SOURCES,
+    Item,
+    StoredTensors,
+    add_fp8,
+    add_lossless,
+    add_raw,
+    encoding_device,
+    with_page_checks,
+)
+from kvsnap.encoding import fp8, measure
 from kvsnap.encoding.report import ErrorReport
 from kvsnap.errors import SnapshotIOError
 from kvsnap.format import encoded as enc
 from kvsnap.format.constants import SIGNATURE_BYTES, SIGNATURE_TENSOR
 from kvsnap.format.container import TensorEntry, is_layer_tensor
-from kvsnap.format.hashing import block_digests, digest128, encode_trailer
-from kvsnap.format.hashing import page_digests as fmt_page_digests
+from kvsnap.format.hashing import digest128, encode_trailer
 from kvsnap.format.signing import KeyRing
-
-#: Layer dtypes fp8 quantizes (others are stored raw), as torch dtypes.
-FP8_SOURCES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-#: Codec names recorded per encoding.
-CODECS = {"fp8": fp8.NAME, "lossless": lossless.NAME}
 
 
 @dataclass(frozen=True)
@@ -55,62 +60,19 @@ class EncodeResult:
         return self.decoded_bytes / max(self.stored_bytes, 1)
 
 
-@dataclass
-class _Stored:
-    """Tensors to store, in file order: (name, dtype, shape, bytes)."""
-
-    items: list[tuple[str, str, tuple[int, ...], np.ndarray]]
-    kinds: dict[str, str]
-    originals: dict[str, torch.Tensor]
-    decoded: dict[str, torch.Tensor]
-
-
-def encoding_device() -> torch.device:
-    """Where fp8 pages are quantized and their error measured: the GPU when there is one (the
-    same torch ops, bit for bit the same values, far faster), else the CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _fp8_tensor(
-    original: OriginalFile, entry: TensorEntry, counts: torch.Tensor, out: _Stored
+    original: OriginalFile, entry: TensorEntry, counts: torch.Tensor, out: StoredTensors
 ) -> None:
     dtype = FP8_SOURCES[entry.dtype]
     host = torch.frombuffer(original.bytes_of(entry).copy(), dtype=dtype).reshape(entry.shape)
-    pages = host.to(counts.device)
-    quantized = fp8.quantize(pages, token_counts=counts)
-    values = quantized.values.cpu().numpy().reshape(-1)
-    out.items.append((entry.name, "F8_E4M3", entry.shape, values))
-    scales = quantized.scales.cpu().numpy()
-    out.items.append(
-        (entry.name + enc.SCALES_SUFFIX, "F32", scales.shape, scales.view(np.uint8).reshape(-1))
-    )
-    out.kinds[entry.name] = "fp8"
-    out.originals[entry.name] = pages
-    out.decoded[entry.name] = fp8.dequantize(quantized.values, quantized.scales, dtype)
+    add_fp8(out, entry, host.to(counts.device), counts)
 
 
-def _lossless_tensor(
-    original: OriginalFile, entry: TensorEntry, executor: Executor | None, out: _Stored
-) -> None:
-    word = enc.ITEM_BYTES[entry.dtype]
-    coded = lossless.encode_pages(
-        np.ascontiguousarray(original.pages(entry)), word, executor=executor
-    )
-    if coded is None:
-        out.items.append((entry.name, entry.dtype, entry.shape, original.bytes_of(entry)))
-        out.kinds[entry.name] = "raw"
-        return
-    out.items.append((entry.name, "U8", (coded.stored_bytes,), coded.data))
-    table = np.ascontiguousarray(coded.chunk_table, dtype="<u8")
-    out.items.append(
-        (entry.name + enc.CHUNKS_SUFFIX, "U64", table.shape, table.view(np.uint8).reshape(-1))
-    )
-    out.kinds[entry.name] = "lossless"
-
-
-def _stored_tensors(original: OriginalFile, encoding: str, executor: Executor | None) -> _Stored:
+def _stored_tensors(
+    original: OriginalFile, encoding: str, executor: Executor | None
+) -> StoredTensors:
     header = np.frombuffer(original.layout.header, dtype=np.uint8)
-    out = _Stored([(enc.ORIGINAL_HEADER_TENSOR, "U8", (len(header),), header)], {}, {}, {})
+    out = StoredTensors([(enc.ORIGINAL_HEADER_TENSOR, "U8", (len(header),), header)])
     counts = torch.from_numpy(original.tokens_per_block()).to(encoding_device())
     for entry in original.layout.entries:
         if enc.is_padding(entry.name):
@@ -120,31 +82,11 @@ def _stored_tensors(original: OriginalFile, encoding: str, executor: Executor | 
         elif encoding == "fp8" and entry.dtype in FP8_SOURCES:
             _fp8_tensor(original, entry, counts, out)
         elif encoding == "lossless":
-            _lossless_tensor(original, entry, executor, out)
+            pages = np.ascontiguousarray(original.pages(entry))
+            add_lossless(out, entry, pages, executor)
         else:
-            out.items.append((entry.name, entry.dtype, entry.shape, original.bytes_of(entry)))
-            out.kinds[entry.name] = "raw"
+            add_raw(out, entry, original.bytes_of(entry))
     return out
-
-
-def _with_page_checks(stored: _Stored, signed: bool) -> list[tuple[str, str, tuple[int, ...], Any]]:
-    """``stored``'s items with each fp8 tensor's page checks after its scales: the xxh3-64 of
-    every stored page, and (``signed``) its BLAKE3-256."""
-    items = []
-    for name, dtype, shape, array in stored.items:
-        items.append((name, dtype, shape, array))
-        layer = name.removesuffix(enc.SCALES_SUFFIX)
-        if name == layer or stored.kinds.get(layer) != "fp8":
-            continue
-        values = next(item[3] for item in stored.items if item[0] == layer)
-        blocks = shape[0]
-        page_bytes = len(values) // max(blocks, 1)
-        pages = np.ascontiguousarray(block_digests(values, page_bytes), dtype="<u8")
-        items.append((layer + enc.PAGES_SUFFIX, "U64", (blocks,), pages.view(np.uint8)))
-        if signed:
-            digests = fmt_page_digests(values, page_bytes)
-            items.append((layer + enc.DIGESTS_SUFFIX, "U8", digests.shape, digests.reshape(-1)))
-    return items
 
 
 def encoded_pieces(
@@ -169,7 +111,20 @@ def encoded_pieces(
             granularity="block-head",
             token_counts=torch.from_numpy(original.tokens_per_block()).to(encoding_device()),
         )
-    items = _with_page_checks(stored, signed=keys is not None)
+    return stored_pieces(stored, encoding, len(original.data), keys, report), report
+
+
+def stored_pieces(
+    stored: StoredTensors,
+    encoding: str,
+    decoded_bytes: int,
+    keys: KeyRing | None,
+    report: ErrorReport | None,
+) -> list[bytes | np.ndarray]:
+    """The encoded file (``encoding``) of a decoded file of ``decoded_bytes`` whose tensors
+    ``stored`` holds, with the fp8 pages' checks, its metadata recording ``report``, and
+    signed with ``keys``' first key when given: pieces in file order."""
+    items = with_page_checks(stored, signed=keys is not None)
     # fp8 pages carry checks a device restore verifies; lossless ones decode on the host.
     checks = [] if encoding != "fp8" else ["xxh3-64"] if keys is None else list(enc.PAGE_CHECKS)
     algorithm = enc.PAGES_SIGNATURE_ALGORITHM if checks else enc.SIGNATURE_ALGORITHM
@@ -179,30 +134,36 @@ def encoded_pieces(
         "encoding": {
             "name": encoding,
             "codec": CODECS[encoding],
-            "decoded_bytes": len(original.data),
+            "decoded_bytes": decoded_bytes,
             "tensors": stored.kinds,
             "signature": None if keys is None else algorithm,
             "error": None if report is None else report.to_dict(),
             **({"page_checks": checks} if checks else {}),
         },
     }
-    return _container(document, items, keys), report
+    return _container(document, items, keys, stored.digests)
 
 
 def _container(
     document: dict[str, Any],
-    items: list[tuple[str, str, tuple[int, ...], Any]],
+    items: list[Item],
     keys: KeyRing | None,
+    known: Mapping[str, Future[bytes]] | None = None,
 ) -> list[bytes | np.ndarray]:
     """The encoded file holding ``items`` (name, dtype, shape, bytes) under ``document``, as
-    pieces in file order: its trailer, and with ``keys`` its signature, computed here."""
+    pieces in file order: its trailer (from the xxh3-128 digests ``known`` holds, hashed
+    ahead, and those of the rest), and with ``keys`` its signature, computed here."""
     specs = [(name, dtype, shape) for name, dtype, shape, _ in items]
     specs.append((enc.ENCODED_CHECKSUMS_TENSOR, "U8", (len(items) + 2, 16)))
     if keys is not None:
         specs.append((SIGNATURE_TENSOR, "U8", (SIGNATURE_BYTES,)))
     header, layout = enc.build_layout(document, specs)
     data = {name: array for name, _, _, array in items}
-    digests = [digest128(header)] + [digest128(data[t.name]) for t in layout.checksummed]
+    known = known or {}
+    digests = [digest128(header)]
+    for tensor in layout.checksummed:
+        ahead = known.get(tensor.name)
+        digests.append(ahead.result() if ahead is not None else digest128(data[tensor.name]))
     data[enc.ENCODED_CHECKSUMS_TENSOR] = trailer = encode_trailer(digests)
     pieces: list[bytes | np.ndarray] = [header]
     for tensor in layout.tensors:
@@ -221,10 +182,10 @@ def _container(
 
 
 def _bytes(piece: bytes | np.ndarray) -> bytes | memoryview:
-    return piece if isinstance(piece, bytes) else memoryview(np.ascontiguousarray(piece)).cast("B")
+    return piece if isinstance(piece, bytes) else np.ascontiguousarray(piece).data.cast("B")
 
 
-def _publish(pieces: list[bytes | np.ndarray], target: Path) -> int:
+def publish(pieces: list[bytes | np.ndarray], target: Path) -> int:
     """Write ``pieces`` to a temporary file beside ``target``, fsync, rename: the previous
     file at ``target`` is untouched on any error."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -267,7 +228,7 @@ def encode_file(
         pieces, report = encoded_pieces(
             original, encoding, keys=keys, measure_error=measure_error, executor=executor
         )
-    stored = _publish(pieces, Path(target))
+    stored = publish(pieces, Path(target))
     return EncodeResult(
         os.fspath(target),
         encoding,
@@ -306,17 +267,26 @@ def recode_file(
                 "an ordinary snapshot is signed at capture: --compress none keeps "
                 "the file as it was"
             )
-        stored = _publish([data], Path(target))
+        stored = publish([data], Path(target))
         report = None
     else:
         with ThreadPoolExecutor(max(1, threads)) as executor:
             pieces, report = encoded_pieces(
                 original, compression, keys=keys, measure_error=measure_error, executor=executor
             )
-        stored = _publish(pieces, Path(target))
+        stored = publish(pieces, Path(target))
     return EncodeResult(
         os.fspath(target), compression, len(data), stored, time.perf_counter() - started, report
     )
+
+
+def check_compression(compression: str, path: str | os.PathLike[str], refused: bool) -> None:
+    """Refuse (``ValueError``) a capture's ``compression`` that is no encoding, and an encoded
+    capture to anything but one local file (``refused``: shards or parts were asked for)."""
+    if compression not in enc.ENCODINGS:
+        raise ValueError(f"compression {compression!r}: none, lossless or fp8")
+    if refused or "://" in os.fspath(path):
+        raise ValueError("an encoded snapshot is one local file: no shards, parts or URLs")
 
 
 def capture_encoded(
@@ -327,19 +297,26 @@ def capture_encoded(
     keys: KeyRing | None,
     refused: bool,
 ) -> Any:
-    """``capture(written)`` into a temporary file beside ``path`` (unsigned: the encoded file
-    is what is signed), then that file encoded into ``path`` as ``compression`` and removed:
-    the capture's result, its path ``path``."""
-    if compression not in enc.ENCODINGS:
-        raise ValueError(f"compression {compression!r}: none, lossless or fp8")
-    if refused or "://" in os.fspath(path):
-        raise ValueError("an encoded snapshot is one local file: no shards, parts or URLs")
+    """``capture(written)`` into a temporary file beside ``path`` (an ordinary snapshot, signed
+    or not as ``capture`` makes it: the encoded file keeps it as its decoded file), then that
+    file encoded into ``path`` as ``compression`` (signed with ``keys``) and removed: the
+    capture's result, its path ``path``, its bytes the encoded file's and its seconds the
+    whole call's. The way an encoded
+    capture goes where its pages cannot be gathered on the device
+    (:mod:`kvsnap.encoded.capture`)."""
+    check_compression(compression, path, refused)
+    started = time.perf_counter()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     written = target.with_name(f".{target.name}.captured.tmp")
     try:
         result = capture(str(written))
-        recode_file(written, target, compression, keys=keys)
+        encoded = recode_file(written, target, compression, keys=keys)
     finally:
         written.unlink(missing_ok=True)
-    return dataclasses.replace(result, path=os.fspath(path))
+    return dataclasses.replace(
+        result,
+        path=os.fspath(path),
+        num_bytes=encoded.stored_bytes,
+        seconds=time.perf_counter() - started,
+    )

@@ -12,15 +12,29 @@ with ``value = e4m3(values) * scale``. Quantizing, in fp32:
 1. ``amax`` of each (block, head) over its tokens and dims, finite elements only (and, given
    ``token_counts``, only a block's first ``token_counts[b]`` tokens: the rest of a partly
    filled block is whatever its previous user left);
-2. ``scale = max(amax / 448, 2**-126)`` where ``amax > 0``, else ``1`` (an all-zero, or
+2. ``base = max(amax / 448, 2**-126)`` where ``amax > 0``, else ``1`` (an all-zero, or
    all-non-finite, head of a block): never zero, never NaN or infinite, never subnormal;
-3. ``values = e4m3(clamp(x / scale, -448, 448))``, rounded to nearest even. NaN stays NaN
-   (the code ``0x7f``/``0xff``); an infinity becomes ``±448``, the block's largest magnitude
-   (e4m3fn has no infinity); the error report counts both (``non_finite``).
+3. ``scale``: of the candidates ``base * f`` for ``f`` in :data:`SCALE_FACTORS` (``base``
+   itself where ``amax`` is 0), the one whose decoded values (step 4, then the decoding below)
+   are nearest the originals: the least sum of squared errors over the (block, head)'s finite
+   elements of the tokens kept, summed in fp32 in a fixed order (so every device chooses the
+   same), the first candidate on a tie;
+4. ``values = e4m3(clamp(x / scale, -448, 448))``, rounded to nearest even. NaN stays NaN
+   (the code ``0x7f``/``0xff``); an infinity becomes ``±448 * scale``, the block's largest
+   magnitude or more (e4m3fn has no infinity); the error report counts both (``non_finite``).
+
+Why several candidates: e4m3 rounds a value to 3 mantissa bits, so where a block's values fall
+between the grid points depends on the scale's own mantissa; a block whose large values round
+badly at ``amax / 448`` may round well at another scale. Choosing the least squared error per
+(block, head) lowers the error where it matters most (the largest values), and makes the
+rounding errors of values repeated across blocks (a token's layer-0 values, say) differ from
+block to block, so that attention, which averages them, cancels more of them
+(docs/benchmarks.md, "Encodings"). It costs one quantization and decoding pass per candidate.
 
 ``granularity`` ``"head"`` (one scale per head over the whole tensor, vLLM's per-head scales)
-and ``"tensor"`` (one scale per tensor) exist to measure the baselines; their scales are laid
-out the same way, so everything downstream is the same.
+and ``"tensor"`` (one scale per tensor) exist to measure the baselines: ``amax / 448`` of what
+shares the scale, no candidates; their scales are laid out the same way, so everything
+downstream is the same.
 
 Dequantizing (:func:`dequantize`, and the device kernel :mod:`kvsnap.transfer.page_dequant`,
 bit-identical): ``e4m3 -> fp32`` (exact), times the scale in fp32 (rounded to nearest even),
@@ -49,6 +63,11 @@ CANONICAL_NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float
 DECODED_DTYPES = tuple(CANONICAL_NAN_BITS)
 #: Integer views of those dtypes, for writing NaN bits.
 _BITS_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+#: Candidate scales of a (block, head), as factors of ``amax / 448``: its largest magnitude
+#: scaled to 448, 336 and 238.9. Each keeps the error of every element under 1/16 of the
+#: block's largest magnitude: at most half a step of 32 over 336 (4.8%), plus the cache dtype's
+#: own rounding of the decoded value (bf16: 0.4%).
+SCALE_FACTORS = (1.0, 4.0 / 3.0, 15.0 / 8.0)
 
 
 @dataclass(frozen=True)
@@ -112,21 +131,80 @@ def scales_for(amax: torch.Tensor, granularity: str = "block-head") -> torch.Ten
     return torch.where(amax > 0, scale, torch.ones_like(scale)).contiguous()
 
 
+def _codes(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The e4m3 values of fp32 pages ``x`` (4-D) with ``scales`` ``(blocks, heads)``."""
+    return torch.clamp(x / scales[:, None, :, None], -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _ordered_sums(squares: torch.Tensor) -> torch.Tensor:
+    """``(blocks, heads)`` sums of fp32 ``squares`` ``(blocks, tokens, heads, dim)``, added
+    pairwise in a fixed order (halves, then halves of those): elementwise additions only, so
+    every device adds the same numbers in the same order and gets the same bits (a reduction
+    kernel's order differs between devices)."""
+    rows = squares.permute(0, 2, 1, 3).reshape(squares.shape[0], squares.shape[2], -1)
+    while rows.shape[-1] > 1:
+        if rows.shape[-1] % 2:
+            rows = torch.cat([rows, rows.new_zeros((*rows.shape[:-1], 1))], dim=-1)
+        half = rows.shape[-1] // 2
+        rows = rows[..., :half] + rows[..., half:]
+    return rows[..., 0] if rows.shape[-1] else rows.new_zeros(rows.shape[:-1])
+
+
+def nearest_scales(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    dtype: torch.dtype,
+    token_counts: torch.Tensor | None = None,
+    factors: tuple[float, ...] | None = None,
+) -> torch.Tensor:
+    """Per (block, head) of fp32 pages ``x`` (4-D; ``amax`` their :func:`block_head_amax`),
+    the candidate scale (``amax / 448`` times each of ``factors``, default
+    :data:`SCALE_FACTORS`) whose values decoded to ``dtype`` have the least sum of squared
+    errors over the finite elements of the tokens kept."""
+    base = scales_for(amax)
+    if factors is None:
+        factors = SCALE_FACTORS
+    if tuple(factors) == (1.0,):
+        return base
+    kept = torch.isfinite(x)
+    mask = token_mask(token_counts, x.shape[0], x.shape[1], x.device)
+    if mask is not None:
+        kept &= mask[:, :, None, None]
+    best, best_error = base, None
+    for factor in factors:
+        candidate = torch.where(amax > 0, base * torch.full_like(base, factor), base)
+        decoded = (_codes(x, candidate).float() * candidate[:, None, :, None]).to(dtype).float()
+        error = _ordered_sums(torch.where(kept, decoded - x, 0.0).square())
+        if best_error is None:
+            best_error = error
+            continue
+        better = error < best_error
+        best = torch.where(better, candidate, best)
+        best_error = torch.where(better, error, best_error)
+    return best.contiguous()
+
+
 def quantize(
     pages: torch.Tensor,
     *,
     granularity: str = "block-head",
     token_counts: torch.Tensor | None = None,
+    scale_factors: tuple[float, ...] | None = None,
 ) -> Fp8Pages:
     """Quantize a layer tensor of pages (bf16, fp16 or fp32; 3-D MLA or 4-D) on its own
-    device (torch ops only: CPU and CUDA alike, nothing leaves the device)."""
+    device (torch ops only: CPU and CUDA alike, nothing leaves the device). ``scale_factors``
+    (per (block, head) only; default :data:`SCALE_FACTORS`) are the candidate scales as
+    factors of ``amax / 448``: ``(1.0,)`` is ``amax / 448`` alone, the quantizer's first
+    rule, kept for comparisons."""
     if pages.dtype not in DECODED_DTYPES:
         raise ValueError(f"fp8 quantizes bfloat16, float16 or float32 pages, not {pages.dtype}")
     heads = as_heads(pages)
     amax, x = block_head_amax(heads, token_counts)
-    scales = scales_for(amax, granularity)
-    scaled = torch.clamp(x / scales[:, None, :, None], -FP8_MAX, FP8_MAX)
-    values = scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(pages.shape)
+    if granularity == "block-head":
+        scales = nearest_scales(x, amax, pages.dtype, token_counts, scale_factors)
+    else:
+        scales = scales_for(amax, granularity)
+    values = _codes(x, scales).view(torch.uint8).reshape(pages.shape)
     return Fp8Pages(values, scales)
 
 

@@ -150,12 +150,29 @@ def attention_error(
         return AttentionError(layer, 0, 0.0, 1.0, 1.0)
     generator = torch.Generator().manual_seed(seed + layer)
     query = draw_queries(keys, queries, query_source, generator)
-    want = attend(query, keys, valid_tokens(original[value_part], token_counts))
-    got = attend(
+    return output_error(
+        layer,
         query,
-        valid_tokens(decoded[key_part], token_counts),
-        valid_tokens(decoded[value_part], token_counts),
+        (keys, valid_tokens(original[value_part], token_counts)),
+        (
+            valid_tokens(decoded[key_part], token_counts),
+            valid_tokens(decoded[value_part], token_counts),
+        ),
     )
+
+
+def output_error(
+    layer: int,
+    query: torch.Tensor,
+    original: tuple[torch.Tensor, torch.Tensor],
+    decoded: tuple[torch.Tensor, torch.Tensor],
+) -> AttentionError:
+    """The :class:`AttentionError` of ``query`` ``(queries, num_heads, head_dim)`` attending
+    over the original ``(keys, values)`` and over the decoded ones, each
+    ``(tokens, num_heads, dim)`` fp32 (the attention check, with queries of any source: a
+    model's own, say)."""
+    want = attend(query, *original)
+    got = attend(query, *decoded)
     cosine = _cosines(want, got)
     numbers = torch.stack(
         [
@@ -168,7 +185,7 @@ def attention_error(
     difference, reference, min_cos, mean_cos = numbers
     rel_l2 = difference / reference if reference else float(difference > 0)
     return AttentionError(
-        layer, queries, rel_l2, min(max(min_cos, -1.0), 1.0), min(max(mean_cos, -1.0), 1.0)
+        layer, query.shape[0], rel_l2, min(max(min_cos, -1.0), 1.0), min(max(mean_cos, -1.0), 1.0)
     )
 
 

@@ -44,9 +44,12 @@ a header, the trailer and the signed message. :mod:`kvsnap.encoded` reads and wr
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,7 +126,7 @@ class EncodedLayout:
     data_start: int
     file_size: int
 
-    @property
+    @functools.cached_property
     def by_name(self) -> dict[str, StoredTensor]:
         return {tensor.name: tensor for tensor in self.tensors}
 
@@ -220,11 +223,32 @@ def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
+#: Layouts parsed, by (header, file size): a process reopening a file (an engine's hits)
+#: parses its header once. Layouts are immutable; the bound keeps the memory small.
+_PARSED: OrderedDict[tuple[bytes, int], EncodedLayout] = OrderedDict()
+_PARSED_MAX = 64
+_PARSED_LOCK = threading.Lock()
+
+
 def parse_header(header: bytes, file_size: int, file: str | None = None) -> EncodedLayout:
     """The layout of an encoded file from its header (its first ``8 + N`` bytes), strictly:
     a version 3 kvsnap document with an ``encoding`` object, known dtypes, shapes that match
     their byte ranges, and tensors that tile the data exactly (no gap, no overlap, nothing
-    past the file)."""
+    past the file). A header parsed before (the same bytes, the same file size) is not parsed
+    again."""
+    key = (header, file_size)
+    with _PARSED_LOCK:
+        layout = _PARSED.get(key)
+    if layout is None:
+        layout = _parse_header(header, file_size, file)
+        with _PARSED_LOCK:
+            _PARSED[key] = layout
+            if len(_PARSED) > _PARSED_MAX:
+                _PARSED.popitem(last=False)
+    return layout
+
+
+def _parse_header(header: bytes, file_size: int, file: str | None) -> EncodedLayout:
     try:
         entries = json.loads(header[8:].decode("utf-8"), object_pairs_hook=_refuse_duplicates)
         document = json.loads(

@@ -22,6 +22,11 @@ kvsnap snapshot (``kvsnap inspect`` and ``kvsnap verify --against`` work on it).
   (pytest-regressions style): a golden file nobody has looked at proves nothing. Rerun to pass.
 * ``pytest --kvsnap-update``: every golden file used is (re)written from the KV given when it is
   missing or differs, and the assertion passes. The terminal summary lists the files written.
+* ``compression="lossless"`` (per assertion), ``pytest --kvsnap-compression lossless`` or the ini
+  option ``kvsnap_compression = lossless``: golden files written are lossless encoded snapshots
+  (smaller in the repository; decoded bit for bit before the comparison, which stays exact).
+  Unset, a golden file is written as the existing one is stored, else plain. With
+  ``--kvsnap-update``, a golden file stored otherwise than a compression asked for is rewritten.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ GOLDEN_DIRNAME = "__kvsnap__"
 #: Suffix of golden snapshot files.
 GOLDEN_SUFFIX = ".safetensors"
 
+#: How golden files may be stored (``kvsnap.testing.golden.GOLDEN_COMPRESSIONS``, spelled out
+#: here: importing the plugin imports nothing of kvsnap's).
+COMPRESSIONS = ("none", "lossless")
+
 _VALID_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-\[\]=+,]*$")
 _written_key = pytest.StashKey[list[str]]()
 
@@ -59,10 +68,36 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="kvsnap_update",
         help="(Re)write the golden KV snapshots that tests compare with, instead of failing.",
     )
+    group.addoption(
+        "--kvsnap-compression",
+        choices=COMPRESSIONS,
+        default=None,
+        dest="kvsnap_compression",
+        help="Store golden KV snapshots written in this run as none (plain) or lossless "
+        "(smaller, compared exactly). Default: the ini option kvsnap_compression, else as the "
+        "existing golden file is, else none.",
+    )
+    parser.addini(
+        "kvsnap_compression",
+        "How golden KV snapshots are stored when written: none or lossless.",
+        default="",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_written_key] = []
+    configured = config.getini("kvsnap_compression")
+    if configured and configured not in COMPRESSIONS:
+        raise pytest.UsageError(
+            f"ini option kvsnap_compression = {configured!r}: one of {', '.join(COMPRESSIONS)}"
+        )
+
+
+def configured_compression(config: pytest.Config) -> str | None:
+    """The session's compression of golden files written: ``--kvsnap-compression``, else the
+    ini option ``kvsnap_compression``, else ``None`` (as the existing golden file is)."""
+    chosen = config.getoption("kvsnap_compression", default=None)
+    return chosen or config.getini("kvsnap_compression") or None
 
 
 @pytest.hookimpl(wrapper=True)
@@ -110,6 +145,7 @@ def _check(
     rtol: float,
     block_size: int | None,
     token_ids: Any,
+    compression: str | None,
 ) -> None:
     """Compare ``actual`` with golden ``name`` of ``item``'s test file; fail the test if needed."""
     __tracebackhide__ = True
@@ -125,6 +161,7 @@ def _check(
         rtol=rtol,
         block_size=block_size,
         token_ids=token_ids,
+        compression=compression or configured_compression(item.config),
     )
     if result.written:
         item.config.stash.setdefault(_written_key, []).append(
@@ -153,6 +190,7 @@ def assert_kv_matches(
     rtol: float = 0.0,
     block_size: int | None = None,
     token_ids: Any = None,
+    compression: str | None = None,
 ) -> None:
     r"""Assert that a KV cache matches the golden snapshot ``name`` kept next to the running test.
 
@@ -174,12 +212,16 @@ def assert_kv_matches(
             existing golden's, else the snapshot's, else 16.
         token_ids: One row of token ids per sequence, recorded and compared too. Default
             ``None``: distinct placeholder ids per sequence.
+        compression: How a golden file written now is stored: ``"none"`` (an ordinary
+            snapshot) or ``"lossless"`` (smaller, decoded bit for bit before the comparison).
+            Default ``None``: ``--kvsnap-compression``, else the ini option
+            ``kvsnap_compression``, else as the existing golden file is, else ``"none"``.
 
     Raises:
         AssertionError: The KV differs from the golden snapshot; the message is the report
             ``kvsnap verify --against`` prints.
-        ValueError: Called outside a pytest test, or a name that could leave the golden
-            directory.
+        ValueError: Called outside a pytest test, a name that could leave the golden
+            directory, or a compression other than ``"none"`` or ``"lossless"``.
 
     Example:
         A test module using it, run twice by pytest: the first run writes the golden file
@@ -216,6 +258,7 @@ def assert_kv_matches(
         rtol=rtol,
         block_size=block_size,
         token_ids=token_ids,
+        compression=compression,
     )
 
 
@@ -229,6 +272,12 @@ class KVSnapshotChecker:
     def update(self) -> bool:
         """Whether this session rewrites golden snapshots (``--kvsnap-update``)."""
         return bool(self._item.config.getoption("kvsnap_update", default=False))
+
+    @property
+    def compression(self) -> str | None:
+        """How this session stores golden files written (``--kvsnap-compression``, else the
+        ini option ``kvsnap_compression``); ``None``: as the existing golden file is."""
+        return configured_compression(self._item.config)
 
     @property
     def default_name(self) -> str:
@@ -248,6 +297,7 @@ class KVSnapshotChecker:
         rtol: float = 0.0,
         block_size: int | None = None,
         token_ids: Any = None,
+        compression: str | None = None,
     ) -> None:
         """``assert_kv_matches`` for this test; ``name`` defaults to ``default_name``."""
         __tracebackhide__ = True
@@ -259,6 +309,7 @@ class KVSnapshotChecker:
             rtol=rtol,
             block_size=block_size,
             token_ids=token_ids,
+            compression=compression,
         )
 
     __call__ = assert_matches

@@ -43,8 +43,18 @@ if TYPE_CHECKING:
 
 #: Elements one program handles per step (ROWS x BLOCK).
 STEP_ELEMENTS = 4096
+#: Elements per step of the exact product's launches. At 1,024 to 4,096 the H100's compiled
+#: kernel (Triton 3.6, 2026-12-06) wrote wrong words for every other head of fp32 and bf16
+#: pages while the same arithmetic was right alone and at 512 (the test of the 8B shape's
+#: pages over many program steps catches it); the exact product is for the rare scales below
+#: :data:`FAST_MIN_SCALE`, so its speed matters little.
+EXACT_STEP_ELEMENTS = 512
 #: Programs per streaming multiprocessor of a launch without a bound.
 PROGRAMS_PER_SM = 4
+#: Scales from which the fast product is exact (:func:`_fast_fp32`): every launch whose pages'
+#: scales are all at least this takes it (a scale is ``amax / 448``: any KV whose blocks reach
+#: 2**-108 in magnitude).
+FAST_MIN_SCALE = 2.0**-117
 #: The kernel's code for each cache dtype, and its element size.
 OUT_KINDS = {torch.bfloat16: (0, 2), torch.float16: (1, 2), torch.float32: (2, 4)}
 
@@ -70,6 +80,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
         ROWS: tl.constexpr,
         CHECKED: tl.constexpr,
+        EXACT: tl.constexpr,
     ):
         """Item ``i`` is fragment ``i % num_fragments`` of page ``i // num_fragments``: its
         elements start at canonical byte ``src_bases[page] + src_offsets[fragment]`` of slot
@@ -105,7 +116,7 @@ if triton is not None:
                 elements = element[:, None] + offsets[None, :]
                 codes = tl.load(source[:, None] + elements, mask=mask, other=0).to(tl.int32)
                 scale = tl.load(scale_row[:, None] + (elements // HEAD_DIM) % HEADS, mask=mask)
-                word = _decoded_words(codes, scale, OUT_KIND)
+                word = _decoded_words(codes, scale, OUT_KIND, EXACT)
                 tl.store(out[:, None] + offsets[None, :], word, mask=mask)
 
 
@@ -119,14 +130,11 @@ def _rne_shift(value, shift):
     return quotient + up.to(tl.int64)
 
 
-def _decoded_words(codes, scale, OUT_KIND: tl.constexpr):
-    """The cache words of e4m3 ``codes`` (``int32``) times ``scale`` (``float32``, finite and
-    normal, as :func:`~kvsnap.encoding.fp8.check_scales` requires): the product rounded to
-    fp32 and then to the cache's dtype, each to nearest even with subnormals kept, exactly as
-    IEEE arithmetic on the host does it. Only the product itself is a floating-point operation,
-    in fp64, where it is exact and normal; every rounding is done on integers, so the result
-    does not depend on the compiler's denormal mode (a GPU flushing fp32 subnormals to zero
-    would otherwise differ from the host for the smallest codes times the smallest scales)."""
+def _exact_fp32(codes, scale):
+    """The fp32 bits (``int64``, sign apart) of e4m3 ``codes`` times ``scale``, for any scale a
+    file may hold: the product in fp64, where it is exact and normal, rounded to fp32 to nearest
+    even on the integers, subnormals kept, overflow to infinity. No fp32 arithmetic takes part,
+    so the compiler's denormal mode cannot change it."""
     exponent = (codes >> 3) & 15
     mantissa = codes & 7
     normal = ((exponent.to(tl.int64) + 1016) << 52) | (mantissa.to(tl.int64) << 49)
@@ -144,9 +152,40 @@ def _decoded_words(codes, scale, OUT_KIND: tl.constexpr):
     unit = tl.maximum(power - 23, -149)
     shift = tl.minimum(unit - power + 52, 62)
     fp32 = _rne_shift(significand, shift) + ((unit + 149) << 23)
-    fp32 = tl.where(product == 0, 0, tl.minimum(fp32, 0x7F800000))  # overflow: infinity
+    return tl.where(product == 0, 0, tl.minimum(fp32, 0x7F800000))  # overflow: infinity
+
+
+def _fast_fp32(codes, scale):
+    """:func:`_exact_fp32` for scales of at least :data:`FAST_MIN_SCALE`: every product of a
+    non-zero code is then a normal fp32 number (at least 2**-9 x 2**-117 = 2**-126), so one
+    IEEE fp32 multiplication, rounded to nearest even, gives the same bits, whatever the
+    compiler does with subnormals."""
+    exponent = (codes >> 3) & 15
+    mantissa = codes & 7
+    normal = ((exponent + 120) << 23) | (mantissa << 20)
+    magnitude = tl.where(
+        exponent == 0,
+        mantissa.to(tl.float32) * 0.001953125,  # subnormal: mantissa x 2**-9, normal in fp32
+        normal.to(tl.float32, bitcast=True),
+    )
+    return (magnitude * scale).to(tl.int32, bitcast=True).to(tl.int64)
+
+
+def _decoded_words(codes, scale, OUT_KIND: tl.constexpr, EXACT: tl.constexpr):
+    """The cache words of e4m3 ``codes`` (``int32``) times ``scale`` (``float32``, finite and
+    normal, as :func:`~kvsnap.encoding.fp8.check_scales` requires): the product rounded to
+    fp32 and then to the cache's dtype, each to nearest even with subnormals kept, exactly as
+    IEEE arithmetic on the host does it. The product is :func:`_exact_fp32` (``EXACT``) or
+    :func:`_fast_fp32` (when every scale of the launch is at least :data:`FAST_MIN_SCALE`);
+    every later rounding is done on integers, so the result does not depend on the compiler's
+    denormal mode (a GPU flushing fp32 subnormals to zero would otherwise differ from the host
+    for the smallest codes times the smallest scales)."""
+    if EXACT:
+        fp32 = _exact_fp32(codes, scale)
+    else:
+        fp32 = _fast_fp32(codes, scale)
     sign = ((codes >> 7) & 1).to(tl.int64)
-    nan = ((codes & 127) == 127) | (product != product)
+    nan = (codes & 127) == 127  # a finite scale makes no other NaN
     if OUT_KIND == 0:
         bf16 = _rne_shift(fp32, 16) | (sign << 15)
         word = tl.where(nan, 0x7FC0, bf16).to(tl.int16)
@@ -164,7 +203,7 @@ def _decoded_words(codes, scale, OUT_KIND: tl.constexpr):
 
 
 #: The kernel's own functions (plain Python under the interpreter, JIT-compiled otherwise).
-_HELPERS = (_rne_shift, _decoded_words)
+_HELPERS = (_rne_shift, _exact_fp32, _fast_fp32, _decoded_words)
 
 
 def dequant_copies(
@@ -176,11 +215,13 @@ def dequant_copies(
     return table.copies(Direction.HOST_TO_DEVICE, page_tensors, device_blocks, zeros)
 
 
-def tile_shape(fragment_elements: int) -> tuple[int, int]:
+def tile_shape(fragment_elements: int, step: int | None = None) -> tuple[int, int]:
     """``(BLOCK, ROWS)``: ``BLOCK`` elements per fragment row (a power of two covering the
-    fragment, at most one step), ``ROWS`` fragments per step."""
-    block = min(1 << max(fragment_elements - 1, 0).bit_length(), STEP_ELEMENTS)
-    return block, max(1, STEP_ELEMENTS // block)
+    fragment, at most one step of ``step`` elements, default :data:`STEP_ELEMENTS`),
+    ``ROWS`` fragments per step."""
+    step = STEP_ELEMENTS if step is None else step
+    block = min(1 << max(fragment_elements - 1, 0).bit_length(), step)
+    return block, max(1, step // block)
 
 
 def heads_of(table: PageTable) -> tuple[int, int]:
@@ -202,13 +243,15 @@ def launch_dequant(
     max_programs: int | None = None,
     page_ok: torch.Tensor | None = None,
     slot_pages: tuple[int, int] | None = None,
+    exact: bool = True,
 ) -> None:
     """Enqueue ``copies`` (:func:`dequant_copies`) on the current stream of the cache's device,
     one launch per group: ``table`` holds their :func:`~kvsnap.transfer.page_copy.kernel_table`
     on the device (on the host under the interpreter), ``fp8`` the staged pages (``uint8``),
     ``page_starts`` each slot page's first byte in it (``int64``), ``scales`` each slot page's
     scales (``float32``, ``(slot pages, heads)``). ``page_ok`` and ``slot_pages`` as for
-    :func:`~kvsnap.transfer.page_copy.launch_kernel`."""
+    :func:`~kvsnap.transfer.page_copy.launch_kernel`. ``exact=False`` (the caller knows
+    every scale is at least :data:`FAST_MIN_SCALE`) takes the fp32 product."""
     dtype = page_table.geometry.dtype
     out_kind, out_bytes = OUT_KINDS.get(getattr(torch, dtype), (None, 0))
     if out_kind is None:
@@ -228,7 +271,7 @@ def launch_dequant(
                 continue
             views = [views[0][low:high], views[1][low:high], views[2], views[3], views[4][low:high]]
         fragment_elements = copy.group.fragment_bytes // out_bytes
-        block, rows = tile_shape(fragment_elements)
+        block, rows = tile_shape(fragment_elements, EXACT_STEP_ELEMENTS if exact else None)
         num_items = len(views[0]) * copy.group.num_fragments
         grid = (max(1, min(-(-num_items // rows), max_programs)),)
         kernel_for(_dequant_copy_kernel, _HELPERS)[grid](
@@ -247,6 +290,7 @@ def launch_dequant(
             BLOCK=block,
             ROWS=rows,
             CHECKED=page_ok is not None,
+            EXACT=exact,
         )
 
 
@@ -264,6 +308,7 @@ def dequant_scatter(
     scales: torch.Tensor,
     *,
     page_ok: torch.Tensor | None = None,
+    exact: bool | None = None,
 ) -> None:
     """Dequantize fp8 pages (``uint8``, ``(num_pages, *canonical page shape)``, on the cache's
     device) with their ``scales`` (``float32``, ``(num_pages, heads)``) into the caches of
@@ -271,7 +316,8 @@ def dequant_scatter(
 
     On CUDA (and on host memory under ``TRITON_INTERPRET=1``) one kernel launch per fragment
     group; on host memory otherwise, the twin: :func:`kvsnap.encoding.fp8.dequantize` into
-    canonical pages, then the page copy's host path."""
+    canonical pages, then the page copy's host path. ``exact``: the kernel's product
+    (:func:`launch_dequant`); ``None`` chooses by the scales (:func:`needs_exact`)."""
     page_tensors = np.asarray(page_tensors, dtype=np.int64)
     device_blocks = np.asarray(device_blocks, dtype=np.int64)
     num_pages = len(page_tensors)
@@ -285,8 +331,23 @@ def dequant_scatter(
     table = torch.from_numpy(kernel_table(copies)).to(fp8_pages.device)
     starts = torch.arange(num_pages, dtype=torch.int64, device=fp8_pages.device) * elements
     launch_dequant(
-        copies, table, page_table, fp8_pages.reshape(-1), starts, scales, page_ok=page_ok
+        copies,
+        table,
+        page_table,
+        fp8_pages.reshape(-1),
+        starts,
+        scales,
+        page_ok=page_ok,
+        exact=needs_exact(scales) if exact is None else exact,
     )
+
+
+def needs_exact(scales: torch.Tensor | np.ndarray) -> bool:
+    """Whether a launch over pages with ``scales`` must take the exact product: some scale is
+    below :data:`FAST_MIN_SCALE`."""
+    if isinstance(scales, torch.Tensor):
+        return bool((scales < FAST_MIN_SCALE).any())
+    return bool((np.asarray(scales) < FAST_MIN_SCALE).any())
 
 
 def _scatter_on_host(

@@ -16,12 +16,13 @@ import pytest
 import torch
 
 import kvsnap
-from kvsnap.encoded.device_restore import restore_fp8_on_device
+from kvsnap.encoded.device_restore import restore_fp8_blocks, restore_fp8_on_device
 from kvsnap.encoded.fp8_open import OpenFp8File
 from kvsnap.encoded.original import parse_original, read_local
 from kvsnap.encoded.write import _container, _stored_tensors, encode_file
 from kvsnap.errors import (
     BadSignatureError,
+    IncompatibleSnapshotError,
     RestoreIncompleteError,
     SnapshotCorruptError,
 )
@@ -268,3 +269,55 @@ def test_files_written_before_page_checks_still_open_and_restore(source, tmp_pat
         assert torch.equal(decoded_old[name].view(torch.int16), pages.view(torch.int16)), name
     with pytest.raises(BadSignatureError):
         kvsnap.Snapshot.open(old, keys=KeyRing([bytes(32)]))
+
+
+def test_an_open_after_a_checked_one_still_refuses_changed_bytes(source, tmp_path):
+    """Opens of bytes checked before skip the checks; any other bytes are checked again."""
+    path = _encoded(source, tmp_path)
+    kvsnap.Snapshot.open(path).close()
+    kvsnap.Snapshot.open(path).close()  # the same bytes: served from what was checked
+    data = np.fromfile(path, dtype=np.uint8)
+    layout = enc.parse_header(
+        data[: enc.header_length(data[:8].tobytes(), len(data)) + 8].tobytes(), len(data)
+    )
+    scales = layout.by_name["layers.1.value" + enc.SCALES_SUFFIX]
+    data[scales.begin] ^= 0x01  # a scale's lowest bit: still a valid scale, the trailer stale
+    data.tofile(path)
+    with pytest.raises(SnapshotCorruptError, match="checksum mismatch") as caught:
+        kvsnap.Snapshot.open(path)
+    assert caught.value.tensor == "layers.1.value" + enc.SCALES_SUFFIX
+
+
+def test_a_path_that_held_an_fp8_file_opens_what_it_holds_now(source, tmp_path):
+    path = _encoded(source, tmp_path)
+    kvsnap.Snapshot.open(path).close()  # remembered as encoded
+    plain = tmp_path / "plain.safetensors"
+    plain.write_bytes(source.read_bytes())
+    os.replace(plain, path)
+    with kvsnap.Snapshot.open(path) as snapshot:
+        assert snapshot.encoded is None and snapshot.verify() == []
+
+
+def test_blocks_restore_as_an_engine_worker_loads_a_chunk(source, tmp_path, monkeypatch):
+    """``restore_fp8_blocks`` (the vLLM worker's call for an fp8 chunk on a CUDA cache): stored
+    blocks into chosen target blocks, bit for bit the host decode, ids checked first."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    path = _encoded(source, tmp_path)
+    whole = _host_decoded(path)
+    with kvsnap.Snapshot.open(path) as snapshot:
+        cache = _cache(snapshot)
+        sources, targets = [3, 0, 5], [11, 2, 7]
+        result = restore_fp8_blocks(snapshot, [cache.layout], sources, targets)
+        assert result.num_blocks == 3 and result.backend == "fp8-dequant"
+        for name, pages in whole.items():
+            got = cache.logical(name)
+            for source_block, target_block in zip(sources, targets, strict=True):
+                assert torch.equal(
+                    got[target_block].view(torch.int16), pages[source_block].view(torch.int16)
+                )
+            untouched = sorted(set(range(snapshot.num_blocks + 2)) - set(targets))
+            assert not got[untouched].view(torch.int16).any()
+        with pytest.raises(IncompatibleSnapshotError, match="outside the snapshot"):
+            restore_fp8_blocks(snapshot, [cache.layout], [snapshot.num_blocks], [0])
+        with pytest.raises(IncompatibleSnapshotError, match="two different snapshot blocks"):
+            restore_fp8_blocks(snapshot, [cache.layout], [0, 1], [4, 4])

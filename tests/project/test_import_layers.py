@@ -94,7 +94,7 @@ TORCH_FREE_START = {
     },
     # The facade's capture and its tensor reads, imported by kvsnap.snapshot at its start.
     "kvsnap.snapshot_capture": {
-        "kvsnap.encoded.write",
+        "kvsnap.encoded.capture",
         "kvsnap.layout",
         "kvsnap.parted",
         "kvsnap.pipeline",

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 import kvsnap
-from kvsnap.testing.caches import KVContent, make_cache
+from kvsnap.testing.caches import KVContent, SyntheticCache, make_cache
 from tests.support.prefill_kv import BLOCK, built_in_kv
 
 #: Tokens of the captured sequences (the second one ends inside a block).
@@ -49,29 +49,84 @@ def real_content(dtype: torch.dtype, latent: bool = False) -> KVContent:
     return KVContent(geometry, pages)
 
 
-def capture_real(path: Path, kind: str, dtype: torch.dtype, *, keys=None) -> KVContent:
-    """Capture real KV from a cache of layout ``kind`` to ``path``: sequence ``a`` of 96
-    tokens in blocks 6, 1, 4, 3, 0, 2, sequence ``b`` of 70 tokens sharing a's first block."""
-    content = real_content(dtype, latent=kind == "mla")
+def real_caches(
+    kind: str, dtype: torch.dtype, *, tp_size: int = 1, device: str = "cpu"
+) -> list[SyntheticCache]:
+    """Caches of layout ``kind`` (one per TP rank of ``tp_size``, on ``device``) of 8 blocks,
+    holding the built-in model's KV (:func:`real_content`) in ``dtype``."""
+    return filled_caches(real_content(dtype, latent=kind == "mla"), kind, tp_size, device)
+
+
+def filled_caches(
+    content: KVContent, kind: str, tp_size: int = 1, device: str = "cpu"
+) -> list[SyntheticCache]:
+    """Caches of layout ``kind`` (one per TP rank of ``tp_size``, on ``device``) holding
+    ``content``'s pages in their first blocks."""
     geometry = content.geometry
     shape = (
         {"latent_dim": geometry.latent_dim}
-        if kind == "mla"
+        if geometry.is_mla
         else {"num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim}
     )
-    cache = make_cache(
-        kind, num_layers=geometry.num_layers, num_blocks=8, block_size=BLOCK, dtype=dtype, **shape
-    )
-    cache.fill(content)
+    caches = []
+    for rank in range(tp_size):
+        cache = make_cache(
+            kind,
+            num_layers=geometry.num_layers,
+            num_blocks=content.num_blocks,
+            block_size=geometry.block_size,
+            dtype=next(iter(content.pages.values())).dtype,
+            device=device,
+            tp_rank=rank,
+            tp_size=tp_size,
+            **shape,
+        )
+        cache.fill(content)
+        caches.append(cache)
+    return caches
+
+
+def real_sequences() -> list[kvsnap.SequenceBlocks]:
+    """Sequence ``a`` of 96 tokens in blocks 6, 1, 4, 3, 0, 2 and sequence ``b`` of 70
+    tokens sharing a's first block (stored once, so b's snapshot blocks are not one run)."""
     first = np.arange(TOKENS[0]) % 251
-    # b shares a's first block (stored once), so b's snapshot blocks are not one run.
     second = np.concatenate([first[:BLOCK], 7 + np.arange(TOKENS[1] - BLOCK) % 241])
-    sequences = [
+    return [
         kvsnap.SequenceBlocks("a", first, np.array([6, 1, 4, 3, 0, 2])),
         kvsnap.SequenceBlocks("b", second, np.array([6, 5, 7, 1, 0])),
     ]
-    kvsnap.capture(cache.layout, sequences, path, reproducible=True, keys=keys)
-    return content
+
+
+def capture_real(path: Path, kind: str, dtype: torch.dtype, *, keys=None) -> KVContent:
+    """Capture real KV from a cache of layout ``kind`` to ``path`` (:func:`real_sequences`)."""
+    (cache,) = real_caches(kind, dtype)
+    kvsnap.capture(cache.layout, real_sequences(), path, reproducible=True, keys=keys)
+    return real_content(dtype, latent=kind == "mla")
+
+
+def wide_content(dtype: torch.dtype, layers: int = 2) -> KVContent:
+    """KV of the 8B shape's pages (8 KV heads of 128, blocks of 16: 32 KiB bf16 pages) for 8
+    blocks of ``layers`` layers: normal samples from a fixed seed."""
+    generator = torch.Generator().manual_seed(39)
+    geometry = kvsnap.KVGeometry(
+        num_layers=layers,
+        block_size=BLOCK,
+        dtype=str(dtype).split(".")[1],
+        num_kv_heads=8,
+        head_dim=128,
+        attention_types=("full",) * layers,
+    )
+    pages = {}
+    for name in geometry.tensor_names():
+        pages[name] = torch.randn((8, BLOCK, 8, 128), generator=generator).to(dtype)
+    return KVContent(geometry, pages)
+
+
+def content_named(name: str, dtype: torch.dtype, kind: str) -> KVContent:
+    """``"built-in"``: :func:`real_content`; ``"wide"``: :func:`wide_content`."""
+    if name == "wide":
+        return wide_content(dtype)
+    return real_content(dtype, latent=kind == "mla")
 
 
 def capture_mixed(path: Path) -> KVContent:
@@ -86,17 +141,7 @@ def capture_mixed(path: Path) -> KVContent:
         page_bytes[byte] = noise[byte]
         shape = content.pages[name].shape
         content.pages[name] = page_bytes.view(torch.bfloat16).reshape(shape)
-    geometry = content.geometry
-    cache = make_cache(
-        "vllm-nhd",
-        num_layers=geometry.num_layers,
-        num_blocks=8,
-        block_size=BLOCK,
-        num_kv_heads=geometry.num_kv_heads,
-        head_dim=geometry.head_dim,
-        dtype=torch.bfloat16,
-    )
-    cache.fill(content)
+    (cache,) = filled_caches(content, "vllm-nhd")
     tokens = np.arange(8 * BLOCK) % 251
     sequence = kvsnap.SequenceBlocks("a", tokens, BLOCK_ORDER)
     kvsnap.capture(cache.layout, [sequence], path, reproducible=True)

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 import kvsnap.testing.synthetic  # noqa: F401  (imported by the inner tests; see the docstring)
 from kvsnap.snapshot import Snapshot
 from kvsnap.testing import assert_kv_matches, golden_path, plugin
-from kvsnap.testing.golden import check_golden, kv_data, write_kv_snapshot
+from kvsnap.testing.golden import check_golden, kv_data, stored_compression, write_kv_snapshot
 
 pytest_plugins = ["pytester"]
 
@@ -313,6 +313,60 @@ def test_kv_snapshot_fixture_takes_snapshots_and_paths(
     result.stdout.fnmatch_lines(["*token ids differ*", "*DIFFERENT:*beyond the tolerance*"])
 
 
+FIXTURE_TEST = """
+import os
+
+import torch
+
+
+def test_fixture(kv_snapshot):
+    assert kv_snapshot.compression == (os.environ.get("KVSNAP_EXPECT") or None)
+    generator = torch.Generator().manual_seed(3)
+    kv = {part: torch.randn((9, 2, 8), generator=generator) for part in ("key", "value")}
+    kv_snapshot({f"layers.0.{part}": tensor for part, tensor in kv.items()}, compression="lossless")
+"""
+
+
+def test_golden_files_are_written_lossless_when_asked(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(test_kv=MAPPING_TEST)
+    golden = pytester.path / "__kvsnap__" / "mapping.safetensors"
+    _run(pytester, "--kvsnap-compression", "lossless").assert_outcomes(failed=1)  # written
+    assert stored_compression(golden) == "lossless"
+    _run(pytester).assert_outcomes(passed=1)  # compared exactly, left as it is
+    monkeypatch.setenv("KVSNAP_PERTURB", "1,4,1,0.25")
+    _run(pytester).assert_outcomes(failed=1)
+    _run(pytester, "--kvsnap-update").assert_outcomes(passed=1)
+    assert stored_compression(golden) == "lossless"  # rewritten as it was stored
+    for name, values in _mapping_kv((1, 4, 1, 0.25)).items():
+        assert torch.equal(_read_kv(golden)[name], values)
+    # The ini option; --kvsnap-update re-encodes a matching file stored otherwise.
+    pytester.makeini("[pytest]\nkvsnap_compression = none\n")
+    result = _run(pytester, "--kvsnap-update")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["updated: *mapping.safetensors*"])
+    assert stored_compression(golden) == "none"
+    # The command line overrides the ini option; so does the fixture's own argument.
+    _run(pytester, "--kvsnap-update", "--kvsnap-compression", "lossless").assert_outcomes(passed=1)
+    assert stored_compression(golden) == "lossless"
+    pytester.makepyfile(test_fixture=FIXTURE_TEST)
+    monkeypatch.setenv("KVSNAP_EXPECT", "none")
+    _run(pytester, "test_fixture.py").assert_outcomes(failed=1)
+    assert stored_compression(pytester.path / "__kvsnap__" / "test_fixture.safetensors") == (
+        "lossless"
+    )
+    _run(pytester, "test_fixture.py").assert_outcomes(passed=1)
+    pytester.makeini("[pytest]\nkvsnap_compression = fp8\n")
+    result = _run(pytester)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*kvsnap_compression = 'fp8': one of none, lossless*"])
+    pytester.makeini("[pytest]\n")
+    result = _run(pytester, "--kvsnap-compression", "fp8")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kvsnap-compression*invalid choice*fp8*"])
+
+
 # --------------------------------------------------------------------------------------------
 # Without pytester
 
@@ -330,7 +384,8 @@ def test_importing_the_plugin_does_not_import_torch() -> None:
 
 def test_update_option_is_registered(pytester: pytest.Pytester) -> None:
     result = _run(pytester, "--help")
-    result.stdout.fnmatch_lines(["*--kvsnap-update*"])
+    result.stdout.fnmatch_lines(["*--kvsnap-update*", "*--kvsnap-compression*"])
+    result.stdout.fnmatch_lines(["*kvsnap_compression*"])
 
 
 def test_assert_kv_matches_outside_a_test_says_so(monkeypatch: pytest.MonkeyPatch) -> None:

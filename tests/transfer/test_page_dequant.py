@@ -40,16 +40,19 @@ def _rank_caches(kind: str, dtype: torch.dtype, tp_size: int, device: str = "cpu
     ]
 
 
-def _staged(geometry, num_pages: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pages of every e4m3 code (NaN included) and scales from 2**-126 to 2**120: results that
-    are subnormal, ordinary and past the largest bf16/fp16 value."""
+def _staged(
+    geometry, num_pages: int, seed: int, min_exponent: int = -126
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages of every e4m3 code (NaN included) and scales from 2**min_exponent to 2**120:
+    results that are subnormal (from the default), ordinary and past the largest bf16/fp16
+    value."""
     rng = np.random.default_rng(seed)
     shape = (num_pages, *geometry.canonical_page_shape)
     codes = rng.permutation(np.resize(np.arange(256, dtype=np.uint8), int(np.prod(shape))))
     heads = 1 if geometry.is_mla else geometry.num_kv_heads
-    exponents = rng.integers(-126, 121, (num_pages, heads))
+    exponents = rng.integers(min_exponent, 121, (num_pages, heads))
     scales = np.exp2(exponents) * rng.uniform(1, 2, (num_pages, heads))
-    scales = np.maximum(scales.astype(np.float32), np.float32(2.0**-126))
+    scales = np.maximum(scales.astype(np.float32), np.float32(2.0**min_exponent))
     return torch.from_numpy(codes.reshape(shape)), torch.from_numpy(scales)
 
 
@@ -75,17 +78,26 @@ def _check(rank_caches, content: KVContent) -> None:
             assert same_bytes(cache.views[name].cpu(), want), name
 
 
-def _scatter_case(kind: str, tp_size: int, dtype: torch.dtype, seed: int, flags: bool = False):
+def _scatter_case(
+    kind: str,
+    tp_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    flags: bool = False,
+    exact: bool | None = None,
+):
     rank_caches = _rank_caches(kind, dtype, tp_size)
     geometry = rank_caches[0].layout.geometry
     rng = np.random.default_rng(seed)
     num_tensors = len(geometry.tensor_names())
     pairs = rng.permutation(num_tensors * BLOCKS)[:7]
     page_tensors, device_blocks = np.divmod(pairs, BLOCKS)
-    codes, scales = _staged(geometry, len(pairs), seed)
+    codes, scales = _staged(geometry, len(pairs), seed, -126 if exact is not False else -117)
     page_ok = torch.from_numpy(rng.integers(0, 2, len(pairs))) if flags else None
     table = PageTable([cache.layout for cache in rank_caches])
-    page_dequant.dequant_scatter(table, page_tensors, device_blocks, codes, scales, page_ok=page_ok)
+    page_dequant.dequant_scatter(
+        table, page_tensors, device_blocks, codes, scales, page_ok=page_ok, exact=exact
+    )
     flags_array = None if page_ok is None else page_ok.numpy()
     _check(
         rank_caches,
@@ -101,6 +113,22 @@ CASES = [(kind, 1) for kind in LAYOUT_KINDS] + [(kind, 2) for kind in TP_KINDS]
 def test_the_kernel_writes_what_the_twin_decodes(monkeypatch, kind, tp_size, dtype):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _scatter_case(kind, tp_size, dtype, seed=len(kind) + tp_size)
+
+
+@pytest.mark.parametrize(("kind", "tp_size"), [("vllm-nhd", 1), ("packed", 2), ("mla", 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_fast_product_writes_what_the_twin_decodes(monkeypatch, kind, tp_size, dtype):
+    """Scales of at least 2**-117 (every product normal in fp32): the one-multiplication
+    product gives the exact product's bits."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _scatter_case(kind, tp_size, dtype, seed=11, exact=False)
+
+
+def test_the_fast_product_is_taken_exactly_when_every_scale_allows_it():
+    at_bound = torch.full((3, 2), page_dequant.FAST_MIN_SCALE)
+    assert not page_dequant.needs_exact(at_bound)
+    at_bound[1, 1] = float(np.nextafter(np.float32(page_dequant.FAST_MIN_SCALE), np.float32(0)))
+    assert page_dequant.needs_exact(at_bound) and page_dequant.needs_exact(at_bound.numpy())
 
 
 @pytest.mark.parametrize(("kind", "tp_size"), [("vllm-nhd", 1), ("vllm-hnd", 2), ("mla", 1)])
@@ -192,7 +220,8 @@ def test_on_cuda_the_kernel_writes_what_the_twin_decodes(kind, tp_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_on_cuda_large_pages_over_many_program_steps_decode_as_the_twin(dtype):
+@pytest.mark.parametrize("exact", [True, False])
+def test_on_cuda_large_pages_over_many_program_steps_decode_as_the_twin(dtype, exact):
     """The 8B shape's pages (16 tokens x 8 heads x 128: one fragment of 4 tiles) and more pages
     than programs, so every program loops: every element as the host twin decodes it, the
     first difference named by page, element, code and scale."""
@@ -213,12 +242,15 @@ def test_on_cuda_large_pages_over_many_program_steps_decode_as_the_twin(dtype):
     page_tensors, device_blocks = np.divmod(np.arange(pages), blocks)
     codes = torch.from_numpy(rng.integers(0, 256, (pages, 16, 8, 128), dtype=np.uint8))
     exponents = rng.integers(-12, 2, (pages, 8)).astype(np.float64)
-    exponents[::97] = -125  # some pages whose smallest codes decode below fp32's normal range
+    if exact:
+        exponents[::97] = -125  # some pages whose smallest codes decode below fp32's normal range
     scales = torch.from_numpy(
         (np.exp2(exponents) * rng.uniform(1, 2, (pages, 8))).astype(np.float32)
     )
     table = PageTable([cache.layout])
-    page_dequant.dequant_scatter(table, page_tensors, device_blocks, codes.cuda(), scales.cuda())
+    page_dequant.dequant_scatter(
+        table, page_tensors, device_blocks, codes.cuda(), scales.cuda(), exact=exact
+    )
     torch.cuda.synchronize()
     want = fp8.dequantize(codes, scales, dtype)
     bits = torch.int32 if dtype == torch.float32 else torch.int16

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from kvsnap import format as fmt
+from kvsnap.encoded.device_restore import fp8_restorable, restore_fp8_blocks
 from kvsnap.engines.open_snapshots import OpenSnapshots
 from kvsnap.engines.vllm.events import EventLog
 from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
@@ -227,8 +228,7 @@ class KVSnapWorker:
                     break
                 jobs.append((snapshot, chunk.snapshot_blocks, chunk.target_blocks))
             try:
-                if jobs:
-                    self._pipeline.restore_chunks(jobs)
+                self._restore(jobs)
             except Exception as error:
                 return (_failed_chunk(spec, error), error)
             loaded = True
@@ -239,6 +239,21 @@ class KVSnapWorker:
                 if not (restored and self._keep(spec.chunks[position], snapshot)):
                     snapshot.close()
 
+    def _restore(self, jobs: list[tuple[Snapshot, np.ndarray, np.ndarray]]) -> None:
+        """Restore ``jobs`` (snapshot, its blocks, the target blocks): fp8 chunks opened by
+        pages go to the device path as they are stored (half the bytes over PCIe, checked and
+        dequantized on the GPU), every other chunk through the warm pipeline as one job."""
+        assert self.cache is not None and self._pipeline is not None
+        layouts = [self.cache.layout]
+        ordinary = []
+        for snapshot, snapshot_blocks, target_blocks in jobs:
+            if fp8_restorable(snapshot.encoded, layouts):
+                restore_fp8_blocks(snapshot, layouts, snapshot_blocks, target_blocks)
+            else:
+                ordinary.append((snapshot, snapshot_blocks, target_blocks))
+        if ordinary:
+            self._pipeline.restore_chunks(ordinary)
+
     def _keep(self, chunk: ChunkLoad, snapshot: Snapshot) -> bool:
         """Keep ``snapshot``, just loaded, open for the next load of ``chunk`` (whether it was
         kept). A chunk held in memory whole (the scheduler's hand-over of a small chunk) goes
@@ -246,6 +261,10 @@ class KVSnapWorker:
         most 8: the worker does not hold such bytes, up to :data:`~kvsnap.store.base.tuning.
         WHOLE_READ_MAX_BYTES` each, for longer), whose scheduler then offers the chunk again
         from those verified bytes without reading the file."""
+        if snapshot.encoded is not None:
+            # Encoded chunks are not kept: keeping one asks for its ordinary form (a decode),
+            # and its open reads a few KiB, checked once per process (kvsnap/encoded/fp8_open).
+            return False
         if any(part.reader.held_file() is not None for part in snapshot.parts):
             return CHECKED_CHUNKS.give_back(chunk.path, snapshot, self.keys)
         return self._kept.keep(chunk.path, snapshot, self.keys)

@@ -33,7 +33,7 @@ import torch
 
 from kvsnap import distributed
 from kvsnap import format as fmt
-from kvsnap.encoded.write import recode_file
+from kvsnap.encoded.capture import capture_compressed
 from kvsnap.engines.vllm.capacity import (
     LOCK_WAIT_S,
     CapacityLockError,
@@ -52,7 +52,7 @@ from kvsnap.engines.vllm.specs import SaveSpec
 from kvsnap.engines.vllm.store_guard import StoreGuard
 from kvsnap.errors import SaveAbandonedError, SnapshotIOError
 from kvsnap.format.signing import KeyRing
-from kvsnap.pipeline import Pipeline, ProgressCallback
+from kvsnap.pipeline import CaptureResult, Pipeline, ProgressCallback
 from kvsnap.snapshot import SequenceBlocks
 
 
@@ -205,17 +205,7 @@ class WorkerSaves:
             # the store (every engine's chunks) has room for it.
             staged = persist and capacity is not None
             target = str(staged_path(spec.path)) if staged else spec.path
-            result = self._pipeline.capture(
-                sequences,
-                target,
-                source=self._source,
-                progress=copied,
-                after=after,
-                keys=self._keys,
-            )
-            if self.options.compression != "none":
-                # Encoded in place (a rename over it) before it is committed or counted.
-                recode_file(target, target, self.options.compression, keys=self._keys)
+            result = self._capture_chunk(sequences, target, copied, after)
             if staged and capacity is not None and not self._commit(target, spec.path, capacity):
                 return  # another engine committed it, or chunks in use fill the store
             self._saved(spec, spec.path, result.num_blocks, result.num_bytes, started)
@@ -233,6 +223,37 @@ class WorkerSaves:
         )
         if not whole.skipped and layout.tp_rank == 0:  # one event and one prune per chunk
             self._saved(spec, whole.path, whole.num_blocks, whole.num_bytes, started)
+
+    def _capture_chunk(
+        self,
+        sequences: list[SequenceBlocks],
+        target: str,
+        copied: ProgressCallback,
+        after: torch.cuda.Event | None,
+    ) -> CaptureResult:
+        """One chunk captured to ``target`` from the cache at TP 1: an ordinary snapshot, or
+        with the ``compression`` option an encoded one, its pages encoded where they lie (fp8
+        quantized on the device) and written once, never as the ordinary file; signed, it is
+        the encoded file that is signed (as ``kvsnap.capture`` signs one)."""
+        if self.options.compression == "none":
+            return self._pipeline.capture(
+                sequences,
+                target,
+                source=self._source,
+                progress=copied,
+                after=after,
+                keys=self._keys,
+            )
+        return capture_compressed(
+            self._pipeline,
+            sequences,
+            target,
+            self.options.compression,
+            source=self._source,
+            keys=self._keys,
+            progress=copied,
+            after=after,
+        )
 
     def _commit(self, staged: str, path: str, capacity: int) -> bool:
         """Commit the chunk staged at ``staged`` as ``path`` within the store's bound

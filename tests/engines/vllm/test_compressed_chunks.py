@@ -17,6 +17,9 @@ from typer.testing import CliRunner
 
 import kvsnap
 from kvsnap import format as fmt
+from kvsnap.encoded.original import check_original, parse_original
+from kvsnap.encoded.read import decode, read_encoded
+from kvsnap.encoded.write import recode_file
 from kvsnap.engines.vllm import (
     CacheIdentity,
     ChunkChecker,
@@ -30,13 +33,15 @@ from kvsnap.engines.vllm.prefix_store import chunk_sequence_id
 from kvsnap.engines.vllm.registration import registered_cache
 from kvsnap.engines.vllm.specs import ChunkLoad, LoadSpec, SaveSpec
 from kvsnap.engines.vllm.worker import KVSnapWorker
+from kvsnap.format.signing import KeyRing
+from kvsnap.store.files.keys import new_key_text
 
 BLOCK, HEADS, HEAD_DIM, LAYERS, BLOCKS, CHUNK_BLOCKS = 16, 8, 128, 2, 8, 2
 FINGERPRINT = "ab" * 16
 SOURCE = fmt.SourceInfo("vllm", "test", "synthetic", None, FINGERPRINT)
 
 
-def _worker(tmp_path: Path, name: str, **extra) -> KVSnapWorker:
+def _worker(tmp_path: Path, name: str, keys: KeyRing | None = None, **extra) -> KVSnapWorker:
     options = ConnectorOptions.from_extra_config(
         {"path": str(tmp_path / name), "chunk_blocks": CHUNK_BLOCKS, **extra}
     )
@@ -48,6 +53,7 @@ def _worker(tmp_path: Path, name: str, **extra) -> KVSnapWorker:
         vllm_config=None,
         fingerprint=FINGERPRINT,
         source=SOURCE,
+        keys=keys,
     )
     generator = torch.Generator().manual_seed(0)
     physical = [
@@ -152,3 +158,37 @@ def test_an_fp8_chunk_passes_the_check_and_loads_its_host_decode(tmp_path):
     result = CliRunner().invoke(store_app, ["list", str(tmp_path / "store"), "--json"])
     (entry,) = json.loads(result.stdout)["entries"]
     assert entry["encoding"] == "fp8" and 1.8 < entry["ratio"] < 2.0
+
+
+def _ordinary_file(chunk: str, worker: KVSnapWorker, blocks: list[int]) -> np.ndarray:
+    """The ordinary snapshot the encoded ``chunk`` stands for: its header and metadata tensors
+    as the chunk keeps them, its pages the cache's ``blocks``, its block checksums and trailer
+    as the chunk recorded them, all of it checked (every page against those checksums)."""
+    encoded = read_encoded(chunk)
+    data = decode(encoded)
+    original = parse_original(data)
+    for layer, cache in enumerate(worker.cache.caches):
+        # FlashAttention's registered view: (blocks, heads, tokens, 2 x head_dim), K then V.
+        pages = cache[blocks].permute(0, 2, 1, 3)
+        for part, half in (("key", pages[..., :HEAD_DIM]), ("value", pages[..., HEAD_DIM:])):
+            entry = original.layout.by_name[f"layers.{layer}.{part}"]
+            original.bytes_of(entry)[:] = half.contiguous().view(torch.uint8).reshape(-1).numpy()
+    for name in (fmt.BLOCK_CHECKSUMS_TENSOR, fmt.CHECKSUMS_TENSOR):
+        original.bytes_of(original.layout.by_name[name])[:] = encoded.tensor(name)
+    check_original(original)
+    return data
+
+
+@pytest.mark.parametrize("compression", ["fp8", "lossless"])
+def test_a_signed_encoded_chunk_is_the_recoded_capture_of_the_cache(tmp_path, compression):
+    keys = KeyRing([bytes.fromhex(new_key_text())])
+    worker = _worker(tmp_path, "store", keys, compression=compression)
+    spec = _save(worker, 11)
+    with kvsnap.Snapshot.open(spec.path, keys=keys) as snapshot:
+        assert snapshot.encoded.encoding["name"] == compression and snapshot.verify() == []
+    ordinary = tmp_path / "ordinary.safetensors"
+    _ordinary_file(spec.path, worker, list(spec.block_ids)).tofile(ordinary)
+    worker.shutdown()
+    again = tmp_path / "again.safetensors"
+    recode_file(ordinary, again, compression, keys=keys)
+    assert again.read_bytes() == Path(spec.path).read_bytes()
