@@ -166,11 +166,18 @@ def capture_source(directory: Path, tokens: int) -> Path:
     return source
 
 
-def _baseline_tree(ref: str, directory: Path) -> Path:
+def _commit(ref: str) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", ref], check=True, capture_output=True, text=True
+    )
+    return done.stdout.strip()
+
+
+def _baseline_tree(commit: str, directory: Path) -> Path:
     tree = directory / "baseline"
     tree.mkdir()
     archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", ref, "kvsnap"], check=True, capture_output=True
+        ["git", "-C", str(REPO), "archive", commit, "kvsnap"], check=True, capture_output=True
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     return tree
@@ -218,7 +225,8 @@ def compare(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(dir=base, prefix="kvsnap-lossless-") as scratch:
         directory = Path(scratch)
         source = capture_source(directory, args.tokens)
-        trees = {"baseline": _baseline_tree(args.baseline, directory), "tree": REPO}
+        baseline = _commit(args.baseline)
+        trees = {"baseline": _baseline_tree(baseline, directory), "tree": REPO}
         encoded = directory / "8b-shape.lossless.safetensors"
         encode = f"encode_file({str(source)!r}, {str(encoded)!r}, 'lossless')"
         _python(
@@ -241,18 +249,16 @@ def compare(args: argparse.Namespace) -> dict:
         kv_bytes = runs["tree"][0]["kv_bytes"]
         results: dict = {
             "baseline_ref": args.baseline,
-            "baseline_commit": subprocess.run(
-                ["git", "-C", str(REPO), "rev-parse", args.baseline],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout.strip(),
-            "tree_commit": subprocess.run(
-                ["git", "-C", str(REPO), "rev-parse", "HEAD"],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout.strip(),
+            "baseline_commit": baseline,
+            "tree_commit": _commit("HEAD"),
+            "tree_changed": bool(
+                subprocess.run(
+                    ["git", "-C", str(REPO), "status", "--porcelain", "kvsnap"],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout.strip()
+            ),
             "tokens": args.tokens,
             "kv_bytes": kv_bytes,
             "file_bytes": decoded_bytes,
