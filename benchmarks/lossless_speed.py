@@ -17,9 +17,16 @@ process measures, ``--repeat`` times each, wall and process CPU seconds (all thr
 * ``decode_1t`` / ``decode_2t``: ``kvsnap.encoded.read.decode`` of the baseline's lossless file
   (its container checked first, not timed), without and with a 2-thread executor (the one
   ``Snapshot.open`` uses);
+* the other parts of an open, alone: ``read_file`` (``read_local`` of the encoded file),
+  ``check_container`` (``parse_encoded``: the trailer over every stored byte), ``copy_decoded``
+  (the decoded bytes copied into a ``bytes``, as the open's memory file holds them) and
+  ``restore_open`` (a restore of every block from the open snapshot into a CPU cache);
 * ``open`` / ``open_restore``: ``Snapshot.open`` of the lossless file (which reads, checks and
-  decodes it), and that plus a restore of every block into a CPU cache; ``raw_open_restore``:
-  the same of the ordinary file.
+  decodes it), and that plus the restore; ``raw_restore_open`` / ``raw_open_restore``: the same
+  of the ordinary file.
+
+Rates are of the decoded (ordinary) file's bytes, the encodes' of the KV, ``read_file`` and
+``check_container``'s of the encoded file.
 
 The first run of each measure in a process is reported apart (``first``): on this VM, memory a
 process touches for the first time costs far more than memory it touched before. The rest are
@@ -49,8 +56,13 @@ MEASURES = (
     "encode_file",
     "decode_1t",
     "decode_2t",
+    "read_file",
+    "check_container",
+    "copy_decoded",
     "open",
+    "restore_open",
     "open_restore",
+    "raw_restore_open",
     "raw_open_restore",
 )
 
@@ -96,9 +108,14 @@ def _target_cache(snapshot):
 def worker(source: Path, encoded: Path, scratch: Path, repeat: int) -> dict:
     """The measures of one process (see the module), with whichever ``kvsnap`` is first on the
     path."""
-    import torch
-
     import kvsnap
+
+    times, facts = _codec_times(source, encoded, scratch, repeat)
+    times.update(_open_times(source, encoded, repeat, facts))
+    return {**facts, "times": times, "kvsnap": kvsnap.__file__}
+
+
+def _codec_times(source: Path, encoded: Path, scratch: Path, repeat: int) -> tuple[dict, dict]:
     from kvsnap.encoded.original import parse_original, read_local
     from kvsnap.encoded.read import decode, parse_encoded
     from kvsnap.encoded.write import encode_file
@@ -113,13 +130,30 @@ def worker(source: Path, encoded: Path, scratch: Path, repeat: int) -> dict:
         )
         written = scratch / f"encoded-{os.getpid()}.safetensors"
         times["encode_file"] = _timed(lambda: encode_file(source, written, "lossless"), repeat)
-        checked = parse_encoded(read_local(encoded), str(encoded))
+        times["read_file"] = _timed(lambda: read_local(encoded), repeat)
+        data = read_local(encoded)
+        times["check_container"] = _timed(lambda: parse_encoded(data, str(encoded)), repeat)
+        checked = parse_encoded(data, str(encoded))
         times["decode_1t"] = _timed(lambda: decode(checked), repeat)
         times["decode_2t"] = _timed(lambda: decode(checked, pool), repeat)
         decoded = decode(checked, pool)
-    exact = bool(np.array_equal(decoded, read_local(source)))
-    same_encoding = written.read_bytes() == encoded.read_bytes()
+    # What opening an encoded file does with the decoded bytes: a copy into a memory file.
+    times["copy_decoded"] = _timed(lambda: np.ascontiguousarray(decoded).tobytes(), repeat)
+    facts = {
+        "decoded_exact": bool(np.array_equal(decoded, read_local(source))),
+        "encodes_to_the_same_bytes": written.read_bytes() == encoded.read_bytes(),
+        "kv_bytes": sum(t.nbytes for t in tensors),
+        "file_bytes": source.stat().st_size,
+    }
     written.unlink()
+    return times, facts
+
+
+def _open_times(source: Path, encoded: Path, repeat: int, facts: dict) -> dict:
+    import torch
+
+    import kvsnap
+
     with kvsnap.Snapshot.open(source) as snapshot:
         cache = _target_cache(snapshot)
         ids = {record.id: record.block_ids for record in snapshot.sequences}
@@ -128,25 +162,22 @@ def worker(source: Path, encoded: Path, scratch: Path, repeat: int) -> dict:
         with kvsnap.Snapshot.open(path) as snapshot:
             snapshot.restore(cache.layout, ids)
 
-    times["open"] = _timed(lambda: kvsnap.Snapshot.open(encoded).close(), repeat)
+    times = {"open": _timed(lambda: kvsnap.Snapshot.open(encoded).close(), repeat)}
+    for name, path in (("raw_", source), ("", encoded)):
+        with kvsnap.Snapshot.open(path) as snapshot:
+            times[f"{name}restore_open"] = _timed(
+                lambda s=snapshot: s.restore(cache.layout, ids), repeat
+            )
     times["raw_open_restore"] = _timed(lambda: open_restore(source), repeat)
     want = {name: view.clone() for name, view in cache.views.items()}
     for view in cache.views.values():
         view.zero_()
     times["open_restore"] = _timed(lambda: open_restore(encoded), repeat)
-    restored = all(  # bit for bit (an equal of bf16 values would fail on a NaN)
+    facts["restored_exact"] = all(  # bit for bit (an equal of bf16 values fails on a NaN)
         view.view(torch.int16).equal(want[name].view(torch.int16))
         for name, view in cache.views.items()
     )
-    return {
-        "times": times,
-        "decoded_exact": exact,
-        "restored_exact": restored,
-        "encodes_to_the_same_bytes": same_encoding,
-        "kv_bytes": sum(t.nbytes for t in tensors),
-        "file_bytes": source.stat().st_size,
-        "kvsnap": kvsnap.__file__,
-    }
+    return times
 
 
 def capture_source(directory: Path, tokens: int) -> Path:
@@ -198,13 +229,19 @@ def _python(tree: Path, arguments: list[str], directory: Path) -> str:
     return done.stdout
 
 
-def _summary(runs: list[dict], decoded_bytes: int, kv_bytes: int) -> dict:
+#: What each measure's rate is of: the KV encoded, the encoded file read and checked, else the
+#: decoded (ordinary) file.
+RATE_OF = {"encode_codec": "kv", "encode_file": "kv", "read_file": "encoded"}
+RATE_OF["check_container"] = "encoded"
+
+
+def _summary(runs: list[dict], sizes: dict[str, int]) -> dict:
     """Medians per measure of the runs after each process's first, and of the first runs."""
     result: dict = {}
     for measure in MEASURES:
         later = [t for run in runs for t in run["times"][measure][1:]]
         first = [run["times"][measure][0] for run in runs]
-        size = kv_bytes if measure.startswith("encode") else decoded_bytes
+        size = sizes[RATE_OF.get(measure, "decoded")]
         wall = statistics.median(t[0] for t in later)
         cpu = statistics.median(t[1] for t in later)
         result[measure] = {
@@ -218,6 +255,24 @@ def _summary(runs: list[dict], decoded_bytes: int, kv_bytes: int) -> dict:
             "runs": len(later),
         }
     return result
+
+
+def _alternate(
+    trees: dict[str, Path], worker: list[str], directory: Path, rounds: int
+) -> tuple[dict[str, list], list[float]]:
+    """Each side's worker results over ``rounds`` rounds (baseline, tree, tree, baseline, ...),
+    and the load average before each process."""
+    runs: dict[str, list] = {"baseline": [], "tree": []}
+    loads = []
+    order = ["baseline", "tree"]
+    for round_index in range(rounds):
+        for side in order if round_index % 2 == 0 else order[::-1]:
+            loads.append(os.getloadavg()[0])
+            command = ["-m", "benchmarks.lossless_speed", "--worker", *worker]
+            output = _python(trees[side], command, directory)
+            runs[side].append(json.loads(output.strip().splitlines()[-1]))
+            print(side, "round", round_index, "load", loads[-1], file=sys.stderr)
+    return runs, loads
 
 
 def compare(args: argparse.Namespace) -> dict:
@@ -234,17 +289,8 @@ def compare(args: argparse.Namespace) -> dict:
             ["-c", f"from kvsnap.encoded.write import encode_file; {encode}"],
             directory,
         )
-        runs: dict[str, list] = {"baseline": [], "tree": []}
-        loads = []
-        order = ["baseline", "tree"]
-        for round_index in range(args.rounds):
-            for side in order if round_index % 2 == 0 else order[::-1]:
-                loads.append(os.getloadavg()[0])
-                worker = [str(source), str(encoded), str(directory), str(args.repeat)]
-                command = ["-m", "benchmarks.lossless_speed", "--worker", *worker]
-                output = _python(trees[side], command, directory)
-                runs[side].append(json.loads(output.strip().splitlines()[-1]))
-                print(side, "round", round_index, "load", loads[-1], file=sys.stderr)
+        worker = [str(source), str(encoded), str(directory), str(args.repeat)]
+        runs, loads = _alternate(trees, worker, directory, args.rounds)
         decoded_bytes = runs["tree"][0]["file_bytes"]
         kv_bytes = runs["tree"][0]["kv_bytes"]
         results: dict = {
@@ -272,8 +318,10 @@ def compare(args: argparse.Namespace) -> dict:
             },
             "cpus": os.cpu_count(),
         }
+        sizes = {"kv": kv_bytes, "decoded": decoded_bytes, "encoded": encoded.stat().st_size}
         for side, side_runs in runs.items():
-            results[side] = _summary(side_runs, decoded_bytes, kv_bytes)
+            results[side] = _summary(side_runs, sizes)
+            results[side]["times"] = [run["times"] for run in side_runs]
             results[side]["kvsnap"] = side_runs[0]["kvsnap"]
             results[side]["decoded_exact"] = all(r["decoded_exact"] for r in side_runs)
             results[side]["restored_exact"] = all(r["restored_exact"] for r in side_runs)
