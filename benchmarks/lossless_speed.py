@@ -334,7 +334,7 @@ def compare(args: argparse.Namespace) -> dict:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default="main", help="git ref of the code to compare with")
     parser.add_argument("--tokens", type=int, default=2048)
@@ -343,17 +343,18 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--json-out", type=Path, default=None)
     parser.add_argument("--worker", nargs=4, metavar=("SOURCE", "ENCODED", "DIR", "REPEAT"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         source, encoded, directory, repeat = args.worker
         print(json.dumps(worker(Path(source), Path(encoded), Path(directory), int(repeat))))
-        return
+        return None
     results = compare(args)
     text = json.dumps(results, indent=1)
     print(text)
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(text)
+    return results
 
 
 if __name__ == "__main__":

@@ -136,11 +136,11 @@ def capture_mixed(path: Path) -> KVContent:
     content = real_content(torch.bfloat16)
     generator = torch.Generator().manual_seed(5)
     for name, byte in (("layers.1.key", slice(0, None, 2)), ("layers.1.value", slice(None))):
-        page_bytes = content.pages[name].contiguous().view(torch.uint8).reshape(-1).clone()
-        noise = torch.randint(0, 256, page_bytes.shape, dtype=torch.uint8, generator=generator)
-        page_bytes[byte] = noise[byte]
+        raw = content.pages[name].contiguous().view(torch.uint8).reshape(-1).clone()
+        noise = torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator)
+        raw[byte] = noise[byte]
         shape = content.pages[name].shape
-        content.pages[name] = page_bytes.view(torch.bfloat16).reshape(shape)
+        content.pages[name] = raw.view(torch.bfloat16).reshape(shape)
     (cache,) = filled_caches(content, "vllm-nhd")
     tokens = np.arange(8 * BLOCK) % 251
     sequence = kvsnap.SequenceBlocks("a", tokens, BLOCK_ORDER)
