@@ -172,9 +172,12 @@ def _prepare(tmp: Path, model: Path) -> _Inputs:
 
 
 def _reference(inputs: _Inputs) -> EngineRun:
-    """E0: every prompt on an engine without a connector (beside the store's engines)."""
+    """E0: every prompt on an engine without a connector (beside the store's engines), all of
+    it in one process (the ``uni`` executor): the tokens of vLLM's default three processes
+    (``test_tampered_store.py``'s U is such an engine) for a third of the start-up. Nothing of
+    E0 but its tokens is read."""
     prompts = inputs.prompts
-    return run_engine(inputs.tmp, "e0", inputs.model, list(prompts), prompts)
+    return run_engine(inputs.tmp, "e0", inputs.model, list(prompts), prompts, executor="uni")
 
 
 def _first_runs(inputs: _Inputs) -> Scenario:

@@ -5,7 +5,8 @@ creates it); this file is marked ``vllm`` and skips without it. The engines shar
 random-weight Llama with 2 KV heads, one store (chunks of 2 blocks of 32 tokens) and one
 scenario:
 
-* E0, TP=1, no connector: the reference tokens of every prompt (runs beside the others).
+* E0, TP=1, no connector, in one process (the ``uni`` executor): the reference tokens of
+  every prompt (runs beside the others).
 * E1, TP=1: computes A, B, C and S1..S4 (one 4-block system prompt, each its own 70-token
   question); persists A, B and the S prompts (C opts out), dumps all.
 * E2, TP=2, on a slow disk (every fsync into the store waits): loads A (a TP=1 capture) into

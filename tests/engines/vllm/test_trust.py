@@ -6,7 +6,8 @@ Every engine runs in a subprocess with ``.venv-vllm``'s Python
 module skips without ``.venv-vllm``. One random-weight Llama, two LoRA adapters on its key and
 value projections, a signing key, and one store (chunks of 2 blocks of 32 tokens):
 
-* R, no connector (LoRA on): every prompt's reference tokens.
+* R, no connector (LoRA on), in one process (the ``uni`` executor): every prompt's reference
+  tokens.
 * S, signing: stores X under adapter ``a``, W under ``cache_salt`` ``s1``, P plainly and Q.
   Then Q's chunk is replaced by the same KV written without the key (valid checksums).
 * T, a restart, signing: X under ``a`` hits; X under ``b`` and without an adapter miss; W
