@@ -26,10 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.support.vllm_engines import HELPERS, PYTHON
 
 #: Engines alive at once: one per core of the 2-core machine the suite is sized for.
 ENGINES_AT_ONCE = 2
+#: What a world's build may end in instead of the world: an error, or a skip.
+_OUTCOMES = (Exception, pytest.skip.Exception)
 
 
 def make_model(directory: Path, *arguments: str) -> Path:
@@ -87,7 +91,7 @@ class Worlds:
         for name in names:
             try:
                 contexts[name] = self.worlds[name].prepare(self.directory(name), model)
-            except BaseException as error:  # a skip too: it is that world's outcome
+            except _OUTCOMES as error:  # a skip too: it is that world's outcome
                 self._outcomes[name] = error
         parts = [
             (job.engines, name, part, job)
@@ -96,10 +100,13 @@ class Worlds:
         ]
         parts.sort(key=lambda entry: -entry[0])
         futures: dict[tuple[str, str], Future[Any]] = {}
-        with ThreadPoolExecutor(ENGINES_AT_ONCE, thread_name_prefix="vllm-world") as pool:
+        pool = ThreadPoolExecutor(ENGINES_AT_ONCE, thread_name_prefix="vllm-world")
+        try:
             for _, name, part, job in parts:
                 futures[name, part] = pool.submit(job.run, contexts[name])
             wait(futures.values())
+        finally:  # interrupted: no job starts any more, the running ones end with their engine
+            pool.shutdown(wait=True, cancel_futures=True)
         for name, context in contexts.items():
             self._outcomes[name] = _combine(self.worlds[name], context, futures, name)
 
@@ -116,5 +123,5 @@ def _combine(
         results[part] = futures[name, part].result()
     try:
         return world.combine(context, results)
-    except BaseException as error:
+    except _OUTCOMES as error:
         return error
