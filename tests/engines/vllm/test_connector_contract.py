@@ -22,12 +22,15 @@ from typing import Any
 import pytest
 
 from tests.support.vllm_contract import Refusal
+from tests.support.vllm_worlds import Worlds
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module", params=["sync", "async"])
-def failed_load(request: pytest.FixtureRequest, vllm_worlds: Any) -> dict[str, Any]:
+def failed_load(request: pytest.FixtureRequest, vllm_worlds: Worlds) -> dict[str, Any]:
+    """Engines 0-2 with engine 1 under the ``request.param`` scheduler (``vllm_contract.py``),
+    built with this folder's other real-vLLM worlds."""
     return vllm_worlds.get(f"failed_load[{request.param}]")
 
 
