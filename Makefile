@@ -47,7 +47,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: $(TEST_NEEDS)
-	@echo "Running the CPU test suite$(if $(SKIP_VLLM), without real vLLM (SKIP_VLLM=1),, including real vLLM from .venv-vllm) (about 14 minutes on 2 cores)..."
+	@echo "Running the CPU test suite$(if $(SKIP_VLLM), without real vLLM (SKIP_VLLM=1),, including real vLLM from .venv-vllm) (about 10 minutes on 2 cores)..."
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)

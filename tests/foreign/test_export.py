@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,22 +23,12 @@ from kvsnap.foreign import convert_to_snapshot, open_foreign
 from kvsnap.foreign.llama_state_export import export_llama_state
 from kvsnap.foreign.vllm_fs_export import export_vllm_fs
 from kvsnap.snapshot import Snapshot
+from tests.support.cli_runs import run_kvsnap
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM = ROOT / "fixtures" / "foreign" / "vllm-fs"
 LLAMA = ROOT / "fixtures" / "foreign" / "llama-state"
 SGLANG = ROOT / "fixtures" / "foreign" / "sglang-hicache"
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvsnap.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-        timeout=120,
-    )
 
 
 def _config(tp: int) -> Path:
@@ -136,14 +125,17 @@ def test_llama_state_refusals(tmp_path: Path) -> None:
     with Snapshot.open(SGLANG / "mla" / "reference.safetensors") as mla:
         with pytest.raises(IncompatibleSnapshotError, match="MLA"):
             export_llama_state(mla, tmp_path / "x.bin")
-    result = _cli("fixture", str(tmp_path / "two.safetensors"), "--lengths", "64,100")
+    result = run_kvsnap("fixture", str(tmp_path / "two.safetensors"), "--lengths", "64,100")
     assert result.returncode == 0, result.stderr
     fp8 = tmp_path / "fp8.safetensors"
-    assert _cli("fixture", str(fp8), "--lengths", "16", "--dtype", "float8_e4m3fn").returncode == 0
+    assert (
+        run_kvsnap("fixture", str(fp8), "--lengths", "16", "--dtype", "float8_e4m3fn").returncode
+        == 0
+    )
     with Snapshot.open(fp8) as eight:
         with pytest.raises(IncompatibleSnapshotError, match="dtype float8_e4m3fn"):
             export_llama_state(eight, tmp_path / "x.bin")
-    exported = _cli(
+    exported = run_kvsnap(
         "export", str(tmp_path / "two.safetensors"), "--to", "llama-state", str(tmp_path / "y.bin")
     )
     assert exported.returncode == 2 and "name it with --sequence" in exported.stderr
@@ -155,26 +147,28 @@ def test_cli_export(tmp_path: Path) -> None:
     root = tmp_path / "fs"
     order = str(VLLM / "tp2" / "page-order.npz")
     common = ["export", dump, "--to", "vllm-fs", str(root)]
-    missing = _cli(*common, "--page-order", order)
+    missing = run_kvsnap(*common, "--page-order", order)
     assert missing.returncode == 2 and "--config FILE" in missing.stderr
-    refused = _cli(*common, "--page-order", order, "--config", str(_config(2)))
+    refused = run_kvsnap(*common, "--page-order", order, "--config", str(_config(2)))
     assert refused.returncode == 2 and "pass --tp 2" in refused.stderr
-    done = _cli(*common, "--page-order", "cells-nhd", "--config", str(_config(2)), "--json")
+    done = run_kvsnap(*common, "--page-order", "cells-nhd", "--config", str(_config(2)), "--json")
     assert done.returncode == 0, done.stderr
     payload = json.loads(done.stdout)
     assert payload["written"] == 3 and payload["notes"] and "--tp N" in payload["notes"][0]
-    verified = _cli("verify", str(root))
+    verified = run_kvsnap("verify", str(root))
     assert verified.returncode == 0, verified.stdout
-    no_order = _cli(*common)
+    no_order = run_kvsnap(*common)
     assert no_order.returncode == 2 and "--page-order is required" in no_order.stderr
-    three = _cli(*common, "--page-order", "cells-nhd", "--tp", "3")
+    three = run_kvsnap(*common, "--page-order", "cells-nhd", "--tp", "3")
     assert three.returncode == 2 and "do not split over TP 3" in three.stderr
     state = tmp_path / "state.bin"
-    llama = _cli("export", dump, "--to", "llama-state", str(state), "--json")
+    llama = run_kvsnap("export", dump, "--to", "llama-state", str(state), "--json")
     assert llama.returncode == 0 and json.loads(llama.stdout)["tokens"] == 96
     with open_foreign(state, num_kv_heads=2) as source:
         assert source.verify() == [] and source.describe()["num_tokens"] == 96
-    absent = _cli("export", str(tmp_path / "none.safetensors"), "--to", "llama-state", str(state))
+    absent = run_kvsnap(
+        "export", str(tmp_path / "none.safetensors"), "--to", "llama-state", str(state)
+    )
     assert absent.returncode == 2 and "no such snapshot" in absent.stderr
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ from kvsnap.errors import (
 )
 from kvsnap.foreign import convert_to_snapshot, open_foreign
 from kvsnap.snapshot import Snapshot
+from tests.support.cli_runs import run_kvsnap
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures" / "foreign" / "llama-state"
@@ -151,23 +151,20 @@ def test_damaged_files(tmp_path: Path) -> None:
 
 
 def test_cli_on_state_files(tmp_path: Path) -> None:
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-        command = [sys.executable, "-m", "kvsnap.cli", *args]
-        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
-
-    inspected = cli("inspect", str(FIXTURES / "session.bin"), "--json")
+    inspected = run_kvsnap("inspect", str(FIXTURES / "session.bin"), "--json")
     assert inspected.returncode == 0 and json.loads(inspected.stdout)["kind"] == "session"
-    verified = cli("verify", str(FIXTURES / "seq-noflash.bin"), "--json")
+    verified = run_kvsnap("verify", str(FIXTURES / "seq-noflash.bin"), "--json")
     assert verified.returncode == 0 and json.loads(verified.stdout)["ok"] is True
     out = tmp_path / "out.safetensors"
-    converted = cli("convert", str(FIXTURES / "seq-noflash.bin"), "-o", str(out), "--kv-heads", "2")
+    converted = run_kvsnap(
+        "convert", str(FIXTURES / "seq-noflash.bin"), "-o", str(out), "--kv-heads", "2"
+    )
     assert converted.returncode == 0, converted.stderr
-    assert cli("verify", str(out)).returncode == 0
+    assert run_kvsnap("verify", str(out)).returncode == 0
     shutil.copy(FIXTURES / "seq-flash.bin", tmp_path / "cut.bin")
     with (tmp_path / "cut.bin").open("r+b") as handle:
         handle.truncate(1000)
-    result = cli("inspect", str(tmp_path / "cut.bin"))
+    result = run_kvsnap("inspect", str(tmp_path / "cut.bin"))
     assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
     assert "truncated" in result.stderr and "Traceback" not in result.stderr
 

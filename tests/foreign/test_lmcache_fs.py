@@ -21,21 +21,11 @@ from kvsnap.errors import LayoutError, SnapshotCorruptError
 from kvsnap.foreign import convert_to_snapshot, open_foreign, recognise
 from kvsnap.foreign.lmcache_fs import chunk_hashes
 from kvsnap.snapshot import Snapshot
+from tests.support.cli_runs import run_kvsnap
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures" / "foreign" / "lmcache-fs"
 PROMPT = json.loads((FIXTURES / "prompt.json").read_text())
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvsnap.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-        timeout=120,
-    )
 
 
 def test_file_names_are_lmcaches_chunk_hashes() -> None:
@@ -83,13 +73,13 @@ def test_damage_and_missing_hints(tmp_path: Path) -> None:
 def test_cli(tmp_path: Path) -> None:
     out = tmp_path / "out.safetensors"
     common = ["convert", str(FIXTURES / "tp2"), "--model", str(FIXTURES), "-o", str(out)]
-    missing = _cli(*common)
+    missing = run_kvsnap(*common)
     assert missing.returncode == 2 and "--tokens FILE is required" in missing.stderr
-    done = _cli(*common, "--tokens", str(FIXTURES / "prompt.json"))
+    done = run_kvsnap(*common, "--tokens", str(FIXTURES / "prompt.json"))
     assert done.returncode == 0, done.stderr
-    compared = _cli("verify", str(out), "--against", str(FIXTURES / "reference.safetensors"))
+    compared = run_kvsnap("verify", str(out), "--against", str(FIXTURES / "reference.safetensors"))
     assert compared.returncode == 0, compared.stdout
-    checked = _cli("verify", str(FIXTURES / "tp1"), "--json")
+    checked = run_kvsnap("verify", str(FIXTURES / "tp1"), "--json")
     payload = json.loads(checked.stdout)
     assert checked.returncode == 0 and payload["ok"]
     assert any("no checksums" in note for note in payload["notes"])

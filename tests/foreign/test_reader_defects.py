@@ -12,8 +12,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,21 +22,11 @@ import kvsnap.foreign.vllm_fs as vllm_fs
 from kvsnap.errors import LayoutError
 from kvsnap.foreign import PageOrder, cell_order, load_page_order, open_foreign
 from kvsnap.foreign.pages import decode_bytes, tile_pages
+from tests.support.cli_runs import run_kvsnap
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM = ROOT / "fixtures" / "foreign" / "vllm-fs"
 LLAMA = ROOT / "fixtures" / "foreign" / "llama-state"
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvsnap.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-        timeout=120,
-    )
 
 
 def _namespace(tp: int) -> Path:
@@ -50,7 +38,7 @@ def test_a_namespace_that_stored_nothing_yet_verifies(tmp_path: Path) -> None:
     """vLLM writes config.json when the tier starts and <ns>_r0 at its first store."""
     namespace = tmp_path / _namespace(1).name
     shutil.copytree(_namespace(1), namespace)
-    result = _cli("verify", str(namespace), "--json")
+    result = run_kvsnap("verify", str(namespace), "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     payload = json.loads(result.stdout)
     assert payload["ok"] and payload["problems"] == []
@@ -99,18 +87,18 @@ def test_convert_says_which_tp_it_assumed(tmp_path: Path) -> None:
     order = str(VLLM / "tp1" / "page-order.npz")
     out = tmp_path / "one.safetensors"
     args = ("convert", str(VLLM / "tp1" / "fs"), "--tokens", prompt, "--model", str(VLLM))
-    result = _cli(*args, "--page-order", order, "-o", str(out), "--json")
+    result = run_kvsnap(*args, "--page-order", order, "-o", str(out), "--json")
     assert result.returncode == 0, result.stderr
     [note] = json.loads(result.stdout)["notes"]
     assert note.startswith("TP 1 assumed") and "--tp N" in note
     assert "TP 1 assumed" in result.stderr
-    given = _cli(*args, "--page-order", order, "--tp", "1", "-o", str(out), "--json")
+    given = run_kvsnap(*args, "--page-order", order, "--tp", "1", "-o", str(out), "--json")
     assert given.returncode == 0 and json.loads(given.stdout)["notes"] == []
 
 
 def test_a_page_order_of_another_tp_is_refused_naming_it(tmp_path: Path) -> None:
     """TP 2's probed order holds one head per page: TP 1, assumed, cannot be the writer."""
-    result = _cli(
+    result = run_kvsnap(
         "convert",
         str(VLLM / "tp2" / "fs"),
         "--tokens",
@@ -157,7 +145,7 @@ def test_directories_no_reader_takes_say_what_each_found(tmp_path: Path, command
         "orphan": f"namespace {_namespace(1).name}/config.json is missing",
     }
     for name, path in paths.items():
-        result = _cli(command, str(path))
+        result = run_kvsnap(command, str(path))
         assert result.returncode == 1, (name, result.stderr)
         [line] = result.stderr.strip().splitlines()
         assert "not a format kvsnap reads" in line and found[name] in line, line
@@ -172,19 +160,21 @@ def test_damage_after_a_llama_cpp_magic_exits_1(tmp_path: Path) -> None:
     counted.write_bytes(struct.pack("<III", 0x67677371, 3, 1 << 30) + rng.bytes(300))
     for path in (garbage, counted):
         for command in ("inspect", "verify"):
-            result = _cli(command, str(path))
+            result = run_kvsnap(command, str(path))
             assert result.returncode == 1, result.stderr
             assert len(result.stderr.strip().splitlines()) == 1
     older = tmp_path / "older.bin"
     older.write_bytes(struct.pack("<II", 0x67677371, 2) + os.urandom(64))
-    result = _cli("verify", str(older))
+    result = run_kvsnap("verify", str(older))
     assert result.returncode == 2 and "version 2: kvsnap reads version 3" in result.stderr
 
 
 def test_a_missing_hint_names_its_option(tmp_path: Path) -> None:
-    result = _cli("convert", str(LLAMA / "seq-flash.bin"), "-o", str(tmp_path / "x.safetensors"))
+    result = run_kvsnap(
+        "convert", str(LLAMA / "seq-flash.bin"), "-o", str(tmp_path / "x.safetensors")
+    )
     assert result.returncode == 2 and "pass --kv-heads N" in result.stderr
-    result = _cli(
+    result = run_kvsnap(
         "convert",
         str(VLLM / "tp1" / "fs"),
         "--tokens",

@@ -23,21 +23,11 @@ from kvsnap.errors import LayoutError, SnapshotCorruptError
 from kvsnap.foreign import convert_to_snapshot, open_foreign, recognise
 from kvsnap.foreign.sglang_hicache import LAYOUTS, page_hashes
 from kvsnap.snapshot import Snapshot
+from tests.support.cli_runs import run_kvsnap
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures" / "foreign" / "sglang-hicache"
 PROMPT = json.loads((FIXTURES / "prompt.json").read_text())
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvsnap.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-        timeout=120,
-    )
 
 
 def _mismatches(converted: Path, reference: Path) -> int:
@@ -160,32 +150,34 @@ def test_hints_the_files_cannot_replace(tmp_path: Path) -> None:
 
 def test_cli_on_hicache_directories(tmp_path: Path) -> None:
     directory = _copy(tmp_path)
-    inspected = _cli("inspect", str(directory), "--json")
+    inspected = run_kvsnap("inspect", str(directory), "--json")
     assert inspected.returncode == 0 and json.loads(inspected.stdout)["num_files"] == 6
-    verified = _cli("verify", str(directory))
+    verified = run_kvsnap("verify", str(directory))
     assert verified.returncode == 0 and "no checksums" in verified.stdout
     out = tmp_path / "out.safetensors"
     common = ["--model", str(FIXTURES), "--page-order", "layer_first", "-o", str(out)]
-    missing = _cli("convert", str(directory), *common)
+    missing = run_kvsnap("convert", str(directory), *common)
     assert missing.returncode == 2 and "--tokens FILE is required" in missing.stderr
-    converted = _cli(
+    converted = run_kvsnap(
         "convert", str(directory), *common, "--tokens", str(FIXTURES / "prompt.json"), "--json"
     )
     assert converted.returncode == 0, converted.stderr
     assert json.loads(converted.stdout)["tokens"] == 48
-    compared = _cli("verify", str(out), "--against", str(FIXTURES / "reference.safetensors"))
+    compared = run_kvsnap("verify", str(out), "--against", str(FIXTURES / "reference.safetensors"))
     assert compared.returncode == 0, compared.stdout
     with Snapshot.open(out) as snapshot:
         assert snapshot.metadata.source.engine == "sglang"
     page = sorted(directory.iterdir())[0]
     page.write_bytes(page.read_bytes()[:-2])
-    broken = _cli("verify", str(directory))
+    broken = run_kvsnap("verify", str(directory))
     assert broken.returncode == 1 and "8190 bytes" in broken.stdout
-    converted = _cli("convert", str(directory), *common, "--tokens", str(FIXTURES / "prompt.json"))
+    converted = run_kvsnap(
+        "convert", str(directory), *common, "--tokens", str(FIXTURES / "prompt.json")
+    )
     assert converted.returncode == 1 and "8190 bytes, a page of 16 tokens" in converted.stderr
     assert len(converted.stderr.strip().splitlines()) == 1
     page.write_bytes(b"")
-    empty = _cli("verify", str(directory))
+    empty = run_kvsnap("verify", str(directory))
     assert empty.returncode == 1 and "0 bytes" in empty.stdout
 
 

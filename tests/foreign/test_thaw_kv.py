@@ -12,7 +12,6 @@ import importlib.util
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,22 +19,12 @@ import pytest
 from kvsnap.errors import LayoutError, SnapshotCorruptError
 from kvsnap.foreign import convert_to_snapshot, open_foreign, recognise
 from kvsnap.snapshot import Snapshot
+from tests.support.cli_runs import run_kvsnap
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures" / "foreign" / "thaw"
 SNAPSHOT = FIXTURES / "prefix.thawkv"
 PROMPT = json.loads((FIXTURES / "prompt.json").read_text())
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvsnap.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-        timeout=120,
-    )
 
 
 def test_converted_blocks_equal_the_kv_thaw_froze(tmp_path: Path) -> None:
@@ -92,17 +81,19 @@ def test_cli(tmp_path: Path) -> None:
     copy = tmp_path / "prefix.thawkv"
     shutil.copy(SNAPSHOT, copy)
     out = tmp_path / "out.safetensors"
-    missing = _cli("convert", str(copy), "-o", str(out))
+    missing = run_kvsnap("convert", str(copy), "-o", str(out))
     assert missing.returncode == 2 and "--tokens FILE is required" in missing.stderr
-    done = _cli("convert", str(copy), "--tokens", str(FIXTURES / "prompt.json"), "-o", str(out))
+    done = run_kvsnap(
+        "convert", str(copy), "--tokens", str(FIXTURES / "prompt.json"), "-o", str(out)
+    )
     assert done.returncode == 0, done.stderr
-    compared = _cli("verify", str(out), "--against", str(FIXTURES / "reference.safetensors"))
+    compared = run_kvsnap("verify", str(out), "--against", str(FIXTURES / "reference.safetensors"))
     assert compared.returncode == 0, compared.stdout
     copy.write_bytes(SNAPSHOT.read_bytes()[:-1])
-    checked = _cli("verify", str(copy))
+    checked = run_kvsnap("verify", str(copy))
     assert checked.returncode == 1 and "the metadata describes" in checked.stdout
     copy.write_bytes(SNAPSHOT.read_bytes()[:20])
-    broken = _cli("inspect", str(copy))
+    broken = run_kvsnap("inspect", str(copy))
     assert broken.returncode == 1 and len(broken.stderr.strip().splitlines()) == 1
 
 

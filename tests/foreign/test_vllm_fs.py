@@ -22,6 +22,7 @@ from kvsnap.errors import LayoutError, NotASnapshotError, SnapshotCorruptError
 from kvsnap.foreign import convert_to_snapshot, open_foreign, recognise
 from kvsnap.foreign.vllm_fs_config import namespace_digest, namespace_name, prefix_hashes
 from kvsnap.snapshot import Snapshot
+from tests.support.cli_runs import CliRun, run_kvsnap
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures" / "foreign" / "vllm-fs"
@@ -44,6 +45,8 @@ def _hints(tp: int) -> dict[str, object]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``kvsnap ARGS`` through ``python -m kvsnap.cli`` in an environment of ``PATH`` alone: a
+    foreign format through the real entry point (the other CLI tests run in this process)."""
     return subprocess.run(
         [sys.executable, "-m", "kvsnap.cli", *args],
         capture_output=True,
@@ -236,7 +239,7 @@ def test_cli_inspect_verify_convert_and_compare(tmp_path: Path) -> None:
     assert compared.returncode == 0, compared.stdout + compared.stderr
 
 
-def _one_line_error(result: subprocess.CompletedProcess[str], code: int, text: str) -> None:
+def _one_line_error(result: CliRun, code: int, text: str) -> None:
     assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and text in lines[0] and "Traceback" not in result.stderr, lines
@@ -248,7 +251,7 @@ def test_cli_hostile_inputs(tmp_path: Path) -> None:
     blocks = sorted(namespace.parent.rglob("*.bin"))
     blocks[0].write_bytes(blocks[0].read_bytes()[:100])
     for path in (blocks[0], namespace):
-        checked = _cli("verify", str(path))
+        checked = run_kvsnap("verify", str(path))
         assert checked.returncode == 1 and "100 bytes" in checked.stdout, checked
         assert "FAILED" in checked.stdout and checked.stderr == ""
     tokens = tmp_path / "prompt.json"
@@ -256,29 +259,31 @@ def test_cli_hostile_inputs(tmp_path: Path) -> None:
     out = str(tmp_path / "out.safetensors")
     order = str(FIXTURES / "tp1" / "page-order.npz")
     common = ["-o", out, "--model", str(FIXTURES)]
-    _one_line_error(_cli("convert", str(namespace), *common, "--page-order", order), 2, "--tokens")
     _one_line_error(
-        _cli("convert", str(namespace), *common, "--tokens", str(tokens)), 2, "page order"
+        run_kvsnap("convert", str(namespace), *common, "--page-order", order), 2, "--tokens"
+    )
+    _one_line_error(
+        run_kvsnap("convert", str(namespace), *common, "--tokens", str(tokens)), 2, "page order"
     )
     other = tmp_path / "other.json"
     other.write_text(json.dumps([7] * len(PROMPT)))
     unknown = [*common, "--tokens", str(other), "--page-order", order]
-    _one_line_error(_cli("convert", str(namespace), *unknown), 2, "holds no block")
+    _one_line_error(run_kvsnap("convert", str(namespace), *unknown), 2, "holds no block")
     broken = [*common, "--tokens", str(tokens), "--page-order", order]
-    _one_line_error(_cli("convert", str(namespace), *broken), 1, "100 bytes")
-    _one_line_error(_cli("inspect", str(namespace), "--stats"), 2, "convert the foreign path")
+    _one_line_error(run_kvsnap("convert", str(namespace), *broken), 1, "100 bytes")
+    _one_line_error(run_kvsnap("inspect", str(namespace), "--stats"), 2, "convert the foreign path")
     config = (namespace / "config.json").read_text()
     (namespace / "config.json").write_text("[]")
-    _one_line_error(_cli("inspect", str(namespace)), 1, "not a JSON object")
+    _one_line_error(run_kvsnap("inspect", str(namespace)), 1, "not a JSON object")
     (namespace / "config.json").write_text(config)
     renamed = namespace.with_name("tiny-llama_abcdefabcdef")
     namespace.rename(renamed)
-    result = _cli("verify", str(renamed), "--json")
+    result = run_kvsnap("verify", str(renamed), "--json")
     _one_line_error(result, 1, "hashes to namespace")
     assert json.loads(result.stdout)["ok"] is False
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\x00garbage" * 100)
-    _one_line_error(_cli("inspect", str(garbage)), 1, "")
+    _one_line_error(run_kvsnap("inspect", str(garbage)), 1, "")
 
 
 @pytest.mark.slow

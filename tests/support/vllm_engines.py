@@ -104,11 +104,15 @@ def write_job(
     return path, job
 
 
-def start_engine(job_path: Path, log: Path) -> subprocess.Popen[bytes]:
+def start_engine(
+    job_path: Path, log: Path, environment: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start the engine of the job at ``job_path`` (its output to ``log``), in this process's
+    environment and ``environment`` (more variables, e.g. a remote tier's endpoint)."""
     # The engine imports kvsnap from this tree (whatever the venv's editable install points at),
     # then whatever the caller's path adds.
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path}
+    env = {**os.environ, **(environment or {}), "PYTHONPATH": path}
     return subprocess.Popen(
         [str(PYTHON), str(HELPERS / "vllm_run_engine.py"), str(job_path)],
         stdout=log.open("wb"),
@@ -164,7 +168,10 @@ def launch_engine(
     prompts: dict[str, list[int]],
     **options: Any,
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any], Path, Path, Path]:
+    """Start the engine ``name`` (``write_job``'s options, and ``environment``: more variables
+    for its processes); its process, job, log, event log and dump directory."""
     events, dumps = tmp / f"{name}.events.jsonl", tmp / f"{name}.dumps"
+    environment = options.pop("environment", None)
     if options.get("connector") is not None:
         options["connector"] = {
             **options["connector"],
@@ -173,4 +180,4 @@ def launch_engine(
         }
     job_path, job = write_job(tmp, name, model, labels, prompts, **options)
     log = tmp / f"{name}.log"
-    return start_engine(job_path, log), job, log, events, dumps
+    return start_engine(job_path, log, environment), job, log, events, dumps

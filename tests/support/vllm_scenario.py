@@ -1,15 +1,16 @@
 """The real-vLLM scenario the restart and dump tests share: engines E0-E5 on one store, run once
 per session (``tests/engines/vllm/test_restarts.py`` describes them), and the checks on their
-dumps and chunks."""
+dumps and chunks; and the perturbed-model run ``test_dumps.py`` compares with them. Both are
+worlds of ``vllm_worlds.py`` (``WORLD``, ``PERTURBED``)."""
 
 from __future__ import annotations
 
 import json
 import struct
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,14 +28,8 @@ from kvsnap.engines.vllm import (
     vllm_layout,
 )
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
-from tests.support.vllm_engines import (
-    HELPERS,
-    PYTHON,
-    EngineRun,
-    finish_engine,
-    launch_engine,
-    run_engine,
-)
+from tests.support.vllm_engines import EngineRun, run_engine
+from tests.support.vllm_worlds import Job, World
 
 BLOCK = 32
 CHUNK_BLOCKS = 2
@@ -161,13 +156,36 @@ def _problems(path: Path) -> int:
         return 1
 
 
-def _first_runs(tmp: Path, model: Path, prompts: dict[str, list[int]], persist: dict) -> Scenario:
-    """E0 beside E1, then E2 (TP=2): the store the later engines restart from."""
-    reference = launch_engine(tmp, "e0", model, list(prompts), prompts)
+@dataclass(frozen=True)
+class _Inputs:
+    """What the scenario's jobs share: its directory, the model, the prompts, the store."""
+
+    tmp: Path
+    model: Path
+    prompts: dict[str, list[int]]
+    persist: dict
+
+
+def _prepare(tmp: Path, model: Path) -> _Inputs:
+    persist = {"path": str(tmp / "store"), "mode": "persist+dump", "chunk_blocks": CHUNK_BLOCKS}
+    return _Inputs(tmp, model, _prompts(), persist)
+
+
+def _reference(inputs: _Inputs) -> EngineRun:
+    """E0: every prompt on an engine without a connector (beside the store's engines), all of
+    it in one process (the ``uni`` executor): the tokens of vLLM's default three processes
+    (``test_tampered_store.py``'s U is such an engine) for a third of the start-up. Nothing of
+    E0 but its tokens is read."""
+    prompts = inputs.prompts
+    return run_engine(inputs.tmp, "e0", inputs.model, list(prompts), prompts, executor="uni")
+
+
+def _first_runs(inputs: _Inputs) -> Scenario:
+    """E1, then E2 (TP=2): the store the later engines restart from."""
+    tmp, model, prompts, persist = inputs.tmp, inputs.model, inputs.prompts, inputs.persist
     first = ["A", "B", "C", *SHARING]
     e1 = run_engine(tmp, "e1", model, first, prompts, connector=persist, no_persist=("C",))
-    process, job, log, events, dumps = reference
-    runs = {"e0": finish_engine(process, job, list(prompts), log, events, dumps), "e1": e1}
+    runs = {"e1": e1}
     store = Path(persist["path"])
     namespaces = [path for path in store.iterdir() if path.is_dir()]
     assert len(namespaces) == 1, namespaces
@@ -203,18 +221,10 @@ def _first_runs(tmp: Path, model: Path, prompts: dict[str, list[int]], persist: 
     )
 
 
-def build_scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
-    """Run E0-E5 (``tests/engines/vllm/test_restarts.py`` describes them) on one store."""
-    tmp = tmp_path_factory.mktemp("vllm")
-    model = tmp / "model"
-    subprocess.run(
-        [str(PYTHON), str(HELPERS / "vllm_make_model.py"), str(model)],
-        check=True,
-        capture_output=True,
-    )
-    prompts = _prompts()
-    persist = {"path": str(tmp / "store"), "mode": "persist+dump", "chunk_blocks": CHUNK_BLOCKS}
-    scene = _first_runs(tmp, model, prompts, persist)
+def _store_runs(inputs: _Inputs) -> Scenario:
+    """E1-E5 (``tests/engines/vllm/test_restarts.py`` describes them) on one store."""
+    tmp, model, prompts, persist = inputs.tmp, inputs.model, inputs.prompts, inputs.persist
+    scene = _first_runs(inputs)
     restart = ["A", "B", "C", "D", "F", "G", *SHARING]
     lenient = {**persist, "verify_before_load": False}
     scene.runs["e3"] = run_engine(tmp, "e3", model, restart, prompts, connector=lenient)
@@ -239,6 +249,46 @@ def build_scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
     scene.runs["e5"] = run_engine(tmp, "e5", model, last, prompts, connector=bounded, policy=None)
     scene.bytes_after_e5 = store_bytes(scene.store)
     return scene
+
+
+def _with_reference(inputs: _Inputs, results: dict[str, Any]) -> Scenario:
+    scene: Scenario = results["store"]
+    scene.runs["e0"] = results["reference"]
+    return scene
+
+
+#: E0-E5 (``tests/engines/vllm/test_restarts.py`` describes them): E0 a job of its own, E1-E5
+#: one chain on one store (E2 at TP=2 on a slow disk counts for about two engines).
+WORLD = World(
+    _prepare,
+    {"reference": Job(_reference), "store": Job(_store_runs, engines=6)},
+    _with_reference,
+)
+
+
+def perturbed_model(model: Path, directory: Path) -> Path:
+    """A copy of ``model`` whose layer 1 ``k_proj`` is scaled by 1.25 (its keys change, its
+    values and every layer before it do not), saved by the test process's transformers."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    with torch.no_grad():
+        loaded.model.layers[1].self_attn.k_proj.weight.mul_(1.25)
+    loaded.save_pretrained(directory)
+    return directory
+
+
+def _perturbed_run(inputs: _Inputs) -> EngineRun:
+    """Prompt A on the perturbed model, dumped (``test_dumps.py`` locates the change)."""
+    pytest.importorskip("transformers")
+    model = perturbed_model(inputs.model, inputs.tmp / "perturbed-model")
+    dumps = inputs.tmp / "dumps"
+    connector = {"path": str(dumps), "mode": "dump"}
+    return run_engine(inputs.tmp, "perturbed", model, ["A"], inputs.prompts, connector=connector)
+
+
+#: The scenario's prompt A on a model whose layer 1 keys were changed: one engine, dumping.
+PERTURBED = World(_prepare, {"run": Job(_perturbed_run)}, lambda inputs, results: results["run"])
 
 
 def _kv(paths: Path | list[Path], num_tokens: int) -> dict[str, torch.Tensor]:

@@ -17,81 +17,21 @@ connector persists P again. Engine 2 (sync, vLLM's default ``fail`` policy) load
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-from tests.support.vllm_engines import HELPERS, PYTHON, ROOT
-
-BLOCK = 16  # vllm_contract_child.BLOCK
+from tests.support.vllm_contract import Refusal
+from tests.support.vllm_worlds import Worlds
 
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("model")
-    subprocess.run(
-        [str(PYTHON), str(HELPERS / "vllm_make_model.py"), str(directory)],
-        check=True,
-        capture_output=True,
-    )
-    return directory
-
-
-def run_child(job: dict[str, Any], directory: Path) -> dict[str, Any]:
-    """Run ``vllm_contract_child.py`` on ``job``; its report."""
-    job = {
-        "store": str(directory / "store"),
-        "event_log": str(directory / "events.jsonl"),
-        "output": str(directory / "report.json"),
-        **job,
-    }
-    path = directory / "job.json"
-    path.write_text(json.dumps(job))
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING"}
-    done = subprocess.run(
-        [str(PYTHON), str(HELPERS / "vllm_contract_child.py"), str(path)],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((directory / "report.json").read_text())
-
-
-def _prompts() -> tuple[list[int], list[int]]:
-    rng = np.random.default_rng(21)
-    p = rng.integers(1, 500, size=6 * BLOCK + 5).tolist()  # 6 loadable blocks: 3 chunks
-    q = p[: 2 * BLOCK] + rng.integers(1, 500, size=3 * BLOCK).tolist()  # P's first chunk
-    return p, q
-
-
 @pytest.fixture(scope="module", params=["sync", "async"])
-def failed_load(
-    request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Any]:
-    p, q = _prompts()
-    job = {
-        "model": str(model),
-        "engines": [
-            {"scheduler": "sync", "policy": "recompute", "prompts": [p, q]},
-            {
-                "scheduler": request.param,
-                "policy": "recompute",
-                "prompts": [p],
-                "before": [{"flip": "0:1"}, {"remove": "0:2"}],
-            },
-            {"scheduler": "sync", "policy": "fail", "prompts": [p, q]},
-        ],
-    }
-    return run_child(job, tmp_path_factory.mktemp(f"failed-load-{request.param}"))
+def failed_load(request: pytest.FixtureRequest, vllm_worlds: Worlds) -> dict[str, Any]:
+    """Engines 0-2 with engine 1 under the ``request.param`` scheduler (``vllm_contract.py``),
+    built with this folder's other real-vLLM worlds."""
+    return vllm_worlds.get(f"failed_load[{request.param}]")
 
 
 def test_failed_load_never_stores_wrong_kv(failed_load: dict[str, Any]) -> None:
@@ -135,33 +75,13 @@ def test_best_effort_cache_labels_its_hits(failed_load: dict[str, Any]) -> None:
     assert all(set(source) == {"disk"} and all(source.values()) for source in sources), sources
 
 
-def test_sliding_window_models_are_refused_at_start(tmp_path: Path) -> None:
+def test_sliding_window_models_are_refused_at_start(sliding_window_refusal: Refusal) -> None:
     """Item 2, on real vLLM (CPU): a model whose every layer uses a sliding window keeps
     vLLM's sliding-window cache (vLLM frees blocks behind the window during prefill), so the
     connector refuses it when the engine starts, in one line naming why."""
-    model = tmp_path / "sliding"
-    subprocess.run(
-        [str(PYTHON), str(HELPERS / "vllm_make_model.py"), str(model), "0", str(2 * BLOCK)],
-        check=True,
-        capture_output=True,
-    )
-    job = {
-        "model": str(model),
-        "connector": {"path": str(tmp_path / "store")},
-        "prompts": [{"token_ids": list(range(1, 5 * BLOCK))}],
-        "max_tokens": 2,
-        "output": str(tmp_path / "out.json"),
-    }
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    done = subprocess.run(
-        [str(PYTHON), str(HELPERS / "vllm_run_engine.py"), str(tmp_path / "job.json")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=600,
-    )
-    assert done.returncode != 0 and not (tmp_path / "out.json").exists()
+    done = sliding_window_refusal
+    assert done.returncode != 0 and not done.wrote_output
     refusal = (
         "kvsnap.errors.LayoutError: KVSnapConnector does not support SlidingWindowSpec KV caches"
     )
-    assert refusal in done.stdout + done.stderr
+    assert refusal in done.output

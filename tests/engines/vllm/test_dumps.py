@@ -15,7 +15,7 @@ import torch
 
 from kvsnap.engines.vllm import chunk_sequence_id
 from kvsnap.snapshot import Snapshot
-from tests.support.vllm_engines import PYTHON, ROOT
+from tests.support.vllm_engines import PYTHON, ROOT, EngineRun
 from tests.support.vllm_scenario import BLOCK, Scenario, _dump, _keys
 
 pytestmark = pytest.mark.vllm
@@ -106,27 +106,14 @@ def test_vllm_dump_agrees_with_transformers_and_names_a_perturbed_layer(
 BF16_ATOL = "0.25"
 
 
-def _perturbed_model(model: Path, directory: Path) -> Path:
-    """A copy of ``model`` whose layer 1 ``k_proj`` is scaled by 1.25 (its keys change, its
-    values and every layer before it do not)."""
-    from transformers import AutoModelForCausalLM
-
-    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
-    with torch.no_grad():
-        loaded.model.layers[1].self_attn.k_proj.weight.mul_(1.25)
-    loaded.save_pretrained(directory)
-    return directory
-
-
 def test_kvsnap_diff_across_engines_locates_a_perturbed_vllm_run(
-    scenario: Scenario, tmp_path: Path
+    scenario: Scenario, perturbed_run: EngineRun, tmp_path: Path
 ) -> None:
     """The debugging workflow: vLLM's dump against transformers' capture of the same prompt on
     the same model agrees within bf16 tolerance, located and measured by ``kvsnap diff``; a
-    vLLM run whose layer 1 keys were changed is located to that layer, its fingerprint named."""
+    vLLM run whose layer 1 keys were changed (``perturbed_run``: the scenario's prompt A on
+    ``vllm_scenario.perturbed_model``) is located to that layer, its fingerprint named."""
     pytest.importorskip("transformers")
-    from tests.support.vllm_engines import run_engine
-
     dump = _dump(scenario.runs["e1"], "A")
     reference = tmp_path / "hf.safetensors"
     _transformers_capture(scenario.model, scenario.prompts["A"], reference, perturb=False)
@@ -139,17 +126,7 @@ def test_kvsnap_diff_across_engines_locates_a_perturbed_vllm_run(
         assert layer["cosine_min"] > 0.999 and layer["rel_error_max"] < 0.05, layer
     assert report["first_divergent_layer"] is None and len(report["top"]) == 10
 
-    perturbed_model = _perturbed_model(scenario.model, tmp_path / "perturbed-model")
-    dumps = tmp_path / "dumps"
-    run = run_engine(
-        tmp_path,
-        "perturbed",
-        perturbed_model,
-        ["A"],
-        scenario.prompts,
-        connector={"path": str(dumps), "mode": "dump"},
-    )
-    perturbed = _dump(run, "A")
+    perturbed = _dump(perturbed_run, "A")
     code, report = _cli("diff", str(perturbed), str(reference), "--atol", BF16_ATOL)
     assert code == 1 and not report["ok"]
     assert report["first_divergent_layer"] == 1

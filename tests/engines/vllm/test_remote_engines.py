@@ -2,8 +2,10 @@
 
 moto's S3 server runs in this process on 127.0.0.1 behind a fault-injecting proxy
 (``benchmarks/s3_loopback.py``); the engines (``tests/support/vllm_engines.py``, ``.venv-vllm``)
-reach it the standard way, ``AWS_ENDPOINT_URL_S3`` and credentials in their environment. One
-random-weight Llama, a signing key, chunks of 2 blocks of 32 tokens:
+reach it the standard way, ``AWS_ENDPOINT_URL_S3`` and credentials in their environment. The
+engines run once per session, in the world that ``tests/support/vllm_remote.py`` builds beside
+the other modules' (``vllm_worlds.py``). One random-weight Llama, a signing key, chunks of 2
+blocks of 32 tokens:
 
 * A, node A (its own store, the bucket): computes P1, X and P2 from scratch (nothing stored
   anywhere yet, vLLM's own prefix cache off: every token computed, as a plain engine does)
@@ -24,138 +26,15 @@ C's outputs all equal R's.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-
-import numpy as np
 import pytest
 
-from kvsnap.engines.vllm import CacheIdentity, store_key_chain
-from kvsnap.store.files.keys import new_key_text
-from tests.support.vllm_engines import (
-    HELPERS,
-    PYTHON,
-    ROOT,
-    EngineRun,
-    finish_engine,
-    launch_engine,
-    run_engine,
-)
+from tests.support.vllm_engines import EngineRun, finish_engine, launch_engine, run_engine
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
 
-from benchmarks.s3_loopback import FaultProxy, LoopbackS3  # noqa: E402
-
-BLOCK, CHUNK_BLOCKS = 32, 2
-
-
-@dataclass
-class RemoteRun:
-    tmp: Path
-    model: Path
-    key: Path
-    prompts: dict[str, list[int]]
-    runs: dict[str, EngineRun]
-    stores: dict[str, Path]
-    bucket_after_a: list[str]
-
-
-def _prompts() -> dict[str, list[int]]:
-    rng = np.random.default_rng(41)
-    return {label: rng.integers(1, 500, size=100).tolist() for label in ("P1", "X", "P2")}
-
-
-def _first_chunk(tokens: list[int]) -> str:
-    """The store key naming a prompt's first chunk (its second block's)."""
-    chain = store_key_chain(np.asarray(tokens[: 2 * BLOCK]), BLOCK, CacheIdentity())
-    return chain[CHUNK_BLOCKS - 1]
-
-
-def _vllm_has_s3fs() -> bool:
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [str(PYTHON), "-c", "import s3fs"], env={**os.environ, "PYTHONPATH": path}, check=False
-    )
-    return done.returncode == 0
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteRun]:
-    if not _vllm_has_s3fs():
-        pytest.skip("s3fs is not installed in .venv-vllm (scripts/setup_vllm_venv.sh adds it)")
-    tmp = tmp_path_factory.mktemp("remote-engines")
-    model = tmp / "model"
-    subprocess.run(
-        [str(PYTHON), str(HELPERS / "vllm_make_model.py"), str(model)],
-        check=True,
-        capture_output=True,
-    )
-    key = tmp / "key"
-    key.write_text(new_key_text())
-    key.chmod(0o600)
-    s3 = LoopbackS3("kvsnap-engines")
-    proxy = FaultProxy(s3.port)
-    saved = {name: os.environ.get(name) for name in s3.client_environment()}
-    os.environ.update(s3.client_environment(proxy.endpoint))  # the engines inherit it
-    try:
-        yield _run(tmp, model, key, s3, proxy)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        proxy.stop()
-        s3.stop()
-
-
-def _node(tmp: Path, name: str, key: Path) -> dict[str, object]:
-    store = tmp / name
-    store.mkdir(mode=0o700)
-    return {
-        "path": str(store),
-        "chunk_blocks": CHUNK_BLOCKS,
-        "key_file": str(key),
-        "remote_url": "s3://kvsnap-engines/tier",
-    }
-
-
-def _run(tmp: Path, model: Path, key: Path, s3: LoopbackS3, proxy: FaultProxy) -> RemoteRun:
-    prompts = _prompts()
-    labels = list(prompts)
-    runs = {"a": run_engine(tmp, "a", model, labels, prompts, connector=_node(tmp, "a", key))}
-    fs = s3.filesystem()
-    objects = sorted(fs.find(f"{s3.bucket}/tier"))
-    # A foreign identity planted: P1's first chunk (valid, signed) over X's first chunk.
-    source = next(name for name in objects if _first_chunk(prompts["P1"]) in name)
-    target = next(name for name in objects if _first_chunk(prompts["X"]) in name)
-    fs.copy(source, target)
-    pause = tmp / "server-stopped"
-    process, job, log, events, dumps = launch_engine(
-        tmp,
-        "b",
-        model,
-        labels,
-        prompts,
-        connector=_node(tmp, "b", key),
-        sequential=True,
-        pause={"before": labels.index("P2"), "file": str(pause)},
-    )
-    waiting = Path(f"{pause}.waiting")
-    while not waiting.exists() and process.poll() is None:
-        time.sleep(0.1)  # (a failed engine is reported by finish_engine)
-    proxy.stop()  # the remote is down: connections refused,
-    s3.stop()  # and the server itself gone
-    pause.write_text("go")
-    runs["b"] = finish_engine(process, job, labels, log, events, dumps)
-    stores = {"a": tmp / "a", "b": tmp / "b"}
-    return RemoteRun(tmp, model, key, prompts, runs, stores, objects)
+from tests.support.vllm_remote import BLOCK, RemoteRun, node_connector  # noqa: E402
 
 
 def _events(run: EngineRun, name: str, label: str | None = None) -> list[dict]:
@@ -211,14 +90,18 @@ def test_an_engine_starts_with_the_remote_unreachable_and_matches_a_plain_engine
 ) -> None:
     # The server is gone since B's run: C's remote is unreachable from its start.
     labels = list(served.prompts)
-    reference = launch_engine(served.tmp, "r", served.model, labels, served.prompts)
+    environment = served.environment
+    reference = launch_engine(
+        served.tmp, "r", served.model, labels, served.prompts, environment=environment
+    )
     c = run_engine(
         served.tmp,
         "c",
         served.model,
         labels,
         served.prompts,
-        connector=_node(served.tmp, "c", served.key),
+        connector=node_connector(served.tmp, "c", served.key),
+        environment=environment,
     )
     process, job, log, events, dumps = reference
     r = finish_engine(process, job, labels, log, events, dumps)

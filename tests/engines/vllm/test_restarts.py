@@ -5,7 +5,8 @@ creates it); this file is marked ``vllm`` and skips without it. The engines shar
 random-weight Llama with 2 KV heads, one store (chunks of 2 blocks of 32 tokens) and one
 scenario:
 
-* E0, TP=1, no connector: the reference tokens of every prompt (runs beside E1).
+* E0, TP=1, no connector, in one process (the ``uni`` executor): the reference tokens of
+  every prompt (runs beside the others).
 * E1, TP=1: computes A, B, C and S1..S4 (one 4-block system prompt, each its own 70-token
   question); persists A, B and the S prompts (C opts out), dumps all.
 * E2, TP=2, on a slow disk (every fsync into the store waits): loads A (a TP=1 capture) into
@@ -21,7 +22,8 @@ scenario:
 
 Every engine's tokens must equal E0's, and the dumps prove the restored cache bit-exact. The
 engines run once per session (``tests/support/vllm_scenario.py``, the ``scenario`` fixture of
-this folder's conftest); ``test_dumps.py`` reads their dumps with other tools.
+this folder's conftest, built beside the other modules' engines: ``vllm_worlds.py``);
+``test_dumps.py`` reads their dumps with other tools.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 failed request.
 
 Every engine runs in a subprocess with ``.venv-vllm``'s Python (``tests/support/
-vllm_engines.py``); the module skips without it. One random-weight Llama, a signing key, one
-store (chunks of 2 blocks of 32 tokens), three prompts P, Q and R:
+vllm_engines.py``), once per session, in the world that ``tests/support/vllm_tampered.py``
+builds beside the other modules' (``vllm_worlds.py``); the module skips without ``.venv-vllm``.
+One random-weight Llama, a signing key, one store (chunks of 2 blocks of 32 tokens), three
+prompts P, Q and R:
 
 * S stores P, Q and R (its store starts empty: its outputs are a plain engine's).
 * T, its worker in a process of its own (vLLM's ``mp`` executor at TP 1; policy
@@ -21,77 +23,11 @@ store (chunks of 2 blocks of 32 tokens), three prompts P, Q and R:
 
 from __future__ import annotations
 
-import subprocess
-from dataclasses import dataclass
-from pathlib import Path
-
-import numpy as np
 import pytest
 
-from kvsnap.store.files.keys import new_key_text
-from tests.support.vllm_engines import HELPERS, PYTHON, EngineRun, run_engine
+from tests.support.vllm_tampered import BLOCK, Tampered
 
 pytestmark = pytest.mark.vllm
-
-BLOCK = 32
-
-
-@dataclass
-class Tampered:
-    prompts: dict[str, list[int]]
-    runs: dict[str, EngineRun]
-    first_chunks: dict[str, Path]
-
-
-def _first_chunk(run: EngineRun, label: str) -> Path:
-    """The first (two-block) chunk the engine ``run`` saved for the prompt ``label``."""
-    saves = run.events_for("save", label)
-    (first,) = [Path(save["path"]) for save in saves if save["blocks"] == 2]
-    return first
-
-
-@pytest.fixture(scope="module")
-def tampered(tmp_path_factory: pytest.TempPathFactory) -> Tampered:
-    tmp = tmp_path_factory.mktemp("vllm-tampered")
-    model = tmp / "model"
-    subprocess.run([str(PYTHON), str(HELPERS / "vllm_make_model.py"), str(model)], check=True)
-    key = tmp / "store.key"
-    key.write_text(new_key_text() + "\n")
-    key.chmod(0o600)
-    rng = np.random.default_rng(37)
-    p, q, r = (rng.integers(1, 500, size=100).tolist() for _ in range(3))
-    prompts = {"P": p, "P-again": p, "Q": q, "R": r}
-    connector = {"path": str(tmp / "store"), "chunk_blocks": 2, "key_file": str(key)}
-    runs = {"s": run_engine(tmp, "s", model, ["P", "Q", "R"], prompts, connector=connector)}
-    first = {label: _first_chunk(runs["s"], label) for label in ("P", "Q", "R")}
-    runs["t"] = run_engine(
-        tmp,
-        "t",
-        model,
-        ["P"],
-        prompts,
-        connector=connector,
-        executor="mp",
-        tamper={"swap": {"victim": str(first["P"]), "with": str(first["Q"])}},
-    )
-    # T found Q's chunk under P's name when it planned P's saves: quarantined, P stored anew
-    # under its name (chunk names are the store keys).
-    runs["u"] = run_engine(
-        tmp,
-        "u",
-        model,
-        ["P", "P-again", "Q"],
-        prompts,
-        connector=connector,
-        policy=None,
-        executor="uni",
-        sequential=True,
-        tamper={
-            "rot": {"path": str(first["P"]), "after": "0"},
-            "swap": {"victim": str(first["Q"]), "with": str(first["R"])},
-        },
-    )
-    return Tampered(prompts, runs, first)
 
 
 def test_a_chunk_swapped_before_a_worker_in_its_own_process_loads_it_is_a_miss(
