@@ -7,15 +7,19 @@ The file was opened without reading a page (:mod:`kvsnap.encoded.fp8_open`): its
 scales and page checks were checked then. Each layer tensor's range of stored blocks is one
 copy into one device buffer, out of the hot tier's registered mapping of the file (the same
 tier, admission and bounds as ordinary snapshots: ``kvsnap.store.hot.tier``) or, before the
-tier holds the file, read from its descriptor. One launch per tensor group checks every page
-(xxh3-64, or with keys its signed BLAKE3-256: the kernels of the ordinary restore), and the
-scatter writes only the pages that passed; any other page is named in a
-``RestoreIncompleteError`` with the target blocks to recompute, as an ordinary restore does.
+tier holds the file, read from its descriptor on threads. The tensors go in :data:`PIECES`
+pieces: each piece's pages are checked on the device once it has arrived (xxh3-64, or with
+keys their signed BLAKE3-256: the kernels of the ordinary restore) and scattered while the
+next piece arrives, the scatter writing only the pages that passed; any other page is named in
+a ``RestoreIncompleteError`` with the target blocks to recompute, as an ordinary restore does.
+``Snapshot.restore`` takes this path (:func:`restore_fp8`), and the vLLM worker's load of an
+fp8 chunk (:func:`restore_fp8_blocks`).
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -93,12 +97,15 @@ def _page_bytes(encoded: OpenFp8File, name: str) -> int:
 
 
 _POOL: list[ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
 
 
 def _read_pool() -> ThreadPoolExecutor:
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvsnap-fp8-read"))
-    return _POOL[0]
+    """The process's read threads (made on the first read: most processes never read)."""
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvsnap-fp8-read"))
+        return _POOL[0]
 
 
 def _stored_checks(encoded: OpenFp8File, names: list[str], blocks: np.ndarray) -> np.ndarray:
