@@ -192,3 +192,34 @@ def test_a_signed_encoded_chunk_is_the_recoded_capture_of_the_cache(tmp_path, co
     again = tmp_path / "again.safetensors"
     recode_file(ordinary, again, compression, keys=keys)
     assert again.read_bytes() == Path(spec.path).read_bytes()
+
+
+@pytest.mark.parametrize("compression", ["fp8", "lossless"])
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_signed_encoded_chunk_passes_a_keyed_check_and_loads(tmp_path, compression, verify):
+    """With a key, the scheduler serves only chunks whose pages a signature binds by BLAKE3: an
+    encoded chunk's own signature does (its decoded file is unsigned), and it loads."""
+    keys = KeyRing([bytes.fromhex(new_key_text())])
+    worker = _worker(tmp_path, "store", keys, compression=compression)
+    spec = _save(worker, 5)
+    store = PrefixStore(tmp_path / "store", "ns", chunk_blocks=CHUNK_BLOCKS)
+    chain = store_key_chain(spec.token_ids, BLOCK, CacheIdentity())
+    (chunk,) = store.longest_prefix(chain).chunks
+    geometry = {
+        "num_layers": LAYERS,
+        "num_kv_heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "latent_dim": 0,
+        "dtype": "bfloat16",
+    }
+    checker = ChunkChecker(FINGERPRINT, geometry, BLOCK, verify=verify, keys=keys)
+    record = checker.check(chunk, spec.token_ids, chain)
+    assert not isinstance(record, str), record
+    other = ChunkChecker(
+        FINGERPRINT, geometry, BLOCK, verify=verify, keys=KeyRing([bytes.fromhex(new_key_text())])
+    )
+    assert isinstance(other.check(chunk, spec.token_ids, chain), str)  # another key: a miss
+    load = ChunkLoad(spec.path, np.arange(CHUNK_BLOCKS), np.asarray([6, 1]), record)
+    worker.start_load_kv(KVSnapConnectorMetadata(loads=[LoadSpec("load", (load,), 0)]))
+    assert worker.get_block_ids_with_load_errors() == set()
+    worker.shutdown()
