@@ -120,12 +120,8 @@ def test_fp8_chunks_are_half_the_bytes_so_a_bound_holds_twice_as_many(tmp_path):
     assert 11 <= counts["fp8"] <= 12, counts  # about twice: each fp8 chunk is 0.51-0.52 of one
 
 
-def test_an_fp8_chunk_passes_the_check_and_loads_its_host_decode(tmp_path):
-    worker = _worker(tmp_path, "store", compression="fp8")
-    spec = _save(worker, 7)
-    with kvsnap.Snapshot.open(spec.path) as snapshot:
-        assert snapshot.encoded.encoding["name"] == "fp8"
-        decoded = {name: snapshot.read_tensor(name) for name in snapshot.geometry.tensor_names()}
+def _checked(tmp_path, spec, *, verify: bool, keys=None):
+    """The scheduler's check of the one chunk ``spec`` saved: its record, or why it is a miss."""
     store = PrefixStore(tmp_path / "store", "ns", chunk_blocks=CHUNK_BLOCKS)
     chain = store_key_chain(spec.token_ids, BLOCK, CacheIdentity())
     (chunk,) = store.longest_prefix(chain).chunks
@@ -136,8 +132,17 @@ def test_an_fp8_chunk_passes_the_check_and_loads_its_host_decode(tmp_path):
         "latent_dim": 0,
         "dtype": "bfloat16",
     }
-    checker = ChunkChecker(FINGERPRINT, geometry, BLOCK, verify=True)
-    record = checker.check(chunk, spec.token_ids, chain)
+    checker = ChunkChecker(FINGERPRINT, geometry, BLOCK, verify=verify, keys=keys)
+    return checker.check(chunk, spec.token_ids, chain)
+
+
+def test_an_fp8_chunk_passes_the_check_and_loads_its_host_decode(tmp_path):
+    worker = _worker(tmp_path, "store", compression="fp8")
+    spec = _save(worker, 7)
+    with kvsnap.Snapshot.open(spec.path) as snapshot:
+        assert snapshot.encoded.encoding["name"] == "fp8"
+        decoded = {name: snapshot.read_tensor(name) for name in snapshot.geometry.tensor_names()}
+    record = _checked(tmp_path, spec, verify=True)
     assert not isinstance(record, str), record
     target = [5, 3]
     load = ChunkLoad(spec.path, np.arange(CHUNK_BLOCKS), np.asarray(target), record)
@@ -202,23 +207,10 @@ def test_a_signed_encoded_chunk_passes_a_keyed_check_and_loads(tmp_path, compres
     keys = KeyRing([bytes.fromhex(new_key_text())])
     worker = _worker(tmp_path, "store", keys, compression=compression)
     spec = _save(worker, 5)
-    store = PrefixStore(tmp_path / "store", "ns", chunk_blocks=CHUNK_BLOCKS)
-    chain = store_key_chain(spec.token_ids, BLOCK, CacheIdentity())
-    (chunk,) = store.longest_prefix(chain).chunks
-    geometry = {
-        "num_layers": LAYERS,
-        "num_kv_heads": HEADS,
-        "head_dim": HEAD_DIM,
-        "latent_dim": 0,
-        "dtype": "bfloat16",
-    }
-    checker = ChunkChecker(FINGERPRINT, geometry, BLOCK, verify=verify, keys=keys)
-    record = checker.check(chunk, spec.token_ids, chain)
+    record = _checked(tmp_path, spec, verify=verify, keys=keys)
     assert not isinstance(record, str), record
-    other = ChunkChecker(
-        FINGERPRINT, geometry, BLOCK, verify=verify, keys=KeyRing([bytes.fromhex(new_key_text())])
-    )
-    assert isinstance(other.check(chunk, spec.token_ids, chain), str)  # another key: a miss
+    other_key = KeyRing([bytes.fromhex(new_key_text())])
+    assert isinstance(_checked(tmp_path, spec, verify=verify, keys=other_key), str)  # a miss
     load = ChunkLoad(spec.path, np.arange(CHUNK_BLOCKS), np.asarray([6, 1]), record)
     worker.start_load_kv(KVSnapConnectorMetadata(loads=[LoadSpec("load", (load,), 0)]))
     assert worker.get_block_ids_with_load_errors() == set()
