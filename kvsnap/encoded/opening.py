@@ -1,5 +1,8 @@
-"""An encoded snapshot opened as the ordinary snapshot it stands for: decoded into an fsspec
-``memory://`` file that kvsnap's readers open like any other, removed again on close."""
+"""An encoded snapshot opened as the ordinary snapshot it stands for (:class:`EncodedSnapshot`,
+what ``kvsnap.Snapshot`` holds): an fp8 file with page checks opened without reading a page
+(:mod:`kvsnap.encoded.fp8_open`; a restore into CUDA caches needs no more), any other use of it,
+and any other encoded file, decoded into an fsspec ``memory://`` file that kvsnap's readers open
+like any other, removed again on close."""
 
 from __future__ import annotations
 
