@@ -29,31 +29,17 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import kvsnap
+from benchmarks.profiling import timed_runs
 from kvsnap.encoded.write import capture_encoded
 
 BLOCK, HEADS, HEAD_DIM = 16, 8, 128
-
-
-def _timed(run: Callable[[], object], repeat: int) -> list[float]:
-    """Seconds of each of ``repeat`` runs after one warm-up, the device drained in each."""
-    run()
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        run()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return times
 
 
 def _cache(layers: int, tokens: int, device: str) -> list[torch.Tensor]:
@@ -89,8 +75,8 @@ def encoded_capture(
             refused=False,
         )
 
-    bf16 = _timed(lambda: kvsnap.capture(layout, sequence, plain, reproducible=True), repeat)
-    direct_s, via_s = _timed(fp8, repeat), _timed(fp8_via_file, repeat)
+    bf16 = timed_runs(lambda: kvsnap.capture(layout, sequence, plain, reproducible=True), repeat)
+    direct_s, via_s = timed_runs(fp8, repeat), timed_runs(fp8_via_file, repeat)
     median_run = sorted(range(repeat), key=direct_s.__getitem__)[repeat // 2]
     bf16_ms, fp8_ms, via_ms = (1e3 * statistics.median(t) for t in (bf16, direct_s, via_s))
     return {

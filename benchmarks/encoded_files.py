@@ -38,27 +38,19 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from benchmarks.profiling import timed_runs
+
 BLOCK = 16
 
 
 def median_s(run: Callable[[], object], repeat: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        run()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return statistics.median(timed_runs(run, repeat, warmup))
 
 
 def prefill_pages(model_name: str, tokens: int, device: str) -> dict[str, torch.Tensor]:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import kvsnap
+from benchmarks.profiling import timed_runs
 from kvsnap.encoded import device_restore
 from kvsnap.pipeline.page_checks import hash_constants
 from kvsnap.store.hot import configure_hot_tier
@@ -37,16 +38,8 @@ from kvsnap.transfer.page_table import PageTable
 BLOCK, HEADS, HEAD_DIM, LAYERS = 16, 8, 128, 32
 
 
-def median_ms(run, repeat: int) -> float:
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return 1e3 * float(np.median(times))
+def median_ms(run: Callable[[], object], repeat: int) -> float:
+    return 1e3 * float(np.median(timed_runs(run, repeat)))
 
 
 def vllm_cache(blocks: int):

@@ -1,5 +1,6 @@
 """The benchmarks' one profiling helper: cProfile over warm calls with the device idle at both
-ends, the report pstats prints, and the trace hook that sums spans per kind.
+ends, the report pstats prints, the trace hook that sums spans per kind, and wall-clock runs
+timed with the device drained in each (:func:`timed_runs`).
 
 ``benchmarks/pcie_floor.py``, ``benchmarks/warm_restore.py`` and
 ``benchmarks/profile_calls.py`` profile through it, so a number one of them prints is
@@ -11,6 +12,7 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -21,6 +23,21 @@ def synchronize() -> None:
     """Wait for the device, when CUDA is in use (nothing to wait for otherwise)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def timed_runs(run: Callable[[], object], repeat: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``repeat`` calls of ``run`` after ``warmup`` untimed ones, the
+    device drained before each clock is read."""
+    for _ in range(warmup):
+        run()
+    synchronize()
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        run()
+        synchronize()
+        times.append(time.perf_counter() - started)
+    return times
 
 
 class SpanTotals:
