@@ -68,6 +68,9 @@ _BITS_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.flo
 #: block's largest magnitude: at most half a step of 32 over 336 (4.8%), plus the cache dtype's
 #: own rounding of the decoded value (bf16: 0.4%).
 SCALE_FACTORS = (1.0, 4.0 / 3.0, 15.0 / 8.0)
+#: About how many elements the quantizer's candidates are tried on at once (the pages of
+#: that many blocks times candidates, in fp32, a few times over: bounded device memory).
+CANDIDATE_ELEMENTS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,7 @@ def nearest_scales(
     """Per (block, head) of fp32 pages ``x`` (4-D; ``amax`` their :func:`block_head_amax`),
     the candidate scale (``amax / 448`` times each of ``factors``, default
     :data:`SCALE_FACTORS`) whose values decoded to ``dtype`` have the least sum of squared
-    errors over the finite elements of the tokens kept."""
+    errors over the finite elements of the tokens kept (the first candidate on a tie)."""
     base = scales_for(amax)
     if factors is None:
         factors = SCALE_FACTORS
@@ -170,18 +173,46 @@ def nearest_scales(
     mask = token_mask(token_counts, x.shape[0], x.shape[1], x.device)
     if mask is not None:
         kept &= mask[:, :, None, None]
-    best, best_error = base, None
-    for factor in factors:
-        candidate = torch.where(amax > 0, base * torch.full_like(base, factor), base)
-        decoded = (_codes(x, candidate).float() * candidate[:, None, :, None]).to(dtype).float()
-        error = _ordered_sums(torch.where(kept, decoded - x, 0.0).square())
-        if best_error is None:
-            best_error = error
-            continue
+    candidates = torch.stack(
+        [torch.where(amax > 0, base * torch.full_like(base, factor), base) for factor in factors]
+    )
+    # Every candidate at once (a few kernels, not a few per candidate), over as many blocks
+    # at a time as keep the stacked pages near CANDIDATE_ELEMENTS: each (block, head) is
+    # computed alone, so the numbers are those of one candidate and one block at a time.
+    block_elements = max(x[0].numel(), 1) * len(factors)
+    step = max(1, CANDIDATE_ELEMENTS // block_elements)
+    errors = torch.cat(
+        [
+            _candidate_errors(
+                x[first : first + step],
+                kept[first : first + step],
+                candidates[:, first : first + step],
+                dtype,
+            )
+            for first in range(0, x.shape[0], step)
+        ],
+        dim=1,
+    )
+    best, best_error = candidates[0], errors[0]
+    for candidate, error in zip(candidates[1:], errors[1:], strict=True):
         better = error < best_error
         best = torch.where(better, candidate, best)
         best_error = torch.where(better, error, best_error)
     return best.contiguous()
+
+
+def _candidate_errors(
+    x: torch.Tensor, kept: torch.Tensor, candidates: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``(candidates, blocks, heads)`` sums of squared errors of fp32 pages ``x`` (4-D)
+    quantized with each of ``candidates`` ``(candidates, blocks, heads)`` and decoded to
+    ``dtype``, over the elements ``kept``."""
+    scales = candidates[:, :, None, :, None]
+    codes = torch.clamp(x / scales, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    decoded = (codes.float() * scales).to(dtype).float()
+    squares = torch.where(kept, decoded - x, 0.0).square()
+    sums = _ordered_sums(squares.reshape(-1, *squares.shape[2:]))
+    return sums.reshape(candidates.shape)
 
 
 def quantize(

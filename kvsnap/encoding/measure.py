@@ -22,7 +22,8 @@ with ``seed``: the same snapshot gives the same report.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -40,34 +41,61 @@ def tensor_error(
     token_counts: torch.Tensor | None = None,
 ) -> TensorError:
     """The :class:`TensorError` of ``decoded`` against ``original`` (same shape)."""
-    if original.shape != decoded.shape:
-        raise ValueError(f"{name}: shapes {tuple(original.shape)} and {tuple(decoded.shape)}")
-    x, y = as_heads(original).float(), as_heads(decoded).float()
+    return _tensor_error_of(name, _error_numbers([original], [decoded], token_counts)[0].tolist())
+
+
+#: How many numbers :func:`_error_numbers` gives per tensor.
+_TENSOR_NUMBERS = 10
+
+
+def _error_numbers(
+    originals: Sequence[torch.Tensor],
+    decoded: Sequence[torch.Tensor],
+    token_counts: torch.Tensor | None,
+) -> torch.Tensor:
+    """``(tensors, 10)`` float64 numbers of each tensor of ``decoded`` against its original
+    (tensors of one shape, measured together: one kernel per step for all), left on their
+    device: :func:`_tensor_error_of` reads them."""
+    for name, (x, y) in enumerate(zip(originals, decoded, strict=True)):
+        if x.shape != y.shape or x.shape != originals[0].shape:
+            raise ValueError(f"tensor {name}: shapes {tuple(x.shape)} and {tuple(y.shape)}")
+    x = torch.stack([as_heads(tensor) for tensor in originals]).float()
+    y = torch.stack([as_heads(tensor) for tensor in decoded]).float()
+    count, device = x.shape[0], x.device
+    if x[0].numel() == 0:
+        empty = [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+        return torch.tensor([empty] * count, dtype=torch.float64, device=device)
     kept = torch.isfinite(x) & torch.isfinite(y)
-    mask = token_mask(token_counts, x.shape[0], x.shape[1], x.device)
-    in_tokens = torch.ones_like(kept) if mask is None else mask[:, :, None, None].expand_as(kept)
-    non_finite = (~kept & in_tokens).sum()
-    kept &= in_tokens
+    mask = token_mask(token_counts, x.shape[1], x.shape[2], device)
+    if mask is not None:
+        in_tokens = mask[None, :, :, None, None]
+        non_finite = (~kept & in_tokens).flatten(1).sum(1)
+        kept &= in_tokens
+    else:
+        non_finite = (~kept).flatten(1).sum(1)
     x, y = torch.where(kept, x, 0.0), torch.where(kept, y, 0.0)
     error = (y - x).abs()
-    block_error, block_max = error.amax(dim=(1, 2, 3)), x.abs().amax(dim=(1, 2, 3))
-    relative = _ratio(block_error, block_max)
-    cosine = _cosines(x, y)
+    block_error, block_max = error.amax(dim=(2, 3, 4)), x.abs().amax(dim=(2, 3, 4))
+    min_cosine, mean_cosine = _cosine_min_mean(x, y)
     nonzero = x != 0
-    numbers = torch.stack(
+    return torch.stack(
         [
-            kept.sum().double(),
-            error.max().double() if error.numel() else torch.zeros((), device=x.device).double(),
-            relative.max().double() if relative.numel() else relative.new_zeros(()).double(),
-            error.square().sum(dtype=torch.float64),
-            x.square().sum(dtype=torch.float64),
-            cosine.min() if cosine.numel() else cosine.new_ones(()),
-            cosine.mean() if cosine.numel() else cosine.new_ones(()),
-            (nonzero & (y == 0)).sum().double(),
-            nonzero.sum().double(),
+            kept.flatten(1).sum(1).double(),
+            error.flatten(1).amax(1).double(),
+            _ratio(block_error, block_max).amax(1).double(),
+            error.square().flatten(1).sum(1, dtype=torch.float64),
+            x.square().flatten(1).sum(1, dtype=torch.float64),
+            min_cosine,
+            mean_cosine,
+            (nonzero & (y == 0)).flatten(1).sum(1).double(),
+            nonzero.flatten(1).sum(1).double(),
             non_finite.double(),
-        ]
-    ).tolist()
+        ],
+        dim=1,
+    )
+
+
+def _tensor_error_of(name: str, numbers: list[float]) -> TensorError:
     values, max_abs, max_rel, error_sq, original_sq, min_cos, mean_cos = numbers[:7]
     underflows, nonzeros, bad = numbers[7:]
     return TensorError(
@@ -83,15 +111,21 @@ def tensor_error(
     )
 
 
-def _cosines(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cosine of each vector (last axis) of ``y`` with ``x``'s, summed in fp64; vectors whose
-    ``x`` is zero left out, 0 where only ``y`` is."""
+def _cosine_min_mean(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The least and the mean cosine of each vector (last axis) of ``y`` with ``x``'s, per
+    leading index, in float64: vectors whose ``x`` is zero left out, 0 where only ``y`` is,
+    1 and 1 when no vector is left."""
     dot = (x * y).sum(-1, dtype=torch.float64)
     x_norm = x.square().sum(-1, dtype=torch.float64).sqrt()
     y_norm = y.square().sum(-1, dtype=torch.float64).sqrt()
     safe = torch.where(y_norm > 0, y_norm, 1.0)
     cosine = torch.where(y_norm > 0, dot / torch.where(x_norm > 0, x_norm, 1.0) / safe, 0.0)
-    return cosine[x_norm > 0]
+    counted = (x_norm > 0).flatten(1)
+    cosine = cosine.flatten(1)
+    vectors = counted.sum(1)
+    least = torch.where(counted, cosine, torch.inf).amin(1)
+    mean = torch.where(counted, cosine, 0.0).sum(1) / vectors.clamp(min=1)
+    return torch.where(vectors > 0, least, 1.0), torch.where(vectors > 0, mean, 1.0)
 
 
 def _ratio(error: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -103,9 +137,26 @@ def _ratio(error: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 def valid_tokens(pages: torch.Tensor, token_counts: torch.Tensor | None) -> torch.Tensor:
     """The stored tokens of a layer tensor as ``(tokens, num_heads, head_dim)`` fp32, non-finite
     values replaced by zero."""
-    x = as_heads(pages).float()
-    mask = token_mask(token_counts, x.shape[0], x.shape[1], x.device)
-    tokens = x.reshape(-1, *x.shape[2:]) if mask is None else x[mask]
+    heads = as_heads(pages)
+    return _tokens_at(
+        heads, _token_index(token_counts, heads.shape[0], heads.shape[1], heads.device)
+    )
+
+
+def _token_index(
+    token_counts: torch.Tensor | None, num_blocks: int, block_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """The positions of the stored tokens among every block's slots (``None``: all)."""
+    mask = token_mask(token_counts, num_blocks, block_size, device)
+    return None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+
+
+def _tokens_at(heads: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """:func:`valid_tokens` of 4-D pages whose stored tokens ``index`` lists."""
+    tokens = heads.reshape(-1, *heads.shape[2:])
+    if index is not None:
+        tokens = tokens.index_select(0, index)
+    tokens = tokens.float()
     return torch.where(torch.isfinite(tokens), tokens, 0.0)
 
 
@@ -115,11 +166,13 @@ def draw_queries(
     """``(count, num_heads, head_dim)`` queries for keys ``(tokens, num_heads, head_dim)``."""
     if source not in QUERY_SOURCES:
         raise ValueError(f"query source {source!r}: one of {', '.join(QUERY_SOURCES)}")
-    tokens = keys.shape[0]
+    tokens, num_heads = keys.shape[0], keys.shape[1]
     if source == "keys":
-        positions = torch.randint(0, tokens, (count, keys.shape[1]), generator=generator)
-        heads = torch.arange(keys.shape[1])[None, :].expand(count, -1)
-        return keys[positions.to(keys.device), heads.to(keys.device)]
+        positions = torch.randint(0, tokens, (count, num_heads), generator=generator)
+        heads = torch.arange(num_heads)[None, :].expand(count, -1)
+        # Key (position, head) of each query, as one index into the keys' rows: one upload.
+        rows = (positions * num_heads + heads).to(keys.device)
+        return keys.reshape(-1, keys.shape[-1])[rows]
     mean, deviation = keys.mean(dim=0), keys.std(dim=0, correction=0)
     noise = torch.randn((count, *keys.shape[1:]), generator=generator)
     return mean + deviation * noise.to(keys.device)
@@ -143,22 +196,40 @@ def attention_error(
 ) -> AttentionError:
     """The :class:`AttentionError` of layer ``layer`` whose tensors are ``original`` and
     ``decoded`` by part (``key`` and ``value``, or ``latent``)."""
+    made, numbers = _attention_numbers(
+        layer, original, decoded, token_counts, queries, query_source, seed
+    )
+    return _attention_error_of(layer, made, numbers.tolist())
+
+
+def _attention_numbers(
+    layer: int,
+    original: Mapping[str, torch.Tensor],
+    decoded: Mapping[str, torch.Tensor],
+    token_counts: torch.Tensor | None,
+    queries: int,
+    query_source: str,
+    seed: int,
+) -> tuple[int, torch.Tensor]:
+    """:func:`attention_error`'s query count and four numbers (left on their device)."""
     key_part = "latent" if "latent" in original else "key"
     value_part = "latent" if "latent" in original else "value"
-    keys = valid_tokens(original[key_part], token_counts)
+    shape = as_heads(original[key_part]).shape
+    index = _token_index(token_counts, shape[0], shape[1], original[key_part].device)
+
+    def tokens(pages: torch.Tensor) -> torch.Tensor:
+        return _tokens_at(as_heads(pages), index)
+
+    keys = tokens(original[key_part])
     if keys.shape[0] == 0:
-        return AttentionError(layer, 0, 0.0, 1.0, 1.0)
+        return 0, torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=torch.float64)
     generator = torch.Generator().manual_seed(seed + layer)
     query = draw_queries(keys, queries, query_source, generator)
-    return output_error(
-        layer,
-        query,
-        (keys, valid_tokens(original[value_part], token_counts)),
-        (
-            valid_tokens(decoded[key_part], token_counts),
-            valid_tokens(decoded[value_part], token_counts),
-        ),
+    originals = (keys, tokens(original[value_part]))
+    numbers = _output_numbers(
+        query, originals, (tokens(decoded[key_part]), tokens(decoded[value_part]))
     )
+    return query.shape[0], numbers
 
 
 def output_error(
@@ -171,21 +242,35 @@ def output_error(
     over the original ``(keys, values)`` and over the decoded ones, each
     ``(tokens, num_heads, dim)`` fp32 (the attention check, with queries of any source: a
     model's own, say)."""
+    return _attention_error_of(
+        layer, query.shape[0], _output_numbers(query, original, decoded).tolist()
+    )
+
+
+def _output_numbers(
+    query: torch.Tensor,
+    original: tuple[torch.Tensor, torch.Tensor],
+    decoded: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """:func:`output_error`'s four numbers, float64, left on their device."""
     want = attend(query, *original)
     got = attend(query, *decoded)
-    cosine = _cosines(want, got)
-    numbers = torch.stack(
+    min_cosine, mean_cosine = _cosine_min_mean(want[None], got[None])
+    return torch.stack(
         [
             (got - want).square().sum(dtype=torch.float64).sqrt(),
             want.square().sum(dtype=torch.float64).sqrt(),
-            cosine.min() if cosine.numel() else cosine.new_ones(()),
-            cosine.mean() if cosine.numel() else cosine.new_ones(()),
+            min_cosine[0],
+            mean_cosine[0],
         ]
-    ).tolist()
+    )
+
+
+def _attention_error_of(layer: int, queries: int, numbers: list[float]) -> AttentionError:
     difference, reference, min_cos, mean_cos = numbers
     rel_l2 = difference / reference if reference else float(difference > 0)
     return AttentionError(
-        layer, query.shape[0], rel_l2, min(max(min_cos, -1.0), 1.0), min(max(mean_cos, -1.0), 1.0)
+        layer, queries, rel_l2, min(max(min_cos, -1.0), 1.0), min(max(mean_cos, -1.0), 1.0)
     )
 
 
@@ -203,24 +288,90 @@ def error_report(
     """The :class:`ErrorReport` of ``decoded`` against ``original``, both by tensor name
     (``layers.{i}.key``, ``layers.{i}.value`` or ``layers.{i}.latent``), in name order within
     each layer: every tensor's error, then every layer's attention check."""
-    tensors = tuple(
-        tensor_error(name, original[name], decoded[name], token_counts) for name in original
-    )
+    return pending_report(
+        original,
+        decoded,
+        encoding=encoding,
+        granularity=granularity,
+        token_counts=token_counts,
+        queries=queries,
+        query_source=query_source,
+        seed=seed,
+    ).result()
+
+
+@dataclass
+class PendingReport:
+    """An :class:`ErrorReport` whose numbers are still on their device (:meth:`result` brings
+    them over, in one copy): what a caller measuring layer after layer keeps, so the device
+    is not waited for between layers."""
+
+    encoding: str
+    granularity: str
+    query_source: str
+    names: list[str]
+    tensor_numbers: list[torch.Tensor]
+    layers: list[tuple[int, int]]
+    attention_numbers: list[torch.Tensor]
+
+    def result(self) -> ErrorReport:
+        """The report, once the device has computed it."""
+        flat = [numbers.reshape(-1).cpu() for numbers in self.tensor_numbers]
+        flat += [numbers.reshape(-1).cpu() for numbers in self.attention_numbers]
+        values = torch.cat(flat).tolist() if flat else []
+        split = len(self.names) * _TENSOR_NUMBERS
+        tensor_values, attention_values = values[:split], values[split:]
+        tensors = tuple(
+            _tensor_error_of(name, tensor_values[i * _TENSOR_NUMBERS : (i + 1) * _TENSOR_NUMBERS])
+            for i, name in enumerate(self.names)
+        )
+        attention = tuple(
+            _attention_error_of(layer, made, attention_values[4 * i : 4 * i + 4])
+            for i, (layer, made) in enumerate(self.layers)
+        )
+        return ErrorReport(self.encoding, self.granularity, self.query_source, tensors, attention)
+
+
+def pending_report(
+    original: Mapping[str, torch.Tensor],
+    decoded: Mapping[str, torch.Tensor],
+    *,
+    encoding: str,
+    granularity: str,
+    token_counts: torch.Tensor | None = None,
+    queries: int = DEFAULT_QUERIES,
+    query_source: str = "keys",
+    seed: int = 0,
+) -> PendingReport:
+    """:func:`error_report`'s report, its numbers left on the device (:class:`PendingReport`).
+    Tensors of one shape are measured together."""
+    by_shape: dict[tuple[int, ...], list[str]] = {}
+    for name in original:
+        by_shape.setdefault(tuple(original[name].shape), []).append(name)
+    rows: dict[str, torch.Tensor] = {}
+    for names in by_shape.values():
+        numbers = _error_numbers(
+            [original[name] for name in names], [decoded[name] for name in names], token_counts
+        )
+        rows.update(zip(names, numbers, strict=True))
     layers: dict[int, dict[str, str]] = {}
     for name in original:
         _, number, part = name.split(".")
         layers.setdefault(int(number), {})[part] = name
-    attention = []
-    for layer, names in sorted(layers.items()):
-        attention.append(
-            attention_error(
-                layer,
-                {part: original[name] for part, name in names.items()},
-                {part: decoded[name] for part, name in names.items()},
-                token_counts=token_counts,
-                queries=queries,
-                query_source=query_source,
-                seed=seed,
-            )
+    made, attention = [], []
+    for layer, names_of in sorted(layers.items()):
+        count, numbers = _attention_numbers(
+            layer,
+            {part: original[name] for part, name in names_of.items()},
+            {part: decoded[name] for part, name in names_of.items()},
+            token_counts,
+            queries,
+            query_source,
+            seed,
         )
-    return ErrorReport(encoding, granularity, query_source, tensors, tuple(attention))
+        made.append((layer, count))
+        attention.append(numbers)
+    names = list(original)
+    return PendingReport(
+        encoding, granularity, query_source, names, [rows[name] for name in names], made, attention
+    )

@@ -91,6 +91,20 @@ def test_the_quantizer_matches_an_independent_one_on_real_kv(dtype):
     assert chose_another > heads / 3, (chose_another, heads)
 
 
+@pytest.mark.parametrize("blocks_at_once", [1, 3, 7])
+def test_candidates_tried_a_few_blocks_at_a_time_choose_as_all_at_once(monkeypatch, blocks_at_once):
+    pages = next(iter(built_in_kv(256, torch.bfloat16).values()))
+    counts = torch.randint(
+        0, pages.shape[1] + 1, (pages.shape[0],), generator=torch.Generator().manual_seed(3)
+    )
+    whole = fp8.quantize(pages, token_counts=counts)
+    per_block = pages[0].numel() * len(fp8.SCALE_FACTORS)
+    monkeypatch.setattr(fp8, "CANDIDATE_ELEMENTS", blocks_at_once * per_block)
+    stepped = fp8.quantize(pages, token_counts=counts)
+    assert torch.equal(stepped.scales, whole.scales)
+    assert torch.equal(stepped.values, whole.values)
+
+
 def test_every_code_decodes_as_its_definition_times_the_scale():
     codes = torch.arange(256, dtype=torch.uint8).reshape(1, 8, 1, 32)
     for scale in (1.0, 2.0**-126, 0.37, 2.0**100, 3.0e38):
