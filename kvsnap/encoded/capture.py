@@ -26,9 +26,10 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,17 +44,25 @@ from kvsnap.encoded.stored import (
     FP8_SOURCES,
     Item,
     StoredTensors,
-    add_fp8,
+    add_fp8_together,
     add_lossless,
     add_raw,
     encoding_device,
+    host_items,
 )
-from kvsnap.encoded.write import capture_encoded, check_compression, publish, stored_pieces
+from kvsnap.encoded.streamed import StreamedFile, planned_fp8_layout
+from kvsnap.encoded.write import (
+    capture_encoded,
+    check_compression,
+    container_pieces,
+    publish,
+    stored_file,
+    stored_pieces,
+)
 from kvsnap.encoding import fp8, measure
 from kvsnap.encoding.report import AttentionError, ErrorReport
 from kvsnap.format import encoded as enc
 from kvsnap.format.container import TensorEntry, is_layer_tensor
-from kvsnap.format.hashing import digest128
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout
 from kvsnap.pipeline import CaptureResult, Pipeline, ProgressCallback, SequenceBlocks
@@ -123,11 +132,9 @@ def capture_compressed(
         )
     metadata, device_blocks = _checked_metadata(pipeline.layouts, sequences, source, reproducible)
     files = decoded_files(path, metadata)
-    job = _Job(compression, files, keys is not None, progress, trace)
-    stored, report = _encoded_layers(job, table, device_blocks, pipeline, after)
-    pieces = stored_pieces(stored, compression, files.layouts[0].file_size, keys, report)
-    with traced(trace, "encoded.write", sum(_nbytes(piece) for piece in pieces)):
-        written = publish(pieces, Path(path))
+    job = _Job(compression, files, keys, progress, trace)
+    write = _write_fp8 if compression == "fp8" else _write_lossless
+    written = write(job, Path(path), table, device_blocks, pipeline, after)
     return CaptureResult(
         path=os.fspath(path),
         num_sequences=len(sequences),
@@ -141,6 +148,56 @@ def capture_compressed(
         data_path="write",
         dma_refused=ENCODED_FIRST,
     )
+
+
+def _write_fp8(
+    job: _Job,
+    path: Path,
+    table: PageTable,
+    device_blocks: np.ndarray,
+    pipeline: Pipeline,
+    after: torch.cuda.Event | None,
+) -> int:
+    """Encode every layer tensor as fp8 into ``path``, each value tensor written at its place
+    as it is made (:class:`~kvsnap.encoded.streamed.StreamedFile`), the rest once the error
+    is measured; the file's size."""
+    header, planned = planned_fp8_layout(job.files.layouts[0], job.keys)
+    decoded_bytes = job.files.layouts[0].file_size
+    with StreamedFile(path, planned.file_size) as streamed:
+        job.streamed, job.planned = streamed, planned
+        stored, report = _encoded_layers(job, table, device_blocks, pipeline, after)
+        with traced(job.trace, "encoded.write", planned.file_size):
+            stored.items = host_items(stored.items)
+            header, layout, data = stored_file(stored, "fp8", decoded_bytes, job.keys, report)
+            if layout.tensors != planned.tensors:
+                raise RuntimeError(f"{path}: the fp8 file's layout changed while it was written")
+            known = {**stored.digests, **streamed.digests}
+            pieces = container_pieces(header, layout, data, job.keys, known)
+            return streamed.finish(
+                [(0, header)]
+                + [
+                    (tensor.begin, piece)
+                    for tensor, piece in pieces
+                    if piece is not None and tensor.name not in streamed.digests
+                ]
+            )
+
+
+def _write_lossless(
+    job: _Job,
+    path: Path,
+    table: PageTable,
+    device_blocks: np.ndarray,
+    pipeline: Pipeline,
+    after: torch.cuda.Event | None,
+) -> int:
+    """Encode every layer tensor as lossless chunks (or raw) and write the file once they
+    all are (their sizes are known only then); the file's size."""
+    stored, report = _encoded_layers(job, table, device_blocks, pipeline, after)
+    decoded_bytes = job.files.layouts[0].file_size
+    pieces = stored_pieces(stored, job.compression, decoded_bytes, job.keys, report)
+    with traced(job.trace, "encoded.write", sum(_nbytes(piece) for piece in pieces)):
+        return publish(pieces, path)
 
 
 def _gather_table(pipeline: Pipeline) -> PageTable | None:
@@ -183,18 +240,23 @@ def decoded_files(path: str | os.PathLike[str], metadata: fmt.SnapshotMetadata) 
 
 @dataclass
 class _Job:
-    """What every tensor of one direct capture shares: the encoding, the ordinary file, whether
-    the encoded one is signed, the caller's hooks; then, once on the device, the blocks' token
-    counts there, the pool lossless chunks are coded on and the progress counter."""
+    """What every tensor of one direct capture shares: the encoding, the ordinary file, the
+    keys the encoded one is signed with, the caller's hooks; then, once on the device, the
+    blocks' token counts there, the pool lossless chunks are coded on and the progress
+    counter; for fp8, the file the values are written to as they are made, its layout, and
+    the fp8 tensors of the layer being gathered."""
 
     compression: str
     files: SnapshotFiles
-    signed: bool
+    keys: KeyRing | None
     progress: ProgressCallback | None
     trace: TraceHook | None
     counts: torch.Tensor | None = None
     executor: Executor | None = None
     done: ProgressCounter | None = None
+    streamed: StreamedFile | None = None
+    planned: enc.EncodedLayout | None = None
+    layer: list[tuple[TensorEntry, torch.Tensor]] = field(default_factory=list)
 
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -241,36 +303,45 @@ def _encoded_layers(
         job.counts, job.executor = torch.from_numpy(counts).to(work), executor
         total = pages.page_bytes * pages.num_blocks * len(job.files.names)
         job.done = ProgressCounter(job.progress, total)
-        layers, reports = _encode_tensors(job, pages, work)
-    return _in_file_order(job.files, layers), _merged(reports)
+        layers, pending = _encode_tensors(job, pages, work)
+    return _in_file_order(job.files, layers), _merged([report.result() for report in pending])
 
 
 def _encode_tensors(
     job: _Job, pages: CachePages, work: torch.device
-) -> tuple[StoredTensors, list[ErrorReport]]:
+) -> tuple[StoredTensors, list[measure.PendingReport]]:
     """Each layer tensor gathered, its pages hashed (into ``job.files``) and encoded; an fp8
     layer's error measured once all its parts are, its pages then let go. Progress counts a
     tensor once its pages are out of the cache (a caller may then reuse its blocks): as soon
-    as the host copied them, or on CUDA once its encoding reached the host (which the gather
-    preceded on the stream)."""
+    as the host copied them, or on CUDA once the device has gathered them (looked at between
+    tensors, never waited for until the last)."""
     files = job.files
     parts = len(files.metadata.geometry.parts)
     by_name = files.layouts[0].by_name
     out, reports, digests = StoredTensors(), [], []
     nbytes = pages.page_bytes * pages.num_blocks
-    queued = pages.device.type == "cuda"
+    gathering: deque[torch.cuda.Event] = deque()
     assert job.done is not None
     for index, name in enumerate(files.names):
         with traced(job.trace, "encoded.tensor", nbytes):
             buffer = pages.gather(index)
-            if not queued:
+            if pages.device.type == "cuda":
+                gathering.append(torch.cuda.Event())
+                gathering[-1].record()
+            else:
                 job.done.add(nbytes)
             digests.append(xxh3_pages(buffer, pages.page_bytes))
             _encode_tensor(job, by_name[name], buffer, work, out)
-            if queued:
+            if (index + 1) % parts == 0:
+                _encode_layer(job, out)
+                if out.originals:
+                    reports.append(_measured(out, job.counts))
+            while gathering and gathering[0].query():
+                gathering.popleft()
                 job.done.add(nbytes)
-            if (index + 1) % parts == 0 and out.originals:
-                reports.append(_measured(out, job.counts))
+    for gathered in gathering:
+        gathered.synchronize()
+        job.done.add(nbytes)
     with traced(job.trace, "encoded.digests"):
         files.digests[:] = to_host(digests, "xxh3").reshape(files.digests.shape)
     return out, reports
@@ -280,14 +351,10 @@ def _encode_tensor(
     job: _Job, entry: TensorEntry, buffer: torch.Tensor, work: torch.device, out: StoredTensors
 ) -> None:
     """Encode the layer tensor ``entry`` whose pages are ``buffer`` (bytes, on the caches'
-    device) into ``out``, as ``recode_file`` encodes it."""
+    device) into ``out``, as ``recode_file`` encodes it: fp8 once its layer is complete
+    (:func:`_encode_layer`), anything else now."""
     if job.compression == "fp8" and entry.dtype in FP8_SOURCES:
-        pages = buffer.view(FP8_SOURCES[entry.dtype]).view(entry.shape).to(work)
-        assert job.counts is not None and job.executor is not None
-        add_fp8(out, entry, pages, job.counts, checks_on_device=True, signed=job.signed)
-        # The trailer's row of the e4m3 values, hashed while the device encodes the next.
-        values = next(item[3] for item in reversed(out.items) if item[0] == entry.name)
-        out.digests[entry.name] = job.executor.submit(digest128, values)
+        job.layer.append((entry, buffer.view(FP8_SOURCES[entry.dtype]).view(entry.shape).to(work)))
         return
     # The buffer is the next layer's: the host keeps a copy of its own.
     host = buffer.cpu().numpy() if buffer.device.type == "cuda" else buffer.numpy().copy()
@@ -297,10 +364,45 @@ def _encode_tensor(
         add_raw(out, entry, host)
 
 
-def _measured(out: StoredTensors, counts: torch.Tensor | None) -> ErrorReport:
-    """The error report of the fp8 tensors ``out`` holds the pages of (one layer's), which
-    are then let go: the next layer's pages are gathered into the same buffers."""
-    report = measure.error_report(
+def _encode_layer(job: _Job, out: StoredTensors) -> None:
+    """Quantize the fp8 tensors of the layer just gathered, those of one shape and dtype as
+    one (a layer's key and value: half the kernels), and write each one's values while the
+    device encodes the next layer."""
+    if not job.layer:
+        return
+    groups: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[TensorEntry, torch.Tensor]]]
+    groups = {}
+    for entry, pages in job.layer:
+        groups.setdefault((tuple(pages.shape), pages.dtype), []).append((entry, pages))
+    job.layer.clear()
+    assert job.counts is not None and job.streamed is not None and job.planned is not None
+    for group in groups.values():
+        entries = [entry for entry, _ in group]
+        first = len(out.items)
+        add_fp8_together(
+            out,
+            entries,
+            [pages for _, pages in group],
+            job.counts,
+            checks_on_device=True,
+            signed=job.keys is not None,
+            to_host=False,
+        )
+        # add_fp8_together appended each tensor's values, then its scales.
+        for position in range(first, len(out.items), 2):
+            name, dtype, shape, values = out.items[position]
+            job.streamed.stream(name, values, job.planned.by_name[name].begin)
+            # On CUDA the page checks were made there and the host needs no values; in host
+            # memory they are kept for the host's checks.
+            held = values.numpy() if values.device.type == "cpu" else None
+            out.items[position] = (name, dtype, shape, held)
+
+
+def _measured(out: StoredTensors, counts: torch.Tensor | None) -> measure.PendingReport:
+    """The error report of the fp8 tensors ``out`` holds the pages of (one layer's), its
+    numbers left on the device; the pages are then let go: the next layer's pages are
+    gathered into the same buffers (after this layer's measurement, on the same stream)."""
+    report = measure.pending_report(
         out.originals,
         out.decoded,
         encoding=fp8.NAME,

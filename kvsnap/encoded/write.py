@@ -24,7 +24,6 @@ from kvsnap.encoded.read import decode, is_encoded, parse_encoded
 from kvsnap.encoded.stored import (
     CODECS,
     FP8_SOURCES,
-    Item,
     StoredTensors,
     add_fp8,
     add_lossless,
@@ -124,61 +123,110 @@ def stored_pieces(
     """The encoded file (``encoding``) of a decoded file of ``decoded_bytes`` whose tensors
     ``stored`` holds, with the fp8 pages' checks, its metadata recording ``report``, and
     signed with ``keys``' first key when given: pieces in file order."""
+    header, layout, data = stored_file(stored, encoding, decoded_bytes, keys, report)
+    pieces = container_pieces(header, layout, data, keys, stored.digests)
+    return [header, *(piece for _, piece in pieces)]
+
+
+def stored_file(
+    stored: StoredTensors,
+    encoding: str,
+    decoded_bytes: int,
+    keys: KeyRing | None,
+    report: ErrorReport | None,
+) -> tuple[bytes, enc.EncodedLayout, dict[str, bytes | np.ndarray | None]]:
+    """:func:`stored_pieces`' file before its trailer and signature: its header, its layout
+    and every stored tensor's bytes by name (``None`` for tensors written elsewhere)."""
     items = with_page_checks(stored, signed=keys is not None)
+    document = encoded_document(encoding, stored.kinds, decoded_bytes, keys, report)
+    specs = container_specs([(name, dtype, shape) for name, dtype, shape, _ in items], keys)
+    header, layout = enc.build_layout(document, specs)
+    return header, layout, {name: array for name, _, _, array in items}
+
+
+def encoded_document(
+    encoding: str,
+    kinds: Mapping[str, str],
+    decoded_bytes: int,
+    keys: KeyRing | None,
+    report: ErrorReport | None,
+) -> dict[str, Any]:
+    """The kvsnap metadata of an encoded file (``encoding``) storing each layer tensor as
+    ``kinds`` says, of a decoded file of ``decoded_bytes``, signed when ``keys`` are given,
+    recording ``report``."""
     # fp8 pages carry checks a device restore verifies; lossless ones decode on the host.
     checks = [] if encoding != "fp8" else ["xxh3-64"] if keys is None else list(enc.PAGE_CHECKS)
     algorithm = enc.PAGES_SIGNATURE_ALGORITHM if checks else enc.SIGNATURE_ALGORITHM
-    document: dict[str, Any] = {
+    return {
         "format_version": enc.ENCODED_FORMAT_VERSION,
         "kvsnap_version": __version__,
         "encoding": {
             "name": encoding,
             "codec": CODECS[encoding],
             "decoded_bytes": decoded_bytes,
-            "tensors": stored.kinds,
+            "tensors": dict(kinds),
             "signature": None if keys is None else algorithm,
             "error": None if report is None else report.to_dict(),
             **({"page_checks": checks} if checks else {}),
         },
     }
-    return _container(document, items, keys, stored.digests)
 
 
-def _container(
-    document: dict[str, Any],
-    items: list[Item],
-    keys: KeyRing | None,
-    known: Mapping[str, Future[bytes]] | None = None,
-) -> list[bytes | np.ndarray]:
-    """The encoded file holding ``items`` (name, dtype, shape, bytes) under ``document``, as
-    pieces in file order: its trailer (from the xxh3-128 digests ``known`` holds, hashed
-    ahead, and those of the rest), and with ``keys`` its signature, computed here."""
-    specs = [(name, dtype, shape) for name, dtype, shape, _ in items]
-    specs.append((enc.ENCODED_CHECKSUMS_TENSOR, "U8", (len(items) + 2, 16)))
+def container_specs(
+    specs: list[tuple[str, str, tuple[int, ...]]], keys: KeyRing | None
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Every tensor spec of an encoded file storing ``specs``: theirs, the trailer's, and with
+    ``keys`` the signature's."""
+    specs = [*specs, (enc.ENCODED_CHECKSUMS_TENSOR, "U8", (len(specs) + 2, 16))]
     if keys is not None:
         specs.append((SIGNATURE_TENSOR, "U8", (SIGNATURE_BYTES,)))
-    header, layout = enc.build_layout(document, specs)
-    data = {name: array for name, _, _, array in items}
+    return specs
+
+
+def container_pieces(
+    header: bytes,
+    layout: enc.EncodedLayout,
+    data: Mapping[str, bytes | np.ndarray | None],
+    keys: KeyRing | None,
+    known: Mapping[str, Future[bytes]] | None = None,
+) -> list[tuple[enc.StoredTensor, bytes | np.ndarray | None]]:
+    """Each tensor of the encoded file ``layout`` (its header ``header``) after the header,
+    with its bytes: ``data``'s, the padding's, the trailer (from the xxh3-128 digests
+    ``known`` holds, hashed ahead, and those of the rest) and with ``keys`` the signature.
+    A tensor ``data`` holds as ``None`` is written elsewhere: its digest must be ``known``,
+    and the signature must not cover it."""
     known = known or {}
     digests = [digest128(header)]
     for tensor in layout.checksummed:
         ahead = known.get(tensor.name)
-        digests.append(ahead.result() if ahead is not None else digest128(data[tensor.name]))
-    data[enc.ENCODED_CHECKSUMS_TENSOR] = trailer = encode_trailer(digests)
-    pieces: list[bytes | np.ndarray] = [header]
+        digests.append(ahead.result() if ahead is not None else digest128(_held(data, tensor)))
+    trailer = encode_trailer(digests)
+    pieces: list[tuple[enc.StoredTensor, bytes | np.ndarray | None]] = []
     for tensor in layout.tensors:
         if enc.is_padding(tensor.name):
-            pieces.append(bytes(tensor.nbytes))
+            pieces.append((tensor, bytes(tensor.nbytes)))
         elif tensor.name == SIGNATURE_TENSOR and keys is not None:
-            algorithm = document["encoding"]["signature"]
-            names = enc.signed_names(layout, algorithm)
-            signed = [blake3.blake3(_bytes(data[name])).digest() for name in names]
-            pieces.append(keys.sign(enc.signed_message(header, signed), algorithm))
+            algorithm = layout.document["encoding"]["signature"]
+            with_trailer = {**data, enc.ENCODED_CHECKSUMS_TENSOR: trailer}
+            signed = [
+                blake3.blake3(_bytes(_held(with_trailer, layout.by_name[name]))).digest()
+                for name in enc.signed_names(layout, algorithm)
+            ]
+            pieces.append((tensor, keys.sign(enc.signed_message(header, signed), algorithm)))
         elif tensor.name == enc.ENCODED_CHECKSUMS_TENSOR:
-            pieces.append(trailer)
+            pieces.append((tensor, trailer))
         else:
-            pieces.append(data[tensor.name])
+            pieces.append((tensor, data[tensor.name]))
     return pieces
+
+
+def _held(
+    data: Mapping[str, bytes | np.ndarray | None], tensor: enc.StoredTensor
+) -> bytes | np.ndarray:
+    held = data[tensor.name]
+    if held is None:
+        raise ValueError(f"{tensor.name}: written elsewhere, yet needed here")
+    return held
 
 
 def _bytes(piece: bytes | np.ndarray) -> bytes | memoryview:

@@ -36,7 +36,10 @@ The kvsnap metadata is ``{"format_version": 3, "kvsnap_version", "encoding": {..
 (the algorithm, or ``null``), ``error`` (fp8: the error report, or ``null``) and
 ``page_checks`` (``["xxh3-64"]``; signed: ``["xxh3-64", "blake3"]``; absent from files kvsnap
 wrote before fp8 pages carried checks, which still read). Tensors start at multiples of
-:data:`ALIGNMENT`, ``kvsnap.padding.<next>`` (``U8`` zeros) filling the gaps.
+:data:`ALIGNMENT`, ``kvsnap.padding.<next>`` (``U8`` zeros) filling the gaps. The header is
+padded with spaces to a multiple of :data:`ALIGNMENT`; a header with an error report, to the
+length it would have with every number of the report at its widest, so a writer can place the
+tensors before the error is measured (readers take any trailing spaces).
 
 This module is the container alone, bytes in memory: names, the exact layout, a strict parse of
 a header, the trailer and the signed message. :mod:`kvsnap.encoded` reads and writes files.
@@ -184,7 +187,7 @@ def build_layout(
     for name, dtype, shape, begin, end in placed:
         entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
     text = json.dumps(entries, separators=(",", ":"), ensure_ascii=True).encode()
-    length = _aligned(8 + len(text)) - 8
+    length = _aligned(8 + _reserved_header_text(entries, document, len(text))) - 8
     header = struct.pack("<Q", length) + text + b" " * (length - len(text))
     data_start = 8 + length
     tensors = tuple(
@@ -192,6 +195,39 @@ def build_layout(
         for name, dtype, shape, begin, end in placed
     )
     return header, EncodedLayout(document, tensors, data_start, data_start + offset)
+
+
+#: The widest a number of an error report is written (floats keep 6 significant digits, and
+#: Python writes those between 1e15 and 1e16 in full): what a header reserves room for.
+WIDEST_REPORT_FLOAT = -1.23457e15
+WIDEST_REPORT_INT = -(2**63)
+
+
+def _widest(value: Any) -> Any:
+    """``value`` (an error report, or part of one) with every number at its widest."""
+    if isinstance(value, dict):
+        return {key: _widest(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_widest(item) for item in value]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    return WIDEST_REPORT_INT if isinstance(value, int) else WIDEST_REPORT_FLOAT
+
+
+def _reserved_header_text(entries: dict[str, Any], document: dict[str, Any], length: int) -> int:
+    """How many bytes of JSON the header of ``entries`` makes room for: ``length`` (the JSON's
+    own) for a file without an error report, else the length it would have with every number
+    of the report at its widest. A writer can then place the tensors before the error is
+    measured, and every writer pads the same header to the same length."""
+    encoding = document.get("encoding")
+    error = encoding.get("error") if isinstance(encoding, dict) else None
+    if not isinstance(error, dict):
+        return length
+    widest = {**document, "encoding": {**encoding, "error": _widest(error)}}
+    metadata = {**entries["__metadata__"]}
+    metadata[METADATA_KEY] = json.dumps(widest, separators=(",", ":"), ensure_ascii=True)
+    text = json.dumps({**entries, "__metadata__": metadata}, separators=(",", ":"))
+    return max(length, len(text.encode()))
 
 
 def header_length(prefix: bytes, file_size: int, file: str | None = None) -> int:

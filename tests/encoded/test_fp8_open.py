@@ -19,7 +19,7 @@ import kvsnap
 from kvsnap.encoded.device_restore import restore_fp8_blocks, restore_fp8_on_device
 from kvsnap.encoded.fp8_open import OpenFp8File
 from kvsnap.encoded.original import parse_original, read_local
-from kvsnap.encoded.write import _container, _stored_tensors, encode_file
+from kvsnap.encoded.write import _stored_tensors, container_pieces, container_specs, encode_file
 from kvsnap.errors import (
     BadSignatureError,
     IncompatibleSnapshotError,
@@ -254,7 +254,10 @@ def test_files_written_before_page_checks_still_open_and_restore(source, tmp_pat
         },
     }
     old = tmp_path / "old.safetensors"
-    pieces = _container(document, stored.items, KEY)
+    specs = container_specs([(name, dtype, shape) for name, dtype, shape, _ in stored.items], KEY)
+    header, layout = enc.build_layout(document, specs)
+    data = {name: array for name, _, _, array in stored.items}
+    pieces = [header, *(piece for _, piece in container_pieces(header, layout, data, KEY))]
     with open(old, "wb") as stream:
         for piece in pieces:
             stream.write(
