@@ -1,7 +1,8 @@
 """``kvsnap convert --compress lossless|fp8`` of a signed capture: the encoded file holds the
 unsigned file the capture stands for (the same bytes as the encode of an unsigned capture of the
 same KV) and is signed with the key given, which checks the capture's signature first; without
-the key, or with another one, nothing is written and one line says why."""
+the key, or with another one, nothing is written and one line says why. ``verify`` with another
+key names the encoded file's bad signature."""
 
 from __future__ import annotations
 
@@ -99,6 +100,21 @@ def test_a_signed_capture_encodes_to_a_file_signed_with_its_key(captures, tmp_pa
     assert code == 0 and restored["sequences"] == 2
     if compression == "lossless":
         assert restored["check"] == "match"
+
+
+@pytest.mark.parametrize("compression", ["lossless", "fp8"])
+def test_another_key_does_not_verify_the_encoded_file(captures, tmp_path, compression):
+    encoded, unsigned = tmp_path / "encoded.safetensors", tmp_path / "unsigned.safetensors"
+    assert _convert(captures, "signed", encoded, compression, "key").returncode == 0
+    code, checked = _json("verify", str(encoded), "--key-file", str(captures["other"]))
+    assert code == 1 and not checked["ok"] and checked["signature"] == "bad signature"
+    (problem,) = checked["problems"]
+    assert problem["message"].startswith(f"{encoded}: ") and "not one of ours" in problem["message"]
+    # The encoded file is what is signed or not, not the decoded file it stands for.
+    assert _convert(captures, "plain", unsigned, compression, None).returncode == 0
+    code, checked = _json("verify", str(unsigned), "--key-file", str(captures["key"]))
+    assert code == 1 and checked["signature"] == "unsigned"
+    assert checked["problems"][0]["message"].startswith(f"{unsigned}: ")
 
 
 def test_without_the_key_nothing_is_written_and_one_line_says_to_pass_it(captures, tmp_path):

@@ -52,8 +52,14 @@ def test_a_signed_file_encodes_to_what_a_signed_encoded_capture_writes(
         assert snapshot.metadata.signature is None  # the decoded file
         assert result.decoded_bytes == snapshot.encoded.decoded_bytes
         assert result.decoded_bytes < signed.stat().st_size  # no page digests, no signature
+        assert snapshot.signature_problems(KEY) == []
         with pytest.raises(BadSignatureError):
             kvsnap.Snapshot.open(encoded, keys=OTHER)
+    with kvsnap.Snapshot.open(
+        encoded
+    ) as snapshot:  # the encoded file's signature, not the decoded's
+        (problem,) = snapshot.signature_problems(OTHER)
+        assert isinstance(problem, BadSignatureError) and problem.file == str(encoded)
 
 
 @pytest.mark.parametrize("encode", [encode_file, recode_file])
