@@ -39,7 +39,7 @@ def encodable(original: OriginalFile, keys: KeyRing | None) -> OriginalFile:
         return original
     if keys is None:
         raise unkeyed(original.file)
-    check_signature(original, keys)
+    check_original_signature(original, keys)
     return unsigned_file(original)
 
 
@@ -52,7 +52,7 @@ def unkeyed(file: str | None) -> ValueError:
     )
 
 
-def check_signature(original: OriginalFile, keys: KeyRing) -> None:
+def check_original_signature(original: OriginalFile, keys: KeyRing) -> None:
     """Refuse a signed ``original`` that ``keys`` do not vouch for: a signature of another key
     or over other bytes, or (``hmac-sha256-blake3``) a page whose BLAKE3 differs from the
     signed page digest."""

@@ -32,7 +32,7 @@ from kvsnap.encoded.stored import (
     encoding_device,
     with_page_checks,
 )
-from kvsnap.encoded.unsigned import check_signature, encodable, unkeyed
+from kvsnap.encoded.unsigned import check_original_signature, encodable, unkeyed
 from kvsnap.encoding import fp8, measure
 from kvsnap.encoding.report import ErrorReport
 from kvsnap.errors import SnapshotIOError
@@ -272,7 +272,7 @@ def recode_file(
                 "the file as it was"
             )
         if keys is not None:
-            check_signature(original, keys)
+            check_original_signature(original, keys)
         stored = publish([data], Path(target))
         report = None
     else:

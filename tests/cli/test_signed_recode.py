@@ -134,9 +134,18 @@ def test_without_the_key_nothing_is_written_and_one_line_says_to_pass_it(capture
     assert [path.name for path in tmp_path.iterdir()] == [encoded.name]
 
 
-def test_a_key_other_than_the_captures_is_refused_and_nothing_is_written(captures, tmp_path):
-    run = _convert(captures, "signed", tmp_path / "encoded.safetensors", "lossless", "other")
+@pytest.mark.parametrize("compression", ["lossless", "fp8", "none"])
+def test_a_key_other_than_the_captures_is_refused_and_nothing_is_written(
+    captures, tmp_path, compression
+):
+    run = _convert(captures, "signed", tmp_path / "out.safetensors", compression, "other")
     assert run.returncode == 1
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "bad signature" in lines[0] and "not one of ours" in lines[0]
     assert list(tmp_path.iterdir()) == []
+    if compression == "none":  # with its own key: the signed file as it is
+        assert (
+            _convert(captures, "signed", tmp_path / "out.safetensors", "none", "key").returncode
+            == 0
+        )
+        assert (tmp_path / "out.safetensors").read_bytes() == captures["signed"].read_bytes()
