@@ -76,6 +76,12 @@ def teacher_forced(model: Any, cache: Any, fed: list[int]) -> torch.Tensor:
     its last token (which ``fed`` starts with, as ``continue_generation`` runs it again)."""
     cache = copy.deepcopy(cache)
     cache.crop(-1)
+    return logits_after(model, cache, fed)
+
+
+@torch.no_grad()
+def logits_after(model: Any, cache: Any, fed: list[int]) -> torch.Tensor:
+    """The fp32 logits after each of ``fed``, run at once after ``cache`` (which it extends)."""
     module = module_of(model)
     logits = module(
         input_ids=torch.tensor([fed]), use_cache=True, **{_cache_keyword(module): cache}

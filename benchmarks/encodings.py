@@ -226,7 +226,10 @@ def greedy_agreement(
     per granularity: free-running (tokens equal position by position, and the first that is
     not; 64 when none) and teacher-forced (the original continuation fed to both: next-token
     choices that agree, each unaffected by the ones before), as shares over the prompts; and
-    the median gap between the original's two best logits (how near a tie each choice is)."""
+    the median gap between the original's two best logits (how near a tie each choice is).
+    Tokens and logits are compared as ``benchmarks/encoded_agreement.py`` compares a restored
+    encoded snapshot's (imported here: the lossless figures need no model code)."""
+    from benchmarks.encoded_agreement import agreement, logits_after
     from kvsnap.engines import transformers as kt
 
     totals: dict = {
@@ -238,17 +241,17 @@ def greedy_agreement(
         cache.crop(-1)  # what continue_generation does: the last prompt token runs again
         want = kt.continue_generation(model, copy.deepcopy(cache), ids, new_tokens)
         fed = [ids[-1], *want[:-1]]
-        logits = _teacher_forced(model, copy.deepcopy(cache), fed)
-        top = logits.float().topk(2, dim=-1).values
+        logits = logits_after(model, copy.deepcopy(cache), fed)
+        top = logits.topk(2, dim=-1).values
         margins.extend((top[:, 0] - top[:, 1]).tolist())
         for granularity, total in totals.items():
             encoded = copy.deepcopy(cache)
             round_trip_cache(encoded, granularity)
             got = kt.continue_generation(model, copy.deepcopy(encoded), ids, new_tokens)
-            same = [a == b for a, b in zip(want, got, strict=True)]
-            total["agree"] += sum(same)
-            total["first_difference"] += same.index(False) if False in same else new_tokens
-            forced = _teacher_forced(model, encoded, fed).argmax(-1)
+            agree, first = agreement(want, got)
+            total["agree"] += agree
+            total["first_difference"] += new_tokens if first is None else first
+            forced = logits_after(model, encoded, fed).argmax(-1)
             total["forced"] += int((forced == logits.argmax(-1)).sum())
     count = len(prompts) * new_tokens
     return {
@@ -263,14 +266,6 @@ def greedy_agreement(
         "tokens": new_tokens,
         "median_logit_margin": float(np.median(margins)),
     }
-
-
-def _teacher_forced(model: torch.nn.Module, cache, tokens: list[int]) -> torch.Tensor:
-    """The logits after each of ``tokens`` fed at once after ``cache``."""
-    from kvsnap.engines.transformers.generate import _cache_keyword
-
-    ids = torch.tensor([tokens])
-    return model(input_ids=ids, use_cache=True, **{_cache_keyword(model): cache}).logits[0]
 
 
 def tiny_qwen2() -> torch.nn.Module:

@@ -308,10 +308,10 @@ class Snapshot(SnapshotTensors):
             keys: The keys a file must be signed by (``kvsnap.store.files.keys.load_key_ring``).
 
         Returns:
-            One ``UnsignedSnapshotError`` or ``BadSignatureError`` per file that fails; an
-            empty list when every file is signed by one of the keys over exactly the bytes
-            its signature covers (its pages are checked by ``verify`` of a snapshot opened
-            with the keys).
+            One ``UnsignedSnapshotError`` or ``BadSignatureError`` per file that fails (of an
+            encoded snapshot: the encoded file); an empty list when every file is signed by
+            one of the keys over exactly the bytes its signature covers (its pages are
+            checked by ``verify`` of a snapshot opened with the keys).
 
         Example:
             >>> import kvsnap
@@ -321,7 +321,7 @@ class Snapshot(SnapshotTensors):
             ...     [type(problem).__name__ for problem in snap.signature_problems(keys)]
             ['UnsignedSnapshotError']
         """
-        return [problem for part in self.parts for problem in part.reader.signature_problems(keys)]
+        return self._opened.signature_problems(keys)
 
     def signing_key_ids(self) -> list[str | None]:
         """Per file, the hex id of the key that signed it, as written (not checked).

@@ -97,8 +97,8 @@ def capture(
 
     Raises:
         ValueError: Sequences that break the rules (no tokens, duplicate ids, not exactly
-            ``ceil(tokens / block_size)`` block ids), or ``per_rank_parts`` with
-            ``max_shard_bytes`` or ``progress``.
+            ``ceil(tokens / block_size)`` block ids, a block id outside the cache), or
+            ``per_rank_parts`` with ``max_shard_bytes`` or ``progress``.
         LayoutError: Layouts of TP ranks that do not describe one model's cache.
         SnapshotIOError: Writing failed (disk full, permission denied, a lost connection).
         TransferFailedError: A copy out of the cache failed.

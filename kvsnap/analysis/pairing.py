@@ -63,7 +63,8 @@ def source_differences(a: ReadableSnapshot, b: ReadableSnapshot) -> list[SourceD
 
 
 def layout_notes(a: ReadableSnapshot, b: ReadableSnapshot, atol: float, rtol: float) -> list[str]:
-    """What differs between the two snapshots' layouts without preventing the comparison."""
+    """How values are compared where the two snapshots' layouts differ without preventing the
+    comparison. The difference itself is one of :func:`source_differences` (stated once)."""
     notes = []
     first, second = a.geometry.dtype, b.geometry.dtype
     if first != second:
@@ -73,15 +74,9 @@ def layout_notes(a: ReadableSnapshot, b: ReadableSnapshot, atol: float, rtol: fl
             if atol or rtol
             else "exactly (give a tolerance, atol or rtol, to allow the narrower dtype's rounding)"
         )
-        notes.append(
-            f"dtypes differ ({a.path}: {first}, {b.path}: {second}): values compared in "
-            f"{common}, {tolerance}"
-        )
+        notes.append(f"values of the two dtypes compared in {common}, {tolerance}")
     if a.geometry.block_size != b.geometry.block_size:
-        notes.append(
-            f"block sizes differ ({a.geometry.block_size} vs {b.geometry.block_size} tokens): "
-            "values compared token by token"
-        )
+        notes.append("values of the two block sizes compared token by token")
     return notes
 
 

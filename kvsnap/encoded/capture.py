@@ -215,17 +215,11 @@ def _checked_metadata(
     reproducible: bool,
 ) -> tuple[fmt.SnapshotMetadata, np.ndarray]:
     """The ordinary file's metadata and the device block of each snapshot block, as a plain
-    capture makes them; ``ValueError`` for sequences that break the rules, or a block id
-    outside the caches (the gather reads where it points)."""
-    validate_sequences(layouts[0].geometry.block_size, sequences)
-    metadata, device_blocks = capture_metadata(
-        layouts, sequences, source or fmt.SourceInfo(), reproducible
-    )
+    capture makes them; ``ValueError`` for sequences that break the rules (a block id
+    outside the caches among them: the gather reads where it points)."""
     capacity = min(layout.num_blocks for layout in layouts)
-    outside = device_blocks[(device_blocks < 0) | (device_blocks >= capacity)]
-    if len(outside):
-        raise ValueError(f"block id {int(outside[0])} is outside the cache's {capacity} blocks")
-    return metadata, device_blocks
+    validate_sequences(layouts[0].geometry.block_size, sequences, capacity)
+    return capture_metadata(layouts, sequences, source or fmt.SourceInfo(), reproducible)
 
 
 def decoded_files(path: str | os.PathLike[str], metadata: fmt.SnapshotMetadata) -> SnapshotFiles:

@@ -20,8 +20,8 @@ from kvsnap import format as fmt
 from kvsnap.encoded.file import EncodedFile, EncodedInfo
 from kvsnap.encoded.fp8_open import OpenFp8File, open_fp8_file
 from kvsnap.encoded.original import read_local
-from kvsnap.encoded.read import decode, is_encoded, parse_encoded
-from kvsnap.errors import SnapshotCorruptError
+from kvsnap.encoded.read import check_signature, decode, is_encoded, parse_encoded
+from kvsnap.errors import SignatureError, SnapshotCorruptError
 from kvsnap.format.signing import KeyRing
 from kvsnap.store.read.head_parts import HeadPart, OpenedSnapshot, open_snapshot
 
@@ -168,6 +168,16 @@ class EncodedSnapshot:
     @property
     def index(self) -> fmt.PartsIndex | None:
         return None
+
+    def signature_problems(self, keys: KeyRing) -> list[SignatureError]:
+        """Why ``keys`` do not vouch for the encoded file (empty when they do): its own
+        signature, which covers the decoded file (unsigned itself)."""
+        encoded = self.decoded().encoded
+        try:
+            check_signature(encoded, encoded.data[: encoded.layout.data_start].tobytes(), keys)
+        except SignatureError as error:
+            return [error]
+        return []
 
     def close(self) -> None:
         if self._decoded is not None:

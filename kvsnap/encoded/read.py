@@ -73,11 +73,14 @@ def parse_encoded(
     for stored in encoded.layout.tensors:
         if enc.is_padding(stored.name) and encoded.tensor(stored.name).any():
             raise SnapshotCorruptError("padding is not zero", file=file, tensor=stored.name)
-    _check_signature(encoded, header, keys)
+    check_signature(encoded, header, keys)
     return encoded
 
 
-def _check_signature(encoded: EncodedFile, header: bytes, keys: KeyRing | None) -> None:
+def check_signature(encoded: EncodedFile, header: bytes, keys: KeyRing | None) -> None:
+    """Refuse an encoded file (its ``header`` the bytes before its data) whose signature fields
+    disagree, and with ``keys`` one they do not vouch for (``UnsignedSnapshotError``,
+    ``BadSignatureError``) or whose fp8 pages differ from their signed digests."""
     algorithm = check_signature_fields(encoded.layout, encoded.file)
     if keys is None:
         return

@@ -31,6 +31,7 @@ from kvsnap.encoded.stored import (
     encoding_device,
     with_page_checks,
 )
+from kvsnap.encoded.unsigned import check_original_signature, encodable, unkeyed
 from kvsnap.encoding import fp8, measure
 from kvsnap.encoding.report import ErrorReport
 from kvsnap.errors import SnapshotIOError
@@ -268,10 +269,13 @@ def encode_file(
 ) -> EncodeResult:
     """Encode the single-file snapshot ``source`` (checked first: nothing corrupt is encoded)
     into ``target`` with ``encoding`` (``"lossless"`` or ``"fp8"``), signed with ``keys``'
-    first key when given. Chunks are coded on ``threads`` threads."""
+    first key when given. A signed ``source`` needs ``keys``: its signature is checked with
+    them and the unsigned file it stands for is encoded (:mod:`kvsnap.encoded.unsigned`).
+    Chunks are coded on ``threads`` threads."""
     started = time.perf_counter()
     original = parse_original(read_local(source), os.fspath(source))
     check_original(original)
+    original = encodable(original, keys)
     with ThreadPoolExecutor(max(1, threads)) as executor:
         pieces, report = encoded_pieces(
             original, encoding, keys=keys, measure_error=measure_error, executor=executor
@@ -299,14 +303,14 @@ def recode_file(
     """Write the snapshot ``source`` (ordinary or encoded: an encoded one is decoded first)
     to ``target`` as ``compression``: ``"none"`` (the ordinary file), ``"lossless"`` or
     ``"fp8"``. An fp8 snapshot re-encoded is measured against its decoded pages, not the
-    pages it was made from (those are gone)."""
+    pages it was made from (those are gone). A signed ``source`` has its signature checked
+    when ``keys`` are given, and is encoded only with them (as :func:`encode_file` says)."""
     if compression not in ("none", *enc.ENCODINGS):
         raise ValueError(f"compression {compression!r}: none, lossless or fp8")
     started = time.perf_counter()
     data = read_local(source)
     if is_encoded(data):
-        with ThreadPoolExecutor(max(1, threads)) as executor:
-            data = decode(parse_encoded(data, os.fspath(source)), executor)
+        data = _decoded(data, os.fspath(source), compression, keys, threads)
     original = parse_original(data, os.fspath(source))
     check_original(original)
     if compression == "none":
@@ -315,17 +319,40 @@ def recode_file(
                 "an ordinary snapshot is signed at capture: --compress none keeps "
                 "the file as it was"
             )
+        if keys is not None:
+            check_original_signature(original, keys)
         stored = publish([data], Path(target))
         report = None
     else:
+        original = encodable(original, keys)
         with ThreadPoolExecutor(max(1, threads)) as executor:
             pieces, report = encoded_pieces(
                 original, compression, keys=keys, measure_error=measure_error, executor=executor
             )
         stored = publish(pieces, Path(target))
     return EncodeResult(
-        os.fspath(target), compression, len(data), stored, time.perf_counter() - started, report
+        os.fspath(target),
+        compression,
+        len(original.data),
+        stored,
+        time.perf_counter() - started,
+        report,
     )
+
+
+def _decoded(
+    data: np.ndarray, file: str, compression: str, keys: KeyRing | None, threads: int
+) -> np.ndarray:
+    """The decoded file of the encoded file held in ``data``, checked; signed, its signature
+    checked with ``keys``, and encoded again only with them."""
+    length = enc.header_length(data[:8].tobytes(), len(data), file)
+    layout = enc.parse_header(data[: 8 + length].tobytes(), len(data), file)
+    signed = layout.encoding.get("signature") is not None
+    if signed and keys is None and compression != "none":
+        raise unkeyed(file)
+    encoded = parse_encoded(data, file, keys if signed else None)
+    with ThreadPoolExecutor(max(1, threads)) as executor:
+        return decode(encoded, executor)
 
 
 def check_compression(compression: str, path: str | os.PathLike[str], refused: bool) -> None:
@@ -345,13 +372,12 @@ def capture_encoded(
     keys: KeyRing | None,
     refused: bool,
 ) -> Any:
-    """``capture(written)`` into a temporary file beside ``path`` (an ordinary snapshot, signed
-    or not as ``capture`` makes it: the encoded file keeps it as its decoded file), then that
-    file encoded into ``path`` as ``compression`` (signed with ``keys``) and removed: the
-    capture's result, its path ``path``, its bytes the encoded file's and its seconds the
-    whole call's. The way an encoded
-    capture goes where its pages cannot be gathered on the device
-    (:mod:`kvsnap.encoded.capture`)."""
+    """``capture(written)`` into a temporary file beside ``path`` (an ordinary snapshot; a
+    signed one is checked with ``keys`` and its unsigned form encoded, as :func:`recode_file`
+    does), then that file encoded into ``path`` as ``compression`` (signed with ``keys``) and
+    removed: the capture's result, its path ``path``, its bytes the encoded file's and its
+    seconds the whole call's. The way an encoded capture goes where its pages cannot be
+    gathered on the device (:mod:`kvsnap.encoded.capture`)."""
     check_compression(compression, path, refused)
     started = time.perf_counter()
     target = Path(path)

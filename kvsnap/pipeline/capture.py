@@ -82,7 +82,8 @@ def capture_snapshot(
     """
     started = time.perf_counter()
     geometry = layouts[0].geometry
-    validate_sequences(geometry.block_size, sequences)
+    capacity = min(layout.num_blocks for layout in layouts)
+    validate_sequences(geometry.block_size, sequences, capacity)
     metadata, device_blocks = capture_metadata(
         layouts, sequences, source or fmt.SourceInfo(), reproducible, part
     )

@@ -97,9 +97,10 @@ def block_id_array(values: np.ndarray | Sequence[int], what: str) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
-def validate_sequences(block_size: int, sequences: Sequence[SequenceBlocks]) -> None:
+def validate_sequences(block_size: int, sequences: Sequence[SequenceBlocks], capacity: int) -> None:
     """The rule every sequence list obeys: unique ids, at least one token, and exactly
-    ``ceil(tokens / block_size)`` integer block ids. ``ValueError`` naming the first breach."""
+    ``ceil(tokens / block_size)`` integer block ids, each a block of the cache (``capacity``
+    blocks: a copy reads where an id points). ``ValueError`` naming the first breach."""
     if not sequences:
         raise ValueError("capture needs at least one sequence")
     seen: set[str] = set()
@@ -115,6 +116,12 @@ def validate_sequences(block_size: int, sequences: Sequence[SequenceBlocks]) -> 
             raise ValueError(
                 f"sequence {sequence.id!r}: {len(sequence.token_ids)} tokens need {needed} blocks "
                 f"of {block_size}, got {len(block_ids)} block ids"
+            )
+        outside = np.flatnonzero((block_ids < 0) | (block_ids >= capacity))
+        if len(outside):
+            raise ValueError(
+                f"sequence {sequence.id!r}: block id {int(block_ids[outside[0]])} is outside "
+                f"the cache's {capacity} blocks"
             )
 
 

@@ -4,6 +4,8 @@ with them over the model's own cache gives the model's own attention output."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -69,3 +71,32 @@ def test_model_queries_reproduce_the_models_attention_output() -> None:
         # ours[j, g] is query head j * group + g: the model's heads in order.
         model_output = inputs[layer][0, -1].reshape(-1, keys.shape[-1])
         torch.testing.assert_close(ours.reshape(-1, keys.shape[-1]), model_output)
+
+
+def test_logits_after_a_cache_are_the_greedy_choices_fed_to_it() -> None:
+    """What both agreement benchmarks teacher-force with: the logits after each fed token, the
+    cache without the prompt's last token, pick the greedy continuation token by token."""
+    model = load_model(dtype=torch.float32)
+    ids = model.encode(TEXT)[:40]
+    [(cache, _)] = kt.prefill_token_ids(model, [ids])
+    want = kt.continue_generation(model, copy.deepcopy(cache), ids, 8)
+    fed = [ids[-1], *want[:-1]]
+    assert encoded_agreement.teacher_forced(model, cache, fed).argmax(-1).tolist() == want
+    cache.crop(-1)
+    assert encoded_agreement.logits_after(model, cache, fed).argmax(-1).tolist() == want
+
+
+def test_the_in_memory_fp8_agreement_of_the_encodings_benchmark_runs_small() -> None:
+    """``benchmarks/encodings.py``'s greedy agreement (an fp8 round trip in memory), which
+    compares tokens and logits with this benchmark's functions."""
+    from benchmarks import encodings
+
+    model = load_model(dtype=torch.bfloat16)
+    ids = model.encode(TEXT)
+    figures = encodings.greedy_agreement(model.model, [ids[:48], ids[60:108]], new_tokens=8)
+    assert (figures["prompts"], figures["tokens"]) == (2, 8)
+    for granularity in ("block-head", "tensor"):
+        item = figures[granularity]
+        assert 0 <= item["free_running_agree"] <= 1 and 0 <= item["teacher_forced_agree"] <= 1
+        assert 0 <= item["mean_first_difference"] <= 8
+    assert figures["median_logit_margin"] >= 0

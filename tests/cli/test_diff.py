@@ -2,8 +2,8 @@
 engineer uses it: one weight of one layer changed, the same prompt captured from both models,
 and the report names the layer, the head and the channels, gives the share and the cosine,
 and flags the fingerprint difference; on the built-in model and on a Qwen2 built from a
-config. Also: the JSON carries every number, each difference is stated once, the text fits
-100 columns, and the picture of 8,000 tokens is binned with NaN marked."""
+config. Also: the JSON carries every number, each difference (a dtype's too) is stated once,
+the text fits 100 columns, and the picture of 8,000 tokens is binned with NaN marked."""
 
 from __future__ import annotations
 
@@ -133,6 +133,22 @@ def test_verify_against_shares_the_report_and_states_each_difference_once(
     # Each differing tensor is in the table, and not again as a "problem:" line.
     assert "problem:" not in out
     assert out.count("layers.1.key ") == 1 + out[out.index("largest") :].count("layers.1.key ")
+
+
+def test_a_dtype_difference_is_stated_once(tmp_path: Path) -> None:
+    # The built-in model's KV of one prompt captured in float32 (A) and in bfloat16 (B).
+    paths = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    for path, dtype in zip(paths, ("float32", "bfloat16"), strict=True):
+        code, _, err = run("capture", "-o", str(path), "--dtype", dtype, "-p", PROMPT)
+        assert code == 0, err
+    for command in (("diff", str(paths[0])), ("verify", str(paths[0]), "--against")):
+        code, out, _ = run(*command, str(paths[1]), "--rtol", "0.01")
+        header = " ".join(out[out.index("A: ") : out.index("tolerance:")].split())
+        assert code == 1 and header.count("bfloat16") == 1, out
+        assert "differs: dtype: float32 (A) vs bfloat16 (B)" in header
+        assert (
+            "note: values of the two dtypes compared in float32, within atol 0, rtol 0.01" in header
+        )
 
 
 def test_json_carries_the_numbers_the_text_shows_within_a_tolerance(one_weight: dict) -> None:

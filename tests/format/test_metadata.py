@@ -15,6 +15,7 @@ import pytest
 from kvsnap import format as fmt
 from kvsnap.errors import SnapshotCorruptError, UnsupportedVersionError
 from kvsnap.layout import KVGeometry
+from tests.support.format_versions import UNKNOWN_FORMAT_VERSION
 from tests.support.store_helpers import GEOMETRIES, SOURCE, make_metadata, shared_prefix_tokens
 
 
@@ -122,11 +123,12 @@ def test_metadata_problems_name_what_is_wrong(metadata: fmt.SnapshotMetadata) ->
 
 def test_newer_format_versions_ask_for_an_upgrade(metadata: fmt.SnapshotMetadata) -> None:
     document = json.loads(metadata.to_json())
-    document["format_version"] = 3
+    document["format_version"] = UNKNOWN_FORMAT_VERSION
     document["something_new"] = {"x": 1}
     with pytest.raises(UnsupportedVersionError, match="upgrade kvsnap") as caught:
         fmt.parse_metadata_json(json.dumps(document), file="snap.safetensors")
-    assert caught.value.version == 3 and "snap.safetensors" in str(caught.value)
+    assert caught.value.version == UNKNOWN_FORMAT_VERSION
+    assert "snap.safetensors" in str(caught.value)
     document["format_version"] = 0
     with pytest.raises(UnsupportedVersionError):
         fmt.parse_metadata_json(json.dumps(document))

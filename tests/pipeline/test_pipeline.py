@@ -15,7 +15,7 @@ import torch
 
 from kvsnap.engines.vllm import BlockOrder, vllm_layout
 from kvsnap.errors import IncompatibleSnapshotError, RestoreIncompleteError
-from kvsnap.pipeline import Pipeline, StagingOptions, fused, shared_tables
+from kvsnap.pipeline import Pipeline, StagingOptions, TransferOptions, fused, shared_tables
 from kvsnap.snapshot import SequenceBlocks, Snapshot, capture
 from kvsnap.store.base import tuning
 from kvsnap.testing.caches import make_cache, same_bytes
@@ -280,6 +280,26 @@ def test_restore_refuses_bad_requests_before_writing_anything(tmp_path):
     for cache in targets:
         assert not any(view.view(torch.uint8).any() for view in cache.views.values())
     assert shared_tables.MAX_SHARED_TABLES >= 1 and sliding
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpu"])
+def test_a_capture_refuses_block_ids_outside_the_cache_and_writes_nothing(tmp_path, backend):
+    # The copies read where an id points: past the cache's tensor, or (far past) a crash.
+    sources, _ = caches("vllm-nhd")  # 12 blocks
+    path = tmp_path / "snap.safetensors"
+    path.write_bytes(b"the previous snapshot")
+    for bad in (12, -1, 1 << 40):
+        outside = f"sequence 's1': block id {bad} is outside the cache's 12 blocks"
+        with pytest.raises(ValueError, match=outside):
+            capture(
+                [sources[0].layout],
+                sequences([[1, 2], [1, bad]]),
+                path,
+                source=SOURCE,
+                transfer=TransferOptions(backend=backend),
+            )
+    assert path.read_bytes() == b"the previous snapshot"
+    assert list(tmp_path.iterdir()) == [path]
 
 
 def test_a_slot_of_whole_tensors_is_one_file_write_and_verifies(tmp_path, monkeypatch):

@@ -56,9 +56,11 @@ def snapshots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_another_block_size_compares_token_by_token(snapshots: dict[str, str]) -> None:
     code, payload = verify_json(snapshots["f32"], "--against", snapshots["f32-b32"])
     assert code == 0 and payload["ok"], payload
-    assert payload["notes"] == [
-        "block sizes differ (16 vs 32 tokens): values compared token by token"
-    ]
+    assert payload["notes"] == ["values of the two block sizes compared token by token"]
+    stated = {
+        (source["field"], source["a"], source["b"]) for source in payload["comparison"]["sources"]
+    }
+    assert ("block size", "16", "32") in stated
 
 
 def test_another_dtype_compares_in_the_wider_one_within_a_tolerance(
@@ -69,9 +71,14 @@ def test_another_dtype_compares_in_the_wider_one_within_a_tolerance(
         snapshots["f32"], "--against", snapshots["bf16-b32"], "--rtol", str(2**-8)
     )
     assert code == 0 and payload["ok"], payload
-    dtype_note = payload["notes"][0]
-    assert "float32" in dtype_note and "bfloat16" in dtype_note
-    assert "compared in float32" in dtype_note
+    assert (
+        payload["notes"][0]
+        == "values of the two dtypes compared in float32, within atol 0, rtol 0.00390625"
+    )
+    stated = {
+        (source["field"], source["a"], source["b"]) for source in payload["comparison"]["sources"]
+    }
+    assert ("dtype", "float32", "bfloat16") in stated  # the difference itself, stated once
 
     # Without a tolerance the rounding shows, element by element, and the note says why.
     code, payload = verify_json(snapshots["f32"], "--against", snapshots["bf16-b32"])

@@ -26,8 +26,10 @@ from kvsnap.errors import (
     SnapshotIOError,
     UnsupportedVersionError,
 )
+from kvsnap.snapshot import Snapshot
 from kvsnap.store import SnapshotReader, SnapshotWriter
 from kvsnap.store.files import publish
+from tests.support.format_versions import UNKNOWN_FORMAT_VERSION
 from tests.support.store_helpers import (
     GEOMETRIES,
     make_metadata,
@@ -371,11 +373,15 @@ def test_a_large_foreign_header_is_not_parsed(tmp_path: Path) -> None:
 
 
 def _with_version(data: bytes, version: bytes, *, fix_trailer: bool) -> bytes:
+    """``data`` with its format version 1 written as ``version`` (digits beyond the first take
+    the place of the header's padding spaces: the layout does not move)."""
     (length,) = struct.unpack("<Q", data[:8])
     marker = b'\\"format_version\\":1'
     at = data.index(marker, 8, 8 + length) + len(marker) - 1
-    changed = bytearray(data)
-    changed[at : at + 1] = version
+    header = data[:at] + version + data[at + 1 : 8 + length]
+    unpadded = header.rstrip(b" ")
+    assert len(unpadded) <= 8 + length, "no padding left for the version's digits"
+    changed = bytearray(unpadded.ljust(8 + length) + data[8 + length :])
     if fix_trailer:
         header = bytes(changed[: 8 + length])
         begin, end = fmt.locate_trailer(header)  # type: ignore[misc]
@@ -396,9 +402,12 @@ def test_a_flipped_bit_in_the_format_version_is_reported_as_corruption(tmp_path:
             SnapshotReader(flipped)
         assert str(flipped) in str(caught.value)
     newer = tmp_path / "newer.safetensors"
-    newer.write_bytes(_with_version(original, b"3", fix_trailer=True))
+    unknown = str(UNKNOWN_FORMAT_VERSION).encode()
+    newer.write_bytes(_with_version(original, unknown, fix_trailer=True))
     with pytest.raises(UnsupportedVersionError, match="upgrade kvsnap"):
         SnapshotReader(newer)
+    with pytest.raises(UnsupportedVersionError, match="upgrade kvsnap"):
+        Snapshot.open(newer)  # not taken for an encoded snapshot (version 3)
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsnap import format as fmt
+from kvsnap.errors import SignatureError
 from kvsnap.format.signing import KeyRing
 from kvsnap.store.files.location import locate
 from kvsnap.store.files.resolve import Form, Resolved, open_retrying
@@ -51,6 +52,10 @@ class OpenedSnapshot:
     format_version: int
     parts: tuple[HeadPart, ...]
     index: fmt.PartsIndex | None = None
+
+    def signature_problems(self, keys: KeyRing) -> list[SignatureError]:
+        """Why ``keys`` do not vouch for each file of every part (empty when they do)."""
+        return [problem for part in self.parts for problem in part.reader.signature_problems(keys)]
 
     def close(self) -> None:
         for part in self.parts:
