@@ -7,14 +7,17 @@ Per layer tensor, the sequences' blocks are gathered out of the caches where the
 host memory by the host) and hashed there as the ordinary file would hold them (the xxh3-64 of
 every page: :mod:`kvsnap.encoded.page_digests`). Then the tensor is encoded where
 :func:`~kvsnap.encoded.stored.encoding_device` says, as ``recode_file`` encodes it: fp8 is
-quantized with the blocks' token counts, its stored pages hashed on the device (xxh3-64, and
-BLAKE3-256 when the file is signed), and each layer's error measured there once its key and
-value are done; only the e4m3 values and scales (or, for ``lossless`` and raw tensors, the
-pages) come to the host. The ordinary file's header, metadata tensors, block checksums and
-trailer are computed from the metadata and those digests by the writer's own
+quantized with the blocks' token counts (a layer's key and value as one), its stored pages
+hashed on the device (xxh3-64, and BLAKE3-256 when the file is signed), and each layer's error
+measured there once its key and value are done (read once, at the end); only the e4m3 values
+and scales (or, for ``lossless`` and raw tensors, the pages) come to the host. The ordinary
+file's header, metadata tensors, block checksums and trailer are computed from the metadata
+and those digests by the writer's own
 :class:`~kvsnap.store.write.snapshot_files.SnapshotFiles`, so the encoded file is byte for byte
-what ``recode_file`` writes from an ordinary (unsigned) capture of the same KV. It is written
-once, front to back, through a temporary file and a rename.
+what ``recode_file`` writes from an ordinary (unsigned) capture of the same KV. An fp8 file is
+written while it is encoded (:mod:`kvsnap.encoded.streamed`: its layout known before a page is
+quantized, each layer's values written at their place while the device encodes the next), a
+lossless one once every chunk is coded; either through a temporary file and a rename.
 
 Where the fused page copy cannot gather the caches (a named transfer backend, layouts on
 several devices, TP ranks whose heads do not tile the page), the capture writes the ordinary
