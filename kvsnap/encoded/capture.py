@@ -164,7 +164,7 @@ def _write_fp8(
     """Encode every layer tensor as fp8 into ``path``, each value tensor written at its place
     as it is made (:class:`~kvsnap.encoded.streamed.StreamedFile`), the rest once the error
     is measured; the file's size."""
-    header, planned = planned_fp8_layout(job.files.layouts[0], job.keys)
+    _, planned = planned_fp8_layout(job.files.layouts[0], job.keys)
     decoded_bytes = job.files.layouts[0].file_size
     with StreamedFile(path, planned.file_size) as streamed:
         job.streamed, job.planned = streamed, planned
@@ -448,9 +448,14 @@ def _in_file_order(files: SnapshotFiles, layers: StoredTensors) -> StoredTensors
         data = files.tensor_bytes(0, entry)
         array = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
         items.append((entry.name, entry.dtype, entry.shape, array))
-    return StoredTensors(
-        items, layers.kinds, page_checks=layers.page_checks, digests=layers.digests
-    )
+    # The kinds in file order too (fp8 tensors are encoded a layer at a time): the metadata
+    # is then recode_file's, byte for byte.
+    kinds = {
+        entry.name: layers.kinds[entry.name]
+        for entry in layout.entries
+        if entry.name in layers.kinds
+    }
+    return StoredTensors(items, kinds, page_checks=layers.page_checks, digests=layers.digests)
 
 
 def _nbytes(piece: bytes | np.ndarray) -> int:
