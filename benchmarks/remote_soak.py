@@ -64,48 +64,26 @@ _COUNTS = (*store_soak._COUNTS, "fetched", "uploads", "remote_lookups", "remote_
 
 def run_engine(args: argparse.Namespace) -> None:
     """An engine process: serve random prompts until SIGTERM, writing its counts after each."""
+    from kvsnap.store.files import publish
     from kvsnap.store.files.keys import load_key_ring
 
-    stopping = False
+    def make_engine() -> store_soak.Engine:
+        extra = {
+            "remote_url": args.remote_url,
+            "remote_deadline_s": args.deadline_s,
+            "remote_fetches": 4,
+            "remote_max_uploads": 2,
+        }
+        keys = load_key_ring([args.key_file])
+        return store_soak.Engine(
+            args.store, args.capacity, "fail", 8, args.min_idle_s, extra=extra, keys=keys
+        )
 
-    def stop(*_: Any) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    import torch
-
-    torch.set_num_threads(1)
-    extra = {
-        "remote_url": args.remote_url,
-        "remote_deadline_s": args.deadline_s,
-        "remote_fetches": 4,
-        "remote_max_uploads": 2,
-    }
-    engine = store_soak.Engine(
-        args.store,
-        args.capacity,
-        "fail",
-        blocks=8,
-        min_idle_s=args.min_idle_s,
-        extra=extra,
-        keys=load_key_ring([args.key_file]),
-    )
-    prompts = store_soak.prompt_pool(args.seed, args.prompts)
-    rng = random.Random(os.getpid())
     counts = dict.fromkeys(_COUNTS, 0)
-    _write_counts(args.counts, counts)  # ready
-    while not stopping:
-        prompt = prompts[rng.randrange(len(prompts))]
-        engine.serve(f"{os.getpid()}-{counts['requests']}", prompt, counts)
-        counts["requests"] += 1
-        _merge_event_counts(engine, counts)
-        _write_counts(args.counts, counts)
-        time.sleep(rng.uniform(0, 2 * args.think_s))
-    engine.worker.shutdown()
+    engine = store_soak.serve_until_stopped(make_engine, args, counts, _merge_event_counts)
     engine.scheduler.shutdown()
     _merge_event_counts(engine, counts)
-    _write_counts(args.counts, counts)
+    publish.publish_bytes(args.counts, json.dumps(counts).encode())
 
 
 def _merge_event_counts(engine: store_soak.Engine, counts: dict[str, int]) -> None:
@@ -126,12 +104,6 @@ def _merge_event_counts(engine: store_soak.Engine, counts: dict[str, int]) -> No
             counts["remote_failures"] += count
 
 
-def _write_counts(path: Path, counts: dict[str, int]) -> None:
-    from kvsnap.store.files import publish
-
-    publish.publish_bytes(path, json.dumps(counts).encode())
-
-
 def _spawn(args: argparse.Namespace, node: int, counts: Path, env: dict[str, str]) -> Any:
     store = args.work / f"node{node}" / "store"
     command = [sys.executable, "-m", "benchmarks.remote_soak", "--engine", "--counts", str(counts)]
@@ -148,19 +120,6 @@ def _spawn(args: argparse.Namespace, node: int, counts: Path, env: dict[str, str
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-
-
-def _chunk_bytes(work: Path, key_file: Path) -> int:
-    """The size of one signed chunk, written by a throwaway engine into a scratch store."""
-    from kvsnap.store.files.keys import load_key_ring
-
-    with tempfile.TemporaryDirectory(dir=work) as scratch:
-        engine = store_soak.Engine(
-            Path(scratch), None, "recompute", blocks=8, keys=load_key_ring([key_file])
-        )
-        engine.serve("probe", store_soak.prompt_pool(0, 1)[0], dict.fromkeys(_COUNTS, 0))
-        engine.worker.shutdown()
-        return min(path.stat().st_size for path in Path(scratch).glob("*/chunks/*/*.safetensors"))
 
 
 def _check_bucket(s3: LoopbackS3, url: str, key_file: Path, env: dict[str, str]) -> dict[str, int]:
@@ -223,7 +182,7 @@ def _sample(nodes: int, work: Path, capacity: int, over: list[int]) -> None:
 def soak(args: argparse.Namespace) -> dict[str, Any]:
     """Run the soak; the report."""
     from kvsnap.engines.vllm.eviction import prune_store
-    from kvsnap.store.files.keys import new_key_text
+    from kvsnap.store.files.keys import load_key_ring, new_key_text
 
     s3 = LoopbackS3("kvsnap-soak")
     proxy = FaultProxy(s3.port)
@@ -236,7 +195,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, **s3.client_environment(proxy.endpoint), "PYTHONPATH": path}
     for node in range(args.nodes):
         (args.work / f"node{node}" / "store").mkdir(parents=True, mode=0o700)
-    chunk = _chunk_bytes(args.work, args.key_file)
+    chunk = store_soak.chunk_bytes(args.work, load_key_ring([args.key_file]))
     args.capacity = args.capacity_chunks * chunk
     counts_dir = args.work / "counts"
     counts_dir.mkdir()
@@ -290,10 +249,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     )
     for node in range(args.nodes):
         prune_store(args.work / f"node{node}" / "store", args.capacity, min_idle_s=0)
-    totals = dict.fromkeys(_COUNTS, 0)
-    for counts in counts_dir.glob("*.json"):
-        for key, value in json.loads(counts.read_text()).items():
-            totals[key] = totals.get(key, 0) + value
+    totals = store_soak.total_counts(counts_dir, _COUNTS)
     bucket = _check_bucket(s3, args.remote_url, args.key_file, env)
     proxy.stop()
     s3.stop()

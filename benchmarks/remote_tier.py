@@ -48,7 +48,7 @@ if __package__ in (None, ""):  # run as a script by the parent: the tree first o
 
 from benchmarks.vllm_cpu_hit import (
     BLOCK_SIZE,
-    KV_CACHE_BYTES,
+    _engine,
     _generate,
     _openmp_preload,
     make_model,
@@ -56,36 +56,6 @@ from benchmarks.vllm_cpu_hit import (
 )
 
 # -- the child: one engine --------------------------------------------------------------------
-
-
-def _engine(job: dict[str, Any]) -> Any:
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    transfer = KVTransferConfig(
-        kv_connector="KVSnapConnector",
-        kv_connector_module_path="kvsnap.engines.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config={
-            "path": job["store"],
-            "event_log": job["events"],
-            "chunk_blocks": job["chunk_blocks"],
-            "key_file": job["key_file"],
-            "remote_url": job["remote_url"],
-            "remote_deadline_s": job["deadline_s"],
-        },
-    )
-    return LLM(
-        model=job["model"],
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        block_size=BLOCK_SIZE,
-        enforce_eager=True,
-        max_model_len=job["tokens"] + 64,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-        enable_prefix_caching=True,
-        kv_transfer_config=transfer,
-    )
 
 
 def _time_scheduler_calls(calls: dict[str, list[list[float]]]) -> None:
@@ -240,9 +210,12 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "model": str(model),
         "tokens": args.tokens,
         "chunk_blocks": args.chunk_blocks,
-        "key_file": str(key),
-        "remote_url": f"s3://{s3.bucket}/tier",
-        "deadline_s": args.deadline_s,
+        "policy": "fail",  # vLLM's default
+        "connector_options": {
+            "key_file": str(key),
+            "remote_url": f"s3://{s3.bucket}/tier",
+            "remote_deadline_s": args.deadline_s,
+        },
         "warmup": prompts[: args.warmup],
         "prompts": prompts[args.warmup :],
     }

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -247,8 +248,15 @@ def _step(request_id: str, computed: int, scheduled: int, *, new: bool) -> Any:
     )
 
 
-def run_engine(args: argparse.Namespace) -> None:
-    """An engine process: serve random prompts until SIGTERM, writing its counts after each."""
+def serve_until_stopped(
+    make_engine: Callable[[], Engine],
+    args: argparse.Namespace,
+    counts: dict[str, int],
+    tally: Callable[[Engine, dict[str, int]], None],
+) -> Engine:
+    """An engine process's loop: serve random prompts of the pool until SIGTERM, publishing
+    ``counts`` to ``args.counts`` once the engine is up and after each request (``tally`` adds
+    the engine's own counts first); then shut the worker down (its writes drained)."""
     stopping = False
 
     def stop(*_: Any) -> None:
@@ -257,28 +265,50 @@ def run_engine(args: argparse.Namespace) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     torch.set_num_threads(1)
-    engine = Engine(args.store, args.capacity, args.policy, blocks=8, min_idle_s=args.min_idle_s)
+    engine = make_engine()
     prompts = prompt_pool(args.seed, args.prompts)
     rng = random.Random(os.getpid())
-    counts = dict.fromkeys(_COUNTS, 0)
     publish.publish_bytes(args.counts, json.dumps(counts).encode())  # ready
     while not stopping:
         prompt = prompts[rng.randrange(len(prompts))]
         engine.serve(f"{os.getpid()}-{counts['requests']}", prompt, counts)
         counts["requests"] += 1
-        counts["evictions"] = engine.events.counts.get("evict", 0)
+        tally(engine, counts)
         publish.publish_bytes(args.counts, json.dumps(counts).encode())
         time.sleep(rng.uniform(0, 2 * args.think_s))  # requests arrive, not back to back
     engine.worker.shutdown()
+    return engine
 
 
-def _chunk_bytes(root: Path) -> int:
-    """The size of one chunk, written by a throwaway engine into a scratch store."""
-    with tempfile.TemporaryDirectory(dir=root.parent) as scratch:
-        engine = Engine(Path(scratch), None, "recompute", blocks=8)
+def run_engine(args: argparse.Namespace) -> None:
+    """An engine process: serve random prompts until SIGTERM, writing its counts after each."""
+
+    def make_engine() -> Engine:
+        return Engine(args.store, args.capacity, args.policy, blocks=8, min_idle_s=args.min_idle_s)
+
+    def evictions(engine: Engine, counts: dict[str, int]) -> None:
+        counts["evictions"] = engine.events.counts.get("evict", 0)
+
+    serve_until_stopped(make_engine, args, dict.fromkeys(_COUNTS, 0), evictions)
+
+
+def chunk_bytes(directory: Path, keys: KeyRing | None = None) -> int:
+    """The size of one chunk (signed with ``keys``), written by a throwaway engine into a
+    scratch store in ``directory``."""
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        engine = Engine(Path(scratch), None, "recompute", blocks=8, keys=keys)
         engine.serve("probe", prompt_pool(0, 1)[0], dict.fromkeys(_COUNTS, 0))
         engine.worker.shutdown()
         return min(path.stat().st_size for path in Path(scratch).glob("*/chunks/*/*.safetensors"))
+
+
+def total_counts(counts_dir: Path, names: Sequence[str]) -> dict[str, int]:
+    """Every engine's counts (one JSON file each in ``counts_dir``) added up; ``names`` first."""
+    totals = dict.fromkeys(names, 0)
+    for path in counts_dir.glob("*.json"):
+        for key, value in json.loads(path.read_text()).items():
+            totals[key] = totals.get(key, 0) + value
+    return totals
 
 
 _COUNTS = ("requests", "loads", "loaded_blocks", "wrong_kv", "failed_loads", "saves", "evictions")
@@ -305,7 +335,7 @@ def _temp_files(root: Path) -> list[Path]:
 def soak(args: argparse.Namespace) -> dict[str, Any]:
     """Run the soak; the report."""
     args.store.mkdir(parents=True, exist_ok=True)
-    chunk = _chunk_bytes(args.store)
+    chunk = chunk_bytes(args.store.parent)
     args.capacity = args.capacity_chunks * chunk
     counts_dir = args.store.parent / "counts"
     counts_dir.mkdir(exist_ok=True)
@@ -337,10 +367,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         process.wait(timeout=120)
     left_before = len(_temp_files(args.store))
     prune_store(args.store, args.capacity, min_idle_s=args.min_idle_s)
-    totals = dict.fromkeys(_COUNTS, 0)
-    for path in counts_dir.glob("*.json"):
-        for key, value in json.loads(path.read_text()).items():
-            totals[key] += value
+    totals = total_counts(counts_dir, _COUNTS)
     return {
         "processes": args.processes,
         "duration_s": args.duration,

@@ -16,7 +16,7 @@ Each result is GB/s (median of timed runs after a warm-up), its ratio to the cei
 in the same case, and for kvsnap the host time of plan + submit per block. Every kvsnap capture
 is checked bit-exact against the cache on its warm-up run. The table goes to stdout, every
 measurement to the JSON file; ``--write-calibration PATH`` also derives the ``auto``
-thresholds from the measurements (see :func:`kvsnap.transfer.base.load_policy`).
+thresholds from the measurements (see :func:`kvsnap.transfer.policy.load_policy`).
 
 ``--device cpu`` runs the same matrix on host memory with the ``cpu`` and ``torch`` backends
 (a smoke test of the script; numbers there say nothing about GPUs).

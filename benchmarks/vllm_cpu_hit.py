@@ -138,6 +138,8 @@ def prompts_for(seed: int, count: int, tokens: int) -> list[list[int]]:
 
 
 def _engine(job: dict[str, Any]) -> Any:
+    """The job's engine: its model, with the connector on ``job["store"]`` (more connector
+    options in ``job["connector_options"]``) unless that is None."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -151,6 +153,7 @@ def _engine(job: dict[str, Any]) -> Any:
                 "path": job["store"],
                 "event_log": job["events"],
                 "chunk_blocks": job["chunk_blocks"],
+                **job.get("connector_options", {}),
             },
             kv_load_failure_policy=job["policy"],
         )

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from .common import JsonOption, KeyFileOption, format_bytes, is_url, key_ring
-from .output import EXIT_VERIFY_FAILED, UsageError, emit_json, handle_errors, stdout, text
-from .store_common import print_entry_table, report_prune, verify_chunk
+from .output import UsageError, emit_json, handle_errors, stdout, text
+from .store_common import print_entry_table, report_prune, report_verify, verify_chunk
 
 app = typer.Typer(
     name="store",
@@ -158,20 +158,7 @@ def verify_entries(
                 "problems": problems,
             }
         )
-    bad = [result for result in results if not result["ok"]]
-    checked = sum(result["checked"] for result in results)
-    if as_json:
-        emit_json({"ok": not bad, "checked": checked, "bad": len(bad), "entries": results})
-    else:
-        for result in bad:
-            stdout.print(f"[red]{result['state']}:[/] {result['path']}: {result['problems'][0]}")
-        skipped = len(results) - checked
-        summary = f"{checked} chunks checked, {len(bad)} bad, {skipped} quarantined or orphan"
-        stdout.print(
-            f"[bold green]OK[/] {summary}" if not bad else f"[bold red]FAILED[/] {summary}"
-        )
-    if bad:
-        raise typer.Exit(EXIT_VERIFY_FAILED)
+    report_verify(results, "quarantined or orphan", as_json)
 
 
 #: Size suffixes ``--max-bytes`` takes (case-insensitive): SI powers of 1000 and binary ones.

@@ -1,5 +1,5 @@
-"""What the store commands share, on a local store and on a remote tier: the table of entries
-and one chunk's check (``kvsnap store list`` and ``verify``)."""
+"""What the store commands share, on a local store and on a remote tier: the table of entries,
+one chunk's check and the report of them all (``kvsnap store list`` and ``verify``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import typer
 from rich import box
 from rich.table import Table
 from rich.text import Text
@@ -16,7 +17,7 @@ from rich.text import Text
 from kvsnap.errors import KVSnapError
 
 from .common import format_bytes
-from .output import emit_json, stdout, text
+from .output import EXIT_VERIFY_FAILED, emit_json, stdout, text
 
 if TYPE_CHECKING:
     from kvsnap.format.signing import KeyRing
@@ -91,6 +92,27 @@ def report_prune(
     if rows:
         print_rows(rows, f"removed {len(rows)} entries, {format_bytes(freed)}")
     stdout.print(f"{text(where)} holds {format_bytes(remaining)} (bound {format_bytes(max_bytes)})")
+
+
+def report_verify(results: list[dict[str, Any]], skipped: str, as_json: bool) -> None:
+    """What ``kvsnap store verify`` found (``results``: one entry each, ``--json``: one object):
+    each bad entry, then the counts (``skipped`` names the entries not checked); exit 1 if an
+    entry is bad."""
+    bad = [result for result in results if not result["ok"]]
+    checked = sum(result["checked"] for result in results)
+    if as_json:
+        emit_json({"ok": not bad, "checked": checked, "bad": len(bad), "entries": results})
+    else:
+        for result in bad:
+            stdout.print(
+                f"[red]{result['state']}:[/] {text(result['path'])}: {text(result['problems'][0])}"
+            )
+        summary = f"{checked} chunks checked, {len(bad)} bad, {len(results) - checked} {skipped}"
+        stdout.print(
+            f"[bold green]OK[/] {summary}" if not bad else f"[bold red]FAILED[/] {summary}"
+        )
+    if bad:
+        raise typer.Exit(EXIT_VERIFY_FAILED)
 
 
 def _encoding_cell(row: dict[str, Any]) -> str:

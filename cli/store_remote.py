@@ -17,9 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import typer
-
-from .output import EXIT_VERIFY_FAILED, emit_json, stdout, text
+from .output import emit_json
 
 if TYPE_CHECKING:
     from kvsnap.engines.vllm.remote_entries import RemoteEntry
@@ -89,6 +87,8 @@ def verify_remote(url: str, keys: KeyRing | None, as_json: bool) -> None:
     from kvsnap.engines.vllm.remote_entries import remote_entries
     from kvsnap.engines.vllm.remote_store import remote_filesystem
 
+    from .store_common import report_verify
+
     fs, root = remote_filesystem(url)
     results = []
     for entry in remote_entries(url):
@@ -106,22 +106,7 @@ def verify_remote(url: str, keys: KeyRing | None, as_json: bool) -> None:
                 "problems": problems,
             }
         )
-    bad = [result for result in results if not result["ok"]]
-    checked_count = sum(result["checked"] for result in results)
-    if as_json:
-        emit_json({"ok": not bad, "checked": checked_count, "bad": len(bad), "entries": results})
-    else:
-        for result in bad:
-            stdout.print(
-                f"[red]{result['state']}:[/] {text(result['path'])}: {text(result['problems'][0])}"
-            )
-        skipped = len(results) - checked_count
-        summary = f"{checked_count} chunks checked, {len(bad)} bad, {skipped} other objects"
-        stdout.print(
-            f"[bold green]OK[/] {summary}" if not bad else f"[bold red]FAILED[/] {summary}"
-        )
-    if bad:
-        raise typer.Exit(EXIT_VERIFY_FAILED)
+    report_verify(results, "other objects", as_json)
 
 
 def prune_remote_store(url: str, max_bytes: int, min_idle_s: float, as_json: bool) -> None:

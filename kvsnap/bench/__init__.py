@@ -11,7 +11,7 @@
   ``wait``, host planning included; the first and last pages of every capture are checked
   bit-exact on its warm-up run.
 * :mod:`~kvsnap.bench.calibration`: :func:`derive_calibration` turns measurements of the vLLM
-  split NHD layout into the calibration ``auto`` reads (:func:`kvsnap.transfer.base.load_policy`).
+  split NHD layout into the calibration ``auto`` reads (:func:`kvsnap.transfer.policy.load_policy`).
 * :mod:`~kvsnap.bench.run`: :func:`run_bench` measures the matrix ``kvsnap bench`` shows.
 
 GB/s counts the job's canonical bytes; ratios divide by the ceiling of the same job and

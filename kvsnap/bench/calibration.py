@@ -21,7 +21,7 @@ from kvsnap.transfer.policy import (
 
 
 def derive_calibration(results: Sequence[Measurement], device_name: str) -> dict[str, Any]:
-    """The ``auto`` calibration (see :func:`kvsnap.transfer.base.load_policy`) from measurements.
+    """The ``auto`` calibration (see :func:`kvsnap.transfer.policy.load_policy`) from measurements.
 
     Only vLLM split NHD rows count, and per page size only its largest job. Per direction,
     ``cuda-batch`` is used from the smallest page size at which it was measured and reached
@@ -80,7 +80,7 @@ def _largest_job_gbps(
 
 
 def write_calibration(calibration: Mapping[str, Any], path: Path | None = None) -> Path:
-    """Write ``calibration`` where :func:`~kvsnap.transfer.base.load_policy` reads it.
+    """Write ``calibration`` where :func:`~kvsnap.transfer.policy.load_policy` reads it.
 
     Args:
         calibration: the mapping :func:`derive_calibration` returns (or one of the same shape).

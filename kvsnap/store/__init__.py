@@ -55,6 +55,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
 import warnings
@@ -160,15 +161,38 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         old = spec.name.rpartition(".")[2]
         targets = [f"{__name__}.{target}" for target in MOVED[old]]
-        warnings.warn(
-            f"{spec.name} moved to {' and '.join(targets)}; import it from there",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        _warn_importer(f"{spec.name} moved to {' and '.join(targets)}; import it from there")
         return _MovedModule(spec.name, targets)
 
     def exec_module(self, module: types.ModuleType) -> None:
         """Nothing to run: the module's names are read from its new modules."""
+
+
+#: Where the frames of an import that are not the importer's own come from: importlib's frozen
+#: bootstrap, its package (``importlib.import_module``) and this module (``__getattr__``).
+_IMPORT_MACHINERY = ("<frozen importlib.", os.path.dirname(importlib.__file__) + os.sep, __file__)
+
+
+def _warn_importer(message: str) -> None:
+    """A :class:`DeprecationWarning` at the line that imported an old name.
+
+    No ``stacklevel`` names that line: ``warnings`` skips only the frozen bootstrap's frames, and
+    ``from kvsnap.store import OLD`` or ``kvsnap.store.OLD`` come through ``__getattr__`` and
+    ``importlib.import_module`` (Python 3.12's ``skip_file_prefixes`` is not in 3.10-3.11).
+    """
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_IMPORT_MACHINERY):
+        frame = frame.f_back
+    importer = frame.f_globals
+    warnings.warn_explicit(
+        message,
+        DeprecationWarning,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=importer.get("__name__", "<string>"),
+        registry=importer.setdefault("__warningregistry__", {}),
+        module_globals=importer,
+    )
 
 
 def __getattr__(name: str) -> types.ModuleType:

@@ -64,7 +64,7 @@ class TransferHandler:
         direction: :attr:`Direction.DEVICE_TO_HOST` (capture) or ``HOST_TO_DEVICE`` (restore).
         backend: ``"auto"``, a backend name (``cpu``, ``torch``, ``triton``, ``cuda-batch``) or a
             :class:`CopyBackend` instance. ``auto`` picks per job (see
-            :func:`kvsnap.transfer.base.choose_backend`): ``cpu`` without CUDA; on CUDA the
+            :func:`kvsnap.transfer.policy.choose_backend`): ``cpu`` without CUDA; on CUDA the
             driver batch copy for fragments of 2 MiB and more, the ``torch`` staging gather
             below that, the Triton kernel when a capture writes partial host pages (TP).
         compute_stream: the stream that writes the KV. Device-to-host jobs wait for it (default:

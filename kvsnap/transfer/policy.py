@@ -23,23 +23,27 @@ from kvsnap.transfer.backends import available_backends
 from kvsnap.transfer.plan import Direction
 
 # --------------------------------------------------------------------------------------------
-# The auto policy's constants (measured on an H200: docs/benchmarks.md)
+# The auto policy's constants. Their figures are the vLLM split NHD rows (GPU→host / host→GPU)
+# of the H200 transfer matrix of 2026-11-30: docs/benchmarks.md, "Transfer backends
+# (`transfer.py`)", has the whole table, the rule `--write-calibration` derives these values by,
+# and (under "Restores and captures on the GPU") the command that measured it.
 
-#: Mean fragment size from which ``auto`` uses the driver's batch copy (DMA engines). Measured
-#: on an H200 (docs/benchmarks.md, 2026-11-29): the batch copy costs ~0.5 us of host time per
-#: descriptor and stays below the staging gather up to 128 KiB pages (44 vs 50 GB/s for 512
-#: blocks; 1-5 GB/s at 2-16 KiB), and matches it (50-52 GB/s) from 2 MiB, where it leaves
-#: the SMs to the model. ``kvsnap bench --write-calibration`` re-derives it for a machine.
+#: Mean fragment size from which ``auto`` uses the driver's batch copy: there it moves as much
+#: as the ``torch`` gather (2 MiB pages: 0.90 / 0.91 of the contiguous copy against 0.90 / 0.92)
+#: and leaves the SMs to the model. Below it each descriptor's ~0.5 us of driver time loses to
+#: the gather (128 KiB pages: 0.70 / 0.75 against 0.93 / 0.91; 16 KiB: 0.30 / 0.11 against
+#: 0.89 / 0.90). ``kvsnap bench --write-calibration`` re-derives it for a machine.
 LARGE_FRAGMENT_BYTES: dict[Direction, int] = {
     Direction.DEVICE_TO_HOST: 2 << 20,
     Direction.HOST_TO_DEVICE: 2 << 20,
 }
 #: Backend ``auto`` uses below the threshold. ``torch`` gathers whole canonical pages on the
-#: device (at memory speed) and moves them with contiguous copies (H200 prototype: 51-54 GB/s for
-#: index_select + one copy), and its host work grows with blocks, not fragments: on the H200
-#: the descriptor backends spent more host time planning 2-16 KiB pages (40-50 ns per
-#: descriptor) than PCIe spent moving them. ``triton`` is used instead where ``torch`` would
-#: write partial host pages (a TP rank's heads at capture), and when ``torch`` is unavailable.
+#: device (at memory speed) and moves them with contiguous copies, so its host work grows with
+#: blocks, not fragments (0.84-0.93 of the contiguous copy on large jobs of 2 KiB-128 KiB
+#: pages): the descriptor backends spend more host time planning 2-16 KiB pages (40-50 ns per
+#: descriptor) than PCIe spends moving them (38 ns for 2 KiB). ``triton`` is used instead where
+#: ``torch`` would write partial host pages (a TP rank's heads at capture), and when ``torch``
+#: is unavailable.
 SMALL_FRAGMENT_BACKEND = "torch"
 SMALL_FRAGMENT_FALLBACK = "triton"
 LARGE_FRAGMENT_BACKEND = "cuda-batch"

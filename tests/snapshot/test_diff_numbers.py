@@ -5,6 +5,8 @@ smaller than a tensor (so every step boundary, the prefetch and the merges are e
 
 from __future__ import annotations
 
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -225,3 +227,19 @@ def test_the_dtype_and_block_size_differences_are_stated_up_front(
     assert {("dtype", "bfloat16", "float32"), ("block size", "8", "16")} <= stated
     assert "dtype" in comparison.report().split("\n\n")[0]
     assert same.sources == []
+
+
+def test_the_old_comparison_dtype_warns_at_the_callers_line() -> None:
+    from kvsnap.analysis import comparison_dtype
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        wide = comparison_dtype("bfloat16", "float64")
+    [warning] = caught
+    assert issubclass(warning.category, DeprecationWarning)
+    assert (warning.filename, warning.lineno) == (__file__, line)
+    assert wide is torch.float64
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert comparison_dtype("bfloat16", "float16") is torch.float32

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,42 @@ def test_old_names_import_as_attributes_and_in_from_imports() -> None:
     assert opened_parts is read_parts.opened_parts
     with pytest.raises(AttributeError, match="no_such_name"):
         kvsnap.store.no_such_name  # noqa: B018
+
+
+def _import_statement() -> None:
+    import kvsnap.store.tuning  # noqa: F401
+
+
+def _from_import() -> None:
+    from kvsnap.store import tuning  # noqa: F401
+
+
+def _attribute() -> None:
+    kvsnap.store.tuning  # noqa: B018
+
+
+def _import_module() -> None:
+    importlib.import_module("kvsnap.store.tuning")
+
+
+def _from_old_module_import() -> None:
+    from kvsnap.store.tuning import DEFAULT_MAX_INFLIGHT_BYTES  # noqa: F401
+
+
+@pytest.mark.parametrize(
+    "form", [_import_statement, _from_import, _attribute, _import_module, _from_old_module_import]
+)
+def test_the_warning_names_the_line_that_imports_the_old_name(form: Callable[[], None]) -> None:
+    # ``from kvsnap.store import OLD`` and ``kvsnap.store.OLD`` reach the import hook through the
+    # package's ``__getattr__`` and ``importlib``: their frames are not the user's.
+    sys.modules.pop("kvsnap.store.tuning", None)
+    vars(kvsnap.store).pop("tuning", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        form()
+    [warning] = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert "kvsnap.store.tuning moved to" in str(warning.message)
+    assert (warning.filename, warning.lineno) == (__file__, form.__code__.co_firstlineno + 1)
 
 
 def _count_readers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
