@@ -13,6 +13,10 @@ medians of ``--repeat`` calls of:
 * ``xxh3_checks_ms``: the device's page checks of all those pages;
 * ``dequant_ms`` / ``dequant_exact_ms``: the dequantizing scatter of every page, with the
   one-multiplication product and with the exact one.
+
+With ``--timeline``, one more restore runs under torch's profiler and ``timeline`` says what the
+device did meanwhile (:mod:`benchmarks.device_timeline`): its copying, its kernels, how much of
+those ran under the copies, its idle time and longest idle gaps.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import numpy as np
 import torch
 
 import kvsnap
+from benchmarks import device_timeline
+from benchmarks.device_timeline import device_events
 from benchmarks.profiling import timed_runs
 from kvsnap.encoded import device_restore
 from kvsnap.pipeline.page_checks import hash_constants
@@ -103,6 +109,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--timeline", action="store_true", help="a profiled restore's timeline")
     args = parser.parse_args()
     blocks = args.tokens // BLOCK
     source, target = vllm_cache(blocks), vllm_cache(blocks)
@@ -118,6 +125,8 @@ def main() -> None:
         with kvsnap.Snapshot.open(path) as snapshot:
             restore = lambda: snapshot.restore(target.layout, ids)  # noqa: E731
             results["restore_open_ms"] = median_ms(restore, args.repeat)
+            if args.timeline:
+                results["timeline"] = device_timeline.summary(device_events(restore))
             default = device_restore.PIECES
             for pieces in (1, 2, 4, 8, 16):
                 device_restore.PIECES = pieces
