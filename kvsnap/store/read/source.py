@@ -93,7 +93,8 @@ class Source:
         (:attr:`holds_whole`). A file held in memory (``location.held``) is served the same
         way from that very array, never copied: it is the caller's not to change while the
         source is open, and :meth:`close` drops the source's reference to it."""
-        self.location = location
+        # The path, not the location: a held location's array is let go at close.
+        self._path = location.path
         self.url = location.url
         self._lock = threading.Lock()
         self._fd: int | None = None
@@ -191,7 +192,7 @@ class Source:
         files or once closed."""
         if self._fd is None or self._status is None:
             return None
-        return self.location.path, self._fd, self._status
+        return self._path, self._fd, self._status
 
     def kvikio_file(self, threads: int) -> KvikioFile | None:
         """kvikio's handle on this local file (opened on first use, closed with the source), or
