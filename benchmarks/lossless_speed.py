@@ -19,7 +19,8 @@ process measures, ``--repeat`` times each, wall and process CPU seconds (all thr
   ``Snapshot.open`` uses);
 * the other parts of an open, alone: ``read_file`` (``read_local`` of the encoded file),
   ``check_container`` (``parse_encoded``: the trailer over every stored byte), ``copy_decoded``
-  (the decoded bytes copied into a ``bytes``, as the open's memory file holds them) and
+  (the decoded bytes copied into a ``bytes``: what an open cost when it put them into an
+  fsspec memory file, before 2026-12-06; since then the readers serve the decoded array) and
   ``restore_open`` (a restore of every block from the open snapshot into a CPU cache);
 * ``open`` / ``open_restore``: ``Snapshot.open`` of the lossless file (which reads, checks and
   decodes it), and that plus the restore; ``raw_restore_open`` / ``raw_open_restore``: the same
@@ -137,7 +138,8 @@ def _codec_times(source: Path, encoded: Path, scratch: Path, repeat: int) -> tup
         times["decode_1t"] = _timed(lambda: decode(checked), repeat)
         times["decode_2t"] = _timed(lambda: decode(checked, pool), repeat)
         decoded = decode(checked, pool)
-    # What opening an encoded file does with the decoded bytes: a copy into a memory file.
+    # What opening an encoded file did with the decoded bytes before 2026-12-06: a copy into a
+    # memory file (a baseline from before then still does).
     times["copy_decoded"] = _timed(lambda: np.ascontiguousarray(decoded).tobytes(), repeat)
     facts = {
         "decoded_exact": bool(np.array_equal(decoded, read_local(source))),

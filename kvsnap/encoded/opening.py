@@ -1,18 +1,16 @@
 """An encoded snapshot opened as the ordinary snapshot it stands for (:class:`EncodedSnapshot`,
 what ``kvsnap.Snapshot`` holds): an fp8 file with page checks opened without reading a page
 (:mod:`kvsnap.encoded.fp8_open`; a restore into CUDA caches needs no more), any other use of it,
-and any other encoded file, decoded into an fsspec ``memory://`` file that kvsnap's readers open
-like any other, removed again on close."""
+and any other encoded file, decoded into an array that kvsnap's readers open as a file held in
+memory (:func:`~kvsnap.store.read.head_parts.open_held`: served from that array, not a copy),
+dropped again on close."""
 
 from __future__ import annotations
 
 import os
-import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -23,10 +21,8 @@ from kvsnap.encoded.original import read_local
 from kvsnap.encoded.read import check_signature, decode, is_encoded, parse_encoded
 from kvsnap.errors import SignatureError, SnapshotCorruptError
 from kvsnap.format.signing import KeyRing
-from kvsnap.store.read.head_parts import HeadPart, OpenedSnapshot, open_snapshot
+from kvsnap.store.read.head_parts import HeadPart, OpenedSnapshot, open_held
 
-#: Where decoded files are kept while open (fsspec's process-wide memory filesystem).
-MEMORY_ROOT = "/kvsnap-decoded"
 #: Threads decoding lossless chunks.
 DECODE_THREADS = 2
 
@@ -40,8 +36,8 @@ def _local_path(path: str | os.PathLike[str]) -> str | None:
 
 def open_decoded(
     path: str | os.PathLike[str], keys: KeyRing | None = None
-) -> tuple[str, EncodedFile] | None:
-    """``(memory URL of the decoded file, the encoded file)`` when ``path`` is a local encoded
+) -> tuple[np.ndarray, EncodedFile] | None:
+    """``(the decoded file's bytes, the encoded file)`` when ``path`` is a local encoded
     snapshot (checked, with ``keys`` its signature), else ``None``."""
     local = _local_path(path)
     if local is None or not os.path.isfile(local):
@@ -53,19 +49,17 @@ def open_decoded(
     data = read_local(local)
     if not is_encoded(data):
         return None
-    return _decoded_in_memory(data, local, keys)
+    return _decoded(data, local, keys)
 
 
-def _decoded_in_memory(
-    data: np.ndarray, local: str, keys: KeyRing | None
-) -> tuple[str, EncodedFile]:
-    """The encoded file held in ``data`` checked whole and decoded into a memory file."""
+def _decoded(data: np.ndarray, local: str, keys: KeyRing | None) -> tuple[np.ndarray, EncodedFile]:
+    """The encoded file held in ``data`` checked whole and decoded, read-only: the readers
+    serve the decoded file from this array, so nothing may write it while it is open."""
     encoded = parse_encoded(data, local, keys)
     with ThreadPoolExecutor(DECODE_THREADS) as executor:
         decoded = decode(encoded, executor)
-    name = f"{MEMORY_ROOT}/{uuid.uuid4().hex}/{Path(local).name}"
-    _memory().pipe_file(name, np.ascontiguousarray(decoded).data)  # one copy, not two
-    return f"memory://{name}", encoded
+    decoded.flags.writeable = False
+    return decoded, encoded
 
 
 def _may_be_encoded(prefix: bytes) -> bool:
@@ -73,41 +67,22 @@ def _may_be_encoded(prefix: bytes) -> bool:
     return b'format_version\\":3' in prefix
 
 
-def release(url: str) -> None:
-    """Remove a decoded file :func:`open_decoded` made."""
-    name = url.removeprefix("memory://")
-    fs = _memory()
-    if fs.exists(name):
-        fs.rm(name)
-
-
-def _memory() -> Any:
-    """fsspec's memory filesystem (imported when first needed: opening stays light)."""
-    import fsspec  # type: ignore[import-untyped]
-
-    return fsspec.filesystem("memory")
-
-
 @dataclass(frozen=True)
 class DecodedSnapshot:
     """An encoded snapshot opened as the ordinary one it decodes to."""
 
-    #: The decoded file, opened.
+    #: The decoded file, opened (held in memory: closing it drops the decoded bytes).
     opened: OpenedSnapshot
     #: The encoded file it was decoded from.
     encoded: EncodedFile
-    #: The decoded file's memory URL, for :func:`release` when the snapshot closes.
-    url: str
 
 
-def _opened_in_memory(url: str, encoded: EncodedFile, verify: bool) -> DecodedSnapshot:
-    """The decoded file at memory ``url`` opened; released again if the open fails."""
-    try:
-        opened = open_snapshot(url, verify=verify)
-    except BaseException:
-        release(url)
-        raise
-    return DecodedSnapshot(opened, encoded, url)
+def _opened_decoded(
+    decoded: np.ndarray, encoded: EncodedFile, local: str, verify: bool
+) -> DecodedSnapshot:
+    """The decoded file ``decoded`` opened under the name of the encoded file ``local`` it
+    was decoded from: its errors and ``part_files`` name the file the caller opened."""
+    return DecodedSnapshot(open_held(decoded, local, verify=verify), encoded)
 
 
 class EncodedSnapshot:
@@ -137,11 +112,10 @@ class EncodedSnapshot:
         if self._decoded is None:
             assert self.fp8_file is not None
             whole = self.fp8_file.read(0, self.fp8_file.layout.file_size)
-            url, encoded = _decoded_in_memory(whole, self.fp8_file.path, self._keys)
+            decoded, encoded = _decoded(whole, self.fp8_file.path, self._keys)
             if encoded.layout.document != self.fp8_file.layout.document:
-                release(url)
                 raise SnapshotCorruptError("changed since it was opened", file=encoded.file)
-            self._decoded = _opened_in_memory(url, encoded, self._verify)
+            self._decoded = _opened_decoded(decoded, encoded, self.fp8_file.path, self._verify)
         return self._decoded
 
     @property
@@ -182,7 +156,6 @@ class EncodedSnapshot:
     def close(self) -> None:
         if self._decoded is not None:
             self._decoded.opened.close()
-            release(self._decoded.url)
         if self.fp8_file is not None:
             self.fp8_file.close()
 
@@ -232,5 +205,4 @@ def open_encoded(
     decoded = open_decoded(path, keys)
     if decoded is None:
         return None
-    url, encoded = decoded
-    return EncodedSnapshot(keys, verify, decoded=_opened_in_memory(url, encoded, verify))
+    return EncodedSnapshot(keys, verify, decoded=_opened_decoded(*decoded, local, verify))

@@ -1,4 +1,5 @@
-"""Where a snapshot lives: a local path or an fsspec URL, and small whole-file reads."""
+"""Where a snapshot lives: a local path, an fsspec URL or bytes held in memory, and small
+whole-file reads."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import os
 import posixpath
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvsnap.errors import (
     KVSnapError,
@@ -17,6 +18,9 @@ from kvsnap.errors import (
     SnapshotCorruptError,
     SnapshotIOError,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: fsspec protocols whose writes publish atomically at close, so no temporary name is needed.
 OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"})
@@ -26,15 +30,19 @@ SAFETENSORS_SUFFIX = ".safetensors"
 
 @dataclass(frozen=True)
 class Location:
-    """A local path (``fs is None``) or a path on an fsspec filesystem."""
+    """A local path (``fs is None``), a path on an fsspec filesystem, or a file whose bytes
+    are ``held`` in memory (a decoded encoded snapshot): only ever read, its reads served
+    from that array, which must not change while it is open."""
 
     url: str
     path: str
     fs: Any = None
+    #: The whole file's bytes (1-D ``uint8``) for a file held in memory, else ``None``.
+    held: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_local(self) -> bool:
-        return self.fs is None
+        return self.fs is None and self.held is None
 
     @property
     def object_store(self) -> bool:

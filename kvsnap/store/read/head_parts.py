@@ -14,15 +14,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvsnap import format as fmt
 from kvsnap.errors import SignatureError
 from kvsnap.format.signing import KeyRing
-from kvsnap.store.files.location import locate
+from kvsnap.store.files.location import Location, locate
 from kvsnap.store.files.resolve import Form, Resolved, open_retrying
 from kvsnap.store.read.parts import opened_parts, whole_metadata
 from kvsnap.store.read.reader import SnapshotReader
 
-__all__ = ["HeadPart", "OpenedSnapshot", "open_snapshot", "whole_snapshot"]
+__all__ = ["HeadPart", "OpenedSnapshot", "open_held", "open_snapshot", "whole_snapshot"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +116,15 @@ def open_snapshot(
         return OpenedSnapshot(str(path), metadata, version, parts, opened.index)
 
     return open_retrying(locate(path, storage_options), attempt)
+
+
+def open_held(data: np.ndarray, name: str, *, verify: bool = True) -> OpenedSnapshot:
+    """The single-file snapshot whose bytes are ``data`` (1-D ``uint8``, in memory), opened as
+    a file read whole as it opened is, under the name ``name`` (what its errors and
+    ``HeadPart.path`` say), with every check of an open of a file (``verify``: the
+    reader's). Every read is served from ``data`` itself, never a copy of it: it must not
+    change while the snapshot is open (pass it read-only), and closing the snapshot drops
+    the readers' reference to it."""
+    location = Location(name, name, held=data)
+    reader = SnapshotReader.opened(Resolved.single(location), verify=verify)
+    return whole_snapshot(reader, name)

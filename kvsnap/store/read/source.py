@@ -80,7 +80,8 @@ def check_page_digests(
 
 class Source:
     """Random-access reads of one file: ``pread`` for local files, seek+read for fsspec, or
-    copies out of the file's bytes read whole at open (``read_whole_max_bytes``)."""
+    copies out of the file's bytes read whole at open (``read_whole_max_bytes``) or held in
+    memory already (``location.held``)."""
 
     def __init__(
         self, location: Location, *, inside: str | None = None, read_whole_max_bytes: int = 0
@@ -89,8 +90,11 @@ class Source:
         when given (:func:`~kvsnap.store.files.location.open_regular`). A local file of at most
         ``read_whole_max_bytes`` bytes is read whole here, with one ``preadv``, and every
         later read of it is a copy out of those bytes: one version of the file, read once
-        (:attr:`holds_whole`)."""
-        self.location = location
+        (:attr:`holds_whole`). A file held in memory (``location.held``) is served the same
+        way from that very array, never copied: it is the caller's not to change while the
+        source is open, and :meth:`close` drops the source's reference to it."""
+        # The path, not the location: a held location's array is let go at close.
+        self._path = location.path
         self.url = location.url
         self._lock = threading.Lock()
         self._fd: int | None = None
@@ -102,7 +106,10 @@ class Source:
         #: Ranges read once and kept (:meth:`keep`): ``(offset, bytes)``.
         self._kept: list[tuple[int, bytes]] = []
         try:
-            if location.is_local:
+            if location.held is not None:
+                self._whole = location.held
+                self.size = len(location.held)
+            elif location.is_local:
                 self._fd, status = open_regular(location, inside=inside)
                 self._status = status
                 self.size = status.st_size
@@ -147,9 +154,9 @@ class Source:
         return whole[:done]
 
     def held(self, offset: int, size: int) -> np.ndarray | None:
-        """The file's bytes ``[offset, offset + size)`` as a view of those read whole at open,
-        valid while the source is open; ``None`` when the file was not read whole or is
-        shorter."""
+        """The file's bytes ``[offset, offset + size)`` as a view of those read whole at open
+        (or held in memory), valid while the source is open; ``None`` when the file was not
+        read whole or is shorter."""
         whole = self._whole
         if whole is None or offset + size > len(whole):
             return None
@@ -170,21 +177,22 @@ class Source:
 
     @property
     def holds_whole(self) -> bool:
-        """Whether the file was read whole at open and every read is served from those
-        bytes."""
+        """Whether the file was read whole at open (or is held in memory) and every read is
+        served from those bytes."""
         return self._whole is not None
 
     @property
     def concurrent(self) -> bool:
-        """Whether several threads may read at once (``pread`` on a local descriptor)."""
-        return self._fd is not None
+        """Whether several threads may read at once (``pread`` on a local descriptor, or
+        copies out of the bytes held)."""
+        return self._fd is not None or self._whole is not None
 
     def local_file(self) -> tuple[str, int, os.stat_result] | None:
         """A local file's path, open descriptor and its ``fstat`` at open; ``None`` for fsspec
         files or once closed."""
         if self._fd is None or self._status is None:
             return None
-        return self.location.path, self._fd, self._status
+        return self._path, self._fd, self._status
 
     def kvikio_file(self, threads: int) -> KvikioFile | None:
         """kvikio's handle on this local file (opened on first use, closed with the source), or
