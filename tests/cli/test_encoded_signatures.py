@@ -1,7 +1,9 @@
 """What the command line says of an encoded snapshot's signature, which is its encoded file's own
 (its decoded file is unsigned by design): ``inspect`` (text and ``--json``) and the API name its
 algorithm, key id and what it binds, for real captures of the built-in model stored fp8 and
-lossless with ``--key-file``, and an fp8 capture without a key."""
+lossless with ``--key-file``, and an fp8 capture without a key; ``convert --compress none
+--key-file`` of a signed encoded snapshot checks its signature and writes its unsigned decoded
+file, saying so."""
 
 from __future__ import annotations
 
@@ -95,3 +97,50 @@ def test_inspect_of_an_unsigned_encoded_snapshot_says_unsigned(captures):
     with Snapshot.open(captures["fp8"]) as snap:
         assert snap.signature_algorithm is None and snap.signing_key_ids() == [None]
         assert snap.page_binding is None
+
+
+def _to_none(captures: dict[str, Path], source: str, target: Path, *key: str):
+    return run_kvsnap(
+        "convert", str(captures[source]), "-o", str(target), "--compress", "none", *key, "--json"
+    )
+
+
+@pytest.mark.parametrize("name", ["signed-fp8", "signed-lossless"])
+def test_convert_to_none_with_the_key_checks_it_and_writes_the_unsigned_decoded_file(
+    captures, tmp_path, name
+):
+    checked, unchecked = tmp_path / "checked.safetensors", tmp_path / "unchecked.safetensors"
+    run = _to_none(captures, name, checked, "--key-file", str(captures["key"]))
+    assert run.returncode == 0, run.stderr
+    (note,) = json.loads(run.stdout)["notes"]
+    assert note.startswith(f"{checked} is unsigned") and "--compress lossless --key-file" in note
+    stderr_lines = run.stderr.strip().splitlines()
+    assert len(stderr_lines) == 1 and stderr_lines[0].startswith("note: ")
+    # The same file as without the key (which checks nothing): the decoded snapshot.
+    assert _to_none(captures, name, unchecked).returncode == 0
+    assert checked.read_bytes() == unchecked.read_bytes()
+    if name == "signed-lossless":  # bit-exact: the unsigned capture of the same KV
+        assert checked.read_bytes() == captures["plain"].read_bytes()
+    assert _inspected(checked)["signature"]["algorithm"] is None
+    assert _inspected(checked)["encoding"] == {"name": "none"}
+
+
+def test_convert_to_none_with_another_key_writes_nothing(captures, tmp_path):
+    run = _to_none(
+        captures, "signed-fp8", tmp_path / "out.safetensors", "--key-file", str(captures["other"])
+    )
+    assert run.returncode == 1
+    (line,) = run.stderr.strip().splitlines()
+    assert "not one of ours" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["fp8", "plain"])
+def test_convert_to_none_of_an_unsigned_snapshot_with_a_key_says_there_is_nothing_to_check(
+    captures, tmp_path, name
+):
+    run = _to_none(captures, name, tmp_path / "out.safetensors", "--key-file", str(captures["key"]))
+    assert run.returncode == 2
+    (line,) = run.stderr.strip().splitlines()
+    assert f"{captures[name]} is not signed" in line and "capture --key-file" in line
+    assert list(tmp_path.iterdir()) == []
