@@ -4,8 +4,9 @@ Runs each command as a fresh process (``python -m kvsnap.cli ...``, what the ``k
 runs) ``--runs`` times and reports the median and the fastest wall time and the median CPU time
 (user + system, of the child: what a busy machine inflates least), plus the bare interpreter's
 start (``python -c pass``) as the floor. The commands: ``--version``, ``--help``, ``inspect``
-and ``verify`` of a small synthetic snapshot (written once, first), and ``capture`` of the
-built-in model for comparison (it needs torch and transformers). Works on any machine, no GPU
+and ``verify`` of a small synthetic snapshot (written once, first), ``inspect`` of a vLLM fs-tier
+namespace (the tree's ``fixtures/foreign/vllm-fs``), and ``capture`` of the built-in model for
+comparison (it needs torch and transformers). Works on any machine, no GPU
 needed. Run it from outside the source tree (``python -m`` puts the working directory first on
 the path), with ``PYTHONPATH`` naming the tree to measure::
 
@@ -34,8 +35,19 @@ CASES: dict[str, list[str]] = {
     "kvsnap --help": ["-m", "kvsnap.cli", "--help"],
     "kvsnap inspect": ["-m", "kvsnap.cli", "inspect", "{snapshot}"],
     "kvsnap verify": ["-m", "kvsnap.cli", "verify", "{snapshot}"],
+    "kvsnap inspect vllm-fs": ["-m", "kvsnap.cli", "inspect", "{vllm_fs}"],
     "kvsnap capture": ["-m", "kvsnap.cli", "capture", "-o", "{out}", "--json"],
 }
+
+
+#: A vLLM fs-tier namespace vLLM wrote (fixtures/foreign/vllm-fs: 3 blocks of a tiny model).
+VLLM_FS_NAMESPACE = str(
+    next(
+        (Path(__file__).resolve().parents[1] / "fixtures/foreign/vllm-fs/tp1/fs").glob(
+            "*/config.json"
+        )
+    ).parent
+)
 
 
 def time_runs(arguments: list[str], runs: int) -> tuple[list[float], list[float]]:
@@ -64,7 +76,10 @@ def measure(runs: int, capture_runs: int) -> list[dict[str, object]]:
         )
         rows = []
         for name, template in CASES.items():
-            arguments = [part.format(snapshot=snapshot, out=out) for part in template]
+            arguments = [
+                part.format(snapshot=snapshot, out=out, vllm_fs=VLLM_FS_NAMESPACE)
+                for part in template
+            ]
             count = capture_runs if name == "kvsnap capture" else runs
             seconds, cpu = time_runs(arguments, count)
             rows.append(
@@ -77,7 +92,7 @@ def measure(runs: int, capture_runs: int) -> list[dict[str, object]]:
                 }
             )
             print(
-                f"{name:<18} median {statistics.median(seconds):6.3f} s   "
+                f"{name:<22} median {statistics.median(seconds):6.3f} s   "
                 f"fastest {min(seconds):6.3f} s   CPU {statistics.median(cpu):6.3f} s   "
                 f"({count} runs)",
                 flush=True,

@@ -146,7 +146,10 @@ def _recode(source: str, target: str, compression: str, keys: Any, *, as_json: b
         "ratio": round(result.ratio, 4),
         "seconds": round(result.seconds, 3),
         "error": None if result.error is None else result.error.worst,
+        "notes": list(result.notes),
     }
+    for note in result.notes:
+        stderr.print(f"[yellow]note:[/] {text(note)}")
     if as_json:
         emit_json(payload)
         return

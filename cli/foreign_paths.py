@@ -24,9 +24,9 @@ _SAFETENSORS_JSON = b"{"
 def is_foreign(location: str) -> bool:
     """Whether ``location`` is a local path that one of kvsnap's foreign readers reads.
 
-    kvsnap's own files (a safetensors file, a sharded or parted index) are told apart first
-    without loading the readers, which load torch: ``inspect`` and ``verify`` of a snapshot
-    start without it."""
+    kvsnap's own files (a safetensors file, a sharded or parted index) are told apart first,
+    without loading the readers (which import no torch either: ``inspect`` and ``verify`` of
+    a foreign path start without it too)."""
     path = Path(location)
     if is_url(location) or not path.exists() or _looks_like_kvsnap(path):
         return False

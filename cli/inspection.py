@@ -13,6 +13,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kvsnap.encoded.summary import encoding_summary, error_line
+from kvsnap.format.constants import SIGNATURE_ALGORITHM, SIGNATURE_ALGORITHM_V1
+from kvsnap.format.encoded import PAGES_SIGNATURE_ALGORITHM
+from kvsnap.format.encoded import SIGNATURE_ALGORITHM as ENCODED_SIGNATURE_ALGORITHM
 
 from .common import JsonOption, format_bytes, is_url, snapshot_location
 from .foreign_paths import inspect_foreign, is_foreign
@@ -186,12 +189,12 @@ def describe(snap: Snapshot) -> dict[str, Any]:
         "num_blocks": snap.num_blocks,
         "total_bytes": snap.kv_bytes,
         # Who signed it, as written (checking needs the key: kvsnap verify --key-file), and
-        # how the signature binds the pages.
+        # what the signature binds: an encoded snapshot's is its encoded file's own.
         "signature": {
-            "algorithm": meta.signature,
+            "algorithm": snap.signature_algorithm,
             "key_ids": snap.signing_key_ids(),
             "page_binding": snap.page_binding,
-            "binding": _BINDINGS.get(snap.page_binding),
+            "binding": _BINDINGS.get(snap.signature_algorithm),
         },
         "encoding": encoding_summary(snap.encoded),
         **_parts_json(snap),
@@ -288,10 +291,14 @@ def _metadata_table(payload: dict[str, Any]) -> Table:
     return table
 
 
-#: What each page binding means, as inspect says it.
+#: What each signature algorithm binds, as inspect says it.
 _BINDINGS = {
-    "blake3": "pages bound by BLAKE3",
-    "xxh3-64": "pages bound by xxh3-64 only: not collision-resistant",
+    SIGNATURE_ALGORITHM: "pages bound by BLAKE3",
+    SIGNATURE_ALGORITHM_V1: "pages bound by xxh3-64 only: not collision-resistant",
+    ENCODED_SIGNATURE_ALGORITHM: "the encoded file's every stored tensor bound by BLAKE3",
+    PAGES_SIGNATURE_ALGORITHM: (
+        "the encoded file's fp8 pages bound by signed BLAKE3 digests, its other tensors by BLAKE3"
+    ),
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -145,6 +145,7 @@ class _Check:
         """Check the snapshot at ``location``, print the outcome (unless ``--json``) and
         return its JSON object."""
         problems: list[dict[str, Any]] = []
+        notes: list[str] = []
         comparison: Comparison | None = None
         measured: dict[str, Any] | None = None
         check = _SignatureCheck(self.keys)
@@ -156,6 +157,7 @@ class _Check:
                 if not problems and self._measures_error(snap):
                     measured = self._measured(snap)
                     problems += measured.pop("problems")
+                    notes += measured.pop("notes")
                 elif not problems:
                     comparison = self._compare(snap)
         except (SnapshotCorruptError, NotASnapshotError) as error:
@@ -163,10 +165,10 @@ class _Check:
             problems.append({"tensor": error.tensor, "block": error.block, "message": str(error)})
         signature = check.verdict
         if not self.quiet:
-            _print(problems, comparison, signature, self.top, error=measured)
+            _print(problems, comparison, signature, self.top, error=measured, notes=notes)
         if comparison is not None:
             problems += _comparison_problems(comparison)
-        notes = [] if comparison is None else comparison.notes
+            notes += comparison.notes
         return {
             "path": location,
             "ok": not problems,
@@ -210,16 +212,19 @@ def _print(
     top: int,
     *,
     error: dict[str, Any] | None = None,
+    notes: Sequence[str] = (),
 ) -> None:
     """The outcome for people: the signature, an fp8 snapshot's error (measured against the
-    reference, and as recorded), each verification problem once, the comparison's report (its
-    structural problems and mismatches are in it), a verdict."""
+    reference, and as recorded, with ``notes`` on how), each verification problem once, the
+    comparison's report (its structural problems, mismatches and notes are in it), a verdict."""
     if signature is not None:
         stdout.print(f"signature: {signature}")
     if error is not None:
         if error["measured"] is not None:
             stdout.print(f"error measured against the reference: {error_line(error['measured'])}")
         stdout.print(f"error recorded in the file: {error_line(error['recorded'])}")
+        for note in notes:
+            stdout.print(f"[yellow]note:[/] {text(note)}")
     for problem in problems:
         stdout.print(f"[red]problem:[/] {text(problem['message'])}")
     if comparison is not None:
@@ -276,19 +281,24 @@ def _is_lossy(snap: Snapshot) -> bool:
 
 def _measured_error(snap: Snapshot, reference: Snapshot) -> dict[str, Any]:
     """An fp8 snapshot's error measured again against ``reference`` (the snapshot it was made
-    from): ``measured`` and ``recorded`` worst values, and a problem when the reference holds
-    other blocks or the file's report is not what the two files give."""
+    from): ``measured`` and ``recorded`` worst values, and a problem when it cannot be
+    measured (:func:`_unmeasurable`) or the file's report is not what the two files give. A
+    reference of another dtype is measured against in float32 (as kvsnap diff compares them),
+    the recorded error (against the pages the file was encoded from) left unchecked, which
+    ``notes`` says."""
     from kvsnap.encoded.summary import measured_error, reports_agree
 
     assert snap.encoded is not None and snap.encoded.error is not None
     recorded = snap.encoded.error
-    result: dict[str, Any] = {"recorded": recorded.worst, "measured": None, "problems": []}
-    same_blocks = snap.num_blocks == reference.num_blocks and [
-        (r.id, r.token_ids.tolist(), r.block_ids.tolist()) for r in snap.sequences
-    ] == [(r.id, r.token_ids.tolist(), r.block_ids.tolist()) for r in reference.sequences]
-    if not same_blocks or snap.geometry != reference.geometry:
-        message = "the reference holds other sequences, blocks or geometry than the snapshot"
-        result["problems"].append({"tensor": None, "block": None, "message": message})
+    result: dict[str, Any] = {
+        "recorded": recorded.worst,
+        "measured": None,
+        "problems": [],
+        "notes": [],
+    }
+    refused = _unmeasurable(snap, reference)
+    if refused is not None:
+        result["problems"].append({"tensor": None, "block": None, "message": refused})
         return result
     names = snap.geometry.tensor_names()
     # As recorded: rounded to 6 significant digits.
@@ -296,10 +306,54 @@ def _measured_error(snap: Snapshot, reference: Snapshot) -> dict[str, Any]:
         measured_error(snap, reference, names, recorded.encoding).to_dict()
     )
     result["measured"] = measured.worst
-    if not reports_agree(measured.to_dict(), recorded.to_dict()):
+    mine, theirs = snap.geometry.dtype, reference.geometry.dtype
+    if mine != theirs:
+        result["notes"].append(
+            f"dtype: {mine} (the snapshot) vs {theirs} (the reference): the error measured in "
+            f"float32 against the {theirs} reference; the recorded error, measured against the "
+            f"{mine} pages the file was encoded from, is not checked against it"
+        )
+    elif not reports_agree(measured.to_dict(), recorded.to_dict()):
         message = "the error recorded in the file is not the error measured against the reference"
         result["problems"].append({"tensor": None, "block": None, "message": message})
     return result
+
+
+#: What a refusal to measure an fp8 snapshot's error against a reference points to instead.
+_COMPARE_INSTEAD = (
+    "its error is measured block by block against the same blocks; give --atol or --rtol to "
+    "compare the sequences token by token (as kvsnap diff does)"
+)
+
+
+def _unmeasurable(snap: Snapshot, reference: Snapshot) -> str | None:
+    """Why an fp8 snapshot's error cannot be measured against ``reference``, naming the first
+    difference (``None``: it can; the dtypes may differ)."""
+    from kvsnap.analysis.pairing import geometry_problem
+
+    shape = geometry_problem(snap, reference)
+    if shape is not None:
+        return shape.message
+    mine, theirs = snap.geometry.block_size, reference.geometry.block_size
+    if mine != theirs:
+        return f"block size: {mine} (the snapshot) vs {theirs} (the reference): {_COMPARE_INSTEAD}"
+    ids = [record.id for record in snap.sequences]
+    other_ids = [record.id for record in reference.sequences]
+    if ids != other_ids:
+        return f"sequences: {ids} (the snapshot) vs {other_ids} (the reference): {_COMPARE_INSTEAD}"
+    for what in ("token_ids", "block_ids"):
+        for one, other in zip(snap.sequences, reference.sequences, strict=True):
+            if getattr(one, what).tolist() != getattr(other, what).tolist():
+                return (
+                    f"sequence {one.id!r}: its {what.replace('_', ' ')} differ in the "
+                    f"reference: {_COMPARE_INSTEAD}"
+                )
+    if snap.num_blocks != reference.num_blocks:
+        return (
+            f"the snapshot holds {snap.num_blocks} blocks, the reference {reference.num_blocks}: "
+            f"{_COMPARE_INSTEAD}"
+        )
+    return None
 
 
 def _signature_problem(error: SignatureError) -> dict[str, Any]:

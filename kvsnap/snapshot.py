@@ -23,13 +23,13 @@ from kvsnap.format.fit import check_fits
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import KVGeometry
 from kvsnap.snapshot_capture import capture
+from kvsnap.snapshot_signatures import SnapshotSignatures
 from kvsnap.snapshot_tensors import SnapshotTensors
 from kvsnap.store import SnapshotReader, TraceHook
 from kvsnap.store.read.head_parts import HeadPart, OpenedSnapshot, open_snapshot, whole_snapshot
 
 if TYPE_CHECKING:
     from kvsnap.analysis import Comparison, LayerDifference
-    from kvsnap.errors import SignatureError
     from kvsnap.layout import CacheLayout
     from kvsnap.pipeline import (
         CaptureResult,
@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 
-class Snapshot(SnapshotTensors):
+class Snapshot(SnapshotSignatures, SnapshotTensors):
     """An open snapshot: its metadata, its sequences, and what can be done with them.
 
     Made by ``Snapshot.open``, never directly; a ``Snapshot`` is a context manager that
@@ -301,61 +301,6 @@ class Snapshot(SnapshotTensors):
             done += self.num_blocks * part.reader.metadata.geometry.bytes_per_block
         return problems
 
-    def signature_problems(self, keys: KeyRing) -> list[SignatureError]:
-        """Why ``keys`` do not vouch for each file of the snapshot, if they do not.
-
-        Args:
-            keys: The keys a file must be signed by (``kvsnap.store.files.keys.load_key_ring``).
-
-        Returns:
-            One ``UnsignedSnapshotError`` or ``BadSignatureError`` per file that fails (of an
-            encoded snapshot: the encoded file); an empty list when every file is signed by
-            one of the keys over exactly the bytes its signature covers (its pages are
-            checked by ``verify`` of a snapshot opened with the keys).
-
-        Example:
-            >>> import kvsnap
-            >>> from kvsnap.format import KeyRing
-            >>> keys = KeyRing([bytes(range(32))])
-            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
-            ...     [type(problem).__name__ for problem in snap.signature_problems(keys)]
-            ['UnsignedSnapshotError']
-        """
-        return self._opened.signature_problems(keys)
-
-    def signing_key_ids(self) -> list[str | None]:
-        """Per file, the hex id of the key that signed it, as written (not checked).
-
-        Returns:
-            One entry per file: the signing key's hex id, or ``None`` for an unsigned file.
-
-        Example:
-            >>> import kvsnap
-            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
-            ...     snap.signing_key_ids()
-            [None]
-        """
-        return [key_id for part in self.parts for key_id in part.reader.signing_key_ids()]
-
-    @property
-    def page_binding(self) -> str | None:
-        """How a signed snapshot's signature binds its pages (unchecked: only a snapshot
-        opened with ``keys`` had its signature checked).
-
-        ``"blake3"``: each page by its BLAKE3 digest, which the signature covers; opened with
-        ``keys``, every page read, verified or restored is checked against it (what kvsnap
-        writes). ``"xxh3-64"``: an older signed snapshot, its pages bound by xxh3-64
-        checksums only, which are not collision-resistant. ``None``: unsigned.
-
-        Example:
-            >>> import kvsnap
-            >>> with kvsnap.Snapshot.open("prefix.safetensors") as snap:
-            ...     snap.page_binding is None  # captured without keys
-            True
-        """
-        signature = self.metadata.signature
-        return None if signature is None else _PAGE_BINDINGS.get(signature)
-
     @property
     def reader(self) -> SnapshotReader:
         """The first part's reader (block reads, checksums): internal, for kvsnap's engines; a
@@ -494,7 +439,3 @@ class Snapshot(SnapshotTensors):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-#: :attr:`Snapshot.page_binding` by the metadata's signature algorithm.
-_PAGE_BINDINGS = {fmt.SIGNATURE_ALGORITHM: "blake3", fmt.SIGNATURE_ALGORITHM_V1: "xxh3-64"}

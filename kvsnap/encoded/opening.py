@@ -20,6 +20,7 @@ from kvsnap.encoded.fp8_open import OpenFp8File, open_fp8_file
 from kvsnap.encoded.original import read_local
 from kvsnap.encoded.read import check_signature, decode, is_encoded, parse_encoded
 from kvsnap.errors import SignatureError, SnapshotCorruptError
+from kvsnap.format.constants import KEY_ID_BYTES, SIGNATURE_TENSOR
 from kvsnap.format.signing import KeyRing
 from kvsnap.store.read.head_parts import HeadPart, OpenedSnapshot, open_held
 
@@ -142,6 +143,21 @@ class EncodedSnapshot:
     @property
     def index(self) -> fmt.PartsIndex | None:
         return None
+
+    @property
+    def signature_algorithm(self) -> str | None:
+        """The encoded file's own signature algorithm (``None``: unsigned): its decoded file
+        is unsigned by design, the encoded file's signature covers it."""
+        algorithm = self.encoded.encoding.get("signature")
+        return None if algorithm is None else str(algorithm)
+
+    def signing_key_ids(self) -> list[str | None]:
+        """The hex id of the key that signed the encoded file, unchecked, as a list of one
+        (``[None]``: unsigned)."""
+        if self.signature_algorithm is None:
+            return [None]
+        stored = self.fp8_file if self.fp8_file is not None else self.decoded().encoded
+        return [stored.tensor(SIGNATURE_TENSOR)[:KEY_ID_BYTES].tobytes().hex()]
 
     def signature_problems(self, keys: KeyRing) -> list[SignatureError]:
         """Why ``keys`` do not vouch for the encoded file (empty when they do): its own

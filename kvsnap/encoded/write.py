@@ -53,6 +53,8 @@ class EncodeResult:
     stored_bytes: int
     seconds: float
     error: ErrorReport | None
+    #: What the caller should know of the file written (an unsigned file from a signed one).
+    notes: tuple[str, ...] = ()
 
     @property
     def ratio(self) -> float:
@@ -304,23 +306,22 @@ def recode_file(
     to ``target`` as ``compression``: ``"none"`` (the ordinary file), ``"lossless"`` or
     ``"fp8"``. An fp8 snapshot re-encoded is measured against its decoded pages, not the
     pages it was made from (those are gone). A signed ``source`` has its signature checked
-    when ``keys`` are given, and is encoded only with them (as :func:`encode_file` says)."""
+    when ``keys`` are given, and is encoded only with them (as :func:`encode_file` says). A
+    signed encoded ``source`` written as ``"none"`` gives its decoded file, unsigned by design
+    (an ordinary file is signed at capture), which ``notes`` says; an unsigned ``source`` is
+    refused ``"none"`` with ``keys`` (``ValueError``): nothing is checked or signed."""
     if compression not in ("none", *enc.ENCODINGS):
         raise ValueError(f"compression {compression!r}: none, lossless or fp8")
     started = time.perf_counter()
     data = read_local(source)
+    signed_encoded = False
     if is_encoded(data):
-        data = _decoded(data, os.fspath(source), compression, keys, threads)
+        data, signed_encoded = _decoded(data, os.fspath(source), compression, keys, threads)
     original = parse_original(data, os.fspath(source))
     check_original(original)
+    notes: tuple[str, ...] = ()
     if compression == "none":
-        if keys is not None and original.metadata.signature is None:
-            raise ValueError(
-                "an ordinary snapshot is signed at capture: --compress none keeps "
-                "the file as it was"
-            )
-        if keys is not None:
-            check_original_signature(original, keys)
+        notes = _plain_copy_notes(original, keys, signed_encoded, os.fspath(target))
         stored = publish([data], Path(target))
         report = None
     else:
@@ -337,14 +338,40 @@ def recode_file(
         stored,
         time.perf_counter() - started,
         report,
+        notes,
+    )
+
+
+def _plain_copy_notes(
+    original: OriginalFile, keys: KeyRing | None, signed_encoded: bool, target: str
+) -> tuple[str, ...]:
+    """Check what ``keys`` can check before ``original`` is written as it is (a signed file's
+    signature; a signed encoded file's was checked as it was decoded) and say what the file
+    written is; refuse (``ValueError``) ``keys`` given for a source that no key signed."""
+    if keys is None:
+        return ()
+    if original.metadata.signature is not None:
+        check_original_signature(original, keys)
+        return ()
+    if not signed_encoded:
+        raise ValueError(
+            f"{original.file} is not signed: there is no signature for --key-file to check, "
+            "and --compress none signs nothing (an ordinary snapshot is signed at capture: "
+            "kvsnap capture --key-file; an encoded one with --compress lossless --key-file)"
+        )
+    return (
+        f"{target} is unsigned: the encoded file's signature (checked with the key) covers "
+        "that file only, and an ordinary snapshot is signed at capture; for a signed copy, "
+        "--compress lossless --key-file (bit-exact)",
     )
 
 
 def _decoded(
     data: np.ndarray, file: str, compression: str, keys: KeyRing | None, threads: int
-) -> np.ndarray:
-    """The decoded file of the encoded file held in ``data``, checked; signed, its signature
-    checked with ``keys``, and encoded again only with them."""
+) -> tuple[np.ndarray, bool]:
+    """The decoded file of the encoded file held in ``data``, checked, and whether the encoded
+    file is signed: signed, its signature is checked with ``keys``, and it is encoded again
+    only with them."""
     length = enc.header_length(data[:8].tobytes(), len(data), file)
     layout = enc.parse_header(data[: 8 + length].tobytes(), len(data), file)
     signed = layout.encoding.get("signature") is not None
@@ -352,7 +379,7 @@ def _decoded(
         raise unkeyed(file)
     encoded = parse_encoded(data, file, keys if signed else None)
     with ThreadPoolExecutor(max(1, threads)) as executor:
-        return decode(encoded, executor)
+        return decode(encoded, executor), signed
 
 
 def check_compression(compression: str, path: str | os.PathLike[str], refused: bool) -> None:

@@ -12,12 +12,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from kvsnap.layout import KVGeometry
+
+if TYPE_CHECKING:  # blocks hold tensors; recognising, describing and verifying need no torch
+    import torch
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,11 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
-import torch
 
+from kvsnap.dtypes import kv_element
 from kvsnap.errors import (
     LayoutError,
     NotASnapshotError,
@@ -45,6 +45,9 @@ from .base import (
     Recognition,
 )
 
+if TYPE_CHECKING:  # pages are tensors; recognising and describing a state need no torch
+    import torch
+
 FORMAT_NAME = "llama-state"
 SEQ_MAGIC = 0x67677371  # "ggsq"
 SESSION_MAGIC = 0x6767736E  # "ggsn"
@@ -52,12 +55,8 @@ SESSION_MAGIC = 0x6767736E  # "ggsn"
 #: llama-cpp-python 0.3.36.
 VERSIONS = {SEQ_MAGIC: 3, SESSION_MAGIC: 10}
 KINDS = {SEQ_MAGIC: "sequence state", SESSION_MAGIC: "session"}
-#: ggml type ids kvsnap decodes, and their dtypes.
-GGML_TYPES = {
-    0: ("float32", torch.float32),
-    1: ("float16", torch.float16),
-    30: ("bfloat16", torch.bfloat16),
-}
+#: ggml type ids kvsnap decodes, and their dtypes (snapshot names: kvsnap.dtypes has the rest).
+GGML_TYPES = {0: "float32", 1: "float16", 30: "bfloat16"}
 _MAX_STREAMS = 256
 #: The largest number taken for a format version (llama.cpp's are small counters).
 _MAX_VERSION = 255
@@ -325,16 +324,16 @@ class LlamaStateFile(ForeignSource):
         if first.type not in GGML_TYPES:
             raise LayoutError(
                 f"{self.path}: KV of ggml type {_type_name(first.type)}: kvsnap decodes "
-                f"{', '.join(name for name, _ in GGML_TYPES.values())}"
+                f"{', '.join(GGML_TYPES.values())}"
             )
-        dtype_name, dtype = GGML_TYPES[first.type]
+        dtype_name = GGML_TYPES[first.type]
         heads = self.hints.get("num_kv_heads")
         if heads is None:
             raise LayoutError(
                 f"{self.path}: a llama.cpp state does not record the KV heads: pass --kv-heads N "
                 "(num_kv_heads=N from Python)"
             )
-        elements = first.row_bytes // torch.empty(0, dtype=dtype).element_size()
+        elements = first.row_bytes // kv_element(dtype_name).size
         if elements % int(heads):
             raise LayoutError(f"a row of {elements} elements does not split into {heads} heads")
         return KVGeometry(
@@ -386,9 +385,11 @@ def _rows(
     """Cells ``first .. first + cells`` of one layer's K or V as a canonical page (zero-padded)."""
     if run.type not in GGML_TYPES:
         raise LayoutError(f"ggml type {_type_name(run.type)} is not decoded")
-    dtype = GGML_TYPES[run.type][1]
+    import torch
+
+    dtype = kv_element(GGML_TYPES[run.type]).torch
     page = torch.zeros(shape, dtype=dtype)
-    element = torch.empty(0, dtype=dtype).element_size()
+    element = dtype.itemsize
     if run.row_bytes != shape[1] * shape[2] * element:
         raise LayoutError(f"rows of {run.row_bytes} bytes do not hold {shape[1]} x {shape[2]}")
     if run.transposed:
@@ -404,6 +405,8 @@ def _rows(
 
 
 def _frombytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
 
 

@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from kvsnap.dtypes import kv_torch_dtype
+from kvsnap.dtypes import kv_element, kv_torch_dtype
 from kvsnap.errors import LayoutError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
 from kvsnap.layout import KVGeometry
 
@@ -174,7 +173,7 @@ class LMCacheFsDirectory(ForeignSource):
         world = self.deployment()[1]
         if heads % world:
             raise LayoutError(f"{heads} KV heads do not split over world size {world}")
-        element = torch.empty(0, dtype=kv_torch_dtype(self._dtype())).element_size()
+        element = kv_element(self._dtype()).size
         return layers, heads // world, dim, 2 * layers * (heads // world) * dim * element
 
     def _dtype(self) -> str:

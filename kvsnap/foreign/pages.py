@@ -4,7 +4,9 @@ A :class:`PageOrder` gives, for every ``(token, head, dim)`` of a page's heads, 
 offset of its key and of its value from the page's start. A :class:`FileOrder` tiles such pages
 over a whole file (every layer, every worker's heads), so that a file decodes with one gather
 for its keys and one for its values. The gathers are numpy's, one thread each: how fast a
-conversion runs does not depend on torch's thread pool, which a busy CPU stalls.
+conversion runs does not depend on torch's thread pool, which a busy CPU stalls. torch is
+imported by the functions that make tensors: recognising, describing and verifying a foreign
+path need none (the CLI's ``inspect`` and ``verify`` of one start without it).
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvsnap.errors import LayoutError
 
 from .base import ForeignProblem
+
+if TYPE_CHECKING:
+    import torch
 
 #: Named orders of pages whose ``(token, head)`` cells hold key then value (vLLM's CUDA
 #: attention backends, FLASH_ATTN and TRITON_ATTN): heads inside tokens (vLLM's ``LBNHC``,
@@ -92,11 +97,15 @@ _WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 def _words(tensor: torch.Tensor) -> np.ndarray:
     """``tensor`` (CPU, contiguous) as a numpy array of unsigned words of its element size."""
+    import torch
+
     return tensor.contiguous().view(torch.uint8).numpy().view(_WORDS[tensor.element_size()])
 
 
 def _as_dtype(words: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """Words gathered by :func:`_words` back as a tensor of ``dtype``."""
+    import torch
+
     return torch.from_numpy(np.ascontiguousarray(words)).view(dtype)
 
 
@@ -105,7 +114,7 @@ def decode_bytes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The canonical keys and values, ``(layers, block_size, heads, head_dim)`` tensors of
     ``dtype``, of a file's bytes ``data`` laid out as ``order`` says."""
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     elements = np.frombuffer(data, dtype=_WORDS[size], count=len(data) // size)
     key, value = order.decode(elements)
     return _as_dtype(key, dtype), _as_dtype(value, dtype)
@@ -142,6 +151,8 @@ def load_page_order(path: Path) -> PageOrder:
 
 def own_tensor(words: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of its own (the words may view the read-only bytes of the file)."""
+    import torch
+
     return torch.from_numpy(np.array(words, order="C")).view(dtype)
 
 

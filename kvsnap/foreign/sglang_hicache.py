@@ -26,12 +26,11 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from kvsnap.dtypes import kv_torch_dtype
+from kvsnap.dtypes import kv_element, kv_torch_dtype
 from kvsnap.errors import LayoutError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
 from kvsnap.layout import KVGeometry
 
@@ -44,6 +43,9 @@ from .base import (
     Recognition,
 )
 from .pages import own_tensor, size_problems
+
+if TYPE_CHECKING:  # pages are tensors; recognising and describing a pool need no torch
+    import torch
 
 FORMAT_NAME = "sglang-hicache"
 ENGINE_VERSION = "0.5.23"
@@ -231,7 +233,7 @@ class HiCacheDirectory(ForeignSource):
         if shape is None:
             return None
         layers, heads, dim, latent = shape
-        element = torch.empty(0, dtype=kv_torch_dtype(self._dtype())).element_size()
+        element = kv_element(self._dtype()).size
         per_layer = latent if latent else 2 * heads * dim
         return layers * per_layer * element
 
@@ -381,7 +383,7 @@ def _read_page(path: Path, geometry: KVGeometry, dtype: torch.dtype, token: int)
             f"{token * geometry.block_size}",
             file=str(path),
         )
-    element = torch.empty(0, dtype=dtype).element_size()
+    element = dtype.itemsize
     return np.frombuffer(data, dtype=_WORDS[element])
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
+from kvsnap.dtypes import kv_element
 from kvsnap.dtypes import kv_torch_dtype as torch_dtype
 from kvsnap.errors import LayoutError, NotASnapshotError, SnapshotCorruptError, SnapshotIOError
 from kvsnap.layout import KVGeometry
@@ -241,7 +241,7 @@ class VLLMFsNamespace(ForeignSource):
             geometry = self.geometry()
         except LayoutError:
             return None
-        element = torch.tensor([], dtype=torch_dtype(geometry.dtype)).element_size()
+        element = kv_element(geometry.dtype).size
         pages = 2 * geometry.block_size * geometry.num_kv_heads * geometry.head_dim * element
         row = geometry.num_layers * pages * int(self.fields["blocks_per_file"])
         return math.ceil(row / ROW_ALIGNMENT) * ROW_ALIGNMENT

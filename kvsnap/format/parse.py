@@ -18,6 +18,7 @@ from kvsnap.format.constants import (
     PARTS_FORMAT_VERSION,
     SUPPORTED_VERSIONS,
 )
+from kvsnap.format.encoded import ENCODED_FORMAT_VERSION
 from kvsnap.format.metadata import (
     PartInfo,
     SequenceRecord,
@@ -138,15 +139,31 @@ def check_version(document: Any, file: str | None = None) -> int:
     if version not in SUPPORTED_VERSIONS:
         writer = document.get("kvsnap_version")
         by = f" by kvsnap {writer}" if isinstance(writer, str) else ""
-        if version > max(SUPPORTED_VERSIONS):
+        if version == ENCODED_FORMAT_VERSION:
+            # kvsnap.Snapshot.open of a local file reads it; this is another way in.
             message = (
-                f"snapshot format version {version} (written{by}) is newer than this kvsnap "
-                f"{__version__} can read (up to {max(SUPPORTED_VERSIONS)}): upgrade kvsnap"
+                f"an encoded snapshot (format version {version}, written{by}): kvsnap opens "
+                "one as a local file, with Snapshot.open or its commands, not through a URL, "
+                "an index or a reader of ordinary snapshots; decode it into an ordinary one "
+                "with kvsnap convert FILE -o OUT --compress none"
+            )
+        elif version > max(SUPPORTED_VERSIONS):
+            message = (
+                f"snapshot format version {version} (written{by}) is newer than those this "
+                f"kvsnap {__version__} reads ({_read_versions()}): upgrade kvsnap"
             )
         else:
             message = f"snapshot format version {version}{by} is not a kvsnap format version"
         raise UnsupportedVersionError(message, file=file, version=version)
     return version
+
+
+def _read_versions() -> str:
+    """The format versions this kvsnap reads, as the refusal of a newer one names them: the
+    ordinary reader's, and the encoded files' (which :func:`kvsnap.Snapshot.open` reads)."""
+    kinds = {PARTS_FORMAT_VERSION: " for parted snapshots"}
+    named = [f"{version}{kinds.get(version, '')}" for version in SUPPORTED_VERSIONS]
+    return ", ".join([*named, f"{ENCODED_FORMAT_VERSION} for encoded ones"])
 
 
 def parse_metadata_json(text: str, *, file: str | None = None) -> HeaderMetadata:

@@ -1,7 +1,8 @@
 """The CLI starts without the heavy libraries a command does not use: ``--help``, ``--version``,
 ``inspect`` (``--stats`` too), ``verify`` (``--against`` too) and ``diff`` never import torch
-(what made every command pay about 2 s before doing anything, and 230 MB of memory). How fast
-they start is a benchmark figure (``benchmarks/cli_startup.py``), never a timed test."""
+(what made every command pay about 2 s before doing anything, and 230 MB of memory), nor do
+``inspect`` and ``verify`` of another engine's files. How fast they start is a benchmark figure
+(``benchmarks/cli_startup.py``), never a timed test."""
 
 from __future__ import annotations
 
@@ -75,6 +76,32 @@ def test_light_commands_import_no_heavy_library(snapshot: str) -> None:
         ["inspect", snapshot, "--stats"],
         ["verify", snapshot, "--against", snapshot],
         ["diff", snapshot, snapshot, "--json"],
+    ]
+    outcomes = run_cli(*commands)
+    assert outcomes == [
+        {"command": " ".join(command), "code": 0, "heavy": []} for command in commands
+    ]
+
+
+#: Another engine's files of each format kvsnap reads (fixtures/foreign).
+FOREIGN = REPO / "fixtures" / "foreign"
+FOREIGN_PATHS = (
+    next((FOREIGN / "vllm-fs" / "tp1" / "fs").glob("*/config.json")).parent,  # a namespace
+    FOREIGN / "vllm-fs" / "tp2" / "fs",  # a root
+    FOREIGN / "llama-state" / "seq-flash.bin",
+    FOREIGN / "sglang-hicache" / "layer_first" / "tp1",
+    FOREIGN / "lmcache-fs" / "tp1",
+    FOREIGN / "thaw" / "prefix.thawkv",
+)
+
+
+def test_inspect_and_verify_of_another_engines_files_import_no_heavy_library() -> None:
+    # They read names, sizes and headers (the readers' blocks become tensors only to convert).
+    commands = [
+        [command, str(path), *json]
+        for path in FOREIGN_PATHS
+        for command in ("inspect", "verify")
+        for json in ((), ("--json",))
     ]
     outcomes = run_cli(*commands)
     assert outcomes == [

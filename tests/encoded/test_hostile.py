@@ -209,3 +209,20 @@ def test_an_absurd_header_length_is_refused_before_reading_it(tmp_path):
     path.write_bytes(struct.pack("<Q", 1 << 60) + b'{"__metadata__":{}}')
     with pytest.raises(NotASnapshotError, match="declares a"):
         read_encoded(path)
+
+
+@pytest.mark.parametrize("encoding", ["lossless", "fp8"])
+def test_an_encoded_file_behind_a_url_is_refused_saying_how_it_is_read(files, encoding):
+    # kvsnap reads encoded files (format version 3) as local files: behind a URL the ordinary
+    # open refuses one, saying so and how to decode it; not that kvsnap is too old to read it.
+    import fsspec
+
+    name = f"/kvsnap-tests/{encoding}.safetensors"
+    fsspec.filesystem("memory").pipe_file(name, (files / f"{encoding}.safetensors").read_bytes())
+    try:
+        with pytest.raises(kvsnap.UnsupportedVersionError, match="an encoded snapshot") as raised:
+            kvsnap.Snapshot.open(f"memory://{name}")
+    finally:
+        fsspec.filesystem("memory").rm(name)
+    assert "upgrade" not in str(raised.value) and "as a local file" in str(raised.value)
+    assert "kvsnap convert FILE -o OUT --compress none" in str(raised.value)

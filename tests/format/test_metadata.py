@@ -14,6 +14,7 @@ import pytest
 
 from kvsnap import format as fmt
 from kvsnap.errors import SnapshotCorruptError, UnsupportedVersionError
+from kvsnap.format.encoded import ENCODED_FORMAT_VERSION
 from kvsnap.layout import KVGeometry
 from tests.support.format_versions import UNKNOWN_FORMAT_VERSION
 from tests.support.store_helpers import GEOMETRIES, SOURCE, make_metadata, shared_prefix_tokens
@@ -129,6 +130,14 @@ def test_newer_format_versions_ask_for_an_upgrade(metadata: fmt.SnapshotMetadata
         fmt.parse_metadata_json(json.dumps(document), file="snap.safetensors")
     assert caught.value.version == UNKNOWN_FORMAT_VERSION
     assert "snap.safetensors" in str(caught.value)
+    # What this kvsnap reads, every version: an encoded file's 3 as well as 1 and 2.
+    assert "reads (1, 2 for parted snapshots, 3 for encoded ones)" in str(caught.value)
+    # Version 3 read as an ordinary file (a URL, an index): not "newer", but how it is read.
+    document["format_version"] = ENCODED_FORMAT_VERSION
+    with pytest.raises(UnsupportedVersionError, match="an encoded snapshot") as caught:
+        fmt.parse_metadata_json(json.dumps(document), file="snap.safetensors")
+    assert "upgrade" not in str(caught.value) and "as a local file" in str(caught.value)
+    assert "kvsnap convert FILE -o OUT --compress none" in str(caught.value)
     document["format_version"] = 0
     with pytest.raises(UnsupportedVersionError):
         fmt.parse_metadata_json(json.dumps(document))

@@ -46,6 +46,7 @@ LAYER = {
     "snapshot": 4,
     "snapshot_capture": 4,
     "snapshot_tensors": 4,
+    "snapshot_signatures": 4,
     "parted": 4,
     "encoded": 4,
     "analysis": 4,

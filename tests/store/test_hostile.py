@@ -29,6 +29,7 @@ from kvsnap.errors import (
 from kvsnap.snapshot import Snapshot
 from kvsnap.store import SnapshotReader, SnapshotWriter
 from kvsnap.store.files import publish
+from tests.support.cli_runs import run_kvsnap
 from tests.support.format_versions import UNKNOWN_FORMAT_VERSION
 from tests.support.store_helpers import (
     GEOMETRIES,
@@ -406,8 +407,15 @@ def test_a_flipped_bit_in_the_format_version_is_reported_as_corruption(tmp_path:
     newer.write_bytes(_with_version(original, unknown, fix_trailer=True))
     with pytest.raises(UnsupportedVersionError, match="upgrade kvsnap"):
         SnapshotReader(newer)
-    with pytest.raises(UnsupportedVersionError, match="upgrade kvsnap"):
+    with pytest.raises(UnsupportedVersionError, match="upgrade kvsnap") as caught:
         Snapshot.open(newer)  # not taken for an encoded snapshot (version 3)
+    # It names every version this kvsnap reads: encoded files' 3 too.
+    assert f"format version {UNKNOWN_FORMAT_VERSION} " in str(caught.value)
+    assert "reads (1, 2 for parted snapshots, 3 for encoded ones)" in str(caught.value)
+    run = run_kvsnap("inspect", str(newer))
+    assert run.returncode == 2, run.stderr  # the file is intact: the user upgrades
+    (line,) = run.stderr.strip().splitlines()
+    assert "3 for encoded ones" in line and line.endswith("upgrade kvsnap")
 
 
 # --------------------------------------------------------------------------------------------

@@ -56,7 +56,6 @@ from kvsnap.caches import BoundedLRU
 from kvsnap.engines.vllm.open_chunks import CHECKED_CHUNKS
 from kvsnap.engines.vllm.prefix_store import ChunkRef, chunk_sequence_id
 from kvsnap.errors import KVSnapError, SignatureError, UnsupportedVersionError
-from kvsnap.format import encoded as encoded_format
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import Snapshot
 from kvsnap.store.base import tuning
@@ -215,7 +214,7 @@ class ChunkChecker:
         """The sequence of the open chunk ``snapshot``, or why it cannot serve this engine
         (with :attr:`verify`, every checksum read and checked)."""
         metadata = snapshot.metadata
-        reason = self._fits_engine(metadata, _encoded_signature(snapshot))
+        reason = self._fits_engine(metadata, snapshot.signature_algorithm, snapshot.page_binding)
         if reason is not None:
             return reason
         if self.verify:
@@ -228,13 +227,12 @@ class ChunkChecker:
         return metadata.sequences[0]
 
     def _fits_engine(
-        self, metadata: fmt.SnapshotMetadata, encoded_signature: str | None = None
+        self, metadata: fmt.SnapshotMetadata, signature: str | None, page_binding: str | None
     ) -> str | None:
-        """Why a chunk with ``metadata`` cannot be loaded into this engine, if it cannot (an
-        encoded chunk's pages are bound by its own signature, ``encoded_signature``: over
-        BLAKE3 of every stored tensor, or of every fp8 page)."""
-        signature = metadata.signature if encoded_signature is None else encoded_signature
-        if self.keys is not None and signature not in _BLAKE3_BOUND:
+        """Why a chunk with ``metadata``, signed with ``signature`` binding its pages by
+        ``page_binding`` (``kvsnap.Snapshot``'s: an encoded chunk's are its encoded file's
+        own), cannot be loaded into this engine, if it cannot."""
+        if self.keys is not None and page_binding != "blake3":
             # Signed before pages were bound by BLAKE3: its pages are bound by xxh3-64 only,
             # whose second preimages take seconds. A miss: recomputed and saved anew.
             return (
@@ -284,17 +282,3 @@ def _open_chunk(path: str, keys: KeyRing | None, whole: int) -> Snapshot:
         )
     except UnsupportedVersionError:
         return Snapshot.open(path, keys=keys)
-
-
-#: Signatures that bind every page by BLAKE3: an ordinary file's, and an encoded file's.
-_BLAKE3_BOUND = (
-    fmt.SIGNATURE_ALGORITHM,
-    encoded_format.SIGNATURE_ALGORITHM,
-    encoded_format.PAGES_SIGNATURE_ALGORITHM,
-)
-
-
-def _encoded_signature(snapshot: Snapshot) -> str | None:
-    """The signature algorithm of an encoded chunk's own file (``None``: an ordinary chunk)."""
-    encoded = snapshot.encoded
-    return None if encoded is None else encoded.encoding.get("signature")

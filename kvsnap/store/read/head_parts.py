@@ -59,6 +59,15 @@ class OpenedSnapshot:
         """Why ``keys`` do not vouch for each file of every part (empty when they do)."""
         return [problem for part in self.parts for problem in part.reader.signature_problems(keys)]
 
+    @property
+    def signature_algorithm(self) -> str | None:
+        """The algorithm every file is signed with, as the metadata says (``None``: unsigned)."""
+        return self.metadata.signature
+
+    def signing_key_ids(self) -> list[str | None]:
+        """Per file of every part, the hex id of the key that signed it, unchecked."""
+        return [key_id for part in self.parts for key_id in part.reader.signing_key_ids()]
+
     def close(self) -> None:
         for part in self.parts:
             part.reader.close()

@@ -57,8 +57,11 @@ def _keys(key_file: Path) -> KeyRing:
     return KeyRing([bytes.fromhex(key_file.read_text().strip())])
 
 
-def _signed_chunk(store: PrefixStore, prompt: np.ndarray, keys: KeyRing) -> Path:
-    """Blocks 0..1 of ``prompt`` captured as the store's chunk, signed with ``keys``."""
+def _signed_chunk(
+    store: PrefixStore, prompt: np.ndarray, keys: KeyRing, compression: str = "none"
+) -> Path:
+    """Blocks 0..1 of ``prompt`` captured as the store's chunk, signed with ``keys`` (stored
+    as ``compression``: the connector's option)."""
     chain = store_key_chain(prompt[: 2 * BLOCK], BLOCK, CacheIdentity())
     target = store.chunk_path(chain[1])
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +77,7 @@ def _signed_chunk(store: PrefixStore, prompt: np.ndarray, keys: KeyRing) -> Path
     )
     sequence = SequenceBlocks(chunk_sequence_id(0, None, chain[1]), prompt[: 2 * BLOCK], [0, 1])
     source = fmt.SourceInfo("vllm", "test", "synthetic", None, FINGERPRINT)
-    capture(layout, [sequence], target, source=source, keys=keys)
+    capture(layout, [sequence], target, source=source, keys=keys, compression=compression)
     return target
 
 
@@ -157,3 +160,27 @@ def test_store_verify_with_the_key_checks_every_page_against_its_digest(
     assert "BLAKE3" in bad["problems"][0]
     weak = states[str(older.relative_to(root))]
     assert weak["state"] == "weak signature" and "xxh3-64 only" in weak["problems"][0]
+
+
+@pytest.mark.parametrize("compression", ["fp8", "lossless"])
+def test_store_verify_with_the_key_finds_a_signed_encoded_chunk_bound_by_blake3(
+    tmp_path: Path, key_file: Path, compression: str
+) -> None:
+    """An encoded chunk's signature is its encoded file's own (over BLAKE3 of its stored
+    tensors, or of each fp8 page): not the weak, older signature its unsigned decoded file
+    would suggest."""
+    keys = _keys(key_file)
+    root = tmp_path / "store"
+    store = PrefixStore(root, "ns", chunk_blocks=2)
+    prompt = np.random.default_rng(8).integers(1, 1000, size=2 * BLOCK)
+    _signed_chunk(store, prompt, keys, compression)
+    code, report = _store_verify(root, key_file)
+    assert code == 0 and [entry["state"] for entry in report["entries"]] == ["ok"]
+    assert not isinstance(_check(store, prompt, keys), str)  # and a keyed engine serves it
+    other = tmp_path / "other.key"
+    other.write_text(new_key_text() + "\n")
+    other.chmod(0o600)
+    code, report = _store_verify(root, other)
+    (entry,) = report["entries"]
+    assert code == 1 and entry["state"] == "bad signature"
+    assert "not one of ours" in entry["problems"][0]
