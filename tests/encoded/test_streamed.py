@@ -5,12 +5,14 @@ and never touches the previous file; the writer's digests are the trailer's."""
 
 from __future__ import annotations
 
+import os
 import random
-import resource
-import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 import kvsnap
@@ -18,13 +20,13 @@ from kvsnap.encoded.original import parse_original, read_local
 from kvsnap.encoded.streamed import StreamedFile, planned_fp8_layout
 from kvsnap.encoded.write import encoded_document
 from kvsnap.encoding.report import AttentionError, ErrorReport, TensorError
-from kvsnap.errors import SnapshotIOError
 from kvsnap.format import encoded as enc
 from kvsnap.format.hashing import digest128
 from kvsnap.format.signing import KeyRing
 from tests.support.encoded_files import real_caches, real_sequences
 
 KEY = KeyRing([bytes(range(32))])
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _report(numbers: random.Random | None) -> ErrorReport:
@@ -103,41 +105,74 @@ def test_a_streamed_tensor_and_its_digest(tmp_path):
     assert list(tmp_path.iterdir()) == [target]
 
 
-@pytest.fixture
-def file_size_limit():
-    """Set a limit on the size of files this process writes (writes past it fail with EFBIG
-    instead of a signal): a full disk without filling one."""
-    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
-
-    def limit(nbytes: int) -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, previous[1]))
-
-    yield limit
-    resource.setrlimit(resource.RLIMIT_FSIZE, previous)
-    signal.signal(signal.SIGXFSZ, previous_handler)
+#: Code run in a child process first: ``limit(nbytes)`` caps the size of the files it writes
+#: (writes past it fail with EFBIG instead of a signal), a full disk without filling one. In a
+#: child, so the cap never meets the test runner's own output, which may be a file.
+_LIMIT = """
+import resource, signal, sys
+def limit(nbytes):
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+"""
 
 
-def test_a_write_that_fails_midway_says_so_and_leaves_the_previous_file(tmp_path, file_size_limit):
+def _child(code: str, *args: str) -> str:
+    """Run ``code`` after :data:`_LIMIT` in a fresh interpreter with ``args``; its stdout."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _LIMIT + textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_a_write_that_fails_midway_says_so_and_leaves_the_previous_file(tmp_path):
     target = tmp_path / "out.bin"
     target.write_bytes(b"the previous file")
-    streamed = StreamedFile(target, 1 << 20)
-    file_size_limit(4096)
-    with streamed, pytest.raises(SnapshotIOError, match=r"out\.bin"):
-        streamed.stream("values", torch.zeros(1 << 16, dtype=torch.uint8), 8192)
-        streamed.finish([(0, b"head")])
+    said = _child(
+        """
+        import torch
+        from kvsnap.encoded.streamed import StreamedFile
+        from kvsnap.errors import SnapshotIOError
+        streamed = StreamedFile(sys.argv[1], 1 << 20)
+        limit(4096)
+        try:
+            with streamed:
+                streamed.stream("values", torch.zeros(1 << 16, dtype=torch.uint8), 8192)
+                streamed.finish([(0, b"head")])
+        except SnapshotIOError as error:
+            print("refused:", error)
+        """,
+        str(target),
+    )
+    assert said.startswith("refused:") and "out.bin" in said and "File too large" in said
     assert sorted(tmp_path.iterdir()) == [target]
     assert target.read_bytes() == b"the previous file"
 
 
-def test_an_fp8_capture_that_cannot_be_written_is_one_error_and_nothing_else(
-    tmp_path, file_size_limit
-):
-    (cache,) = real_caches("vllm-nhd", torch.bfloat16)
+def test_an_fp8_capture_that_cannot_be_written_is_one_error_and_nothing_else(tmp_path):
     path = tmp_path / "kv.safetensors"
     path.write_bytes(b"the previous snapshot")
-    file_size_limit(1 << 16)
-    with pytest.raises(SnapshotIOError, match=r"kv\.safetensors"):
-        kvsnap.capture(cache.layout, real_sequences(), path, compression="fp8")
+    said = _child(
+        """
+        import kvsnap, torch
+        from kvsnap.errors import SnapshotIOError
+        from tests.support.encoded_files import real_caches, real_sequences
+        (cache,) = real_caches("vllm-nhd", torch.bfloat16)
+        limit(1 << 16)
+        try:
+            kvsnap.capture(cache.layout, real_sequences(), sys.argv[1], compression="fp8")
+        except SnapshotIOError as error:
+            print("refused:", error)
+        """,
+        str(path),
+    )
+    assert said.startswith("refused:") and "kv.safetensors" in said
     assert sorted(tmp_path.iterdir()) == [path]
     assert path.read_bytes() == b"the previous snapshot"
