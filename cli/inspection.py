@@ -225,6 +225,19 @@ def _parts_json(snap: Snapshot) -> dict[str, Any]:
     }
 
 
+def _format_row(payload: dict[str, Any]) -> str:
+    """The snapshot's format version, and an encoded file's own with the version it decodes
+    to (the JSON keeps both: ``format_version`` and ``encoding.format_version``)."""
+    made_by = f"kvsnap {payload['kvsnap_version']}"
+    encoding = payload["encoding"]
+    if encoding["name"] == "none":
+        return f"v{payload['format_version']} ({made_by})"
+    return (
+        f"v{encoding['format_version']}: a v{payload['format_version']} snapshot stored "
+        f"{encoding['name']} ({made_by})"
+    )
+
+
 def _encoding_rows(encoding: dict[str, Any]) -> list[tuple[str, str]]:
     """The rows saying how the snapshot is stored: encoding, ratio, recorded error."""
     if encoding["name"] == "none":
@@ -232,7 +245,7 @@ def _encoding_rows(encoding: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [
         (
             "encoding",
-            f"{encoding['name']} ({encoding['codec']}, format v{encoding['format_version']}): "
+            f"{encoding['name']} ({encoding['codec']}): "
             f"{encoding['ratio']:.2f}x smaller, {format_bytes(encoding['stored_bytes'])} for "
             f"{format_bytes(encoding['decoded_bytes'])}",
         )
@@ -274,7 +287,7 @@ def _metadata_table(payload: dict[str, Any]) -> Table:
         else f"{layout['num_kv_heads']} KV heads x {layout['head_dim']}"
     )
     rows = [
-        ("format", f"v{payload['format_version']} (kvsnap {payload['kvsnap_version']})"),
+        ("format", _format_row(payload)),
         ("created", payload["created"] or "(reproducible)"),
         ("model", f"{model['id']} ({model['engine']} {model['engine_version']})"),
         ("fingerprint", str(model["fingerprint"])[:16]),

@@ -134,6 +134,10 @@ class EncodedSnapshot:
 
     @property
     def format_version(self) -> int:
+        if self.fp8_file is not None:
+            # The decoded file is one ordinary file: its version follows from its metadata,
+            # which the open read (no page need be decoded for it).
+            return self.fp8_file.metadata.format_version
         return self.decoded().opened.format_version
 
     @property

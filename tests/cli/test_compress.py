@@ -52,6 +52,22 @@ def test_inspect_shows_the_encoding_ratio_and_recorded_error(captured):
     assert "fp8 (kvsnap-fp8-e4m3-v1" in text and "RMS rel" in text
 
 
+def test_inspect_of_an_fp8_snapshot_decodes_no_page_and_names_both_versions(captured, monkeypatch):
+    original, fp8 = captured
+
+    def decode(*args, **kwargs):
+        raise AssertionError("inspect decoded the fp8 file")
+
+    # Everything inspect shows comes from the header and the small tensors an open reads.
+    monkeypatch.setattr("kvsnap.encoded.opening.decode", decode)
+    code, payload = run_json("inspect", str(fp8))
+    assert code == 0
+    assert payload["format_version"] == 1 and payload["encoding"]["format_version"] == 3
+    text = runner.invoke(app, ["inspect", str(fp8)]).stdout
+    assert "v3: a v1 snapshot stored fp8" in text
+    assert "v1 (kvsnap" in runner.invoke(app, ["inspect", str(original)]).stdout
+
+
 def test_verify_against_the_original_measures_the_error_again(captured, tmp_path):
     original, fp8 = captured
     code, payload = run_json("verify", str(fp8), "--against", str(original))
