@@ -125,7 +125,7 @@ def check_signed_message(
         enc.signed_message(header, digests), tensor(SIGNATURE_TENSOR).tobytes(), algorithm
     )
     if problem is not None:
-        raise BadSignatureError(problem, file=file)
+        raise BadSignatureError(f"bad signature: {problem}", file=file)
 
 
 def check_pages(encoded: EncodedFile, name: str, suffix: str) -> None:
