@@ -257,6 +257,19 @@ def _exact_tasks(
 def decode(encoded: EncodedFile, executor: Executor | None = None) -> np.ndarray:
     """The ordinary snapshot file ``encoded`` stands for, as bytes (see the module). Lossless
     chunks are decoded on ``executor``'s threads when one is given."""
+    try:
+        return _decoded_file(encoded, executor)
+    except SnapshotCorruptError as error:
+        if error.file is not None:
+            raise
+        # The codecs name the tensor and the chunk or block they refuse, not the file: it is
+        # known here, and an error names it first (kvsnap.errors).
+        raise SnapshotCorruptError(
+            error.detail, file=encoded.file, tensor=error.tensor, block=error.block
+        ) from None
+
+
+def _decoded_file(encoded: EncodedFile, executor: Executor | None) -> np.ndarray:
     header = encoded.tensor(enc.ORIGINAL_HEADER_TENSOR).tobytes()
     kinds = _checked_structure(encoded, header)
     out = np.zeros(encoded.decoded_bytes, dtype=np.uint8)
