@@ -48,9 +48,7 @@ def _encoded(tmp_path, kind: str, dtype: torch.dtype, encoding: str):
     return source, target, encode_file(source, target, encoding)
 
 
-def _restore_everywhere(
-    snapshot, kind: str, tp_size: int, dtype: torch.dtype, device: str = "cpu"
-):
+def _restore_everywhere(snapshot, kind: str, tp_size: int, dtype: torch.dtype, device: str = "cpu"):
     """Restore both sequences into fresh caches of ``kind`` (one per TP rank, on ``device``),
     blocks reversed, and return the caches and the target blocks per snapshot block."""
     geometry = snapshot.geometry
