@@ -125,10 +125,27 @@ def test_convert_reencodes_and_gives_the_original_back(captured, tmp_path):
     assert [layer["max_abs_diff"] for layer in payload["comparison"]["layer_errors"]] == [0.0] * 4
     assert run_json("convert", str(lossless), "-o", str(back), "--compress", "none")[0] == 0
     assert back.read_bytes() == original.read_bytes()
-    # fp8 re-encoded as fp8: the same pages again (fp8 values are exact in fp8).
+    # fp8 re-encoded as fp8: quantized again (each (block, head) rescaled from its decoded
+    # values), its report measured against the fp8 file's decode, which is what --against
+    # measures again.
     again = tmp_path / "again.safetensors"
     assert run_json("convert", str(fp8), "-o", str(again), "--compress", "fp8")[0] == 0
-    assert run_json("verify", str(again), "--against", str(fp8), "--atol", "0")[1]["ok"]
+    code, payload = run_json("verify", str(again), "--against", str(fp8))
+    assert code == 0 and payload["error"]["measured"] == payload["error"]["recorded"]
+
+
+def test_a_tolerance_given_compares_an_fp8_snapshot_token_by_token(captured):
+    # --atol 0 is an exact comparison, not "no tolerance given" (which measures the error).
+    original, fp8 = captured
+    code, payload = run_json("verify", str(fp8), "--against", str(original), "--atol", "0")
+    assert code == 1 and "error" not in payload
+    layers = payload["comparison"]["layers"]
+    assert all(layer["num_mismatches"] > 0 for layer in layers)
+    worst = max(layer["max_abs_diff"] for layer in layers)
+    code, payload = run_json("verify", str(fp8), "--against", str(original), "--atol", str(worst))
+    assert code == 0 and payload["ok"] and "error" not in payload
+    code, payload = run_json("verify", str(fp8), "--against", str(original), "--rtol", "0")
+    assert code == 1 and "error" not in payload
 
 
 def test_a_bad_compress_value_is_one_line_and_exit_2(captured, tmp_path):
