@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.format import encoded as enc
 from kvsnap.format.hashing import digest128, encode_trailer
 
