@@ -29,9 +29,11 @@ MALFORMED = [("U8", (16,)), ("U8", (64,)), ("U8", (0,)), ("F32", (12,)), ("U8", 
 
 @pytest.fixture(scope="module")
 def signed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Real KV (the built-in model's prefill, bf16) captured signed, lossless and fp8."""
+    """Real KV (the built-in model's prefill, bf16) captured signed: lossless, fp8 and
+    ordinary (``none``)."""
     folder = tmp_path_factory.mktemp("signature-tensor")
     (cache,) = real_caches("vllm-nhd", torch.bfloat16)
+    kvsnap.capture(cache.layout, real_sequences(), folder / "none.safetensors", keys=KEY)
     for compression in ("lossless", "fp8"):
         path = folder / f"{compression}.safetensors"
         kvsnap.capture(
@@ -69,6 +71,21 @@ def test_a_malformed_signature_tensor_is_refused_as_corrupt(
         error = refused.value
         assert (error.file, error.tensor) == (str(path), SIGNATURE_TENSOR)
         assert f"is {dtype} {shape}, the metadata implies U8 (48,)" in str(error)
+
+
+@pytest.mark.parametrize(("dtype", "shape"), MALFORMED)
+def test_an_ordinary_signed_file_is_refused_in_the_same_words(signed, tmp_path, dtype, shape):
+    # The one check both kinds of file take (format/container.py check_declared_as).
+    refusals = set()
+    for compression in ("none", "lossless", "fp8"):
+        path = tmp_path / f"{compression}.safetensors"
+        with_signature_tensor(signed / f"{compression}.safetensors", path, dtype, shape)
+        with pytest.raises(SnapshotCorruptError) as refused:
+            kvsnap.Snapshot.open(path).close()
+        refusals.add(str(refused.value).replace(str(path), "FILE"))
+    assert refusals == {
+        f"FILE, tensor {SIGNATURE_TENSOR}: is {dtype} {shape}, the metadata implies U8 (48,)"
+    }
 
 
 @pytest.mark.parametrize("compression", ["lossless", "fp8"])

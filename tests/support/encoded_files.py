@@ -156,9 +156,10 @@ def capture_mixed(path: Path) -> KVContent:
 
 
 def with_signature_tensor(source: Path, target: Path, dtype: str, shape: tuple[int, ...]) -> None:
-    """``source`` with its signature tensor (its last) declared ``dtype`` ``shape``, its bytes
-    the stored signature's cut or extended with zeros to that size, and its trailer recomputed
-    for the new header."""
+    """``source`` (a signed file, encoded or ordinary) with its signature tensor (its last)
+    declared ``dtype`` ``shape``, its bytes the stored signature's cut or extended with zeros
+    to that size; an encoded file's trailer is recomputed for the new header (an ordinary
+    file's header is checked against its metadata before its trailer is read)."""
     data = source.read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
     entries = json.loads(data[8 : 8 + length])
@@ -172,8 +173,10 @@ def with_signature_tensor(source: Path, target: Path, dtype: str, shape: tuple[i
     signature = (data[8 + length + begin : 8 + length + end] + bytes(nbytes))[:nbytes]
     out = np.frombuffer(header + data[8 + length : 8 + length + begin] + signature, np.uint8)
     out = out.copy()
-    layout = enc.parse_header(header, len(out))
-    rows = [digest128(header)] + [digest128(out[t.begin : t.end]) for t in layout.checksummed]
-    trailer = layout.by_name[enc.ENCODED_CHECKSUMS_TENSOR]
-    out[trailer.begin : trailer.end] = np.frombuffer(encode_trailer(rows), dtype=np.uint8)
+    if enc.peek_version(header) == enc.ENCODED_FORMAT_VERSION:
+        layout = enc.parse_header(header, len(out))
+        rows = [digest128(header)]
+        rows += [digest128(out[t.begin : t.end]) for t in layout.checksummed]
+        trailer = layout.by_name[enc.ENCODED_CHECKSUMS_TENSOR]
+        out[trailer.begin : trailer.end] = np.frombuffer(encode_trailer(rows), dtype=np.uint8)
     out.tofile(target)
