@@ -104,6 +104,10 @@ _EXPORTS = {
     "kvsnap.snapshot": ("CaptureResult", "RestoreResult", "SequenceBlocks", "Snapshot", "capture"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+#: Modules imported with a module of exports, for what they register with it: the restore of
+#: an encoded snapshot's path, which ``Pipeline.restore`` asks (the pipeline cannot import the
+#: layer that reads encoded files; kvsnap/pipeline/path_restores.py).
+_IMPORTED_WITH = {"kvsnap.pipeline": "kvsnap.encoded.path_restore"}
 
 #: Spelled out, since type checkers read a literal list only.
 __all__ = [
@@ -156,7 +160,10 @@ def __getattr__(name: str) -> Any:
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'kvsnap' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(module), name)
+    if module in _IMPORTED_WITH:
+        importlib.import_module(_IMPORTED_WITH[module])
+    return value
 
 
 def __dir__() -> list[str]:

@@ -12,6 +12,8 @@ safetensors file (:mod:`kvsnap.format.encoded`).
   :func:`~kvsnap.encoded.read.decode` turns it back into the ordinary file it stands for;
 * :mod:`~kvsnap.encoded.opening`: that file in memory, for ``Snapshot.open`` (every reader of
   kvsnap then opens an encoded snapshot like any other; torch is imported only for fp8);
+* :mod:`~kvsnap.encoded.path_restore`: ``Pipeline.restore(PATH)`` of an encoded file,
+  registered with the pipeline when imported (``kvsnap.Pipeline`` imports it);
 * :mod:`~kvsnap.encoded.original`: the ordinary file's side (layout, checks, tokens per block);
 * :mod:`~kvsnap.encoded.fp8_pages`: fp8 layer tensors decoded on the host.
 

@@ -87,8 +87,10 @@ def _opened_decoded(
 
 
 class EncodedSnapshot:
-    """An encoded snapshot as ``kvsnap.Snapshot`` holds it: the metadata of the ordinary
-    snapshot it stands for, and that snapshot's parts, decoded on first need.
+    """An encoded snapshot as ``kvsnap.Snapshot`` holds it (and ``Pipeline.restore`` of its
+    path restores it: :mod:`kvsnap.encoded.path_restore`): the path it was opened by, the
+    metadata of the ordinary snapshot it stands for, and that snapshot's parts, decoded on
+    first need.
 
     An fp8 file with page checks opens without reading a page (``fp8_file``): a restore into
     CUDA caches moves its pages as they are stored, and only another use (a CPU restore,
@@ -97,12 +99,15 @@ class EncodedSnapshot:
 
     def __init__(
         self,
+        path: str,
         keys: KeyRing | None,
         verify: bool,
         *,
         fp8_file: OpenFp8File | None = None,
         decoded: DecodedSnapshot | None = None,
     ) -> None:
+        #: The path it was opened by, as the caller gave it (what a restore's errors name).
+        self.path = path
         self._keys = keys
         self._verify = verify
         self.fp8_file = fp8_file
@@ -221,8 +226,9 @@ def open_encoded(
         _KNOWN[_identity(fp8_file.status)] = None
         if len(_KNOWN) > _KNOWN_MAX:
             _KNOWN.popitem(last=False)
-        return EncodedSnapshot(keys, verify, fp8_file=fp8_file)
+        return EncodedSnapshot(os.fspath(path), keys, verify, fp8_file=fp8_file)
     decoded = open_decoded(path, keys)
     if decoded is None:
         return None
-    return EncodedSnapshot(keys, verify, decoded=_opened_decoded(*decoded, local, verify))
+    opened = _opened_decoded(*decoded, local, verify)
+    return EncodedSnapshot(os.fspath(path), keys, verify, decoded=opened)

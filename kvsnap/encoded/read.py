@@ -35,7 +35,12 @@ from kvsnap.encoding import lossless
 from kvsnap.errors import BadSignatureError, SnapshotCorruptError, UnsignedSnapshotError
 from kvsnap.format import encoded as enc
 from kvsnap.format.constants import SIGNATURE_TENSOR
-from kvsnap.format.container import TensorEntry, is_layer_tensor
+from kvsnap.format.container import (
+    SIGNATURE_SPEC,
+    TensorEntry,
+    check_declared_as,
+    is_layer_tensor,
+)
 from kvsnap.format.hashing import (
     block_digests,
     decode_trailer,
@@ -93,9 +98,11 @@ def check_signature(encoded: EncodedFile, header: bytes, keys: KeyRing | None) -
 
 def check_signature_fields(layout: enc.EncodedLayout, file: str | None) -> str | None:
     """The file's signature algorithm, refused unless it agrees with the signature tensor and
-    with the page checks the file carries."""
+    with the page checks the file carries, and that tensor is an ordinary signed file's
+    (``U8 (48,)``: read without keys too, for the key id ``inspect`` shows)."""
     algorithm = layout.encoding.get("signature")
-    has_tensor = SIGNATURE_TENSOR in layout.by_name
+    signature = layout.by_name.get(SIGNATURE_TENSOR)
+    has_tensor = signature is not None
     expected = enc.PAGES_SIGNATURE_ALGORITHM if layout.page_checks else enc.SIGNATURE_ALGORITHM
     signed_checks = "blake3" in layout.page_checks
     if (
@@ -104,6 +111,8 @@ def check_signature_fields(layout: enc.EncodedLayout, file: str | None) -> str |
         or signed_checks != (algorithm == enc.PAGES_SIGNATURE_ALGORITHM)
     ):
         raise SnapshotCorruptError(f"signature {algorithm!r} and its tensors disagree", file=file)
+    if signature is not None:
+        check_declared_as(signature, SIGNATURE_SPEC, file)
     return algorithm
 
 

@@ -36,8 +36,8 @@ from kvsnap.encoding import fp8, measure
 from kvsnap.encoding.report import ErrorReport
 from kvsnap.errors import SnapshotIOError
 from kvsnap.format import encoded as enc
-from kvsnap.format.constants import SIGNATURE_BYTES, SIGNATURE_TENSOR
-from kvsnap.format.container import TensorEntry, is_layer_tensor
+from kvsnap.format.constants import SIGNATURE_TENSOR
+from kvsnap.format.container import SIGNATURE_SPEC, TensorEntry, is_layer_tensor
 from kvsnap.format.hashing import digest128, encode_trailer
 from kvsnap.format.signing import KeyRing
 
@@ -182,7 +182,7 @@ def container_specs(
     ``keys`` the signature's."""
     specs = [*specs, (enc.ENCODED_CHECKSUMS_TENSOR, "U8", (len(specs) + 2, 16))]
     if keys is not None:
-        specs.append((SIGNATURE_TENSOR, "U8", (SIGNATURE_BYTES,)))
+        specs.append((SIGNATURE_SPEC.name, SIGNATURE_SPEC.dtype, SIGNATURE_SPEC.shape))
     return specs
 
 

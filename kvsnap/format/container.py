@@ -6,9 +6,11 @@ import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvsnap.caches import BoundedLRU, register_cache_clear
 from kvsnap.dtypes import KV_DTYPES, SAFETENSORS_TYPES
+from kvsnap.errors import SnapshotCorruptError
 from kvsnap.format.constants import (
     BLOCK_CHECKSUMS_TENSOR,
     BLOCK_HASHES_TENSOR,
@@ -61,6 +63,36 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
+
+
+#: The signature tensor of a signed file, ordinary or encoded: the signing key's id and the
+#: HMAC-SHA256 (:mod:`kvsnap.format.signing`).
+SIGNATURE_SPEC = TensorSpec(SIGNATURE_TENSOR, "U8", (SIGNATURE_BYTES,))
+
+
+class DeclaredTensor(Protocol):
+    """A tensor as a header declares it or a format implies it: name, dtype and shape."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+def check_declared_as(found: DeclaredTensor, expected: DeclaredTensor, file: str | None) -> None:
+    """Refuse (:class:`SnapshotCorruptError` naming the tensor) a tensor a file's header
+    declares (``found``) with another dtype or shape than its metadata implies (``expected``)."""
+    if (found.dtype, tuple(found.shape)) != (expected.dtype, tuple(expected.shape)):
+        raise SnapshotCorruptError(
+            f"is {found.dtype} {tuple(found.shape)}, "
+            f"the metadata implies {expected.dtype} {tuple(expected.shape)}",
+            file=file,
+            tensor=found.name,
+        )
 
 
 def is_layer_tensor(name: str) -> bool:
@@ -213,7 +245,7 @@ def file_specs(
         digests = [TensorSpec(PAGE_DIGESTS_TENSOR, "U8", shape)]
     rows = len(specs) + len(digests) + 2
     trailer = TensorSpec(CHECKSUMS_TENSOR, "U8", (rows, DIGEST_BYTES))
-    signed = [TensorSpec(SIGNATURE_TENSOR, "U8", (SIGNATURE_BYTES,))] if signature else []
+    signed = [SIGNATURE_SPEC] if signature else []
     return [*specs, *digests, trailer, *signed]
 
 

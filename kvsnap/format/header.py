@@ -22,6 +22,7 @@ from kvsnap.format.constants import (
 from kvsnap.format.container import (
     FileLayout,
     TensorEntry,
+    check_declared_as,
     is_container_tensor,
     pack_file,
     specs_for,
@@ -390,13 +391,7 @@ def expected_layout(
             raise SnapshotCorruptError(
                 "missing (the metadata implies it)", file=file, tensor=entry.name
             )
-        if (actual.dtype, actual.shape) != (entry.dtype, entry.shape):
-            raise SnapshotCorruptError(
-                f"is {actual.dtype} {actual.shape}, "
-                f"the metadata implies {entry.dtype} {entry.shape}",
-                file=file,
-                tensor=entry.name,
-            )
+        check_declared_as(actual, entry, file)
         if (actual.begin, actual.end) != (entry.begin, entry.end):
             raise SnapshotCorruptError(
                 f"lies at [{actual.begin}, {actual.end}), "

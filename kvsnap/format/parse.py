@@ -140,12 +140,13 @@ def check_version(document: Any, file: str | None = None) -> int:
         writer = document.get("kvsnap_version")
         by = f" by kvsnap {writer}" if isinstance(writer, str) else ""
         if version == ENCODED_FORMAT_VERSION:
-            # kvsnap.Snapshot.open of a local file reads it; this is another way in.
+            # kvsnap.Snapshot.open (or Pipeline.restore) of a local file reads it; this is
+            # another way in.
             message = (
                 f"an encoded snapshot (format version {version}, written{by}): kvsnap opens "
-                "one as a local file, with Snapshot.open or its commands, not through a URL, "
-                "an index or a reader of ordinary snapshots; decode it into an ordinary one "
-                "with kvsnap convert FILE -o OUT --compress none"
+                "one as a local file, with Snapshot.open, Pipeline.restore or its commands, "
+                "not through a URL, an index or a reader of ordinary snapshots; decode it "
+                "into an ordinary one with kvsnap convert FILE -o OUT --compress none"
             )
         elif version > max(SUPPORTED_VERSIONS):
             message = (

@@ -7,7 +7,8 @@ path for named backends), ``fused`` (one kernel launch, one digest launch and on
 slot), ``staging`` (pinned slots and device buffers kept per process), ``capture`` (a whole
 capture, which :meth:`Pipeline.capture` runs) and ``restore`` (the restore loop), ``jobs``
 (requests and results), ``part_jobs`` (a restore's head-range parts: which pipeline moves
-which, and what failed), ``options``, ``pipeline`` (the :class:`Pipeline`). The caches'
+which, and what failed), ``options``, ``pipeline`` (the :class:`Pipeline`), ``path_restores``
+(a path's restore by the layer above, for the formats it reads: encoded snapshots). The caches'
 addresses as one table are :mod:`kvsnap.transfer.page_table`.
 """
 

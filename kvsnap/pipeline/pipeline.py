@@ -14,11 +14,12 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvsnap import format as fmt
+from kvsnap.errors import UnsupportedVersionError
 from kvsnap.format.signing import KeyRing
 from kvsnap.layout import CacheLayout, part_layout
 from kvsnap.pipeline.capture import capture_snapshot
@@ -44,6 +45,7 @@ from kvsnap.pipeline.part_jobs import (
     RestorableSnapshot,
 )
 from kvsnap.pipeline.part_restores import PartRestores
+from kvsnap.pipeline.path_restores import restore_refused_path
 from kvsnap.pipeline.shared_tables import shared_page_table
 from kvsnap.store import TraceHook
 from kvsnap.store.read.head_parts import HeadPart, open_snapshot
@@ -217,7 +219,8 @@ class Pipeline(PartRestores):
         of the blocks), and a page that fails its checksum is never written.
 
         Args:
-            snapshot: An open ``Snapshot``, or a path (opened and closed here).
+            snapshot: An open ``Snapshot``, or a path (opened and closed here; a local
+                encoded snapshot opens and restores as ``Snapshot.open(path).restore`` does).
             block_ids: Per sequence id, the target's device block ids, one per block of that
                 sequence.
             staging: Host staging memory (``StagingOptions``). Default ``None``: kvsnap's
@@ -261,17 +264,24 @@ class Pipeline(PartRestores):
             True
         """
         if isinstance(snapshot, (str, os.PathLike)):
-            with open_snapshot(snapshot) as opened:
-                return self.restore(
-                    opened,
-                    block_ids,
-                    staging=staging,
-                    model_fingerprint=model_fingerprint,
-                    force=force,
-                    progress=progress,
-                    trace=trace,
-                    while_copying=while_copying,
-                )
+            options: dict[str, Any] = {
+                "staging": staging,
+                "model_fingerprint": model_fingerprint,
+                "force": force,
+                "progress": progress,
+                "trace": trace,
+                "while_copying": while_copying,
+            }
+            try:
+                opened = open_snapshot(snapshot)
+            except UnsupportedVersionError as unsupported:
+                # An encoded snapshot: its layer's restore, asked outside this handler so that
+                # its own errors are not raised "during" this one.
+                refused = unsupported
+            else:
+                with opened:
+                    return self.restore(opened, block_ids, **options)
+            return restore_refused_path(self, snapshot, block_ids, refused, options)
         started = time.perf_counter()
         capacity = self._checked_capacity(snapshot, model_fingerprint, force)
         snapshot_blocks, target_blocks, num_tokens = restore_pairs(

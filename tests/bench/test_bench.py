@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
 from kvsnap.bench import Measurement, derive_calibration
 from kvsnap.bench.calibration import write_calibration
+from kvsnap.cli.app import app
 from kvsnap.transfer import AutoPolicy, available_backends, current_policy, load_policy
 from kvsnap.transfer.plan import Direction
 from kvsnap.transfer.policy import policy_from_calibration

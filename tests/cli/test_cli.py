@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
+
+from kvsnap.cli.app import app
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.engines.vllm import CacheIdentity, PrefixStore, store_key_chain
 from kvsnap.format import encoded as enc
 from kvsnap.format.hashing import digest128, encode_trailer

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.snapshot import Snapshot
 from kvsnap.testing.golden import KVData, KVSequenceData, write_kv_snapshot
 

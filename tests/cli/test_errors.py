@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
 from kvsnap import format as fmt
+from kvsnap.cli.app import app
 from kvsnap.layout import KVGeometry
 from kvsnap.snapshot import Snapshot
 from tests.support.store_helpers import SOURCE, write_snapshot
@@ -435,8 +435,9 @@ def test_fixture_shows_progress_on_a_terminal_and_none_with_json(
 ) -> None:
     import io
 
-    from kvsnap.cli import output
     from rich.console import Console
+
+    from kvsnap.cli import output
 
     terminal = io.StringIO()
     monkeypatch.setattr(output, "stderr", Console(file=terminal, force_terminal=True, width=100))

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.encoded.write import encode_file
 from kvsnap.format import encoded as enc
 from tests.support.encoded_files import capture_real

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import typer.main
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.engines.default_model import build_default_model
 
 runner = CliRunner()

@@ -8,9 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.layout import torch_dtype
 from kvsnap.pipeline import SequenceBlocks
 from kvsnap.snapshot import Snapshot, capture

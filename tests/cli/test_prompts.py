@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.engines import transformers as kt
 from kvsnap.engines.default_model import load_model
 from kvsnap.snapshot import Snapshot

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import typer
+from typer.testing import CliRunner
+
 from kvsnap.cli.app import app
 from kvsnap.cli.output import UsageError
 from kvsnap.cli.store import parse_size
-from typer.testing import CliRunner
-
 from kvsnap.testing.golden import check_golden
 
 runner = CliRunner()

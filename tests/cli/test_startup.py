@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.engines.vllm.eviction import ORPHAN_GRACE_S
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.engines.vllm import CacheIdentity, PrefixStore, store_key_chain
 
 REPO = Path(__file__).resolve().parents[2]

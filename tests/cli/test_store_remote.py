@@ -21,10 +21,10 @@ import pytest
 pytest.importorskip("moto.server", reason="moto[server] (the test extra) is not installed")
 pytest.importorskip("s3fs", reason="s3fs (the s3 extra) is not installed")
 
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
 from benchmarks.s3_loopback import LoopbackS3
+from kvsnap.cli.app import app
 from kvsnap.store.files.keys import load_key_ring, new_key_text
 from tests.support.remote_nodes import chunk_keys, local_chunk, make_node, prompts, serve
 from tests.support.signed_v1 import rewrite_as_v1_signed

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.engines.default_model import build_default_model
 from kvsnap.store.files.keys import new_key_text
 from tests.support.tamper import RawSnapshot

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
 from kvsnap import format as fmt
+from kvsnap.cli.app import app
 from kvsnap.errors import BadSignatureError, SnapshotCorruptError
 from kvsnap.format.signing import KeyRing
 from kvsnap.snapshot import Snapshot

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
+
+from kvsnap.cli.app import app
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 README = DOCS.parent / "README.md"

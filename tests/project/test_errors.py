@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
 import kvsnap
 from kvsnap import analysis, distributed, errors
+from kvsnap.cli.app import app
 from kvsnap.errors import (
     BackendUnavailableError,
     BadSignatureError,

@@ -9,9 +9,9 @@ import json
 
 import pytest
 import torch
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.snapshot import Snapshot
 from kvsnap.testing.golden import KVData, kv_data, write_kv_snapshot
 

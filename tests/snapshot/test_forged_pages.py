@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
 import kvsnap
 from kvsnap import format as fmt
+from kvsnap.cli.app import app
 from kvsnap.errors import KVSnapError
 from kvsnap.snapshot import SequenceBlocks, Snapshot
 from kvsnap.store.files.keys import load_key_ring, new_key_text

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
+
+from kvsnap.cli.app import app
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).resolve().parents[1] / "support" / "interrupt_child.py"

@@ -47,9 +47,8 @@ def test_every_old_module_name_imports_its_new_modules_names_with_a_warning(old:
 def test_old_names_import_as_attributes_and_in_from_imports() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        from kvsnap.store.parts import discard_parts, opened_parts, publish_parts_index
-
         from kvsnap.store import tuning
+        from kvsnap.store.parts import discard_parts, opened_parts, publish_parts_index
 
     from kvsnap.store.base import tuning as new_tuning
     from kvsnap.store.files.part_files import discard_parts as new_discard

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
+
+from kvsnap.cli.app import app
 
 
 @dataclass(frozen=True)

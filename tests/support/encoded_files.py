@@ -1,14 +1,21 @@
 """Snapshot files of real KV for the encoded-snapshot tests: the built-in model's prefill
-(tests/support/prefill_kv.py) written into a cache of any layout and captured."""
+(tests/support/prefill_kv.py) written into a cache of any layout and captured; and a signed
+encoded file with its signature tensor declared otherwise (:func:`with_signature_tensor`)."""
 
 from __future__ import annotations
 
+import json
+import math
+import struct
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import kvsnap
+from kvsnap.format import encoded as enc
+from kvsnap.format.constants import SIGNATURE_TENSOR
+from kvsnap.format.hashing import digest128, encode_trailer
 from kvsnap.testing.caches import KVContent, SyntheticCache, make_cache
 from tests.support.prefill_kv import BLOCK, built_in_kv
 
@@ -156,3 +163,30 @@ def capture_mixed(path: Path) -> KVContent:
     sequence = kvsnap.SequenceBlocks("a", tokens, BLOCK_ORDER)
     kvsnap.capture(cache.layout, [sequence], path, reproducible=True)
     return content
+
+
+def with_signature_tensor(source: Path, target: Path, dtype: str, shape: tuple[int, ...]) -> None:
+    """``source`` (a signed file, encoded or ordinary) with its signature tensor (its last)
+    declared ``dtype`` ``shape``, its bytes the stored signature's cut or extended with zeros
+    to that size; an encoded file's trailer is recomputed for the new header (an ordinary
+    file's header is checked against its metadata before its trailer is read)."""
+    data = source.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    entries = json.loads(data[8 : 8 + length])
+    spec = entries[SIGNATURE_TENSOR]
+    begin, end = spec["data_offsets"]
+    nbytes = math.prod(shape) * enc.ITEM_BYTES[dtype]
+    spec.update(dtype=dtype, shape=list(shape), data_offsets=[begin, begin + nbytes])
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=True).encode()
+    assert len(text) <= length
+    header = struct.pack("<Q", length) + text + b" " * (length - len(text))
+    signature = (data[8 + length + begin : 8 + length + end] + bytes(nbytes))[:nbytes]
+    out = np.frombuffer(header + data[8 + length : 8 + length + begin] + signature, np.uint8)
+    out = out.copy()
+    if enc.peek_version(header) == enc.ENCODED_FORMAT_VERSION:
+        layout = enc.parse_header(header, len(out))
+        rows = [digest128(header)]
+        rows += [digest128(out[t.begin : t.end]) for t in layout.checksummed]
+        trailer = layout.by_name[enc.ENCODED_CHECKSUMS_TENSOR]
+        out[trailer.begin : trailer.end] = np.frombuffer(encode_trailer(rows), dtype=np.uint8)
+    out.tofile(target)

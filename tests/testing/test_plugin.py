@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kvsnap.cli.app import app
 from typer.testing import CliRunner
 
 import kvsnap.testing.synthetic  # noqa: F401  (imported by the inner tests; see the docstring)
+from kvsnap.cli.app import app
 from kvsnap.snapshot import Snapshot
 from kvsnap.testing import assert_kv_matches, golden_path, plugin
 from kvsnap.testing.golden import check_golden, kv_data, stored_compression, write_kv_snapshot

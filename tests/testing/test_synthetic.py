@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvsnap.cli.app import app
 from safetensors import safe_open
 from typer.testing import CliRunner
 
+from kvsnap.cli.app import app
 from kvsnap.snapshot import Snapshot
 from kvsnap.testing.synthetic import (
     LAYOUTS,

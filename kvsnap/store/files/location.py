@@ -32,7 +32,9 @@ SAFETENSORS_SUFFIX = ".safetensors"
 class Location:
     """A local path (``fs is None``), a path on an fsspec filesystem, or a file whose bytes
     are ``held`` in memory (a decoded encoded snapshot): only ever read, its reads served
-    from that array, which must not change while it is open."""
+    from that array, which must not change while it is open. A held file exists for as long
+    as the location does, whatever is on disk under its name (the encoded file it was decoded
+    from, or nothing), and cannot be removed: its ``path`` is only a name."""
 
     url: str
     path: str
@@ -68,6 +70,9 @@ class Location:
         return os.path.basename(self.path) if self.fs is None else posixpath.basename(self.path)
 
     def exists(self) -> bool:
+        """Whether the file is there (a held file always is)."""
+        if self.held is not None:
+            return True
         try:
             return os.path.exists(self.path) if self.fs is None else bool(self.fs.exists(self.path))
         except OSError as error:
@@ -76,7 +81,14 @@ class Location:
             ) from error
 
     def remove(self) -> None:
-        """Delete, ignoring a missing file."""
+        """Delete, ignoring a missing file. A held file is refused with ``ValueError`` (the
+        caller's mistake, kvsnap.errors' rule): it has no file of its own, and the file its
+        ``path`` names (the encoded file it was decoded from) is not it, so is left alone."""
+        if self.held is not None:
+            raise ValueError(
+                f"{self.url}: held in memory (decoded from the file of that name): "
+                "it has no file to remove"
+            )
         with contextlib.suppress(FileNotFoundError):
             if self.fs is None:
                 os.unlink(self.path)

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvsnap.cli.store import app as store_app
 from typer.testing import CliRunner
 
+from kvsnap.cli.store import app as store_app
 from kvsnap.engines.vllm import (
     KVSnapConnectorMetadata,
     SaveSpec,

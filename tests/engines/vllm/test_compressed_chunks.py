@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvsnap.cli.store import app as store_app
 from typer.testing import CliRunner
 
 import kvsnap
 from kvsnap import format as fmt
+from kvsnap.cli.store import app as store_app
 from kvsnap.encoded.original import check_original, parse_original
 from kvsnap.encoded.read import decode, read_encoded
 from kvsnap.encoded.write import recode_file

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvsnap.cli.store import app as store_app
 from typer.testing import CliRunner
 
 from kvsnap import format as fmt
+from kvsnap.cli.store import app as store_app
 from kvsnap.engines.vllm import (
     CacheIdentity,
     ChunkChecker,
