@@ -5,7 +5,7 @@ a shard or a part, page-check tables of the wrong length, scales a quantizer can
 the open that reads no page. Each is one ``SnapshotCorruptError`` naming what is wrong, through
 ``Snapshot.open`` and through the whole-file decode that ``convert`` runs, and nothing sized by
 the claim is allocated (tracemalloc's peak, which numpy's allocations report to, stays at the
-file's own size). tests/cli/test_hostile_encoded.py runs the same files through the CLI."""
+file's own size). tests/cli/test_hostile_encoded.py runs such files through the CLI."""
 
 from __future__ import annotations
 
