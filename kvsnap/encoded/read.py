@@ -32,7 +32,12 @@ from kvsnap.encoded.original import (
     trailer_digests,
 )
 from kvsnap.encoding import lossless
-from kvsnap.errors import BadSignatureError, SnapshotCorruptError, UnsignedSnapshotError
+from kvsnap.errors import (
+    BadSignatureError,
+    SnapshotCorruptError,
+    SnapshotIOError,
+    UnsignedSnapshotError,
+)
 from kvsnap.format import encoded as enc
 from kvsnap.format.constants import SIGNATURE_TENSOR
 from kvsnap.format.container import (
@@ -281,7 +286,15 @@ def decode(encoded: EncodedFile, executor: Executor | None = None) -> np.ndarray
 def _decoded_file(encoded: EncodedFile, executor: Executor | None) -> np.ndarray:
     header = encoded.tensor(enc.ORIGINAL_HEADER_TENSOR).tobytes()
     kinds = _checked_structure(encoded, header)
-    out = np.zeros(encoded.decoded_bytes, dtype=np.uint8)
+    try:
+        out = np.zeros(encoded.decoded_bytes, dtype=np.uint8)
+    except MemoryError as error:
+        # A file that passed every check is what it says it is, a lossless one up to 32768
+        # times its coded bytes (_check_stored): too large for this process, not corrupt.
+        raise SnapshotIOError(
+            f"cannot hold its decoded file ({encoded.decoded_bytes} bytes) in memory",
+            file=encoded.file,
+        ) from error
     out[: len(header)] = np.frombuffer(header, dtype=np.uint8)
     original = parse_original(out, encoded.file)
     for entry in original.layout.entries:
@@ -331,17 +344,12 @@ def _check_stored(encoded: EncodedFile, entry: TensorEntry, kind: str) -> None:
     """Refuse a tensor of the decoded file that is not stored as ``kind`` stores it: as it
     is (a tensor that is no layer tensor, or ``raw``), as e4m3 values of its shape beside
     their scales and page checks (``fp8``), or as chunks whose table describes exactly its
-    pages (``lossless``). Each decoded byte so has stored bytes behind it."""
+    pages and whose zstd frames declare exactly their planes in bytes that can hold them
+    (``lossless``: :func:`~kvsnap.encoding.lossless.check_encoded`). Each decoded byte so has
+    stored bytes behind it: a lossless one at least 1/32768 of a byte, the most a zstd frame
+    can expand (a 4-byte run-length block per 128 KiB)."""
     if kind == "lossless":
-        coded = _lossless_tensor(encoded, entry)
-        lossless.check_chunk_table(
-            coded.chunk_table,
-            word_bytes=coded.word_bytes,
-            page_bytes=coded.page_bytes,
-            num_pages=coded.num_pages,
-            stored_bytes=coded.stored_bytes,
-            tensor=entry.name,
-        )
+        lossless.check_encoded(_lossless_tensor(encoded, entry), entry.name)
     elif kind == "fp8":
         for name, dtype, shape in companions(entry.name, entry.shape, encoded.layout.page_checks):
             encoded.typed(name, dtype, shape)

@@ -20,8 +20,11 @@ one row per chunk; :mod:`kvsnap.encoding.lossless_table`) says where everything 
 length (the sum of its planes' lengths): a table whose chunks overlap, leave a gap, or run past
 the stored bytes is refused by :func:`check_chunk_table` before anything is decoded.
 ``xxh3_64`` covers the chunk's stored bytes, so a corrupt chunk is found before zstd sees it.
-A coded plane is one zstd frame declaring its content size, which must be the plane's size:
-nothing ever decodes to more than its declared output.
+A coded plane is one zstd frame recording its content size, which must be the plane's size,
+in bytes that can hold that much (:mod:`kvsnap.encoding.lossless_frames`): checked from the
+frame headers with the table (:func:`check_encoded`), before anything is allocated, and
+nothing ever decodes to more than its declared output (each frame is decoded into a buffer of
+its plane's size, and one byte more refuses it).
 
 A tensor whose chunks together do not save :data:`MIN_SAVING` of its bytes is not encoded at
 all (:func:`encode_pages` returns ``None``): it is stored as it is. One-byte dtypes (fp8, int8)
@@ -40,12 +43,14 @@ from typing import TypeVar
 import numpy as np
 import xxhash
 
+from kvsnap.encoding.lossless_frames import check_frames, frame_length
 from kvsnap.encoding.lossless_table import (
     CHECKSUM,
     CODEC_RAW,
     CODEC_ZSTD,
     ENCODED_WORD_BYTES,
     FIRST_PAGE,
+    MAX_CHUNK_BYTES,
     NUM_PAGES,
     OFFSET,
     PLANES_START,
@@ -227,17 +232,18 @@ def encode_pages(
     executor: Executor | None = None,
 ) -> LosslessTensor | None:
     """Encode a tensor of pages (``uint8``, ``(num_pages, page_bytes)``, C-contiguous) whose
-    elements are ``word_bytes`` wide; ``None`` when it is not worth it (one-byte elements, or
-    a saving under :data:`MIN_SAVING`): store the tensor as it is. Chunks are coded, then
-    written into the stored bytes, on ``executor``'s threads when one is given."""
+    elements are ``word_bytes`` wide; ``None`` when it is not worth it (one-byte elements, a
+    saving under :data:`MIN_SAVING`, or pages over :data:`MAX_CHUNK_BYTES`, more than a chunk
+    may hold): store the tensor as it is. Chunks are coded, then written into the stored
+    bytes, on ``executor``'s threads when one is given."""
     if pages.ndim != 2 or pages.dtype != np.uint8 or not pages.flags.c_contiguous:
         raise ValueError("pages must be a C-contiguous uint8 array (num_pages, page_bytes)")
     num_pages, page_bytes = pages.shape
-    if word_bytes not in ENCODED_WORD_BYTES or num_pages == 0:
+    if word_bytes not in ENCODED_WORD_BYTES or num_pages == 0 or page_bytes > MAX_CHUNK_BYTES:
         return None
     if page_bytes % word_bytes:
         raise ValueError(f"a page of {page_bytes} bytes is not whole {word_bytes}-byte words")
-    step = chunk_pages(page_bytes, chunk_bytes)
+    step = chunk_pages(page_bytes, min(chunk_bytes, MAX_CHUNK_BYTES))
     slices = [pages[first : first + step] for first in range(0, num_pages, step)]
     results = run_tasks([functools.partial(_code_chunk, s, word_bytes) for s in slices], executor)
     table = np.stack([row for row, _ in results])
@@ -317,6 +323,29 @@ def _decode_row(
     join_planes(planes, out)
 
 
+def check_encoded(encoded: LosslessTensor, tensor: str | None = None) -> None:
+    """Refuse (``SnapshotCorruptError`` naming ``tensor`` and the chunk) an encoded tensor whose
+    chunk table does not describe exactly its pages and stored bytes (:func:`check_chunk_table`)
+    or one of whose coded planes' zstd frames does not declare exactly its plane's size in bytes
+    that can hold it (:func:`~kvsnap.encoding.lossless_frames.check_frames`). Reads the table
+    and the frames' headers, decodes nothing: what passes decodes to at most its pages."""
+    check_chunk_table(
+        encoded.chunk_table,
+        word_bytes=encoded.word_bytes,
+        page_bytes=encoded.page_bytes,
+        num_pages=encoded.num_pages,
+        stored_bytes=encoded.stored_bytes,
+        tensor=tensor,
+    )
+    check_frames(
+        encoded.chunk_table,
+        encoded.data,
+        word_bytes=encoded.word_bytes,
+        page_bytes=encoded.page_bytes,
+        tensor=tensor,
+    )
+
+
 def chunk_decoders(
     encoded: LosslessTensor,
     out: np.ndarray,
@@ -326,18 +355,12 @@ def chunk_decoders(
     after: Callable[[int, np.ndarray], None] | None = None,
 ) -> list[Callable[[], None]]:
     """One task per chunk of ``encoded`` that decodes it into its pages of ``out`` (``uint8``,
-    ``(num_pages, page_bytes)``, C-contiguous), for :func:`run_tasks`; the table is checked
-    first (:func:`check_chunk_table`), so a lying table is refused before any task exists.
+    ``(num_pages, page_bytes)``, C-contiguous), for :func:`run_tasks`; the table and the
+    frames' headers are checked first (:func:`check_encoded`), so a lying table or frame is
+    refused before any task exists.
     ``after(first_page, pages)``, when given, runs in the same task right after the chunk's
     pages (their bytes, flat) are written, while they are still in cache."""
-    check_chunk_table(
-        encoded.chunk_table,
-        word_bytes=encoded.word_bytes,
-        page_bytes=encoded.page_bytes,
-        num_pages=encoded.num_pages,
-        stored_bytes=encoded.stored_bytes,
-        tensor=tensor,
-    )
+    check_encoded(encoded, tensor)
     if out.shape != (encoded.num_pages, encoded.page_bytes) or not out.flags.c_contiguous:
         raise ValueError(f"out must be C-contiguous {(encoded.num_pages, encoded.page_bytes)}")
     flat = out.reshape(-1)
@@ -401,24 +424,6 @@ def _scratch(index: int, size: int) -> np.ndarray:
     return buffer[:size]
 
 
-def frame_length(frame: np.ndarray) -> int:
-    """The length of the zstd frame starting ``frame`` (RFC 8878: its header, then blocks of a
-    3-byte header each until the last, then a 4-byte checksum when the header says so).
-    Raises ``zstandard.ZstdError`` when the bytes end first."""
-    position = zstandard.frame_header_size(frame.data)
-    has_checksum = bool(frame[4] & 0x04)
-    while True:
-        if position + 3 > len(frame):
-            raise zstandard.ZstdError("the frame ends inside a block header")
-        header = int.from_bytes(bytes(frame[position : position + 3]), "little")
-        last, kind, size = header & 1, (header >> 1) & 3, header >> 3
-        position += 3 + (1 if kind == 1 else size)
-        if kind == 3:
-            raise zstandard.ZstdError("a reserved block type")
-        if last:
-            return position + (4 if has_checksum else 0)
-
-
 def decode_pages(
     encoded: LosslessTensor,
     out: np.ndarray,
@@ -428,6 +433,6 @@ def decode_pages(
     verify: bool = True,
 ) -> None:
     """Decode every page of ``encoded`` into ``out`` (``uint8``, ``(num_pages, page_bytes)``,
-    C-contiguous), chunks on ``executor``'s threads when one is given. The table is checked
-    first (:func:`check_chunk_table`)."""
+    C-contiguous), chunks on ``executor``'s threads when one is given. The table and the
+    frames' headers are checked first (:func:`check_encoded`)."""
     run_tasks(chunk_decoders(encoded, out, tensor=tensor, verify=verify), executor)

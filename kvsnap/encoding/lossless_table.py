@@ -14,7 +14,8 @@ import numpy as np
 from kvsnap.errors import SnapshotCorruptError
 
 #: A chunk's raw bytes may be at most this (a table declaring more is refused): the most one
-#: chunk's decode can be asked to produce, whatever its pages.
+#: chunk's decode can be asked to produce, whatever its pages. A tensor of pages larger than
+#: this is stored raw.
 MAX_CHUNK_BYTES = 64 << 20
 #: Plane codecs.
 CODEC_RAW = 0
@@ -49,16 +50,18 @@ def check_chunk_table(
 ) -> None:
     """Refuse (``SnapshotCorruptError``, naming ``tensor`` and the chunk) a chunk table that
     does not describe exactly ``num_pages`` pages stored in exactly ``stored_bytes`` bytes:
-    chunks out of order, overlapping, leaving gaps or running past the data, a chunk larger
-    than :data:`MAX_CHUNK_BYTES`, an unknown codec, or a plane length its codec cannot have.
-    Vectorized: a table of a million rows is checked in milliseconds."""
+    chunks out of order, overlapping, leaving gaps or running past the data, a chunk (or a
+    page) larger than :data:`MAX_CHUNK_BYTES`, an unknown codec, or a plane length its codec
+    cannot have. Vectorized: a table of a million rows is checked in milliseconds."""
     if word_bytes not in ENCODED_WORD_BYTES or page_bytes <= 0 or page_bytes % word_bytes:
         raise corrupt(f"{word_bytes}-byte words in {page_bytes}-byte pages", tensor)
+    if page_bytes > MAX_CHUNK_BYTES:
+        raise corrupt(f"pages of {page_bytes} bytes, more than a chunk holds", tensor)
     if table.dtype != np.uint64 or table.ndim != 2 or table.shape[1] != columns(word_bytes):
         raise corrupt(f"a chunk table of {table.dtype} {table.shape}", tensor)
     if len(table) == 0 or len(table) > num_pages:
         raise corrupt(f"{len(table)} chunks for {num_pages} pages", tensor)
-    limit = max(1, MAX_CHUNK_BYTES // page_bytes)
+    limit = MAX_CHUNK_BYTES // page_bytes
     pages = table[:, NUM_PAGES]
     _first_bad(tensor, (pages == 0) | (pages > limit), "holds {} pages", pages)
     starts = np.concatenate([[0], np.cumsum(pages[:-1], dtype=np.uint64)])
