@@ -1,11 +1,14 @@
 """Hostile encoded files through the CLI: a corrupt chunk, scales that are NaN, zero or infinite,
 chunk tables that overlap or run past the data, a decoded size of 2**60, a decoded header naming
-a shard, page checks of the wrong length, a changed fp8 page. Each file is consistent around its
-one bad field (its trailer recomputed: tests/support/encoded_tamper.py). ``verify`` says what is
-wrong in one problem line and exits 1 (``--json``: one problem, ``ok`` false), ``convert``
-writes nothing and exits 1 with one line, ``inspect`` exits 1 with one line for whatever its
-open reads; never a traceback. A real process under a 2 GiB address-space limit refuses a
-decoded size of 16 GiB the same way (nothing sized by it is allocated)."""
+a shard, page checks of the wrong length, a changed fp8 page, zstd frames that lie about their
+plane (a claim of 2**40 bytes, no content size, another size, a 64 MiB bomb). Each file is
+consistent around its one bad field (its trailer recomputed: tests/support/encoded_tamper.py).
+``verify`` says what is wrong in one problem line and exits 1 (``--json``: one problem, ``ok``
+false), ``convert`` writes nothing and exits 1 with one line, ``inspect`` exits 1 with one line
+for whatever its open reads; never a traceback. A real process under a 2 GiB address-space
+limit refuses a decoded size of 16 GiB the same way (nothing sized by it is allocated), and so
+lying frames behind a decoded file claimed at 3.75 GiB; one whose frames make that claim true
+does not fit there, which is one line too (exit 2)."""
 
 from __future__ import annotations
 
@@ -20,17 +23,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zstandard
 from typer.testing import CliRunner
 
+import kvsnap
 from kvsnap.cli.app import app
 from kvsnap.encoded.write import encode_file
 from kvsnap.format import encoded as enc
 from tests.support.encoded_files import capture_real
 from tests.support.encoded_tamper import (
     StoredParts,
+    coded_plane,
+    lying_plane_frames,
     original_header,
+    run_length_frame,
+    set_decoded_layout,
     set_original_metadata,
+    set_plane,
     stored_parts,
+    with_larger_pages,
     write_parts,
 )
 
@@ -73,6 +84,38 @@ def _claims(size: int) -> Callable[[StoredParts], None]:
     return claim
 
 
+#: Where the hostile frames go: a coded plane of the lossless file's (10 KiB: 10 pages of 1024
+#: words) and the tensor and chunk the refusal names.
+FRAME_AT = ("layers.1.value", 0, 1)
+FRAME_WHERE = "tensor layers.1.value: chunk 0: "
+
+
+def _frame(make: Callable[[bytes, int], bytes]) -> Callable[[StoredParts], None]:
+    """Plane ``FRAME_AT``'s zstd frame replaced by ``make(frame, plane bytes)``."""
+
+    def replace(parts: StoredParts) -> None:
+        frame, plane_bytes = coded_plane(parts, *FRAME_AT)
+        set_plane(parts, *FRAME_AT, make(frame, plane_bytes))
+
+    return replace
+
+
+def _claims_2_40(frame: bytes, plane_bytes: int) -> bytes:
+    return run_length_frame(1 << 40)
+
+
+def _unsized(frame: bytes, plane_bytes: int) -> bytes:
+    return zstandard.ZstdCompressor(write_content_size=False).compress(zstandard.decompress(frame))
+
+
+def _other_size(frame: bytes, plane_bytes: int) -> bytes:
+    return zstandard.ZstdCompressor().compress(zstandard.decompress(frame)[:-2048])
+
+
+def _bomb(frame: bytes, plane_bytes: int) -> bytes:
+    return zstandard.ZstdCompressor(level=1).compress(bytes(64 << 20))  # about 2 KiB
+
+
 def _shard(parts: StoredParts) -> None:
     _, metadata, _ = original_header(parts)
     set_original_metadata(parts, {**metadata, "shard": {"index": 1, "count": 2}})
@@ -96,6 +139,29 @@ CASES = [
     ("short-page-checks", "fp8", _short_checks, "stored as U64 (9,), expected U64 (10,)", 1),
     # The open of an fp8 file reads no page (inspect shows it): verify and convert check them.
     ("changed-fp8-page", "fp8", _flip("layers.3.key", 2048 + 5), "page checksum mismatch", 0),
+    # zstd frames that lie, each in place of a real plane of 10240 bytes:
+    (
+        "frame-claims-2**40",
+        "lossless",
+        _frame(_claims_2_40),
+        f"{FRAME_WHERE}a plane declares {1 << 40} bytes, not 10240",
+        1,
+    ),
+    (
+        "frame-without-size",
+        "lossless",
+        _frame(_unsized),
+        f"{FRAME_WHERE}a plane's zstd frame records no content size",
+        1,
+    ),
+    (
+        "frame-of-another-size",
+        "lossless",
+        _frame(_other_size),
+        f"{FRAME_WHERE}a plane declares 8192 bytes, not 10240",
+        1,
+    ),
+    ("zstd-bomb", "lossless", _frame(_bomb), f"{FRAME_WHERE}a plane declares {64 << 20} bytes", 1),
 ]
 
 
@@ -146,27 +212,88 @@ def test_each_is_one_problem_and_exit_1(hostile, tmp_path, case, words, inspect_
         assert len(inspected.stderr.strip().splitlines()) == 1
 
 
+def _limited() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
+def _limited_cli(*command: str) -> subprocess.CompletedProcess:
+    """``kvsnap COMMAND`` in a real process under a 2 GiB address-space limit."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvsnap.cli", *command],
+        cwd=REPOSITORY,
+        env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+        preexec_fn=_limited,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 def test_a_real_process_refuses_a_16_gib_claim_within_2_gib_of_address_space(hostile, tmp_path):
     # Before the decoded size was checked, decode made np.zeros(decoded_bytes): under this limit
     # a MemoryError and its traceback. The parts are the lossless file with one number changed.
     parts = stored_parts(hostile["corrupt-chunk"].parent / "lossless.safetensors")
     _claims(16 << 30)(parts)
     path = write_parts(parts, tmp_path / "claims.safetensors")
-
-    def limited() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
-
     for command in (["verify", str(path)], ["inspect", str(path)]):
-        done = subprocess.run(
-            [sys.executable, "-m", "kvsnap.cli", *command],
-            cwd=REPOSITORY,
-            env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
-            preexec_fn=limited,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        done = _limited_cli(*command)
         assert done.returncode == 1, done.stderr
         assert "Traceback" not in done.stderr + done.stdout
         assert f"decoded_bytes = {16 << 30} bytes" in done.stdout + done.stderr
+
+
+#: The large claims: pages 24576 times the captured ones (48 MiB: 2 x 24 MiB planes), 3.75 GiB
+#: of decoded file behind about 130 KiB of chunks, and what each case's one line says.
+LARGE_FACTOR = 24576
+PLANE_BYTES = 24 << 20
+LARGE_WORDS = {
+    "tiny-frames": f"a plane of {PLANE_BYTES} bytes cannot come out of a 17-byte zstd frame",
+    "frames-claim-2**40": f"a plane declares {1 << 40} bytes, not {PLANE_BYTES}",
+    "frames-without-size": "a plane's zstd frame records no content size",
+    "frames-of-another-size": f"a plane declares {PLANE_BYTES - 2048} bytes, not {PLANE_BYTES}",
+    "bombs": f"a plane declares {64 << 20} bytes, not {PLANE_BYTES}",
+}
+
+
+@pytest.fixture(scope="module")
+def large(hostile) -> dict[str, Path]:
+    folder = hostile["corrupt-chunk"].parent
+    with kvsnap.Snapshot.open(folder / "kv.safetensors") as original:
+        metadata = with_larger_pages(original.metadata, LARGE_FACTOR)
+    files = {}
+    for case, plane_frame in lying_plane_frames().items():
+        parts = stored_parts(folder / "lossless.safetensors")
+        assert set_decoded_layout(parts, metadata, plane_frame) > 3 << 30
+        files[case] = write_parts(parts, folder / f"large-{case}.safetensors")
+        assert files[case].stat().st_size < 1 << 20
+    return files
+
+
+@pytest.mark.parametrize("case", list(LARGE_WORDS))
+def test_frames_that_cannot_fill_a_large_claim_are_refused_within_2_gib(large, case):
+    # Every plane of every lossless tensor is such a frame. Before the frames were checked from
+    # their headers ahead of the decode, the 3.75 GiB decoded file was allocated first: under
+    # this limit a MemoryError and its traceback.
+    path = str(large[case])
+    for command in (["verify", path], ["inspect", path]):
+        done = _limited_cli(*command)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "Traceback" not in done.stderr + done.stdout
+        said = done.stdout if command[0] == "verify" else done.stderr
+        lines = [line for line in said.splitlines() if path in line]
+        assert len(lines) == 1, said
+        assert f"{path}, tensor layers.0.key: chunk 0: {LARGE_WORDS[case]}" in lines[0]
+
+
+def test_a_true_large_file_that_does_not_fit_is_one_line_within_2_gib(large):
+    # Real frames of zeros, each recording its plane's size: a file that is what it claims,
+    # 3.75 GiB decoded from about 130 KiB, more than this process may hold.
+    path = str(large["zeros"])
+    size = stored_parts(large["zeros"]).document["encoding"]["decoded_bytes"]
+    for command in (["verify", path], ["inspect", path]):
+        done = _limited_cli(*command)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "Traceback" not in done.stderr + done.stdout
+        said = f"error: {path}: cannot hold its decoded file ({size} bytes) in memory"
+        assert done.stderr.splitlines() == [said]

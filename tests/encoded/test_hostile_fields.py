@@ -1,8 +1,9 @@
 """Hostile values in the fields an encoded file adds, each written into an otherwise consistent
 file (kvsnap's own container code lays it out and checksums it: tests/support/encoded_tamper.py):
-a decoded size or a block count with nothing stored behind it, the decoded file's header naming
-a shard or a part, page-check tables of the wrong length, scales a quantizer cannot write read by
-the open that reads no page. Each is one ``SnapshotCorruptError`` naming what is wrong, through
+a decoded size, a block count or large pages with nothing stored behind them (zstd frames too
+short for their planes or lying about them), the decoded file's header naming a shard or a
+part, page-check tables of the wrong length, scales a quantizer cannot write read by the open
+that reads no page. Each is one ``SnapshotCorruptError`` naming what is wrong, through
 ``Snapshot.open`` and through the whole-file decode that ``convert`` runs, and nothing sized by
 the claim is allocated (tracemalloc's peak, which numpy's allocations report to, stays at the
 file's own size). tests/cli/test_hostile_encoded.py runs such files through the CLI."""
@@ -26,9 +27,12 @@ from kvsnap.format import encoded as enc
 from kvsnap.format.signing import KeyRing
 from tests.support.encoded_files import capture_real
 from tests.support.encoded_tamper import (
+    lying_plane_frames,
     original_header,
+    set_decoded_layout,
     set_original_metadata,
     stored_parts,
+    with_larger_pages,
     write_parts,
 )
 
@@ -158,6 +162,22 @@ def test_page_check_tables_of_the_wrong_length_are_refused_naming_them(
     for error in _refusals(path):
         assert error.tensor == name
         assert f"stored as {dtype} {shape}, expected {expected}" in str(error)
+
+
+@pytest.mark.parametrize("case", [case for case in lying_plane_frames() if case != "zeros"])
+def test_frames_that_cannot_fill_pages_claimed_large_are_refused_unallocated(files, tmp_path, case):
+    # The decoded file's header, decoded_bytes and the chunk tables agree on pages of 48 MiB
+    # (3.75 GiB in all); every coded plane is a frame that lies about its 24 MiB (a 17-byte
+    # one claiming it all, a claim of 2**40, no size, another size, a 64 MiB bomb). The frames'
+    # headers refuse the file before the decoded file is allocated or a chunk decoded.
+    parts = stored_parts(files / "lossless.safetensors")
+    with kvsnap.Snapshot.open(files / "kv.safetensors") as original:
+        metadata = with_larger_pages(original.metadata, 24576)
+    assert set_decoded_layout(parts, metadata, lying_plane_frames()[case]) > 3 << 30
+    path = write_parts(parts, tmp_path / "large.safetensors")
+    for error in _refusals(path):
+        assert (error.file, error.tensor) == (str(path), "layers.0.key")
+        assert error.detail.startswith("chunk 0: a plane"), error.detail
 
 
 @pytest.mark.parametrize(

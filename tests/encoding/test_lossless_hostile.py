@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvsnap.encoding import lossless
+from kvsnap.encoding import lossless, lossless_table
 from kvsnap.errors import SnapshotCorruptError
+from tests.support.encoded_tamper import run_length_frame
 
 # A base dependency; absent only where the tree runs uninstalled (the GPU machine's image),
 # whose `pytest -m gpu tests` collects this file too.
@@ -162,9 +163,9 @@ def test_bytes_after_the_frame_and_frames_without_a_size_are_refused():
     with pytest.raises(SnapshotCorruptError, match="chunk 3: a plane is not exactly one"):
         _decode(_forge_plane(encoded, 3, frame + frame))
     unsized = zstandard.ZstdCompressor(level=1, write_content_size=False).compress(plane)
-    with pytest.raises(SnapshotCorruptError, match="declares -1 bytes"):
+    with pytest.raises(SnapshotCorruptError, match="chunk 3: a plane's zstd frame records no"):
         _decode(_forge_plane(encoded, 3, unsized))
-    with pytest.raises(SnapshotCorruptError, match="chunk 3: a plane does not decode"):
+    with pytest.raises(SnapshotCorruptError, match="chunk 3: a plane's zstd frame header is not"):
         _decode(_forge_plane(encoded, 3, b"\x01\x02\x03\x04garbage!"))
     # The untouched frame decodes: the forging itself is sound.
     _decode(_forge_plane(encoded, 3, frame))
@@ -178,3 +179,55 @@ def test_frame_length_reads_the_block_headers():
         assert lossless.frame_length(np.frombuffer(checked, dtype=np.uint8)) == len(checked)
     with pytest.raises(zstandard.ZstdError):
         lossless.frame_length(np.frombuffer(frame[:-3], dtype=np.uint8))
+
+
+def _wide_pages() -> np.ndarray:
+    """Six pages of 256 KiB of bf16-like words: planes of 384 KiB, three pages a chunk."""
+    rng = np.random.default_rng(11)
+    words = (0x3C00 + rng.integers(0, 0x400, 6 * (128 << 10))).astype("<u2")
+    return words.view(np.uint8).reshape(6, 256 << 10)
+
+
+def test_a_frame_too_short_to_hold_its_plane_is_refused_before_any_decoding():
+    # The audit's case: a table declaring large pages behind frames of a few bytes that record
+    # the right size. 17 bytes hold one block, at most 128 KiB: not a plane of 384 KiB.
+    encoded = lossless.encode_pages(_wide_pages(), 2, chunk_bytes=768 << 10)
+    assert encoded is not None and len(encoded.chunk_table) == 2
+    plane_bytes = 3 * (128 << 10)
+    tiny = run_length_frame(plane_bytes)
+    assert len(tiny) == 17 and zstandard.frame_content_size(tiny) == plane_bytes
+    forged = _forge_plane(encoded, 1, tiny)
+    words = f"chunk 1: a plane of {plane_bytes} bytes cannot come out of a 17-byte zstd frame"
+    with pytest.raises(SnapshotCorruptError, match=words):
+        lossless.chunk_decoders(forged, np.empty((6, 256 << 10), dtype=np.uint8))
+    # Three blocks can hold it: that frame passes the check, and decodes (to zeros, which the
+    # checksums of the file's pages refuse later).
+    enough = run_length_frame(plane_bytes, blocks=3)
+    out = np.empty((6, 256 << 10), dtype=np.uint8)
+    lossless.decode_pages(_forge_plane(encoded, 1, enough), out)
+    assert not out[3:, 1::2].any()  # every word's high byte: the plane replaced
+
+
+def test_a_bomb_whose_size_field_lies_is_refused_without_producing_more():
+    # A real frame of 64 MiB of zeros (about 2 KiB), its content size patched to the plane's:
+    # the headers agree with the table, and the decode into a buffer of the plane's size stops
+    # at the first block that does not fit (zstd sizes its own buffer by the declared size).
+    encoded = _encoded()
+    plane_bytes = 3 * PAGE_BYTES // 2
+    bomb = bytearray(zstandard.ZstdCompressor(level=1).compress(bytes(64 << 20)))
+    assert len(bomb) < plane_bytes
+    size_at = zstandard.frame_header_size(bytes(bomb)) - 4  # a 4-byte size field, last
+    bomb[size_at : size_at + 4] = plane_bytes.to_bytes(4, "little")
+    assert zstandard.frame_content_size(bytes(bomb)) == plane_bytes
+    with pytest.raises(SnapshotCorruptError, match="chunk 2: a plane does not decode"):
+        _decode(_forge_plane(encoded, 2, bytes(bomb)))
+
+
+def test_pages_larger_than_a_chunk_are_stored_raw_and_refused_in_a_table():
+    page_bytes = lossless_table.MAX_CHUNK_BYTES + 2
+    assert lossless.encode_pages(np.zeros((1, page_bytes), dtype=np.uint8), 2) is None
+    table = np.array([[0, 1, 0, 0, 1, 100, 1, 100]], dtype=np.uint64)
+    with pytest.raises(SnapshotCorruptError, match=f"pages of {page_bytes} bytes, more than"):
+        lossless_table.check_chunk_table(
+            table, word_bytes=2, page_bytes=page_bytes, num_pages=1, stored_bytes=200
+        )
