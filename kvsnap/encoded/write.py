@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 from kvsnap._version import __version__
+from kvsnap.encoded.file import EncodedFile
+from kvsnap.encoded.kept import KeptFp8, kept_fp8
 from kvsnap.encoded.original import OriginalFile, check_original, parse_original, read_local
 from kvsnap.encoded.read import decode, is_encoded, parse_encoded
 from kvsnap.encoded.stored import (
@@ -304,8 +306,10 @@ def recode_file(
 ) -> EncodeResult:
     """Write the snapshot ``source`` (ordinary or encoded: an encoded one is decoded first)
     to ``target`` as ``compression``: ``"none"`` (the ordinary file), ``"lossless"`` or
-    ``"fp8"``. An fp8 snapshot re-encoded is measured against its decoded pages, not the
-    pages it was made from (those are gone). A signed ``source`` has its signature checked
+    ``"fp8"``. An fp8 snapshot written as fp8 is kept, not quantized again
+    (:mod:`kvsnap.encoded.kept`: its values, scales and recorded error as they are); written
+    as anything else, it gives its decoded values, without the error it records against the
+    captured pages, which ``notes`` says. A signed ``source`` has its signature checked
     when ``keys`` are given, and is encoded only with them (as :func:`encode_file` says). A
     signed encoded ``source`` written as ``"none"`` gives its decoded file, unsigned by design
     (an ordinary file is signed at capture), which ``notes`` says; an unsigned ``source`` is
@@ -314,14 +318,19 @@ def recode_file(
         raise ValueError(f"compression {compression!r}: none, lossless or fp8")
     started = time.perf_counter()
     data = read_local(source)
+    file, written = os.fspath(source), os.fspath(target)
     signed_encoded = False
-    if is_encoded(data):
-        data, signed_encoded = _decoded(data, os.fspath(source), compression, keys, threads)
-    original = parse_original(data, os.fspath(source))
-    check_original(original)
     notes: tuple[str, ...] = ()
+    if is_encoded(data):
+        encoded = EncodedFile(data, _layout(data, file), file)
+        if encoded.encoding["name"] == "fp8" and compression == "fp8":
+            return _write_kept(kept_fp8(encoded, written, keys, threads), written, keys, started)
+        notes = _decoded_notes(encoded, written, compression)
+        data, signed_encoded = _decoded(encoded, compression, keys, threads)
+    original = parse_original(data, file)
+    check_original(original)
     if compression == "none":
-        notes = _plain_copy_notes(original, keys, signed_encoded, os.fspath(target))
+        notes += _plain_copy_notes(original, keys, signed_encoded, written)
         stored = publish([data], Path(target))
         report = None
     else:
@@ -331,14 +340,32 @@ def recode_file(
                 original, compression, keys=keys, measure_error=measure_error, executor=executor
             )
         stored = publish(pieces, Path(target))
-    return EncodeResult(
-        os.fspath(target),
-        compression,
-        len(original.data),
-        stored,
-        time.perf_counter() - started,
-        report,
-        notes,
+    seconds = time.perf_counter() - started
+    return EncodeResult(written, compression, len(original.data), stored, seconds, report, notes)
+
+
+def _write_kept(kept: KeptFp8, target: str, keys: KeyRing | None, started: float) -> EncodeResult:
+    """Write the fp8 file ``kept`` keeps to ``target``: as it is, or its tensors signed."""
+    decoded_bytes = kept.encoded.decoded_bytes
+    if kept.stored is None:
+        pieces: list[bytes | np.ndarray] = [kept.encoded.data]
+    else:
+        pieces = stored_pieces(kept.stored, "fp8", decoded_bytes, keys, kept.report)
+    stored = publish(pieces, Path(target))
+    seconds = time.perf_counter() - started
+    return EncodeResult(target, "fp8", decoded_bytes, stored, seconds, kept.report, kept.notes)
+
+
+def _decoded_notes(encoded: EncodedFile, target: str, compression: str) -> tuple[str, ...]:
+    """What writing the encoded file ``encoded`` decoded (``"none"``) or ``"lossless"`` to
+    ``target`` loses: an fp8 file's recorded error, which is of its values against the
+    captured pages, gone (the values written are the decoded ones, exactly)."""
+    if encoded.encoding["name"] != "fp8":
+        return ()
+    held = "its decoded file" if compression == "none" else "its decoded values, bit for bit"
+    return (
+        f"{encoded.file} is fp8: {target} holds {held}; the error {encoded.file} records "
+        "(against the pages it was made from, which are gone) is not carried",
     )
 
 
@@ -366,20 +393,23 @@ def _plain_copy_notes(
     )
 
 
-def _decoded(
-    data: np.ndarray, file: str, compression: str, keys: KeyRing | None, threads: int
-) -> tuple[np.ndarray, bool]:
-    """The decoded file of the encoded file held in ``data``, checked, and whether the encoded
-    file is signed: signed, its signature is checked with ``keys``, and it is encoded again
-    only with them."""
+def _layout(data: np.ndarray, file: str) -> enc.EncodedLayout:
     length = enc.header_length(data[:8].tobytes(), len(data), file)
-    layout = enc.parse_header(data[: 8 + length].tobytes(), len(data), file)
-    signed = layout.encoding.get("signature") is not None
+    return enc.parse_header(data[: 8 + length].tobytes(), len(data), file)
+
+
+def _decoded(
+    encoded: EncodedFile, compression: str, keys: KeyRing | None, threads: int
+) -> tuple[np.ndarray, bool]:
+    """The decoded file of ``encoded`` (its container parsed), checked, and whether it is
+    signed: signed, its signature is checked with ``keys``, and it is encoded again only with
+    them."""
+    signed = encoded.encoding.get("signature") is not None
     if signed and keys is None and compression != "none":
-        raise unkeyed(file)
-    encoded = parse_encoded(data, file, keys if signed else None)
+        raise unkeyed(encoded.file)
+    checked = parse_encoded(encoded.data, encoded.file, keys if signed else None)
     with ThreadPoolExecutor(max(1, threads)) as executor:
-        return decode(encoded, executor), signed
+        return decode(checked, executor), signed
 
 
 def check_compression(compression: str, path: str | os.PathLike[str], refused: bool) -> None:
