@@ -112,10 +112,17 @@ def test_convert_to_none_with_the_key_checks_it_and_writes_the_unsigned_decoded_
     checked, unchecked = tmp_path / "checked.safetensors", tmp_path / "unchecked.safetensors"
     run = _to_none(captures, name, checked, "--key-file", str(captures["key"]))
     assert run.returncode == 0, run.stderr
-    (note,) = json.loads(run.stdout)["notes"]
+    *first, note = json.loads(run.stdout)["notes"]
     assert note.startswith(f"{checked} is unsigned") and "--compress lossless --key-file" in note
+    if name == "signed-fp8":  # and its decoded values come without the error it recorded
+        (carried,) = first
+        assert carried.startswith(f"{captures[name]} is fp8: {checked} holds its decoded file")
+        assert carried.endswith("is not carried")
+    else:
+        assert first == []
     stderr_lines = run.stderr.strip().splitlines()
-    assert len(stderr_lines) == 1 and stderr_lines[0].startswith("note: ")
+    assert len(stderr_lines) == 1 + len(first)
+    assert all(line.startswith("note: ") for line in stderr_lines)
     # The same file as without the key (which checks nothing): the decoded snapshot.
     assert _to_none(captures, name, unchecked).returncode == 0
     assert checked.read_bytes() == unchecked.read_bytes()
