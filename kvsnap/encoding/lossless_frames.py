@@ -75,13 +75,15 @@ def _check_frame(frame: memoryview, plane_bytes: int, tensor: str | None, chunk:
 def frame_length(frame: np.ndarray) -> int:
     """The length of the zstd frame starting ``frame`` (RFC 8878: its header, then blocks of a
     3-byte header each until the last, then a 4-byte checksum when the header says so).
-    Raises ``zstandard.ZstdError`` when the bytes end first."""
-    position = zstandard.frame_header_size(frame.data)
+    Raises ``zstandard.ZstdError`` when the bytes end first. Time grows with the blocks (about
+    0.3 us each, a frame of empty 3-byte blocks included: about 0.1 s per MB of them)."""
+    held = frame.data  # memoryview slices, not numpy ones: half the time a block
+    position = zstandard.frame_header_size(held)
     has_checksum = bool(frame[4] & 0x04)
     while True:
-        if position + 3 > len(frame):
+        if position + 3 > len(held):
             raise zstandard.ZstdError("the frame ends inside a block header")
-        header = int.from_bytes(bytes(frame[position : position + 3]), "little")
+        header = int.from_bytes(held[position : position + 3], "little")
         last, kind, size = header & 1, (header >> 1) & 3, header >> 3
         position += 3 + (1 if kind == 1 else size)
         if kind == 3:
