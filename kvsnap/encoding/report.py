@@ -117,13 +117,15 @@ class ErrorReport:
         return lines
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict (floats to 6 significant digits: what the metadata stores)."""
+        """A JSON-able dict (floats to 6 significant digits: what the metadata stores);
+        ``ValueError`` naming the first number that is NaN or infinite (strict JSON has
+        neither, and no reader would open the file)."""
         return {
             "encoding": self.encoding,
             "granularity": self.granularity,
             "query_source": self.query_source,
-            "tensors": [_rounded(dataclasses.asdict(item)) for item in self.tensors],
-            "attention": [_rounded(dataclasses.asdict(item)) for item in self.attention],
+            "tensors": [_rounded(item) for item in self.tensors],
+            "attention": [_rounded(item) for item in self.attention],
         }
 
     @classmethod
@@ -145,8 +147,15 @@ class ErrorReport:
         )
 
 
-def _rounded(values: dict[str, Any]) -> dict[str, Any]:
-    return {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in values.items()}
+def _rounded(item: TensorError | AttentionError) -> dict[str, Any]:
+    values = dataclasses.asdict(item)
+    for name, value in values.items():
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                where = getattr(item, "tensor", None) or f"layer {getattr(item, 'layer', '?')}"
+                raise ValueError(f"error report: {where} {name} is {value}, not a finite number")
+            values[name] = float(f"{value:.6g}")
+    return values
 
 
 def _exact(data: Any, names: Sequence[str]) -> Mapping[str, Any]:
