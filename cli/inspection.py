@@ -252,6 +252,8 @@ def _encoding_rows(encoding: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if encoding["error"] is not None:
         rows.append(("error", error_line(encoding["error"]["worst"])))
+    elif encoding["name"] == "lossless":
+        rows.append(("error", "none: decodes bit for bit (checked by the original's checksums)"))
     return rows
 
 

@@ -29,7 +29,7 @@ from .common import (
     key_ring,
     snapshot_location,
 )
-from .comparison_output import AtolOption, RtolOption, TopOption, print_report
+from .comparison_output import TopOption, print_report
 from .foreign_paths import is_foreign, verify_foreign
 from .output import (
     EXIT_VERIFY_FAILED,
@@ -62,6 +62,27 @@ _AgainstOption = Annotated[
     ),
 ]
 
+#: Unlike diff's, verify's tolerances default to None: an fp8 snapshot given --against is
+#: measured by its error unless a tolerance is given, and --atol 0 is a tolerance (exact).
+_AtolOption = Annotated[
+    float | None,
+    typer.Option(
+        "--atol",
+        min=0.0,
+        show_default="0",
+        help="Absolute tolerance: |a - b| <= atol + rtol*|b|.",
+    ),
+]
+_RtolOption = Annotated[
+    float | None,
+    typer.Option(
+        "--rtol",
+        min=0.0,
+        show_default="0",
+        help="Relative tolerance: |a - b| <= atol + rtol*|b|.",
+    ),
+]
+
 _RecomputeOption = Annotated[
     bool,
     typer.Option("--recompute", help="Rerun prefill on the model and compare with the snapshot."),
@@ -71,8 +92,8 @@ _RecomputeOption = Annotated[
 def verify(
     snapshot: SnapshotsArgument,
     against: _AgainstOption = None,
-    atol: AtolOption = 0.0,
-    rtol: RtolOption = 0.0,
+    atol: _AtolOption = None,
+    rtol: _RtolOption = None,
     top: TopOption = 10,
     recompute: _RecomputeOption = False,
     model: ModelOption = None,
@@ -136,10 +157,15 @@ class _Check:
     engine: Any
     model: str | None
     device: str
-    atol: float
-    rtol: float
+    #: ``None``: not given (0 where a comparison needs one).
+    atol: float | None
+    rtol: float | None
     top: int
     quiet: bool
+
+    @property
+    def tolerances(self) -> dict[str, float]:
+        return {"atol": self.atol or 0.0, "rtol": self.rtol or 0.0}
 
     def run(self, location: str) -> dict[str, Any]:
         """Check the snapshot at ``location``, print the outcome (unless ``--json``) and
@@ -181,8 +207,10 @@ class _Check:
 
     def _measures_error(self, snap: Snapshot) -> bool:
         """Whether ``--against`` checks ``snap``'s recorded error rather than comparing it
-        element by element: a lossy (fp8) snapshot, no tolerance given."""
-        return self.reference is not None and _is_lossy(snap) and not (self.atol or self.rtol)
+        element by element: a lossy (fp8) snapshot, no tolerance given (``--atol 0`` is one:
+        an exact comparison)."""
+        given = self.atol is not None or self.rtol is not None
+        return self.reference is not None and _is_lossy(snap) and not given
 
     def _measured(self, snap: Snapshot) -> dict[str, Any]:
         from kvsnap.snapshot import Snapshot
@@ -197,9 +225,7 @@ class _Check:
         if self.reference is not None:
             with Snapshot.open(self.reference) as other:
                 with progress_bar("comparing", enabled=not self.quiet) as progress:
-                    return snap.compare(
-                        other, atol=self.atol, rtol=self.rtol, top=self.top, progress=progress
-                    )
+                    return snap.compare(other, **self.tolerances, top=self.top, progress=progress)
         if self.engine is not None:
             return _recompute(self, snap)
         return None
@@ -419,4 +445,4 @@ def _recompute(check: _Check, snap: Snapshot) -> Comparison:
             sequence_ids=[record.id for record in snap.sequences],
         )
         with Snapshot.open(fresh_path) as fresh:
-            return snap.compare(fresh, atol=check.atol, rtol=check.rtol, top=check.top)
+            return snap.compare(fresh, **check.tolerances, top=check.top)

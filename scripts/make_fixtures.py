@@ -3,6 +3,12 @@
     python scripts/make_fixtures.py            # write the current format version's fixtures
     python scripts/make_fixtures.py --check    # exit 1 if any committed fixture would change
     python scripts/make_fixtures.py --force    # rewrite fixtures whose bytes would change
+    python scripts/make_fixtures.py --encoded  # the same for fixtures/encoded-v3/
+
+``--encoded`` writes ``fixtures/encoded-v3/``: encoded snapshots (format version 3) of a few of
+the current version's fixtures, lossless and fp8, one fp8 file signed with
+:data:`ENCODED_FIXTURE_KEY`; its manifest names each file's source fixture, encoding, the
+kvsnap version that wrote it, byte count and SHA-256.
 
 Files go to ``fixtures/v{FORMAT_VERSION}/`` with a ``manifest.json`` listing, per file, the
 :func:`kvsnap.testing.synthetic.generate` arguments, the byte count and the SHA-256.
@@ -132,6 +138,47 @@ def build(directory: Path) -> list[dict[str, Any]]:
     return entries
 
 
+#: Encoded fixtures: file stem -> (source fixture stem, encoding, signed).
+ENCODED_FIXTURES: dict[str, tuple[str, str, bool]] = {
+    "vllm-split-nhd-bf16.lossless": ("full-vllm-split-nhd-bf16", "lossless", False),
+    "vllm-split-nhd-bf16.fp8": ("full-vllm-split-nhd-bf16", "fp8", False),
+    "vllm-split-nhd-bf16.fp8-signed": ("full-vllm-split-nhd-bf16", "fp8", True),
+    "packed-f32.lossless": ("full-packed-f32", "lossless", False),
+    "packed-f32.fp8": ("full-packed-f32", "fp8", False),
+    "mla-bf16.lossless": ("mla-bf16-shared", "lossless", False),
+    "mla-bf16.fp8": ("mla-bf16-shared", "fp8", False),
+    "cross-layer-f8e4m3.fp8": ("full-cross-layer-f8e4m3", "fp8", False),  # stored raw
+}
+#: The key the signed encoded fixture is signed with (a test key: 32 known bytes).
+ENCODED_FIXTURE_KEY = bytes(range(32))
+
+
+def build_encoded(directory: Path, sources: Path) -> list[dict[str, Any]]:
+    """Write every encoded fixture into ``directory`` from the fixtures in ``sources``;
+    returns the manifest entries."""
+    from kvsnap import __version__
+    from kvsnap.encoded.write import encode_file
+    from kvsnap.format.signing import KeyRing
+
+    entries = []
+    for stem, (source, encoding, signed) in ENCODED_FIXTURES.items():
+        path = directory / f"{stem}.safetensors"
+        keys = KeyRing([ENCODED_FIXTURE_KEY]) if signed else None
+        encode_file(sources / f"{source}.safetensors", path, encoding, keys=keys)
+        entries.append(
+            {
+                "file": path.name,
+                "source": f"{source}.safetensors",
+                "encoding": encoding,
+                "signed": signed,
+                "kvsnap_version": __version__,
+                "bytes": path.stat().st_size,
+                "sha256": sha256(path),
+            }
+        )
+    return entries
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -146,11 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         "--check", action="store_true", help="only report fixtures that would change"
     )
     parser.add_argument("--force", action="store_true", help="rewrite fixtures whose bytes change")
+    parser.add_argument(
+        "--encoded",
+        action="store_true",
+        help="write the encoded fixtures (default directory: fixtures/encoded-v3)",
+    )
     args = parser.parse_args(argv)
+    if args.encoded and args.output_dir == parser.get_default("output_dir"):
+        args.output_dir = REPO / "fixtures" / "encoded-v3"
 
     with tempfile.TemporaryDirectory(prefix="kvsnap-fixtures-") as scratch:
         fresh = Path(scratch)
-        entries = build(fresh)
+        sources = REPO / "fixtures" / f"v{FORMAT_VERSION}"
+        entries = build_encoded(fresh, sources) if args.encoded else build(fresh)
         changed = [
             entry["file"]
             for entry in entries
@@ -175,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         for entry in entries:
             (args.output_dir / entry["file"]).write_bytes((fresh / entry["file"]).read_bytes())
     manifest = {
-        "format_version": FORMAT_VERSION,
-        "generator_version": GENERATOR_VERSION,
-        "written_by": "scripts/make_fixtures.py",
+        "format_version": 3 if args.encoded else FORMAT_VERSION,
+        **({} if args.encoded else {"generator_version": GENERATOR_VERSION}),
+        "written_by": "scripts/make_fixtures.py" + (" --encoded" if args.encoded else ""),
         "fixtures": entries,
     }
     (args.output_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -28,6 +28,7 @@ import xxhash
 
 from kvsnap import format as fmt
 from kvsnap.encoded.file import EncodedInfo
+from kvsnap.encoded.original import described_file
 from kvsnap.encoded.read import check_signature_fields, check_signed_message, companions
 from kvsnap.encoding.fp8_scales import check_scale_table
 from kvsnap.errors import (
@@ -211,9 +212,7 @@ def _decoded_metadata(
     """The decoded snapshot's metadata: its header (stored whole) and metadata tensors (stored
     as they are), each layer tensor's shape and dtype matching what is stored for it."""
     original_header = small[enc.ORIGINAL_HEADER_TENSOR].tobytes()
-    decoded = fmt.decode_header(original_header, layout.encoding["decoded_bytes"], path)
-    if decoded.metadata.shard is not None or decoded.metadata.part is not None:
-        raise SnapshotCorruptError("holds a shard or part file", file=path)
+    decoded = described_file(original_header, layout.encoding["decoded_bytes"], path)
     expected = [enc.ORIGINAL_HEADER_TENSOR]
     by_name = layout.by_name
     for entry in decoded.entries:

@@ -13,6 +13,7 @@ import numpy as np
 from kvsnap import format as fmt
 from kvsnap.errors import SnapshotCorruptError, SnapshotIOError
 from kvsnap.format.container import FileLayout, TensorEntry, is_layer_tensor
+from kvsnap.format.encoded import ORIGINAL_HEADER_TENSOR
 from kvsnap.format.hashing import (
     block_digests,
     decode_trailer,
@@ -88,6 +89,26 @@ def parse_original(data: np.ndarray, file: str | None = None) -> OriginalFile:
         raise ValueError(f"{file}: a shard or part file cannot be encoded alone")
     layout = FileLayout(header, decoded.entries, decoded.kvsnap_json)
     return OriginalFile(data, layout, decoded.metadata, file)
+
+
+def described_file(header: bytes, decoded_bytes: int, file: str | None) -> fmt.DecodedHeader:
+    """The decoded file's ``header`` (an encoded file's ``kvsnap.original_header``) checked as
+    the format checks any file's header, for a file of the encoding's ``decoded_bytes``, and
+    refused when it is a shard's or a part's (``SnapshotCorruptError`` naming the encoded
+    ``file``): nothing sized by ``decoded_bytes`` need exist before it passes."""
+    try:
+        described = fmt.decode_header(header, decoded_bytes, file)
+    except SnapshotCorruptError as error:
+        raise SnapshotCorruptError(
+            f"{ORIGINAL_HEADER_TENSOR} does not describe a file of decoded_bytes = {decoded_bytes} "
+            f"bytes: {error.detail}",
+            file=file,
+            tensor=error.tensor,
+            block=error.block,
+        ) from None
+    if described.metadata.shard is not None or described.metadata.part is not None:
+        raise SnapshotCorruptError("holds a shard or part file", file=file)
+    return described
 
 
 def trailer_digests(original: OriginalFile, block_checksums: np.ndarray) -> list[bytes]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 import blake3
@@ -25,6 +25,7 @@ from kvsnap.encoded.original import (
     OriginalFile,
     check_layer_pages,
     check_trailer,
+    described_file,
     parse_original,
     read_local,
     stored_block_checksums,
@@ -179,10 +180,10 @@ def companions(
 
 
 def _expected_names(
-    original: OriginalFile, kinds: dict[str, str], page_checks: tuple[str, ...]
+    entries: Sequence[TensorEntry], kinds: dict[str, str], page_checks: tuple[str, ...]
 ) -> list[str]:
     names = [enc.ORIGINAL_HEADER_TENSOR]
-    for entry in original.layout.entries:
+    for entry in entries:
         if enc.is_padding(entry.name):
             continue
         names.append(entry.name)
@@ -265,27 +266,24 @@ def _exact_tasks(
 def decode(encoded: EncodedFile, executor: Executor | None = None) -> np.ndarray:
     """The ordinary snapshot file ``encoded`` stands for, as bytes (see the module). Lossless
     chunks are decoded on ``executor``'s threads when one is given."""
-    header = encoded.tensor(enc.ORIGINAL_HEADER_TENSOR).tobytes()
-    size = encoded.decoded_bytes
-    out = np.zeros(size, dtype=np.uint8)
-    if len(header) > size:
+    try:
+        return _decoded_file(encoded, executor)
+    except SnapshotCorruptError as error:
+        if error.file is not None:
+            raise
+        # The codecs name the tensor and the chunk or block they refuse, not the file: it is
+        # known here, and an error names it first (kvsnap.errors).
         raise SnapshotCorruptError(
-            "the original header is longer than the decoded file", file=encoded.file
-        )
+            error.detail, file=encoded.file, tensor=error.tensor, block=error.block
+        ) from None
+
+
+def _decoded_file(encoded: EncodedFile, executor: Executor | None) -> np.ndarray:
+    header = encoded.tensor(enc.ORIGINAL_HEADER_TENSOR).tobytes()
+    kinds = _checked_structure(encoded, header)
+    out = np.zeros(encoded.decoded_bytes, dtype=np.uint8)
     out[: len(header)] = np.frombuffer(header, dtype=np.uint8)
     original = parse_original(out, encoded.file)
-    kinds = {str(k): str(v) for k, v in encoded.encoding["tensors"].items()}
-    layer_names = {entry.name for entry in original.layer_entries}
-    if set(kinds) != layer_names:
-        raise SnapshotCorruptError(
-            "the stored kinds do not name the layer tensors", file=encoded.file
-        )
-    expected = _expected_names(original, kinds, encoded.layout.page_checks)
-    present = [t.name for t in encoded.layout.checksummed]
-    if present != expected:
-        raise SnapshotCorruptError(
-            f"holds tensors {present[:4]}..., expected {expected[:4]}...", file=encoded.file
-        )
     for entry in original.layout.entries:
         if not enc.is_padding(entry.name) and not is_layer_tensor(entry.name):
             original.bytes_of(entry)[:] = encoded.typed(entry.name, entry.dtype, entry.shape)
@@ -301,6 +299,54 @@ def decode(encoded: EncodedFile, executor: Executor | None = None) -> np.ndarray
         lossless.run_tasks(_exact_tasks(encoded, original, kinds), executor)
         check_trailer(original, stored_block_checksums(original))
     return out
+
+
+def _checked_structure(encoded: EncodedFile, header: bytes) -> dict[str, str]:
+    """How each layer tensor is stored, once everything the decoded file's size follows from
+    is refused unless the stored tensors back it: the original ``header`` must describe a
+    whole file (no shard or part) of exactly ``decoded_bytes``, and every tensor it names must
+    be stored as its kind requires (:func:`_check_stored`). Only then is the decoded file's
+    array made: a ``decoded_bytes`` of 2**60, or a header of 2**40 blocks, is a number with
+    nothing stored behind it, refused, not allocated."""
+    described = described_file(header, encoded.decoded_bytes, encoded.file)
+    kinds = {str(k): str(v) for k, v in encoded.encoding["tensors"].items()}
+    layer_entries = [entry for entry in described.entries if is_layer_tensor(entry.name)]
+    if set(kinds) != {entry.name for entry in layer_entries}:
+        raise SnapshotCorruptError(
+            "the stored kinds do not name the layer tensors", file=encoded.file
+        )
+    expected = _expected_names(described.entries, kinds, encoded.layout.page_checks)
+    present = [t.name for t in encoded.layout.checksummed]
+    if present != expected:
+        raise SnapshotCorruptError(
+            f"holds tensors {present[:4]}..., expected {expected[:4]}...", file=encoded.file
+        )
+    for entry in described.entries:
+        if not enc.is_padding(entry.name):
+            _check_stored(encoded, entry, kinds.get(entry.name, "raw"))
+    return kinds
+
+
+def _check_stored(encoded: EncodedFile, entry: TensorEntry, kind: str) -> None:
+    """Refuse a tensor of the decoded file that is not stored as ``kind`` stores it: as it
+    is (a tensor that is no layer tensor, or ``raw``), as e4m3 values of its shape beside
+    their scales and page checks (``fp8``), or as chunks whose table describes exactly its
+    pages (``lossless``). Each decoded byte so has stored bytes behind it."""
+    if kind == "lossless":
+        coded = _lossless_tensor(encoded, entry)
+        lossless.check_chunk_table(
+            coded.chunk_table,
+            word_bytes=coded.word_bytes,
+            page_bytes=coded.page_bytes,
+            num_pages=coded.num_pages,
+            stored_bytes=coded.stored_bytes,
+            tensor=entry.name,
+        )
+    elif kind == "fp8":
+        for name, dtype, shape in companions(entry.name, entry.shape, encoded.layout.page_checks):
+            encoded.typed(name, dtype, shape)
+    else:
+        encoded.typed(entry.name, entry.dtype, entry.shape)
 
 
 def _rechecksum(original: OriginalFile) -> None:

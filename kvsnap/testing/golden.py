@@ -213,7 +213,9 @@ def compare_files(
     """Compare two snapshots as ``kvsnap verify ACTUAL --against GOLDEN`` does, plus the structure.
 
     Returns ``(ok, report)``; ``report`` is :meth:`~kvsnap.snapshot.Comparison.report` preceded
-    by any difference in sequence ids, order or token counts (which ``compare`` alone ignores).
+    by any difference in sequence ids, order or token counts (which ``compare`` alone ignores),
+    and followed, with no tolerance, by the first element whose bits differ where the values
+    compare equal (:func:`_first_bit_difference`).
     """
     with Snapshot.open(actual_path) as actual, Snapshot.open(golden_path) as golden:
         problems = [f"{golden_path}: {problem.message}" for problem in golden.verify()]
@@ -222,8 +224,42 @@ def compare_files(
         comparison = actual.compare(golden, atol=atol, rtol=rtol)
         # compare() names differing ids, counts and lengths itself; the order is ours to check.
         structure = [] if comparison.problems else _structure_problems(actual, golden)
-    report = "\n".join([*structure, comparison.report()])
-    return comparison.ok and not structure, report
+        exact = comparison.ok and not structure and atol == 0 and rtol == 0
+        bits = _first_bit_difference(actual, golden) if exact else None
+    report = "\n".join([*structure, comparison.report(), *([bits] if bits else [])])
+    return comparison.ok and not structure and bits is None, report
+
+
+#: Integer views of each element size, to compare bits.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _first_bit_difference(actual: Snapshot, golden: Snapshot) -> str | None:
+    """Where two snapshots of one dtype whose values compare equal still differ in their
+    bits, which a comparison of values cannot see: a zero's sign (``-0.0 == 0.0``) or a NaN's
+    payload. ``None`` when they are bit-identical (or of different dtypes: then values are
+    what can be compared)."""
+    if actual.geometry.dtype != golden.geometry.dtype:
+        return None
+    for record in actual.sequences:
+        for name in actual.geometry.tensor_names():
+            mine = actual.sequence_kv(record.id, name).contiguous()
+            theirs = golden.sequence_kv(record.id, name).contiguous()
+            width = _BITS[mine.element_size()]
+            differ = (mine.view(width) != theirs.view(width)).nonzero()
+            if len(differ):
+                where = differ[0].tolist()
+                # (token, head, channel); an MLA latent (token, channel)
+                axes = ("token", "head", "channel") if len(where) == 3 else ("token", "channel")
+                place = ", ".join(f"{axis} {at}" for axis, at in zip(axes, where, strict=True))
+                got, want = (int(t.view(width)[tuple(where)]) for t in (mine, theirs))
+                mask = (1 << (8 * mine.element_size())) - 1
+                return (
+                    f"bits differ where the values compare equal (a zero's sign or a NaN's "
+                    f"payload): {name}, sequence {record.id}, {place}: "
+                    f"{got & mask:#x} vs {want & mask:#x}"
+                )
+    return None
 
 
 def stored_compression(path: str | Path) -> str:

@@ -5,6 +5,7 @@ them, quantizes them and measures the error on the device, and writes
   file the same capture from host caches writes (those pages gathered and hashed on the host,
   then quantized on the GPU): the device's gather, its xxh3-64 of the ordinary pages and of the
   fp8 pages and its BLAKE3 of the fp8 pages are the host's, bit for bit;
+* for ``lossless``, in every layout and dtype, the same three files byte for byte;
 * the e4m3 values, scales, page checks and every other tensor of the capture made with CUDA
   hidden (a child process: quantized and measured on the CPU), the error report within float
   rounding of it (sums in another order).
@@ -85,6 +86,20 @@ def test_on_cuda_an_fp8_capture_is_the_host_caches_and_the_recoded_plain_one(tmp
     for tp_size in TP_SIZES[kind]:
         for keys in (None, KEY):
             files = _three_ways(tmp_path, content, kind, tp_size, "fp8", keys)
+            assert files[0] == files[1] == files[2], (tp_size, keys is not None)
+
+
+@pytest.mark.parametrize("kind", list(TP_SIZES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_on_cuda_a_lossless_capture_is_the_host_caches_and_the_recoded_plain_one(
+    tmp_path, kind, dtype
+):
+    # Lossless pages are gathered on the device and coded on the host: every layout, TP split
+    # and dtype gives the bytes a host capture and a recoded plain capture give.
+    content = content_named("built-in", dtype, kind)
+    for tp_size in TP_SIZES[kind]:
+        for keys in (None, KEY):
+            files = _three_ways(tmp_path, content, kind, tp_size, "lossless", keys)
             assert files[0] == files[1] == files[2], (tp_size, keys is not None)
 
 

@@ -1,7 +1,10 @@
 """Encoded snapshots of real KV (the built-in model's prefill), captured from one layout and
-restored into every other, each dtype: ``lossless`` gives back the original file byte for byte
-and restores exactly what was captured; ``fp8`` restores exactly what its host decode says, and
-the error recorded at encoding is the error measured again from the two files."""
+restored into every other (every layout and TP split of the pipeline's tests), each dtype
+(bfloat16, float16, float32, and fp8 caches, which both encodings store as they are), on the CPU
+and (marked ``gpu``) into CUDA caches: ``lossless`` gives back the original file byte for byte
+and restores exactly what was captured; ``fp8`` restores exactly what its host decode says (an
+fp8 cache: exactly what was captured), and the error recorded at encoding is the error measured
+again from the two files (tests/encoded/test_format_doc.py measures it without kvsnap)."""
 
 from __future__ import annotations
 
@@ -17,10 +20,25 @@ from kvsnap.encoded.write import encode_file
 from kvsnap.encoding import lossless, measure
 from kvsnap.encoding.report import ErrorBounds
 from kvsnap.testing.caches import KVContent, make_cache, same_bytes
-from tests.support.encoded_files import BLOCK_ORDER, capture_mixed, capture_real, real_content
+from tests.support.encoded_files import (
+    BLOCK_ORDER,
+    FP8_CACHE_DTYPES,
+    capture_mixed,
+    capture_real,
+    real_content,
+)
 from tests.support.pipeline_caches import LAYOUTS
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+#: The cache dtypes a restore is checked in: fp8 pages decode into the first three, an fp8
+#: cache is stored as it is (e5m2 with --run-slow: stored and restored alike).
+CACHE_DTYPES = [
+    *DTYPES,
+    torch.float8_e4m3fn,
+    pytest.param(torch.float8_e5m2, marks=pytest.mark.slow),
+]
+#: Where the caches restored into live: the CUDA ones on a GPU machine only.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _encoded(tmp_path, kind: str, dtype: torch.dtype, encoding: str):
@@ -30,9 +48,9 @@ def _encoded(tmp_path, kind: str, dtype: torch.dtype, encoding: str):
     return source, target, encode_file(source, target, encoding)
 
 
-def _restore_everywhere(snapshot, kind: str, tp_size: int, dtype: torch.dtype):
-    """Restore both sequences into fresh caches of ``kind`` (one per TP rank), blocks
-    reversed, and return the caches and the target blocks per snapshot block."""
+def _restore_everywhere(snapshot, kind: str, tp_size: int, dtype: torch.dtype, device: str = "cpu"):
+    """Restore both sequences into fresh caches of ``kind`` (one per TP rank, on ``device``),
+    blocks reversed, and return the caches and the target blocks per snapshot block."""
     geometry = snapshot.geometry
     shape = (
         {"latent_dim": geometry.latent_dim}
@@ -46,6 +64,7 @@ def _restore_everywhere(snapshot, kind: str, tp_size: int, dtype: torch.dtype):
             num_blocks=snapshot.num_blocks + 2,
             block_size=geometry.block_size,
             dtype=dtype,
+            device=device,
             tp_rank=rank,
             tp_size=tp_size,
             **shape,
@@ -74,24 +93,29 @@ def _check_restored(snapshot, caches, targets) -> None:
             assert same_bytes(cache.logical(name)[target], want), (cache.kind, name)
 
 
-#: Every layout of the pipeline's tests; the ones after the first four run with --run-slow.
-RESTORE_CASES = [
-    pytest.param(*case, marks=() if index < 4 else pytest.mark.slow)
-    for index, case in enumerate(
-        [LAYOUTS[0], LAYOUTS[7], LAYOUTS[9], LAYOUTS[3], *LAYOUTS[1:3], *LAYOUTS[4:7], LAYOUTS[8]]
-    )
-]
+#: Every layout and TP split of the pipeline's tests (the cases are small: about 30 ms each).
+RESTORE_CASES = [pytest.param(*case, id=f"{case[0]}-tp{case[1]}") for case in LAYOUTS]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
 @pytest.mark.parametrize(("kind", "tp_size", "heads"), RESTORE_CASES)
 @pytest.mark.parametrize("encoding", ["lossless", "fp8"])
-def test_an_encoded_snapshot_restores_into_every_layout(tmp_path, kind, tp_size, heads, encoding):
-    source, target, _ = _encoded(tmp_path, kind, torch.bfloat16, encoding)
+def test_an_encoded_snapshot_restores_into_every_layout(
+    tmp_path, kind, tp_size, heads, encoding, dtype, device
+):
+    source, target, _ = _encoded(tmp_path, kind, dtype, encoding)
     with kvsnap.Snapshot.open(source) as original, kvsnap.Snapshot.open(target) as snapshot:
         assert snapshot.encoded is not None and snapshot.verify() == []
-        caches, targets = _restore_everywhere(snapshot, kind, tp_size, torch.bfloat16)
+        kinds = set(snapshot.encoded.encoding["tensors"].values())
+        exact = encoding == "lossless" or dtype in FP8_CACHE_DTYPES
+        if dtype in FP8_CACHE_DTYPES:
+            assert kinds == {"raw"}  # one-byte values: stored as they are either way
+        else:
+            assert kinds == {encoding}  # real KV: every tensor encoded
+        caches, targets = _restore_everywhere(snapshot, kind, tp_size, dtype, device)
         _check_restored(snapshot, caches, targets)
-        if encoding == "lossless":
+        if exact:
             _check_restored(original, caches, targets)
 
 

@@ -24,6 +24,7 @@ from kvsnap.format import encoded as enc
 from kvsnap.format.hashing import digest128
 from kvsnap.format.signing import KeyRing
 from tests.support.encoded_files import real_caches, real_sequences
+from tests.support.encoded_tamper import stored_parts, write_parts
 
 KEY = KeyRing([bytes(range(32))])
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +90,28 @@ def test_a_padded_header_reads_back_as_written(tmp_path):
     _, planned = planned_fp8_layout(original.layout, KEY)
     written = enc.parse_header(data[: 8 + length], len(data))
     assert planned.tensors == written.tensors
+
+
+def test_a_file_written_before_the_header_kept_room_still_reads(tmp_path, monkeypatch):
+    # Before 2026-12-06 an encoded header was padded to a multiple of 64 only, whatever its
+    # report: the same file laid out that way (its tensors nearer the header) opens, decodes
+    # to the same snapshot and verifies.
+    (cache,) = real_caches("vllm-nhd", torch.bfloat16)
+    current = tmp_path / "fp8.safetensors"
+    kvsnap.capture(cache.layout, real_sequences(), current, reproducible=True, compression="fp8")
+    with monkeypatch.context() as older:
+        older.setattr(enc, "_reserved_header_text", lambda entries, document, length: length)
+        old = write_parts(stored_parts(current), tmp_path / "old.safetensors")
+    lengths = [enc.header_length(p.read_bytes()[:8], p.stat().st_size) for p in (old, current)]
+    assert lengths[0] < lengths[1] and (8 + lengths[0]) % enc.ALIGNMENT == 0
+    with kvsnap.Snapshot.open(old) as before, kvsnap.Snapshot.open(current) as now:
+        assert (
+            before.verify() == [] and before.encoded.error.to_dict() == now.encoded.error.to_dict()
+        )
+        for name in now.geometry.tensor_names():
+            assert torch.equal(
+                before.read_tensor(name).view(torch.int16), now.read_tensor(name).view(torch.int16)
+            )
 
 
 def test_a_streamed_tensor_and_its_digest(tmp_path):
@@ -164,6 +187,7 @@ def test_an_fp8_capture_that_cannot_be_written_is_one_error_and_nothing_else(tmp
         import kvsnap, torch
         from kvsnap.errors import SnapshotIOError
         from tests.support.encoded_files import real_caches, real_sequences
+from tests.support.encoded_tamper import stored_parts, write_parts
         (cache,) = real_caches("vllm-nhd", torch.bfloat16)
         limit(1 << 16)
         try:

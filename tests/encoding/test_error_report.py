@@ -13,35 +13,8 @@ import torch
 
 from kvsnap.encoding import fp8, measure
 from kvsnap.encoding.report import AttentionError, ErrorBounds, ErrorReport, TensorError
+from tests.support.independent_error import numpy_tensor_error
 from tests.support.prefill_kv import built_in_kv
-
-
-def _numpy_tensor_error(x: np.ndarray, y: np.ndarray, counts: np.ndarray) -> dict[str, float]:
-    """The definitions of :class:`TensorError`, in float64, one loop per block."""
-    x, y = x.astype(np.float64), y.astype(np.float64)
-    stored = np.arange(x.shape[1])[None, :] < counts[:, None]
-    in_tokens = np.broadcast_to(stored[:, :, None, None], x.shape)
-    kept = np.isfinite(x) & np.isfinite(y) & in_tokens
-    error = np.where(kept, np.abs(y - x), 0.0)
-    xs, ys = np.where(kept, x, 0.0), np.where(kept, y, 0.0)
-    relative = []
-    for block in range(x.shape[0]):
-        top = np.abs(xs[block]).max()
-        relative.append(error[block].max() / top if top else float(error[block].max() > 0))
-    x_norm, y_norm = np.linalg.norm(xs, axis=-1), np.linalg.norm(ys, axis=-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        cosine = np.where(y_norm > 0, (xs * ys).sum(-1) / (x_norm * y_norm), 0.0)[x_norm > 0]
-    nonzero = xs != 0
-    return {
-        "values": kept.sum(),
-        "max_abs": error.max(),
-        "max_abs_rel_block": max(relative),
-        "rms_rel": math.sqrt((error**2).sum() / (xs**2).sum()),
-        "min_cosine": cosine.min(),
-        "mean_cosine": cosine.mean(),
-        "underflow_share": (nonzero & (ys == 0)).sum() / nonzero.sum(),
-        "non_finite": (~(np.isfinite(x) & np.isfinite(y)) & in_tokens).sum(),
-    }
 
 
 def test_tensor_error_matches_its_definition():
@@ -57,7 +30,7 @@ def test_tensor_error_matches_its_definition():
     decoded[4, 3] = 1e6  # past the token count of block 4: left out
     counts = torch.tensor([4, 4, 4, 4, 3])
     got = measure.tensor_error("layers.0.key", original, decoded, counts)
-    want = _numpy_tensor_error(original.numpy(), decoded.numpy(), counts.numpy())
+    want = numpy_tensor_error(original.numpy(), decoded.numpy(), counts.numpy())
     assert got.non_finite == want["non_finite"] == 2
     assert got.values == want["values"]
     assert got.underflow_share == pytest.approx(want["underflow_share"]) and got.underflow_share > 0

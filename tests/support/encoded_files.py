@@ -25,10 +25,20 @@ TOKENS = (96, 70)
 BLOCK_ORDER = np.array([3, 0, 7, 1, 6, 2, 5, 4])
 
 
+#: fp8 cache dtypes: the built-in model's bfloat16 KV cast into them (an fp8 KV cache).
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def real_content(dtype: torch.dtype, latent: bool = False) -> KVContent:
     """The built-in model's KV in ``dtype``, as canonical pages of 8 blocks; ``latent``: the
-    keys of each layer reshaped into one MLA latent per token (heads x dims)."""
-    pages = {name: tensor[:8] for name, tensor in built_in_kv(128, dtype).items()}
+    keys of each layer reshaped into one MLA latent per token (heads x dims). An fp8 ``dtype``
+    (:data:`FP8_CACHE_DTYPES`) holds the bfloat16 KV cast into it, as an fp8 cache of scale 1
+    holds it."""
+    if dtype in FP8_CACHE_DTYPES:
+        cast = built_in_kv(128, torch.bfloat16).items()
+        pages = {name: tensor[:8].float().clamp(-448, 448).to(dtype) for name, tensor in cast}
+    else:
+        pages = {name: tensor[:8] for name, tensor in built_in_kv(128, dtype).items()}
     if latent:
         pages = {
             name.replace("key", "latent"): tensor.reshape(*tensor.shape[:2], -1).contiguous()

@@ -1,6 +1,7 @@
 """Golden KV snapshots stored lossless (``check_golden(..., compression="lossless")``): smaller
 than plain ones on the KV of a real prefill, compared exactly (a one-bit change is a
-difference), reproducible, and plain golden files still read (and are re-encoded on request)."""
+difference, also one a comparison of values cannot see: a zero's sign, a NaN's payload),
+reproducible, and plain golden files still read (and are re-encoded on request)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,40 @@ def test_a_one_bit_change_in_the_kv_is_a_difference(tmp_path: Path, dtype: torch
         "token 37, head 1, channel 5" in report
     )
     assert check_golden(kv, golden, token_ids=ids).status == "matched"
+
+
+@pytest.mark.parametrize("compression", ["none", "lossless"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_one_bit_change_that_values_cannot_see_is_a_difference(
+    tmp_path: Path, dtype: torch.dtype, compression: str
+) -> None:
+    # -0.0 == 0.0 and NaN != NaN whatever its payload: a comparison of values misses a flipped
+    # sign bit of a zero and a flipped payload bit of a NaN. An exact golden check does not.
+    _, ids = _prefill(dtype)
+    kv = dict(_kv(dtype))
+    values = kv["layers.1.key"].clone()
+    values[20, 1, 3], values[41, 0, 7] = 0.0, float("nan")
+    kv["layers.1.key"] = values
+    golden = tmp_path / "golden.safetensors"
+    check_golden(kv, golden, token_ids=ids, compression=compression)
+    assert check_golden(kv, golden, token_ids=ids).status == "matched"
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]
+    top = {torch.bfloat16: -(1 << 15), torch.float32: -(1 << 31)}[dtype]
+    for index, flip, shown in (
+        ((20, 1, 3), top, "token 20, head 1, channel 3"),  # the sign of a zero
+        ((41, 0, 7), 1, "token 41, head 0, channel 7"),  # a NaN's lowest payload bit
+    ):
+        changed = dict(kv)
+        changed["layers.1.key"] = values.clone()
+        changed["layers.1.key"].view(bits)[index] ^= flip
+        result = check_golden(changed, golden, token_ids=ids)
+        assert result.status == "mismatch", shown
+        assert (
+            "bits differ where the values compare equal (a zero's sign or a NaN's payload): "
+            f"layers.1.key, sequence seq-0, {shown}" in " ".join(result.report.split())
+        )
+    # A tolerance compares values: the same change is then within it.
+    assert check_golden(changed, golden, token_ids=ids, atol=1e-9).status == "matched"
 
 
 def test_a_plain_golden_file_still_reads_and_update_re_encodes_it(tmp_path: Path) -> None:
