@@ -22,7 +22,8 @@ QUERY_SOURCES = ("keys", "gaussian")
 
 @dataclass(frozen=True)
 class TensorError:
-    """The error of one layer tensor (``layers.3.key``) over its ``values`` finite elements.
+    """The error of one layer tensor (``layers.3.key``) over its ``values`` finite elements
+    (docs/format.md, "Encoded snapshots", gives each figure's value in the corner cases).
 
     * ``max_abs``: the largest ``|decoded - original|``;
     * ``max_abs_rel_block``: the largest, over blocks, of a block's ``max_abs`` divided by the
@@ -32,7 +33,7 @@ class TensorError:
       ``head_dim`` with its original (vectors whose original is zero are left out);
     * ``underflow_share``: of the non-zero originals, the share decoded as zero;
     * ``non_finite``: elements where the original or the decoded value is NaN or infinite
-      (left out of everything above).
+      (left out of everything above): every other number is finite.
     """
 
     tensor: str

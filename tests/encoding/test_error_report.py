@@ -55,7 +55,7 @@ def test_tensor_error_of_pages_of_every_magnitude_is_finite_and_its_definition(d
     decoded = fp8.dequantize(quantized.values, quantized.scales, dtype)
     counts = torch.tensor([16, 16, 3, 16, 9, 16])
     got = measure.tensor_error("layers.0.key", original, decoded, counts)
-    want = _numpy_tensor_error(original.double().numpy(), decoded.double().numpy(), counts.numpy())
+    want = numpy_tensor_error(original.double().numpy(), decoded.double().numpy(), counts.numpy())
     assert got.non_finite == want["non_finite"] > 0 and got.values == want["values"]
     for name in ("max_abs", "max_abs_rel_block", "rms_rel", "min_cosine", "mean_cosine"):
         assert math.isfinite(getattr(got, name)), name
