@@ -221,3 +221,33 @@ def test_a_report_with_a_nan_is_never_written():
     document["encoding"]["error"] = {"x": [-math.inf]}
     with pytest.raises(ValueError, match="JSON"):
         enc.build_layout(document, [("kvsnap.x", "U8", (3,))])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [case.values[0] for case in CASES], ids=[c.id for c in CASES])
+def test_on_cuda_a_capture_is_the_host_caches_and_verifies_against_its_original(tmp_path, case):
+    """The device path (kvsnap/encoded/capture.py: gathered, quantized and measured on the
+    GPU) writes what the capture of host caches writes, and the file opens and verifies."""
+    content_name, dtype, kind = case
+    content = content_named(content_name, dtype, kind)
+    paths = {name: tmp_path / f"{name}.safetensors" for name in ("cuda", "host", "plain")}
+    spans: list[str] = []
+    for device in ("cuda", "cpu"):
+        (cache,) = filled_caches(content, kind, 1, device)
+        kvsnap.capture(
+            cache.layout,
+            real_sequences(),
+            paths["cuda" if device == "cuda" else "host"],
+            reproducible=True,
+            compression="fp8",
+            trace=(lambda span, *_: spans.append(span)) if device == "cuda" else None,
+        )
+        if device == "cuda":
+            kvsnap.capture(cache.layout, real_sequences(), paths["plain"], reproducible=True)
+    assert "encoded.tensor" in spans and "setup.writer" not in spans  # the device path
+    assert paths["cuda"].read_bytes() == paths["host"].read_bytes()
+    with kvsnap.Snapshot.open(paths["cuda"]) as snapshot:
+        assert snapshot.encoded.error.worst["non_finite"] > 0
+        assert all(math.isfinite(n) for n in _numbers(snapshot.encoded.error.to_dict()))
+    run = run_kvsnap("verify", str(paths["cuda"]), "--against", str(paths["plain"]), "--json")
+    assert run.returncode == 0 and strict_json_loads(run.stdout)["ok"], run.stdout
