@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvsnap
-from kvsnap.encoded.read import read_encoded
+from kvsnap.encoded.read import decode, read_encoded
 from kvsnap.encoded.write import encode_file, recode_file
 from kvsnap.encoding import fp8
 from kvsnap.encoding.report import AttentionError, ErrorReport, TensorError
@@ -26,6 +26,7 @@ from kvsnap.format.schema import strict_json_loads
 from kvsnap.testing.caches import KVContent, make_cache, same_bytes
 from tests.support.cli_runs import run_kvsnap
 from tests.support.encoded_files import content_named, filled_caches, real_sequences
+from tests.support.format_doc import decoded_file
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 #: (content, dtype, cache layout): planted values and random bits in each dtype.
@@ -126,6 +127,12 @@ def test_a_restore_gives_the_planted_values_back_as_documented(files):
         assert error.max() <= report[name].max_abs * (1 + 1e-5), name
         limit = report[name].max_abs_rel_block * top * (1 + 1e-5)
         assert (error.amax(dim=(1, 2, 3)) <= limit).all(), name
+
+
+def test_the_format_docs_recipe_decodes_them_as_kvsnap_does(files):
+    # docs/format.md's decoding, without kvsnap: NaN codes and saturated infinities included.
+    paths, _ = files
+    assert decoded_file(paths["fp8"]) == decode(read_encoded(paths["fp8"])).tobytes()
 
 
 def _check_a_restore(snapshot: kvsnap.Snapshot, decoded: dict[str, torch.Tensor]) -> None:
