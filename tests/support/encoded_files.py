@@ -155,7 +155,9 @@ PLANTED = (
 
 def planted_content(dtype: torch.dtype, latent: bool = False) -> KVContent:
     """:func:`real_content` with :data:`PLANTED`'s infinities and NaNs in some heads."""
-    content = real_content(dtype, latent=latent)
+    # Copies: real_content's pages are views of the prefill's KV, which other tests share.
+    real = real_content(dtype, latent=latent)
+    content = KVContent(real.geometry, {name: t.clone() for name, t in real.pages.items()})
     for name, block, token, element, value in PLANTED:
         name = name.replace("key", "latent") if latent else name
         if name in content.pages:
