@@ -309,9 +309,9 @@ def _measured_error(snap: Snapshot, reference: Snapshot) -> dict[str, Any]:
     """An fp8 snapshot's error measured again against ``reference`` (the snapshot it was made
     from): ``measured`` and ``recorded`` worst values, and a problem when it cannot be
     measured (:func:`_unmeasurable`) or the file's report is not what the two files give. A
-    reference of another dtype is measured against in float32 (as kvsnap diff compares them),
-    the recorded error (against the pages the file was encoded from) left unchecked, which
-    ``notes`` says."""
+    reference of another dtype is measured against in float64, as every error is (each value
+    of either dtype held exactly), the recorded error (against the pages the file was encoded
+    from) left unchecked, which ``notes`` says."""
     from kvsnap.encoded.summary import measured_error, reports_agree
 
     assert snap.encoded is not None and snap.encoded.error is not None
@@ -336,7 +336,7 @@ def _measured_error(snap: Snapshot, reference: Snapshot) -> dict[str, Any]:
     if mine != theirs:
         result["notes"].append(
             f"dtype: {mine} (the snapshot) vs {theirs} (the reference): the error measured in "
-            f"float32 against the {theirs} reference; the recorded error, measured against the "
+            f"float64 against the {theirs} reference; the recorded error, measured against the "
             f"{mine} pages the file was encoded from, is not checked against it"
         )
     elif not reports_agree(measured.to_dict(), recorded.to_dict()):

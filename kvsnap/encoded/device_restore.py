@@ -12,6 +12,11 @@ pieces: each piece's pages are checked on the device once it has arrived (xxh3-6
 keys their signed BLAKE3-256: the kernels of the ordinary restore) and scattered while the
 next piece arrives, the scatter writing only the pages that passed; any other page is named in
 a ``RestoreIncompleteError`` with the target blocks to recompute, as an ordinary restore does.
+Out of the hot tier, every piece's copies are queued first (the driver's ``cuMemcpyAsync``,
+microseconds a call), so the bus is busy while the host builds the checks' and the scatter's
+tables (:mod:`kvsnap.encoded.device_scatter`); a kernel pulls those out of pinned memory, since
+a copy engine serves its copies in the order they came and a copy of the tables would arrive
+after the last page.
 ``Snapshot.restore`` takes this path (:func:`restore_fp8`), and the vLLM worker's load of an
 fp8 chunk (:func:`restore_fp8_blocks`).
 """
@@ -23,23 +28,19 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvsnap.encoded.device_scatter import Staged, checks_on_device, host_checks, prepare_scatter
 from kvsnap.encoded.fp8_open import OpenFp8File
 from kvsnap.errors import RestoreIncompleteError
-from kvsnap.format import encoded as enc
 from kvsnap.format.fit import check_fits
-from kvsnap.format.hashing import block_digests, page_digests
 from kvsnap.layout import CacheLayout
 from kvsnap.pipeline.jobs import RestoreResult, block_pairs, restore_pairs
-from kvsnap.pipeline.page_checks import hash_constants
 from kvsnap.store.hot.tier import HotFile, hot_tier
-from kvsnap.transfer import page_blake3, page_dequant, page_hash
-from kvsnap.transfer.page_copy import kernel_table
+from kvsnap.transfer.cuda_batch import resolve_driver
 from kvsnap.transfer.page_table import PageTable
 
 
@@ -56,13 +57,6 @@ def fp8_restorable(encoded: Any, layouts: Sequence[CacheLayout]) -> bool:
 PIECES = 8
 #: Threads reading a file the hot tier does not hold.
 READ_THREADS = 4
-
-
-def _checks_on_device(encoded: OpenFp8File, page_bytes: int, device: torch.device) -> bool:
-    """Whether pages are checked on the device (CUDA, and a page size the kernels take);
-    otherwise on the host, before the copy (host memory: the tests under the interpreter)."""
-    kernel = page_blake3 if encoded.signed_pages else page_hash
-    return device.type == "cuda" and kernel.supports(page_bytes)
 
 
 def _lease(encoded: OpenFp8File) -> HotFile | None:
@@ -106,46 +100,6 @@ def _read_pool() -> ThreadPoolExecutor:
         if not _POOL:
             _POOL.append(ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvsnap-fp8-read"))
         return _POOL[0]
-
-
-def _stored_checks(encoded: OpenFp8File, names: list[str], blocks: np.ndarray) -> np.ndarray:
-    """Each page's stored check, tensor then ``blocks``: its xxh3-64 (``uint64``) or, opened
-    with keys, its signed BLAKE3-256 (``uint8 (pages, 32)``)."""
-    if encoded.signed_pages:
-        rows = [encoded.tensor(name + enc.DIGESTS_SUFFIX).reshape(-1, 32) for name in names]
-    else:
-        rows = [encoded.tensor(name + enc.PAGES_SUFFIX).view("<u8") for name in names]
-    return np.concatenate([row[blocks] for row in rows])
-
-
-def _host_checks(
-    encoded: OpenFp8File, host: np.ndarray, starts: np.ndarray, stored: np.ndarray, page_bytes: int
-) -> np.ndarray:
-    """1 per page of ``host`` (at ``starts``) that equals its ``stored`` check, else 0."""
-    ok = np.empty(len(starts), dtype=np.int64)
-    for index, at in enumerate(starts.tolist()):
-        page = host[at : at + page_bytes]
-        if encoded.signed_pages:
-            ok[index] = bool((page_digests(page, page_bytes)[0] == stored[index]).all())
-        else:
-            ok[index] = block_digests(page, page_bytes)[0] == stored[index]
-    return ok
-
-
-def _launch_checks(
-    encoded: OpenFp8File,
-    values: torch.Tensor,
-    words: torch.Tensor,
-    page_bytes: int,
-    expected: torch.Tensor,
-    page_ok: torch.Tensor,
-) -> None:
-    """Enqueue the device checks of the pages at ``words`` (8-byte words of ``values``)."""
-    if encoded.signed_pages:
-        page_blake3.launch_page_blake3_checks_at_words(values, words, page_bytes, expected, page_ok)
-        return
-    constants = hash_constants(values.device, page_bytes)
-    page_hash.launch_page_checks_at_words(values, words, page_bytes, constants, expected, page_ok)
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
@@ -265,25 +219,30 @@ def _move_and_scatter(
     span = (high - low) * page_bytes
     starts = (np.arange(len(names))[:, None] * span + (blocks - low)[None, :] * page_bytes).ravel()
     scales = np.concatenate([encoded.scales[name][blocks] for name in names])
-    on_device = _checks_on_device(encoded, page_bytes, device)
+    on_device = checks_on_device(encoded, page_bytes, device)
     lease = _lease(encoded) if on_device else None
     pieces = _pieces(len(names))
+    synchronized = False
     try:
         values = torch.empty(len(names) * span, dtype=torch.uint8, device=device)
-        # The first piece's copies go first, so the bus is busy while the tables are built;
-        # the tables' small uploads go next, ahead of the other pieces (a copy engine serves
-        # host-to-device copies in the order they came: a table queued behind every piece
-        # would hold every check and scatter until the last byte has arrived).
         arrived = []
         if lease is not None:
-            arrived = _copy_pieces(encoded, names, low, span, values, pieces[:1], lease)
+            # Every piece's copies go first, so the bus is busy from the start; the tables are
+            # built meanwhile and pulled to the device by a kernel, which a copy engine busy
+            # with the pages does not hold back (:mod:`kvsnap.transfer.host_pull`).
+            arrived = _copy_pieces(encoded, names, low, span, values, pieces, lease)
         reads = None if lease is not None else _read_values(encoded, names, low, span)
-        scatter = _prepare(
-            encoded, table, (blocks, target_blocks), starts, scales, values, on_device
+        scatter = prepare_scatter(
+            encoded,
+            table,
+            (blocks, target_blocks),
+            starts,
+            scales,
+            values,
+            on_device,
+            pull=lease is not None,
         )
         staged = scatter.staged
-        if lease is not None:
-            arrived += _copy_pieces(encoded, names, low, span, values, pieces[1:], lease)
         for index, (first, last) in enumerate(pieces):
             if arrived:
                 torch.cuda.current_stream(device).wait_event(arrived[index])
@@ -291,118 +250,17 @@ def _move_and_scatter(
                 _copy_read(reads, first, last, span, values, staged, encoded, page_bytes)
             scatter.piece(encoded, first * len(blocks), last * len(blocks), page_bytes)
         passed = staged.page_ok.cpu().numpy()  # waits for the scatter: its last step reads it
+        synchronized = True
     finally:
+        if not synchronized and device.type == "cuda":
+            # Copies and kernels may still read the tables' pinned buffer and write the staged
+            # values: wait for them before either is freed.
+            torch.cuda.synchronize(device)
         if lease is not None:
             event = torch.cuda.Event()
             event.record()
             hot_tier().release(lease, event)
     return passed, len(names) * span + scales.nbytes
-
-
-@dataclass
-class _Staged:
-    """A restore's per-page arrays on the device: each page's first byte in the staged values
-    and its scales (what the scatter reads), the checks' verdicts (``page_ok``), and for checks
-    on the device each page's offset in words and its stored check."""
-
-    starts: torch.Tensor
-    scales: torch.Tensor
-    page_ok: torch.Tensor
-    stored: np.ndarray
-    host_starts: np.ndarray
-    words: torch.Tensor | None = None
-    expected: torch.Tensor | None = None
-
-
-@dataclass
-class _Scatter:
-    """The dequantizing scatter of a restore's staged pages, piece by piece."""
-
-    table: PageTable
-    copies: list[Any]
-    arrays: torch.Tensor
-    values: torch.Tensor
-    staged: _Staged
-    exact: bool
-
-    def piece(self, encoded: OpenFp8File, first: int, stop: int, page_bytes: int) -> None:
-        """Enqueue the checks (on the device) and the scatter of staged pages ``first`` to
-        ``stop`` (exclusive)."""
-        staged = self.staged
-        if staged.words is not None and staged.expected is not None:
-            _launch_checks(
-                encoded,
-                self.values,
-                staged.words[first:stop],
-                page_bytes,
-                staged.expected[first:stop],
-                staged.page_ok[first:stop],
-            )
-        page_dequant.launch_dequant(
-            self.copies,
-            self.arrays,
-            self.table,
-            self.values,
-            staged.starts,
-            staged.scales,
-            page_ok=staged.page_ok,
-            slot_pages=(first, stop),
-            exact=self.exact,
-        )
-
-
-def _prepare(
-    encoded: OpenFp8File,
-    table: PageTable,
-    pairs: tuple[np.ndarray, np.ndarray],
-    starts: np.ndarray,
-    scales: np.ndarray,
-    values: torch.Tensor,
-    on_device: bool,
-) -> _Scatter:
-    """The scatter of stored blocks ``pairs[0]`` into target blocks ``pairs[1]``: its tables
-    built on the host and uploaded in one copy (one place in the copy engine's queue, ahead
-    of the pieces after the first)."""
-    blocks, target_blocks = pairs
-    names = list(table.names)
-    stored = _stored_checks(encoded, names, blocks)
-    copies = page_dequant.dequant_copies(
-        table, np.repeat(np.arange(len(names)), len(blocks)), np.tile(target_blocks, len(names))
-    )
-    arrays = [starts, scales, kernel_table(copies)]
-    if on_device:
-        raw = stored.view("<i4").reshape(-1, 8) if encoded.signed_pages else stored.view("<i8")
-        arrays += [starts // 8, raw]
-    uploaded = _upload_together(arrays, values.device)
-    page_ok = torch.zeros(len(starts), dtype=torch.int64, device=values.device)
-    staged = _Staged(uploaded[0], uploaded[1], page_ok, stored, starts, *uploaded[3:])
-    return _Scatter(table, copies, uploaded[2], values, staged, page_dequant.needs_exact(scales))
-
-
-def _upload_together(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """``arrays`` on ``device`` through one host-to-device copy: each a view of its own
-    16-byte-aligned bytes of one buffer, in its dtype and shape."""
-    sizes = [-(-array.nbytes // 16) * 16 for array in arrays]
-    offsets = np.concatenate(([0], np.cumsum(sizes)))
-    joined = np.zeros(int(offsets[-1]), dtype=np.uint8)
-    for array, offset in zip(arrays, offsets.tolist(), strict=False):
-        joined[offset : offset + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
-    on_device = torch.from_numpy(joined).to(device, non_blocking=True)
-    views = []
-    for array, offset in zip(arrays, offsets.tolist(), strict=False):
-        dtype = _TORCH_TYPES[np.dtype(array.dtype).newbyteorder("=")]
-        piece = on_device[offset : offset + array.nbytes].view(dtype)
-        views.append(piece.reshape(array.shape))
-    return views
-
-
-#: torch dtypes of the table arrays a restore uploads.
-_TORCH_TYPES = {
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.float32): torch.float32,
-    np.dtype(np.uint64): torch.int64,
-}
 
 
 def _copy_pieces(
@@ -421,14 +279,27 @@ def _copy_pieces(
     side = _copy_stream(values.device)
     side.wait_stream(torch.cuda.current_stream(values.device))  # the buffer's allocation
     first_byte = low * _page_bytes(encoded, names[0])
+    driver, _ = resolve_driver()
     arrived = []
     with torch.cuda.stream(side):
         for first, last in pieces:
             for index in range(first, last):
                 begin = encoded.layout.by_name[names[index]].begin + first_byte
-                values[index * span : (index + 1) * span].copy_(
-                    lease.host[begin : begin + span], non_blocking=True
+                if driver is None:
+                    values[index * span : (index + 1) * span].copy_(
+                        lease.host[begin : begin + span], non_blocking=True
+                    )
+                    continue
+                # The driver's call takes microseconds where torch's copy takes tens: 64 of
+                # them are queued before the tables are built.
+                code = driver.memcpy_async(
+                    values.data_ptr() + index * span,
+                    lease.host.data_ptr() + begin,
+                    span,
+                    side.cuda_stream,
                 )
+                if code != 0:
+                    raise RuntimeError(f"cuMemcpyAsync failed: {driver.describe_error(code)}")
             event = torch.cuda.Event()
             event.record(side)
             arrived.append(event)
@@ -441,7 +312,7 @@ def _copy_read(
     last: int,
     span: int,
     values: torch.Tensor,
-    staged: _Staged,
+    staged: Staged,
     encoded: OpenFp8File,
     page_bytes: int,
 ) -> None:
@@ -453,7 +324,7 @@ def _copy_read(
     piece = slice(first * span, last * span)
     if staged.words is None:
         inside = (staged.host_starts >= piece.start) & (staged.host_starts < piece.stop)
-        ok = _host_checks(
+        ok = host_checks(
             encoded, host, staged.host_starts[inside], staged.stored[inside], page_bytes
         )
         staged.page_ok[torch.from_numpy(np.flatnonzero(inside)).to(values.device)] = (

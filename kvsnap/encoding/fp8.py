@@ -18,10 +18,13 @@ with ``value = e4m3(values) * scale``. Quantizing, in fp32:
    itself where ``amax`` is 0), the one whose decoded values (step 4, then the decoding below)
    are nearest the originals: the least sum of squared errors over the (block, head)'s finite
    elements of the tokens kept, summed in fp32 in a fixed order (so every device chooses the
-   same), the first candidate on a tie;
+   same), the first candidate on a tie (a sum past fp32's range, as errors of 2**64 and more
+   give, is infinite: a tie);
 4. ``values = e4m3(clamp(x / scale, -448, 448))``, rounded to nearest even. NaN stays NaN
-   (the code ``0x7f``/``0xff``); an infinity becomes ``±448 * scale``, the block's largest
-   magnitude or more (e4m3fn has no infinity); the error report counts both (``non_finite``).
+   (the code ``0x7f``/``0xff``); an infinity becomes ``±448`` (``0x7e``/``0xfe``), which
+   decodes to ``±448 * scale``, the block's largest finite magnitude or more (e4m3fn has no
+   infinity; infinite again only where that passes the cache dtype's range); the error
+   report counts both (``non_finite``).
 
 Why several candidates: e4m3 rounds a value to 3 mantissa bits, so where a block's values fall
 between the grid points depends on the scale's own mantissa; a block whose large values round

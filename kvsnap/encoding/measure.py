@@ -1,22 +1,29 @@
 """The error of decoded pages against their originals, computed where the pages lie.
 
-Torch ops only, in fp32 (sums in fp64), on CPU or CUDA alike; each measurement ends in one
-copy of a few numbers to the host. Pages are ``(num_blocks, block_size, num_heads, head_dim)``
-(an MLA tensor ``(num_blocks, block_size, latent_dim)`` is one head); ``token_counts``, when
-given, says how many leading tokens of each block hold KV (the rest is left out).
+Torch ops only, in float64, on CPU or CUDA alike; each measurement ends in one copy of a few
+numbers to the host. Pages are ``(num_blocks, block_size, num_heads, head_dim)`` (an MLA tensor
+``(num_blocks, block_size, latent_dim)`` is one head); ``token_counts``, when given, says how
+many leading tokens of each block hold KV (the rest is left out).
+
+Every figure is finite, whatever the pages hold. An element that is NaN or infinite in the
+original or in the decoded pages is counted (``non_finite``) and left out of every other
+figure; the rest are finite numbers of at most fp32's range, whose squares, products and sums
+float64 holds without overflow (in fp32 the square of a bf16 value past 2**64 is already
+infinite, and a report of infinities and NaNs no JSON reader takes).
 
 The attention check stands in for the model, which a snapshot does not have: per layer and KV
 head, ``queries`` query vectors attend over every stored token, ``softmax(q K^T / sqrt(d)) V``
-in fp32, once with the original K and V and once with the decoded ones, and the outputs are
-compared. The queries are keys of the same head drawn at random positions (``"keys"``, the
-default) because a trained model's queries live where its keys do (the same rotary phases and
-the same large channels), so scores have the spread real decoding sees, and drawing them needs
-nothing but the snapshot; a key as query attends most to itself and its neighbours, which makes
-the check sharp rather than an average that hides errors. ``"gaussian"`` draws each query
-element from a normal distribution with that channel's mean and deviation over the keys instead
-(softer attention; the benchmark reports both). An MLA layer's latent is both its keys and its
-values (absorbed MLA attends over the latent itself). Queries come from a generator seeded
-with ``seed``: the same snapshot gives the same report.
+in float64, once with the original K and V and once with the decoded ones (an element that is
+not finite in either set to zero in both), and the outputs are compared. The queries are keys of
+the same head drawn at random positions (``"keys"``, the default) because a trained model's
+queries live where its keys do (the same rotary phases and the same large channels), so scores
+have the spread real decoding sees, and drawing them needs nothing but the snapshot; a key as
+query attends most to itself and its neighbours, which makes the check sharp rather than an
+average that hides errors. ``"gaussian"`` draws each query element from a normal distribution
+with that channel's mean and deviation over the keys instead (softer attention; the benchmark
+reports both). An MLA layer's latent is both its keys and its values (absorbed MLA attends over
+the latent itself). Queries come from a generator seeded with ``seed``: the same snapshot gives
+the same report.
 """
 
 from __future__ import annotations
@@ -46,6 +53,12 @@ def tensor_error(
 
 #: How many numbers :func:`_error_numbers` gives per tensor.
 _TENSOR_NUMBERS = 10
+#: About how many elements of a group of tensors are measured at once (in float64, a few
+#: times over): bounded device memory whatever the number of blocks.
+MEASURE_ELEMENTS = 1 << 24
+#: Columns of :func:`_block_range_numbers` combined over block ranges by a sum, by a maximum,
+#: by a minimum.
+_SUMMED, _LARGEST, _LEAST = [0, 3, 4, 6, 7, 8, 9, 10], [1, 2], [5]
 
 
 def _error_numbers(
@@ -54,39 +67,81 @@ def _error_numbers(
     token_counts: torch.Tensor | None,
 ) -> torch.Tensor:
     """``(tensors, 10)`` float64 numbers of each tensor of ``decoded`` against its original
-    (tensors of one shape, measured together: one kernel per step for all), left on their
-    device: :func:`_tensor_error_of` reads them."""
+    (tensors of one shape, measured together: one kernel per step for all, over as many
+    blocks at a time as keep near :data:`MEASURE_ELEMENTS` elements), left on their device:
+    :func:`_tensor_error_of` reads them."""
     for name, (x, y) in enumerate(zip(originals, decoded, strict=True)):
         if x.shape != y.shape or x.shape != originals[0].shape:
             raise ValueError(f"tensor {name}: shapes {tuple(x.shape)} and {tuple(y.shape)}")
-    x = torch.stack([as_heads(tensor) for tensor in originals]).float()
-    y = torch.stack([as_heads(tensor) for tensor in decoded]).float()
-    count, device = x.shape[0], x.device
-    if x[0].numel() == 0:
+    xs = [as_heads(tensor) for tensor in originals]
+    ys = [as_heads(tensor) for tensor in decoded]
+    count, device = len(xs), xs[0].device
+    if xs[0].numel() == 0:
         empty = [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
         return torch.tensor([empty] * count, dtype=torch.float64, device=device)
-    kept = torch.isfinite(x) & torch.isfinite(y)
-    mask = token_mask(token_counts, x.shape[1], x.shape[2], device)
-    if mask is not None:
-        in_tokens = mask[None, :, :, None, None]
-        non_finite = (~kept & in_tokens).flatten(1).sum(1)
-        kept &= in_tokens
+    blocks, block_size = xs[0].shape[0], xs[0].shape[1]
+    mask = token_mask(token_counts, blocks, block_size, device)
+    step = max(1, MEASURE_ELEMENTS // (count * xs[0][0].numel()))
+    ranges = [
+        _block_range_numbers(
+            torch.stack([x[first : first + step] for x in xs]),
+            torch.stack([y[first : first + step] for y in ys]),
+            None if mask is None else mask[first : first + step],
+        )
+        for first in range(0, blocks, step)
+    ]
+    numbers = ranges[0] if len(ranges) == 1 else _combined(torch.stack(ranges))
+    vectors = numbers[:, 7]
+    least = torch.where(vectors > 0, numbers[:, 5], 1.0)
+    mean = torch.where(vectors > 0, numbers[:, 6] / vectors.clamp(min=1), 1.0)
+    return torch.cat([numbers[:, :5], least[:, None], mean[:, None], numbers[:, 8:]], dim=1)
+
+
+def _combined(ranges: torch.Tensor) -> torch.Tensor:
+    """The numbers of whole tensors from those of their block ranges ``(ranges, tensors,
+    11)``."""
+    out = torch.empty_like(ranges[0])
+    out[:, _SUMMED] = ranges[:, :, _SUMMED].sum(0)
+    out[:, _LARGEST] = ranges[:, :, _LARGEST].amax(0)
+    out[:, _LEAST] = ranges[:, :, _LEAST].amin(0)
+    return out
+
+
+def _block_range_numbers(
+    x: torch.Tensor, y: torch.Tensor, in_tokens: torch.Tensor | None
+) -> torch.Tensor:
+    """``(tensors, 11)`` float64 numbers of the pages ``y`` against ``x`` (``(tensors, blocks,
+    block_size, heads, dim)``, a range of blocks; ``in_tokens`` ``(blocks, block_size)`` the
+    tokens held): values kept, largest error, largest error over its block's max, squared
+    error, squared original, least cosine (infinite: no vector), sum of cosines, vectors,
+    underflows, non-zero originals, non-finite elements. In float64, which holds every
+    difference, square and product of finite fp32 numbers: no finite page overflows a figure,
+    and a difference is finite exactly where both elements are."""
+    x, y = x.double(), y.double()
+    error = (y - x).abs()
+    kept = error < torch.inf  # NaN is not
+    if in_tokens is not None:
+        held = in_tokens[None, :, :, None, None]
+        non_finite = (~kept & held).flatten(1).sum(1)
+        kept &= held
     else:
         non_finite = (~kept).flatten(1).sum(1)
     x, y = torch.where(kept, x, 0.0), torch.where(kept, y, 0.0)
-    error = (y - x).abs()
+    error = torch.where(kept, error, 0.0)
     block_error, block_max = error.amax(dim=(2, 3, 4)), x.abs().amax(dim=(2, 3, 4))
-    min_cosine, mean_cosine = _cosine_min_mean(x, y)
+    x_squares = x.square().sum(-1)
+    least, summed, vectors = _cosine_numbers((x * y).sum(-1), x_squares, y.square().sum(-1))
     nonzero = x != 0
     return torch.stack(
         [
             kept.flatten(1).sum(1).double(),
-            error.flatten(1).amax(1).double(),
-            _ratio(block_error, block_max).amax(1).double(),
-            error.square().flatten(1).sum(1, dtype=torch.float64),
-            x.square().flatten(1).sum(1, dtype=torch.float64),
-            min_cosine,
-            mean_cosine,
+            error.flatten(1).amax(1),
+            _ratio(block_error, block_max).amax(1),
+            error.square().flatten(1).sum(1),
+            x_squares.flatten(1).sum(1),
+            least,
+            summed,
+            vectors.double(),
             (nonzero & (y == 0)).flatten(1).sum(1).double(),
             nonzero.flatten(1).sum(1).double(),
             non_finite.double(),
@@ -111,32 +166,42 @@ def _tensor_error_of(name: str, numbers: list[float]) -> TensorError:
     )
 
 
-def _cosine_min_mean(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The least and the mean cosine of each vector (last axis) of ``y`` with ``x``'s, per
-    leading index, in float64: vectors whose ``x`` is zero left out, 0 where only ``y`` is,
-    1 and 1 when no vector is left."""
-    dot = (x * y).sum(-1, dtype=torch.float64)
-    x_norm = x.square().sum(-1, dtype=torch.float64).sqrt()
-    y_norm = y.square().sum(-1, dtype=torch.float64).sqrt()
+def _cosine_numbers(
+    dot: torch.Tensor, x_squares: torch.Tensor, y_squares: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Of vectors ``y`` against ``x`` given by their dot products and squared norms (float64,
+    one per vector), per leading index: the least cosine (infinite where no vector counts),
+    the sum of the cosines and how many vectors count. Vectors whose ``x`` is zero are left
+    out; a cosine is 0 where only ``y`` is."""
+    x_norm, y_norm = x_squares.sqrt(), y_squares.sqrt()
     safe = torch.where(y_norm > 0, y_norm, 1.0)
     cosine = torch.where(y_norm > 0, dot / torch.where(x_norm > 0, x_norm, 1.0) / safe, 0.0)
     counted = (x_norm > 0).flatten(1)
     cosine = cosine.flatten(1)
-    vectors = counted.sum(1)
     least = torch.where(counted, cosine, torch.inf).amin(1)
-    mean = torch.where(counted, cosine, 0.0).sum(1) / vectors.clamp(min=1)
+    return least, torch.where(counted, cosine, 0.0).sum(1), counted.sum(1)
+
+
+def _cosine_min_mean(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The least and the mean cosine of each vector (last axis) of ``y`` with ``x``'s, per
+    leading index, in float64 (:func:`_cosine_numbers`): 1 and 1 when no vector is left."""
+    x, y = x.double(), y.double()
+    least, summed, vectors = _cosine_numbers(
+        (x * y).sum(-1), x.square().sum(-1), y.square().sum(-1)
+    )
+    mean = summed / vectors.clamp(min=1)
     return torch.where(vectors > 0, least, 1.0), torch.where(vectors > 0, mean, 1.0)
 
 
 def _ratio(error: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """``error / reference``, 0 where both are 0 and 1 where only the reference is."""
+    """``error / reference``, 0 where both are 0 and 1 where only the error is not."""
     safe = torch.where(reference > 0, reference, 1.0)
-    return torch.where(reference > 0, error / safe, (error > 0).float())
+    return torch.where(reference > 0, error / safe, (error > 0).to(error.dtype))
 
 
 def valid_tokens(pages: torch.Tensor, token_counts: torch.Tensor | None) -> torch.Tensor:
-    """The stored tokens of a layer tensor as ``(tokens, num_heads, head_dim)`` fp32, non-finite
-    values replaced by zero."""
+    """The stored tokens of a layer tensor as ``(tokens, num_heads, head_dim)`` float64,
+    non-finite values replaced by zero."""
     heads = as_heads(pages)
     return _tokens_at(
         heads, _token_index(token_counts, heads.shape[0], heads.shape[1], heads.device)
@@ -153,11 +218,23 @@ def _token_index(
 
 def _tokens_at(heads: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     """:func:`valid_tokens` of 4-D pages whose stored tokens ``index`` lists."""
+    tokens = _held_tokens(heads, index)
+    return torch.where(torch.isfinite(tokens), tokens, 0.0)
+
+
+def _held_tokens(heads: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """The tokens ``index`` lists (``None``: all) of 4-D pages, float64, as they are."""
     tokens = heads.reshape(-1, *heads.shape[2:])
     if index is not None:
         tokens = tokens.index_select(0, index)
-    tokens = tokens.float()
-    return torch.where(torch.isfinite(tokens), tokens, 0.0)
+    return tokens.double()
+
+
+def _finite_pair(original: torch.Tensor, decoded: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``original`` and ``decoded`` with every element that is not finite in either set to
+    zero in both: the attention check compares them where the tensor figures do."""
+    kept = (decoded - original).abs() < torch.inf  # finite where both are; NaN is not
+    return torch.where(kept, original, 0.0), torch.where(kept, decoded, 0.0)
 
 
 def draw_queries(
@@ -179,7 +256,8 @@ def draw_queries(
 
 
 def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``softmax(q K^T / sqrt(d)) V`` per head, fp32: ``(num_heads, queries, value_dim)``."""
+    """``softmax(q K^T / sqrt(d)) V`` per head, in the inputs' dtype: ``(num_heads, queries,
+    value_dim)``."""
     scores = torch.einsum("qhd,thd->hqt", queries, keys) / math.sqrt(keys.shape[-1])
     return torch.einsum("hqt,thd->hqd", torch.softmax(scores, dim=-1), values)
 
@@ -217,18 +295,17 @@ def _attention_numbers(
     shape = as_heads(original[key_part]).shape
     index = _token_index(token_counts, shape[0], shape[1], original[key_part].device)
 
-    def tokens(pages: torch.Tensor) -> torch.Tensor:
-        return _tokens_at(as_heads(pages), index)
+    def tokens(part: str) -> tuple[torch.Tensor, ...]:
+        held = (_held_tokens(as_heads(pages[part]), index) for pages in (original, decoded))
+        return _finite_pair(*held)
 
-    keys = tokens(original[key_part])
+    keys, decoded_keys = tokens(key_part)
     if keys.shape[0] == 0:
         return 0, torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    values, decoded_values = (keys, decoded_keys) if value_part == key_part else tokens(value_part)
     generator = torch.Generator().manual_seed(seed + layer)
     query = draw_queries(keys, queries, query_source, generator)
-    originals = (keys, tokens(original[value_part]))
-    numbers = _output_numbers(
-        query, originals, (tokens(decoded[key_part]), tokens(decoded[value_part]))
-    )
+    numbers = _output_numbers(query, (keys, values), (decoded_keys, decoded_values))
     return query.shape[0], numbers
 
 
@@ -240,8 +317,8 @@ def output_error(
 ) -> AttentionError:
     """The :class:`AttentionError` of ``query`` ``(queries, num_heads, head_dim)`` attending
     over the original ``(keys, values)`` and over the decoded ones, each
-    ``(tokens, num_heads, dim)`` fp32 (the attention check, with queries of any source: a
-    model's own, say)."""
+    ``(tokens, num_heads, dim)`` (the attention check, with queries of any source: a model's
+    own, say), computed in float64."""
     return _attention_error_of(
         layer, query.shape[0], _output_numbers(query, original, decoded).tolist()
     )
@@ -252,9 +329,12 @@ def _output_numbers(
     original: tuple[torch.Tensor, torch.Tensor],
     decoded: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
-    """:func:`output_error`'s four numbers, float64, left on their device."""
-    want = attend(query, *original)
-    got = attend(query, *decoded)
+    """:func:`output_error`'s four numbers, float64, left on their device. In float64 from
+    the start: scores of finite fp32 keys (up to ``head_dim * 2**256``) and their softmax
+    never overflow there."""
+    query = query.double()
+    want = attend(query, *(tensor.double() for tensor in original))
+    got = attend(query, *(tensor.double() for tensor in decoded))
     min_cosine, mean_cosine = _cosine_min_mean(want[None], got[None])
     return torch.stack(
         [

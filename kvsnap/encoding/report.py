@@ -22,7 +22,8 @@ QUERY_SOURCES = ("keys", "gaussian")
 
 @dataclass(frozen=True)
 class TensorError:
-    """The error of one layer tensor (``layers.3.key``) over its ``values`` finite elements.
+    """The error of one layer tensor (``layers.3.key``) over its ``values`` finite elements
+    (docs/format.md, "Encoded snapshots", gives each figure's value in the corner cases).
 
     * ``max_abs``: the largest ``|decoded - original|``;
     * ``max_abs_rel_block``: the largest, over blocks, of a block's ``max_abs`` divided by the
@@ -32,7 +33,7 @@ class TensorError:
       ``head_dim`` with its original (vectors whose original is zero are left out);
     * ``underflow_share``: of the non-zero originals, the share decoded as zero;
     * ``non_finite``: elements where the original or the decoded value is NaN or infinite
-      (left out of everything above).
+      (left out of everything above): every other number is finite.
     """
 
     tensor: str
@@ -117,13 +118,15 @@ class ErrorReport:
         return lines
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict (floats to 6 significant digits: what the metadata stores)."""
+        """A JSON-able dict (floats to 6 significant digits: what the metadata stores);
+        ``ValueError`` naming the first number that is NaN or infinite (strict JSON has
+        neither, and no reader would open the file)."""
         return {
             "encoding": self.encoding,
             "granularity": self.granularity,
             "query_source": self.query_source,
-            "tensors": [_rounded(dataclasses.asdict(item)) for item in self.tensors],
-            "attention": [_rounded(dataclasses.asdict(item)) for item in self.attention],
+            "tensors": [_rounded(item) for item in self.tensors],
+            "attention": [_rounded(item) for item in self.attention],
         }
 
     @classmethod
@@ -145,8 +148,15 @@ class ErrorReport:
         )
 
 
-def _rounded(values: dict[str, Any]) -> dict[str, Any]:
-    return {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in values.items()}
+def _rounded(item: TensorError | AttentionError) -> dict[str, Any]:
+    values = dataclasses.asdict(item)
+    for name, value in values.items():
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                where = getattr(item, "tensor", None) or f"layer {getattr(item, 'layer', '?')}"
+                raise ValueError(f"error report: {where} {name} is {value}, not a finite number")
+            values[name] = float(f"{value:.6g}")
+    return values
 
 
 def _exact(data: Any, names: Sequence[str]) -> Mapping[str, Any]:

@@ -59,6 +59,7 @@ from typing import Any
 
 from kvsnap.errors import NotASnapshotError, SnapshotCorruptError, UnsupportedVersionError
 from kvsnap.format.constants import METADATA_KEY, PADDING_PREFIX, SIGNATURE_TENSOR
+from kvsnap.format.schema import dump_json
 
 #: The format version of encoded files.
 ENCODED_FORMAT_VERSION = 3
@@ -168,7 +169,8 @@ def build_layout(
 ) -> tuple[bytes, EncodedLayout]:
     """The header bytes and layout of an encoded file whose metadata is ``document`` and whose
     tensors are ``specs`` (name, dtype, shape) in file order; padding is added before every
-    tensor that would not start at a multiple of :data:`ALIGNMENT`."""
+    tensor that would not start at a multiple of :data:`ALIGNMENT`. Strict JSON: a NaN or an
+    infinity anywhere in ``document`` is a ``ValueError`` (a reader would refuse the file)."""
     placed: list[tuple[str, str, tuple[int, ...], int, int]] = []
     offset = 0
     for name, dtype, shape in specs:
@@ -181,12 +183,12 @@ def build_layout(
     entries: dict[str, Any] = {
         "__metadata__": {
             "format": "pt",
-            METADATA_KEY: json.dumps(document, separators=(",", ":"), ensure_ascii=True),
+            METADATA_KEY: dump_json(document),
         }
     }
     for name, dtype, shape, begin, end in placed:
         entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
-    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=True).encode()
+    text = dump_json(entries).encode()
     length = _aligned(8 + _reserved_header_text(entries, document, len(text))) - 8
     header = struct.pack("<Q", length) + text + b" " * (length - len(text))
     data_start = 8 + length
@@ -225,8 +227,8 @@ def _reserved_header_text(entries: dict[str, Any], document: dict[str, Any], len
         return length
     widest = {**document, "encoding": {**encoding, "error": _widest(error)}}
     metadata = {**entries["__metadata__"]}
-    metadata[METADATA_KEY] = json.dumps(widest, separators=(",", ":"), ensure_ascii=True)
-    text = json.dumps({**entries, "__metadata__": metadata}, separators=(",", ":"))
+    metadata[METADATA_KEY] = dump_json(widest)
+    text = dump_json({**entries, "__metadata__": metadata})
     return max(length, len(text.encode()))
 
 

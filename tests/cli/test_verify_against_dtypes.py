@@ -1,9 +1,9 @@
 """``kvsnap verify FP8 --against REFERENCE`` where the reference differs from the snapshot: of
 another dtype (an fp8 snapshot of a bfloat16 cache against a float32 capture of the same
-prompts), its error is measured against the reference in float32, as ``kvsnap diff`` compares
-them, and a note says the recorded error is not checked against it; of another block size or
-other sequences, one problem names the difference and how to compare instead (a tolerance,
-which compares token by token). Real captures of the built-in model."""
+prompts), its error is measured against the reference in float64 (``kvsnap diff`` finds the
+same differences), and a note says the recorded error is not checked against it; of another
+block size or other sequences, one problem names the difference and how to compare instead (a
+tolerance, which compares token by token). Real captures of the built-in model."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _json(*args: str) -> tuple[int, dict]:
     return run.returncode, json.loads(run.stdout)
 
 
-def test_a_reference_of_another_dtype_is_measured_against_in_float32(captured):
+def test_a_reference_of_another_dtype_is_measured_against_in_float64(captured):
     code, checked = _json("verify", str(captured["fp8"]), "--against", str(captured["float32"]))
     assert code == 0 and checked["ok"] and checked["problems"] == []
     measured, recorded = checked["error"]["measured"], checked["error"]["recorded"]
@@ -50,7 +50,7 @@ def test_a_reference_of_another_dtype_is_measured_against_in_float32(captured):
     assert measured != recorded and 0 < measured["rms_rel"] < 2 * recorded["rms_rel"]
     (note,) = checked["notes"]
     assert note.startswith("dtype: bfloat16 (the snapshot) vs float32 (the reference)")
-    assert "not checked" in note
+    assert "measured in float64" in note and "not checked" in note
     # The same differences kvsnap diff finds comparing the two in float32.
     code, diff = _json("diff", str(captured["fp8"]), str(captured["float32"]))
     assert any(source["field"] == "dtype" for source in diff["sources"])

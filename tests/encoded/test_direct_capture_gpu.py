@@ -155,6 +155,10 @@ def _parts(path: Path) -> tuple[dict, dict[str, bytes]]:
         ("built-in", "packed", 2, "float32", True),
         ("wide", "vllm-hnd", 1, "bfloat16", True),
         ("wide", "vllm-nhd", 1, "float16", False),
+        # Infinities and NaNs planted in real KV, and random bits (values up to 3.4e38).
+        ("planted", "vllm-nhd", 1, "bfloat16", True),
+        ("random-bits", "vllm-hnd", 1, "bfloat16", False),
+        ("random-bits", "packed", 2, "float32", True),
     ],
 )
 def test_on_cuda_the_stored_tensors_are_the_cpus(tmp_path, content, kind, tp_size, dtype, signed):

@@ -187,7 +187,6 @@ def test_an_fp8_capture_that_cannot_be_written_is_one_error_and_nothing_else(tmp
         import kvsnap, torch
         from kvsnap.errors import SnapshotIOError
         from tests.support.encoded_files import real_caches, real_sequences
-from tests.support.encoded_tamper import stored_parts, write_parts
         (cache,) = real_caches("vllm-nhd", torch.bfloat16)
         limit(1 << 16)
         try:

@@ -38,6 +38,56 @@ def test_tensor_error_matches_its_definition():
         assert getattr(got, name) == pytest.approx(want[name], rel=1e-6), name
 
 
+def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Pages of random bits: every finite magnitude of ``dtype`` (bf16: up to 3.4e38), and
+    infinities and NaNs."""
+    generator = torch.Generator().manual_seed(seed)
+    count = math.prod(shape) * torch.finfo(dtype).bits // 8
+    raw = torch.randint(0, 256, (count,), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_tensor_error_of_pages_of_every_magnitude_is_finite_and_its_definition(dtype):
+    # In fp32 the squares of bf16 values past 2**64 overflow: RMS error and cosines were NaN.
+    original = _random_bits((6, 16, 2, 32), dtype, seed=1)
+    quantized = fp8.quantize(original)
+    decoded = fp8.dequantize(quantized.values, quantized.scales, dtype)
+    counts = torch.tensor([16, 16, 3, 16, 9, 16])
+    got = measure.tensor_error("layers.0.key", original, decoded, counts)
+    want = numpy_tensor_error(original.double().numpy(), decoded.double().numpy(), counts.numpy())
+    assert got.non_finite == want["non_finite"] > 0 and got.values == want["values"]
+    for name in ("max_abs", "max_abs_rel_block", "rms_rel", "min_cosine", "mean_cosine"):
+        assert math.isfinite(getattr(got, name)), name
+        assert getattr(got, name) == pytest.approx(want[name], rel=1e-9, abs=1e-12), name
+    assert got.underflow_share == pytest.approx(want["underflow_share"])
+
+
+def test_pages_are_measured_a_few_blocks_at_a_time_as_all_at_once(monkeypatch):
+    kv = dict(built_in_kv(256, torch.bfloat16))  # a copy: the prefill's KV is shared
+    kv["layers.1.key"] = _random_bits(tuple(kv["layers.1.key"].shape), torch.bfloat16, seed=2)
+    decoded = {
+        name: fp8.dequantize(*_quantized(pages), torch.bfloat16) for name, pages in kv.items()
+    }
+    counts = torch.randint(
+        1, 17, (next(iter(kv.values())).shape[0],), generator=torch.Generator().manual_seed(4)
+    )
+    whole = measure.error_report(
+        kv, decoded, encoding=fp8.NAME, granularity="block-head", token_counts=counts
+    )
+    per_block = next(iter(kv.values()))[0].numel() * len(kv)  # every tensor is of one shape
+    for blocks in (1, 3):
+        monkeypatch.setattr(measure, "MEASURE_ELEMENTS", blocks * per_block)
+        stepped = measure.error_report(
+            kv, decoded, encoding=fp8.NAME, granularity="block-head", token_counts=counts
+        )
+        for one, other in zip(whole.tensors, stepped.tensors, strict=True):
+            assert (one.values, one.non_finite) == (other.values, other.non_finite)
+            for name in ("max_abs", "max_abs_rel_block", "rms_rel", "min_cosine", "mean_cosine"):
+                assert getattr(other, name) == pytest.approx(getattr(one, name), rel=1e-12)
+        assert stepped.attention == whole.attention
+
+
 def test_identical_pages_have_no_error():
     pages = built_in_kv(256, torch.bfloat16)["layers.0.value"]
     got = measure.tensor_error("layers.0.value", pages, pages.clone())
@@ -82,6 +132,57 @@ def test_the_attention_check_is_softmax_attention_on_both_sides(source):
     assert got.rel_l2 == pytest.approx(rel_l2, rel=1e-3) and 0 < got.rel_l2 < 0.05
     assert got.min_cosine == pytest.approx(cosine.min(), abs=1e-6)
     assert got.mean_cosine == pytest.approx(cosine.mean(), abs=1e-6)
+
+
+def test_the_attention_check_of_huge_and_non_finite_values_is_finite_and_its_definition():
+    # Keys up to 3.4e38: fp32 scores overflow (softmax NaN); float64 holds them. An element not
+    # finite in the original or the decoded pages is zero on both sides.
+    original = {
+        part: _random_bits((8, 16, 2, 32), torch.bfloat16, seed=seed)
+        for seed, part in enumerate(("key", "value"), start=3)
+    }
+    decoded = {part: fp8.dequantize(*_quantized(p), torch.bfloat16) for part, p in original.items()}
+    got = measure.attention_error(1, original, decoded, queries=16, seed=5)
+    assert all(math.isfinite(v) for v in (got.rel_l2, got.min_cosine, got.mean_cosine))
+    tokens = {}
+    for part in ("key", "value"):
+        x = original[part].double().reshape(-1, 2, 32)
+        y = decoded[part].double().reshape(-1, 2, 32)
+        kept = torch.isfinite(x) & torch.isfinite(y)
+        tokens[part] = (torch.where(kept, x, 0.0), torch.where(kept, y, 0.0))
+    queries = measure.draw_queries(tokens["key"][0], 16, "keys", torch.Generator().manual_seed(6))
+    want = _numpy_attention(queries, tokens["key"][0], tokens["value"][0])
+    other = _numpy_attention(queries, tokens["key"][1], tokens["value"][1])
+    assert got.rel_l2 == pytest.approx(np.linalg.norm(other - want) / np.linalg.norm(want))
+    norms = np.linalg.norm(other, axis=-1) * np.linalg.norm(want, axis=-1)
+    # An output decoded as zero (its token's values underflowed) has cosine 0.
+    cosine = np.where(norms > 0, (other * want).sum(-1) / np.where(norms > 0, norms, 1.0), 0.0)
+    assert got.min_cosine == pytest.approx(cosine.min(), abs=1e-9)
+    assert got.mean_cosine == pytest.approx(cosine.mean(), abs=1e-9)
+
+
+def test_the_attention_check_leaves_out_a_non_finite_element_on_both_sides():
+    # A key's infinity decodes to +-448 of its scale (finite): compared with a zero in the
+    # original, it would count as an error of the block's largest magnitude.
+    kv = built_in_kv(256, torch.bfloat16)
+    original = {part: kv[f"layers.1.{part}"].clone() for part in ("key", "value")}
+    original["key"][2, 5, 1, 7] = float("inf")
+    original["value"][4, 0, 0, 3] = float("-inf")
+    original["value"][6, 1, 1, 0] = float("nan")
+    decoded = {part: fp8.dequantize(*_quantized(p), torch.bfloat16) for part, p in original.items()}
+    assert torch.isfinite(decoded["key"][2, 5, 1, 7]) and torch.isfinite(
+        decoded["value"][4, 0, 0, 3]
+    )
+    got = measure.attention_error(1, original, decoded, seed=2)
+    for pages in (original, decoded):  # the same pages with those elements zero on both sides
+        for part, where in (
+            ("key", (2, 5, 1, 7)),
+            ("value", (4, 0, 0, 3)),
+            ("value", (6, 1, 1, 0)),
+        ):
+            pages[part] = pages[part].clone()
+            pages[part][where] = 0
+    assert got == measure.attention_error(1, original, decoded, seed=2)
 
 
 def _quantized(pages: torch.Tensor, granularity: str = "block-head"):

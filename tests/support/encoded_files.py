@@ -16,7 +16,7 @@ import kvsnap
 from kvsnap.format import encoded as enc
 from kvsnap.format.constants import SIGNATURE_TENSOR
 from kvsnap.format.hashing import digest128, encode_trailer
-from kvsnap.testing.caches import KVContent, SyntheticCache, make_cache
+from kvsnap.testing.caches import KVContent, SyntheticCache, make_cache, random_content
 from tests.support.prefill_kv import BLOCK, built_in_kv
 
 #: Tokens of the captured sequences (the second one ends inside a block).
@@ -139,10 +139,49 @@ def wide_content(dtype: torch.dtype, layers: int = 2) -> KVContent:
     return KVContent(geometry, pages)
 
 
+#: Non-finite values :func:`planted_content` puts in the built-in model's KV: (tensor, block,
+#: token, element of the token's page row, value); ``-nan`` has its sign bit set. Every one
+#: lies in a token :func:`real_sequences` holds (blocks 1 and 0 are held twice: stored twice).
+PLANTED = (
+    ("layers.0.key", 6, 2, 3, "inf"),
+    ("layers.0.key", 1, 5, 39, "-inf"),
+    ("layers.1.value", 4, 0, 0, "nan"),
+    ("layers.2.key", 3, 9, 62, "-nan"),
+    ("layers.2.value", 7, 12, 37, "nan"),
+    ("layers.2.value", 7, 12, 38, "-inf"),
+    ("layers.3.value", 0, 3, 1, "inf"),
+)
+
+
+def planted_content(dtype: torch.dtype, latent: bool = False) -> KVContent:
+    """:func:`real_content` with :data:`PLANTED`'s infinities and NaNs in some heads."""
+    # Copies: real_content's pages are views of the prefill's KV, which other tests share.
+    real = real_content(dtype, latent=latent)
+    content = KVContent(real.geometry, {name: t.clone() for name, t in real.pages.items()})
+    for name, block, token, element, value in PLANTED:
+        name = name.replace("key", "latent") if latent else name
+        if name in content.pages:
+            rows = content.pages[name].view(*content.pages[name].shape[:2], -1)
+            rows[block, token, element] = float(value)
+    return content
+
+
+def random_bits_content(dtype: torch.dtype, latent: bool = False) -> KVContent:
+    """Pages of :func:`real_content`'s shape holding random bits (seeded): every finite
+    magnitude of ``dtype``, infinities and NaNs."""
+    geometry = real_content(dtype, latent=latent).geometry
+    return random_content(geometry, 8, torch.Generator().manual_seed(39))
+
+
 def content_named(name: str, dtype: torch.dtype, kind: str) -> KVContent:
-    """``"built-in"``: :func:`real_content`; ``"wide"``: :func:`wide_content`."""
+    """``"built-in"``: :func:`real_content`; ``"wide"``: :func:`wide_content`; ``"planted"``:
+    :func:`planted_content`; ``"random-bits"``: :func:`random_bits_content`."""
     if name == "wide":
         return wide_content(dtype)
+    if name == "planted":
+        return planted_content(dtype, latent=kind == "mla")
+    if name == "random-bits":
+        return random_bits_content(dtype, latent=kind == "mla")
     return real_content(dtype, latent=kind == "mla")
 
 
