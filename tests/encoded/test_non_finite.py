@@ -172,11 +172,16 @@ def test_every_encoder_writes_the_same_file_and_a_recode_opens(files, tmp_path):
     run = run_kvsnap("convert", str(paths["plain"]), "-o", str(converted), "--compress", "fp8")
     assert run.returncode == 0, run.stderr
     assert encoded.read_bytes() == converted.read_bytes() == paths["fp8"].read_bytes()
-    # Re-encoded, an fp8 file is measured against its decoded pages: their NaNs are counted
-    # (and infinities where +-448 scales passed the dtype's range), the other saturated
-    # infinities are finite values like the rest.
+    # Written as fp8 again, an fp8 file is kept as it is. Its decoded file encoded again is
+    # measured against its decoded pages: their NaNs are counted (and infinities where +-448
+    # scales passed the dtype's range), the other saturated infinities are finite values like
+    # the rest.
+    kept, decoded_file = tmp_path / "kept.safetensors", tmp_path / "decoded.safetensors"
+    recode_file(paths["fp8"], kept, "fp8")
+    assert kept.read_bytes() == paths["fp8"].read_bytes()
+    recode_file(paths["fp8"], decoded_file, "none")
     recoded = tmp_path / "recoded.safetensors"
-    recode_file(paths["fp8"], recoded, "fp8")
+    encode_file(decoded_file, recoded, "fp8")
     decoded, original = _pages(paths["fp8"]), _pages(paths["plain"])
     saturated = infinities = 0
     with kvsnap.Snapshot.open(recoded) as snapshot:
