@@ -18,6 +18,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,9 +54,9 @@ def _race(tmp_path: Path, *, hand_over: bool, requests: int, verify: bool = True
             for tenant in SOURCE_BLOCKS
         }
         assert len(chunks["x"]) == len(chunks["y"]) == 2
-        swapper, stop = _start_swapper(tmp_path, chunks)
+        swapper, stop, progress = _start_swapper(tmp_path, chunks)
         try:
-            counts = _serve_both(connector, prompt, requests)
+            counts = _serve_both(connector, prompt, requests, lambda: _renames(progress) >= 500)
         finally:
             stop.touch()
             out, _ = swapper.communicate(timeout=60)
@@ -69,11 +70,20 @@ def _race(tmp_path: Path, *, hand_over: bool, requests: int, verify: bool = True
         connector.shutdown()
 
 
+def _renames(progress: Path) -> int:
+    """How many renames the co-writer has made so far (as it last wrote them down)."""
+    try:
+        return int(progress.read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
 def _start_swapper(
     tmp_path: Path, chunks: dict[str, list[Path]]
-) -> tuple[subprocess.Popen[str], Path]:
+) -> tuple[subprocess.Popen[str], Path, Path]:
     """The co-writer, renaming tenant x's chunks over y's names and y's over x's, and back,
-    from copies of each (its chunks, with their signatures); and the file that stops it."""
+    from copies of each (its chunks, with their signatures); the file that stops it, and the
+    file where it keeps its count of renames."""
     pristine = tmp_path / "pristine"
     pristine.mkdir()
     copies = {}
@@ -88,19 +98,31 @@ def _start_swapper(
     ]
     stop = tmp_path / "stop"
     job = tmp_path / "swap.json"
-    job.write_text(json.dumps({"pairs": pairs, "pause_s": 0.0003, "stop": str(stop)}))
+    progress = tmp_path / "renames"
+    job.write_text(
+        json.dumps(
+            {"pairs": pairs, "pause_s": 0.0003, "stop": str(stop), "progress": str(progress)}
+        )
+    )
     process = subprocess.Popen(
         [sys.executable, str(HELPERS / "swap_chunks_child.py"), str(job)],
         stdout=subprocess.PIPE,
         text=True,
     )
-    return process, stop
+    return process, stop, progress
 
 
-def _serve_both(connector: Connector, prompt: list[int], requests: int) -> dict[str, int]:
+def _serve_both(
+    connector: Connector, prompt: list[int], requests: int, raced: Callable[[], bool]
+) -> dict[str, int]:
+    """Serve at least ``requests`` requests, alternating tenants, and on (up to ten times as
+    many) until ``raced()``: on a loaded machine the co-writer may get too little of a core to
+    rename often while the first ones are served."""
     sources = {tenant: connector.blocks(blocks) for tenant, blocks in SOURCE_BLOCKS.items()}
     counts = {"hits": 0, "misses": 0, "foreign": 0, "blocks loaded": 0}
-    for number in range(requests):
+    for number in range(10 * requests):
+        if number >= requests and raced():
+            break
         tenant = "xy"[number % 2]
         connector.scrub(TARGET)
         served = connector.serve(f"r{number}-{tenant}", prompt, TARGET, salt=tenant)
