@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvsnap import Snapshot
-from kvsnap.store.files.keys import load_key_ring, new_key_text
-from tests.support.cli_runs import run_kvsnap
+from kvsnap.store.files.keys import load_key_ring
+from tests.support.cli_runs import new_key_file, run_kvsnap
 
 PROMPTS = ("-p", "A signed prefix, stored smaller", "-p", "And a second one")
 #: What inspect says each encoded file's signature binds.
@@ -24,18 +24,12 @@ PAGES_BINDING = (
 TENSORS_BINDING = "the encoded file's every stored tensor bound by BLAKE3"
 
 
-def _key_file(path: Path) -> Path:
-    path.write_text(new_key_text() + "\n")
-    path.chmod(0o600)
-    return path
-
-
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The built-in model's KV of two prompts captured fp8 and lossless signed with ``key``,
     fp8 unsigned, and as it is unsigned (``plain``); a second key, ``other``."""
     folder = tmp_path_factory.mktemp("encoded-signatures")
-    found = {"key": _key_file(folder / "k.key"), "other": _key_file(folder / "other.key")}
+    found = {"key": new_key_file(folder / "k.key"), "other": new_key_file(folder / "other.key")}
     common = ("--dtype", "bfloat16", "--reproducible", *PROMPTS)
     ways = {
         "signed-fp8": ("--compress", "fp8", "--key-file", str(found["key"])),

@@ -15,23 +15,17 @@ import torch
 from kvsnap.encoded.read import read_encoded
 from kvsnap.encoded.summary import error_line
 from kvsnap.encoded.write import encode_file
-from kvsnap.store.files.keys import load_key_ring, new_key_text
-from tests.support.cli_runs import run_kvsnap
+from kvsnap.store.files.keys import load_key_ring
+from tests.support.cli_runs import new_key_file, run_kvsnap
 from tests.support.encoded_files import capture_real
 
 WHY = "(quantizing its decoded pages again would round them a second time)"
 
 
-def _key_file(path: Path) -> Path:
-    path.write_text(new_key_text() + "\n")
-    path.chmod(0o600)
-    return path
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("kept-fp8-cli")
-    found = {"key": _key_file(folder / "k.key"), "other": _key_file(folder / "other.key")}
+    found = {"key": new_key_file(folder / "k.key"), "other": new_key_file(folder / "other.key")}
     found["plain"] = folder / "kv.safetensors"
     capture_real(found["plain"], "vllm-nhd", torch.bfloat16)
     found["fp8"] = folder / "fp8.safetensors"

@@ -12,17 +12,11 @@ from pathlib import Path
 import pytest
 
 from kvsnap import Snapshot
-from kvsnap.store.files.keys import load_key_ring, new_key_text
+from kvsnap.store.files.keys import load_key_ring
 from kvsnap.testing.caches import same_bytes
-from tests.support.cli_runs import run_kvsnap
+from tests.support.cli_runs import new_key_file, run_kvsnap
 
 PROMPTS = ("-p", "A signed prefix, stored smaller", "-p", "And a second one")
-
-
-def _key_file(path: Path) -> Path:
-    path.write_text(new_key_text() + "\n")
-    path.chmod(0o600)
-    return path
 
 
 def _json(*args: str) -> tuple[int, dict]:
@@ -35,7 +29,7 @@ def captures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The built-in model's KV of two prompts captured signed (key ``key``) and unsigned, and
     a second key (``other``)."""
     folder = tmp_path_factory.mktemp("signed-recode")
-    found = {"key": _key_file(folder / "k.key"), "other": _key_file(folder / "other.key")}
+    found = {"key": new_key_file(folder / "k.key"), "other": new_key_file(folder / "other.key")}
     found["signed"], found["plain"] = folder / "signed.safetensors", folder / "plain.safetensors"
     common = ("--dtype", "bfloat16", "--reproducible", *PROMPTS)
     assert (

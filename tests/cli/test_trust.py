@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvsnap.cli.app import app
 from kvsnap.engines.default_model import build_default_model
-from kvsnap.store.files.keys import new_key_text
+from tests.support.cli_runs import new_key_file
 from tests.support.tamper import RawSnapshot
 
 runner = CliRunner()
@@ -23,17 +23,11 @@ def run(*args: str) -> tuple[int, dict]:
     return result.exit_code, json.loads(result.stdout)
 
 
-def key_file(path: Path) -> Path:
-    path.write_text(new_key_text() + "\n")
-    path.chmod(0o600)
-    return path
-
-
 @pytest.fixture(scope="module")
 def signed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     """A snapshot signed with one key, an unsigned one, and the key file."""
     directory = tmp_path_factory.mktemp("cli-trust")
-    key = key_file(directory / "store.key")
+    key = new_key_file(directory / "store.key")
     signed_path, plain_path = directory / "signed.safetensors", directory / "plain.safetensors"
     code, _ = run("capture", "-o", str(signed_path), "-p", "signed prompt", "--key-file", str(key))
     assert code == 0
@@ -73,7 +67,7 @@ def test_verify_tells_a_valid_an_unsigned_and_a_badly_signed_snapshot_apart(
     code, report = run("verify", str(plain_path), "--key-file", str(key))
     assert code == 1 and report["signature"] == "unsigned"
     assert [problem["kind"] for problem in report["problems"]] == ["unsigned"]
-    other = key_file(tmp_path / "other.key")
+    other = new_key_file(tmp_path / "other.key")
     code, report = run("verify", str(signed_path), "--key-file", str(other))
     assert code == 1 and report["signature"] == "bad signature"
     assert "not one of ours" in report["problems"][0]["message"]

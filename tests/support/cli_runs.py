@@ -15,10 +15,20 @@ installed entry point and ``python -m`` (``tests/cli/test_cli.py``; a foreign fo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from typer.testing import CliRunner
 
 from kvsnap.cli.app import app
+from kvsnap.store.files.keys import new_key_text
+
+
+def new_key_file(path: Path) -> Path:
+    """A new signing key written to ``path`` as ``--key-file`` reads it (owner-only, as
+    kvsnap requires of a key file); ``path``."""
+    path.write_text(new_key_text() + "\n")
+    path.chmod(0o600)
+    return path
 
 
 @dataclass(frozen=True)
